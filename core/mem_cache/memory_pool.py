@@ -1,0 +1,99 @@
+"""KV memory: request -> token-slot map, the token-slot allocator, and per-layer K/V buffers.
+
+Three pieces, as in SGLang:
+- `ReqToTokenPool` maps a running request (a row) to the KV slots of its tokens.
+- `TokenToKVPoolAllocator` hands out and takes back token slots (a free list).
+- `MHATokenToKVPool` owns the K and V tensors of every layer, indexed by slot.
+
+Slot 0 is never handed out: it is the scratch slot padded (dummy) requests write to.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class ReqToTokenPool:
+    """Rows of token-slot indices, one row per running request."""
+
+    def __init__(self, size: int, max_context_len: int, device: str = "cpu"):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.free_slots: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int = 1) -> Optional[list[int]]:
+        if need_size > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        return out
+
+    def free(self, idx: int | list[int]) -> None:
+        if isinstance(idx, int):
+            self.free_slots.append(idx)
+        else:
+            self.free_slots.extend(idx)
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+
+class TokenToKVPoolAllocator:
+    """Free list of KV token slots 1..size (slot 0 is reserved for padding)."""
+
+    def __init__(self, size: int, device: str = "cpu"):
+        self.size = size
+        self.device = device
+        self.clear()
+
+    def available_size(self) -> int:
+        return int(self.free_slots.numel())
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        if need_size > self.free_slots.numel():
+            return None
+        out = self.free_slots[:need_size]
+        self.free_slots = self.free_slots[need_size:]
+        return out
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        self.free_slots = torch.cat((self.free_slots, free_index.to(self.free_slots.device, torch.int64)))
+
+    def clear(self) -> None:
+        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+
+
+class MHATokenToKVPool:
+    """Per-layer K and V buffers of shape [size + 1, num_kv_heads, head_dim]."""
+
+    def __init__(self, size: int, dtype: torch.dtype, head_num: int, head_dim: int,
+                 layer_num: int, device: str = "cpu"):
+        self.size = size
+        self.dtype = dtype
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.layer_num = layer_num
+        self.device = device
+        shape = (size + 1, head_num, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.layer_num * self.head_num * self.head_dim * torch.finfo(self.dtype).bits // 8
