@@ -1,12 +1,35 @@
-"""Per-request sampling parameters, with SGLang's names."""
+"""Per-request sampling parameters, with SGLang's names.
+
+`SamplingParams` crosses process boundaries (TokenizerManager -> Scheduler), so it
+is a msgspec Struct. It carries the user's values unchanged; the interpretation
+(which rows are greedy, which filters are active) lives in `SamplingBatchInfo`.
+
+Conventions shared with the sampler:
+- greedy: `temperature < SAMPLING_EPS` (in practice 0) or `top_k == 1`;
+- `top_k == -1` disables top-k; a `top_k` larger than the vocabulary does too;
+- the ids that end a request (and that `min_new_tokens` holds back) are
+  `stop_token_ids` plus the tokenizer's EOS ids unless `ignore_eos`
+  (see `finish_token_ids`).
+"""
 from __future__ import annotations
 
-from typing import Optional, Union
+import math
+from typing import Iterable, Optional, Union
 
 import msgspec
 
+# Temperatures below this are treated as greedy: dividing logits by a tiny
+# temperature overflows float32 and turns the softmax into NaNs.
+SAMPLING_EPS = 1e-6
+
+# torch.Generator.manual_seed accepts this range (signed or unsigned 64-bit).
+_SEED_MIN = -(1 << 63)
+_SEED_MAX = (1 << 64) - 1
+
 
 class SamplingParams(msgspec.Struct, kw_only=True):
+    """How one request samples its tokens and when it stops (SGLang's names)."""
+
     max_new_tokens: int = 128
     min_new_tokens: int = 0
     temperature: float = 1.0
@@ -24,3 +47,109 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     no_stop_trim: bool = False
     n: int = 1
     seed: Optional[int] = None
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when this request always takes the most likely token."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def stop_strs(self) -> list[str]:
+        """`stop` as a list (empty when unset)."""
+        if self.stop is None:
+            return []
+        if isinstance(self.stop, str):
+            return [self.stop]
+        return list(self.stop)
+
+    def finish_token_ids(self, tokenizer_eos_ids: Iterable[int] = ()) -> list[int]:
+        """Token ids that end this request: `stop_token_ids` plus EOS unless `ignore_eos`.
+
+        These are also the ids `min_new_tokens` must suppress: an id that would not
+        end the request need not be held back. Order is kept, duplicates dropped.
+        """
+        ids: list[int] = list(self.stop_token_ids or [])
+        if not self.ignore_eos:
+            ids.extend(tokenizer_eos_ids)
+        return list(dict.fromkeys(int(i) for i in ids))
+
+    def normalize(self) -> "SamplingParams":
+        """Put the loosely typed fields into one canonical shape, in place; returns self.
+
+        `stop` becomes a list of non-empty strings (or None) and `stop_token_ids` a
+        de-duplicated list of ints (or None). EOS is not merged in: whether it ends
+        the request depends on `ignore_eos`, which `finish_token_ids` applies.
+        """
+        strs = [s for s in self.stop_strs if s]
+        self.stop = strs or None
+        if self.stop_token_ids is not None:
+            ids = list(dict.fromkeys(int(i) for i in self.stop_token_ids))
+            self.stop_token_ids = ids or None
+        return self
+
+    # ------------------------------------------------------------------ checks
+
+    def verify(self, vocab_size: Optional[int] = None, max_context: Optional[int] = None) -> None:
+        """Raise ValueError naming the first invalid parameter.
+
+        `vocab_size` bounds `stop_token_ids`; `max_context` (the model's context
+        length) bounds `max_new_tokens`. Either may be None to skip that check.
+        """
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty",
+                     "presence_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name} must be a number, got {v!r}")
+            if not math.isfinite(v):
+                raise ValueError(f"{name} must be finite, got {v!r}")
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if max_context is not None and self.max_new_tokens > max_context:
+            raise ValueError(
+                f"max_new_tokens ({self.max_new_tokens}) exceeds the model's context length ({max_context})")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)):
+                raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+            for t in self.stop_token_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
+                if vocab_size is not None and t >= vocab_size:
+                    raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary (size {vocab_size})")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            if not _SEED_MIN <= self.seed <= _SEED_MAX:
+                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")

@@ -184,11 +184,72 @@ class TraceHeader(Event, tag="trace.header"):
     model: str = ""
 
 
+# ---- synthetic events (snapshots for late subscribers, replay control) ------
+# Never emitted by the engine's processes: the bus builds them from its
+# TraceState (TraceState.snapshot_events) and Replay emits TraceReset on a
+# backward seek. Views need no special handling: TraceState.apply folds them.
+
+class TimelineItem(msgspec.Struct, array_like=True):
+    """One entry of a request's timeline (see state.TimelineEntry)."""
+    ts: int
+    kind: str
+    detail: str = ""
+    end_ts: int = 0
+    count: int = 1
+
+
+class ReqSnapshot(Event, tag="req.snapshot"):
+    """The whole known picture of one request; replaces what a reducer had for it."""
+    rid: str
+    state: str
+    prompt_preview: str = ""
+    prompt_tokens: int = 0
+    max_new_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    output_tokens: int = 0
+    chunk_index: int = 0
+    num_chunks: int = 1
+    arrival_ts: Optional[int] = None
+    queued_ts: Optional[int] = None
+    first_token_ts: Optional[int] = None
+    finish_ts: Optional[int] = None
+    finish_reason: Optional[str] = None
+    ttft: Optional[float] = None
+    tpot: Optional[float] = None
+    e2e: Optional[float] = None
+    retractions: int = 0
+    text: str = ""
+    timeline: list[TimelineItem] = []
+    steps: list[int] = []
+
+
+class TraceCounters(Event, tag="trace.counters"):
+    """Cumulative counters of a TraceState; a reducer takes them as-is."""
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    num_requests_total: int = 0
+    num_aborted: int = 0
+    num_retracted: int = 0
+    evicted_tokens_total: int = 0
+    dropped_events: int = 0
+    prefill_computed_total: int = 0
+    prefill_cached_total: int = 0
+    decode_tokens_total: int = 0
+    weights_version: int = 0
+    model: str = ""
+
+
+class TraceReset(Event, tag="trace.reset"):
+    """Forget everything: the events that follow rebuild the picture (replay seek)."""
+
+
 AnyEvent = Union[
     ReqArrived, ReqTokenized, ReqQueued, ReqScheduled, ReqFirstToken, ReqFinished,
     ReqAborted, ReqRetracted, ReqText, BatchStep, QueueState, KVUsage, CacheMatch,
     CacheInsert, CacheEvict, CacheTree, WeightsUpdated, ProcStarted, ProcExited,
-    TraceDropped, TraceHeader,
+    TraceDropped, TraceHeader, ReqSnapshot, TraceCounters, TraceReset,
 ]
 
 _json_encoder = msgspec.json.Encoder()

@@ -1,0 +1,156 @@
+"""ServerArgs: every engine flag, with SGLang's names, defaults per device, and validation.
+
+`ServerArgs` is the single source of truth for the CLI (`--kebab-case` flags are
+generated from the field names), the Python `Engine(**kwargs)` and the HTTP server.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
+
+
+@dataclass
+class ServerArgs:
+    # model
+    model_path: Optional[str] = None          # None: the default model (SmolLM2-135M-Instruct GGUF)
+    served_model_name: Optional[str] = None
+    dtype: str = "auto"                        # auto | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"               # auto = same as dtype
+    context_length: Optional[int] = None
+    device: str = "auto"                       # auto | cpu | cuda
+    random_seed: int = 0
+    # memory and scheduling
+    max_total_tokens: Optional[int] = None     # KV pool size in tokens; None = from the memory budget
+    kv_cache_memory_gb: Optional[float] = None  # CPU budget for the KV pool (default 0.5 GiB)
+    mem_fraction_static: float = 0.85          # CUDA: fraction of free memory for weights + KV
+    max_running_requests: int = 128
+    max_prefill_tokens: int = 8192
+    chunked_prefill_size: Optional[int] = None  # None = per-device default; -1 or 0 disables
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = True      # the overlap loop is opt-in on CPU (see docs)
+    # execution
+    attention_backend: Optional[str] = None    # None = torch_native on CPU, flashinfer/triton on CUDA
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 32
+    cuda_graph_bs: Optional[list[int]] = None
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
+    num_threads: Optional[int] = None          # torch intra-op threads in the scheduler process
+    # parallelism
+    tp_size: int = 1
+    dp_size: int = 1
+    load_balance_method: str = "round_robin"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = None
+    # server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None
+    enable_cors: bool = False
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_n: int = 16
+    max_top_logprobs: int = 20
+    # trace
+    trace_publish: Optional[str] = None        # e.g. tcp://127.0.0.1:5557
+    record: Optional[str] = None               # write a JSONL recording of the trace
+    log_level: str = "warning"
+    show_progress: bool = True
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError with a message that says what to change."""
+        def bad(msg: str):
+            raise ValueError(msg)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            bad(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            bad(f"--kv-cache-dtype must be auto, float32, bfloat16 or float16, not {self.kv_cache_dtype!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            bad(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            bad(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            bad(f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            bad("--max-total-tokens must be at least 16")
+        if self.max_running_requests < 1:
+            bad("--max-running-requests must be at least 1")
+        if self.max_prefill_tokens < 16:
+            bad("--max-prefill-tokens must be at least 16")
+        for name in ("tp_size", "dp_size", "nnodes"):
+            if getattr(self, name) < 1:
+                bad(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            bad("--node-rank must be in [0, --nnodes)")
+        if self.device not in ("auto", "cpu", "cuda"):
+            bad("--device must be auto, cpu or cuda")
+
+    # ---- resolved values -------------------------------------------------
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_chunked_prefill_size(self) -> Optional[int]:
+        """None means chunking is off."""
+        if self.chunked_prefill_size is None:
+            return 2048 if self.resolved_device() == "cpu" else 8192
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend:
+            return self.attention_backend
+        return "torch_native" if self.resolved_device() == "cpu" else "flashinfer"
+
+    # ---- CLI -------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add every field as --kebab-case (with --model as an alias of --model-path)."""
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            names = [flag, "--model"] if f.name == "model_path" else [flag]
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if f.type in ("bool",) or isinstance(default, bool):
+                if default:
+                    parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+                else:
+                    parser.add_argument(*names, dest=f.name, action="store_true", default=False)
+                continue
+            kind = str(f.type)
+            if "list[int]" in kind:
+                parser.add_argument(*names, dest=f.name, type=int, nargs="+", default=default)
+            elif "int" in kind:
+                parser.add_argument(*names, dest=f.name, type=int, default=default)
+            elif "float" in kind:
+                parser.add_argument(*names, dest=f.name, type=float, default=default)
+            else:
+                parser.add_argument(*names, dest=f.name, type=str, default=default)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def replace(self, **changes) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+
+def choose_cpu_dtype() -> str:
+    """bfloat16 where the CPU has fast bf16 matrix units (AVX512-BF16 / AMX), else float32."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return "float32"
+    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"

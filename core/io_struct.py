@@ -1,0 +1,159 @@
+"""Messages between the processes (TokenizerManager <-> Scheduler <-> Detokenizer).
+
+Every message is a msgspec Struct tagged with its class name and travels as
+msgpack over ZMQ (see ipc.py): typed on both ends, and never pickle.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+from workbench.core.sampling.sampling_params import SamplingParams
+
+
+class Msg(msgspec.Struct, tag=True, kw_only=True):
+    """Base of every inter-process message (tag = class name)."""
+
+
+# ---- tokenizer manager -> scheduler -----------------------------------------
+
+class TokenizedGenerateReqInput(Msg):
+    rid: str
+    input_text: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1   # -1: no prompt logprobs
+    stream: bool = False
+    arrival_ts: int = 0           # monotonic ns at the tokenizer manager
+
+
+class AbortReq(Msg):
+    rid: str                      # "" aborts everything
+
+
+class FlushCacheReq(Msg):
+    pass
+
+
+class FlushCacheReqOutput(Msg):
+    success: bool
+    message: str = ""
+
+
+class GetInternalStateReq(Msg):
+    pass
+
+
+class GetInternalStateReqOutput(Msg):
+    num_waiting: int
+    num_running: int
+    kv_total: int
+    kv_free: int
+    kv_evictable: int
+    kv_used: int
+    req_slots_free: int
+    req_slots_total: int
+    step: int
+    max_total_num_tokens: int
+    max_running_requests: int
+    max_req_input_len: int
+    last_gen_throughput: float = 0.0
+
+
+class SetTraceReq(Msg):
+    """Turn the scheduler's tracer on/off; on enable it emits a full snapshot."""
+    enabled: bool
+
+
+class StepGateReq(Msg):
+    """Pause the scheduler loop, resume it, or run exactly `steps` iterations while paused."""
+    action: str                   # "pause" | "resume" | "step"
+    steps: int = 1
+
+
+class StepGateReqOutput(Msg):
+    paused: bool
+    step: int
+
+
+class UpdateWeightsFromDiskReq(Msg):
+    model_path: str
+
+
+class UpdateWeightsReqOutput(Msg):
+    success: bool
+    message: str = ""
+    version: int = 0
+
+
+class GetWeightsByNameReq(Msg):
+    name: str
+    truncate_size: int = 100
+
+
+class GetWeightsByNameReqOutput(Msg):
+    values: Optional[list[float]] = None
+    message: str = ""
+
+
+# ---- scheduler -> detokenizer -> tokenizer manager --------------------------
+
+class BatchTokenIDOut(Msg):
+    """New tokens of the requests that produced output in one scheduler step.
+
+    Per-request lists are aligned with `rids`. `new_token_ids` holds only the
+    tokens produced since the previous message for that request.
+    """
+    rids: list[str]
+    new_token_ids: list[list[int]]
+    finished_reasons: list[Optional[str]]     # None while running; "stop" | "length" | "abort"
+    matched_stops: list[Optional[Union[int, str]]]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+    stop_strs: list[list[str]]
+    output_token_logprobs: Optional[list[list[float]]] = None
+    output_top_logprobs: Optional[list[list[list[tuple[int, float]]]]] = None
+    input_token_logprobs: Optional[list[Optional[list[Optional[float]]]]] = None
+    error_messages: Optional[list[Optional[str]]] = None
+
+
+class BatchStrOut(Msg):
+    """BatchTokenIDOut with the incremental text of each request added."""
+    rids: list[str]
+    text_deltas: list[str]
+    new_token_ids: list[list[int]]
+    finished_reasons: list[Optional[str]]
+    matched_stops: list[Optional[Union[int, str]]]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    output_token_logprobs: Optional[list[list[float]]] = None
+    output_top_logprobs: Optional[list[list[list[tuple[int, float]]]]] = None
+    input_token_logprobs: Optional[list[Optional[list[Optional[float]]]]] = None
+    error_messages: Optional[list[Optional[str]]] = None
+
+
+AnyMsg = Union[
+    TokenizedGenerateReqInput, AbortReq, FlushCacheReq, FlushCacheReqOutput,
+    GetInternalStateReq, GetInternalStateReqOutput, SetTraceReq, StepGateReq,
+    StepGateReqOutput, UpdateWeightsFromDiskReq, UpdateWeightsReqOutput,
+    GetWeightsByNameReq, GetWeightsByNameReqOutput, BatchTokenIDOut, BatchStrOut,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMsg)
+
+
+def encode_msg(msg: Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_msg(data: bytes) -> Msg:
+    return _decoder.decode(data)

@@ -1,0 +1,131 @@
+"""ModelRunner: loads the weights, sizes the KV pools, and runs forward passes.
+
+It is the only place that touches the model: the scheduler hands it a
+ForwardBatch and gets logits back; the sampler turns those into tokens.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from workbench.core.args import ServerArgs, choose_cpu_dtype
+from workbench.core.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from workbench.core.layers.logits_processor import LogitsOutput, LogitsProcessor
+from workbench.core.layers.sampler import Sampler
+from workbench.core.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from workbench.core.model_executor.forward_batch_info import ForwardBatch
+from workbench.core.model_executor.model_config import ModelConfig
+from workbench.core.model_loader import iter_weights, prepare_model
+from workbench.core.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_GB = 0.5
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        name = choose_cpu_dtype() if device == "cpu" else "bfloat16"
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
+                 prepared=None, max_req_rows: Optional[int] = None):
+        self.server_args = server_args
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.device = server_args.resolved_device()
+        self.dtype = resolve_dtype(server_args.dtype, self.device)
+        kv_name = server_args.kv_cache_dtype
+        self.kv_dtype = self.dtype if kv_name == "auto" else DTYPES[kv_name]
+        if server_args.dtype == "auto":
+            logger.info("dtype auto -> %s on %s", str(self.dtype).replace("torch.", ""), self.device)
+        if server_args.num_threads:
+            torch.set_num_threads(server_args.num_threads)
+        torch.manual_seed(server_args.random_seed)
+
+        t0 = time.monotonic()
+        self.prepared = prepared or prepare_model(server_args.model_path, progress=server_args.show_progress)
+        gen_eos = _generation_eos(self.prepared.model_dir)
+        self.model_config = ModelConfig.from_hf(self.prepared.config, server_args.context_length, gen_eos)
+        self.load_model()
+        self.load_time_s = time.monotonic() - t0
+
+        self.init_memory_pool(max_req_rows)
+        self.attn_backend = self._make_attn_backend()
+        self.logits_processor = LogitsProcessor(self.model_config.vocab_size)
+        self.sampler = Sampler()
+
+    # ---- set-up -------------------------------------------------------------
+    def load_model(self) -> None:
+        cls = get_model_class(self.model_config.architecture)
+        with torch.device("cpu"):
+            torch.set_default_dtype(self.dtype)
+            try:
+                self.model = cls(self.model_config.hf_config)
+            finally:
+                torch.set_default_dtype(torch.float32)
+        self.model.load_weights(iter_weights(self.prepared.model_dir, progress=self.server_args.show_progress))
+        self.model.to(self.device).eval()
+        # RoPE tables stay float32 (positions must be exact); everything else is in self.dtype.
+
+    def init_memory_pool(self, max_req_rows: Optional[int]) -> None:
+        mc = self.model_config
+        kv_heads = max(1, mc.num_key_value_heads // self.tp_size)
+        bytes_per_token = 2 * mc.num_layers * kv_heads * mc.head_dim * torch.finfo(self.kv_dtype).bits // 8
+        if self.server_args.max_total_tokens:
+            tokens = self.server_args.max_total_tokens
+        else:
+            budget_gb = self.server_args.kv_cache_memory_gb or DEFAULT_CPU_KV_GB
+            if self.device == "cuda":
+                free, _ = torch.cuda.mem_get_info()
+                budget_gb = free * self.server_args.mem_fraction_static / 2**30
+            tokens = int(budget_gb * 2**30 // bytes_per_token)
+        self.max_total_num_tokens = tokens
+        self.max_running_requests = min(self.server_args.max_running_requests, max_req_rows or 10**9)
+        # One extra row beyond the running cap: a request being retracted/chunked never starves.
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, mc.context_len + 8, self.device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(tokens, self.kv_dtype, kv_heads, mc.head_dim,
+                                                 mc.num_layers, self.device)
+
+    def _make_attn_backend(self):
+        name = self.server_args.resolved_attention_backend()
+        if name == "torch_native":
+            return TorchNativeAttnBackend()
+        raise ValueError(f"attention backend {name!r} needs CUDA; use --attention-backend torch_native on CPU")
+
+    # ---- execution ----------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> LogitsOutput:
+        fb.req_to_token_pool = self.req_to_token_pool
+        fb.token_to_kv_pool = self.token_to_kv_pool
+        fb.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        last = torch.arange(fb.batch_size) if fb.forward_mode.is_decode() else fb.last_token_index
+        return self.logits_processor(hidden, self.model.lm_head.weight, last.to(hidden.device),
+                                     return_all_positions=fb.return_all_logits)
+
+    @torch.inference_mode()
+    def sample(self, logits_output: LogitsOutput, sampling_info, return_logprob: bool = False,
+               top_logprobs_num: int = 0):
+        return self.sampler(logits_output.next_token_logits, sampling_info, return_logprob, top_logprobs_num)
+
+
+def _generation_eos(model_dir) -> list[int]:
+    """EOS ids from generation_config.json (chat models often add <|im_end|> / <|eot_id|> there)."""
+    import json
+    from pathlib import Path
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    return [eos] if isinstance(eos, int) else list(eos or [])

@@ -1,0 +1,356 @@
+"""GGUF -> HF directory conversion, with a cache of converted models.
+
+A GGUF file (llama.cpp's format) is turned into the same kind of directory a
+user would download from the hub: config.json, model.safetensors (float32)
+and tokenizer files with the chat template. The rest of the engine then only
+ever reads HF directories.
+
+Two details matter for correctness:
+- llama.cpp names tensors differently (`blk.3.attn_q.weight`); we rename them
+  to transformers' parameter names.
+- For Llama-family models llama.cpp's converter reorders the rows of the Q and
+  K projections (it pairs rotary dimensions as adjacent rows, GPT-J style,
+  while HF pairs dimension i with i + head_dim/2). We undo that per head, the
+  same maths as transformers' own GGUF loader, so the converted weights equal
+  what `AutoModelForCausalLM.from_pretrained(gguf_file=...)` produces.
+
+Conversion takes seconds (dequantizing, building the tokenizer), so results
+are cached under `${WORKBENCH_CACHE_DIR:-~/.cache/workbench}/converted/`,
+keyed by the file's size, mtime and first MiB; a directory is published by an
+atomic rename only once complete, so a crash never leaves a half cache entry.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from workbench.core.model_loader.errors import ModelLoadError, describe
+
+logger = logging.getLogger(__name__)
+
+# Bump when the output layout changes, so stale cache entries are not reused.
+CONVERTER_VERSION = 1
+MARKER_FILE = ".workbench-converted.json"
+WEIGHTS_FILE = "model.safetensors"
+
+# general.architecture -> transformers class. Mistral GGUFs say "llama" and
+# convert to an equivalent Llama model (same weights, same maths).
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+# Only llama.cpp's Llama converter permutes Q/K; Qwen2 is stored in HF order.
+_QK_PERMUTED = {"llama"}
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+
+# ---------------------------------------------------------------- cache keys
+
+
+def cache_root() -> Path:
+    """Where converted models live: `$WORKBENCH_CACHE_DIR/converted` (default ~/.cache/workbench)."""
+    base = os.environ.get("WORKBENCH_CACHE_DIR") or "~/.cache/workbench"
+    return Path(base).expanduser() / "converted"
+
+
+def cache_key(gguf_path: Path) -> str:
+    """A short hash of the file's size, mtime and first MiB (cheap; no full read of a large file)."""
+    stat = gguf_path.stat()
+    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())
+    with open(gguf_path, "rb") as handle:
+        digest.update(handle.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
+def converted_dir_for(gguf_path: Path) -> Path:
+    """The cache directory a conversion of `gguf_path` is (or will be) stored in."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", gguf_path.stem) or "model"
+    return cache_root() / f"{stem}-{cache_key(gguf_path)}"
+
+
+def _is_complete(directory: Path) -> bool:
+    return all((directory / name).is_file() for name in (MARKER_FILE, WEIGHTS_FILE, "config.json"))
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path) -> Iterator[None]:
+    """Serialise conversions of one file across processes (e.g. several TP ranks starting together)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the atomic rename alone keeps the cache consistent
+        yield
+        return
+    with open(target.parent / f".{target.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------- metadata
+
+
+def open_gguf(gguf_path: Path):
+    """A GGUFReader for the file, with damage reported as a ModelLoadError naming it."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(gguf_path))
+    except Exception as exc:  # gguf raises ValueError/IndexError/struct errors on damaged files
+        raise ModelLoadError(
+            f"{gguf_path} is truncated or not a valid GGUF file ({describe(exc)}); re-download it."
+        ) from None
+
+
+def _meta(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_architecture(reader, gguf_path: Path) -> str:
+    """general.architecture, checked against what this converter supports."""
+    arch = _meta(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{gguf_path} has GGUF architecture {arch!r}; supported GGUF architectures are "
+            f"{', '.join(sorted(GGUF_ARCHITECTURES))} (use an HF safetensors directory for others)."
+        )
+    return arch
+
+
+def build_config(reader, gguf_path: Path):
+    """A transformers PretrainedConfig (LlamaConfig / Qwen2Config) from the GGUF metadata."""
+    from transformers import AutoConfig
+
+    arch = gguf_architecture(reader, gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError(f"{gguf_path} has no token_embd.weight tensor; it is not a usable language model.")
+
+    def required(key: str) -> Any:
+        value = _meta(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{gguf_path} lacks the metadata key {arch}.{key}; re-export the GGUF with llama.cpp.")
+        return value
+
+    hidden = int(required("embedding_length"))
+    heads = int(required("attention.head_count"))
+    kwargs: dict[str, Any] = dict(
+        architectures=[GGUF_ARCHITECTURES[arch]],
+        # The embedding matrix is the truth for vocab size: llama.vocab_size is optional metadata.
+        vocab_size=int(embed.shape[1]),
+        hidden_size=hidden,
+        intermediate_size=int(required("feed_forward_length")),
+        num_hidden_layers=int(required("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", heads)),
+        max_position_embeddings=int(_meta(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in tensors,
+        dtype="float32",
+    )
+    rope_dim = _meta(reader, f"{arch}.rope.dimension_count")
+    if arch == "llama" and rope_dim is not None:
+        # Llama allows head_dim != hidden/heads; rotary covers the whole head there.
+        kwargs["head_dim"] = int(rope_dim)
+    scaling_type = _meta(reader, f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        kwargs["rope_scaling"] = {"rope_type": "linear", "factor": float(_meta(reader, f"{arch}.rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        logger.warning("%s: rope scaling %r is not converted; long contexts may degrade", gguf_path.name, scaling_type)
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        token_id = _meta(reader, f"tokenizer.ggml.{name}_token_id")
+        if token_id is not None:
+            kwargs[key] = int(token_id)
+    return AutoConfig.for_model(_MODEL_TYPES[arch], **kwargs)
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """transformers' parameter name for a llama.cpp tensor name, or None when it has no HF counterpart."""
+    match = _BLOCK_RE.match(gguf_name)
+    if match:
+        layer, part, kind = match.groups()
+        target = _BLOCK_TENSORS.get(part)
+        return None if target is None else f"model.layers.{layer}.{target}.{kind}"
+    match = _GLOBAL_RE.match(gguf_name)
+    if match and match.group(1) in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[match.group(1)]}.{match.group(2)}"
+    return None
+
+
+def unpermute_qk(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row interleaving of a Q or K projection (weight or bias).
+
+    Within each head llama.cpp stores the rows as (pair, 2): row 2j is HF row j
+    and row 2j+1 is HF row j + head_dim/2. Viewing the rows as
+    (n_head, head_dim/2, 2) and swapping the last two axes restores HF's
+    (n_head, 2, head_dim/2) order. `n_head` is the KV head count for K.
+    """
+    rows = weights.shape[0]
+    if rows % (2 * n_head):
+        raise ModelLoadError(f"a Q/K tensor with {rows} rows cannot be split into {n_head} heads; the GGUF is inconsistent.")
+    half = rows // n_head // 2
+    grouped = weights.reshape(n_head, half, 2, *weights.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(weights.shape)
+
+
+def _dequantize(tensor, gguf_path: Path) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        weights = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"{gguf_path}: tensor {tensor.name} uses quantization {tensor.tensor_type.name}, which the gguf "
+            "package cannot dequantize; use another quantization of the model."
+        ) from None
+    except Exception as exc:
+        raise ModelLoadError(f"{gguf_path}: tensor {tensor.name} is corrupt ({describe(exc)}); re-download the file.") from None
+    # ggml lists dimensions fastest-first; numpy/torch want them slowest-first.
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    weights = weights.reshape(shape)
+    # F32 tensors come back as views into the file's memory map: copy them out.
+    return np.array(weights, dtype=np.float32, copy=not weights.flags.owndata)
+
+
+def dequantize_tensors(reader, config, gguf_path: Path, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of the GGUF as float32, under its HF name, Q/K rows in HF order."""
+    arch = _meta(reader, "general.architecture")
+    out: dict[str, torch.Tensor] = {}
+    skipped: list[str] = []
+    for tensor in tqdm(reader.tensors, desc=f"Dequantizing {gguf_path.name}", unit="tensor", disable=not progress):
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            skipped.append(tensor.name)
+            continue
+        weights = _dequantize(tensor, gguf_path)
+        if arch in _QK_PERMUTED and ".self_attn.q_proj." in name:
+            weights = unpermute_qk(weights, config.num_attention_heads)
+        elif arch in _QK_PERMUTED and ".self_attn.k_proj." in name:
+            weights = unpermute_qk(weights, config.num_key_value_heads)
+        out[name] = torch.from_numpy(weights)
+    if skipped:
+        # e.g. llama3's rope_freqs: transformers' GGUF loader ignores these too.
+        logger.warning("%s: ignored tensors with no HF counterpart: %s", gguf_path.name, ", ".join(skipped[:8]))
+    _check_complete(out, config, arch, gguf_path)
+    return out
+
+
+def _check_complete(tensors: dict[str, torch.Tensor], config, arch: str, gguf_path: Path) -> None:
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        expected.add("lm_head.weight")
+    per_layer = [f"{target}.weight" for target in _BLOCK_TENSORS.values()]
+    if arch == "qwen2":
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    for layer in range(config.num_hidden_layers):
+        expected.update(f"model.layers.{layer}.{p}" for p in per_layer)
+    missing = sorted(expected - tensors.keys())
+    if missing:
+        raise ModelLoadError(
+            f"{gguf_path} lacks {len(missing)} expected tensors (first: {missing[0]}); it is incomplete or not a "
+            f"{GGUF_ARCHITECTURES[arch]} checkpoint."
+        )
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def build_tokenizer(reader, gguf_path: Path):
+    """transformers' tokenizer converted from the GGUF's vocabulary, with its chat template."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:  # the conversion raises many types on unusual vocabularies
+        raise ModelLoadError(
+            f"could not build a tokenizer from {gguf_path} ({type(exc).__name__}: {describe(exc)}); "
+            "use an HF directory with tokenizer files instead."
+        ) from None
+    template = _meta(reader, "tokenizer.chat_template")
+    if template:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def convert_gguf(gguf_path: str | Path, progress: bool = True) -> tuple[Path, bool]:
+    """Convert a GGUF file to a cached HF directory; return `(directory, served_from_cache)`.
+
+    A cache hit costs a stat and a 1 MiB read. On a miss the file is
+    dequantized, written to a private temporary directory next to the cache
+    entry, and renamed into place once complete.
+    """
+    from safetensors.torch import save_file
+
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    target = converted_dir_for(gguf_path)
+    if _is_complete(target):
+        return target, True
+    with _conversion_lock(target):
+        if _is_complete(target):  # another process finished it while we waited
+            return target, True
+        started = time.monotonic()
+        reader = open_gguf(gguf_path)
+        config = build_config(reader, gguf_path)
+        tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            tmp.mkdir(parents=True)
+            tensors = dequantize_tensors(reader, config, gguf_path, progress)
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            del tensors
+            config.save_pretrained(str(tmp))
+            logger.info("building the tokenizer from %s", gguf_path.name)
+            build_tokenizer(reader, gguf_path).save_pretrained(str(tmp))
+            stat = gguf_path.stat()
+            marker = {
+                "converter_version": CONVERTER_VERSION,
+                "source": str(gguf_path),
+                "size": stat.st_size,
+                "mtime_ns": stat.st_mtime_ns,
+                "architecture": config.architectures[0],
+                "seconds": round(time.monotonic() - started, 2),
+            }
+            # The marker is written last: its presence means the directory is whole.
+            (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2))
+            if target.exists():  # an incomplete leftover from an older, non-atomic writer
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s to %s in %.1fs", gguf_path.name, target, time.monotonic() - started)
+    return target, False

