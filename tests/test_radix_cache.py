@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import msgspec
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -203,7 +202,8 @@ class FakeReq:
 class ReqLifecycle(RuleBasedStateMachine):
     """Admit (match + lock), chunked prefill, decode, finish, abort — with eviction under pressure."""
 
-    POOL, ROWS, CTX = 40, 4, 32
+    # A small pool so allocation fails often and eviction runs under locks.
+    POOL, ROWS, CTX = 24, 4, 32
     CACHE_CLS: type = RadixCache
     CACHE_KW: dict = {}
 
@@ -243,7 +243,11 @@ class ReqLifecycle(RuleBasedStateMachine):
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
     def step(self, data):
-        req = self.reqs[data.draw(st.integers(0, len(self.reqs) - 1))]
+        """One scheduler iteration: every running request advances once, in a random order."""
+        for req in data.draw(st.permutations(list(self.reqs))):
+            self._advance(req, data)
+
+    def _advance(self, req: FakeReq, data) -> None:
         row, prompt = req.req_pool_idx, req.origin_input_ids
         if req.written < len(prompt):
             n = min(req.chunk, len(prompt) - req.written)
@@ -272,6 +276,9 @@ class ReqLifecycle(RuleBasedStateMachine):
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
     def abort(self, data):
+        # Rare compared with `step`, so requests usually run to completion.
+        if data.draw(st.integers(0, 5)) != 5:
+            return
         req = self.reqs.pop(data.draw(st.integers(0, len(self.reqs) - 1)))
         self.cache.cache_finished_req(req, kv_len=req.written)
 
@@ -379,6 +386,17 @@ def test_insert_returns_already_cached_prefix():
     assert cache.match_prefix([5, 6, 7, 8, 9, 10]).device_indices.tolist() == a.tolist() + b[4:].tolist()
     with pytest.raises(ValueError):
         cache.insert([1, 2], alloc.alloc(3))
+
+
+def test_insert_copies_value_views():
+    # Callers pass views of req_to_token rows, which are rewritten once the row is reused.
+    cache, req_pool, alloc = make_cache()
+    row = req_pool.alloc(1)[0]
+    slots = alloc.alloc(3)
+    req_pool.req_to_token[row, :3] = slots
+    cache.insert([4, 5, 6], req_pool.req_to_token[row, :3])
+    req_pool.req_to_token[row, :3] = 0
+    assert cache.match_prefix([4, 5, 6]).device_indices.tolist() == slots.tolist()
 
 
 def test_cache_finished_req_frees_duplicates_and_row():

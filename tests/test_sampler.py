@@ -10,6 +10,9 @@ from hypothesis import strategies as st
 
 from workbench.core.layers.logits_processor import (
     LogitsProcessor, compute_prompt_logprobs, token_logprobs)
+from unittest import mock
+
+from workbench.core.layers import sampler as sampler_mod
 from workbench.core.layers.sampler import Sampler
 from workbench.core.sampling.sampling_batch_info import SamplingBatchInfo, make_generator
 from workbench.core.sampling.sampling_params import SamplingParams
@@ -140,21 +143,60 @@ def _allowed(row_logits, p: SamplingParams):
     seed=st.integers(0, 2**31 - 1),
     temperature=st.floats(0.3, 2.0),
     top_p=st.sampled_from([1.0, 0.9, 0.6, 0.3]),
-    top_k=st.sampled_from([-1, 2, 5]),
+    top_k=st.sampled_from([-1, 2, 5, 9]),
     min_p=st.sampled_from([0.0, 0.05, 0.3]),
+    widths=st.sampled_from([(256, 4096), (2, 5), (3,)]),
 )
-def test_sampled_token_is_always_in_reference_support(seed, temperature, top_p, top_k, min_p):
+def test_sampled_token_is_always_in_reference_support(seed, temperature, top_p, top_k, min_p, widths):
+    # Small prefix widths force the wider-prefix fallbacks on a 12-token vocabulary.
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(4, 12, generator=g) * 2
     p = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     info = SamplingBatchInfo.from_reqs([p] * 4, vocab_size=12)
     sampler = Sampler(make_generator(seed))
-    for _ in range(5):
-        ids = sampler.forward(logits, info).next_token_ids
-        for r in range(4):
-            allowed = _allowed(logits[r], p)
-            # Borderline cases (a cumulative mass within float error of top_p) are skipped.
-            assert ids[r].item() in allowed or _near_boundary(logits[r], p)
+    with mock.patch.object(sampler_mod, "_PREFIX_WIDTHS", widths):
+        for _ in range(5):
+            ids = sampler.forward(logits, info).next_token_ids
+            for r in range(4):
+                allowed = _allowed(logits[r], p)
+                # Borderline cases (a cumulative mass within float error of top_p) are skipped.
+                assert ids[r].item() in allowed or _near_boundary(logits[r], p)
+
+
+@pytest.mark.parametrize("widths", [(256, 4096), (2, 4)])
+@pytest.mark.parametrize("kw", [dict(top_k=3), dict(top_p=0.8), dict(top_k=5, top_p=0.7, min_p=0.2),
+                                dict(min_p=0.1), dict()])
+def test_sampling_frequencies_match_filtered_distribution(widths, kw):
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.12, 0.08, 0.06, 0.05, 0.04])
+    logits = torch.log(probs)
+    p = SamplingParams(temperature=0.8, **kw)
+    allowed = sorted(_allowed(logits, p))
+    expected = torch.zeros(8)
+    tempered = torch.softmax(logits / 0.8, -1)
+    expected[allowed] = tempered[allowed] / tempered[allowed].sum()
+    n = 6000
+    info = SamplingBatchInfo.from_reqs([p] * n, vocab_size=8)
+    with mock.patch.object(sampler_mod, "_PREFIX_WIDTHS", widths):
+        ids = Sampler(make_generator(21)).forward(logits.expand(n, 8).contiguous(), info).next_token_ids
+    freq = torch.bincount(ids, minlength=8).float() / n
+    assert set(ids.tolist()) == set(allowed)
+    assert torch.allclose(freq, expected, atol=0.025), (freq, expected)
+
+
+def test_wide_nucleus_falls_back_to_a_wider_prefix():
+    # 3000 equally likely tokens then a tail: top_p=0.5 keeps ~1500 of them (> 256).
+    vocab = 6000
+    logits = torch.zeros(vocab)
+    logits[:3000] = 8.0
+    n = 400
+    info = SamplingBatchInfo.from_reqs([SamplingParams(top_p=0.5)] * n, vocab_size=vocab)
+    ids = Sampler(make_generator(5)).forward(logits.expand(n, vocab).contiguous(), info).next_token_ids
+    assert int(ids.max()) < 3000
+    assert len(set(ids.tolist())) > 300  # far more than a 256-wide prefix could give
+    # top_k between the prefix widths and V.
+    info = SamplingBatchInfo.from_reqs([SamplingParams(top_k=1000)] * n, vocab_size=vocab)
+    ids = Sampler(make_generator(5)).forward(logits.expand(n, vocab).contiguous(), info).next_token_ids
+    assert int(ids.max()) < 3000 and len(set(ids.tolist())) > 256
 
 
 def _near_boundary(row_logits, p):
@@ -204,6 +246,31 @@ def test_same_seed_same_tokens_regardless_of_companions_and_order():
     other_seed = [ids[0].item() for ids in _run_steps(
         Sampler(), list(target), [SamplingParams(temperature=1.0, top_p=0.95, seed=4321)], [g])]
     assert other_seed != alone
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.7), dict(top_k=9, min_p=0.05), dict(min_p=0.02), dict()])
+def test_seeded_draw_is_inverse_cdf_in_token_order(kw):
+    # The token a seed picks is defined by the filtered distribution in vocab order and
+    # the generator's next uniform, whichever internal path (dense or sorted prefix) runs.
+    torch.manual_seed(8)
+    logits = torch.randn(1, 40) * 1.5
+    p = SamplingParams(temperature=0.9, seed=77, **kw)
+    u = torch.rand(1, generator=make_generator(77)).item()
+    probs = torch.softmax(logits[0] / 0.9, -1)
+    allowed = sorted(_allowed(logits[0], p))
+    w = torch.zeros(40)
+    w[allowed] = probs[allowed]
+    expected = int(torch.searchsorted(torch.cumsum(w, 0), torch.tensor([u * w.sum().item()]), right=True))
+    for widths in [(256, 4096), (2, 4)]:
+        with mock.patch.object(sampler_mod, "_PREFIX_WIDTHS", widths):
+            info = SamplingBatchInfo.from_reqs([p], vocab_size=40)
+            assert Sampler().forward(logits, info).next_token_ids.item() == expected
+
+
+def test_inverse_cdf_never_picks_zero_weight():
+    w = torch.tensor([[0.0, 0.0, 1.0, 0.0, 2.0, 0.0]] * 3)
+    u = torch.tensor([0.0, 1 / 3, 1.0 - 1e-9])
+    assert sampler_mod._inverse_cdf(w, u).tolist() == [2, 4, 4]
 
 
 def test_from_reqs_makes_generators_from_seeds():

@@ -30,11 +30,24 @@ def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float
     return torch.where(is_medium, smoothed, scaled)
 
 
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
                  rope_scaling: Optional[dict] = None):
         super().__init__()
         self.head_dim = head_dim
+        # Every layer uses the same table: compute it once per process.
+        key = (head_dim, max_position, base, repr(sorted((rope_scaling or {}).items())))
+        if key not in _TABLES:
+            _TABLES[key] = self._tables(head_dim, max_position, base, rope_scaling)
+        cos, sin = _TABLES[key]
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    @staticmethod
+    def _tables(head_dim, max_position, base, rope_scaling):
         inv_freq = _inv_freq(head_dim, base)
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
         if rope_type == "llama3":
@@ -47,8 +60,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3 are)")
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        return emb.cos(), emb.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D] -> rotated (q, k)."""

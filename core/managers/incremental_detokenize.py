@@ -167,9 +167,11 @@ class IncrementalDetokenizer:
         """
         n = len(batch.rids)
         statuses: list[DecodeStatus] = []
+        prev_lens: list[int] = []
         ends: list[int] = []
         for i in range(n):
             st = self._status(batch.rids[i])
+            prev_lens.append(len(st.decode_ids))
             st.decode_ids.extend(batch.new_token_ids[i])
             statuses.append(st)
             ends.append(self._read_end(st, batch.finished_reasons[i], batch.matched_stops[i],
@@ -183,14 +185,21 @@ class IncrementalDetokenizer:
             groups.setdefault(key, []).append(i)
         surr_texts: list[str] = [""] * n
         read_texts: list[str] = [""] * n
-        for (skip, spaces), idxs in groups.items():
-            seqs = [statuses[i].decode_ids[statuses[i].surr_offset:statuses[i].read_offset] for i in idxs]
-            seqs += [statuses[i].decode_ids[statuses[i].surr_offset:ends[i]] for i in idxs]
-            texts = self._batch_decode(seqs, skip, spaces)
-            m = len(idxs)
-            for j, i in enumerate(idxs):
-                surr_texts[i] = texts[j]
-                read_texts[i] = texts[m + j]
+        try:
+            for (skip, spaces), idxs in groups.items():
+                seqs = [statuses[i].decode_ids[statuses[i].surr_offset:statuses[i].read_offset]
+                        for i in idxs]
+                seqs += [statuses[i].decode_ids[statuses[i].surr_offset:ends[i]] for i in idxs]
+                texts = self._batch_decode(seqs, skip, spaces)
+                m = len(idxs)
+                for j, i in enumerate(idxs):
+                    surr_texts[i] = texts[j]
+                    read_texts[i] = texts[m + j]
+        except Exception:
+            # Leave every state as it was so the caller may retry request by request.
+            for st, k in zip(statuses, prev_lens):
+                del st.decode_ids[k:]
+            raise
 
         deltas = []
         for i in range(n):

@@ -30,6 +30,7 @@ import re
 import shutil
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -150,6 +151,11 @@ def build_config(reader, gguf_path: Path):
     from transformers import AutoConfig
 
     arch = gguf_architecture(reader, gguf_path)
+    if int(_meta(reader, "split.count", 1)) > 1:
+        raise ModelLoadError(
+            f"{gguf_path} is one part of a split GGUF; merge the parts first "
+            "(llama-gguf-split --merge FIRST-PART OUT.gguf) and pass the merged file."
+        )
     tensors = {t.name: t for t in reader.tensors}
     embed = tensors.get("token_embd.weight")
     if embed is None:
@@ -330,12 +336,15 @@ def convert_gguf(gguf_path: str | Path, progress: bool = True) -> tuple[Path, bo
         tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             tmp.mkdir(parents=True)
-            tensors = dequantize_tensors(reader, config, gguf_path, progress)
-            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-            del tensors
-            config.save_pretrained(str(tmp))
-            logger.info("building the tokenizer from %s", gguf_path.name)
-            build_tokenizer(reader, gguf_path).save_pretrained(str(tmp))
+            # transformers' tokenizer conversion re-parses the file in pure Python while
+            # dequantizing is mostly numpy (GIL released): overlapping them saves seconds.
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gguf-tokenizer") as pool:
+                tokenizer_future = pool.submit(build_tokenizer, reader, gguf_path)
+                tensors = dequantize_tensors(reader, config, gguf_path, progress)
+                save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+                del tensors
+                config.save_pretrained(str(tmp))
+                tokenizer_future.result().save_pretrained(str(tmp))
             stat = gguf_path.stat()
             marker = {
                 "converter_version": CONVERTER_VERSION,

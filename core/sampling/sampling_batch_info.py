@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from workbench.core.sampling.sampling_params import SAMPLING_EPS, SamplingParams
+from workbench.core.sampling.sampling_params import SamplingParams
 
 DeviceLike = Union[str, torch.device]
 

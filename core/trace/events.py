@@ -196,6 +196,7 @@ class TimelineItem(msgspec.Struct, array_like=True):
     detail: str = ""
     end_ts: int = 0
     count: int = 1
+    step: int = -1
 
 
 class ReqSnapshot(Event, tag="req.snapshot"):
@@ -222,6 +223,8 @@ class ReqSnapshot(Event, tag="req.snapshot"):
     text: str = ""
     timeline: list[TimelineItem] = []
     steps: list[int] = []
+    round_chunks: list[int] = []  # computed tokens per prefill chunk of the current round
+    round_sampled: bool = False   # the current round's last chunk already sampled a token
 
 
 class TraceCounters(Event, tag="trace.counters"):

@@ -1,0 +1,200 @@
+"""Export trace events as Chrome trace-event JSON (opens in ui.perfetto.dev and chrome://tracing).
+
+Layout:
+- one process track per emitting process (scheduler, tokenizer, ...), named
+  by "M" metadata events; each `batch.step` is a complete slice ("X") on its
+  process, spanning [ts - forward_ms, ts] (the scheduler emits batch.step
+  after the forward), with the batch composition in args;
+- a "requests" process holding one async track per request: a "request"
+  slice ("b"/"e", id = rid, cat "request") with nested stages queued ->
+  prefill -> decode, and instants ("n") for first token and retraction;
+- counters ("C"): queue lengths, KV tokens, tokens per step.
+
+Timestamps are microseconds relative to the first event.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+import msgspec
+
+from workbench.core.trace import events as ev
+
+REQUESTS_PID = 1
+_MAX_STEP_REQS_IN_ARGS = 64
+
+
+@dataclass
+class _ReqSpan:
+    arrival: Optional[int] = None
+    queued: Optional[int] = None
+    prefill_start: Optional[int] = None
+    prefill_end: Optional[int] = None
+    decoded: bool = False
+    first_token: Optional[int] = None
+    finish: Optional[int] = None
+    reason: str = ""
+    first_seen: Optional[int] = None
+    last_seen: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def build_trace_events(events: Iterable[ev.Event]) -> dict:
+    """The trace-event JSON document as a dict (see module docstring)."""
+    events = [e for e in events if e.ts]
+    out: list[dict] = []
+    if not events:
+        return {"traceEvents": out, "displayTimeUnit": "ms"}
+    t0 = min(e.ts for e in events)
+
+    def us(ts: int) -> float:
+        return (ts - t0) / 1000.0
+
+    pids: dict[str, int] = {}
+
+    def pid_of(proc: str) -> int:
+        proc = proc or "unknown"
+        if proc not in pids:
+            pids[proc] = len(pids) + REQUESTS_PID + 1
+            out.append({"name": "process_name", "ph": "M", "ts": 0, "pid": pids[proc], "tid": 0,
+                        "args": {"name": proc}})
+            out.append({"name": "thread_name", "ph": "M", "ts": 0, "pid": pids[proc], "tid": 1,
+                        "args": {"name": "main"}})
+        return pids[proc]
+
+    out.append({"name": "process_name", "ph": "M", "ts": 0, "pid": REQUESTS_PID, "tid": 0,
+                "args": {"name": "requests"}})
+    out.append({"name": "process_sort_index", "ph": "M", "ts": 0, "pid": REQUESTS_PID, "tid": 0,
+                "args": {"sort_index": 0}})
+    reqs: dict[str, _ReqSpan] = {}
+    instants: list[dict] = []
+
+    def span(rid: str, ts: int) -> _ReqSpan:
+        r = reqs.get(rid)
+        if r is None:
+            r = reqs[rid] = _ReqSpan(first_seen=ts)
+        r.first_seen = min(r.first_seen, ts) if r.first_seen is not None else ts
+        r.last_seen = max(r.last_seen, ts)
+        return r
+
+    for e in events:
+        t = type(e)
+        if t is ev.BatchStep:
+            pid = pid_of(e.proc)
+            start = e.ts - int(e.forward_ms * 1e6)
+            pre = sum(r.computed for r in e.reqs)
+            cached = sum(r.cached for r in e.reqs if r.computed and r.chunk_index == 0)
+            dec = sum(r.decode for r in e.reqs if not r.computed)
+            out.append({
+                "name": f"{e.mode} bs={e.batch_size}", "cat": "step", "ph": "X", "ts": us(start),
+                "dur": e.forward_ms * 1000.0, "pid": pid, "tid": 1,
+                "args": {"step": e.step, "mode": e.mode, "batch_size": e.batch_size,
+                         "padded_size": e.padded_size, "cuda_graph": e.cuda_graph,
+                         "backend": e.backend, "schedule_ms": e.schedule_ms,
+                         "forward_ms": e.forward_ms, "prefill_tokens": pre, "cached_tokens": cached,
+                         "decode_tokens": dec,
+                         "reqs": [[r.rid, r.cached, r.computed, r.decode, r.chunk_index, r.num_chunks]
+                                  for r in e.reqs[:_MAX_STEP_REQS_IN_ARGS]]}})
+            out.append({"name": "tokens", "ph": "C", "ts": us(e.ts), "pid": pid, "tid": 1,
+                        "args": {"prefill": pre, "cached": cached, "decode": dec}})
+            for sr in e.reqs:
+                r = span(sr.rid, start)
+                r.last_seen = max(r.last_seen, e.ts)
+                if sr.computed:
+                    r.prefill_start = start if r.prefill_start is None else min(r.prefill_start, start)
+                    r.prefill_end = e.ts if r.prefill_end is None else max(r.prefill_end, e.ts)
+                elif sr.decode:
+                    r.decoded = True
+        elif t is ev.QueueState:
+            out.append({"name": "queue", "ph": "C", "ts": us(e.ts), "pid": pid_of(e.proc), "tid": 1,
+                        "args": {"waiting": len(e.waiting), "running": len(e.running),
+                                 "chunked": len(e.chunked)}})
+        elif t is ev.KVUsage:
+            out.append({"name": "kv_tokens", "ph": "C", "ts": us(e.ts), "pid": pid_of(e.proc),
+                        "tid": 1, "args": {"used": e.used, "evictable": e.evictable, "free": e.free}})
+        elif t is ev.ReqArrived:
+            span(e.rid, e.ts).arrival = e.ts
+        elif t is ev.ReqTokenized:
+            span(e.rid, e.ts).prompt_tokens = e.prompt_tokens
+        elif t is ev.ReqQueued:
+            r = span(e.rid, e.ts)
+            r.queued = e.ts if r.queued is None else min(r.queued, e.ts)
+        elif t is ev.ReqScheduled:
+            span(e.rid, e.ts)
+        elif t is ev.ReqFirstToken:
+            span(e.rid, e.ts).first_token = e.ts
+            instants.append({"name": "first_token", "cat": "request", "ph": "n", "id": e.rid,
+                             "ts": us(e.ts), "pid": REQUESTS_PID, "tid": 0})
+        elif t is ev.ReqRetracted:
+            span(e.rid, e.ts)
+            instants.append({"name": "retracted", "cat": "request", "ph": "n", "id": e.rid,
+                             "ts": us(e.ts), "pid": REQUESTS_PID, "tid": 0,
+                             "args": {"output_tokens": e.output_tokens}})
+        elif t is ev.ReqFinished:
+            r = span(e.rid, e.ts)
+            r.finish, r.reason = e.ts, e.reason
+            r.prompt_tokens, r.output_tokens, r.cached_tokens = (
+                e.prompt_tokens, e.completion_tokens, e.cached_tokens)
+        elif t is ev.ReqAborted:
+            r = span(e.rid, e.ts)
+            if r.finish is None:
+                r.finish, r.reason = e.ts, "abort"
+        elif t in (ev.ProcStarted, ev.ProcExited, ev.WeightsUpdated, ev.TraceDropped):
+            args = msgspec.structs.asdict(e)
+            for k in ("ts", "proc", "step"):
+                args.pop(k, None)
+            out.append({"name": e.__struct_config__.tag, "ph": "i", "s": "p", "ts": us(e.ts),
+                        "pid": pid_of(e.proc), "tid": 1, "args": args})
+        elif t is ev.CacheEvict:
+            out.append({"name": "cache.evict", "ph": "i", "s": "t", "ts": us(e.ts),
+                        "pid": pid_of(e.proc), "tid": 1,
+                        "args": {"nodes": len(e.node_ids), "tokens": e.tokens}})
+
+    for rid, r in reqs.items():
+        out.extend(_request_slices(rid, r, us))
+    out.extend(instants)
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def _request_slices(rid: str, r: _ReqSpan, us) -> list[dict]:
+    start = min(x for x in (r.arrival, r.queued, r.prefill_start, r.first_seen) if x is not None)
+    end = max(x for x in (r.finish, r.last_seen, start) if x is not None)
+    res: list[dict] = []
+
+    def slice_(name: str, a: int, b: int, args: Optional[dict] = None) -> None:
+        a, b = max(a, start), min(b, end)
+        if b < a:
+            return
+        begin = {"name": name, "cat": "request", "ph": "b", "id": rid, "ts": us(a),
+                 "pid": REQUESTS_PID, "tid": 0}
+        if args:
+            begin["args"] = args
+        res.append(begin)
+        res.append({"name": name, "cat": "request", "ph": "e", "id": rid, "ts": us(b),
+                    "pid": REQUESTS_PID, "tid": 0})
+
+    slice_("request", start, end, {"rid": rid, "finish_reason": r.reason,
+                                    "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                                    "cached_tokens": r.cached_tokens})
+    outer_end = res.pop()          # stages nest inside: emit them before the outer "e"
+    q0 = r.queued if r.queued is not None else r.arrival
+    if q0 is not None:
+        slice_("queued", q0, r.prefill_start if r.prefill_start is not None else end)
+    if r.prefill_start is not None:
+        slice_("prefill", r.prefill_start, r.prefill_end)
+        if r.decoded or (r.finish is not None and r.finish > r.prefill_end):
+            slice_("decode", r.prefill_end, end)
+    res.append(outer_end)
+    return res
+
+
+def export_perfetto(events: Iterable[ev.Event], out_path: Union[str, "os.PathLike[str]"]) -> dict:
+    """Write `events` as Chrome trace-event JSON to out_path; returns the document."""
+    doc = build_trace_events(events)
+    with open(out_path, "wb") as f:
+        f.write(msgspec.json.encode(doc))
+    return doc

@@ -1,0 +1,581 @@
+"""TraceState: the one reducer that folds trace events into the current picture.
+
+Every view (TUI panels, Jupyter widgets, replay, tests) reads only this
+object; it is pure and deterministic: `apply(event)` never looks at a clock,
+so the same events give the same state, whether they came live from the bus,
+from a recording or from a replay. Anything time-dependent (latency
+percentiles over the last N seconds, rolling throughput) takes `now_ns` from
+the caller.
+
+Events from different processes can arrive out of order (the tokenizer's
+`req.finished` may overtake the scheduler's last `batch.step`); the reducer
+orders request state changes by event timestamp, treats finished/aborted as
+final, and creates unknown requests lazily. Memory is bounded: rings for
+steps and histories, a cap on finished requests (oldest dropped first) and on
+all requests.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import msgspec
+
+from workbench.core.trace import events as ev
+
+from workbench.core.trace.views import (  # noqa: F401  (re-exported for views)
+    LATENCY_METRICS, REQ_STATES, TERMINAL_STATES, Counters, KVPoint, ProcView, QueuePoint,
+    RequestView, StepView, Throughput, TimelineEntry, TreeNodeView, percentile,
+)
+
+
+@dataclass
+class _Book:
+    """Reducer bookkeeping per request, kept out of the public view."""
+    state_ts: int = -1
+    round: int = 0                                  # bumps on retraction (re-prefill)
+    base_computed: int = 0                          # from a snapshot
+    chunks: dict = field(default_factory=dict)      # (round, chunk) -> computed tokens
+    tl_chunks: set = field(default_factory=set)     # (round, chunk) already on the timeline
+    sampled_rounds: set = field(default_factory=set)
+    final: bool = False                             # counts came from req.finished
+    counted_finish: bool = False
+    counted_abort: bool = False
+    in_finished: bool = False
+
+
+class TraceState:
+    """Folds trace events into the current picture; see the module docstring.
+
+    Public, read-only for views: requests, waiting, running, chunked, steps,
+    kv, kv_by_proc, kv_history, queue_history, tree (+ trees per scheduler),
+    tree_evictable_size, tree_protected_size, counters, cache_hit_rate,
+    throughput(), latency_percentiles(), last_ts, weights_version, model, procs.
+    """
+
+    def __init__(self, *, max_steps: int = 2000, max_history: int = 2000,
+                 max_finished: int = 5000, max_requests: int = 20000,
+                 max_latency_samples: int = 20000, max_steps_per_request: int = 4096,
+                 max_timeline: int = 512):
+        self._caps = dict(max_steps=max_steps, max_history=max_history, max_finished=max_finished,
+                          max_requests=max_requests, max_latency_samples=max_latency_samples,
+                          max_steps_per_request=max_steps_per_request, max_timeline=max_timeline)
+        self.max_finished = max_finished
+        self.max_requests = max_requests
+        self.max_steps_per_request = max_steps_per_request
+        self.max_timeline = max_timeline
+        self.requests: dict[str, RequestView] = {}
+        self.waiting: list[str] = []
+        self.running: list[str] = []
+        self.chunked: list[str] = []
+        self.steps: deque[StepView] = deque(maxlen=max_steps)
+        self.kv: Optional[ev.KVUsage] = None
+        self.kv_by_proc: dict[str, ev.KVUsage] = {}
+        self.kv_history: deque[KVPoint] = deque(maxlen=max_history)
+        self.queue_history: deque[QueuePoint] = deque(maxlen=max_history)
+        self.trees: dict[str, dict[int, TreeNodeView]] = {}
+        self.tree_proc: Optional[str] = None
+        self.tree_evictable_size = 0
+        self.tree_protected_size = 0
+        self.counters = Counters()
+        self.last_ts = 0
+        self.weights_version = 0
+        self.weights_source = ""
+        self.model = ""
+        self.schema_version = ev.SCHEMA_VERSION
+        self.procs: dict[str, ProcView] = {}
+        self._books: dict[str, _Book] = {}
+        self._finished_order: dict[str, None] = {}   # insertion-ordered set
+        self._queues: dict[str, ev.QueueState] = {}
+        self._latency: deque[tuple[int, float, Optional[float], float]] = deque(maxlen=max_latency_samples)
+        self._first_step_start: Optional[int] = None
+        self._dispatch = {
+            ev.ReqArrived: self._on_arrived, ev.ReqTokenized: self._on_tokenized,
+            ev.ReqQueued: self._on_queued, ev.ReqScheduled: self._on_scheduled,
+            ev.ReqFirstToken: self._on_first_token, ev.ReqFinished: self._on_finished,
+            ev.ReqAborted: self._on_aborted, ev.ReqRetracted: self._on_retracted,
+            ev.ReqText: self._on_text, ev.BatchStep: self._on_step, ev.QueueState: self._on_queue,
+            ev.KVUsage: self._on_kv, ev.CacheMatch: self._on_match, ev.CacheInsert: self._on_insert,
+            ev.CacheEvict: self._on_evict, ev.CacheTree: self._on_tree,
+            ev.WeightsUpdated: self._on_weights, ev.ProcStarted: self._on_proc_started,
+            ev.ProcExited: self._on_proc_exited, ev.TraceDropped: self._on_dropped,
+            ev.TraceHeader: self._on_header, ev.ReqSnapshot: self._on_req_snapshot,
+            ev.TraceCounters: self._on_counters,
+        }
+
+    # ---- public read helpers ------------------------------------------------
+
+    @property
+    def tree(self) -> dict[int, TreeNodeView]:
+        """The radix tree of the (first) scheduler that reported one."""
+        return self.trees.get(self.tree_proc, {}) if self.tree_proc is not None else {}
+
+    @property
+    def cache_hit_rate(self) -> float:
+        c = self.counters
+        return c.cached_tokens_total / c.prompt_tokens_total if c.prompt_tokens_total else 0.0
+
+    def throughput(self, window_s: float = 5.0, now_ns: Optional[int] = None) -> Throughput:
+        """Prefill and decode tokens/s over steps in (now - window, now].
+
+        now_ns defaults to the last event's ts (so an idle engine keeps its last
+        figure); pass the current monotonic time to see it decay.
+        """
+        now = self.last_ts if now_ns is None else now_ns
+        start = now - int(window_s * 1e9)
+        if self._first_step_start is not None:
+            start = max(start, self._first_step_start)
+        span = (now - start) / 1e9
+        if span <= 0:
+            return Throughput(0.0, 0.0)
+        pre = dec = 0
+        for s in reversed(self.steps):
+            if s.ts <= start:
+                break
+            if s.ts <= now:
+                pre += s.prefill_tokens
+                dec += s.decode_tokens
+        return Throughput(pre / span, dec / span)
+
+    def latency_percentiles(self, window_s: float, now_ns: int
+                            ) -> dict[str, Optional[tuple[float, float, float]]]:
+        """(p50, p90, p99) of ttft/tpot/e2e for requests finished in (now - window, now];
+        None for a metric with no samples. Aborted requests are left out, and so is
+        tpot of single-token outputs."""
+        lo = now_ns - int(window_s * 1e9)
+        cols: dict[str, list[float]] = {m: [] for m in LATENCY_METRICS}
+        for ts, ttft, tpot, e2e in self._latency:
+            if lo < ts <= now_ns:
+                cols["ttft"].append(ttft)
+                if tpot is not None:
+                    cols["tpot"].append(tpot)
+                cols["e2e"].append(e2e)
+        out: dict[str, Optional[tuple[float, float, float]]] = {}
+        for m, vals in cols.items():
+            vals.sort()
+            out[m] = (percentile(vals, 50), percentile(vals, 90), percentile(vals, 99)) if vals else None
+        return out
+
+    def dump(self) -> dict:
+        """Canonical, JSON-able dump of the whole public state (for tests and debugging)."""
+        return msgspec.to_builtins({
+            "requests": {k: self.requests[k] for k in sorted(self.requests)},
+            "waiting": self.waiting, "running": self.running, "chunked": self.chunked,
+            "steps": list(self.steps), "kv": self.kv, "kv_by_proc": self.kv_by_proc,
+            "kv_history": list(self.kv_history), "queue_history": list(self.queue_history),
+            "trees": {p: {str(k): t[k] for k in sorted(t)} for p, t in sorted(self.trees.items())},
+            "tree_proc": self.tree_proc, "tree_evictable_size": self.tree_evictable_size,
+            "tree_protected_size": self.tree_protected_size, "counters": self.counters,
+            "last_ts": self.last_ts, "weights_version": self.weights_version, "model": self.model,
+            "procs": {k: self.procs[k] for k in sorted(self.procs)},
+        })
+
+    # ---- folding --------------------------------------------------------------
+
+    def apply_many(self, events) -> None:
+        for e in events:
+            self.apply(e)
+
+    def apply(self, event: ev.Event) -> None:
+        """Fold one event into the state."""
+        if type(event) is ev.TraceReset:
+            self.__init__(**self._caps)
+            return
+        if event.ts > self.last_ts:
+            self.last_ts = event.ts
+        if event.proc:
+            p = self.procs.get(event.proc)
+            if p is None:
+                p = self.procs[event.proc] = ProcView(event.proc)
+            p.events += 1
+            if event.ts > p.last_ts:
+                p.last_ts = event.ts
+        handler = self._dispatch.get(type(event))
+        if handler is not None:
+            handler(event)
+
+    # ---- requests -------------------------------------------------------------
+
+    def _req(self, rid: str) -> tuple[RequestView, _Book]:
+        r = self.requests.get(rid)
+        if r is None:
+            r = self.requests[rid] = RequestView(rid)
+            self._books[rid] = _Book()
+            if len(self.requests) > self.max_requests:
+                self._forget(next(iter(self.requests)))
+        return r, self._books[rid]
+
+    def _forget(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+        self._books.pop(rid, None)
+        self._finished_order.pop(rid, None)
+
+    def _set_state(self, r: RequestView, b: _Book, state: str, ts: int) -> None:
+        # Terminal states are final; otherwise the latest event (by ts) wins, so a
+        # late req.arrived from the tokenizer cannot undo the scheduler's req.queued.
+        if r.state in TERMINAL_STATES:
+            return
+        if state in TERMINAL_STATES or ts >= b.state_ts:
+            r.state, b.state_ts = state, ts
+
+    def _timeline(self, r: RequestView, entry: TimelineEntry) -> None:
+        tl = r.timeline
+        if len(tl) >= self.max_timeline and entry.kind not in TERMINAL_STATES:
+            return
+        if not tl or entry.ts >= tl[-1].ts:
+            tl.append(entry)
+        else:
+            bisect.insort(tl, entry, key=lambda e: e.ts)
+
+    def _decode_timeline(self, r: RequestView, ts: int, step: int) -> None:
+        # Consecutive decode steps fold into one run; a gap in step ids (the request
+        # sat out a step, e.g. behind a chunked prefill) starts a new run.
+        tl = r.timeline
+        i = bisect.bisect_right(tl, ts, key=lambda t: t.ts)
+        prev = tl[i - 1] if i else None
+        if prev is not None and prev.kind == "decode" and prev.step == step - 1 and ts >= prev.end_ts:
+            prev.end_ts, prev.step = ts, step
+            prev.count += 1
+            prev.detail = f"{prev.count} steps"
+        else:
+            self._timeline(r, TimelineEntry(ts, "decode", "1 steps", end_ts=ts, step=step))
+
+    def _add_step(self, r: RequestView, step: int) -> None:
+        r.steps.append(step)
+        if len(r.steps) > self.max_steps_per_request:
+            del r.steps[0]
+
+    def _mark_finished(self, rid: str, b: _Book) -> None:
+        if b.in_finished:
+            return
+        b.in_finished = True
+        self._finished_order[rid] = None
+        while len(self._finished_order) > self.max_finished:
+            self._forget(next(iter(self._finished_order)))
+
+    def _on_arrived(self, e: ev.ReqArrived) -> None:
+        r, b = self._req(e.rid)
+        r.arrival_ts = e.ts
+        if e.prompt_preview:
+            r.prompt_preview = e.prompt_preview
+        self._set_state(r, b, "arrived", e.ts)
+        self._timeline(r, TimelineEntry(e.ts, "arrived"))
+
+    def _on_tokenized(self, e: ev.ReqTokenized) -> None:
+        r, _ = self._req(e.rid)
+        if not self._books[e.rid].final:
+            r.prompt_tokens = e.prompt_tokens
+        r.max_new_tokens = e.max_new_tokens
+
+    def _on_queued(self, e: ev.ReqQueued) -> None:
+        r, b = self._req(e.rid)
+        if r.queued_ts is None:
+            r.queued_ts = e.ts
+        if not b.final and e.prompt_tokens:
+            r.prompt_tokens = e.prompt_tokens
+        self._set_state(r, b, "queued", e.ts)
+        self._timeline(r, TimelineEntry(e.ts, "queued", f"queue length {e.queue_len}", step=e.step))
+
+    def _record_chunk(self, r: RequestView, b: _Book, ts: int, step: int, chunk: int, n: int,
+                      cached: int, computed: int) -> None:
+        key = (b.round, chunk)
+        b.chunks[key] = computed
+        # req.finished carries no computed count, so chunks keep counting after it.
+        r.computed_tokens = b.base_computed + sum(b.chunks.values())
+        if chunk == 0 and not b.final:
+            r.cached_tokens = cached
+        if ts >= b.state_ts:
+            r.chunk_index, r.num_chunks = chunk, n
+        if key not in b.tl_chunks:
+            b.tl_chunks.add(key)
+            self._timeline(r, TimelineEntry(
+                ts, "prefill", f"chunk {chunk + 1}/{n}: {cached} cached + {computed} computed",
+                step=step))
+
+    def _on_scheduled(self, e: ev.ReqScheduled) -> None:
+        r, b = self._req(e.rid)
+        self._record_chunk(r, b, e.ts, e.step, e.chunk_index, e.num_chunks, e.prefix_hit, e.extend_len)
+        self._set_state(r, b, "prefilling", e.ts)
+
+    def _on_first_token(self, e: ev.ReqFirstToken) -> None:
+        r, b = self._req(e.rid)
+        r.first_token_ts = e.ts
+        if r.ttft is None and r.arrival_ts is not None:
+            r.ttft = (e.ts - r.arrival_ts) / 1e9
+        self._set_state(r, b, "running", e.ts)
+        self._timeline(r, TimelineEntry(e.ts, "first_token"))
+
+    def _on_finished(self, e: ev.ReqFinished) -> None:
+        r, b = self._req(e.rid)
+        aborted = e.reason == "abort"
+        r.finish_ts, r.finish_reason = e.ts, e.reason
+        r.prompt_tokens, r.output_tokens, r.cached_tokens = e.prompt_tokens, e.completion_tokens, e.cached_tokens
+        r.ttft, r.tpot, r.e2e = e.ttft, e.tpot, e.e2e
+        b.final = True
+        self._set_state(r, b, "aborted" if aborted else "finished", e.ts)
+        if not b.counted_finish:
+            b.counted_finish = True
+            c = self.counters
+            c.num_requests_total += 1
+            c.prompt_tokens_total += e.prompt_tokens
+            c.generation_tokens_total += e.completion_tokens
+            c.cached_tokens_total += e.cached_tokens
+            if aborted:
+                self._count_abort(b)
+            else:
+                tpot = e.tpot if e.completion_tokens > 1 else None
+                self._latency.append((e.ts, e.ttft, tpot, e.e2e))
+            self._timeline(r, TimelineEntry(e.ts, "aborted" if aborted else "finished",
+                                            f"{e.reason}, {e.completion_tokens} tokens"))
+        self._mark_finished(e.rid, b)
+
+    def _count_abort(self, b: _Book) -> None:
+        if not b.counted_abort:
+            b.counted_abort = True
+            self.counters.num_aborted += 1
+
+    def _on_aborted(self, e: ev.ReqAborted) -> None:
+        r, b = self._req(e.rid)
+        if r.finish_ts is None:
+            r.finish_ts = e.ts
+            r.finish_reason = "abort"
+        self._set_state(r, b, "aborted", e.ts)
+        if not b.counted_abort:
+            self._timeline(r, TimelineEntry(e.ts, "aborted", e.reason))
+        self._count_abort(b)
+        self._mark_finished(e.rid, b)
+
+    def _on_retracted(self, e: ev.ReqRetracted) -> None:
+        r, b = self._req(e.rid)
+        r.retractions += 1
+        self.counters.num_retracted += 1
+        if not b.final:
+            r.output_tokens = e.output_tokens
+        b.round += 1
+        self._set_state(r, b, "retracted", e.ts)
+        self._timeline(r, TimelineEntry(e.ts, "retracted", f"after {e.output_tokens} output tokens",
+                                        step=e.step))
+
+    def _on_text(self, e: ev.ReqText) -> None:
+        r, _ = self._req(e.rid)
+        r.text += e.delta
+
+    # ---- steps, queues, KV ----------------------------------------------------
+
+    def _on_step(self, e: ev.BatchStep) -> None:
+        sv = StepView(e.step, e.ts, e.proc, e.mode, list(e.reqs), e.batch_size, e.padded_size,
+                      e.cuda_graph, e.backend, e.schedule_ms, e.forward_ms)
+        if self._first_step_start is None:
+            self._first_step_start = e.ts - int((e.schedule_ms + e.forward_ms) * 1e6)
+        c = self.counters
+        for sr in e.reqs:
+            r, b = self._req(sr.rid)
+            self._add_step(r, e.step)
+            if sr.computed > 0:
+                sv.prefill_tokens += sr.computed
+                c.prefill_computed_total += sr.computed
+                if sr.chunk_index == 0:
+                    sv.cached_tokens += sr.cached
+                    c.prefill_cached_total += sr.cached
+                self._record_chunk(r, b, e.ts, e.step, sr.chunk_index, sr.num_chunks, sr.cached, sr.computed)
+                if sr.chunk_index >= sr.num_chunks - 1:
+                    # The last chunk samples the request's first token (of this round).
+                    if b.round not in b.sampled_rounds:
+                        b.sampled_rounds.add(b.round)
+                        if not b.final:
+                            r.output_tokens += 1
+                    self._set_state(r, b, "running", e.ts)
+                else:
+                    self._set_state(r, b, "prefilling", e.ts)
+            elif sr.decode > 0:
+                sv.decode_tokens += sr.decode
+                c.decode_tokens_total += sr.decode
+                if not b.final:
+                    r.output_tokens += sr.decode
+                self._set_state(r, b, "running", e.ts)
+                self._decode_timeline(r, e.ts, e.step)
+        self.steps.append(sv)
+
+    def _on_queue(self, e: ev.QueueState) -> None:
+        old = self._queues.get(e.proc)
+        if old is not None and old.ts > e.ts:
+            return
+        self._queues[e.proc] = e
+        procs = sorted(self._queues)
+        self.waiting = [rid for p in procs for rid in self._queues[p].waiting]
+        self.running = [rid for p in procs for rid in self._queues[p].running]
+        self.chunked = [rid for p in procs for rid in self._queues[p].chunked]
+        self.queue_history.append(QueuePoint(e.ts, len(self.waiting), len(self.running)))
+
+    def _on_kv(self, e: ev.KVUsage) -> None:
+        old = self.kv_by_proc.get(e.proc)
+        if old is not None and old.ts > e.ts:
+            return
+        self.kv_by_proc[e.proc] = e
+        if len(self.kv_by_proc) == 1:
+            self.kv = e
+        else:
+            vals = list(self.kv_by_proc.values())
+            self.kv = ev.KVUsage(ts=max(v.ts for v in vals), proc="", used=sum(v.used for v in vals),
+                                 evictable=sum(v.evictable for v in vals),
+                                 free=sum(v.free for v in vals), total=sum(v.total for v in vals))
+        k = self.kv
+        self.kv_history.append(KVPoint(e.ts, k.used, k.evictable, k.free, k.total))
+
+    # ---- radix cache ----------------------------------------------------------
+
+    def _tree_for(self, proc: str) -> dict[int, TreeNodeView]:
+        if self.tree_proc is None:
+            self.tree_proc = proc
+        return self.trees.setdefault(proc, {})
+
+    def _on_match(self, e: ev.CacheMatch) -> None:
+        r, b = self._req(e.rid)
+        if not b.final:
+            r.cached_tokens = e.matched
+            if e.prompt_tokens:
+                r.prompt_tokens = e.prompt_tokens
+
+    def _on_insert(self, e: ev.CacheInsert) -> None:
+        tree = self._tree_for(e.proc)
+        node = tree.get(e.node_id)
+        if node is None:
+            node = tree[e.node_id] = TreeNodeView(e.node_id, e.parent_id, e.tokens, e.text, last_access=e.ts)
+        else:
+            node.parent_id, node.tokens, node.last_access = e.parent_id, e.tokens, e.ts
+            node.text = e.text or node.text
+        node.just_inserted, node.just_evicted = True, False
+        parent = tree.get(e.parent_id)
+        if parent is not None and e.node_id not in parent.children:
+            parent.children.append(e.node_id)
+
+    def _on_evict(self, e: ev.CacheEvict) -> None:
+        tree = self._tree_for(e.proc)
+        for nid in e.node_ids:
+            node = tree.get(nid)
+            if node is not None:
+                node.just_evicted = True
+        self.counters.evicted_tokens_total += e.tokens
+
+    def _on_tree(self, e: ev.CacheTree) -> None:
+        self._tree_for(e.proc)
+        tree: dict[int, TreeNodeView] = {}
+        for n in e.nodes:
+            tree[n.node_id] = TreeNodeView(n.node_id, n.parent_id, n.tokens, n.text,
+                                           n.lock_ref, n.hits, n.last_access)
+        for n in e.nodes:
+            parent = tree.get(n.parent_id)
+            if parent is not None:
+                parent.children.append(n.node_id)
+        self.trees[e.proc] = tree
+        if e.proc == self.tree_proc:
+            self.tree_evictable_size, self.tree_protected_size = e.evictable_size, e.protected_size
+
+    # ---- processes, weights, the trace itself ---------------------------------
+
+    def _on_weights(self, e: ev.WeightsUpdated) -> None:
+        self.weights_version = e.version if e.version else self.weights_version + 1
+        self.weights_source = e.source
+
+    def _on_proc_started(self, e: ev.ProcStarted) -> None:
+        p = self.procs[e.proc] if e.proc else ProcView(e.role)
+        p.pid, p.role, p.alive, p.started_ts = e.pid, e.role, True, e.ts
+
+    def _on_proc_exited(self, e: ev.ProcExited) -> None:
+        p = self.procs[e.proc] if e.proc else ProcView(e.role)
+        p.pid, p.role = e.pid, e.role or p.role
+        p.alive, p.exited_ts, p.exitcode, p.reason = False, e.ts, e.exitcode, e.reason
+
+    def _on_dropped(self, e: ev.TraceDropped) -> None:
+        self.counters.dropped_events += e.count
+
+    def _on_header(self, e: ev.TraceHeader) -> None:
+        self.schema_version = e.schema_version
+        if e.model:
+            self.model = e.model
+
+    def _on_counters(self, e: ev.TraceCounters) -> None:
+        for name in Counters.__dataclass_fields__:
+            setattr(self.counters, name, getattr(e, name))
+        self.weights_version = e.weights_version
+        if e.model:
+            self.model = e.model
+
+    def _on_req_snapshot(self, e: ev.ReqSnapshot) -> None:
+        self._forget(e.rid)
+        r, b = self._req(e.rid)
+        for name in ("state", "prompt_preview", "prompt_tokens", "max_new_tokens", "cached_tokens",
+                     "computed_tokens", "output_tokens", "chunk_index", "num_chunks", "arrival_ts",
+                     "queued_ts", "first_token_ts", "finish_ts", "finish_reason", "ttft", "tpot",
+                     "e2e", "retractions", "text"):
+            setattr(r, name, getattr(e, name))
+        r.timeline = [TimelineEntry(t.ts, t.kind, t.detail, t.end_ts, t.count, t.step) for t in e.timeline]
+        r.steps = list(e.steps)
+        # Bookkeeping consistent with what the snapshot says already happened, so the
+        # events that follow neither re-count prefill chunks nor the first token.
+        b.state_ts = max([e.ts] + [t.ts for t in e.timeline])
+        b.round = e.retractions
+        b.chunks = {(b.round, k): c for k, c in enumerate(e.round_chunks)}
+        b.tl_chunks = set(b.chunks)
+        b.base_computed = e.computed_tokens - sum(e.round_chunks)
+        if e.round_sampled:
+            b.sampled_rounds.add(b.round)
+        if e.state in TERMINAL_STATES:
+            b.final = b.counted_finish = True
+            b.counted_abort = e.state == "aborted"
+            self._mark_finished(e.rid, b)
+
+    # ---- snapshots ------------------------------------------------------------
+
+    def snapshot_events(self, max_finished: int = 100) -> list[ev.Event]:
+        """Synthetic events that rebuild the current picture in a fresh TraceState:
+        processes, counters, active requests (and the `max_finished` most recently
+        finished), queues, KV usage and the radix tree(s). Step and history rings
+        are not carried: they refill as new events arrive."""
+        out: list[ev.Event] = []
+        ts = self.last_ts
+        for p in self.procs.values():
+            if p.pid is not None:
+                out.append(ev.ProcStarted(ts=p.started_ts or ts, proc=p.name, pid=p.pid, role=p.role))
+                if not p.alive:
+                    out.append(ev.ProcExited(ts=p.exited_ts or ts, proc=p.name, pid=p.pid, role=p.role,
+                                             exitcode=p.exitcode, reason=p.reason))
+        out.append(self._counters_event(ts))
+        recent = set(list(self._finished_order)[-max_finished:]) if max_finished > 0 else set()
+        for r in self.requests.values():
+            if r.state in TERMINAL_STATES and r.rid not in recent:
+                continue
+            b = self._books[r.rid]
+            out.append(ev.ReqSnapshot(
+                ts=ts, rid=r.rid, state=r.state, prompt_preview=r.prompt_preview,
+                prompt_tokens=r.prompt_tokens, max_new_tokens=r.max_new_tokens,
+                cached_tokens=r.cached_tokens, computed_tokens=r.computed_tokens,
+                output_tokens=r.output_tokens, chunk_index=r.chunk_index, num_chunks=r.num_chunks,
+                arrival_ts=r.arrival_ts, queued_ts=r.queued_ts, first_token_ts=r.first_token_ts,
+                finish_ts=r.finish_ts, finish_reason=r.finish_reason, ttft=r.ttft, tpot=r.tpot,
+                e2e=r.e2e, retractions=r.retractions, text=r.text,
+                timeline=[ev.TimelineItem(t.ts, t.kind, t.detail, t.end_ts, t.count, t.step) for t in r.timeline],
+                steps=list(r.steps), round_sampled=b.round in b.sampled_rounds,
+                round_chunks=[b.chunks.get((b.round, k), 0)
+                              for k in range(1 + max([k for (rd, k) in b.chunks if rd == b.round],
+                                                     default=-1))]))
+        for q in self._queues.values():
+            out.append(ev.QueueState(ts=q.ts, proc=q.proc, step=q.step, waiting=list(q.waiting),
+                                     running=list(q.running), chunked=list(q.chunked)))
+        for k in self.kv_by_proc.values():
+            out.append(ev.KVUsage(ts=k.ts, proc=k.proc, step=k.step, used=k.used,
+                                  evictable=k.evictable, free=k.free, total=k.total))
+        for proc, tree in self.trees.items():
+            nodes = [ev.TreeNode(n.node_id, n.parent_id, n.tokens, n.text, n.lock_ref, n.hits, n.last_access)
+                     for n in tree.values() if not n.just_evicted]
+            ev_sz, pr_sz = ((self.tree_evictable_size, self.tree_protected_size)
+                            if proc == self.tree_proc else (0, 0))
+            out.append(ev.CacheTree(ts=ts, proc=proc, nodes=nodes, evictable_size=ev_sz,
+                                    protected_size=pr_sz))
+        return out
+
+    def _counters_event(self, ts: int) -> ev.TraceCounters:
+        fields = {k: getattr(self.counters, k) for k in Counters.__dataclass_fields__}
+        return ev.TraceCounters(ts=ts, weights_version=self.weights_version, model=self.model, **fields)

@@ -1,0 +1,229 @@
+"""Tiny, seeded, random-weight models saved as real HF directories (and GGUF files) for tests.
+
+Everything here runs in well under a second and needs no network and no
+download: the tokenizer is a byte-level BPE built in code (256 byte tokens
+plus the three ChatML specials SmolLM2 uses, no merges), so any text round
+trips and multi-byte characters span several tokens, which is what
+incremental detokenization tests want.
+
+    from tiny_models import make_tiny_llama, make_tiny_qwen2, make_tiny_llama_sharded
+    model_dir = make_tiny_llama(tmp_path / "llama")            # config.json, model.safetensors, tokenizer
+    model_dir = make_tiny_qwen2(tmp_path / "qwen", num_hidden_layers=4)
+    gguf_file = make_tiny_gguf(tmp_path / "tiny.gguf", arch="qwen2")
+
+Model vocab size equals the tokenizer's length, so any sampled id decodes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TINY_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+
+# Small enough to build in milliseconds, big enough to have GQA (4 heads over 2 KV heads).
+_TINY_SHAPE: dict[str, Any] = dict(
+    vocab_size=TINY_VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    bos_token_id=1,  # <|im_start|>, as SmolLM2
+    eos_token_id=2,  # <|im_end|>
+    pad_token_id=2,
+)
+
+
+def tiny_tokenizer():
+    """A byte-level BPE PreTrainedTokenizerFast with ChatML specials and a chat template."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for char in sorted(ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _build(config_cls_name: str, architecture: str, defaults: dict[str, Any], seed: int, dtype, overrides):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config = getattr(transformers, config_cls_name)(**{**_TINY_SHAPE, **defaults, **overrides})
+    config.architectures = [architecture]
+    # fork_rng: seeding must not disturb the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.to(dtype).eval()
+
+
+def _save(model, path: Path, max_shard_size: str | None) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), safe_serialization=True, **kwargs)
+    tiny_tokenizer().save_pretrained(str(path))
+    return path
+
+
+def make_tiny_llama(
+    path: str | Path, *, seed: int = 0, max_shard_size: str | None = None, dtype=torch.float32, **overrides
+) -> Path:
+    """A tiny LlamaForCausalLM (tied embeddings, like SmolLM2) saved as an HF directory; returns the path.
+
+    `overrides` are LlamaConfig fields (e.g. num_hidden_layers=4,
+    tie_word_embeddings=False). `max_shard_size` (e.g. "100KB") splits the
+    weights over several safetensors shards with an index.
+    """
+    model = _build("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}, seed, dtype, overrides)
+    return _save(model, path, max_shard_size)
+
+
+def make_tiny_qwen2(
+    path: str | Path, *, seed: int = 0, max_shard_size: str | None = None, dtype=torch.float32, **overrides
+) -> Path:
+    """A tiny Qwen2ForCausalLM (Q/K/V biases, untied lm_head) saved as an HF directory; returns the path."""
+    model = _build("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}, seed, dtype, overrides)
+    return _save(model, path, max_shard_size)
+
+
+def make_tiny_mistral(
+    path: str | Path, *, seed: int = 0, max_shard_size: str | None = None, dtype=torch.float32, **overrides
+) -> Path:
+    """A tiny MistralForCausalLM (no sliding window by default) saved as an HF directory; returns the path."""
+    model = _build(
+        "MistralConfig", "MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}, seed, dtype,
+        overrides,
+    )
+    return _save(model, path, max_shard_size)
+
+
+def make_tiny_llama_sharded(path: str | Path, **kwargs) -> Path:
+    """make_tiny_llama split over several safetensors shards (about four)."""
+    return make_tiny_llama(path, max_shard_size="100KB", **kwargs)
+
+
+def make_tiny_qwen2_sharded(path: str | Path, **kwargs) -> Path:
+    """make_tiny_qwen2 split over several safetensors shards."""
+    return make_tiny_qwen2(path, max_shard_size="100KB", **kwargs)
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def llamacpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf Q/K row order (rotary pairs made adjacent), for building test GGUFs."""
+    half = weights.shape[0] // n_head // 2
+    return weights.reshape(n_head, 2, half, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+_GGUF_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("model.layers."):
+        _, _, layer, rest = hf_name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        return f"blk.{layer}.{_GGUF_BLOCK_NAMES[module]}.{kind}"
+    module, kind = hf_name.rsplit(".", 1)
+    return {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[module] + "." + kind
+
+
+def make_tiny_gguf(path: str | Path, *, arch: str = "llama", seed: int = 0, **overrides):
+    """Write a tiny float32 GGUF the way llama.cpp's converter would; return `(gguf_path, hf_model)`.
+
+    `arch` is "llama" (Q/K rows permuted, as llama.cpp does) or "qwen2" (HF
+    order, with biases). The returned transformers model holds the exact
+    weights, for comparing a conversion against.
+    """
+    import gguf
+
+    if arch == "llama":
+        model = _build("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}, seed, torch.float32, overrides)
+    elif arch == "qwen2":
+        model = _build("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}, seed, torch.float32, overrides)
+    else:
+        raise ValueError(f"make_tiny_gguf supports arch 'llama' or 'qwen2', not {arch!r}")
+    cfg = model.config
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    tokenizer = tiny_tokenizer()
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    special = set(SPECIAL_TOKENS)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_pad_token_id(cfg.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(TINY_CHAT_TEMPLATE)
+
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        weights = tensor.detach().numpy().astype(np.float32)
+        if arch == "llama" and ".q_proj." in name:
+            weights = llamacpp_permute(weights, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            weights = llamacpp_permute(weights, cfg.num_key_value_heads)
+        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(weights))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, model
