@@ -1,0 +1,412 @@
+"""Engine: the serving core as a Python object.
+
+`Engine(...)` launches the Scheduler and Detokenizer processes (spawn), starts the
+trace bus, and runs the TokenizerManager on a private asyncio loop in a daemon
+thread, so `generate` works from plain scripts, from Jupyter (which already runs
+a loop) and from the HTTP server (which runs on `engine.loop` itself).
+See docs/engine_api.md for the contract.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import queue
+import sys
+import threading
+import time
+from multiprocessing.connection import wait as mp_wait
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
+
+import msgspec
+
+from workbench.core.args import ServerArgs
+from workbench.core.ipc import PortArgs
+from workbench.core.managers.tokenizer_manager import EngineDeadError, GenerateReqInput, TokenizerManager
+from workbench.core.model_loader import load_tokenizer, prepare_model
+from workbench.core.sampling.sampling_params import SamplingParams
+from workbench.core.trace import events as ev
+from workbench.core.trace.bus import TraceBus
+from workbench.core.trace.tracer import Tracer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineDeadError"]
+
+_SAMPLING_KEYS = {f for f in SamplingParams.__struct_fields__}
+START_TIMEOUT_S = 600
+
+
+class Engine:
+    """The serving engine: processes, trace bus and TokenizerManager. Use as a context manager."""
+
+    def __init__(self, model_path: Optional[str] = None, *, server_args: Optional[ServerArgs] = None,
+                 on_progress: Optional[Callable[[str], None]] = None, **kwargs):
+        if server_args is None:
+            server_args = ServerArgs(model_path=model_path, **kwargs)
+        elif model_path is not None or kwargs:
+            server_args = dataclasses.replace(server_args, model_path=model_path or server_args.model_path,
+                                              **kwargs)
+        self.server_args = server_args
+        self._progress = on_progress or (_print_progress if server_args.show_progress else (lambda msg: None))
+        self._shutdown = False
+        self.is_healthy = False
+        self.procs: dict[str, mp.Process] = {}
+        self.t_start = time.monotonic()
+        self.port_args = PortArgs.create()
+        try:
+            self._launch()
+        except BaseException:
+            self.shutdown()
+            raise
+        atexit.register(self.shutdown)
+
+    # ==== start-up ====================================================================
+    def _launch(self) -> None:
+        sa = self.server_args
+        self._progress("preparing model (converting GGUF on first use)")
+        self.prepared = prepare_model(sa.model_path, progress=sa.show_progress)
+        self.model_path = str(self.prepared.gguf_path or self.prepared.model_dir)
+        # Children load the converted directory, never the GGUF again.
+        child_args = dataclasses.replace(sa, model_path=str(self.prepared.model_dir))
+        self.bus = TraceBus(self.port_args.trace_ipc_name, publish_addr=sa.trace_publish,
+                            model=self.served_model_name)
+        ctx = mp.get_context("spawn")
+        self._progress("starting scheduler and detokenizer processes")
+        from workbench.core.managers.detokenizer_manager import run_detokenizer_process
+        from workbench.core.managers.scheduler import run_scheduler_process
+        readers = {}
+        for role, target, args in (
+                ("scheduler", run_scheduler_process, (child_args, self.port_args)),
+                ("detokenizer", run_detokenizer_process, (str(self.prepared.model_dir), self.port_args))):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=target, args=(*args, writer), name=f"workbench-{role}", daemon=True)
+            proc.start()
+            writer.close()
+            self.procs[role] = proc
+            readers[role] = reader
+        self.tokenizer = load_tokenizer(self.prepared.model_dir)
+        self.scheduler_info = self._wait_ready(readers)
+        self.context_len = self.scheduler_info["context_len"]
+        self.max_total_num_tokens = self.scheduler_info["max_total_num_tokens"]
+
+        self.loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="workbench-engine-loop",
+                                             daemon=True)
+        self._loop_thread.start()
+        self.tracer = Tracer("tokenizer", sink=self.bus.publish_batch)
+        self.tokenizer_manager: TokenizerManager = self._run(self._make_tokenizer_manager())
+        self.bus.on_listeners_changed = self._on_listeners_changed
+        self._recorder = None
+        if sa.record:
+            from workbench.core.trace.recorder import Recorder
+            self._recorder = Recorder(sa.record, model=self.served_model_name)
+            self.bus.subscribe_callback(self._recorder, name="recorder")
+        if sa.trace_publish:
+            self._on_listeners_changed(True)
+        self.is_healthy = True
+        self._watchdog = threading.Thread(target=self._watch_children, name="workbench-watchdog", daemon=True)
+        self._watchdog.start()
+        self.ready_time_s = time.monotonic() - self.t_start
+        self._progress(f"ready in {self.ready_time_s:.1f} s ({self.scheduler_info['dtype']}, "
+                       f"KV pool {self.max_total_num_tokens} tokens)")
+
+    async def _make_tokenizer_manager(self) -> TokenizerManager:
+        return TokenizerManager(self.server_args, self.port_args, self.tokenizer, self.context_len,
+                                self.max_total_num_tokens, self.tracer, asyncio.get_running_loop())
+
+    def _wait_ready(self, readers: dict) -> dict:
+        info: dict = {}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = dict(readers)
+        while pending:
+            ready = mp_wait(list(pending.values()) + [p.sentinel for p in self.procs.values()],
+                            timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RuntimeError(f"engine start timed out waiting for {', '.join(pending)}")
+            for role, reader in list(pending.items()):
+                if reader in ready:
+                    try:
+                        msg = reader.recv()
+                    except EOFError:
+                        raise RuntimeError(f"the {role} process exited during start-up "
+                                           f"(exit code {self.procs[role].exitcode})") from None
+                    if msg.get("status") != "ready":
+                        raise RuntimeError(f"the {role} process failed to start: {msg.get('error')}")
+                    if role == "scheduler":
+                        info = msg
+                        self._progress(f"model loaded in {msg.get('load_time_s', 0):.1f} s")
+                    del pending[role]
+            for role, proc in self.procs.items():
+                if role in pending and proc.sentinel in ready and not proc.is_alive():
+                    raise RuntimeError(f"the {role} process exited during start-up (exit code {proc.exitcode})")
+        return info
+
+    @property
+    def served_model_name(self) -> str:
+        if self.server_args.served_model_name:
+            return self.server_args.served_model_name
+        path = self.server_args.model_path
+        return "smollm2-135m" if path in (None, "smollm2-135m") else os.path.basename(str(path).rstrip("/"))
+
+    # ==== generation ===================================================================
+    def generate(self, prompt: Union[str, list[str], None] = None, sampling_params: Any = None,
+                 input_ids: Union[list[int], list[list[int]], None] = None, return_logprob: bool = False,
+                 top_logprobs_num: int = 0, logprob_start_len: int = -1, stream: bool = False,
+                 rid: Optional[str] = None):
+        """Generate for one prompt (dict), a batch (list of dicts) or stream chunks (iterator)."""
+        reqs, is_batch = self._build_reqs(prompt, sampling_params, input_ids, return_logprob,
+                                          top_logprobs_num, logprob_start_len, stream, rid)
+        if stream:
+            if len(reqs) != 1:
+                raise ValueError("streaming takes exactly one prompt (and n = 1)")
+            return self._stream_sync(reqs[0])
+        results = self._run(self._collect(reqs))
+        return results if is_batch else results[0]
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             top_logprobs_num=0, logprob_start_len=-1, stream=False, rid=None):
+        """Like `generate`, awaitable from any event loop; an async iterator when streaming."""
+        reqs, is_batch = self._build_reqs(prompt, sampling_params, input_ids, return_logprob,
+                                          top_logprobs_num, logprob_start_len, stream, rid)
+        if stream:
+            if len(reqs) != 1:
+                raise ValueError("streaming takes exactly one prompt (and n = 1)")
+            return self._stream_async(reqs[0])
+        if _running_loop() is self.loop:
+            results = await self._collect(reqs)
+        else:
+            results = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._collect(reqs), self.loop))
+        return results if is_batch else results[0]
+
+    def _build_reqs(self, prompt, sampling_params, input_ids, return_logprob, top_logprobs_num,
+                    logprob_start_len, stream, rid) -> tuple[list[GenerateReqInput], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt or input_ids")
+        if prompt is not None:
+            is_batch = isinstance(prompt, list)
+            texts = prompt if is_batch else [prompt]
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt must be a string or a list of strings")
+            items = [(t, None) for t in texts]
+        else:
+            is_batch = bool(input_ids) and isinstance(input_ids[0], list)
+            seqs = input_ids if is_batch else [input_ids]
+            items = [(None, list(s)) for s in seqs]
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        if len(sps) != len(items):
+            raise ValueError(f"{len(sps)} sampling_params for {len(items)} prompts")
+        reqs = []
+        for i, ((text, ids), sp_in) in enumerate(zip(items, sps)):
+            sp = _to_sampling_params(sp_in)
+            n = sp.n
+            if n < 1 or n > self.server_args.max_n:
+                raise ValueError(f"n must be in [1, {self.server_args.max_n}]")
+            for j in range(n):
+                sp_j = msgspec.structs.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
+                req_rid = None if rid is None else (rid if len(items) * n == 1 else f"{rid}-{i}-{j}")
+                reqs.append(GenerateReqInput(text=text, input_ids=ids, sampling_params=sp_j,
+                                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                                             logprob_start_len=logprob_start_len, stream=stream, rid=req_rid))
+            is_batch = is_batch or n > 1
+        return reqs, is_batch
+
+    async def _collect(self, reqs: list[GenerateReqInput]) -> list[dict]:
+        async def one(r):
+            async for out in self.tokenizer_manager.generate_request(r):
+                last = out
+            return last
+        return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+    def _stream_sync(self, req: GenerateReqInput) -> Iterator[dict]:
+        q: queue.Queue = queue.Queue()
+        done = object()
+
+        async def produce():
+            try:
+                async for out in self.tokenizer_manager.generate_request(req):
+                    q.put(out)
+            except BaseException as exc:  # delivered to the consumer's thread
+                q.put(exc)
+            finally:
+                q.put(done)
+
+        task_fut = asyncio.run_coroutine_threadsafe(produce(), self.loop)
+        try:
+            while True:
+                item = q.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    if isinstance(item, asyncio.CancelledError):
+                        return
+                    raise item
+                yield item
+        finally:
+            if not task_fut.done():
+                task_fut.cancel()     # the consumer stopped early: abort the request
+
+    async def _stream_async(self, req: GenerateReqInput) -> AsyncIterator[dict]:
+        agen = self.tokenizer_manager.generate_request(req)
+        if _running_loop() is self.loop:
+            async for out in agen:
+                yield out
+            return
+        try:
+            while True:
+                try:
+                    out = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.__anext__(), self.loop))
+                except StopAsyncIteration:
+                    return
+                yield out
+        finally:
+            asyncio.run_coroutine_threadsafe(agen.aclose(), self.loop)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
+        return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+
+    # ==== control ====================================================================
+    def abort_request(self, rid: str) -> None:
+        self._run(self.tokenizer_manager.abort_request(rid))
+
+    def flush_cache(self) -> bool:
+        return self._run(self.tokenizer_manager.flush_cache()).success
+
+    def get_internal_state(self) -> dict:
+        return msgspec.structs.asdict(self._run(self.tokenizer_manager.get_internal_state()))
+
+    def get_server_info(self) -> dict:
+        info = {k: v for k, v in dataclasses.asdict(self.server_args).items() if k != "api_key"}
+        info.update(model_path=self.model_path, served_model_name=self.served_model_name,
+                    context_len=self.context_len, max_total_num_tokens=self.max_total_num_tokens,
+                    dtype=self.scheduler_info.get("dtype"), is_healthy=self.is_healthy,
+                    num_inflight_requests=len(self.tokenizer_manager.rid_to_state),
+                    ready_time_s=self.ready_time_s,
+                    pids={role: p.pid for role, p in self.procs.items()})
+        if self.is_healthy:
+            info["internal_state"] = self.get_internal_state()
+        return info
+
+    def step_gate(self, action: str, steps: int = 1) -> dict:
+        """Pause the scheduler, resume it, or run exactly `steps` iterations while paused."""
+        if action not in ("pause", "resume", "step"):
+            raise ValueError("action must be pause, resume or step")
+        out = self._run(self.tokenizer_manager.step_gate(action, steps))
+        return {"paused": out.paused, "step": out.step}
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        out = self._run(self.tokenizer_manager.get_weights_by_name(name, truncate_size))
+        if out.values is None:
+            raise ValueError(out.message)
+        return out.values
+
+    # ==== trace ======================================================================
+    def subscribe(self, maxsize: int = 100_000, with_snapshot: bool = True, name: str = ""):
+        """A Subscription to the trace bus (switches the tracers on while it lives)."""
+        return self.bus.subscribe(maxsize=maxsize, with_snapshot=with_snapshot, name=name)
+
+    def subscribe_callback(self, fn, name: str = ""):
+        return self.bus.subscribe_callback(fn, name=name)
+
+    def _on_listeners_changed(self, active: bool) -> None:
+        active = active or bool(self.server_args.trace_publish)
+        self.tracer.set_enabled(active)
+        if not self._shutdown and self.is_healthy or active:
+            try:
+                asyncio.run_coroutine_threadsafe(self.tokenizer_manager.set_trace(active), self.loop)
+            except RuntimeError:
+                pass
+
+    # ==== health and shutdown ===========================================================
+    def _watch_children(self) -> None:
+        sentinels = {p.sentinel: role for role, p in self.procs.items()}
+        while not self._shutdown:
+            ready = mp_wait(list(sentinels), timeout=0.5)
+            if self._shutdown or not ready:
+                continue
+            role = sentinels[ready[0]]
+            proc = self.procs[role]
+            reason = (f"the {role} process died (exit code {proc.exitcode}); the engine cannot serve "
+                      f"requests any more — restart it")
+            logger.error(reason)
+            self.is_healthy = False
+            self.bus.publish_batch([ev.ProcExited(ts=time.monotonic_ns(), proc="engine", pid=proc.pid or 0,
+                                                  role=role, exitcode=proc.exitcode, reason=reason)])
+            self.loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason)
+            return
+
+    def _run(self, coro):
+        """Run a coroutine on the engine loop and wait for it (from any thread but the loop's)."""
+        if _running_loop() is self.loop:
+            raise RuntimeError("use the async API (async_generate, ...) from inside the engine loop")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def shutdown(self) -> None:
+        """Stop every process and thread; idempotent."""
+        if self._shutdown:
+            return
+        self._shutdown = True
+        self.is_healthy = False
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs.values():
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2)
+        loop = getattr(self, "loop", None)
+        if loop is not None and loop.is_running():
+            tm = getattr(self, "tokenizer_manager", None)
+            if tm is not None:
+                loop.call_soon_threadsafe(tm.close)
+            loop.call_soon_threadsafe(loop.stop)
+            self._loop_thread.join(timeout=5)
+        if getattr(self, "_recorder", None) is not None:
+            self._recorder.close()
+        if getattr(self, "bus", None) is not None:
+            self.bus.close()
+        self.port_args.cleanup()
+        try:
+            atexit.unregister(self.shutdown)
+        except Exception:
+            pass
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _to_sampling_params(sp: Any) -> SamplingParams:
+    if sp is None:
+        return SamplingParams()
+    if isinstance(sp, SamplingParams):
+        return msgspec.structs.replace(sp)
+    if not isinstance(sp, dict):
+        raise ValueError("sampling_params must be a dict")
+    unknown = set(sp) - _SAMPLING_KEYS
+    if unknown:
+        raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}; "
+                         f"valid: {', '.join(sorted(_SAMPLING_KEYS))}")
+    try:
+        return msgspec.convert(sp, SamplingParams, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid sampling_params: {exc}") from None
+
+
+def _running_loop():
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _print_progress(msg: str) -> None:
+    print(f"[workbench] {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,124 @@
+"""OpenAI-style error responses for the HTTP server.
+
+Every error leaves the server as `{"error": {"message", "type", "param", "code"}}`
+with a status that says whose fault it is. The mapping (also in docs/http_server.md):
+
+| what                                                        | status |
+|-------------------------------------------------------------|--------|
+| malformed JSON, bad values (empty messages, negative or     | 400    |
+|   absurd max_tokens, prompt longer than the context, n too  |        |
+|   large, invalid sampling parameters from the engine)       |        |
+| missing or wrong API key                                    | 401    |
+| unknown model name, unknown route                           | 404    |
+| wrong HTTP method                                           | 405    |
+| request body over --max-request-body-bytes                  | 413    |
+| wrong JSON types, missing required or unknown fields        | 422    |
+| engine starting, shutting down or dead                      | 503    |
+
+Anything else is a bug: the catch-all handler logs the traceback and answers a
+plain 500 JSON error without it.
+"""
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any, Optional
+
+from fastapi.responses import JSONResponse
+
+logger = logging.getLogger(__name__)
+
+# status -> OpenAI "type"
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error the server reports to the client as it is (status, message, param, code)."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None,
+                 code: Optional[str] = None, err_type: Optional[str] = None):
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.err_type = err_type or _ERROR_TYPES.get(self.status, "invalid_request_error")
+
+    def to_dict(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.to_dict(), status_code=self.status)
+
+
+def error_body(message: str, err_type: str, param: Optional[str] = None,
+               code: Optional[str] = None) -> dict[str, Any]:
+    """The OpenAI error envelope."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, *, param: Optional[str] = None,
+                   code: Optional[str] = None) -> JSONResponse:
+    return APIError(status, message, param=param, code=code).response()
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def http_status_error(status: int, detail: Any = None) -> JSONResponse:
+    """OpenAI-shaped body for a Starlette HTTPException (404 route, 405 method...)."""
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "error"
+    message = detail if isinstance(detail, str) and detail else phrase
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    return error_response(status, message, code=code)
+
+
+def validation_error(exc: Exception) -> APIError:
+    """A pydantic ValidationError as a 422 naming the first offending field."""
+    errors = getattr(exc, "errors", None)
+    items = errors() if callable(errors) else []
+    if not items:
+        return APIError(422, str(exc), code="invalid_request")
+    first = items[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        msg = f"Unrecognized request argument supplied: {param}"
+    elif kind == "missing":
+        msg = f"Missing required parameter: {param}"
+    else:
+        msg = f"Invalid value for {param}: {first.get('msg', 'invalid')}" if param else first.get("msg", "invalid")
+    if len(items) > 1:
+        msg += f" (and {len(items) - 1} more error{'s' if len(items) > 2 else ''})"
+    return APIError(422, msg, param=param, code=kind or "invalid_request")
+
+
+def engine_error_to_api(exc: BaseException) -> APIError:
+    """Map what the engine raises to a client error: ValueError -> 400, dead engine -> 503."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        msg = str(exc) or "invalid request"
+        code = "context_length_exceeded" if "context" in msg.lower() else "invalid_request"
+        return APIError(400, msg, code=code)
+    name = type(exc).__name__
+    if name == "EngineDeadError" or isinstance(exc, (ConnectionError,)):
+        return APIError(503, f"The engine is unavailable: {exc}", code="engine_unavailable")
+    logger.error("internal error while serving a request", exc_info=exc)
+    return APIError(500, f"Internal server error ({name}); see the server log.", code="internal_error")

@@ -1,0 +1,224 @@
+"""Prometheus metrics with SGLang's names, folded from the engine's trace events.
+
+`ServerMetrics` subscribes a callback on the engine's trace bus (which also
+switches the child processes' tracers on) and folds the same events the TUI
+sees into counters, gauges and histograms:
+
+- `req.finished` -> prompt/generation/cached token counters, request count,
+  TTFT / inter-token latency / E2E histograms (ITL: the request's mean time per
+  output token, observed once per inter-token gap);
+- `batch.step` -> recent decode tokens, for `gen_throughput` (tokens/s over the
+  last `throughput_window_s` seconds);
+- `queue.state` -> `num_running_reqs`, `num_queue_reqs`;
+- `kv.usage` -> `num_used_tokens`, `token_usage`;
+- `req.retracted` -> `num_retracted_reqs`; `cache.evict` -> `evicted_tokens_total`.
+
+`cache_hit_rate` is cached_tokens_total / prompt_tokens_total (cumulative), so
+it does not drop to 0 while the engine decodes. Exposed with a private
+`CollectorRegistry` (one per server, so several apps in one process never
+clash); `render()` gives the text format for `GET /metrics`.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import Any, Iterable, Optional
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from workbench.core.trace import events as ev
+
+PREFIX = "sglang:"
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 600.0)
+
+
+class _Histogram:
+    """Cumulative bucket counts that can take k observations of one value at once."""
+
+    def __init__(self, buckets: Iterable[float]):
+        self.bounds = tuple(sorted(buckets))
+        self.counts = [0] * (len(self.bounds) + 1)    # last slot: +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        if count <= 0 or value != value:              # NaN never lands anywhere
+            return
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.sum += value * count
+
+    def family(self, name: str, doc: str, labels: dict[str, str]) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily(name, doc, labels=list(labels))
+        acc, buckets = 0, []
+        for bound, c in zip(self.bounds + (float("inf"),), self.counts):
+            acc += c
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), acc))
+        fam.add_metric(list(labels.values()), buckets, self.sum)
+        return fam
+
+
+class ServerMetrics:
+    """Folds trace event batches into SGLang-named Prometheus metrics; see the module docstring."""
+
+    def __init__(self, model_name: str, *, throughput_window_s: float = 10.0, max_remembered_rids: int = 50_000):
+        self.labels = {"model_name": model_name}
+        self.window_ns = int(throughput_window_s * 1e9)
+        self._lock = threading.Lock()
+        self._finished: OrderedDict[str, None] = OrderedDict()   # dedupe req.finished per rid
+        self._max_rids = max_remembered_rids
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.cached_tokens = 0
+        self.num_requests = 0
+        self.num_aborted = 0
+        self.num_retracted = 0
+        self.evicted_tokens = 0
+        self.dropped_events = 0
+        self._queues: dict[str, ev.QueueState] = {}
+        self._kv: dict[str, ev.KVUsage] = {}
+        self._decode_steps: deque[tuple[int, int]] = deque(maxlen=100_000)   # (ts, decode tokens)
+        self.ttft = _Histogram(TTFT_BUCKETS)
+        self.itl = _Histogram(ITL_BUCKETS)
+        self.e2e = _Histogram(E2E_BUCKETS)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self._handle: Any = None
+
+    # ---- input ----------------------------------------------------------------
+
+    def attach(self, engine: Any) -> None:
+        """Subscribe to the engine's trace (switches tracing on for the server's lifetime)."""
+        sub = getattr(engine, "subscribe_callback", None)
+        if sub is not None:
+            self._handle = sub(self.on_events)
+        else:
+            self._handle = engine.bus.subscribe_callback(self.on_events, name="http-metrics")
+
+    def close(self) -> None:
+        h, self._handle = self._handle, None
+        if h is not None:
+            try:
+                h.close()
+            except Exception:  # noqa: BLE001 - the bus may already be gone at shutdown
+                pass
+
+    def on_events(self, batch: list[ev.Event]) -> None:
+        """Bus callback (runs on the bus thread)."""
+        with self._lock:
+            for e in batch:
+                t = type(e)
+                if t is ev.BatchStep:
+                    dec = sum(r.decode for r in e.reqs)
+                    if dec:
+                        self._decode_steps.append((e.ts, dec))
+                elif t is ev.ReqFinished:
+                    self._on_finished(e)
+                elif t is ev.QueueState:
+                    old = self._queues.get(e.proc)
+                    if old is None or old.ts <= e.ts:
+                        self._queues[e.proc] = e
+                elif t is ev.KVUsage:
+                    old = self._kv.get(e.proc)
+                    if old is None or old.ts <= e.ts:
+                        self._kv[e.proc] = e
+                elif t is ev.ReqRetracted:
+                    self.num_retracted += 1
+                elif t is ev.CacheEvict:
+                    self.evicted_tokens += e.tokens
+                elif t is ev.TraceDropped:
+                    self.dropped_events += e.count
+
+    def _on_finished(self, e: ev.ReqFinished) -> None:
+        if e.rid in self._finished:
+            return
+        self._finished[e.rid] = None
+        if len(self._finished) > self._max_rids:
+            self._finished.popitem(last=False)
+        self.num_requests += 1
+        self.prompt_tokens += e.prompt_tokens
+        self.generation_tokens += e.completion_tokens
+        self.cached_tokens += e.cached_tokens
+        if e.reason == "abort":
+            self.num_aborted += 1
+            return
+        self.ttft.observe(e.ttft)
+        self.e2e.observe(e.e2e)
+        if e.completion_tokens > 1:
+            self.itl.observe(e.tpot, e.completion_tokens - 1)
+
+    # ---- derived values ---------------------------------------------------------
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def gen_throughput(self, now_ns: Optional[int] = None) -> float:
+        """Decode tokens/s over the last window (0 when idle for a whole window)."""
+        now = time.monotonic_ns() if now_ns is None else now_ns
+        lo = now - self.window_ns
+        total = sum(n for ts, n in self._decode_steps if lo < ts <= now)
+        return total / (self.window_ns / 1e9)
+
+    def snapshot(self) -> dict[str, float]:
+        """The current values by short name (for tests and /get_server_info)."""
+        with self._lock:
+            running = sum(len(q.running) for q in self._queues.values())
+            waiting = sum(len(q.waiting) for q in self._queues.values())
+            used = sum(k.used for k in self._kv.values())
+            total = sum(k.total for k in self._kv.values())
+            return {
+                "num_running_reqs": running, "num_queue_reqs": waiting,
+                "num_used_tokens": used, "token_usage": used / total if total else 0.0,
+                "gen_throughput": self.gen_throughput(), "cache_hit_rate": self.cache_hit_rate,
+                "prompt_tokens_total": self.prompt_tokens, "generation_tokens_total": self.generation_tokens,
+                "cached_tokens_total": self.cached_tokens, "num_requests_total": self.num_requests,
+                "num_aborted_requests_total": self.num_aborted, "num_retracted_reqs": self.num_retracted,
+                "evicted_tokens_total": self.evicted_tokens, "trace_dropped_events_total": self.dropped_events,
+            }
+
+    # ---- prometheus -------------------------------------------------------------
+
+    def collect(self):
+        """prometheus_client Collector protocol: called on every scrape."""
+        s = self.snapshot()
+        names, values = list(self.labels), list(self.labels.values())
+
+        def gauge(short, doc):
+            g = GaugeMetricFamily(PREFIX + short, doc, labels=names)
+            g.add_metric(values, float(s[short]))
+            return g
+
+        def counter(short, doc):
+            # CounterMetricFamily appends _total itself.
+            c = CounterMetricFamily(PREFIX + short.removesuffix("_total"), doc, labels=names)
+            c.add_metric(values, float(s[short]))
+            return c
+
+        yield gauge("num_running_reqs", "Requests in the running batch.")
+        yield gauge("num_queue_reqs", "Requests waiting in the scheduler's queue.")
+        yield gauge("num_used_tokens", "KV cache slots held by requests.")
+        yield gauge("token_usage", "Fraction of the KV cache held by requests.")
+        yield gauge("gen_throughput", "Decode throughput (tokens/s) over the recent window.")
+        yield gauge("cache_hit_rate", "Prefix cache hit rate: cached_tokens_total / prompt_tokens_total.")
+        yield gauge("num_retracted_reqs", "Requests retracted (preempted) since the server started.")
+        yield counter("prompt_tokens_total", "Prompt tokens of finished requests.")
+        yield counter("generation_tokens_total", "Generated tokens of finished requests.")
+        yield counter("cached_tokens_total", "Prompt tokens served from the prefix cache.")
+        yield counter("num_requests_total", "Finished requests (aborted ones included).")
+        yield counter("num_aborted_requests_total", "Aborted requests.")
+        yield counter("evicted_tokens_total", "Tokens evicted from the radix cache.")
+        yield counter("trace_dropped_events_total", "Trace events lost before reaching the metrics.")
+        with self._lock:
+            yield self.ttft.family(PREFIX + "time_to_first_token_seconds", "Time to first token.", self.labels)
+            yield self.itl.family(PREFIX + "inter_token_latency_seconds", "Time between output tokens.",
+                                  self.labels)
+            yield self.e2e.family(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.",
+                                  self.labels)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

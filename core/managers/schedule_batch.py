@@ -1,0 +1,250 @@
+"""Req, ScheduleBatch and ModelWorkerBatch: the scheduler's view of requests and batches.
+
+- `Req` is one request's whole life inside the scheduler: its tokens, where its KV
+  lives (`req_pool_idx`, `prefix_indices`, `kv_len`), its cache lock (`last_node`),
+  and why it stopped (`finished_reason`).
+- `ScheduleBatch` is a set of requests the scheduler runs together; it allocates
+  KV slots and turns itself into a `ModelWorkerBatch` (plain tensors and lists:
+  everything the model worker needs, nothing about scheduling).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from workbench.core.model_executor.forward_batch_info import ForwardMode
+from workbench.core.sampling.sampling_batch_info import SamplingBatchInfo, make_generator
+from workbench.core.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class FinishReason:
+    type: str                                   # "stop" | "length" | "abort"
+    matched: Optional[Union[int, str]] = None   # the stop token id or stop string
+    message: str = ""
+
+
+_EMPTY = torch.empty((0,), dtype=torch.int64)
+
+
+class Req:
+    """One request inside the scheduler."""
+
+    def __init__(self, rid: str, origin_input_text: str, origin_input_ids: list[int],
+                 sampling_params: SamplingParams, eos_token_ids: list[int], return_logprob: bool = False,
+                 top_logprobs_num: int = 0, logprob_start_len: int = -1, arrival_ts: int = 0):
+        self.rid = rid
+        self.origin_input_text = origin_input_text
+        self.origin_input_ids = origin_input_ids
+        self.sampling_params = sampling_params
+        self.finish_token_ids = set(sampling_params.finish_token_ids(eos_token_ids))
+        self.stop_strs = sampling_params.stop_strs
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num
+        self.logprob_start_len = logprob_start_len
+        self.arrival_ts = arrival_ts
+        self.generator = make_generator(sampling_params.seed) if sampling_params.seed is not None else None
+
+        self.output_ids: list[int] = []
+        self.fill_ids: list[int] = []            # tokens whose KV is wanted after this round
+        self.prefix_indices: torch.Tensor = _EMPTY
+        self.last_node = None
+        self.req_pool_idx: Optional[int] = None
+        self.kv_len = 0                          # tokens whose KV is in the pool
+        self.extend_input_len = 0
+        self.cached_tokens = 0                   # prefix-cache hit of the first prefill
+        self.is_retracted = False
+        self.num_chunks_done = 0                 # prefill chunks run in this round
+        self.finished_reason: Optional[FinishReason] = None
+        self.to_abort: Optional[str] = None
+        self.sent_len = 0                        # output tokens already sent to the detokenizer
+        self.output_token_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        self.input_token_logprobs: list[Optional[float]] = []
+        self.input_logprobs_sent = False
+
+    # ---- lifecycle -------------------------------------------------------------
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def init_next_round_input(self, tree_cache=None) -> None:
+        """Set fill_ids for the next prefill round and (re)match the cached prefix.
+
+        With `tree_cache=None` the current prefix_indices are kept (a chunked request
+        continuing: its computed part is already recorded as its prefix).
+        """
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        if tree_cache is not None:
+            # At least one token must be computed to get logits to sample from.
+            limit = len(self.fill_ids) - 1
+            if self.return_logprob and self.logprob_start_len >= 0:
+                limit = min(limit, self.logprob_start_len)
+            match = tree_cache.match_prefix(self.fill_ids[:limit])
+            self.prefix_indices, self.last_node = match.device_indices, match.last_node
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def check_finished(self, tail_decode=None) -> None:
+        """Stop on max_new_tokens, a stop/EOS token, or a stop string in the decoded tail."""
+        if self.finished():
+            return
+        if self.to_abort is not None:
+            self.finished_reason = FinishReason("abort", message=self.to_abort)
+            return
+        sp = self.sampling_params
+        if len(self.output_ids) >= sp.max_new_tokens:
+            self.finished_reason = FinishReason("length", matched=sp.max_new_tokens)
+            return
+        if len(self.output_ids) < sp.min_new_tokens:
+            return
+        last = self.output_ids[-1]
+        if last in self.finish_token_ids:
+            self.finished_reason = FinishReason("stop", matched=last)
+            return
+        if self.stop_strs and tail_decode is not None:
+            longest = max(len(s) for s in self.stop_strs)
+            # A token decodes to >= 1 char, so `longest + 1` tokens cover any match ending now.
+            tail = tail_decode(self.output_ids[-(longest + 1):])
+            for s in self.stop_strs:
+                if s in tail:
+                    self.finished_reason = FinishReason("stop", matched=s)
+                    return
+
+    def reset_for_retract(self) -> None:
+        self.prefix_indices = _EMPTY
+        self.last_node = None
+        self.req_pool_idx = None
+        self.kv_len = 0
+        self.extend_input_len = 0
+        self.num_chunks_done = 0
+        self.is_retracted = True
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
+
+
+@dataclass
+class ModelWorkerBatch:
+    """Everything one forward + sample needs, and nothing about scheduling."""
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    seq_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+    sampling_info: SamplingBatchInfo
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_all_logits: bool = False
+    sample: bool = True
+
+
+@dataclass
+class ScheduleBatch:
+    """A set of requests run together in one forward pass."""
+    reqs: list[Req]
+    req_to_token_pool: object
+    token_to_kv_pool_allocator: object
+    tree_cache: object
+    vocab_size: int
+    eos_token_ids: list[int]
+    forward_mode: ForwardMode = ForwardMode.DECODE
+    chunked_req: Optional[Req] = None          # the request whose prefill is cut in this batch
+    cuda_graph: bool = False
+    padded_size: int = 0
+    extend_logprob_reqs: list[int] = field(default_factory=list)
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    # ---- memory ---------------------------------------------------------------
+    def alloc_token_slots(self, n: int) -> torch.Tensor:
+        """n KV slots, evicting unlocked cache entries first if the pool is short."""
+        alloc = self.token_to_kv_pool_allocator
+        if alloc.available_size() < n:
+            self.tree_cache.evict(n - alloc.available_size())
+        out = alloc.alloc(n)
+        if out is None:
+            raise RuntimeError(f"KV pool out of memory: {n} slots wanted, "
+                               f"{alloc.available_size()} free; the scheduler's budget is wrong")
+        return out
+
+    # ---- extend (prefill) -------------------------------------------------------
+    def prepare_for_extend(self) -> ModelWorkerBatch:
+        self.forward_mode = ForwardMode.EXTEND
+        new_rows = [r for r in self.reqs if r.req_pool_idx is None]
+        if new_rows:
+            rows = self.req_to_token_pool.alloc(len(new_rows))
+            if rows is None:
+                raise RuntimeError("no free request rows; the scheduler's budget is wrong")
+            for r, row in zip(new_rows, rows):
+                r.req_pool_idx = row
+        ext_lens = [r.extend_input_len for r in self.reqs]
+        out_cache_loc = self.alloc_token_slots(sum(ext_lens))
+        table = self.req_to_token_pool.req_to_token
+        ids, pos, prefix_lens, seq_lens, offset = [], [], [], [], 0
+        for r, n in zip(self.reqs, ext_lens):
+            p = len(r.prefix_indices)
+            if p and r.kv_len < p:   # prefix slots from the cache go into this row
+                table[r.req_pool_idx, :p] = r.prefix_indices
+            table[r.req_pool_idx, p:p + n] = out_cache_loc[offset:offset + n]
+            offset += n
+            ids += r.fill_ids[p:p + n]
+            pos += range(p, p + n)
+            prefix_lens.append(p)
+            seq_lens.append(p + n)
+        return_logprob = any(r.return_logprob for r in self.reqs)
+        return ModelWorkerBatch(
+            forward_mode=self.forward_mode,
+            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(pos, dtype=torch.int64),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64), out_cache_loc=out_cache_loc,
+            seq_lens_cpu=seq_lens, extend_seq_lens_cpu=ext_lens, extend_prefix_lens_cpu=prefix_lens,
+            sampling_info=self._sampling_info(), return_logprob=return_logprob,
+            top_logprobs_num=max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0),
+            return_all_logits=any(r.return_logprob and r.logprob_start_len >= 0 for r in self.reqs))
+
+    # ---- decode -------------------------------------------------------------------
+    def new_decode_tokens_needed(self) -> int:
+        return len(self.reqs)
+
+    def prepare_for_decode(self) -> ModelWorkerBatch:
+        self.forward_mode = ForwardMode.DECODE
+        out_cache_loc = self.alloc_token_slots(len(self.reqs))
+        table = self.req_to_token_pool.req_to_token
+        for r, slot in zip(self.reqs, out_cache_loc):
+            table[r.req_pool_idx, r.kv_len] = slot
+        seq_lens = [r.kv_len + 1 for r in self.reqs]
+        return_logprob = any(r.return_logprob for r in self.reqs)
+        return ModelWorkerBatch(
+            forward_mode=self.forward_mode,
+            input_ids=torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64),
+            positions=torch.tensor([r.kv_len for r in self.reqs], dtype=torch.int64),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64), out_cache_loc=out_cache_loc,
+            seq_lens_cpu=seq_lens, extend_seq_lens_cpu=[1] * len(self.reqs),
+            extend_prefix_lens_cpu=[r.kv_len for r in self.reqs],
+            sampling_info=self._sampling_info(), return_logprob=return_logprob,
+            top_logprobs_num=max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0))
+
+    def _sampling_info(self) -> SamplingBatchInfo:
+        return SamplingBatchInfo.from_reqs(
+            [r.sampling_params for r in self.reqs], output_ids=[r.output_ids for r in self.reqs],
+            prompt_ids=[r.origin_input_ids for r in self.reqs], vocab_size=self.vocab_size,
+            eos_ids=[sorted(r.finish_token_ids) for r in self.reqs],
+            generators=[r.generator for r in self.reqs])
+
+    # ---- membership ----------------------------------------------------------------
+    def filter_batch(self, keep: Optional[list[Req]] = None) -> None:
+        """Drop finished requests (or keep exactly `keep`)."""
+        self.reqs = [r for r in self.reqs if not r.finished()] if keep is None else keep
+
+    def merge_batch(self, other: "ScheduleBatch") -> None:
+        self.reqs.extend(other.reqs)

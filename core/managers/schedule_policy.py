@@ -1,0 +1,165 @@
+"""Which waiting requests go next (SchedulePolicy) and how many fit (PrefillAdder).
+
+Policies (`--schedule-policy`):
+- fcfs        first come, first served (the queue order).
+- lpm         longest prefix match first: requests that reuse the most cached KV.
+- dfs-weight  walk the radix tree depth-first, heaviest subtree first, so requests
+              sharing a prefix run back to back while that prefix is still cached.
+- lof         longest output first (largest max_new_tokens).
+- random      shuffled (a baseline for experiments).
+Prefix-aware policies fall back to fcfs when the queue is long, because matching
+every waiting request each step would cost more than it saves.
+"""
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from enum import Enum, auto
+from typing import Optional
+
+from workbench.core.managers.schedule_batch import Req
+
+PREFIX_POLICY_MAX_QUEUE = 128
+# Reserve for output tokens is clipped: a request asking for 4096 new tokens
+# should not block admission as if it will surely use them all.
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, tree_cache, enable_prefix_cache: bool, rng_seed: int = 0):
+        self.policy = policy
+        self.tree_cache = tree_cache
+        self.enable_prefix_cache = enable_prefix_cache
+        self.rng = random.Random(rng_seed)
+
+    def calc_priority(self, waiting_queue: list[Req]) -> None:
+        """Reorder `waiting_queue` in place; prefix-aware policies also match prefixes."""
+        policy = self.policy
+        if policy in ("lpm", "dfs-weight") and (not self.enable_prefix_cache
+                                                or len(waiting_queue) > PREFIX_POLICY_MAX_QUEUE):
+            policy = "fcfs"
+        if policy == "fcfs":
+            return
+        if policy == "lof":
+            waiting_queue.sort(key=lambda r: -r.sampling_params.max_new_tokens)
+        elif policy == "random":
+            self.rng.shuffle(waiting_queue)
+        elif policy == "lpm":
+            for r in waiting_queue:
+                r.init_next_round_input(self.tree_cache)
+            waiting_queue.sort(key=lambda r: -len(r.prefix_indices))
+        elif policy == "dfs-weight":
+            self._dfs_weight(waiting_queue)
+
+    def _dfs_weight(self, waiting_queue: list[Req]) -> None:
+        by_node = defaultdict(list)
+        for r in waiting_queue:
+            r.init_next_round_input(self.tree_cache)
+            by_node[r.last_node].append(r)
+        weight: dict = defaultdict(int)
+        for node, reqs in by_node.items():
+            n = node
+            while n is not None:          # each request adds weight to its whole path
+                weight[n] += len(reqs)
+                n = n.parent
+        order: list[Req] = []
+        stack = [self.tree_cache.root_node]
+        while stack:
+            node = stack.pop()
+            order.extend(by_node.get(node, ()))
+            kids = sorted((c for c in node.children.values() if weight[c] > 0), key=lambda c: weight[c])
+            stack.extend(kids)           # heaviest popped first
+        waiting_queue[:] = order
+
+
+class AddReqResult(Enum):
+    CONTINUE = auto()      # added; more may fit
+    NO_TOKEN = auto()      # the KV pool cannot hold it now
+    OTHER = auto()         # a per-batch limit (prefill tokens, chunk) is reached
+
+
+class PrefillAdder:
+    """Admits waiting requests into one prefill batch within the token budgets.
+
+    Budgets: `rem_total_tokens` = free + evictable KV minus what running requests
+    are still expected to decode (scaled by `new_token_ratio`); `rem_input_tokens`
+    = --max-prefill-tokens; `rem_chunk_tokens` = --chunked-prefill-size (a request
+    larger than what is left is cut, and carried to the next step as the chunked req).
+    """
+
+    def __init__(self, tree_cache, token_to_kv_pool_allocator, running_reqs: list[Req],
+                 new_token_ratio: float, max_prefill_tokens: int, chunked_prefill_size: Optional[int]):
+        self.tree_cache = tree_cache
+        self.rem_total_tokens = (token_to_kv_pool_allocator.available_size() + tree_cache.evictable_size()
+                                 - sum(self._reserve(r, new_token_ratio) for r in running_reqs))
+        self.rem_input_tokens = max_prefill_tokens
+        self.rem_chunk_tokens = chunked_prefill_size
+        self.new_token_ratio = new_token_ratio
+        self.can_run_list: list[Req] = []
+        self.new_chunked_req: Optional[Req] = None
+
+    @staticmethod
+    def _reserve(req: Req, ratio: float) -> int:
+        left = min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS) - len(req.output_ids)
+        return int(max(left, 0) * ratio)
+
+    def _lock(self, req: Req) -> None:
+        # The matched prefix must survive evictions made for this very batch.
+        delta = self.tree_cache.inc_lock_ref(req.last_node)
+        self.rem_total_tokens += delta   # locked tokens are no longer evictable
+
+    def add_chunked_req(self, req: Req) -> Optional[Req]:
+        """Continue a request whose prefill was cut in the previous step."""
+        truncated = self.rem_chunk_tokens is not None and req.extend_input_len > self.rem_chunk_tokens
+        n = min(req.extend_input_len, self.rem_chunk_tokens) if self.rem_chunk_tokens else req.extend_input_len
+        req.extend_input_len = n
+        req.fill_ids = req.fill_ids[: len(req.prefix_indices) + n]
+        self.can_run_list.append(req)
+        self._consume(n, 0 if truncated else self._reserve(req, 1.0))
+        return req if truncated else None
+
+    def add_one_req(self, req: Req) -> AddReqResult:
+        need_total = req.extend_input_len + self._reserve(req, 1.0)
+        if need_total > self.rem_total_tokens:
+            return AddReqResult.NO_TOKEN
+        if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
+            return AddReqResult.OTHER
+        chunk = self.rem_chunk_tokens
+        if (chunk is None or req.extend_input_len <= chunk) and req.extend_input_len <= self.rem_input_tokens:
+            self.can_run_list.append(req)
+            self._lock(req)
+            self._consume(req.extend_input_len, self._reserve(req, 1.0))
+            return AddReqResult.CONTINUE
+        if chunk is None:
+            # Without chunking a prompt larger than the per-step budget still runs, alone.
+            if self.can_run_list:
+                return AddReqResult.OTHER
+            self.can_run_list.append(req)
+            self._lock(req)
+            self._consume(req.extend_input_len, self._reserve(req, 1.0))
+            return AddReqResult.OTHER
+        # Cut the prompt: compute what fits now, carry the rest as the chunked request.
+        n = min(chunk, self.rem_input_tokens)
+        req.extend_input_len = n
+        req.fill_ids = req.fill_ids[: len(req.prefix_indices) + n]
+        self.can_run_list.append(req)
+        self._lock(req)
+        self.new_chunked_req = req
+        self._consume(n, 0)
+        return AddReqResult.OTHER
+
+    def _consume(self, extend: int, reserve: int) -> None:
+        self.rem_total_tokens -= extend + reserve
+        self.rem_input_tokens -= extend
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend
+
+
+def register_builtin(registry) -> None:
+    """Built-in policies, registered through the plugin host like any other."""
+    for name, help_text in (("fcfs", "first come, first served"),
+                            ("lpm", "longest cached prefix first"),
+                            ("dfs-weight", "depth-first over the radix tree, heaviest subtree first"),
+                            ("lof", "longest output first"), ("random", "shuffled")):
+        registry.add_policy(name, lambda tree_cache, _n=name, **kw: SchedulePolicy(_n, tree_cache, True, **kw),
+                            help=help_text)

@@ -1,0 +1,420 @@
+"""The Scheduler process: continuous batching over a radix prefix cache.
+
+One iteration of the event loop (`event_loop_normal`) is the whole story:
+
+    recv_requests()            take new requests and control messages off the socket
+    process_input_requests()   queue new requests, answer control messages
+    get_next_batch_to_run()    a prefill batch if one can be formed, else the decode batch
+    run_batch()                forward + sample on the model worker
+    process_batch_result()     append tokens, check stops, hand KV to the radix cache,
+                               stream new tokens to the detokenizer
+
+Every step emits trace events (batch composition, queues, KV usage, cache activity).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Optional
+
+import zmq
+
+from workbench.core.args import ServerArgs
+from workbench.core.io_struct import (
+    AbortReq, FlushCacheReq, FlushCacheReqOutput, GetInternalStateReq, GetInternalStateReqOutput,
+    GetWeightsByNameReq, SetTraceReq, StepGateReq, StepGateReqOutput, TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReq)
+from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_msg
+from workbench.core.managers.schedule_batch import FinishReason, Req, ScheduleBatch
+from workbench.core.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from workbench.core.managers.scheduler_output import SchedulerOutputMixin
+from workbench.core.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from workbench.core.mem_cache.chunk_cache import ChunkCache
+from workbench.core.mem_cache.radix_cache import RadixCache
+from workbench.core.model_executor.forward_batch_info import ForwardMode
+from workbench.core.trace import events as ev
+from workbench.core.trace.tracer import Tracer
+
+logger = logging.getLogger(__name__)
+
+# new_token_ratio: the fraction of each running request's remaining max_new_tokens the
+# admission budget reserves. It starts high (conservative), decays each decode step as
+# requests finish early, and jumps back up after a retraction.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+TREE_SNAPSHOT_INTERVAL_NS = 250_000_000
+
+
+class Scheduler(SchedulerOutputMixin):
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0, tp_size: int = 1,
+                 prepared=None, proc_name: str = "scheduler"):
+        self.server_args = server_args
+        self.port_args = port_args
+        self.tracer = Tracer(proc_name, endpoint=port_args.trace_ipc_name)
+        self.tp_worker = TpModelWorker(server_args, tp_rank, tp_size, prepared)
+        runner = self.tp_worker.model_runner
+        self.model_config = runner.model_config
+        self.max_total_num_tokens = runner.max_total_num_tokens
+        self.max_running_requests = runner.max_running_requests
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.token_to_kv_pool_allocator = runner.token_to_kv_pool_allocator
+        self.tokenizer = _load_fast_tokenizer(runner.prepared.model_dir)
+
+        cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
+        self.tree_cache = cache_cls(self.req_to_token_pool, self.token_to_kv_pool_allocator,
+                                    on_event=self._on_cache_event, decode_text=self._decode_preview)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache,
+                                     not server_args.disable_radix_cache, server_args.random_seed)
+        self.chunked_prefill_size = server_args.resolved_chunked_prefill_size()
+        self.max_prefill_tokens = server_args.max_prefill_tokens
+        self.max_req_input_len = self.model_config.context_len - 1
+
+        self.waiting_queue: list[Req] = []
+        self.running_batch: ScheduleBatch = self._new_batch([])
+        self.chunked_req: Optional[Req] = None
+        self.last_batch: Optional[ScheduleBatch] = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.forward_ct = 0
+        self.num_retracted_total = 0
+        self.last_tree_snapshot_ns = 0
+        self.tree_dirty = True
+        self.last_gen_throughput = 0.0
+        self._step_start = 0.0
+        # Step gate: while paused the loop runs only when given step credits.
+        self.paused = False
+        self.step_credits = 0
+        self.pending_step_reply = False
+
+        ctx = zmq.Context(2)
+        self.recv_from_tokenizer = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
+        self.send_to_detokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
+        self.poller = zmq.Poller()
+        self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+
+    def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        return ScheduleBatch(reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
+                             self.model_config.vocab_size, self.model_config.eos_token_ids)
+
+    # ==== the event loop ==========================================================
+    def event_loop_normal(self) -> None:
+        while True:
+            recv_reqs = self.recv_requests()
+            self.process_input_requests(recv_reqs)
+            if self.paused and self.step_credits == 0:
+                continue                       # recv_requests blocks briefly: no busy spin
+            batch = self.get_next_batch_to_run()
+            if batch is not None:
+                result = self.run_batch(batch)
+                self.process_batch_result(batch, result)
+            self.last_batch = batch
+            self.finish_step(batch)
+
+    def recv_requests(self) -> list:
+        """Everything waiting on the input socket; blocks up to 50 ms when there is no work."""
+        idle = (not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None) \
+            or (self.paused and self.step_credits == 0)
+        if idle:
+            self.tracer.flush()
+            self.poller.poll(50)
+        return recv_all_nowait(self.recv_from_tokenizer)
+
+    def process_input_requests(self, recv_reqs: list) -> None:
+        for msg in recv_reqs:
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.handle_generate_request(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort_request(msg.rid)
+            elif isinstance(msg, FlushCacheReq):
+                send_msg(self.send_to_detokenizer, FlushCacheReqOutput(success=self.flush_cache()))
+            elif isinstance(msg, GetInternalStateReq):
+                send_msg(self.send_to_detokenizer, self.get_internal_state())
+            elif isinstance(msg, SetTraceReq):
+                self.tracer.set_enabled(msg.enabled)
+                if msg.enabled:
+                    self.emit_snapshot()
+            elif isinstance(msg, StepGateReq):
+                self.handle_step_gate(msg)
+            elif isinstance(msg, (UpdateWeightsFromDiskReq, GetWeightsByNameReq)):
+                self.handle_weights_request(msg)
+            else:
+                logger.warning("scheduler: ignoring unexpected message %s", type(msg).__name__)
+
+    def begin_step(self) -> None:
+        self.forward_ct += 1
+        self.tracer.begin_step(self.forward_ct)
+        self._step_start = time.perf_counter()
+
+    def finish_step(self, batch: Optional[ScheduleBatch]) -> None:
+        if batch is not None and self.paused and self.step_credits > 0:
+            self.step_credits -= 1
+            if self.step_credits == 0 and self.pending_step_reply:
+                self.pending_step_reply = False
+                send_msg(self.send_to_detokenizer, StepGateReqOutput(paused=True, step=self.forward_ct))
+        if self.tracer.enabled:
+            if batch is not None:
+                self.emit_state()
+            self.tracer.flush()
+
+    # ==== requests in =================================================================
+    def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
+        req = Req(recv.rid, recv.input_text, list(recv.input_ids), recv.sampling_params,
+                  self.model_config.eos_token_ids, recv.return_logprob, recv.top_logprobs_num,
+                  recv.logprob_start_len, recv.arrival_ts)
+        error = None
+        if not req.origin_input_ids:
+            error = "the prompt is empty"
+        elif len(req.origin_input_ids) > self.max_req_input_len:
+            error = (f"the prompt has {len(req.origin_input_ids)} tokens; this model's context allows "
+                     f"{self.max_req_input_len}")
+        elif len(req.origin_input_ids) + req.sampling_params.max_new_tokens > self.max_total_num_tokens:
+            error = (f"prompt ({len(req.origin_input_ids)}) + max_new_tokens ({req.sampling_params.max_new_tokens}) "
+                     f"can never fit in the KV pool of {self.max_total_num_tokens} tokens")
+        if error is not None:
+            req.finished_reason = FinishReason("abort", message=error)
+            self.stream_output([req])
+            return
+        self.waiting_queue.append(req)
+        if self.tracer.enabled:
+            self.tracer.emit(ev.ReqQueued(rid=req.rid, prompt_tokens=len(req.origin_input_ids),
+                                          queue_len=len(self.waiting_queue)))
+
+    def abort_request(self, rid: str) -> None:
+        """Abort one request ("" = all): dropped from the queue, or stopped at its next step."""
+        keep = []
+        for req in self.waiting_queue:
+            if rid in ("", req.rid):
+                req.finished_reason = FinishReason("abort", message="aborted")
+                if req.is_retracted:
+                    req.is_retracted = False
+                self.stream_output([req])
+                if self.tracer.enabled:
+                    self.tracer.emit(ev.ReqAborted(rid=req.rid, reason="aborted while waiting"))
+            else:
+                keep.append(req)
+        self.waiting_queue = keep
+        for req in self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []):
+            if rid in ("", req.rid):
+                req.to_abort = "aborted"
+
+    # ==== choosing the next batch ========================================================
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+        # Requests that just finished their prefill join the running (decode) batch.
+        if self.last_batch is not None and self.last_batch.forward_mode == ForwardMode.EXTEND:
+            done_prefill = [r for r in self.last_batch.reqs if not r.finished() and r is not self.chunked_req]
+            self.running_batch.merge_batch(self._new_batch(done_prefill))
+        self.begin_step()
+        batch = self.get_new_batch_prefill()
+        if batch is not None:
+            return batch
+        if not self.running_batch.is_empty():
+            self.update_running_batch()
+            return self.running_batch if not self.running_batch.is_empty() else None
+        return None
+
+    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running = len(self.running_batch.reqs)
+        if running >= self.max_running_requests and self.chunked_req is None:
+            return None
+        self.policy.calc_priority(self.waiting_queue)
+        adder = PrefillAdder(self.tree_cache, self.token_to_kv_pool_allocator, self.running_batch.reqs,
+                             self.new_token_ratio, self.max_prefill_tokens, self.chunked_prefill_size)
+        chunk_carry = None
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input()   # keep its prefix: its computed part
+            chunk_carry = adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting_queue:
+            if running + len(adder.can_run_list) >= self.max_running_requests:
+                break
+            if self.req_to_token_pool.available_size() <= len([r for r in adder.can_run_list
+                                                               if r.req_pool_idx is None]):
+                break
+            req.init_next_round_input(self.tree_cache)
+            if adder.add_one_req(req) != AddReqResult.CONTINUE:
+                break
+        if not adder.can_run_list:
+            return None
+        admitted = set(id(r) for r in adder.can_run_list)
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        self.chunked_req = adder.new_chunked_req or chunk_carry
+        batch = self._new_batch(adder.can_run_list)
+        batch.chunked_req = self.chunked_req
+        for req in adder.can_run_list:
+            if req.num_chunks_done == 0 and not req.is_retracted:
+                req.cached_tokens = len(req.prefix_indices)
+        return batch
+
+    def update_running_batch(self) -> None:
+        """Drop finished requests; retract some if the pool cannot hold one more token each."""
+        batch = self.running_batch
+        batch.filter_batch()
+        if batch.is_empty():
+            return
+        need = batch.new_decode_tokens_needed()
+        if self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size() < need:
+            self.retract_decode(batch, need)
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+
+    def retract_decode(self, batch: ScheduleBatch, need: int) -> None:
+        """Send decoding requests back to the queue until the rest can take a step."""
+        # Retract the requests that have decoded least (cheapest to redo), longest prompt first.
+        order = sorted(batch.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        retracted = []
+        while order and (self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+                         < len(order)):
+            req = order.pop(0)
+            self.release_req_kv(req)
+            req.reset_for_retract()
+            retracted.append(req)
+            if self.tracer.enabled:
+                self.tracer.emit(ev.ReqRetracted(rid=req.rid, output_tokens=len(req.output_ids)))
+        batch.filter_batch([r for r in batch.reqs if r not in retracted])
+        self.waiting_queue = retracted + self.waiting_queue
+        self.num_retracted_total += len(retracted)
+        # After a retraction, be conservative again about how much decoding lies ahead.
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+
+    def release_req_kv(self, req: Req) -> None:
+        """Free a request's own KV slots and row; the cached prefix stays in the tree."""
+        table = self.req_to_token_pool.req_to_token
+        p = len(req.prefix_indices)
+        if req.kv_len > p:
+            self.token_to_kv_pool_allocator.free(table[req.req_pool_idx, p:req.kv_len].clone())
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+
+    # ==== running ==================================================================
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        if batch is self.running_batch:
+            mwb = batch.prepare_for_decode()
+        else:
+            mwb = batch.prepare_for_extend()
+        schedule_ms = (time.perf_counter() - self._step_start) * 1000
+        result = self.tp_worker.forward_batch_generation(mwb)
+        if self.tracer.enabled:
+            self.emit_batch_step(batch, schedule_ms, result.forward_ms)
+        if batch.forward_mode == ForwardMode.DECODE and result.forward_ms > 0:
+            self.last_gen_throughput = len(batch.reqs) / (result.forward_ms / 1000)
+        return result
+
+    # ==== control ====================================================================
+    def flush_cache(self) -> bool:
+        """Reset the radix cache; only allowed when idle (nothing queued or running)."""
+        if self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req is not None:
+            return False
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.token_to_kv_pool_allocator.clear()
+        self.tree_dirty = True
+        if self.tracer.enabled:
+            self.emit_snapshot()
+        return True
+
+    def get_internal_state(self) -> GetInternalStateReqOutput:
+        alloc = self.token_to_kv_pool_allocator
+        free = alloc.available_size()
+        evictable = self.tree_cache.evictable_size()
+        return GetInternalStateReqOutput(
+            num_waiting=len(self.waiting_queue), num_running=len(self.running_batch.reqs),
+            kv_total=self.max_total_num_tokens, kv_free=free, kv_evictable=evictable,
+            kv_used=self.max_total_num_tokens - free - evictable,
+            req_slots_free=self.req_to_token_pool.available_size(),
+            req_slots_total=self.req_to_token_pool.size, step=self.forward_ct,
+            max_total_num_tokens=self.max_total_num_tokens, max_running_requests=self.max_running_requests,
+            max_req_input_len=self.max_req_input_len, last_gen_throughput=self.last_gen_throughput)
+
+    def handle_step_gate(self, msg: StepGateReq) -> None:
+        if msg.action == "pause":
+            self.paused, self.step_credits = True, 0
+        elif msg.action == "resume":
+            self.paused, self.step_credits = False, 0
+        elif msg.action == "step":
+            self.paused = True
+            self.step_credits += max(1, msg.steps)
+            self.pending_step_reply = True
+            # With nothing to run a step is a no-op: answer at once rather than hang the caller.
+            if not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None:
+                self.step_credits = 0
+                self.pending_step_reply = False
+            else:
+                return
+        send_msg(self.send_to_detokenizer, StepGateReqOutput(paused=self.paused, step=self.forward_ct))
+
+    def handle_weights_request(self, msg) -> None:
+        from workbench.core.io_struct import GetWeightsByNameReqOutput, UpdateWeightsReqOutput
+        if isinstance(msg, GetWeightsByNameReq):
+            params = dict(self.tp_worker.model_runner.model.named_parameters())
+            p = params.get(msg.name)
+            out = GetWeightsByNameReqOutput(values=p.flatten()[:msg.truncate_size].float().tolist()) \
+                if p is not None else GetWeightsByNameReqOutput(message=f"no parameter named {msg.name!r}")
+            send_msg(self.send_to_detokenizer, out)
+        else:
+            send_msg(self.send_to_detokenizer, UpdateWeightsReqOutput(
+                success=False, message="update_weights_from_disk is not implemented yet"))
+
+    # ==== helpers ====================================================================
+    def _decode_preview(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _on_cache_event(self, event) -> None:
+        self.tree_dirty = True
+        if self.tracer.enabled:
+            self.tracer.emit(event)
+
+
+def _load_fast_tokenizer(model_dir):
+    """The `tokenizers` library directly: fast to load, no transformers import in this process."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer, tp_rank: int = 0,
+                          tp_size: int = 1, proc_name: str = "scheduler") -> None:
+    """Spawn target: build the Scheduler, report ready (or the error), run the loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent decides when we stop
+    try:
+        if server_args.num_threads is None:
+            import torch
+            torch.set_num_threads(max(1, os.cpu_count() or 1))
+        scheduler = Scheduler(server_args, port_args, tp_rank, tp_size, proc_name=proc_name)
+        runner = scheduler.tp_worker.model_runner
+        scheduler.tracer.set_enabled(True)
+        scheduler.tracer.emit(ev.ProcStarted(pid=os.getpid(), role=proc_name))
+        scheduler.tracer.flush()
+        scheduler.tracer.set_enabled(False)
+        pipe_writer.send({"status": "ready", "role": proc_name, "pid": os.getpid(),
+                          "max_total_num_tokens": scheduler.max_total_num_tokens,
+                          "max_running_requests": scheduler.max_running_requests,
+                          "context_len": scheduler.model_config.context_len,
+                          "dtype": str(runner.dtype).replace("torch.", ""),
+                          "load_time_s": runner.load_time_s})
+    except Exception as exc:
+        import traceback
+        pipe_writer.send({"status": "error", "role": proc_name, "error": f"{type(exc).__name__}: {exc}",
+                          "traceback": traceback.format_exc()})
+        raise SystemExit(1)
+    _watch_parent()
+    scheduler.event_loop_normal()
+
+
+def _watch_parent() -> None:
+    """Exit when the parent dies, so no scheduler outlives its engine."""
+    import multiprocessing
+    import threading
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    ppid = parent.pid
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != ppid:
+                os._exit(0)
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()

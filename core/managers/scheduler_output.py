@@ -1,0 +1,198 @@
+"""The second half of a scheduler step: fold a forward pass's result back into the requests.
+
+Kept apart from scheduler.py so each file reads as one part of the loop: this one is
+`process_batch_result` (tokens, stop checks, KV handed to the radix cache), the output
+stream to the detokenizer, and the trace events that describe the step.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from workbench.core.io_struct import BatchTokenIDOut
+from workbench.core.ipc import send_msg
+from workbench.core.layers.logits_processor import token_logprobs
+from workbench.core.model_executor.forward_batch_info import ForwardMode
+from workbench.core.trace import events as ev
+
+if TYPE_CHECKING:
+    from workbench.core.managers.schedule_batch import Req, ScheduleBatch
+    from workbench.core.managers.tp_worker import GenerationBatchResult
+
+TREE_SNAPSHOT_INTERVAL_NS = 250_000_000
+
+
+class SchedulerOutputMixin:
+    # ==== results ====================================================================
+    def process_batch_result(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
+        if batch.forward_mode == ForwardMode.DECODE:
+            self.process_batch_result_decode(batch, result)
+        else:
+            self.process_batch_result_prefill(batch, result)
+
+    def process_batch_result_prefill(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
+        finished = []
+        for i, req in enumerate(batch.reqs):
+            req.kv_len = len(req.prefix_indices) + req.extend_input_len
+            req.num_chunks_done += 1
+            if req.return_logprob and req.logprob_start_len >= 0 and result.prompt_logprobs is not None:
+                self._add_input_logprobs(req, i, result)
+            if req is batch.chunked_req:
+                # Part of the prompt is still to come: keep the computed part as this request's prefix.
+                self.tree_cache.cache_unfinished_req(req)
+                if req.to_abort is not None:
+                    self._finish_chunked_abort(req)
+                continue
+            self._append_token(req, i, result)
+            req.is_retracted = False
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+                finished.append(req)
+            else:
+                # Publish the prompt's KV now, so requests arriving meanwhile can share it.
+                self.tree_cache.cache_unfinished_req(req)
+        self.stream_output([r for r in batch.reqs if r is not batch.chunked_req or r.finished()])
+
+    def process_batch_result_decode(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
+        for i, req in enumerate(batch.reqs):
+            req.kv_len += 1
+            self._append_token(req, i, result)
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+        self.stream_output(batch.reqs)
+
+    def _append_token(self, req: "Req", i: int, result: "GenerationBatchResult") -> None:
+        req.output_ids.append(result.next_token_ids[i])
+        out = result.sampler_output
+        if req.return_logprob and out is not None and out.logprobs is not None:
+            req.output_token_logprobs.append(float(out.logprobs[i]))
+            if req.top_logprobs_num > 0 and out.top_logprobs is not None:
+                vals, ids = out.top_logprobs
+                k = req.top_logprobs_num
+                req.output_top_logprobs.append(list(zip(ids[i, :k].tolist(), vals[i, :k].tolist())))
+        req.check_finished(self._decode_tail)
+
+    def _decode_tail(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _add_input_logprobs(self, req: "Req", i: int, result: "GenerationBatchResult") -> None:
+        start = len(req.prefix_indices)
+        if not req.input_token_logprobs:
+            req.input_token_logprobs = [None] * (start + 1)    # nothing predicts the first / cached tokens
+        lp = result.prompt_logprobs[i]
+        req.input_token_logprobs.extend(float(x) for x in lp.token_logprobs)
+        end = start + req.extend_input_len
+        if end < len(req.origin_input_ids):
+            # The next chunk's first token is scored by this chunk's last position.
+            nxt = torch.tensor([req.origin_input_ids[end]])
+            row = result.logits_output.next_token_logits[i:i + 1]
+            req.input_token_logprobs.append(float(token_logprobs(row, nxt)[0]))
+
+    def _finish_chunked_abort(self, req: "Req") -> None:
+        from workbench.core.managers.schedule_batch import FinishReason
+        req.finished_reason = FinishReason("abort", message=req.to_abort or "aborted")
+        self.tree_cache.cache_finished_req(req, kv_len=req.kv_len)
+        self.chunked_req = None
+
+    # ==== output ======================================================================
+    def stream_output(self, reqs: list["Req"]) -> None:
+        """Send every request's new tokens (and final state) to the detokenizer."""
+        rids, new_ids, reasons, matched, prompt, completion, cached = [], [], [], [], [], [], []
+        skip, spaces, no_trim, stops, lps, tops, in_lps = [], [], [], [], [], [], []
+        any_lp = False
+        for req in reqs:
+            new = req.output_ids[req.sent_len:]
+            if not new and not req.finished():
+                continue
+            fr = req.finished_reason
+            rids.append(req.rid)
+            new_ids.append(new)
+            reasons.append(fr.type if fr else None)
+            matched.append(fr.matched if fr and fr.type == "stop" else (fr.message if fr and fr.type == "abort" else None))
+            prompt.append(len(req.origin_input_ids))
+            completion.append(len(req.output_ids))
+            cached.append(req.cached_tokens)
+            sp = req.sampling_params
+            skip.append(sp.skip_special_tokens)
+            spaces.append(sp.spaces_between_special_tokens)
+            no_trim.append(sp.no_stop_trim)
+            stops.append(req.stop_strs)
+            lps.append(req.output_token_logprobs[req.sent_len:] if req.return_logprob else [])
+            tops.append(req.output_top_logprobs[req.sent_len:] if req.return_logprob else [])
+            if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs_sent \
+                    and req.output_ids:
+                in_lps.append(req.input_token_logprobs[:len(req.origin_input_ids)])
+                req.input_logprobs_sent = True
+            else:
+                in_lps.append(None)
+            any_lp = any_lp or req.return_logprob
+            req.sent_len = len(req.output_ids)
+            if fr is not None and self.tracer.enabled and fr.type == "abort":
+                self.tracer.emit(ev.ReqAborted(rid=req.rid, reason=fr.message))
+        if not rids:
+            return
+        send_msg(self.send_to_detokenizer, BatchTokenIDOut(
+            rids=rids, new_token_ids=new_ids, finished_reasons=reasons, matched_stops=matched,
+            prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
+            skip_special_tokens=skip, spaces_between_special_tokens=spaces, no_stop_trim=no_trim,
+            stop_strs=stops, output_token_logprobs=lps if any_lp else None,
+            output_top_logprobs=tops if any_lp else None, input_token_logprobs=in_lps if any_lp else None,
+            error_messages=[(fr_msg if r == "abort" else None) for r, fr_msg in zip(reasons, matched)]
+            if any(r == "abort" for r in reasons) else None))
+
+    # ==== trace ======================================================================
+    def emit_batch_step(self, batch: "ScheduleBatch", schedule_ms: float, forward_ms: float) -> None:
+        t = self.tracer
+        decode = batch.forward_mode == ForwardMode.DECODE
+        step_reqs = []
+        for req in batch.reqs:
+            if decode:
+                step_reqs.append(ev.StepReq(req.rid, decode=1))
+                continue
+            prefix = len(req.prefix_indices)
+            total = len(req.origin_input_ids) + len(req.output_ids) - prefix
+            chunk = self.chunked_prefill_size
+            remaining_chunks = 1 if not chunk else max(1, -(-total // chunk))
+            k = req.num_chunks_done
+            n = k + remaining_chunks
+            if req.num_chunks_done == 0:
+                t.emit(ev.CacheMatch(rid=req.rid, matched=prefix, prompt_tokens=len(req.origin_input_ids)))
+            t.emit(ev.ReqScheduled(rid=req.rid, prefix_hit=prefix, extend_len=req.extend_input_len,
+                                   chunk_index=k, num_chunks=n))
+            step_reqs.append(ev.StepReq(req.rid, cached=prefix if k == 0 else 0,
+                                        computed=req.extend_input_len, chunk_index=k, num_chunks=n))
+        bs = len(batch.reqs)
+        t.emit(ev.BatchStep(mode="decode" if decode else "extend", reqs=step_reqs, batch_size=bs,
+                            padded_size=batch.padded_size or bs, cuda_graph=batch.cuda_graph,
+                            backend=self.tp_worker.model_runner.attn_backend.name,
+                            schedule_ms=schedule_ms, forward_ms=forward_ms))
+
+    def emit_state(self) -> None:
+        t = self.tracer
+        chunked = [self.chunked_req.rid] if self.chunked_req is not None else []
+        t.emit(ev.QueueState(waiting=[r.rid for r in self.waiting_queue],
+                             running=[r.rid for r in self.running_batch.reqs if not r.finished()],
+                             chunked=chunked))
+        free = self.token_to_kv_pool_allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        t.emit(ev.KVUsage(used=self.max_total_num_tokens - free - evictable, evictable=evictable, free=free,
+                          total=self.max_total_num_tokens))
+        now = time.monotonic_ns()
+        if self.tree_dirty and now - self.last_tree_snapshot_ns >= TREE_SNAPSHOT_INTERVAL_NS:
+            self.emit_tree()
+
+    def emit_tree(self) -> None:
+        self.tracer.emit(ev.CacheTree(nodes=self.tree_cache.snapshot(),
+                                      evictable_size=self.tree_cache.evictable_size(),
+                                      protected_size=self.tree_cache.protected_size()))
+        self.last_tree_snapshot_ns = time.monotonic_ns()
+        self.tree_dirty = False
+
+    def emit_snapshot(self) -> None:
+        """A full picture for a subscriber that attaches late (queues, KV, the whole tree)."""
+        self.tree_dirty = True
+        self.last_tree_snapshot_ns = 0
+        self.emit_state()
+        self.tracer.flush()

@@ -1,0 +1,325 @@
+"""TokenizerManager: the front door, in the main process, on an asyncio loop.
+
+For each request it tokenizes (applying the chat template upstream), checks the
+input, creates a `ReqState`, and sends a `TokenizedGenerateReqInput` to the
+scheduler. A background task receives `BatchStrOut` from the detokenizer and
+wakes the waiting coroutines. It also measures what a client feels: time to
+first token (TTFT), time per output token (TPOT) and end-to-end latency (E2E),
+with the same monotonic clock the trace uses.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+import zmq
+import zmq.asyncio
+
+from workbench.core.io_struct import (
+    AbortReq, BatchStrOut, FlushCacheReq, FlushCacheReqOutput, GetInternalStateReq,
+    GetInternalStateReqOutput, GetWeightsByNameReq, GetWeightsByNameReqOutput, Msg, SetTraceReq,
+    StepGateReq, StepGateReqOutput, TokenizedGenerateReqInput, UpdateWeightsFromDiskReq,
+    UpdateWeightsReqOutput, decode_msg, encode_msg)
+from workbench.core.ipc import PortArgs
+from workbench.core.sampling.sampling_params import SamplingParams
+from workbench.core.trace import events as ev
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """A child process died: the engine can no longer serve."""
+
+
+@dataclass
+class GenerateReqInput:
+    """One request as the TokenizerManager receives it (after batch/n expansion)."""
+    text: Optional[str] = None
+    input_ids: Optional[list[int]] = None
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    stream: bool = False
+    rid: Optional[str] = None
+
+
+@dataclass
+class ReqState:
+    """What the main process knows about one in-flight request."""
+    rid: str
+    prompt_tokens: int
+    stream: bool
+    created_ns: int
+    event: asyncio.Event
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: Optional[dict] = None
+    first_token_ns: int = 0
+    finished_ns: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    input_token_logprobs: Optional[list] = None
+    pending_delta: str = ""
+    error: Optional[str] = None
+
+
+class TokenizerManager:
+    def __init__(self, server_args, port_args: PortArgs, tokenizer, context_len: int, max_total_tokens: int,
+                 tracer, loop: asyncio.AbstractEventLoop):
+        self.server_args = server_args
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+        self.max_total_tokens = max_total_tokens
+        self.tracer = tracer
+        self.loop = loop
+        self.ctx = zmq.asyncio.Context(1)
+        self.send_to_scheduler = self.ctx.socket(zmq.PUSH)
+        self.send_to_scheduler.setsockopt(zmq.LINGER, 0)
+        self.send_to_scheduler.setsockopt(zmq.SNDHWM, 0)
+        self.send_to_scheduler.connect(port_args.scheduler_input_ipc_name)
+        self.recv_from_detokenizer = self.ctx.socket(zmq.PULL)
+        self.recv_from_detokenizer.setsockopt(zmq.LINGER, 0)
+        self.recv_from_detokenizer.setsockopt(zmq.RCVHWM, 0)
+        self.recv_from_detokenizer.bind(port_args.tokenizer_ipc_name)
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.dead_reason: Optional[str] = None
+        # Control replies come back in order on the same socket; one waiter per type.
+        self._control_waiters: dict[type, list[asyncio.Future]] = {}
+        self._control_lock = asyncio.Lock()
+        self.num_requests_total = 0
+        self.handle_loop_task = loop.create_task(self.handle_loop())
+
+    # ==== requests ===================================================================
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+        """Yield result dicts for one request: chunks when streaming, else one final dict."""
+        if self.dead_reason:
+            raise EngineDeadError(self.dead_reason)
+        created = time.monotonic_ns()
+        rid = obj.rid or uuid.uuid4().hex
+        if rid in self.rid_to_state:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if self.tracer.enabled:
+            preview = (obj.text or "")[:80]
+            self.tracer.emit(ev.ReqArrived(rid=rid, prompt_preview=preview, ts=created))
+        input_ids = self._tokenize(obj)
+        sp = obj.sampling_params
+        self._validate(input_ids, sp, obj)
+        state = ReqState(rid=rid, prompt_tokens=len(input_ids), stream=obj.stream, created_ns=created,
+                         event=asyncio.Event())
+        self.rid_to_state[rid] = state
+        self.num_requests_total += 1
+        if self.tracer.enabled:
+            self.tracer.emit(ev.ReqTokenized(rid=rid, prompt_tokens=len(input_ids),
+                                             max_new_tokens=sp.max_new_tokens))
+            self.tracer.flush()
+        await self.send_to_scheduler.send(encode_msg(TokenizedGenerateReqInput(
+            rid=rid, input_text=(obj.text or "")[:200], input_ids=input_ids, sampling_params=sp,
+            return_logprob=obj.return_logprob, top_logprobs_num=obj.top_logprobs_num,
+            logprob_start_len=obj.logprob_start_len, stream=obj.stream, arrival_ts=created)))
+        try:
+            async for out in self._wait_one(state, obj.stream):
+                yield out
+        finally:
+            if not state.finished:
+                # The consumer went away (client disconnect, cancelled task): free the request's KV.
+                await self.abort_request(rid)
+            self.rid_to_state.pop(rid, None)
+
+    def _tokenize(self, obj: GenerateReqInput) -> list[int]:
+        if obj.input_ids is not None:
+            ids = list(obj.input_ids)
+            vocab = len(self.tokenizer)
+            if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+                raise ValueError(f"input_ids must be integers in [0, {vocab})")
+            return ids
+        if obj.text is None:
+            raise ValueError("either a prompt (text) or input_ids is required")
+        return self.tokenizer.encode(obj.text, add_special_tokens=False) if obj.text else []
+
+    def _validate(self, input_ids: list[int], sp: SamplingParams, obj: GenerateReqInput) -> None:
+        if not input_ids:
+            raise ValueError("the prompt is empty")
+        sp.normalize()
+        sp.verify(vocab_size=len(self.tokenizer))
+        if len(input_ids) + sp.max_new_tokens > self.context_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.context_len} tokens; the prompt has "
+                f"{len(input_ids)} tokens and max_new_tokens is {sp.max_new_tokens}: shorten the prompt "
+                f"or lower max_new_tokens")
+        if len(input_ids) + sp.max_new_tokens > self.max_total_tokens:
+            raise ValueError(
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the KV pool "
+                f"({self.max_total_tokens} tokens); raise --max-total-tokens or shorten the request")
+        if obj.top_logprobs_num < 0 or obj.top_logprobs_num > self.server_args.max_top_logprobs:
+            raise ValueError(f"top_logprobs_num must be in [0, {self.server_args.max_top_logprobs}]")
+
+    async def _wait_one(self, state: ReqState, stream: bool) -> AsyncIterator[dict]:
+        while True:
+            try:
+                await asyncio.wait_for(state.event.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if self.dead_reason:
+                    raise EngineDeadError(self.dead_reason) from None
+                continue
+            state.event.clear()
+            if state.error and not state.finished:
+                raise EngineDeadError(state.error)
+            if stream:
+                delta, state.pending_delta = state.pending_delta, ""
+                yield self._result(state, delta)
+            if state.finished:
+                if not stream:
+                    yield self._result(state, None)
+                return
+
+    def _result(self, state: ReqState, delta: Optional[str]) -> dict:
+        meta: dict[str, Any] = {
+            "id": state.rid, "prompt_tokens": state.prompt_tokens,
+            "completion_tokens": state.completion_tokens, "cached_tokens": state.cached_tokens,
+            "finish_reason": state.finish_reason,
+            "e2e_latency": ((state.finished_ns or time.monotonic_ns()) - state.created_ns) / 1e9,
+            "ttft": (state.first_token_ns - state.created_ns) / 1e9 if state.first_token_ns else None,
+        }
+        if state.output_token_logprobs:
+            meta["output_token_logprobs"] = state.output_token_logprobs
+            meta["output_top_logprobs"] = state.output_top_logprobs
+        if state.input_token_logprobs is not None:
+            meta["input_token_logprobs"] = state.input_token_logprobs
+        out = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+        if delta is not None:
+            out["delta"] = delta
+        return out
+
+    async def abort_request(self, rid: str) -> None:
+        if self.dead_reason:
+            return
+        await self.send_to_scheduler.send(encode_msg(AbortReq(rid=rid)))
+
+    # ==== receiving ====================================================================
+    async def handle_loop(self) -> None:
+        while True:
+            data = await self.recv_from_detokenizer.recv()
+            try:
+                msg = decode_msg(data)
+            except Exception:
+                logger.warning("tokenizer manager: dropped an undecodable message")
+                continue
+            if isinstance(msg, BatchStrOut):
+                self._handle_batch_output(msg)
+            else:
+                waiters = self._control_waiters.get(type(msg))
+                if waiters:
+                    fut = waiters.pop(0)
+                    if not fut.done():
+                        fut.set_result(msg)
+
+    def _handle_batch_output(self, out: BatchStrOut) -> None:
+        now = time.monotonic_ns()
+        tracing = self.tracer.enabled
+        for i, rid in enumerate(out.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                continue   # aborted and already released
+            new_ids = out.new_token_ids[i]
+            if new_ids and not state.first_token_ns:
+                state.first_token_ns = now
+                if tracing:
+                    self.tracer.emit(ev.ReqFirstToken(rid=rid, ts=now))
+            delta = out.text_deltas[i]
+            state.text += delta
+            state.pending_delta += delta
+            state.output_ids.extend(new_ids)
+            state.completion_tokens = out.completion_tokens[i]
+            state.cached_tokens = out.cached_tokens[i]
+            if out.output_token_logprobs is not None:
+                lps = out.output_token_logprobs[i]
+                state.output_token_logprobs.extend([lp, tid, None] for lp, tid in zip(lps, new_ids))
+                tops = out.output_top_logprobs[i] if out.output_top_logprobs else []
+                state.output_top_logprobs.extend([[v, t, None] for t, v in row] for row in tops)
+                if out.input_token_logprobs is not None and out.input_token_logprobs[i] is not None:
+                    state.input_token_logprobs = [[lp, None, None] for lp in out.input_token_logprobs[i]]
+            if tracing and delta:
+                self.tracer.emit(ev.ReqText(rid=rid, delta=delta))
+            reason = out.finished_reasons[i]
+            if reason is not None:
+                state.finished = True
+                state.finished_ns = now
+                matched = out.matched_stops[i]
+                fr: dict[str, Any] = {"type": reason}
+                if reason == "abort":
+                    fr["message"] = matched or "aborted"
+                else:
+                    fr["matched"] = matched
+                state.finish_reason = fr
+                if tracing:
+                    self._emit_finished(state, reason, now)
+            state.event.set()
+        if tracing:
+            self.tracer.flush()
+
+    def _emit_finished(self, state: ReqState, reason: str, now: int) -> None:
+        ttft = (state.first_token_ns - state.created_ns) / 1e9 if state.first_token_ns else 0.0
+        e2e = (now - state.created_ns) / 1e9
+        n = state.completion_tokens
+        tpot = (now - state.first_token_ns) / 1e9 / (n - 1) if n > 1 and state.first_token_ns else 0.0
+        self.tracer.emit(ev.ReqFinished(rid=state.rid, reason=reason, prompt_tokens=state.prompt_tokens,
+                                        completion_tokens=n, cached_tokens=state.cached_tokens,
+                                        ttft=ttft, tpot=tpot, e2e=e2e, ts=now))
+
+    # ==== control =====================================================================
+    async def _control(self, req: Msg, reply_type: type, timeout: float = 60.0):
+        if self.dead_reason:
+            raise EngineDeadError(self.dead_reason)
+        async with self._control_lock:
+            fut = self.loop.create_future()
+            self._control_waiters.setdefault(reply_type, []).append(fut)
+            await self.send_to_scheduler.send(encode_msg(req))
+            return await asyncio.wait_for(fut, timeout)
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        return await self._control(FlushCacheReq(), FlushCacheReqOutput)
+
+    async def get_internal_state(self) -> GetInternalStateReqOutput:
+        return await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
+
+    async def step_gate(self, action: str, steps: int = 1) -> StepGateReqOutput:
+        return await self._control(StepGateReq(action=action, steps=steps), StepGateReqOutput, timeout=300)
+
+    async def set_trace(self, enabled: bool) -> None:
+        await self.send_to_scheduler.send(encode_msg(SetTraceReq(enabled=enabled)))
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> GetWeightsByNameReqOutput:
+        return await self._control(GetWeightsByNameReq(name=name, truncate_size=truncate_size),
+                                   GetWeightsByNameReqOutput)
+
+    async def update_weights_from_disk(self, model_path: str) -> UpdateWeightsReqOutput:
+        return await self._control(UpdateWeightsFromDiskReq(model_path=model_path), UpdateWeightsReqOutput,
+                                   timeout=600)
+
+    # ==== failure =====================================================================
+    def fail_all(self, reason: str) -> None:
+        """A child died: every waiting request fails now, and new ones are refused."""
+        self.dead_reason = reason
+        for state in list(self.rid_to_state.values()):
+            state.error = reason
+            state.event.set()
+        for waiters in self._control_waiters.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_exception(EngineDeadError(reason))
+            waiters.clear()
+
+    def close(self) -> None:
+        self.handle_loop_task.cancel()
+        self.send_to_scheduler.close(0)
+        self.recv_from_detokenizer.close(0)
+        self.ctx.term()

@@ -1,0 +1,51 @@
+"""TpModelWorker: the scheduler's handle on one tensor-parallel rank's ModelRunner.
+
+It turns a ModelWorkerBatch into a ForwardBatch, runs the forward pass and samples.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from workbench.core.layers.logits_processor import LogitsOutput, compute_prompt_logprobs
+from workbench.core.layers.sampler import SamplerOutput
+from workbench.core.managers.schedule_batch import ModelWorkerBatch
+from workbench.core.model_executor.forward_batch_info import ForwardBatch
+from workbench.core.model_executor.model_runner import ModelRunner
+
+
+@dataclass
+class GenerationBatchResult:
+    logits_output: LogitsOutput
+    sampler_output: Optional[SamplerOutput]
+    next_token_ids: list[int]
+    forward_ms: float
+    prompt_logprobs: Optional[list] = None     # per request, from compute_prompt_logprobs
+
+
+class TpModelWorker:
+    def __init__(self, server_args, tp_rank: int = 0, tp_size: int = 1, prepared=None):
+        self.model_runner = ModelRunner(server_args, tp_rank=tp_rank, tp_size=tp_size, prepared=prepared)
+        self.tp_rank = tp_rank
+
+    @torch.inference_mode()
+    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+        t0 = time.perf_counter()
+        fb = ForwardBatch(
+            forward_mode=mwb.forward_mode, batch_size=len(mwb.seq_lens_cpu), input_ids=mwb.input_ids,
+            positions=mwb.positions, req_pool_indices=mwb.req_pool_indices, seq_lens=mwb.seq_lens,
+            out_cache_loc=mwb.out_cache_loc, seq_lens_cpu=mwb.seq_lens_cpu,
+            extend_seq_lens_cpu=mwb.extend_seq_lens_cpu, extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu,
+            return_all_logits=mwb.return_all_logits)
+        logits = self.model_runner.forward(fb)
+        sampler_out = self.model_runner.sample(logits, mwb.sampling_info, mwb.return_logprob,
+                                               mwb.top_logprobs_num)
+        prompt_lp = None
+        if mwb.return_all_logits and logits.all_logits is not None:
+            prompt_lp = compute_prompt_logprobs(logits.all_logits, mwb.input_ids, mwb.extend_seq_lens_cpu,
+                                                mwb.top_logprobs_num)
+        return GenerationBatchResult(logits, sampler_out, sampler_out.next_token_ids.tolist(),
+                                     (time.perf_counter() - t0) * 1000, prompt_lp)

@@ -1,0 +1,325 @@
+"""Controllers: the app's one handle on where events come from and what it may ask for.
+
+The app never touches an engine directly. It asks its controller to start
+(with progress), to drain events, for the current time, to pause / step /
+resume, to send a chat prompt and to run a workload. Three kinds:
+
+- `EngineController`: a live `Engine` (made here, or handed in by a test);
+- `ReplayController`: a `Replay` of a recording (play / pause / step through it);
+- `AttachController`: a remote `--trace-publish` stream (watch only).
+
+Every method that may block (start, step, chat, close) is called from a
+thread worker, never from the UI thread.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from workbench.core.trace.events import Event
+
+Progress = Callable[[str], None]
+
+
+class ControlUnavailable(RuntimeError):
+    """The action makes no sense for this source (e.g. chat while replaying)."""
+
+
+class Controller:
+    """Base class: a source with no controls. Subclasses override what they support."""
+
+    mode = "none"
+    can_chat = False
+    can_step = False
+    can_workload = False
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.workload: Optional[str] = None
+        self.rate = 1.0
+        self.title = ""
+
+    # ---- lifecycle ------------------------------------------------------------
+    def start(self, progress: Progress) -> None:
+        """Get ready (load a model, open a file, connect). Blocking; raise with a clear message."""
+
+    def close(self) -> None:
+        """Release everything (idempotent): stop workloads, shut down an owned engine."""
+
+    # ---- events and time ------------------------------------------------------
+    def drain(self, max_items: Optional[int] = None) -> list[Event]:
+        return []
+
+    def now_ns(self) -> int:
+        return time.monotonic_ns()
+
+    def status(self) -> str:
+        return self.mode
+
+    # ---- scheduler control ----------------------------------------------------
+    def set_paused(self, paused: bool) -> bool:
+        raise ControlUnavailable(f"pausing is not available in {self.mode} mode")
+
+    def step(self) -> int:
+        """Run exactly one scheduler iteration (or release one replayed step); returns its step id."""
+        raise ControlUnavailable(f"stepping is not available in {self.mode} mode")
+
+    # ---- chat and workloads ---------------------------------------------------
+    def chat(self, prompt: str, on_delta: Callable[[str, str], None],
+             cancelled: Callable[[], bool], max_new_tokens: int = 128) -> dict:
+        raise ControlUnavailable(f"chat needs a live engine (this is {self.mode} mode)")
+
+    def start_workload(self, kind: Optional[str] = None, rate: Optional[float] = None) -> None:
+        raise ControlUnavailable(f"workloads need a live engine (this is {self.mode} mode)")
+
+    def stop_workload(self) -> None:
+        pass
+
+    def set_rate(self, rate: float) -> None:
+        self.rate = max(0.05, float(rate))
+
+
+class EngineController(Controller):
+    """A live engine. Pass `engine=` to use one you own (it is then not shut down here),
+    or `server_args=` (a ServerArgs or kwargs dict) to have `start()` create one."""
+
+    mode = "live"
+    can_chat = True
+    can_step = True
+    can_workload = True
+
+    def __init__(self, engine: Any = None, *, server_args: Any = None, workload: Optional[str] = None,
+                 rate: float = 1.0, max_new_tokens: int = 32, start_paused: bool = False):
+        super().__init__()
+        self.engine = engine
+        self._own = engine is None
+        self._server_args = server_args
+        self._initial_workload = workload
+        self.workload = workload
+        self.rate = rate
+        self.max_new_tokens = max_new_tokens
+        self._start_paused = start_paused
+        self._sub = None
+        self._runner = None
+        self._chat_ids = itertools.count(1)
+        self._chat_rids: set[str] = set()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def start(self, progress: Progress) -> None:
+        if self.engine is None:
+            from workbench.core.args import ServerArgs
+            from workbench.core.engine import Engine
+            sa = self._server_args
+            if isinstance(sa, dict) or sa is None:
+                sa = ServerArgs(**(sa or {}))
+            progress(f"starting engine: model {sa.model_path or 'default (SmolLM2-135M-Instruct)'}")
+            progress("loading the model and starting the scheduler and detokenizer processes…")
+            self.engine = Engine(server_args=sa)
+        info = self.engine.get_server_info()
+        self.title = str(info.get("served_model_name") or info.get("model_path") or "")
+        progress("engine ready; subscribing to the trace bus")
+        self._sub = self.engine.subscribe(with_snapshot=True, name="tui") \
+            if _accepts(self.engine.subscribe, "name") else self.engine.subscribe(with_snapshot=True)
+        if self._start_paused:
+            self.set_paused(True)
+        if self._initial_workload:
+            self.start_workload(self._initial_workload, self.rate)
+
+    def drain(self, max_items: Optional[int] = None) -> list[Event]:
+        return self._sub.drain(max_items) if self._sub is not None else []
+
+    def status(self) -> str:
+        wl = f" · workload {self.workload} @ {self.rate:g}/s" if self._runner is not None else ""
+        return f"LIVE {self.title}{wl}"
+
+    def set_paused(self, paused: bool) -> bool:
+        self.paused = bool(self.engine.step_gate("pause" if paused else "resume")["paused"])
+        return self.paused
+
+    def step(self) -> int:
+        return int(self.engine.step_gate("step", 1)["step"])
+
+    def chat(self, prompt: str, on_delta: Callable[[str, str], None],
+             cancelled: Callable[[], bool], max_new_tokens: int = 128) -> dict:
+        rid = f"chat-{next(self._chat_ids)}"
+        ids = self.engine.apply_chat_template([{"role": "user", "content": prompt}])
+        self._chat_rids.add(rid)
+        last: dict = {}
+        try:
+            for chunk in self.engine.generate(input_ids=ids, stream=True, rid=rid,
+                                              sampling_params={"max_new_tokens": max_new_tokens,
+                                                               "temperature": 0.0}):
+                if cancelled():
+                    self.engine.abort_request(rid)
+                    break
+                last = chunk
+                on_delta(rid, chunk.get("delta", ""))
+        finally:
+            self._chat_rids.discard(rid)
+        return last
+
+    def start_workload(self, kind: Optional[str] = None, rate: Optional[float] = None) -> None:
+        from workbench.tui.workload import WorkloadRunner
+        self.stop_workload()
+        self.workload = kind or self.workload or "chat"
+        if rate is not None:
+            self.rate = max(0.05, float(rate))
+        self._runner = WorkloadRunner(self.engine, self.workload, self.rate,
+                                      max_new_tokens=self.max_new_tokens)
+        self._runner.start()
+
+    def stop_workload(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.stop()
+
+    @property
+    def workload_running(self) -> bool:
+        return self._runner is not None
+
+    @property
+    def runner(self):
+        return self._runner
+
+    def set_rate(self, rate: float) -> None:
+        super().set_rate(rate)
+        if self._runner is not None:
+            self._runner.set_rate(self.rate)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.stop_workload()
+        eng = self.engine
+        if eng is not None:
+            for rid in list(self._chat_rids):
+                _quietly(eng.abort_request, rid)
+            if self.paused:
+                # A paused scheduler would hold back the aborts and any in-flight step.
+                _quietly(eng.step_gate, "resume")
+                self.paused = False
+        if self._sub is not None:
+            _quietly(self._sub.close)
+        if eng is not None and self._own:
+            _quietly(eng.shutdown)
+
+
+class ReplayController(Controller):
+    """Plays a `Replay`; pausing and stepping act on the replay clock, not on an engine."""
+
+    mode = "replay"
+    can_step = True
+
+    def __init__(self, replay: Any, *, autoplay: bool = True, speed: Optional[float] = None, title: str = ""):
+        super().__init__()
+        self.replay = replay
+        if speed is not None:
+            replay.set_speed(speed)
+        self._autoplay = autoplay
+        self.paused = not autoplay
+        self.title = title or (replay.header.model if getattr(replay, "header", None) else "")
+
+    @classmethod
+    def from_file(cls, path: str, **kw) -> "ReplayController":
+        from workbench.core.trace.replay import Replay
+        return cls(Replay(path), title=kw.pop("title", str(path)), **kw)
+
+    def start(self, progress: Progress) -> None:
+        progress(f"replaying {len(self.replay.events)} events")
+        if self._autoplay:
+            self.replay.play()
+
+    def drain(self, max_items: Optional[int] = None) -> list[Event]:
+        return self.replay.drain(max_items)
+
+    def now_ns(self) -> int:
+        return self.replay.position_ns     # trace time: deterministic, frozen while paused
+
+    def status(self) -> str:
+        r = self.replay
+        pos = (r.position_ns - r.start_ns) / 1e9
+        state = "end" if r.released >= len(r.events) else ("paused" if not r.playing else "playing")
+        return f"REPLAY {self.title} · {pos:.2f}/{r.duration_ns / 1e9:.2f} s · ×{r.speed:g} · {state}"
+
+    def set_paused(self, paused: bool) -> bool:
+        if paused:
+            self.replay.pause()
+        else:
+            self.replay.play()
+        self.paused = paused
+        return paused
+
+    def step(self) -> int:
+        if self.replay.playing:
+            self.set_paused(True)
+        released = self.replay.step()
+        steps = [e.step for e in released if type(e).__name__ == "BatchStep"]
+        return steps[-1] if steps else -1
+
+    def set_speed(self, speed: float) -> None:
+        self.replay.set_speed(max(0.05, min(64.0, speed)))
+
+    def restart(self) -> None:
+        self.replay.seek(self.replay.start_ns)
+
+    def seek_end(self) -> None:
+        self.replay.advance_to(self.replay.end_ns)
+
+
+class AttachController(Controller):
+    """Watches a remote engine's `--trace-publish` address (no controls)."""
+
+    mode = "attach"
+
+    def __init__(self, addr: str):
+        super().__init__()
+        self.addr = addr
+        self.title = addr
+        self._sub = None
+        self._offset: Optional[int] = None   # remote clock - local clock
+
+    def start(self, progress: Progress) -> None:
+        from workbench.core.trace.bus import RemoteSubscription
+        progress(f"connecting to {self.addr}")
+        self._sub = RemoteSubscription(self.addr)
+
+    def drain(self, max_items: Optional[int] = None) -> list[Event]:
+        if self._sub is None:
+            return []
+        out = self._sub.drain(max_items)
+        if out and self._offset is None:
+            # The remote host's monotonic clock is unrelated to ours: anchor on its first event.
+            self._offset = max(e.ts for e in out) - time.monotonic_ns()
+        return out
+
+    def now_ns(self) -> int:
+        return time.monotonic_ns() + (self._offset or 0)
+
+    def status(self) -> str:
+        got = "" if self._offset is not None else " (waiting for events…)"
+        return f"ATTACHED {self.addr}{got}"
+
+    def close(self) -> None:
+        if self._sub is not None:
+            _quietly(self._sub.close)
+            self._sub = None
+
+
+def _quietly(fn, *args):
+    try:
+        return fn(*args)
+    except Exception:
+        return None
+
+
+def _accepts(fn, name: str) -> bool:
+    import inspect
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,120 @@
+"""TuiModel: what every panel reads: one TraceState, a log of notable events, the clock, the selection.
+
+The app drains its event source, folds the events here (`apply`) and hands the
+model to each visible panel. Nothing in here knows about the engine or about
+Textual, so it is testable on its own and a third-party panel gets the same
+picture as the built-in ones.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from workbench.core.trace import events as ev
+from workbench.core.trace.state import TraceState
+
+#: Categories of the events log (the Events panel can filter on them).
+LOG_CATEGORIES = ("arrive", "finish", "abort", "retract", "evict", "drop", "proc", "weights", "error", "info")
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """One line of the events log. `ts` is trace time (monotonic ns)."""
+    seq: int
+    ts: int
+    category: str
+    text: str
+    rid: Optional[str] = None
+
+
+class EventLog:
+    """A bounded log of the events a person wants to read about (not every batch step)."""
+
+    def __init__(self, maxlen: int = 2000):
+        self.lines: deque[LogLine] = deque(maxlen=maxlen)
+        self.seq = 0        # lines ever appended; panels remember the last one they showed
+
+    def clear(self) -> None:
+        self.lines.clear()
+
+    def add(self, ts: int, category: str, text: str, rid: Optional[str] = None) -> LogLine:
+        self.seq += 1
+        line = LogLine(self.seq, ts, category, text, rid)
+        self.lines.append(line)
+        return line
+
+    def observe(self, e: ev.Event) -> None:
+        """Log `e` if it is one of the notable kinds."""
+        t = type(e)
+        if t is ev.ReqArrived:
+            preview = " ".join(e.prompt_preview.split())[:60]
+            self.add(e.ts, "arrive", f"{e.rid} arrived  {preview!r}", e.rid)
+        elif t is ev.ReqFinished:
+            if e.reason == "abort":
+                self.add(e.ts, "abort", f"{e.rid} aborted after {e.completion_tokens} tokens", e.rid)
+            else:
+                self.add(e.ts, "finish",
+                         f"{e.rid} finished ({e.reason}): {e.prompt_tokens} prompt "
+                         f"({e.cached_tokens} cached) + {e.completion_tokens} out, "
+                         f"TTFT {e.ttft * 1e3:.0f} ms, E2E {e.e2e * 1e3:.0f} ms", e.rid)
+        elif t is ev.ReqAborted:
+            self.add(e.ts, "abort", f"{e.rid} aborted{': ' + e.reason if e.reason else ''}", e.rid)
+        elif t is ev.ReqRetracted:
+            self.add(e.ts, "retract", f"{e.rid} retracted after {e.output_tokens} output tokens "
+                                      f"(KV pool full; it will be prefilled again)", e.rid)
+        elif t is ev.CacheEvict:
+            self.add(e.ts, "evict", f"evicted {len(e.node_ids)} node(s), {e.tokens} tokens")
+        elif t is ev.TraceDropped:
+            self.add(e.ts, "drop", f"{e.count} trace events dropped (the view fell behind)")
+        elif t is ev.ProcStarted:
+            self.add(e.ts, "proc", f"{e.proc or e.role} started (pid {e.pid})")
+        elif t is ev.ProcExited:
+            cat = "error" if e.exitcode not in (0, None) or e.reason else "proc"
+            self.add(e.ts, cat, f"{e.proc or e.role} exited (pid {e.pid}, code {e.exitcode})"
+                                f"{': ' + e.reason if e.reason else ''}")
+        elif t is ev.WeightsUpdated:
+            self.add(e.ts, "weights", f"weights updated from {e.source} (version {e.version})")
+
+
+class TuiModel:
+    """The shared picture: `state` (TraceState), `log` (EventLog), `now_ns` (the app's
+    clock, trace time), `selected` (a rid or None), `version` (bumps when events are
+    folded) and `epoch` (bumps when the state is reset, e.g. a replay seeks back)."""
+
+    def __init__(self, state: Optional[TraceState] = None, log_len: int = 2000):
+        self.state = state if state is not None else TraceState()
+        self.log = EventLog(log_len)
+        self.now_ns = 0
+        self.selected: Optional[str] = None
+        self.version = 0
+        self.epoch = 0
+        self.t0_ns: Optional[int] = None   # trace time shown as +0.000 s
+
+    def apply(self, events: Iterable[ev.Event]) -> int:
+        """Fold events into the state and the log; returns how many were folded."""
+        n = 0
+        st, log = self.state, self.log
+        for e in events:
+            n += 1
+            if type(e) is ev.TraceReset:
+                self.epoch += 1
+                log.clear()
+            elif self.t0_ns is None and e.ts:
+                self.t0_ns = e.ts
+            st.apply(e)
+            log.observe(e)
+        if n:
+            self.version += 1
+        return n
+
+    def note(self, category: str, text: str, rid: Optional[str] = None) -> None:
+        """Add an app-side line (errors, workload changes) to the log at the current clock."""
+        self.log.add(self.now_ns or self.state.last_ts, category, text, rid)
+        self.version += 1
+
+    def rel_s(self, ts: Optional[int]) -> float:
+        """Seconds since the start of the trace."""
+        if ts is None or self.t0_ns is None:
+            return 0.0
+        return (ts - self.t0_ns) / 1e9

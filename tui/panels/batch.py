@@ -1,0 +1,146 @@
+"""Batch composition: one row per scheduler step, newest at the bottom."""
+from __future__ import annotations
+
+from typing import Optional
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.widgets import DataTable
+
+from workbench.core.trace.views import StepView
+from workbench.tui.model import TuiModel
+from workbench.tui.panels.base import RequestSelected, TracePanel
+
+CACHED, COMPUTED, DECODE = "blue", "green", "yellow"
+_MODE_STYLE = {"extend": "bold green", "decode": "bold yellow", "mixed": "bold cyan", "idle": "dim"}
+COLUMNS = (("step", "step"), ("mode", "mode"), ("bs", "bs/pad"), ("graph", "graph"), ("ms", "ms"),
+           ("mix", "tokens"), ("comp", "composition"))
+
+
+def token_bar(sv: StepView, width: int = 12) -> Text:
+    """Cached / computed / decode tokens of one step as a proportional bar."""
+    total = sv.cached_tokens + sv.prefill_tokens + sv.decode_tokens
+    text = Text()
+    if total <= 0:
+        return Text("·" * width, style="dim")
+    parts = [(sv.cached_tokens, "░", CACHED), (sv.prefill_tokens, "█", COMPUTED), (sv.decode_tokens, "█", DECODE)]
+    cells = [int(round(n * width / total)) if n else 0 for n, _, _ in parts]
+    for i, (n, _, _) in enumerate(parts):   # every present kind gets at least one cell
+        if n and not cells[i]:
+            cells[i] = 1
+    while sum(cells) > width:
+        cells[cells.index(max(cells))] -= 1
+    for (_, ch, style), k in zip(parts, cells):
+        text.append(ch * k, style=style)
+    text.append(" " * (width - sum(cells)))
+    return text
+
+
+def composition(sv: StepView, selected: Optional[str] = None, max_decode_names: int = 6) -> Text:
+    """Per-request segments: `rid ░cached+█computed k/n` for prefill chunks, then the decode group."""
+    text = Text()
+    decodes = []
+    for sr in sv.reqs:
+        if sr.computed > 0:
+            if text:
+                text.append("  ")
+            text.append(sr.rid, style="reverse bold" if sr.rid == selected else "bold")
+            text.append(" ")
+            if sr.cached:
+                text.append(f"░{sr.cached}", style=CACHED)
+                text.append("+")
+            text.append(f"█{sr.computed}", style=COMPUTED)
+            if sr.num_chunks > 1:
+                text.append(f" chunk {sr.chunk_index + 1}/{sr.num_chunks}", style="magenta")
+        elif sr.decode > 0:
+            decodes.append(sr.rid)
+    if decodes:
+        if text:
+            text.append("  ")
+        text.append(f"decode×{len(decodes)}", style=DECODE)
+        names = decodes[:max_decode_names]
+        if selected in decodes and selected not in names:
+            names.append(selected)
+        for rid in names:
+            text.append(" ")
+            text.append(rid, style="reverse bold" if rid == selected else "")
+        if len(decodes) > len(names):
+            text.append(f" +{len(decodes) - len(names)}", style="dim")
+    if not text:
+        text.append("(empty)", style="dim")
+    return text
+
+
+def step_cells(sv: StepView, selected: Optional[str] = None) -> tuple:
+    badge = Text("CG", style="bold black on green") if sv.cuda_graph else Text("–", style="dim")
+    bs = f"{sv.batch_size}/{sv.padded_size}" if sv.padded_size != sv.batch_size else str(sv.batch_size)
+    return (str(sv.step), Text(sv.mode, style=_MODE_STYLE.get(sv.mode, "")), bs, badge,
+            f"{sv.schedule_ms + sv.forward_ms:.1f}", token_bar(sv), composition(sv, selected))
+
+
+class BatchPanel(TracePanel):
+    PANEL_NAME = "batch"
+    TITLE = "Batch composition"
+    HELP = ("One row per scheduler iteration (newest at the bottom). mode: extend (prefill), decode, "
+            "mixed. bs/pad: batch size and padded size (CUDA-graph bucket; CG badge when a graph "
+            "replayed). tokens: the step's mix — ░ blue = prefix tokens reused from the cache, "
+            "█ green = prompt tokens computed, █ yellow = decode tokens. composition: each prefill "
+            "request with cached+computed tokens and its chunk k/n, then the decode group.")
+    clock_interval_s = 0
+    max_rows = 200
+
+    def compose(self) -> ComposeResult:
+        table = DataTable(cursor_type="row", id="batch-table")
+        for key, label in COLUMNS:
+            table.add_column(label, key=key)
+        yield table
+
+    def on_mount(self) -> None:
+        self._keys: list[str] = []
+        self._last: Optional[tuple[int, int]] = None    # (ts, step) of the newest row shown
+        self._selected: Optional[str] = None
+        self._epoch = -1
+
+    def update_view(self, model: TuiModel) -> None:
+        table = self.query_one(DataTable)
+        steps = model.state.steps
+        follow = table.cursor_row >= table.row_count - 1 or table.row_count == 0
+        rebuild = model.epoch != self._epoch or model.selected != self._selected or (
+            self._last is not None and (not steps or steps[-1].ts < self._last[0]))
+        if rebuild:
+            table.clear()
+            self._keys, self._last = [], None
+            self._epoch, self._selected = model.epoch, model.selected
+        new = []
+        for sv in reversed(steps):
+            if self._last is not None and (sv.ts, sv.step) <= self._last:
+                break
+            new.append(sv)
+            if len(new) >= self.max_rows:
+                break
+        for sv in reversed(new):
+            key = f"{sv.proc}:{sv.step}:{sv.ts}"
+            table.add_row(*step_cells(sv, model.selected), key=key)
+            self._keys.append(key)
+        if new:
+            self._last = (new[0].ts, new[0].step)
+        while len(self._keys) > self.max_rows:
+            table.remove_row(self._keys.pop(0))
+        n = len(steps)
+        self.border_title = f"Batch composition — {n} steps" + (f" (last {steps[-1].step})" if n else "")
+        if new and follow:
+            table.move_cursor(row=table.row_count - 1, animate=False, scroll=True)
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        # Selecting a step selects its first prefill request (or the first decoding one).
+        event.stop()
+        key = event.row_key.value or ""
+        for sv in reversed(self.app_model_steps()):
+            if f"{sv.proc}:{sv.step}:{sv.ts}" == key and sv.reqs:
+                first = next((r for r in sv.reqs if r.computed > 0), sv.reqs[0])
+                self.post_message(RequestSelected(first.rid))
+                return
+
+    def app_model_steps(self):
+        model = getattr(self.app, "model", None)
+        return list(model.state.steps) if model is not None else []

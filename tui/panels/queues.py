@@ -1,0 +1,105 @@
+"""Queues: the scheduler's waiting, running and chunked requests as one keyed table."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.widgets import DataTable
+
+from workbench.core.trace.views import RequestView
+from workbench.tui.fmt import fmt_age, fmt_s
+from workbench.tui.model import TuiModel
+from workbench.tui.panels.base import RequestSelected, TracePanel
+
+COLUMNS = (("queue", "queue"), ("rid", "rid"), ("state", "state"), ("prompt", "prompt"),
+           ("cached", "cached"), ("computed", "comp"), ("out", "out"), ("age", "age"), ("ttft", "TTFT"))
+_QUEUE_STYLE = {"chunked": "bold magenta", "running": "bold green", "waiting": "yellow", "done": "dim"}
+
+
+def queue_rows(model: TuiModel, max_rows: int = 300, recent_done: int = 8) -> list[tuple[str, tuple]]:
+    """(rid, cells) for the table: chunked, running, waiting, then the most recently finished."""
+    st = model.state
+    now = model.now_ns
+    rows: list[tuple[str, tuple]] = []
+    seen: set[str] = set()
+    for queue, rids in (("chunked", st.chunked), ("running", st.running), ("waiting", st.waiting)):
+        for rid in rids:
+            if rid in seen:
+                continue
+            seen.add(rid)
+            rows.append((rid, _cells(queue, st.requests.get(rid) or RequestView(rid), now)))
+    if recent_done:
+        done = [r for r in st.requests.values() if r.done and r.rid not in seen and r.finish_ts is not None]
+        done.sort(key=lambda r: r.finish_ts)
+        for r in done[-recent_done:]:
+            rows.append((r.rid, _cells("done", r, now)))
+    return rows[:max_rows]
+
+
+def _cells(queue: str, r: RequestView, now: int) -> tuple:
+    state = r.state
+    if state == "prefilling" and r.num_chunks > 1:
+        state = f"prefill {r.chunk_index + 1}/{r.num_chunks}"
+    start = r.arrival_ts if r.arrival_ts is not None else r.queued_ts
+    if r.done:
+        age = fmt_s(r.e2e) if r.e2e is not None else "–"
+    else:
+        age = fmt_age(now - start) if start is not None else "–"
+    if r.ttft is not None:
+        ttft = Text(fmt_s(r.ttft))
+    elif start is not None and not r.done:
+        ttft = Text(f"{fmt_age(now - start)}…", style="italic dim")   # waiting for its first token
+    else:
+        ttft = Text("–")
+    return (Text(queue, style=_QUEUE_STYLE.get(queue, "")), r.rid, state, str(r.prompt_tokens),
+            str(r.cached_tokens), str(r.computed_tokens), str(r.output_tokens), age, ttft)
+
+
+class QueuesPanel(TracePanel):
+    PANEL_NAME = "queues"
+    TITLE = "Queues"
+    HELP = ("Every request the scheduler holds: `chunked` (its prompt is being prefilled in chunks), "
+            "`running` (in the decode batch) and `waiting` (queued for prefill), then the last few "
+            "finished. prompt/cached/comp/out are token counts: cached = reused from the radix tree, "
+            "comp = prompt tokens actually computed. TTFT shows the time so far (italic) until the "
+            "first token. Click or Enter on a row to select the request.")
+    clock_interval_s = 0.5
+
+    def compose(self) -> ComposeResult:
+        table = DataTable(cursor_type="row", zebra_stripes=False, id="queues-table")
+        for key, label in COLUMNS:
+            table.add_column(label, key=key)
+        yield table
+
+    def on_mount(self) -> None:
+        self._order: list[str] = []
+        self._cells: dict[str, tuple] = {}
+
+    def update_view(self, model: TuiModel) -> None:
+        st = model.state
+        self.border_title = (f"Queues — waiting {len(st.waiting)} · running {len(st.running)} · "
+                             f"chunked {len(st.chunked)}")
+        table = self.query_one(DataTable)
+        rows = queue_rows(model)
+        order = [rid for rid, _ in rows]
+        if order != self._order:
+            cursor_rid = self._order[table.cursor_row] if 0 <= table.cursor_row < len(self._order) else None
+            table.clear()
+            for rid, cells in rows:
+                table.add_row(*cells, key=rid)
+            self._order, self._cells = order, dict(rows)
+            want = model.selected if model.selected in order else cursor_rid
+            if want in order:
+                table.move_cursor(row=order.index(want), animate=False, scroll=True)
+        else:
+            keys = [k for k, _ in COLUMNS]
+            for rid, cells in rows:
+                old = self._cells.get(rid)
+                for i, (a, b) in enumerate(zip(old, cells)):
+                    if str(a) != str(b) or (isinstance(a, Text) and a.style != b.style):
+                        table.update_cell(rid, keys[i], b)
+                self._cells[rid] = cells
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        if event.row_key.value:
+            self.post_message(RequestSelected(event.row_key.value))

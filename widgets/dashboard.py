@@ -1,0 +1,142 @@
+"""Dashboard: every view over one shared TraceFeed, with a header and the right controls.
+
+    dash = Dashboard(engine)                 # live: follows the engine's trace bus
+    dash = Dashboard.from_trace("run.jsonl") # replay: Play/slider over the recorded steps
+
+Live, the header offers the engine's step gate (pause / step / resume), which
+is how the walkthroughs single-step the scheduler; over a recording it offers
+Play and a slider whose position is "after scheduler step k".
+"""
+from __future__ import annotations
+
+import html
+from typing import Any, Optional, Sequence
+
+import ipywidgets as W
+
+from workbench.core.trace.state import TraceState
+from workbench.widgets import data as D
+from workbench.widgets.feed import TraceFeed
+from workbench.widgets.views import VIEWS
+
+DEFAULT_VIEWS = ("gantt", "batch", "radix", "kv", "queues", "latency")
+
+
+class Dashboard(W.VBox):
+    """All views of a trace source in one widget.
+
+    Args:
+        engine_or_source: an Engine, a subscription, a recording's path, a Replay,
+            a list of events or a TraceState (see TraceFeed).
+        views: view names, built-in (`VIEWS`) or contributed by a plugin
+            (`workbench.plugins`, `registry.add_view`); default: all built-ins.
+        max_hz: the most live re-renders per second.
+        columns: views per row.
+        height: each view's figure height in pixels.
+    """
+
+    def __init__(self, engine_or_source: Any, views: Optional[Sequence[str]] = None, *,
+                 max_hz: float = 5.0, columns: int = 2, height: int = 300):
+        super().__init__()
+        self.feed = TraceFeed.of(engine_or_source, max_hz=max_hz)
+        self.header = W.HTML()
+        self.views: dict[str, Any] = {}
+        for name in views or DEFAULT_VIEWS:
+            self.views[name] = self._make_view(name, height)
+        cells = list(self.views.values())
+        grid = W.GridBox(cells, layout=W.Layout(
+            grid_template_columns=f"repeat({columns}, minmax(0, 1fr))", grid_gap="6px", width="100%"))
+        self.controls = self._controls()
+        self.children = [self.header] + ([self.controls] if self.controls is not None else []) + [grid]
+        self.feed.attach(self._update_header)
+
+    @classmethod
+    def from_trace(cls, path, **kw) -> "Dashboard":
+        """Replay a recording (`Recorder` JSONL, optionally .gz) with Play/slider controls."""
+        return cls(str(path), **kw)
+
+    # ---- views ------------------------------------------------------------------------------
+
+    def _make_view(self, name: str, height: int):
+        cls = VIEWS.get(name)
+        if cls is not None:
+            return cls(self.feed, height=height)
+        from workbench.plugins import load_plugins
+        spec = load_plugins().views.get(name)
+        if spec is None:
+            known = sorted(set(VIEWS) | set(load_plugins().views))
+            raise ValueError(f"unknown view {name!r}; known views: {', '.join(known)}")
+        view = spec.factory(self.feed)
+        if hasattr(view, "update") and view not in self.feed._views:
+            self.feed.attach(view)
+        return view
+
+    def __getitem__(self, name: str):
+        return self.views[name]
+
+    @property
+    def state(self) -> TraceState:
+        return self.feed.state
+
+    # ---- header and controls ------------------------------------------------------------------
+
+    def _update_header(self, state: TraceState, t0: Optional[int]) -> None:
+        s = D.summary(state)
+        kv = f"{s['kv_used']}/{s['kv_total']} used, {s['kv_evictable']} evictable" if s["kv_total"] else "–"
+        parts = [
+            f"<b>{html.escape(s['model'] or 'workbench')}</b>",
+            f"step {s['step'] if s['step'] is not None else '–'}",
+            f"waiting {s['waiting']} · running {s['running']} · finished {s['finished']}"
+            + (f" · aborted {s['aborted']}" if s["aborted"] else ""),
+            f"cache hit {s['cache_hit_rate'] * 100:.0f}%",
+            f"prefill {s['prefill_tps']:.0f} tok/s · decode {s['decode_tps']:.0f} tok/s",
+            f"KV {kv}",
+        ]
+        if s["dropped"]:
+            parts.append(f"<span style='color:#c00'>{s['dropped']} events dropped</span>")
+        if self.feed.replay is not None:
+            parts.append(f"replay step {self.feed.step_at(self.feed.replay.position_ns) + 1}/{self.feed.num_steps}")
+        self.header.value = "<div class='workbench-header'>" + " &nbsp;|&nbsp; ".join(parts) + "</div>"
+
+    def _controls(self):
+        if self.feed.replay is not None and self.feed.num_steps:
+            n = self.feed.num_steps
+            self.play = W.Play(min=0, max=n - 1, value=n - 1, step=1, interval=150, description="Play")
+            self.slider = W.IntSlider(min=0, max=n - 1, value=n - 1, description="after step",
+                                      continuous_update=True, layout=W.Layout(width="60%"))
+            W.jslink((self.play, "value"), (self.slider, "value"))
+            self.slider.observe(lambda ch: self.feed.seek_step(ch["new"]), names="value")
+            return W.HBox([self.play, self.slider])
+        engine = self.feed.engine
+        if engine is not None and hasattr(engine, "step_gate"):
+            self.gate_label = W.Label("running")
+            buttons = []
+            for label, action in (("Pause", "pause"), ("Step", "step"), ("Resume", "resume")):
+                b = W.Button(description=label, layout=W.Layout(width="90px"))
+                b.on_click(lambda _b, a=action: self.gate(a))
+                buttons.append(b)
+            return W.HBox(buttons + [self.gate_label])
+        return None
+
+    def gate(self, action: str, steps: int = 1) -> dict:
+        """Drive the engine's step gate ("pause" | "step" | "resume") and re-render."""
+        res = self.feed.engine.step_gate(action, steps=steps)
+        if hasattr(self, "gate_label"):
+            self.gate_label.value = f"{'paused' if res.get('paused') else 'running'} at step {res.get('step')}"
+        self.flush(timeout=1.0, quiet=0.15)
+        return res
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Re-render every view now."""
+        self.feed.refresh()
+
+    def flush(self, timeout: float = 3.0, quiet: float = 0.3) -> None:
+        """Wait for the trace to go quiet (after a generate call), then re-render."""
+        self.feed.flush(timeout=timeout, quiet=quiet)
+
+    def close(self) -> None:
+        """Stop following the source and close the widgets."""
+        self.feed.close()
+        super().close()

@@ -1,0 +1,299 @@
+"""The Jupyter views: each an ipywidget (a VBox holding a plotly FigureWidget) that draws a TraceState.
+
+Every view can be used alone — `GanttView(engine)`, `BatchView("run.jsonl")` —
+or inside a `Dashboard`, which gives all of them one shared `TraceFeed`.
+`update(state, t0)` redraws from the state inside one `batch_update()`, so a
+refresh is a single message to the browser; the data come from
+`workbench.widgets.data`, which is where the tests look too.
+"""
+from __future__ import annotations
+
+import html
+from typing import Any, Optional
+
+import ipywidgets as W
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from workbench.core.trace.state import TraceState
+from workbench.widgets import data as D
+from workbench.widgets.feed import TraceFeed
+
+COLORS = {
+    "queued": "#b0b7c3", "prefill": "#f28e2b", "decode": "#4e79a7",
+    "cached": "#59a14f", "computed": "#f28e2b",
+    "used": "#e15759", "evictable": "#edc948", "free": "#d4e6d4",
+    "waiting": "#f28e2b", "running": "#4e79a7",
+    "ttft": "#e15759", "tpot": "#4e79a7", "e2e": "#76b7b2",
+}
+NODE_COLORS = {"root": "#ffffff", "evicted": "#c9c9c9", "locked": "#e15759", "new": "#59a14f",
+               "hit": "#4e79a7", "cached": "#a0cbe8"}
+MARK_SYMBOLS = {"first_token": "diamond", "finished": "line-ns-open", "aborted": "x", "retracted": "triangle-left"}
+
+
+def _layout(title: str, height: int, width: Optional[int], **kw) -> dict:
+    lay = dict(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
+               margin=dict(l=60, r=20, t=36, b=36), template="plotly_white",
+               legend=dict(orientation="h", y=-0.18, x=0))
+    if width:
+        lay["width"] = width
+    lay.update(kw)
+    return lay
+
+
+class TraceView(W.VBox):
+    """Base of the views: owns `figure` (a FigureWidget); `update(state, t0)` redraws it.
+
+    Args:
+        source: optional; anything `TraceFeed` accepts (an Engine, a recording's
+            path, a Replay, a list of events, a TraceState) or a TraceFeed to share.
+        height, width: figure size in pixels (width None: fill the cell).
+    """
+    name = ""
+    title = ""
+
+    def __init__(self, source: Any = None, *, height: int = 320, width: Optional[int] = None, **kw):
+        super().__init__()
+        self.figure = go.FigureWidget()
+        self._build(height, width, **kw)
+        self.children = [self.figure] + self._extras()
+        self.feed: Optional[TraceFeed] = None
+        if source is not None:
+            self.feed = TraceFeed.of(source)
+            self.feed.attach(self)
+
+    def _build(self, height: int, width: Optional[int], **kw) -> None:
+        raise NotImplementedError
+
+    def _extras(self) -> list:
+        return []
+
+    def update(self, state: TraceState, t0: Optional[int] = None) -> None:
+        """Redraw from `state`; times are relative to t0 (default: the state's own origin)."""
+        if t0 is None:
+            t0 = D.time_origin(state) or state.last_ts
+        with self.figure.batch_update():
+            self._draw(state, t0)
+
+    def _draw(self, state: TraceState, t0: int) -> None:
+        raise NotImplementedError
+
+
+# ---- Gantt ------------------------------------------------------------------------------
+
+class GanttView(TraceView):
+    """Request timeline: one row per request; bars for queued, each prefill chunk, decode runs;
+    markers for the first token and the finish. Click a bar for the request's details."""
+    name = "gantt"
+    title = "Requests"
+
+    def _build(self, height, width, max_requests: int = 40):
+        self.max_requests = max_requests
+        self._state: Optional[TraceState] = None
+        self.selected: Optional[str] = None
+        for kind in D.SPAN_KINDS:
+            self.figure.add_bar(name=kind, orientation="h", marker_color=COLORS[kind], x=[], y=[], base=[],
+                                customdata=[], hovertemplate="%{customdata[0]}<br>%{customdata[1]}"
+                                "<br>%{base:.3f}s + %{x:.3f}s<extra>" + kind + "</extra>")
+        self.figure.add_scatter(name="events", mode="markers", x=[], y=[], customdata=[],
+                                marker=dict(color="#333", size=9, symbol=[]),
+                                hovertemplate="%{customdata[0]}: %{customdata[1]} at %{x:.3f}s<extra></extra>")
+        self.figure.update_layout(**_layout(self.title, height, width, barmode="overlay",
+                                            xaxis_title="time (s)", clickmode="event"))
+        self.figure.update_yaxes(autorange="reversed", type="category")
+        for tr in self.figure.data:
+            tr.on_click(self._on_click)
+        self.details = W.HTML(value="<i>click a bar for the request's details</i>")
+
+    def _extras(self):
+        return [self.details]
+
+    def _draw(self, state, t0):
+        self._state = state
+        g = D.gantt_data(state, t0, self.max_requests)
+        label = {rid: D.short_rid(rid) for rid in g.rids}
+        for tr, kind in zip(self.figure.data, D.SPAN_KINDS):
+            sp = [s for s in g.spans if s.kind == kind]
+            tr.y = [label[s.rid] for s in sp]
+            tr.base = [s.start for s in sp]
+            tr.x = [s.end - s.start for s in sp]
+            tr.customdata = [[s.rid, s.detail] for s in sp]
+        m = self.figure.data[len(D.SPAN_KINDS)]
+        m.x = [t for _, t, _ in g.marks]
+        m.y = [label[rid] for rid, _, _ in g.marks]
+        m.customdata = [[rid, kind] for rid, _, kind in g.marks]
+        m.marker.symbol = [MARK_SYMBOLS[k] for _, _, k in g.marks]
+        self.figure.layout.yaxis.categoryarray = [label[r] for r in g.rids]
+        self.figure.layout.yaxis.categoryorder = "array"
+        if self.selected is not None:
+            self.details.value = details_html(state, self.selected)
+
+    def _on_click(self, trace, points, _selector):
+        if points.point_inds:
+            self.select(trace.customdata[points.point_inds[0]][0])
+
+    def select(self, rid: str) -> None:
+        """Show one request's details below the chart."""
+        self.selected = rid
+        if self._state is not None:
+            self.details.value = details_html(self._state, rid)
+
+
+def details_html(state: TraceState, rid: str) -> str:
+    d = D.request_details(state, rid)
+    if not d:
+        return f"<i>request {html.escape(rid)} is no longer in the trace</i>"
+    fmt = lambda v: "–" if v is None else (f"{v * 1e3:.1f} ms" if isinstance(v, float) else str(v))  # noqa: E731
+    facts = " · ".join(f"<b>{k}</b> {html.escape(fmt(d[k]))}" for k in (
+        "state", "prompt_tokens", "cached_tokens", "computed_tokens", "output_tokens", "finish_reason",
+        "ttft", "tpot", "e2e"))
+    t0 = d["timeline"][0][0] if d["timeline"] else 0
+    rows = "".join(f"<tr><td>+{(ts - t0) / 1e6:.1f} ms</td><td>{html.escape(k)}</td>"
+                   f"<td>{html.escape(det)}</td></tr>" for ts, k, det in d["timeline"])
+    return (f"<div><b>{html.escape(rid)}</b>: {html.escape(d['prompt'][:80])}<br>{facts}"
+            f"<br>output: <code>{html.escape(d['text'][-200:])}</code>"
+            f"<table style='font-size:90%'>{rows}</table></div>")
+
+
+# ---- batch composition ------------------------------------------------------------------
+
+class BatchView(TraceView):
+    """Per scheduler step: stacked cached / computed-prefill / decode tokens, the step time on a
+    second axis, and a star where decode ran through a CUDA graph."""
+    name = "batch"
+    title = "Batch composition per step"
+
+    def _build(self, height, width, max_steps: int = 200):
+        self.max_steps = max_steps
+        for key, label in (("cached", "cached (prefix hit)"), ("computed", "prefill computed"),
+                           ("decode", "decode")):
+            self.figure.add_bar(name=label, x=[], y=[], marker_color=COLORS.get(key, COLORS["decode"]),
+                                customdata=[], hovertemplate="step %{x}: %{y} tokens<br>%{customdata}"
+                                "<extra>" + label + "</extra>")
+        self.figure.add_scatter(name="step time (ms)", x=[], y=[], yaxis="y2", mode="lines+markers",
+                                line=dict(color="#555", width=1), marker=dict(size=3))
+        self.figure.add_scatter(name="CUDA graph", x=[], y=[], mode="markers",
+                                marker=dict(symbol="star", size=9, color="#b07aa1"))
+        self.figure.update_layout(**_layout(
+            self.title, height, width, barmode="stack", xaxis_title="scheduler step",
+            yaxis=dict(title="tokens"),
+            yaxis2=dict(title="ms", overlaying="y", side="right", showgrid=False, rangemode="tozero")))
+
+    def _draw(self, state, t0):
+        b = D.batch_data(state, self.max_steps)
+        hover = [f"{m}, batch {bs} (padded {ps})" for m, bs, ps in zip(b.mode, b.batch_size, b.padded_size)]
+        for tr, ys in zip(self.figure.data[:3], (b.cached, b.computed, b.decode)):
+            tr.x, tr.y, tr.customdata = b.steps, ys, hover
+        self.figure.data[3].x, self.figure.data[3].y = b.steps, b.step_ms
+        g = [i for i, c in enumerate(b.cuda_graph) if c]
+        self.figure.data[4].x = [b.steps[i] for i in g]
+        self.figure.data[4].y = [b.cached[i] + b.computed[i] + b.decode[i] for i in g]
+
+
+# ---- radix tree -------------------------------------------------------------------------------
+
+class RadixTreeView(TraceView):
+    """The radix prefix cache as an icicle (or treemap): area = tokens on each edge,
+    colour = state (locked by a running request, just inserted, hit, evicted)."""
+    name = "radix"
+    title = "Radix cache"
+
+    def _build(self, height, width, kind: str = "icicle"):
+        trace = go.Icicle if kind == "icicle" else go.Treemap
+        self.figure.add_trace(trace(
+            ids=[], parents=[], values=[], labels=[], branchvalues="remainder", customdata=[],
+            marker=dict(colors=[]), root=dict(color="#ffffff"),
+            hovertemplate="%{customdata[4]}<br>node %{customdata[0]}: %{customdata[1]} tokens"
+                          "<br>lock_ref %{customdata[2]}, hits %{customdata[3]}<br>%{customdata[5]}<extra></extra>"))
+        self.figure.update_layout(**_layout(self.title, height, width, margin=dict(l=10, r=10, t=36, b=10)))
+        legend = " ".join(f"<span style='background:{c};padding:0 6px;border:1px solid #999'>&nbsp;</span> {k}"
+                          for k, c in NODE_COLORS.items() if k != "root")
+        self.caption = W.HTML(value=f"<small>{legend}</small>")
+
+    def _extras(self):
+        return [self.caption]
+
+    def _draw(self, state, t0):
+        d = D.tree_data(state)
+        tr = self.figure.data[0]
+        tr.ids, tr.parents, tr.values, tr.labels = d.ids, d.parents, d.values, d.labels
+        tr.marker.colors = [NODE_COLORS[s] for s in d.states]
+        tr.customdata = [[i, v, lr, h, s, html.escape(t[:120])]
+                         for i, v, lr, h, s, t in zip(d.ids, d.values, d.lock_refs, d.hits, d.states, d.texts)]
+        self.figure.layout.title.text = (f"{self.title}: {len(d.ids) - 1} nodes, {sum(d.values)} tokens "
+                                         f"(evictable {state.tree_evictable_size}, "
+                                         f"protected {state.tree_protected_size})")
+
+
+# ---- KV pool and queues over time ---------------------------------------------------------------
+
+class KVPoolView(TraceView):
+    """KV pool over time: used by running requests, evictable (radix cache), free (stacked)."""
+    name = "kv"
+    title = "KV pool (tokens)"
+
+    def _build(self, height, width):
+        for key in ("used", "evictable", "free"):
+            self.figure.add_scatter(name=key, x=[], y=[], mode="lines", stackgroup="kv",
+                                    line=dict(width=0.5, color=COLORS[key], shape="hv"))
+        self.figure.update_layout(**_layout(self.title, height, width, xaxis_title="time (s)",
+                                            yaxis_title="tokens"))
+
+    def _draw(self, state, t0):
+        k = D.kv_data(state, t0)
+        for tr, ys in zip(self.figure.data, (k.used, k.evictable, k.free)):
+            tr.x, tr.y = k.t, ys
+
+
+class QueueView(TraceView):
+    """Waiting and running queue lengths over time."""
+    name = "queues"
+    title = "Queue lengths"
+
+    def _build(self, height, width):
+        for key in ("waiting", "running"):
+            self.figure.add_scatter(name=key, x=[], y=[], mode="lines",
+                                    line=dict(color=COLORS[key], shape="hv"))
+        self.figure.update_layout(**_layout(self.title, height, width, xaxis_title="time (s)",
+                                            yaxis_title="requests"))
+
+    def _draw(self, state, t0):
+        q = D.queue_data(state, t0)
+        self.figure.data[0].x, self.figure.data[0].y = q.t, q.waiting
+        self.figure.data[1].x, self.figure.data[1].y = q.t, q.running
+
+
+# ---- latency ---------------------------------------------------------------------------------
+
+class LatencyView(TraceView):
+    """TTFT / TPOT / E2E ECDFs of finished requests, and arrival time vs TTFT."""
+    name = "latency"
+    title = "Latency"
+
+    def _build(self, height, width):
+        fig = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45],
+                            subplot_titles=("ECDF", "arrival vs TTFT"))
+        for m in ("ttft", "tpot", "e2e"):
+            fig.add_scatter(name=m.upper(), x=[], y=[], mode="lines", line=dict(shape="hv", color=COLORS[m]),
+                            row=1, col=1)
+        fig.add_scatter(name="requests", x=[], y=[], mode="markers", customdata=[],
+                        marker=dict(color=COLORS["ttft"], size=7),
+                        hovertemplate="%{customdata}: arrived %{x:.3f}s, TTFT %{y:.3f}s<extra></extra>",
+                        row=1, col=2)
+        self.figure = go.FigureWidget(fig)
+        self.figure.update_layout(**_layout(self.title, height, width))
+        self.figure.update_xaxes(title_text="seconds", row=1, col=1)
+        self.figure.update_yaxes(title_text="fraction", range=[0, 1.02], row=1, col=1)
+        self.figure.update_xaxes(title_text="arrival (s)", row=1, col=2)
+        self.figure.update_yaxes(title_text="TTFT (s)", rangemode="tozero", row=1, col=2)
+
+    def _draw(self, state, t0):
+        lat = D.latency_data(state, t0)
+        for tr, m in zip(self.figure.data[:3], ("ttft", "tpot", "e2e")):
+            tr.x, tr.y = lat.ecdf[m]
+        sc = self.figure.data[3]
+        sc.x, sc.y, sc.customdata = lat.arrival, lat.ttft, lat.rids
+
+
+#: The built-in views by name, in the Dashboard's order.
+VIEWS = {cls.name: cls for cls in (GanttView, BatchView, RadixTreeView, KVPoolView, QueueView, LatencyView)}
