@@ -364,7 +364,10 @@ class Engine:
         if loop is not None and loop.is_running():
             tm = getattr(self, "tokenizer_manager", None)
             if tm is not None:
-                loop.call_soon_threadsafe(tm.close)
+                try:
+                    asyncio.run_coroutine_threadsafe(tm.close(), loop).result(timeout=5)
+                except Exception:
+                    pass
             loop.call_soon_threadsafe(loop.stop)
             self._loop_thread.join(timeout=5)
         if getattr(self, "_recorder", None) is not None:

@@ -176,7 +176,8 @@ class TraceFeed:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 logger.exception("trace feed failed")
                 time.sleep(0.2)
-            if getattr(self.subscription, "closed", False) and not len(self.subscription):
+            if getattr(self.subscription, "closed", False):
+                self.apply(self.subscription.drain())   # what was queued before the close
                 break
         if self._dirty:
             self.refresh()

@@ -1,2 +1,210 @@
-def main():
-    print("workbench")
+"""`workbench` — the command line: serve | tui | generate | bench | record | replay | trace | plugins.
+
+Every engine flag of ServerArgs is available as --kebab-case on the commands that
+start an engine. Heavy modules are imported inside each command, so `--help` is fast.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _engine_parser(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    from workbench.core.args import ServerArgs
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    ServerArgs.add_cli_args(p)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="workbench",
+        description="Serving Workbench: an LLM serving core (SGLang's shape) that narrates itself.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = _engine_parser(sub, "serve", "run the OpenAI-compatible HTTP server")
+    p.set_defaults(func=cmd_serve)
+
+    p = _engine_parser(sub, "tui", "watch the scheduler live in a terminal UI")
+    _add_tui_args(p)
+    p.set_defaults(func=cmd_tui)
+
+    p = _engine_parser(sub, "generate", "generate a reply for a prompt (streams to stdout)")
+    p.add_argument("prompt", help="the user message (or raw text with --raw)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
+    p.add_argument("--system", default=None, help="a system message (chat mode)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--show-stats", action="store_true", help="print token counts and latency at the end")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmarks: model | engine | serve")
+    bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
+    _add_bench_parsers(bench_sub)
+    p.set_defaults(func=lambda a: p.print_help() or 2)
+
+    p = _engine_parser(sub, "record", "run a workload on the engine and record its trace as JSONL")
+    p.add_argument("--workload", default="shared-prefix", help="chat | shared-prefix | long-prompt | burst")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("-o", "--output", required=True, help="the .jsonl file to write")
+    p.set_defaults(func=cmd_record)
+
+    p = sub.add_parser("replay", help="play a recorded trace in the TUI")
+    p.add_argument("file")
+    p.add_argument("--speed", type=float, default=1.0)
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("trace", help="trace tools: export a recording")
+    tsub = p.add_subparsers(dest="trace_command", metavar="ACTION")
+    e = tsub.add_parser("export", help="export a JSONL recording to Perfetto / chrome://tracing JSON")
+    e.add_argument("file")
+    e.add_argument("--perfetto", required=True, metavar="OUT.json")
+    e.set_defaults(func=cmd_trace_export)
+    p.set_defaults(func=lambda a: p.print_help() or 2)
+
+    p = sub.add_parser("plugins", help="list loaded plugins and what they contribute")
+    p.set_defaults(func=cmd_plugins)
+    return parser
+
+
+# ---- optional parts (each owned by its module) -----------------------------------
+def _add_tui_args(p) -> None:
+    try:
+        from workbench.tui.cli import add_tui_args
+    except ImportError:
+        p.add_argument("--workload", default=None)
+        p.add_argument("--rate", type=float, default=1.0)
+        p.add_argument("--attach", default=None)
+        p.add_argument("--replay", default=None)
+        return
+    add_tui_args(p)
+
+
+def _add_bench_parsers(bench_sub) -> None:
+    p = _engine_parser(bench_sub, "engine", "offline serving workloads through the Engine vs transformers")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    p.add_argument("--json", default=None, help="also write the results as JSON")
+    p.add_argument("--skip-transformers", action="store_true")
+    p.set_defaults(func=cmd_bench_engine)
+    try:
+        from workbench.core.bench.model_bench import add_parser as add_model_bench
+        add_model_bench(bench_sub)
+    except ImportError:
+        pass
+    try:
+        from workbench.core.bench.serve_bench import add_serve_bench_args, run_serve_bench
+        sp = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible server")
+        add_serve_bench_args(sp)
+        sp.set_defaults(func=lambda a: 0 if run_serve_bench(a) is not None else 1)
+    except ImportError:
+        pass
+
+
+# ---- commands ------------------------------------------------------------------------
+def _server_args(args):
+    from workbench.core.args import ServerArgs
+    return ServerArgs.from_cli_args(args)
+
+
+def cmd_serve(args) -> int:
+    from workbench.core.entrypoints.http_server import launch_server
+    return launch_server(_server_args(args)) or 0
+
+
+def cmd_tui(args) -> int:
+    from workbench.tui.cli import run_tui
+    return run_tui(args) or 0
+
+
+def cmd_replay(args) -> int:
+    from workbench.tui.cli import run_tui
+    args.replay = args.file
+    return run_tui(args) or 0
+
+
+def cmd_generate(args) -> int:
+    from workbench.core.engine import Engine
+    sa = _server_args(args)
+    with Engine(server_args=sa) as engine:
+        sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "seed": args.seed}
+        if args.raw:
+            stream = engine.generate(prompt=args.prompt, sampling_params=sp, stream=True)
+        else:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                       [{"role": "user", "content": args.prompt}]
+            stream = engine.generate(input_ids=engine.apply_chat_template(messages), sampling_params=sp,
+                                     stream=True)
+        last = None
+        for chunk in stream:
+            sys.stdout.write(chunk["delta"])
+            sys.stdout.flush()
+            last = chunk
+        sys.stdout.write("\n")
+        if args.show_stats and last is not None:
+            m = last["meta_info"]
+            print(f"[{m['prompt_tokens']} prompt + {m['completion_tokens']} completion tokens, "
+                  f"TTFT {m['ttft']:.3f} s, E2E {m['e2e_latency']:.3f} s, finish {m['finish_reason']}]",
+                  file=sys.stderr)
+    return 0
+
+
+def cmd_record(args) -> int:
+    from workbench.core.trace.workloads import record_workload
+    return record_workload(args) or 0
+
+
+def cmd_trace_export(args) -> int:
+    from workbench.core.trace.perfetto import export_perfetto
+    from workbench.core.trace.recorder import load_trace
+    events = load_trace(args.file)
+    export_perfetto(events, args.perfetto)
+    print(f"wrote {args.perfetto} ({len(events)} events): open it in ui.perfetto.dev or chrome://tracing")
+    return 0
+
+
+def cmd_bench_engine(args) -> int:
+    from workbench.core.bench.engine_bench import run_engine_bench
+    run_engine_bench(args)
+    return 0
+
+
+def cmd_plugins(args) -> int:
+    from workbench.plugins import load_plugins
+    reg = load_plugins()
+    for info in reg.plugins:
+        status = f"ERROR {info.error}" if info.error else "ok"
+        print(f"{info.name:<20} {info.module:<45} {info.distribution or '-':<20} {status}")
+        for item in info.contributed:
+            print(f"    {item}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        rc = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"workbench: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from workbench.core.model_loader import ModelLoadError
+        if isinstance(exc, ModelLoadError):
+            print(f"workbench: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

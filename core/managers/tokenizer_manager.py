@@ -318,8 +318,12 @@ class TokenizerManager:
                     fut.set_exception(EngineDeadError(reason))
             waiters.clear()
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.handle_loop_task.cancel()
+        try:
+            await self.handle_loop_task
+        except (asyncio.CancelledError, Exception):
+            pass
         self.send_to_scheduler.close(0)
         self.recv_from_detokenizer.close(0)
         self.ctx.term()

@@ -54,7 +54,9 @@ class OfflineHarness:
                 for p, sp, row in zip(prompts, params, rows)]
         try:
             if prefix_lens is not None:
-                self._extend(seqs, [list(s.prompt[:n]) for s, n in zip(seqs, prefix_lens)], sample=False)
+                with_prefix = [(s, list(s.prompt[:n])) for s, n in zip(seqs, prefix_lens) if n > 0]
+                if with_prefix:
+                    self._extend([s for s, _ in with_prefix], [t for _, t in with_prefix], sample=False)
                 self._extend(seqs, [list(s.prompt[n:]) for s, n in zip(seqs, prefix_lens)],
                              return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
             else:
@@ -119,7 +121,7 @@ class OfflineHarness:
         info = SamplingBatchInfo.from_reqs(
             [s.params for s in seqs], output_ids=[s.result.output_ids for s in seqs],
             prompt_ids=[s.prompt for s in seqs], vocab_size=r.model_config.vocab_size,
-            eos_ids=[eos + list(s.params.stop_token_ids or []) for s in seqs],
+            eos_ids=[s.params.finish_token_ids(eos) for s in seqs],
             generators=[s.generator for s in seqs])
         out = r.sample(logits, info, return_logprob, top_logprobs_num)
         ids = out.next_token_ids.tolist()

@@ -51,6 +51,11 @@ class TracePanel(Vertical):
         self._seen_epoch = -1
         self._last_draw_ns = -(10**18)
         self._last_clock_ns = -(10**18)
+        self.panel_ready = False
+
+    def on_mount(self) -> None:
+        # Children from compose() are mounted by now; before this, queries would fail.
+        self.panel_ready = True
 
     def needs_update(self, model: TuiModel, force: bool = False) -> bool:
         """True when the panel should redraw now (new events, new selection, time moved)."""
@@ -66,7 +71,7 @@ class TracePanel(Vertical):
 
     def refresh_view(self, model: TuiModel, force: bool = False) -> None:
         """Called by the app: redraws via `update_view` when `needs_update` says so."""
-        if self.needs_update(model, force):
+        if self.panel_ready and self.needs_update(model, force):
             self.update_view(model)
             self.mark_drawn(model)
 

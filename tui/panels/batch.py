@@ -95,7 +95,8 @@ class BatchPanel(TracePanel):
             table.add_column(label, key=key)
         yield table
 
-    def on_mount(self) -> None:
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
         self._keys: list[str] = []
         self._last: Optional[tuple[int, int]] = None    # (ts, step) of the newest row shown
         self._selected: Optional[str] = None

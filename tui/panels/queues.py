@@ -70,7 +70,8 @@ class QueuesPanel(TracePanel):
             table.add_column(label, key=key)
         yield table
 
-    def on_mount(self) -> None:
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
         self._order: list[str] = []
         self._cells: dict[str, tuple] = {}
 

@@ -137,6 +137,7 @@ class GenerateReqInput(_Strict):
 
 class AbortReqInput(_Strict):
     rid: str = ""
+    abort_all: bool = False
 
 
 # ---------------------------------------------------------------- responses

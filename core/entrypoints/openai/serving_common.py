@@ -65,6 +65,10 @@ class ServingContext:
                 self._tok_str[tid] = s
         return s
 
+    def encode(self, text: str) -> list[int]:
+        """Tokenize a raw prompt exactly as the TokenizerManager does (no special tokens added)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def check_token_ids(self, ids: Iterable[int], param: str) -> None:
         for t in ids:
             if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
@@ -356,32 +360,46 @@ def new_logprob_items(meta: dict, seen: int, n_ids: int) -> tuple[list, list]:
 def chat_logprobs(ctx: ServingContext, lps: list, tops: list, top_n: int) -> list[ChatTokenLogprob]:
     out = []
     for k, item in enumerate(lps):
-        lp, tid = float(item[0]), int(item[1])
+        lp, tid = finite_logprob(item[0]), int(item[1])
         tok = ctx.token_str(tid)
         top_items = []
         if top_n and k < len(tops) and tops[k]:
             for t in tops[k][:top_n]:
                 ts = ctx.token_str(int(t[1]))
-                top_items.append(TopLogprob(token=ts, logprob=float(t[0]), bytes=list(ts.encode())))
+                top_items.append(TopLogprob(token=ts, logprob=finite_logprob(t[0]), bytes=list(ts.encode())))
         out.append(ChatTokenLogprob(token=tok, logprob=lp, bytes=list(tok.encode()), top_logprobs=top_items))
     return out
 
 
 def completion_logprobs(ctx: ServingContext, lps: list, tops: list, top_n: int, start_offset: int = 0,
-                        input_lps: Optional[list] = None) -> CompletionLogprobs:
+                        prompt_ids: Optional[list[int]] = None, input_lps: Optional[list] = None
+                        ) -> CompletionLogprobs:
+    """Completions-shaped logprobs; with `prompt_ids` (echo) the prompt tokens come first,
+    their logprobs from `input_lps` (the first prompt token has none)."""
     out = CompletionLogprobs()
     offset = start_offset
-    rows = [(it, None) for it in (input_lps or [])] + [
-        (it, tops[k] if k < len(tops) else None) for k, it in enumerate(lps)]
-    for item, top in rows:
-        lp = None if item[0] is None else float(item[0])
-        tok = ctx.token_str(int(item[1]))
+    rows: list[tuple[Optional[float], int, Any]] = []
+    if prompt_ids is not None:
+        in_lps = [it[0] if isinstance(it, (list, tuple)) else it for it in (input_lps or [])]
+        in_lps = [None] * (len(prompt_ids) - len(in_lps)) + in_lps[-len(prompt_ids):] if prompt_ids else []
+        rows += [(lp, tid, None) for lp, tid in zip(in_lps, prompt_ids)]
+    rows += [(it[0], it[1], tops[k] if k < len(tops) else None) for k, it in enumerate(lps)]
+    for lp, tid, top in rows:
+        tok = ctx.token_str(int(tid))
         out.tokens.append(tok)
-        out.token_logprobs.append(lp)
+        out.token_logprobs.append(None if lp is None else finite_logprob(lp))
         out.text_offset.append(offset)
         offset += len(tok)
         if top_n and top:
-            out.top_logprobs.append({ctx.token_str(int(t[1])): float(t[0]) for t in top[:top_n]})
+            out.top_logprobs.append({ctx.token_str(int(t[1])): finite_logprob(t[0]) for t in top[:top_n]})
         else:
             out.top_logprobs.append(None)
     return out
+
+
+def finite_logprob(x: Any) -> float:
+    """JSON has no -inf: a token the sampler could never pick gets -9999.0."""
+    v = float(x)
+    if v != v:
+        return -9999.0
+    return max(v, -9999.0) if v != float("inf") else 0.0

@@ -44,7 +44,9 @@ def normalize_prompts(ctx: ServingContext, prompt: Any) -> list[dict[str, Any]]:
 
 
 def _prompt_text(ctx: ServingContext, p: dict[str, Any]) -> str:
-    return p["prompt"] if "prompt" in p else ctx.tokenizer.decode(p["input_ids"], skip_special_tokens=False)
+    if "prompt" in p or "text" in p:
+        return p.get("prompt", p.get("text"))
+    return ctx.tokenizer.decode(p["input_ids"], skip_special_tokens=False)
 
 
 async def create_completion(ctx: ServingContext, request: Request, req: CompletionRequest):
@@ -64,27 +66,34 @@ async def create_completion(ctx: ServingContext, request: Request, req: Completi
         # Explicit null: as many tokens as the context leaves, which differs per prompt.
         if len(prompts) > 1:
             raise bad_request("max_tokens: null needs a single prompt", "max_tokens")
-        ids = prompts[0].get("input_ids") or ctx.tokenizer.encode(prompts[0]["prompt"])
+        ids = prompts[0].get("input_ids") or ctx.encode(prompts[0]["prompt"])
         sp["max_new_tokens"] = check_prompt_fits(ctx, len(ids), None)
     else:
         for p in prompts:   # text prompts are checked by the engine after tokenizing
             if "input_ids" in p:
                 check_prompt_fits(ctx, len(p["input_ids"]), req.max_tokens)
+    if req.echo and top_n is not None:
+        # Prompt logprobs are reported against our own tokenization of the prompt.
+        prompts = [p if "input_ids" in p else {"input_ids": ctx.encode(p["prompt"]), "text": p["prompt"]}
+                   for p in prompts]
     gen_kwargs: dict[str, Any] = {}
     if top_n is not None:
         gen_kwargs.update(return_logprob=True, top_logprobs_num=top_n)
         if req.echo:
             gen_kwargs["logprob_start_len"] = 0
+    echo_texts = [_prompt_text(ctx, p) for p in prompts] if req.echo else None
+    echo_ids = [p.get("input_ids") for p in prompts] if req.echo and top_n is not None else None
+    prompts = [{k: v for k, v in p.items() if k != "text"} for p in prompts]
     base = req.rid or new_rid("cmpl")
     specs = fan_out(base, prompts, sp, n, gen_kwargs)
     model = req.model or ctx.model_name
-    echo_texts = [_prompt_text(ctx, p) for p in prompts] if req.echo else None
 
     if req.stream:
         opened = await open_streams(ctx, specs)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         guard = StreamGuard(ctx, [s.rid for s in specs])
-        return SSEResponse(_stream(ctx, base, model, opened, n, top_n, echo_texts, include_usage, guard), guard)
+        return SSEResponse(_stream(ctx, base, model, opened, n, top_n, echo_texts, echo_ids, include_usage,
+                                   guard), guard)
 
     results = await generate_all(ctx, request, specs)
     choices = []
@@ -96,7 +105,8 @@ async def create_completion(ctx: ServingContext, request: Request, req: Completi
         if top_n is not None:
             lp = completion_logprobs(ctx, meta.get("output_token_logprobs") or [],
                                      meta.get("output_top_logprobs") or [], top_n,
-                                     input_lps=meta.get("input_token_logprobs") if req.echo else None)
+                                     prompt_ids=echo_ids[spec.prompt_index] if echo_ids else None,
+                                     input_lps=meta.get("input_token_logprobs"))
         choices.append(CompletionChoice(index=spec.index, text=prefix + res.get("text", ""), logprobs=lp,
                                         finish_reason=reason, matched_stop=matched))
     resp = CompletionResponse(id=base, model=model, choices=choices, usage=usage_from(results, n))
@@ -104,7 +114,8 @@ async def create_completion(ctx: ServingContext, request: Request, req: Completi
 
 
 async def _stream(ctx: ServingContext, rid: str, model: str, opened, n: int, top_n: Optional[int],
-                  echo_texts: Optional[list[str]], include_usage: bool, guard: StreamGuard
+                  echo_texts: Optional[list[str]], echo_ids: Optional[list], include_usage: bool,
+                  guard: StreamGuard
                   ) -> AsyncIterator[str]:
     seen_ids: dict[int, int] = {}
     offsets: dict[int, int] = {}
@@ -116,16 +127,17 @@ async def _stream(ctx: ServingContext, rid: str, model: str, opened, n: int, top
             reason, matched = finish_reason_of(meta)
             n_ids = len(chunk.get("output_ids") or [])
             text = chunk.get("delta", "")
-            input_lps = None
+            prompt_ids = None
             if echo_texts is not None and spec.index not in echoed:
                 echoed.add(spec.index)
                 text = echo_texts[spec.prompt_index] + text
-                input_lps = meta.get("input_token_logprobs")
+                prompt_ids = echo_ids[spec.prompt_index] if echo_ids else None
             lp = None
             if top_n is not None:
                 lps, tops = new_logprob_items(meta, seen_ids.get(spec.index, 0), n_ids)
-                if lps or input_lps:
-                    lp = completion_logprobs(ctx, lps, tops, top_n, offsets.get(spec.index, 0), input_lps)
+                if lps or prompt_ids:
+                    lp = completion_logprobs(ctx, lps, tops, top_n, offsets.get(spec.index, 0), prompt_ids,
+                                             meta.get("input_token_logprobs"))
                     if lp.tokens:
                         offsets[spec.index] = lp.text_offset[-1] + len(lp.tokens[-1])
             seen_ids[spec.index] = n_ids

@@ -1,0 +1,560 @@
+"""The HTTP server: OpenAI-compatible routes, SGLang's native routes and /metrics.
+
+`create_app(engine, server_args)` builds the FastAPI app on top of a running
+Engine; `launch_server(server_args)` is `workbench serve`: it binds the port
+first (a port in use is a one-line error before any model loads), answers 503
+while the engine starts, then runs uvicorn ON THE ENGINE'S LOOP
+(`engine.loop`, the thread that owns the TokenizerManager) so handlers await
+`engine.async_generate` with no cross-thread bridging. The main thread only
+waits for signals: SIGTERM/SIGINT stop accepting, let in-flight requests
+finish (bounded by `GRACEFUL_TIMEOUT_S`), shut the engine down and exit 0; a
+second signal skips the wait.
+
+Run: `python -m workbench.core.entrypoints.http_server --port 30000 [--model PATH] [--api-key K]`
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from workbench.core.args import ServerArgs
+from workbench.core.entrypoints.errors import (
+    APIError, bad_request, engine_error_to_api, error_response, http_status_error, validation_error,
+)
+from workbench.core.entrypoints.metrics import ServerMetrics
+from workbench.core.entrypoints.openai.protocol import (
+    AbortReqInput, ChatCompletionRequest, CompletionRequest, GenerateReqInput, ModelCard, ModelList,
+)
+from workbench.core.entrypoints.openai.serving_chat import create_chat_completion
+from workbench.core.entrypoints.openai.serving_common import (
+    SSE_DONE, ServingContext, SSEResponse, StreamGuard, generate_all, ChoiceSpec, new_rid, sse, sse_error,
+)
+from workbench.core.entrypoints.openai.serving_completions import create_completion
+
+logger = logging.getLogger(__name__)
+
+GRACEFUL_TIMEOUT_S = 30.0
+HEALTH_EXEMPT = ("/health", "/health_generate")
+_SAMPLING_KEYS: Optional[frozenset] = None
+
+
+# ---------------------------------------------------------------- middleware
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over `max_bytes` with 413, before any handler sees them.
+
+    The body is read here (bounded) and replayed to the app, so a handler never
+    meets a half-read body; later receive() calls (disconnect) pass through."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        too_big = error_response(413, f"Request body too large (limit {self.max_bytes} bytes)",
+                                 code="request_too_large")
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    if int(v) > self.max_bytes:
+                        return await too_big(scope, receive, send)
+                except ValueError:
+                    return await error_response(400, "bad Content-Length header")(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body = msg.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                return await too_big(scope, receive, send)
+            chunks.append(body)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer <key>` on every route except the health checks."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in HEALTH_EXEMPT:
+            return await self.app(scope, receive, send)
+        got = b""
+        for k, v in scope.get("headers", ()):
+            if k == b"authorization":
+                got = v
+        if not hmac.compare_digest(got, self.expected):
+            msg = "Missing API key (send Authorization: Bearer <key>)" if not got else "Incorrect API key provided"
+            return await error_response(401, msg, code="invalid_api_key")(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------- helpers
+
+def _finite(obj: Any) -> Any:
+    """JSON has no inf/nan: -inf logprobs become -9999.0, nan becomes null."""
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return None
+        return obj if math.isfinite(obj) else (-9999.0 if obj < 0 else 9999.0)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _parse(model: type[BaseModel], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body or b"")
+    except ValidationError as e:
+        errs = e.errors()
+        if errs and errs[0].get("type") == "json_invalid":
+            raise bad_request(f"Request body is not valid JSON: {errs[0].get('msg', '')}", code="invalid_json")
+        raise validation_error(e) from None
+
+
+def _sampling_keys() -> frozenset:
+    global _SAMPLING_KEYS
+    if _SAMPLING_KEYS is None:
+        from workbench.core.sampling.sampling_params import SamplingParams
+        _SAMPLING_KEYS = frozenset(SamplingParams.__struct_fields__)
+    return _SAMPLING_KEYS
+
+
+def _served_names(engine: Any, server_args: ServerArgs) -> tuple[str, frozenset]:
+    from workbench.core.model_loader import DEFAULT_MODEL_NAME
+    path = server_args.model_path
+    name = (server_args.served_model_name or getattr(engine, "served_model_name", None)
+            or (path if path else DEFAULT_MODEL_NAME))
+    aliases = {name}
+    if path:
+        aliases |= {path, os.path.basename(path.rstrip("/"))}
+    else:
+        aliases |= {DEFAULT_MODEL_NAME, "smollm2-135m-instruct", "default"}
+    return name, frozenset(aliases)
+
+
+def _make_abort(engine: Any):
+    """abort(rid) that is safe to call anywhere, the engine loop included: never blocks it."""
+    def abort(rid: str) -> None:
+        if not rid:        # "" would abort every request in the engine
+            return
+        loop = getattr(engine, "loop", None)
+        tm = getattr(engine, "tokenizer_manager", None)
+        try:
+            if tm is not None and loop is not None and _running_loop() is loop:
+                loop.create_task(tm.abort_request(rid))
+            elif loop is not None and loop.is_running() and _running_loop() is not None:
+                _running_loop().run_in_executor(None, engine.abort_request, rid)
+            else:
+                engine.abort_request(rid)
+        except Exception:  # noqa: BLE001 - abort is best effort (engine may be gone)
+            logger.debug("abort_request(%s) failed", rid, exc_info=True)
+    return abort
+
+
+def _running_loop():
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+# ---------------------------------------------------------------- the app
+
+def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI:
+    """The FastAPI app over a started Engine. Call it from any thread except the engine loop
+    (it asks the engine for its context length). `app.state.metrics.close()` unsubscribes."""
+    server_args = server_args or getattr(engine, "server_args", None) or ServerArgs()
+    info = engine.get_server_info()
+    name, aliases = _served_names(engine, server_args)
+    vocab = info.get("vocab_size")
+    if vocab is None:
+        try:
+            vocab = len(engine.tokenizer)
+        except Exception:  # noqa: BLE001
+            vocab = None
+    ctx = ServingContext(engine=engine, model_name=name, model_path=server_args.model_path or name,
+                         context_len=int(info.get("context_len") or 2048), vocab_size=vocab,
+                         max_n=server_args.max_n, max_top_logprobs=server_args.max_top_logprobs,
+                         aliases=aliases, abort=_make_abort(engine))
+    metrics = ServerMetrics(name)
+    metrics.attach(engine)
+
+    app = FastAPI(title="Serving Workbench", version="0.1.0", docs_url="/docs", redoc_url=None)
+    app.state.ctx, app.state.metrics, app.state.draining = ctx, metrics, False
+    app.state.server_args = server_args
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=server_args.max_request_body_bytes)
+    if server_args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
+    if server_args.enable_cors:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"],
+                           allow_credentials=False)
+    _install_error_handlers(app)
+
+    def ensure_serving() -> None:
+        if app.state.draining:
+            raise APIError(503, "The server is shutting down", code="shutting_down")
+        if not getattr(engine, "is_healthy", True):
+            raise APIError(503, "The engine is not healthy", code="engine_unavailable")
+
+    # ---- OpenAI ------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = _parse(ChatCompletionRequest, await request.body())
+        ensure_serving()
+        return await create_chat_completion(ctx, request, req)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = _parse(CompletionRequest, await request.body())
+        ensure_serving()
+        return await create_completion(ctx, request, req)
+
+    @app.get("/v1/models")
+    async def list_models():
+        card = ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.context_len)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        ctx.check_model(model_id)
+        return JSONResponse(ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.context_len)
+                            .model_dump(mode="json"))
+
+    # ---- native ------------------------------------------------------------
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        req = _parse(GenerateReqInput, await request.body())
+        ensure_serving()
+        return await _native_generate(ctx, request, req)
+
+    @app.get("/health")
+    async def health():
+        if app.state.draining or not getattr(engine, "is_healthy", True):
+            return error_response(503, "unhealthy" if not app.state.draining else "shutting down",
+                                  code="engine_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        ensure_serving()
+        try:
+            await asyncio.wait_for(engine.async_generate(
+                input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                rid=new_rid("health")), timeout=30.0)
+        except Exception as e:  # noqa: BLE001 - any failure means unhealthy
+            raise APIError(503, f"health generation failed: {type(e).__name__}: {e}",
+                           code="engine_unavailable") from e
+        return Response(status_code=200)
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        info = await asyncio.to_thread(engine.get_server_info)
+        return JSONResponse(_finite(_jsonable(dict(info, served_model_name=name, metrics=metrics.snapshot()))))
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return JSONResponse({"model_path": ctx.model_path, "tokenizer_path": ctx.model_path,
+                             "served_model_name": name, "is_generation": True,
+                             "context_len": ctx.context_len, "vocab_size": ctx.vocab_size})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        ok = await asyncio.to_thread(engine.flush_cache)
+        if not ok:
+            return error_response(400, "Cache not flushed: requests are running; retry when idle.",
+                                  code="cache_busy")
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        req = _parse(AbortReqInput, await request.body())
+        if not req.rid and not req.abort_all:
+            raise bad_request("give a rid, or abort_all: true", "rid")
+        await asyncio.to_thread(engine.abort_request, "" if req.abort_all else req.rid)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def _jsonable(obj: Any) -> Any:
+    try:
+        json.dumps(obj)
+        return obj
+    except (TypeError, ValueError):
+        return json.loads(json.dumps(obj, default=str))
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_req, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req, exc: StarletteHTTPException):
+        return http_status_error(exc.status_code, exc.detail)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req, exc: RequestValidationError):
+        return validation_error(exc).response()
+
+    # ValueError/RuntimeError are handled here (not by the catch-all) so the
+    # server log is not flooded with tracebacks of ordinary bad requests.
+    @app.exception_handler(ValueError)
+    async def _value_error(_req, exc: ValueError):
+        return engine_error_to_api(exc).response()
+
+    @app.exception_handler(RuntimeError)
+    async def _runtime_error(_req, exc: RuntimeError):
+        return engine_error_to_api(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _catch_all(_req, exc: Exception):
+        return engine_error_to_api(exc).response()
+
+
+async def _native_generate(ctx: ServingContext, request: Request, req: GenerateReqInput):
+    """SGLang's /generate: the engine's own result dicts, or SSE chunks of them."""
+    if (req.text is None) == (req.input_ids is None):
+        raise bad_request("give exactly one of text or input_ids", "text")
+    if isinstance(req.text, list) and not req.text or isinstance(req.input_ids, list) and not req.input_ids:
+        raise bad_request("empty batch", "text" if req.text is not None else "input_ids")
+    is_batch = isinstance(req.text, list) or (bool(req.input_ids) and isinstance(req.input_ids[0], list))
+    sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params or {}]
+    for sp in sps:
+        unknown = sorted(set(sp) - _sampling_keys())
+        if unknown:
+            raise bad_request(f"unknown sampling parameter(s): {', '.join(unknown)}", "sampling_params")
+    if req.input_ids is not None:
+        flat = req.input_ids if not is_batch else [t for ids in req.input_ids for t in ids]
+        ctx.check_token_ids(flat, "input_ids")
+    if req.top_logprobs_num and not 0 <= req.top_logprobs_num <= ctx.max_top_logprobs:
+        raise bad_request(f"top_logprobs_num must be between 0 and {ctx.max_top_logprobs}", "top_logprobs_num")
+    kwargs = dict(prompt=req.text, input_ids=req.input_ids, sampling_params=req.sampling_params,
+                  return_logprob=bool(req.return_logprob), top_logprobs_num=req.top_logprobs_num or 0,
+                  logprob_start_len=-1 if req.logprob_start_len is None else req.logprob_start_len)
+    n = max(int(sp.get("n", 1) or 1) for sp in sps)
+    if req.stream:
+        if is_batch or n > 1:
+            raise bad_request("streaming takes a single prompt with n=1", "stream")
+        rid = req.rid or new_rid("gen")
+        try:
+            it = (await ctx.engine.async_generate(stream=True, rid=rid, **kwargs)).__aiter__()
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except Exception as e:
+            ctx.abort(rid)
+            raise engine_error_to_api(e) from e
+        guard = StreamGuard(ctx, [rid])
+
+        async def body():
+            try:
+                if first is not None:
+                    yield sse(_finite(first))
+                    if not first.get("meta_info", {}).get("finish_reason"):
+                        async for chunk in it:
+                            yield sse(_finite(chunk))
+                guard.finished(rid)
+            except Exception as e:  # noqa: BLE001 - in-band: headers are already sent
+                yield sse_error(e)
+            yield SSE_DONE
+        return SSEResponse(body(), guard)
+    rid = req.rid if (req.rid or is_batch or n > 1) else new_rid("gen")
+    if rid is not None:
+        kwargs["rid"] = rid
+    spec = ChoiceSpec(0, 0, rid or "", kwargs)
+    result = (await generate_all(ctx, request, [spec]))[0]
+    return JSONResponse(_finite(result))
+
+
+# ---------------------------------------------------------------- launching
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind now, so a busy port fails before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        reason = "is already in use" if e.errno in (98, 48, 10048) else f"cannot be bound ({e.strerror})"
+        raise SystemExit(f"error: port {port} on {host} {reason}; pick another with --port") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class _StartupResponder:
+    """Answers 503 on the bound socket while the engine loads (own loop, own thread)."""
+
+    BODY = json.dumps({"error": {"message": "The server is starting; the model is loading.",
+                                 "type": "service_unavailable", "param": None,
+                                 "code": "starting"}}).encode()
+
+    def __init__(self, sock: socket.socket):
+        self._sock = socket.socket(fileno=os.dup(sock.fileno()))   # closing the dup keeps `sock` listening
+        self._loop = asyncio.new_event_loop()
+        self._server = None
+        self._thread = threading.Thread(target=self._run, name="startup-503", daemon=True)
+        self._ready = threading.Event()
+        self._thread.start()
+        self._ready.wait(5)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+            try:
+                await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                             b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+                             + str(len(self.BODY)).encode() + b"\r\n\r\n" + self.BODY)
+                await writer.drain()
+            except Exception:  # noqa: BLE001 - a broken probe is not our problem
+                pass
+            finally:
+                writer.close()
+
+        async def start():
+            self._server = await asyncio.start_server(handle, sock=self._sock)
+            self._ready.set()
+
+        self._loop.run_until_complete(start())
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        async def close():
+            self._server.close()
+        if self._server is not None:
+            asyncio.run_coroutine_threadsafe(close(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+def launch_server(server_args: ServerArgs) -> int:
+    """`workbench serve`: start the engine, serve until SIGTERM/SIGINT, shut down. Returns the exit code."""
+    import uvicorn
+
+    from workbench.core.engine import Engine
+
+    logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = _bind(server_args.host, server_args.port)
+    stop = threading.Event()
+    signals = {"count": 0}
+
+    def on_signal(signum, _frame):
+        signals["count"] += 1
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    starting = _StartupResponder(sock)
+    engine = None
+    try:
+        try:
+            engine = Engine(server_args=server_args)
+        finally:
+            starting.stop()
+        if stop.is_set():
+            return 0
+        app = create_app(engine, server_args)
+        level = server_args.log_level.lower()
+        config = uvicorn.Config(app, log_level=level, access_log=level in ("info", "debug", "trace"),
+                                lifespan="off", timeout_graceful_shutdown=int(GRACEFUL_TIMEOUT_S),
+                                timeout_keep_alive=5)
+        server = uvicorn.Server(config)
+        fut = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), engine.loop)
+        host = f"[{server_args.host}]" if ":" in server_args.host else server_args.host
+        print(f"Serving {app.state.ctx.model_name} on http://{host}:{server_args.port} "
+              f"(OpenAI API at /v1, metrics at /metrics)", flush=True)
+        code = 0
+        while not stop.wait(0.2):
+            if fut.done():
+                exc = fut.exception()
+                if exc is not None:
+                    print(f"error: the HTTP server stopped: {exc}", file=sys.stderr, flush=True)
+                    code = 1
+                break
+            if not getattr(engine, "is_healthy", True):
+                print("error: the engine died; shutting down", file=sys.stderr, flush=True)
+                code = 1
+                break
+        # Stop accepting, let in-flight requests finish (uvicorn bounds this wait).
+        app.state.draining = True
+        server.should_exit = True
+        deadline = time.monotonic() + GRACEFUL_TIMEOUT_S + 5
+        seen = signals["count"]
+        while not fut.done() and time.monotonic() < deadline:
+            time.sleep(0.1)
+            if signals["count"] > seen:        # a second signal: do not wait
+                server.force_exit = True
+                seen = signals["count"]
+        app.state.metrics.close()
+        return code
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        sock.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="workbench serve",
+                                     description="OpenAI-compatible server over the workbench engine")
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        server_args = ServerArgs.from_cli_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return launch_server(server_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,552 @@
+"""WorkbenchApp: the Textual app that shows the serving pipeline live, steps it, and replays it.
+
+Data flow: a timer (~10 Hz) drains the controller's event source, folds the
+events into one `TuiModel` (TraceState + events log) and asks each visible
+panel to redraw from it. Panels never see the engine; interaction (pause,
+step, chat, workloads) goes through the controller, on a worker thread when
+the call can block.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Callable, Optional
+
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Container, Horizontal, Vertical
+from textual.widget import Widget
+from textual.widgets import Footer, Input, LoadingIndicator, Static, TabbedContent, TabPane
+from textual.worker import get_current_worker
+
+from workbench.tui.controller import Controller
+from workbench.tui.fmt import fmt_count, shorten
+from workbench.tui.model import TuiModel
+from workbench.tui.panels.base import RequestSelected
+from workbench.tui.workload import KINDS
+
+#: the default one-screen arrangement: rows of slots; a slot is a panel name or a list side by side
+GRID = (("queues", "tree"), ("batch", ("kv", "latency")), ("events", "detail"))
+GRID_HEIGHTS = ("3fr", "3fr", "2fr")
+
+
+class WorkbenchApp(App):
+    """The workbench TUI. `controller` is where events come from (live engine, replay, attach).
+
+    Args:
+        panels: panel names to show, in order (default: every registered panel).
+        registry: a PluginRegistry (default: `load_plugins()`).
+        layout: "grid" (one screen), "tabs" (one tab per panel) or "auto" (by terminal size).
+        refresh_hz: panel redraw rate (events are folded at the same rate).
+        select: a rid to select at start.
+    """
+
+    TITLE = "Serving Workbench"
+    CSS = """
+    #status { height: 1; background: $boost; padding: 0 1; }
+    #startup { align: center middle; height: 1fr; }
+    #startup-box { width: 80%; height: auto; max-height: 80%; border: round $accent; padding: 0 1; }
+    #startup-log { height: auto; }
+    #main { height: 1fr; }
+    .grid-row { height: 1fr; }
+    #answer { height: auto; max-height: 6; padding: 0 1; background: $panel; }
+    #prompt { dock: bottom; }
+    TabbedContent, TabPane { height: 1fr; }
+    """
+    BINDINGS = [
+        Binding("q", "quit", "quit"),
+        Binding("question_mark", "help", "help"),
+        Binding("p", "toggle_pause", "pause/run"),
+        Binding("s", "step", "step"),
+        Binding("w", "toggle_workload", "workload"),
+        Binding("W", "cycle_workload", "kind", show=False),
+        Binding("plus,equals_sign", "faster", "rate+"),
+        Binding("minus", "slower", "rate-"),
+        Binding("r", "restart", "restart", show=False),
+        Binding("slash", "focus_prompt", "prompt"),
+        Binding("f", "focus_filter", "filter", show=False),
+        Binding("left_square_bracket", "select(-1)", "prev req", show=False),
+        Binding("right_square_bracket", "select(1)", "next req", show=False),
+        Binding("l", "toggle_layout", "layout"),
+        Binding("escape", "escape", "back", show=False),
+        *[Binding(str(i), f"panel({i})", show=False) for i in range(1, 10)],
+    ]
+
+    def __init__(self, controller: Controller, *, panels: Optional[list[str]] = None, registry=None,
+                 layout: str = "auto", refresh_hz: float = 10.0, select: Optional[str] = None,
+                 chat_max_new_tokens: int = 128, max_events_per_tick: int = 50_000,
+                 log_path: Optional[str] = None):
+        super().__init__()
+        if registry is None:
+            from workbench.plugins import load_plugins
+            registry = load_plugins()
+        self.registry = registry
+        self.controller = controller
+        self.model = TuiModel()
+        self.model.selected = select
+        names = list(panels) if panels else list(registry.panels)
+        unknown = [n for n in names if n not in registry.panels]
+        if unknown:
+            raise ValueError(f"unknown panel(s): {', '.join(unknown)}; "
+                             f"available: {', '.join(registry.panels)}")
+        self.panel_names = names
+        self.layout_mode = layout
+        self.refresh_hz = refresh_hz
+        self.chat_max_new_tokens = chat_max_new_tokens
+        self.max_events_per_tick = max_events_per_tick
+        self.log_path = log_path
+        self.panels: dict[str, Widget] = {}
+        self.ready = threading.Event()          # the controller has started
+        self.startup_error: Optional[str] = None
+        self.chat_done = threading.Event()
+        self.last_answer = ""
+        self.last_step_result: Optional[int] = None
+        self.control_results = 0                # control commands completed (tests wait on it)
+        self._progress: queue.SimpleQueue = queue.SimpleQueue()
+        self._chat_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._control_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._progress_lines: list[str] = []
+        self._chat_prompt = ""
+        self._broken_panels: set[str] = set()
+        self._quitting = False
+        self._kind_cycle = list(KINDS)
+
+    # ---- layout ---------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Static(id="status")
+        with Container(id="startup"):
+            with Vertical(id="startup-box"):
+                yield Static(Text("Starting…", style="bold"), id="startup-title")
+                yield LoadingIndicator(id="startup-spinner")
+                yield Static(id="startup-log")
+        yield Container(id="main")
+        yield Static(id="answer")
+        yield Input(placeholder="/ to ask the model (Enter sends, Esc leaves)", id="prompt")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#main").display = False
+        self.query_one("#answer").display = False
+        self.query_one("#prompt").display = self.controller.can_chat
+        if self.layout_mode == "auto":
+            w, h = self.size
+            self.layout_mode = "grid" if (w >= 130 and h >= 36) else "tabs"
+        self._mount_panels()
+        self._update_status()
+        threading.Thread(target=self._start_controller, name="tui-start", daemon=True).start()
+        self.set_interval(1.0 / self.refresh_hz, self._tick)
+        if getattr(self.controller, "threaded", self.controller.mode == "live"):
+            self._control_worker()
+
+    def _make_panel(self, name: str) -> Widget:
+        spec = self.registry.panels[name]
+        try:
+            widget = spec.factory()
+        except Exception as exc:      # a broken plugin panel must not take the app down
+            widget = Static(Text(f"panel {name!r} failed: {type(exc).__name__}: {exc}", style="red"))
+        widget.id = f"panel-{name}"
+        if not getattr(widget, "border_title", None):
+            widget.border_title = spec.title
+        return widget
+
+    def _mount_panels(self) -> None:
+        main = self.query_one("#main")
+        main.remove_children()
+        self.panels = {n: self._make_panel(n) for n in self.panel_names}
+        if len(self.panels) == 1:
+            main.mount(*self.panels.values())
+        elif self.layout_mode == "tabs":
+            tabs = TabbedContent(id="tabs")
+            main.mount(tabs)
+            for i, (name, widget) in enumerate(self.panels.items(), 1):
+                tabs.add_pane(TabPane(f"{i} {self.registry.panels[name].title}", widget, id=f"tab-{name}"))
+        else:
+            placed: set[str] = set()
+            for row, height in zip(GRID, GRID_HEIGHTS):
+                cells = []
+                for slot in row:
+                    names = [slot] if isinstance(slot, str) else list(slot)
+                    present = [self.panels[n] for n in names if n in self.panels]
+                    placed.update(n for n in names if n in self.panels)
+                    if len(present) == 1:
+                        cells.append(present[0])
+                    elif present:
+                        cells.append(Horizontal(*present))
+                if cells:
+                    r = Horizontal(*cells, classes="grid-row")
+                    r.styles.height = height
+                    main.mount(r)
+            extra = [w for n, w in self.panels.items() if n not in placed]
+            if extra:
+                r = Horizontal(*extra, classes="grid-row")
+                r.styles.height = "2fr"
+                main.mount(r)
+
+    def visible_panels(self) -> dict[str, Widget]:
+        if self.layout_mode == "tabs" and len(self.panels) > 1:
+            try:
+                active = self.query_one("#tabs", TabbedContent).active
+            except Exception:
+                return {}
+            name = active[len("tab-"):] if active else ""
+            return {name: self.panels[name]} if name in self.panels else {}
+        return dict(self.panels)
+
+    # ---- start-up ------------------------------------------------------------------
+    def _start_controller(self) -> None:
+        # A plain daemon thread: loading a model cannot be interrupted, and q must not wait for it.
+        try:
+            self.controller.start(self._progress.put)
+        except Exception as exc:
+            self.startup_error = _friendly(exc)
+        finally:
+            self._progress.put(None)
+
+    def _drain_progress(self) -> None:
+        changed = False
+        while True:
+            try:
+                msg = self._progress.get_nowait()
+            except queue.Empty:
+                break
+            changed = True
+            if msg is None:
+                if self.startup_error:
+                    self._show_startup_error()
+                else:
+                    self._on_ready()
+            else:
+                self._progress_lines.append(msg)
+        if changed and not self.ready.is_set():
+            self.query_one("#startup-log", Static).update("\n".join(self._progress_lines[-12:]))
+
+    def _show_startup_error(self) -> None:
+        self.query_one("#startup-spinner").display = False
+        self.query_one("#startup-title", Static).update(Text("Could not start", style="bold red"))
+        body = Text("\n".join(self._progress_lines[-6:]) + "\n\n", style="dim")
+        body.append(self.startup_error or "", style="bold")
+        if self.log_path:
+            body.append(f"\n\nDetails: {self.log_path}", style="dim")
+        body.append("\n\nPress q to quit.", style="bold")
+        self.query_one("#startup-log", Static).update(body)
+
+    def _on_ready(self) -> None:
+        self.query_one("#startup").display = False
+        self.query_one("#main").display = True
+        self.ready.set()
+        self._tick()
+
+    # ---- the 10 Hz loop ---------------------------------------------------------------
+    def _tick(self) -> None:
+        if self._quitting:
+            return
+        self._drain_progress()
+        self._drain_results()
+        if not self.ready.is_set():
+            return
+        try:
+            events = self.controller.drain(self.max_events_per_tick)
+        except Exception as exc:
+            events = []
+            self._error(f"event source failed: {_friendly(exc)}")
+        self.model.now_ns = self.controller.now_ns()
+        self.model.apply(events)
+        self._drain_chat()
+        self.refresh_panels()
+        self._update_status()
+
+    def refresh_panels(self, force: bool = False) -> None:
+        """Redraw the visible panels from the model (force: even if nothing changed)."""
+        for name, widget in self.visible_panels().items():
+            if name in self._broken_panels:
+                continue
+            try:
+                if hasattr(widget, "refresh_view"):
+                    widget.refresh_view(self.model, force)
+                elif hasattr(widget, "update_view"):
+                    widget.update_view(self.model)
+            except Exception as exc:   # one bad panel is reported, the others keep going
+                self._broken_panels.add(name)
+                self._error(f"panel {name} failed: {type(exc).__name__}: {exc}")
+
+    def _update_status(self) -> None:
+        st = self.model.state
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append(self.controller.status(), style="bold")
+        if self.ready.is_set():
+            last = st.steps[-1].step if st.steps else -1
+            t.append(f" │ step {last}")
+            if self.controller.paused:
+                t.append("  ⏸ PAUSED", style="bold black on yellow")
+            t.append(f" │ wait {len(st.waiting)} run {len(st.running)}")
+            if st.kv is not None and st.kv.total:
+                t.append(f" │ KV {100 * st.kv.used / st.kv.total:.0f}% used")
+            tp = st.throughput(5.0, self.model.now_ns)
+            t.append(f" │ {fmt_count(tp.prefill_tps)}+{fmt_count(tp.decode_tps)} tok/s")
+            c = st.counters
+            t.append(f" │ done {c.num_requests_total} · hit {100 * st.cache_hit_rate:.0f}%")
+            if c.dropped_events:
+                t.append(f" │ dropped {c.dropped_events}", style="bold red")
+        else:
+            t.append(" │ starting…", style="dim")
+        self.query_one("#status", Static).update(t)
+
+    def _error(self, msg: str) -> None:
+        self.model.note("error", msg)
+        self.notify(msg, severity="error", timeout=6)
+
+    # ---- control (pause / step / workload) ------------------------------------------------
+    @work(thread=True, group="control", exit_on_error=False)
+    def _control_worker(self) -> None:
+        """One thread runs blocking controller calls in order; it checks cancellation so q exits."""
+        worker = get_current_worker()
+        while not worker.is_cancelled:
+            try:
+                label, fn = self._control_q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                self._results.put((label, fn(), None))
+            except Exception as exc:
+                self._results.put((label, None, _friendly(exc)))
+
+    def _control(self, label: str, fn: Callable) -> None:
+        if not self.ready.is_set():
+            self.notify("still starting…", timeout=2)
+            return
+        if getattr(self.controller, "threaded", self.controller.mode == "live"):
+            self._control_q.put((label, fn))
+        else:
+            try:
+                self._results.put((label, fn(), None))
+            except Exception as exc:
+                self._results.put((label, None, _friendly(exc)))
+            self._tick()
+
+    def _drain_results(self) -> None:
+        while True:
+            try:
+                label, value, err = self._results.get_nowait()
+            except queue.Empty:
+                return
+            self.control_results += 1
+            if err:
+                self._error(f"{label}: {err}")
+            elif label == "step":
+                self.last_step_result = value
+            elif label.startswith("workload"):
+                self.model.note("info", label)
+
+    def action_toggle_pause(self) -> None:
+        c = self.controller
+        if not c.can_step:
+            self.notify(f"pausing is not available in {c.mode} mode", severity="warning")
+            return
+        self._control("pause" if not c.paused else "resume", lambda: c.set_paused(not c.paused))
+
+    def action_step(self) -> None:
+        c = self.controller
+        if not c.can_step:
+            self.notify(f"stepping is not available in {c.mode} mode", severity="warning")
+            return
+
+        def step():
+            if not c.paused:
+                c.set_paused(True)
+            return c.step()
+        self._control("step", step)
+
+    def action_toggle_workload(self) -> None:
+        c = self.controller
+        if not c.can_workload:
+            self.notify(f"workloads need a live engine ({c.mode} mode)", severity="warning")
+            return
+        if getattr(c, "workload_running", False):
+            self._control("workload stopped", c.stop_workload)
+        else:
+            self._control(f"workload {c.workload or 'chat'} started at {c.rate:g}/s",
+                          lambda: c.start_workload(c.workload or "chat"))
+
+    def action_cycle_workload(self) -> None:
+        c = self.controller
+        if not c.can_workload:
+            return
+        cur = c.workload if c.workload in self._kind_cycle else self._kind_cycle[-1]
+        kind = self._kind_cycle[(self._kind_cycle.index(cur) + 1) % len(self._kind_cycle)]
+        if getattr(c, "workload_running", False):
+            self._control(f"workload {kind} started at {c.rate:g}/s", lambda: c.start_workload(kind))
+        else:
+            c.workload = kind
+            self.notify(f"workload kind: {kind} (w starts it)", timeout=3)
+
+    def _change_rate(self, factor: float) -> None:
+        c = self.controller
+        if c.mode == "replay":
+            c.set_speed(c.replay.speed * (2.0 if factor > 1 else 0.5))
+            self._update_status()
+        elif c.can_workload:
+            self._control(f"workload rate {c.rate * factor:.2g}/s", lambda: c.set_rate(c.rate * factor))
+
+    def action_faster(self) -> None:
+        self._change_rate(1.5)
+
+    def action_slower(self) -> None:
+        self._change_rate(1 / 1.5)
+
+    def action_restart(self) -> None:
+        if self.controller.mode == "replay":
+            self.controller.restart()
+            self._tick()
+
+    # ---- chat ---------------------------------------------------------------------------
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id != "prompt":
+            return
+        text = event.value.strip()
+        event.input.value = ""
+        if not text:
+            return
+        self.send_prompt(text)
+
+    def send_prompt(self, text: str) -> None:
+        """Send `text` as a chat message; the answer streams into the answer line and Request detail."""
+        if not self.controller.can_chat:
+            self.notify(f"chat needs a live engine ({self.controller.mode} mode)", severity="warning")
+            return
+        if not self.ready.is_set():
+            self.notify("still starting…", timeout=2)
+            return
+        self.chat_done.clear()
+        self.last_answer = ""
+        self._chat_prompt = text
+        ans = self.query_one("#answer", Static)
+        ans.display = True
+        ans.update(Text.assemble(("you: ", "bold cyan"), shorten(text, 200), ("\nmodel: ", "bold green"),
+                                 ("…", "dim")))
+        self._chat_worker(text)
+
+    @work(thread=True, group="chat", exclusive=True, exit_on_error=False)
+    def _chat_worker(self, text: str) -> None:
+        worker = get_current_worker()
+        try:
+            self.controller.chat(text, lambda rid, d: self._chat_q.put(("delta", rid, d)),
+                                 lambda: worker.is_cancelled, self.chat_max_new_tokens)
+            self._chat_q.put(("done", None, None))
+        except Exception as exc:
+            self._chat_q.put(("error", None, _friendly(exc)))
+
+    def _drain_chat(self) -> None:
+        changed = False
+        while True:
+            try:
+                kind, rid, data = self._chat_q.get_nowait()
+            except queue.Empty:
+                break
+            changed = True
+            if kind == "delta":
+                if not self.last_answer and rid and self.model.selected != rid:
+                    self.model.selected = rid       # follow the chat in Request detail
+                self.last_answer += data
+            elif kind == "error":
+                self._error(f"chat: {data}")
+                self.chat_done.set()
+            else:
+                self.chat_done.set()
+        if changed:
+            self.query_one("#answer", Static).update(Text.assemble(
+                ("you: ", "bold cyan"), shorten(self._chat_prompt, 200), ("\nmodel: ", "bold green"),
+                self.last_answer[-400:] or "…"))
+
+    # ---- selection, focus, layout -----------------------------------------------------------
+    def on_request_selected(self, message: RequestSelected) -> None:
+        self.select_request(message.rid)
+
+    def select_request(self, rid: Optional[str]) -> None:
+        self.model.selected = rid
+        self.refresh_panels()
+
+    def action_select(self, delta: int) -> None:
+        from workbench.tui.panels.queues import queue_rows
+        order = [rid for rid, _ in queue_rows(self.model)]
+        if not order:
+            order = list(self.model.state.requests)
+        if not order:
+            return
+        cur = self.model.selected
+        i = order.index(cur) + delta if cur in order else (0 if delta > 0 else len(order) - 1)
+        self.select_request(order[i % len(order)])
+
+    def action_focus_prompt(self) -> None:
+        if self.controller.can_chat:
+            self.query_one("#prompt", Input).focus()
+
+    def action_focus_filter(self) -> None:
+        try:
+            self.query_one("#events-filter", Input).focus()
+        except Exception:
+            pass
+
+    def action_escape(self) -> None:
+        if isinstance(self.focused, Input):
+            self.set_focus(None)
+        else:
+            self.select_request(None)
+
+    def action_toggle_layout(self) -> None:
+        self.layout_mode = "tabs" if self.layout_mode == "grid" else "grid"
+        self._mount_panels()
+        self.call_after_refresh(self.refresh_panels, True)
+
+    def action_panel(self, i: int) -> None:
+        names = list(self.panels)
+        if not 1 <= i <= len(names):
+            return
+        name = names[i - 1]
+        if self.layout_mode == "tabs" and len(names) > 1:
+            self.query_one("#tabs", TabbedContent).active = f"tab-{name}"
+            self.call_after_refresh(self.refresh_panels, True)
+        else:
+            w = self.panels[name]
+            target = next((d for d in w.query("*") if d.focusable), None)
+            (target or w).focus()
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        self.call_after_refresh(self.refresh_panels, True)
+
+    def action_help(self) -> None:
+        from workbench.tui.help import HelpScreen
+        rows = []
+        for name in self.panel_names:
+            spec = self.registry.panels[name]
+            widget = self.panels.get(name)
+            rows.append((name, spec.title, getattr(widget, "HELP", "") or spec.help))
+        self.push_screen(HelpScreen(rows, self.controller.status()))
+
+    # ---- quitting ---------------------------------------------------------------------------
+    async def action_quit(self) -> None:
+        if self._quitting:
+            return
+        self._quitting = True
+        self.query_one("#status", Static).update(Text("shutting down…", style="bold"))
+        self.workers.cancel_all()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.controller.close), timeout=30)
+        except Exception:
+            pass     # run_tui closes again after exit; never hang here
+        self.exit()
+
+
+def _friendly(exc: BaseException) -> str:
+    """One line for people: the message of errors meant for them, type + message otherwise."""
+    name = type(exc).__name__
+    msg = " ".join(str(exc).split())
+    if name in ("ModelLoadError", "ValueError", "ControlUnavailable", "EngineDeadError", "FileNotFoundError",
+                "TraceFormatError"):
+        return msg or name
+    if isinstance(exc, OSError) and "address" in msg.lower():
+        return f"address in use or unavailable: {msg}"
+    return f"{name}: {msg}" if msg else name

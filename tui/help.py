@@ -1,0 +1,60 @@
+"""The `?` screen: key bindings and a one-screen explanation of each panel."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+KEYS = (
+    ("q", "quit (stops workloads, shuts the engine down)"),
+    ("?", "this help (Esc closes)"),
+    ("p", "pause / resume the scheduler (replay: pause / play)"),
+    ("s", "single-step: run exactly one scheduler iteration (pauses first)"),
+    ("w / W", "start or stop the workload / cycle its kind (chat, shared-prefix, long-prompt, burst)"),
+    ("+ / -", "workload rate up / down (replay: speed ×2 / ÷2)"),
+    ("r", "replay: back to the start"),
+    ("/", "type a chat prompt (Enter sends, Esc leaves the box)"),
+    ("f", "filter the events log"),
+    ("[ / ]", "select the previous / next request (Request detail follows)"),
+    ("l", "switch layout: all panels on one screen / one tab per panel"),
+    ("1…9", "tabs: show panel N; grid: focus panel N"),
+    ("Esc", "leave a text box, or clear the selection"),
+)
+
+
+class HelpScreen(ModalScreen):
+    """Key bindings plus each panel's help text."""
+
+    BINDINGS = [Binding("escape,question_mark,q", "dismiss", "close")]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > VerticalScroll { width: 90%; height: 90%; border: thick $accent; background: $surface;
+                                  padding: 0 2; }
+    """
+
+    def __init__(self, panels: list[tuple[str, str, str]], mode_line: str = "") -> None:
+        super().__init__()
+        self._panels = panels
+        self._mode = mode_line
+
+    def compose(self) -> ComposeResult:
+        t = Text()
+        t.append("Serving Workbench — what you are looking at\n", style="bold underline")
+        if self._mode:
+            t.append(self._mode + "\n", style="dim")
+        t.append("\nKeys\n", style="bold")
+        for k, what in KEYS:
+            t.append(f"  {k:<8}", style="bold cyan")
+            t.append(what + "\n")
+        t.append("\nPanels\n", style="bold")
+        for i, (name, title, help_text) in enumerate(self._panels, 1):
+            t.append(f"  {i}. {title}", style="bold yellow")
+            t.append(f"  ({name})\n", style="dim")
+            t.append(f"     {help_text}\n")
+        t.append("\nEvery panel reads only the trace (TraceState); nothing here pokes into the engine.",
+                 style="dim")
+        with VerticalScroll():
+            yield Static(t, id="help-body")

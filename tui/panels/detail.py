@@ -1,0 +1,106 @@
+"""Request detail: the selected request's timeline, who it shared steps with, its text."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Static
+
+from workbench.core.trace.views import RequestView
+from workbench.tui.fmt import fmt_s, shorten
+from workbench.tui.model import TuiModel
+from workbench.tui.panels.base import TracePanel
+
+_KIND_STYLE = {"arrived": "cyan", "queued": "yellow", "prefill": "green", "first_token": "bold green",
+               "decode": "yellow", "retracted": "magenta", "finished": "bold green", "aborted": "bold red"}
+
+
+def shared_steps(model: TuiModel, r: RequestView) -> tuple[dict[int, list[str]], Counter]:
+    """For the request's steps still in the step ring: step -> the other rids in it; and a count
+    of steps shared per other rid."""
+    mine = set(r.steps)
+    per_step: dict[int, list[str]] = {}
+    counts: Counter = Counter()
+    for sv in model.state.steps:
+        if sv.step in mine and any(x.rid == r.rid for x in sv.reqs):
+            others = [x.rid for x in sv.reqs if x.rid != r.rid]
+            per_step[sv.step] = others
+            counts.update(others)
+    return per_step, counts
+
+
+def render_detail(model: TuiModel, rid: Optional[str], text_chars: int = 1200) -> Text:
+    out = Text()
+    r = model.state.requests.get(rid) if rid else None
+    if r is None:
+        out.append("No request selected.\n", style="bold")
+        out.append("Click a row in Queues (or Batch composition), or press [ and ] to walk through "
+                   "the requests; chat prompts are selected automatically.", style="dim")
+        return out
+    out.append(f"{r.rid}", style="bold reverse")
+    out.append(f"  {r.state}", style=_KIND_STYLE.get(r.state, "bold"))
+    if r.finish_reason:
+        out.append(f" ({r.finish_reason})")
+    out.append("\n")
+    out.append(f"prompt {r.prompt_tokens} t = {r.cached_tokens} cached + {r.computed_tokens} computed · "
+               f"out {r.output_tokens}" + (f"/{r.max_new_tokens}" if r.max_new_tokens else "")
+               + (f" · retracted {r.retractions}×" if r.retractions else "") + "\n")
+    out.append(f"TTFT {fmt_s(r.ttft)} · TPOT {fmt_s(r.tpot)} · E2E {fmt_s(r.e2e)}\n", style="bold")
+    per_step, counts = shared_steps(model, r)
+    base = r.arrival_ts if r.arrival_ts is not None else (r.timeline[0].ts if r.timeline else None)
+    out.append("timeline\n", style="underline")
+    for e in r.timeline:
+        dt = (e.ts - base) / 1e9 if base is not None else 0.0
+        out.append(f" +{dt:7.3f}s ", style="dim")
+        out.append(f"{e.kind:<11}", style=_KIND_STYLE.get(e.kind, ""))
+        detail = e.detail
+        if e.kind == "decode":
+            first = e.step - e.count + 1
+            detail = f"{e.count} steps" + (f" (steps {first}–{e.step})" if e.count > 1 else f" (step {e.step})")
+            if e.end_ts > e.ts:
+                detail += f", {(e.end_ts - e.ts) / 1e9 * 1e3:.0f} ms"
+        elif e.step >= 0:
+            detail += f" [step {e.step}]"
+        out.append(detail)
+        if e.kind == "prefill" and e.step in per_step:
+            others = per_step[e.step]
+            out.append(f"  with {', '.join(others[:6])}{' …' if len(others) > 6 else ''}" if others
+                       else "  alone", style="dim")
+        out.append("\n")
+    if counts:
+        n = len(per_step)
+        out.append(f"shared {sum(1 for o in per_step.values() if o)} of {n} steps with: ", style="underline")
+        out.append(", ".join(f"{o} ×{c}" for o, c in counts.most_common(8)))
+        if len(counts) > 8:
+            out.append(f" (+{len(counts) - 8} more)", style="dim")
+        out.append("\n")
+    if r.prompt_preview:
+        out.append("prompt: ", style="bold")
+        out.append(shorten(r.prompt_preview, 200) + "\n", style="dim")
+    out.append("output: ", style="bold")
+    body = r.text if len(r.text) <= text_chars else "…" + r.text[-text_chars:]
+    out.append(body if body else "(nothing yet)", style="" if body else "dim")
+    if not r.done and r.output_tokens:
+        out.append("▌", style="blink")
+    return out
+
+
+class DetailPanel(TracePanel):
+    PANEL_NAME = "detail"
+    TITLE = "Request detail"
+    HELP = ("The selected request: token counts, TTFT/TPOT/E2E, and its timeline — arrival, queueing, "
+            "each prefill chunk (cached + computed tokens, the step, who shared that step), decode runs "
+            "(consecutive steps; a gap means it sat out), finish — and the requests it shared "
+            "scheduler steps with. Its text streams in at the bottom.")
+    clock_interval_s = 0
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll():
+            yield Static(id="detail-body")
+
+    def update_view(self, model: TuiModel) -> None:
+        self.query_one("#detail-body", Static).update(render_detail(model, model.selected))
+        self.border_title = "Request detail" + (f" — {model.selected}" if model.selected else "")

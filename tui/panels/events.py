@@ -1,0 +1,89 @@
+"""Events: a filterable log of arrivals, finishes, retractions, evictions, aborts and errors."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.widgets import Input, RichLog
+
+from workbench.tui.model import LogLine, TuiModel
+from workbench.tui.panels.base import TracePanel
+
+_STYLE = {"arrive": "cyan", "finish": "green", "abort": "bold red", "retract": "magenta", "evict": "yellow",
+          "drop": "bold red", "proc": "blue", "weights": "blue", "error": "bold white on red", "info": "dim"}
+
+
+def line_matches(line: LogLine, terms: list[str]) -> bool:
+    """Every term must occur in the category or the text (case-insensitive); `-term` excludes."""
+    hay = f"{line.category} {line.text}".lower()
+    for t in terms:
+        if t.startswith("-") and len(t) > 1:
+            if t[1:] in hay:
+                return False
+        elif t not in hay:
+            return False
+    return True
+
+
+def format_line(line: LogLine, model: TuiModel) -> Text:
+    text = Text(no_wrap=True, overflow="ellipsis")
+    text.append(f"{model.rel_s(line.ts):8.3f}s ", style="dim")
+    text.append(f"{line.category:<7} ", style=_STYLE.get(line.category, ""))
+    style = "reverse" if line.rid is not None and line.rid == model.selected else ""
+    text.append(line.text, style=style)
+    return text
+
+
+class EventsPanel(TracePanel):
+    PANEL_NAME = "events"
+    TITLE = "Events"
+    HELP = ("Notable events, newest at the bottom: arrivals, finishes (with TTFT/E2E), retractions, "
+            "evictions, aborts, dropped trace events, process starts/exits and errors. Type in the "
+            "filter box (key f) to keep matching lines: words must all match, `-word` hides, e.g. "
+            "`evict` or `-arrive`.")
+    clock_interval_s = 0
+
+    def compose(self) -> ComposeResult:
+        yield Input(placeholder="filter (e.g. evict, abort, -arrive)", id="events-filter")
+        yield RichLog(id="events-log", max_lines=1000, wrap=False, auto_scroll=True)
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self._shown_seq = 0
+        self._terms: list[str] = []
+        self._epoch = -1
+        self._selected = None
+        self._model: TuiModel | None = None
+
+    @property
+    def terms(self) -> list[str]:
+        return self._terms
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        event.stop()
+        self._terms = event.value.lower().split()
+        if self._model is not None:
+            self._rewrite(self._model)
+
+    def _rewrite(self, model: TuiModel) -> None:
+        log = self.query_one(RichLog)
+        log.clear()
+        self._shown_seq = 0
+        self._append(model)
+
+    def _append(self, model: TuiModel) -> None:
+        log = self.query_one(RichLog)
+        for line in model.log.lines:
+            if line.seq > self._shown_seq and line_matches(line, self._terms):
+                log.write(format_line(line, model))
+        if model.log.lines:
+            self._shown_seq = model.log.lines[-1].seq
+        self.border_title = f"Events — {len(model.log.lines)}" + (
+            f" · filter: {' '.join(self._terms)}" if self._terms else "")
+
+    def update_view(self, model: TuiModel) -> None:
+        self._model = model
+        if model.epoch != self._epoch or model.selected != self._selected:
+            self._epoch, self._selected = model.epoch, model.selected
+            self._rewrite(model)
+        else:
+            self._append(model)

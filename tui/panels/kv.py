@@ -1,0 +1,74 @@
+"""KV pool: used / evictable / free gauge and its history."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.widgets import Static
+
+from workbench.tui.fmt import fmt_count, resample, spark
+from workbench.tui.model import TuiModel
+from workbench.tui.panels.base import TracePanel
+
+USED, EVICTABLE, FREE = "red", "yellow", "green"
+
+
+def kv_gauge(used: int, evictable: int, free: int, total: int, width: int) -> Text:
+    """A bar: █ used (locked by requests), ▓ evictable (cached, reclaimable), ░ free."""
+    text = Text()
+    total = max(total, used + evictable + free, 1)
+    u = int(round(used * width / total))
+    e = int(round(evictable * width / total))
+    u = min(u, width)
+    e = min(e, width - u)
+    text.append("█" * u, style=USED)
+    text.append("▓" * e, style=EVICTABLE)
+    text.append("░" * (width - u - e), style=FREE)
+    return text
+
+
+def render_kv(model: TuiModel, width: int = 40) -> Text:
+    st = model.state
+    k = st.kv
+    out = Text()
+    if k is None:
+        out.append("no kv.usage event yet", style="dim")
+        return out
+    width = max(10, width)
+    total = max(k.total, 1)
+    out.append_text(kv_gauge(k.used, k.evictable, k.free, k.total, width))
+    out.append("\n")
+    out.append("█ used ", style=USED)
+    out.append(f"{fmt_count(k.used)} ({100 * k.used / total:.0f}%)  ")
+    out.append("▓ evictable ", style=EVICTABLE)
+    out.append(f"{fmt_count(k.evictable)} ({100 * k.evictable / total:.0f}%)  ")
+    out.append("░ free ", style=FREE)
+    out.append(f"{fmt_count(k.free)} of {fmt_count(k.total)} tokens\n")
+    hist = list(st.kv_history)
+    if hist:
+        used = resample([p.used / max(p.total, 1) for p in hist], width)
+        held = resample([(p.used + p.evictable) / max(p.total, 1) for p in hist], width)
+        out.append(spark(used, width, hi=1.0), style=USED)
+        out.append("  used\n", style="dim")
+        out.append(spark(held, width, hi=1.0), style=EVICTABLE)
+        out.append("  used+cached\n", style="dim")
+    c = st.counters
+    out.append(f"cache hit rate {100 * st.cache_hit_rate:.0f}% · evicted {fmt_count(c.evicted_tokens_total)} t · "
+               f"retracted {c.num_retracted}", style="dim")
+    return out
+
+
+class KVPanel(TracePanel):
+    PANEL_NAME = "kv"
+    TITLE = "KV pool"
+    HELP = ("The token KV pool: █ used by requests in flight, ▓ evictable (cached prefixes nobody "
+            "holds; freed on demand), ░ free. Below: the history of used and used+cached, the cache "
+            "hit rate over finished requests, tokens evicted and requests retracted (the pool ran out "
+            "during decode).")
+    clock_interval_s = 0
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="kv-body")
+
+    def update_view(self, model: TuiModel) -> None:
+        width = max(10, self.content_region.width - 12) if self.content_region.width else 40
+        self.query_one("#kv-body", Static).update(render_kv(model, width))
