@@ -101,6 +101,7 @@ class WorkbenchApp(App):
         self.panels: dict[str, Widget] = {}
         self.ready = threading.Event()          # the controller has started
         self.startup_error: Optional[str] = None
+        self.startup_traceback = ""
         self.chat_done = threading.Event()
         self.last_answer = ""
         self.last_step_result: Optional[int] = None
@@ -201,8 +202,10 @@ class WorkbenchApp(App):
         # A plain daemon thread: loading a model cannot be interrupted, and q must not wait for it.
         try:
             self.controller.start(self._progress.put)
-        except Exception as exc:
-            self.startup_error = _friendly(exc)
+        except BaseException as exc:    # SystemExit from a child helper must not look like success
+            self.startup_error = _friendly(exc) or type(exc).__name__
+            import traceback
+            self.startup_traceback = traceback.format_exc()
         finally:
             self._progress.put(None)
 
@@ -218,7 +221,7 @@ class WorkbenchApp(App):
                 if self.startup_error:
                     self._show_startup_error()
                 else:
-                    self._on_ready()
+                    self._controller_ready()
             else:
                 self._progress_lines.append(msg)
         if changed and not self.ready.is_set():
@@ -234,7 +237,7 @@ class WorkbenchApp(App):
         body.append("\n\nPress q to quit.", style="bold")
         self.query_one("#startup-log", Static).update(body)
 
-    def _on_ready(self) -> None:
+    def _controller_ready(self) -> None:
         self.query_one("#startup").display = False
         self.query_one("#main").display = True
         self.ready.set()

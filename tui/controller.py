@@ -116,13 +116,16 @@ class EngineController(Controller):
             if isinstance(sa, dict) or sa is None:
                 sa = ServerArgs(**(sa or {}))
             progress(f"starting engine: model {sa.model_path or 'default (SmolLM2-135M-Instruct)'}")
-            progress("loading the model and starting the scheduler and detokenizer processes…")
-            self.engine = Engine(server_args=sa)
-        info = self.engine.get_server_info()
-        self.title = str(info.get("served_model_name") or info.get("model_path") or "")
+            _ensure_resource_tracker()
+            engine = Engine(server_args=sa, on_progress=progress)
+            with self._lock:
+                if self._closed:      # q was pressed while the model loaded
+                    engine.shutdown()
+                    raise ControlUnavailable("closed during start-up")
+                self.engine = engine
+        self.title = str(getattr(self.engine, "served_model_name", "") or "")
         progress("engine ready; subscribing to the trace bus")
-        self._sub = self.engine.subscribe(with_snapshot=True, name="tui") \
-            if _accepts(self.engine.subscribe, "name") else self.engine.subscribe(with_snapshot=True)
+        self._sub = self.engine.subscribe(with_snapshot=True, name="tui")
         if self._start_paused:
             self.set_paused(True)
         if self._initial_workload:
@@ -317,9 +320,21 @@ def _quietly(fn, *args):
         return None
 
 
-def _accepts(fn, name: str) -> bool:
-    import inspect
+def _ensure_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker with a real stderr.
+
+    Spawning a child starts the tracker on first use and hands it sys.stderr's fd;
+    under Textual sys.stderr is a capture object whose fileno() is -1, which makes
+    the spawn fail ("bad value(s) in fds_to_keep")."""
+    import os
+    import sys
+    from multiprocessing import resource_tracker
+    saved = sys.stderr
     try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
+        try:
+            os.fstat(sys.stderr.fileno())
+        except (OSError, ValueError, AttributeError):
+            sys.stderr = sys.__stderr__
+        resource_tracker.ensure_running()
+    finally:
+        sys.stderr = saved

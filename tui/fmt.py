@@ -6,15 +6,16 @@ from typing import Optional, Sequence
 _BLOCKS = "▁▂▃▄▅▆▇█"
 
 
-def fmt_s(seconds: Optional[float]) -> str:
-    """A latency: '850 µs', '12.3 ms', '1.24 s'; '–' when unknown."""
+def fmt_s(seconds: Optional[float], compact: bool = False) -> str:
+    """A latency: '850 µs', '12.3 ms', '1.24 s' ('12.3ms' when compact); '–' when unknown."""
     if seconds is None:
         return "–"
+    sp = "" if compact else " "
     if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} µs"
+        return f"{seconds * 1e6:.0f}{sp}µs"
     if seconds < 1.0:
-        return f"{seconds * 1e3:.1f} ms" if seconds < 0.1 else f"{seconds * 1e3:.0f} ms"
-    return f"{seconds:.2f} s" if seconds < 100 else f"{seconds:.0f} s"
+        return f"{seconds * 1e3:.1f}{sp}ms" if seconds < 0.1 else f"{seconds * 1e3:.0f}{sp}ms"
+    return f"{seconds:.2f}{sp}s" if seconds < 100 else f"{seconds:.0f}{sp}s"
 
 
 def fmt_age(ns: Optional[int]) -> str:

@@ -193,7 +193,9 @@ class TraceFeed:
                 while time.monotonic() < end and self.pump(timeout=quiet):
                     pass
             else:
-                while time.monotonic() < end and self.clock() - self._last_event < quiet:
+                # Quiet is measured from the call too: events already in flight count.
+                began = self.clock()
+                while time.monotonic() < end and self.clock() - max(self._last_event, began) < quiet:
                     time.sleep(0.05)
         elif self.replay is not None:
             self.apply(self.replay.drain())

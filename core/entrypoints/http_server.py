@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import hmac
 import json
 import logging
@@ -413,7 +414,7 @@ async def _native_generate(ctx: ServingContext, request: Request, req: GenerateR
 
 # ---------------------------------------------------------------- launching
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
     """Bind now, so a busy port fails before the model loads."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -427,6 +428,10 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+class _StartupInterrupted(BaseException):
+    """SIGTERM/SIGINT while the engine was starting."""
 
 
 class _StartupResponder:
@@ -476,21 +481,79 @@ class _StartupResponder:
         self._thread.join(5)
 
 
-def launch_server(server_args: ServerArgs) -> int:
-    """`workbench serve`: start the engine, serve until SIGTERM/SIGINT, shut down. Returns the exit code."""
+class RunningServer:
+    """A uvicorn server running on an engine's loop (see `start_server`)."""
+
+    def __init__(self, app: FastAPI, server: Any, future, url: str):
+        self.app, self.server, self.future, self.url = app, server, future, url
+
+    @property
+    def running(self) -> bool:
+        return not self.future.done()
+
+    def stop(self, timeout_s: float = GRACEFUL_TIMEOUT_S, force: bool = False) -> None:
+        """Stop accepting, let in-flight requests finish (at most `timeout_s`), unsubscribe
+        the metrics. The engine keeps running: shut it down yourself."""
+        self.app.state.draining = True
+        self.server.should_exit = True
+        if force:
+            self.server.force_exit = True
+        try:
+            self.future.result(timeout_s + 5)
+        except Exception:  # noqa: BLE001 - a server that failed is stopped too
+            pass
+        self.app.state.metrics.close()
+
+
+def start_server(engine: Any, server_args: Optional[ServerArgs] = None,
+                 sock: Optional[socket.socket] = None, timeout_s: float = 30.0) -> RunningServer:
+    """Serve an already started Engine over HTTP from its own loop, in the background.
+
+    Works in any process that holds an Engine (a script, a notebook, a test); `sock`
+    is a bound, listening socket (default: bind server_args.host/port). Returns once
+    uvicorn accepts connections."""
     import uvicorn
 
+    server_args = server_args or getattr(engine, "server_args", None) or ServerArgs()
+    if sock is None:
+        sock = bind_socket(server_args.host, server_args.port)
+    app = create_app(engine, server_args)
+    level = server_args.log_level.lower()
+    config = uvicorn.Config(app, log_level=level, access_log=level in ("info", "debug", "trace"),
+                            lifespan="off", timeout_graceful_shutdown=int(GRACEFUL_TIMEOUT_S),
+                            timeout_keep_alive=5)
+    server = uvicorn.Server(config)
+    fut = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), engine.loop)
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if fut.done():
+            fut.result()           # raises what stopped it
+            raise RuntimeError("the HTTP server stopped during start-up")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the HTTP server did not start in {timeout_s:.0f} s")
+        time.sleep(0.02)
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    return RunningServer(app, server, fut, f"http://{host}:{port}")
+
+
+def launch_server(server_args: ServerArgs) -> int:
+    """`workbench serve`: start the engine, serve until SIGTERM/SIGINT, shut down. Returns the exit code."""
     from workbench.core.engine import Engine
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID` dumps every thread's stack
     logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sock = _bind(server_args.host, server_args.port)
-    stop = threading.Event()
-    signals = {"count": 0}
+    sock = bind_socket(server_args.host, server_args.port)
+    # The handler only counts: taking a lock in a signal handler (Event.set) can deadlock
+    # against the main thread waiting on that same lock.
+    signals = {"count": 0, "starting": True}
 
     def on_signal(signum, _frame):
         signals["count"] += 1
-        stop.set()
+        if signals["starting"]:
+            raise _StartupInterrupted()     # Engine() cleans up its children on the way out
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     starting = _StartupResponder(sock)
@@ -498,43 +561,36 @@ def launch_server(server_args: ServerArgs) -> int:
     try:
         try:
             engine = Engine(server_args=server_args)
-        finally:
-            starting.stop()
-        if stop.is_set():
+        except _StartupInterrupted:
             return 0
-        app = create_app(engine, server_args)
-        level = server_args.log_level.lower()
-        config = uvicorn.Config(app, log_level=level, access_log=level in ("info", "debug", "trace"),
-                                lifespan="off", timeout_graceful_shutdown=int(GRACEFUL_TIMEOUT_S),
-                                timeout_keep_alive=5)
-        server = uvicorn.Server(config)
-        fut = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), engine.loop)
-        host = f"[{server_args.host}]" if ":" in server_args.host else server_args.host
-        print(f"Serving {app.state.ctx.model_name} on http://{host}:{server_args.port} "
+        finally:
+            signals["starting"] = False
+            starting.stop()
+        running = start_server(engine, server_args, sock)
+        print(f"Serving {running.app.state.ctx.model_name} on {running.url} "
               f"(OpenAI API at /v1, metrics at /metrics)", flush=True)
         code = 0
-        while not stop.wait(0.2):
-            if fut.done():
-                exc = fut.exception()
-                if exc is not None:
-                    print(f"error: the HTTP server stopped: {exc}", file=sys.stderr, flush=True)
-                    code = 1
+        while not signals["count"]:
+            time.sleep(0.2)
+            if not running.running:
+                exc = running.future.exception()
+                print(f"error: the HTTP server stopped: {exc}", file=sys.stderr, flush=True)
+                code = 1
                 break
             if not getattr(engine, "is_healthy", True):
                 print("error: the engine died; shutting down", file=sys.stderr, flush=True)
                 code = 1
                 break
-        # Stop accepting, let in-flight requests finish (uvicorn bounds this wait).
-        app.state.draining = True
-        server.should_exit = True
-        deadline = time.monotonic() + GRACEFUL_TIMEOUT_S + 5
+        # Stop accepting, let in-flight requests finish (uvicorn bounds the wait); a second
+        # signal skips the wait.
         seen = signals["count"]
-        while not fut.done() and time.monotonic() < deadline:
-            time.sleep(0.1)
-            if signals["count"] > seen:        # a second signal: do not wait
-                server.force_exit = True
+        stopper = threading.Thread(target=running.stop, name="http-stop", daemon=True)
+        stopper.start()
+        while stopper.is_alive():
+            stopper.join(0.1)
+            if signals["count"] > seen:
+                running.server.force_exit = True
                 seen = signals["count"]
-        app.state.metrics.close()
         return code
     finally:
         if engine is not None:

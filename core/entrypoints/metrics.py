@@ -11,6 +11,7 @@ sees into counters, gauges and histograms:
   last `throughput_window_s` seconds);
 - `queue.state` -> `num_running_reqs`, `num_queue_reqs`;
 - `kv.usage` -> `num_used_tokens`, `token_usage`;
+- `req.aborted` -> `num_aborted_requests_total` (and `num_requests_total`; once per rid);
 - `req.retracted` -> `num_retracted_reqs`; `cache.evict` -> `evicted_tokens_total`.
 
 `cache_hit_rate` is cached_tokens_total / prompt_tokens_total (cumulative), so
@@ -126,6 +127,8 @@ class ServerMetrics:
                     old = self._kv.get(e.proc)
                     if old is None or old.ts <= e.ts:
                         self._kv[e.proc] = e
+                elif t is ev.ReqAborted:
+                    self._on_aborted(e.rid)
                 elif t is ev.ReqRetracted:
                     self.num_retracted += 1
                 elif t is ev.CacheEvict:
@@ -133,12 +136,25 @@ class ServerMetrics:
                 elif t is ev.TraceDropped:
                     self.dropped_events += e.count
 
-    def _on_finished(self, e: ev.ReqFinished) -> None:
-        if e.rid in self._finished:
-            return
-        self._finished[e.rid] = None
+    def _remember(self, rid: str) -> bool:
+        """False when this rid was already counted."""
+        if rid in self._finished:
+            return False
+        self._finished[rid] = None
         if len(self._finished) > self._max_rids:
             self._finished.popitem(last=False)
+        return True
+
+    def _on_aborted(self, rid: str) -> None:
+        # A client that went away: the tokenizer manager has already dropped the request,
+        # so the scheduler's req.aborted is the only event that tells.
+        if self._remember(rid):
+            self.num_requests += 1
+            self.num_aborted += 1
+
+    def _on_finished(self, e: ev.ReqFinished) -> None:
+        if not self._remember(e.rid):
+            return
         self.num_requests += 1
         self.prompt_tokens += e.prompt_tokens
         self.generation_tokens += e.completion_tokens

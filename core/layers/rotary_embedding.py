@@ -30,24 +30,31 @@ def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float
     return torch.where(is_medium, smoothed, scaled)
 
 
-_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 class RotaryEmbedding(nn.Module):
+    """Rotary tables for one (head_dim, base, scaling) set; shared by every layer of a model.
+
+    The model gathers `get_cos_sin(positions)` once per forward pass and every layer
+    applies it with `apply_rotary` (3 tensor ops for q and k together), instead of
+    each layer indexing the table and rotating q and k separately.
+    """
+
     def __init__(self, head_dim: int, max_position: int, base: float,
                  rope_scaling: Optional[dict] = None):
         super().__init__()
         self.head_dim = head_dim
-        # Every layer uses the same table: compute it once per process.
+        # Every model instance with this config uses the same table: compute it once per process.
         key = (head_dim, max_position, base, repr(sorted((rope_scaling or {}).items())))
         if key not in _TABLES:
-            _TABLES[key] = self._tables(head_dim, max_position, base, rope_scaling)
-        cos, sin = _TABLES[key]
-        self.register_buffer("cos_cache", cos, persistent=False)
-        self.register_buffer("sin_cache", sin, persistent=False)
+            _TABLES[key] = self._table(head_dim, max_position, base, rope_scaling)
+        # [max_position, 2, D]: cos, and sin with the first half negated (see apply_rotary).
+        self.register_buffer("cos_sin_cache", _TABLES[key], persistent=False)
+        self._cast: dict[torch.dtype, torch.Tensor] = {}
 
     @staticmethod
-    def _tables(head_dim, max_position, base, rope_scaling):
+    def _table(head_dim, max_position, base, rope_scaling) -> torch.Tensor:
         inv_freq = _inv_freq(head_dim, base)
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
         if rope_type == "llama3":
@@ -59,21 +66,40 @@ class RotaryEmbedding(nn.Module):
         elif rope_type not in ("default", None):
             raise ValueError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3 are)")
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
+
+    def table(self, dtype: torch.dtype) -> torch.Tensor:
+        """The [max_position, 2, D] table in `dtype` (cast once, like the reference casts per call)."""
+        base = self.cos_sin_cache
+        if dtype == base.dtype:
+            return base
+        cached = self._cast.get(dtype)
+        if cached is None or cached.device != base.device:
+            cached = self._cast[dtype] = base.to(dtype)
+        return cached
+
+    def get_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin), each [T, 1, D], for `apply_rotary`."""
+        cs = self.table(dtype).index_select(0, positions)
+        return cs[:, 0:1], cs[:, 1:2]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D] -> rotated (q, k)."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+        cos, sin = self.get_cos_sin(positions, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin for x [T, H, D] (any row stride), cos/sin [T, 1, D].
+
+    rotate_half(x) = cat(-x2, x1); here the sign lives in `sin` (its first half is
+    negated), so the rotation is one flip of the two halves. Same products and sums
+    as the reference, so float32 results match it bit for bit.
+    """
+    T, H, D = x.shape
+    swapped = x.reshape(T, H, 2, D // 2).flip(2).view(T, H, D)
+    return torch.addcmul(x * cos, swapped, sin)
 
 
 def rope_config(config) -> tuple[float, Optional[dict]]:

@@ -1,22 +1,26 @@
 """Llama-family decoder (SmolLM2, Llama 2/3, Mistral; Qwen2 adds q/k/v biases).
 
-Written for serving: Q/K/V and gate/up are fused projections (fewer ops per
-layer), the residual add is fused into RMSNorm, attention goes through
-RadixAttention (KV lives in the token-slot pool), and every linear is
-tensor-parallel-aware.
+Written for serving on a small CPU, where per-op overhead rivals the GEMMs at
+batch 1: Q/K/V and gate/up are fused projections, the residual add rides in
+the output projections (o_proj, down_proj), RoPE cos/sin are gathered once per
+pass and q and k rotate in one go, attention goes through RadixAttention (KV
+lives in the token-slot pool), and every linear is tensor-parallel-aware.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from workbench.core.layers.activation import SiluAndMul
+from workbench.core.distributed.parallel_state import tensor_model_parallel_all_gather
+from workbench.core.layers.activation import SiluAndMul, silu_and_mul
 from workbench.core.layers.layernorm import RMSNorm
-from workbench.core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from workbench.core.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
+                                          RowParallelLinear, pack_linear_weight, packed_linear)
 from workbench.core.layers.radix_attention import RadixAttention
-from workbench.core.layers.rotary_embedding import RotaryEmbedding, rope_config
+from workbench.core.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_config
 from workbench.core.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
@@ -27,8 +31,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """down(silu(gate) * up) (+ residual, added inside the down projection)."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), residual)
 
 
 class LlamaAttention(nn.Module):
@@ -45,21 +50,21 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         o_bias = bool(getattr(config, "attention_bias", False)) and not qkv_bias_only(config)
         self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, self.hidden_size, bias=o_bias)
-        base, scaling = rope_config(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, base, scaling)
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                                    self.num_kv_heads, layer_id)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], forward_batch,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """rope: (cos, signed sin) from RotaryEmbedding.get_cos_sin, gathered once per pass."""
         T = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        qk_size = self.q_size + self.kv_size
+        # Rotate q and k together: they are adjacent heads of the fused projection.
+        qk = apply_rotary(qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, forward_batch)
-        return self.o_proj(out.reshape(T, self.q_size))
+        return self.o_proj(out.reshape(T, self.q_size), residual)
 
 
 def qkv_bias_only(config) -> bool:
@@ -76,15 +81,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden_states, forward_batch, residual):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    def forward(self, hidden_states: torch.Tensor, rope, forward_batch) -> torch.Tensor:
+        """hidden_states is the residual stream; each block adds into it inside its output projection."""
+        h = self.self_attn(self.input_layernorm(hidden_states), rope, forward_batch, residual=hidden_states)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
 class LlamaModel(nn.Module):
@@ -94,18 +94,21 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base, scaling = rope_config(config)
+        # One table for all layers; cos/sin are gathered once per forward pass.
+        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, base, scaling)
 
     def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        residual = None
+        rope = self.rotary_emb.get_cos_sin(positions, hidden_states.dtype)
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+            hidden_states = layer(hidden_states, rope, forward_batch)
+        return self.norm(hidden_states)
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward() returns final hidden states; the LogitsProcessor applies `lm_head`."""
+    """forward() returns final hidden states; `compute_logits` (or the LogitsProcessor) applies `lm_head`."""
 
     qkv_bias = False
     # HF checkpoint name -> (our parameter, shard id) for the fused projections.
@@ -121,10 +124,32 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.vocab_size = config.vocab_size
+        self._packed_head: Optional[torch.Tensor] = None
 
-    @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
         return self.model(input_ids, positions, forward_batch)
+
+    def process_weights_after_loading(self, pack: bool = True) -> None:
+        """Derive the CPU packed-GEMM copies of every projection and of the LM head."""
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                module.process_weights_after_loading(pack)
+        head = self.lm_head.weight
+        if pack and self.lm_head.tp_size == 1:
+            self._packed_head = pack_linear_weight(head[: self.vocab_size])
+        else:
+            self._packed_head = None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] final hidden states -> [N, vocab] float32 logits (the sampler's input)."""
+        head = self.lm_head
+        if self._packed_head is not None and hidden.dtype == head.weight.dtype:
+            return packed_linear(hidden, self._packed_head, None).float()
+        out = F.linear(hidden.to(head.weight.dtype), head.weight)
+        if head.tp_size > 1:
+            out = tensor_model_parallel_all_gather(out, dim=-1)
+        return out[..., : self.vocab_size].float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into our (fused, sharded) parameters; returns the names loaded."""

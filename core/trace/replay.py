@@ -37,21 +37,24 @@ class Replay:
     """A replayable event source with `get/drain` like a bus Subscription.
 
     Args:
-        source: a recording's path, or events (a leading trace.header is taken as the header).
+        source: a recording's path, or events. A recording's trace.header is the first
+            event played (and `.header`), as on a remote stream.
         speed: playback rate for `play()` (2.0 = twice as fast).
         max_idle_s: while playing, a gap longer than this (trace time) with nothing
             to show is skipped; None keeps real gaps.
+        clock: the wall clock in ns that play/pause/advance follow (a fake one in tests).
     """
 
     def __init__(self, source: Union[str, "os.PathLike[str]", Iterable[Event]], speed: float = 1.0,
-                 max_idle_s: Optional[float] = 2.0):
+                 max_idle_s: Optional[float] = 2.0, clock: Callable[[], int] = time.monotonic_ns):
         self.header: Optional[TraceHeader] = None
         if isinstance(source, (str, os.PathLike)):
             self.header, events = read_trace(source)
+            events.insert(0, self.header)    # like a remote stream, playback starts with it
         else:
             events = list(source)
             if events and isinstance(events[0], TraceHeader):
-                self.header, events = events[0], events[1:]
+                self.header = events[0]
         self.events: list[Event] = events
         release, m = [], None
         for e in events:
@@ -66,6 +69,7 @@ class Replay:
         self.speed = float(speed)
         self.max_idle_ns = None if max_idle_s is None else int(max_idle_s * 1e9)
         self.playing = False
+        self._clock = clock
         self.epoch = 0                        # bumps on every backward seek
         self._pos = 0                         # next event to release
         self._q: deque[Event] = deque()
@@ -114,14 +118,12 @@ class Replay:
 
     def seek(self, ts_ns: int) -> None:
         """Move the clock to ts_ns. Backward: queue trace.reset + the events up to ts_ns."""
-        self._wall_ref = time.monotonic_ns()
+        self._wall_ref = self._clock()
         if ts_ns >= self.position_ns:
             self.advance_to(ts_ns)
             return
         self._q.clear()
         self._q.append(TraceReset(ts=ts_ns, proc="replay"))
-        if self.header is not None:
-            self._q.append(self.header)
         self._pos = 0
         self.position_ns = ts_ns
         self.epoch += 1
@@ -130,33 +132,31 @@ class Replay:
     def state_at(self, ts_ns: int) -> TraceState:
         """A fresh TraceState folded from the events due by ts_ns (leaves the replay alone)."""
         st = TraceState()
-        if self.header is not None:
-            st.apply(self.header)
         st.apply_many(self.events[:bisect.bisect_right(self._release, ts_ns)])
         return st
 
     # ---- wall clock ---------------------------------------------------------------
 
-    def play(self, now_ns: Optional[int] = None) -> None:
-        """Start following the wall clock (now_ns: the current time, for tests)."""
+    def play(self) -> None:
+        """Start following the clock."""
         if not self.playing:
             self.playing = True
-            self._wall_ref = time.monotonic_ns() if now_ns is None else now_ns
+            self._wall_ref = self._clock()
 
-    def pause(self, now_ns: Optional[int] = None) -> None:
-        self.advance(now_ns)
+    def pause(self) -> None:
+        self.advance()
         self.playing = False
 
-    def set_speed(self, speed: float, now_ns: Optional[int] = None) -> None:
-        self.advance(now_ns)    # bank the time played at the old speed
+    def set_speed(self, speed: float) -> None:
+        self.advance()          # bank the time played at the old speed
         self.speed = float(speed)
 
     def advance(self, now_ns: Optional[int] = None) -> list[Event]:
         """While playing, move the clock by (now - last call) * speed and release what is due."""
         if not self.playing:
             return []
-        now = time.monotonic_ns() if now_ns is None else now_ns
-        target = self.position_ns + int((now - self._wall_ref) * self.speed)
+        now = self._clock() if now_ns is None else now_ns
+        target = self.position_ns + int(max(0, now - self._wall_ref) * self.speed)
         self._wall_ref = now
         if (self.max_idle_ns is not None and not self._q and self._pos < len(self.events)
                 and self._release[self._pos] - target > self.max_idle_ns):
@@ -167,7 +167,8 @@ class Replay:
 
     def get(self, timeout: Optional[float] = None) -> Optional[Event]:
         """The next released event. Paused: never waits. Playing: waits up to
-        `timeout` s (None: until one is due or the replay ends)."""
+        `timeout` s (None: until one is due or the replay ends), sleeping in real
+        time, so with a fake clock pass a timeout or use drain()."""
         if not self._q and self.playing:
             deadline = None if timeout is None else time.monotonic() + timeout
             while not self._q and self._pos < len(self.events):

@@ -31,6 +31,11 @@ from workbench.core.trace.views import (  # noqa: F401  (re-exported for views)
 )
 
 
+# Names the trace machinery itself stamps on events it makes (drop markers,
+# headers, replay resets): not engine processes, so not listed in `procs`.
+_PSEUDO_PROCS = frozenset({"bus", "recorder", "replay"})
+
+
 @dataclass
 class _Book:
     """Reducer bookkeeping per request, kept out of the public view."""
@@ -185,7 +190,7 @@ class TraceState:
             return
         if event.ts > self.last_ts:
             self.last_ts = event.ts
-        if event.proc:
+        if event.proc and event.proc not in _PSEUDO_PROCS:
             p = self.procs.get(event.proc)
             if p is None:
                 p = self.procs[event.proc] = ProcView(event.proc)
@@ -479,12 +484,16 @@ class TraceState:
         self.weights_version = e.version if e.version else self.weights_version + 1
         self.weights_source = e.source
 
+    def _proc(self, e: ev.Event, role: str) -> ProcView:
+        name = e.proc or role
+        return self.procs.setdefault(name, ProcView(name))
+
     def _on_proc_started(self, e: ev.ProcStarted) -> None:
-        p = self.procs[e.proc] if e.proc else ProcView(e.role)
+        p = self._proc(e, e.role)
         p.pid, p.role, p.alive, p.started_ts = e.pid, e.role, True, e.ts
 
     def _on_proc_exited(self, e: ev.ProcExited) -> None:
-        p = self.procs[e.proc] if e.proc else ProcView(e.role)
+        p = self._proc(e, e.role)
         p.pid, p.role = e.pid, e.role or p.role
         p.alive, p.exited_ts, p.exitcode, p.reason = False, e.ts, e.exitcode, e.reason
 

@@ -58,13 +58,13 @@ def synthetic_trace(n_requests: int = 6, seed: int = 0, chunk_size: int = 32, ma
         t += ns(step_ms)
         for r in reqs:
             if r.arrive_step == step:
-                r.arrival_ts = t - ns(5)
+                r.arrival_ts = t - ns(step_ms * 0.98)
                 out.append(ev.ReqArrived(ts=r.arrival_ts, proc="tokenizer", rid=r.rid,
                                          prompt_preview=f"prompt of {r.rid}"))
-                out.append(ev.ReqTokenized(ts=r.arrival_ts + ns(1), proc="tokenizer", rid=r.rid,
+                out.append(ev.ReqTokenized(ts=r.arrival_ts + ns(0.1), proc="tokenizer", rid=r.rid,
                                            prompt_tokens=r.prompt, max_new_tokens=r.max_new))
                 waiting.append(r)
-                out.append(ev.ReqQueued(ts=t - ns(3), proc="scheduler", step=step, rid=r.rid,
+                out.append(ev.ReqQueued(ts=t - ns(step_ms * 0.95), proc="scheduler", step=step, rid=r.rid,
                                         prompt_tokens=r.prompt, queue_len=len(waiting)))
         sched: list[ev.Event] = []
         tok: list[ev.Event] = []
@@ -72,7 +72,7 @@ def synthetic_trace(n_requests: int = 6, seed: int = 0, chunk_size: int = 32, ma
             chunked = waiting.pop(0)
             chunked.hit = shared_prefix if prefix_node is not None else 0
             chunked.num_chunks = -(-(chunked.prompt - chunked.hit) // chunk_size)
-            sched.append(ev.CacheMatch(ts=t - ns(2), proc="scheduler", step=step, rid=chunked.rid,
+            sched.append(ev.CacheMatch(ts=t - ns(step_ms * 0.9), proc="scheduler", step=step, rid=chunked.rid,
                                        matched=chunked.hit, prompt_tokens=chunked.prompt))
         step_reqs: list[ev.StepReq] = []
         sampled: list[_SimReq] = []
@@ -80,7 +80,7 @@ def synthetic_trace(n_requests: int = 6, seed: int = 0, chunk_size: int = 32, ma
             r = chunked
             n = min(chunk_size, r.prompt - r.hit - r.done_prefill)
             cached = r.hit + r.done_prefill
-            sched.append(ev.ReqScheduled(ts=t - ns(1), proc="scheduler", step=step, rid=r.rid,
+            sched.append(ev.ReqScheduled(ts=t - ns(step_ms * 0.85), proc="scheduler", step=step, rid=r.rid,
                                          prefix_hit=r.hit, extend_len=n, chunk_index=r.chunk,
                                          num_chunks=r.num_chunks))
             step_reqs.append(ev.StepReq(r.rid, cached, n, 0, r.chunk, r.num_chunks))

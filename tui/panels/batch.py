@@ -90,7 +90,7 @@ class BatchPanel(TracePanel):
     max_rows = 200
 
     def compose(self) -> ComposeResult:
-        table = DataTable(cursor_type="row", id="batch-table")
+        table = DataTable(cursor_type="row", id="batch-table", show_cursor=False)
         for key, label in COLUMNS:
             table.add_column(label, key=key)
         yield table
@@ -105,7 +105,7 @@ class BatchPanel(TracePanel):
     def update_view(self, model: TuiModel) -> None:
         table = self.query_one(DataTable)
         steps = model.state.steps
-        follow = table.cursor_row >= table.row_count - 1 or table.row_count == 0
+        follow = table.scroll_y >= table.max_scroll_y - 1
         rebuild = model.epoch != self._epoch or model.selected != self._selected or (
             self._last is not None and (not steps or steps[-1].ts < self._last[0]))
         if rebuild:
@@ -130,7 +130,13 @@ class BatchPanel(TracePanel):
         n = len(steps)
         self.border_title = f"Batch composition — {n} steps" + (f" (last {steps[-1].step})" if n else "")
         if new and follow:
-            table.move_cursor(row=table.row_count - 1, animate=False, scroll=True)
+            table.call_after_refresh(table.scroll_end, animate=False)
+
+    def on_descendant_focus(self) -> None:
+        self.query_one(DataTable).show_cursor = True
+
+    def on_descendant_blur(self) -> None:
+        self.query_one(DataTable).show_cursor = False
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         # Selecting a step selects its first prefill request (or the first decoding one).

@@ -54,7 +54,7 @@ def render_detail(model: TuiModel, rid: Optional[str], text_chars: int = 1200) -
     out.append("timeline\n", style="underline")
     for e in r.timeline:
         dt = (e.ts - base) / 1e9 if base is not None else 0.0
-        out.append(f" +{dt:7.3f}s ", style="dim")
+        out.append(f"{dt:+8.3f}s ", style="dim")
         out.append(f"{e.kind:<11}", style=_KIND_STYLE.get(e.kind, ""))
         detail = e.detail
         if e.kind == "decode":

@@ -44,7 +44,7 @@ class EventsPanel(TracePanel):
 
     def compose(self) -> ComposeResult:
         yield Input(placeholder="filter (e.g. evict, abort, -arrive)", id="events-filter")
-        yield RichLog(id="events-log", max_lines=1000, wrap=False, auto_scroll=True)
+        yield RichLog(id="events-log", max_lines=1000, wrap=True, min_width=20, auto_scroll=True)
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)

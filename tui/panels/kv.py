@@ -37,12 +37,12 @@ def render_kv(model: TuiModel, width: int = 40) -> Text:
     total = max(k.total, 1)
     out.append_text(kv_gauge(k.used, k.evictable, k.free, k.total, width))
     out.append("\n")
-    out.append("█ used ", style=USED)
-    out.append(f"{fmt_count(k.used)} ({100 * k.used / total:.0f}%)  ")
+    out.append("█ used      ", style=USED)
+    out.append(f"{fmt_count(k.used):>6} ({100 * k.used / total:.0f}%)\n")
     out.append("▓ evictable ", style=EVICTABLE)
-    out.append(f"{fmt_count(k.evictable)} ({100 * k.evictable / total:.0f}%)  ")
-    out.append("░ free ", style=FREE)
-    out.append(f"{fmt_count(k.free)} of {fmt_count(k.total)} tokens\n")
+    out.append(f"{fmt_count(k.evictable):>6} ({100 * k.evictable / total:.0f}%)\n")
+    out.append("░ free      ", style=FREE)
+    out.append(f"{fmt_count(k.free):>6} of {fmt_count(k.total)} tokens\n")
     hist = list(st.kv_history)
     if hist:
         used = resample([p.used / max(p.total, 1) for p in hist], width)
@@ -52,7 +52,7 @@ def render_kv(model: TuiModel, width: int = 40) -> Text:
         out.append(spark(held, width, hi=1.0), style=EVICTABLE)
         out.append("  used+cached\n", style="dim")
     c = st.counters
-    out.append(f"cache hit rate {100 * st.cache_hit_rate:.0f}% · evicted {fmt_count(c.evicted_tokens_total)} t · "
+    out.append(f"hit rate {100 * st.cache_hit_rate:.0f}% · evicted {fmt_count(c.evicted_tokens_total)} t · "
                f"retracted {c.num_retracted}", style="dim")
     return out
 
@@ -70,5 +70,5 @@ class KVPanel(TracePanel):
         yield Static(id="kv-body")
 
     def update_view(self, model: TuiModel) -> None:
-        width = max(10, self.content_region.width - 12) if self.content_region.width else 40
+        width = max(10, self.content_region.width - 14) if self.content_region.width else 40
         self.query_one("#kv-body", Static).update(render_kv(model, width))

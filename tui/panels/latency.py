@@ -19,15 +19,15 @@ _NAMES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E"}
 def latency_table(model: TuiModel) -> Table:
     """Rows: metric × window; columns p50 / p90 / p99 — straight from TraceState.latency_percentiles."""
     t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
-    t.add_column("metric")
-    t.add_column("window", justify="right")
+    t.add_column("", no_wrap=True)
+    t.add_column("", justify="right", no_wrap=True)
     for p in ("p50", "p90", "p99"):
-        t.add_column(p, justify="right")
+        t.add_column(p, justify="right", no_wrap=True)
     for w in WINDOWS:
         pct = model.state.latency_percentiles(w, model.now_ns)
         for m in LATENCY_METRICS:
             v = pct.get(m)
-            cells = [fmt_s(x) for x in v] if v else ["–", "–", "–"]
+            cells = [fmt_s(x, compact=True) for x in v] if v else ["–", "–", "–"]
             t.add_row(_NAMES[m], f"{w}s", *cells, end_section=(m == LATENCY_METRICS[-1] and w != WINDOWS[-1]))
     return t
 

@@ -123,7 +123,7 @@ def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] 
                 out.append(f"  ▸ {s.nodes - 1} cold below ({fmt_count(s.tokens - n.tokens)} t)",
                            style="dim italic")
             elif len(n.children) > 1:
-                out.append(f"  ⑂{len(n.children)}", style="bold cyan")
+                out.append(f"  [{len(n.children)} children]", style="bold cyan")
             out.append("\n")
             if folded:
                 continue
@@ -159,7 +159,7 @@ def _node_line(out: Text, n: TreeNodeView, now_ns: int, selected: bool, preview_
     out.append(f"“{label}”", style=style)
     out.append(f" {n.tokens}t", style="cyan")
     if n.lock_ref > 0:
-        out.append(f" 🔒{n.lock_ref}", style="yellow")
+        out.append(f" lock {n.lock_ref}", style="bold yellow")
     if n.hits:
         out.append(f" hits {n.hits}", style="")
     if n.just_evicted:
@@ -172,10 +172,10 @@ class TreePanel(TracePanel):
     PANEL_NAME = "tree"
     TITLE = "Radix tree"
     HELP = ("The KV cache as a prefix tree: each node is an edge of token ids, shown as decoded text "
-            "with its token count, lock count (🔒 = in use by a running request, cannot be evicted), "
+            "with its token count, lock count (lock N = in use by N running requests, cannot be evicted), "
             "hits and age. Bold yellow = locked, plain = evictable, green = just inserted, red struck "
-            "= just evicted, reversed = the selected request's nodes. ⑂N marks a shared prefix with N "
-            "children. Cold subtrees (unlocked, idle > 30 s) fold into one line.")
+            "= just evicted, reversed = the selected request's nodes. 'N children' marks a prefix "
+            "shared by N continuations. Cold subtrees (unlocked, idle > 30 s) fold into one line.")
     min_interval_s = 0.25
     clock_interval_s = 1.0
 

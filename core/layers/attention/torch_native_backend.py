@@ -1,9 +1,11 @@
 """Attention in plain PyTorch (SDPA) over the token-slot KV pool — the CPU default.
 
-Decode: every request's keys are gathered into one padded [B, L] table once per
-pass (metadata), so each layer is a single batched SDPA call with a length mask.
+Decode: every request's key slots are laid out in one padded [B, L] table once per
+pass (metadata, flattened for `index_select`, the cheapest gather), so each layer
+is two gathers and a single batched SDPA call with a length mask.
 Extend: one SDPA call per request — prefill is compute-bound, so the loop costs
 little, and it handles ragged prefixes exactly (causal mask offset by the prefix).
+A request with no cached prefix attends to its own new K/V directly (no gather).
 """
 from __future__ import annotations
 
@@ -18,14 +20,43 @@ from workbench.core.layers.attention.base_attn_backend import AttentionBackend
 
 @dataclass
 class DecodeMetadata:
-    kv_indices: torch.Tensor          # [B, L] KV slots (0 = padding)
+    kv_indices: torch.Tensor          # [B * L] KV slots, row-major over [B, L] (0 = padding)
+    max_len: int                      # L
     mask: Optional[torch.Tensor]      # [B, 1, 1, L] True where a key is valid; None if no padding
 
 
 @dataclass
 class ExtendMetadata:
-    kv_indices: list[torch.Tensor]    # per request: all its KV slots (prefix + new)
-    masks: list[Optional[torch.Tensor]]  # per request: [E, S] causal mask offset by the prefix, or None
+    kv_indices: list[Optional[torch.Tensor]]  # per request: all its KV slots; None = use the new K/V
+    masks: list[Optional[torch.Tensor]]       # per request: [E, S] causal mask offset by the prefix, or None
+
+
+def build_decode_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                          seq_lens: torch.Tensor, seq_lens_cpu: list[int]) -> DecodeMetadata:
+    """The padded slot table and length mask of a decode batch."""
+    bs, max_len = len(seq_lens_cpu), max(seq_lens_cpu)
+    kv_indices = req_to_token.index_select(0, req_pool_indices)[:, :max_len].reshape(-1)
+    mask = None
+    if min(seq_lens_cpu) != max_len:
+        mask = (torch.arange(max_len, device=seq_lens.device) < seq_lens.unsqueeze(1)).view(bs, 1, 1, max_len)
+    return DecodeMetadata(kv_indices, max_len, mask)
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     meta: DecodeMetadata, scaling: float) -> torch.Tensor:
+    """Attend over each request's slots (this step's K/V already written to the pool).
+
+    q: [B, Hq, D], k_buf/v_buf: [slots, Hk, D] -> [B, Hq, D].
+    """
+    bs, hk, d = q.shape[0], k_buf.shape[1], k_buf.shape[2]
+    kb = k_buf.index_select(0, meta.kv_indices).view(bs, meta.max_len, hk, d)
+    vb = v_buf.index_select(0, meta.kv_indices).view(bs, meta.max_len, hk, d)
+    if kb.dtype != q.dtype:
+        kb, vb = kb.to(q.dtype), vb.to(q.dtype)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), kb.transpose(1, 2), vb.transpose(1, 2),            # q: [B, Hq, 1, D]
+        attn_mask=meta.mask, scale=scaling, enable_gqa=True)
+    return o.view(bs, q.shape[1], d)
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -34,17 +65,13 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, fb) -> None:
         req_to_token = fb.req_to_token_pool.req_to_token
         if fb.forward_mode.is_decode():
-            max_len = max(fb.seq_lens_cpu)
-            kv_indices = req_to_token[fb.req_pool_indices, :max_len]
-            mask = None
-            if min(fb.seq_lens_cpu) != max_len:
-                mask = (torch.arange(max_len, device=fb.seq_lens.device) < fb.seq_lens.unsqueeze(1)).view(fb.batch_size, 1, 1, max_len)
-            fb.attn_metadata = DecodeMetadata(kv_indices, mask)
+            fb.attn_metadata = build_decode_metadata(req_to_token, fb.req_pool_indices, fb.seq_lens,
+                                                     fb.seq_lens_cpu)
             return
         indices, masks = [], []
         for i, (seq_len, ext, prefix) in enumerate(
                 zip(fb.seq_lens_cpu, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu)):
-            indices.append(req_to_token[int(fb.req_pool_indices[i]), :seq_len])
+            indices.append(None if prefix == 0 else req_to_token[int(fb.req_pool_indices[i]), :seq_len])
             if prefix == 0 or ext == 1:
                 masks.append(None)   # plain causal (prefix 0) or a single query that sees all keys
             else:
@@ -57,27 +84,32 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         meta: ExtendMetadata = fb.attn_metadata
-        out = torch.empty_like(q)
+        if len(meta.kv_indices) == 1 and meta.kv_indices[0] is None:
+            return self._attend(q, k, v, None, True, layer.scaling)    # one fresh prompt: no copies
+        out = q.new_empty(q.shape)
         for i, (start, ext, prefix) in enumerate(
                 zip(fb.extend_start_loc_cpu, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu)):
-            qi = q[start:start + ext].transpose(0, 1).unsqueeze(0)          # [1, Hq, E, D]
             idx = meta.kv_indices[i]
-            ki = k_buf[idx].to(q.dtype).transpose(0, 1).unsqueeze(0)       # [1, Hk, S, D]
-            vi = v_buf[idx].to(q.dtype).transpose(0, 1).unsqueeze(0)
-            mask = meta.masks[i]
-            o = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, is_causal=(prefix == 0 and ext > 1),
-                scale=layer.scaling, enable_gqa=True)
-            out[start:start + ext] = o.squeeze(0).transpose(0, 1)
+            if idx is None:
+                ki, vi = k[start:start + ext], v[start:start + ext]
+            else:
+                ki, vi = k_buf.index_select(0, idx), v_buf.index_select(0, idx)
+                if ki.dtype != q.dtype:
+                    ki, vi = ki.to(q.dtype), vi.to(q.dtype)
+            out[start:start + ext] = self._attend(q[start:start + ext], ki, vi, meta.masks[i],
+                                                  prefix == 0 and ext > 1, layer.scaling)
         return out
+
+    @staticmethod
+    def _attend(q, k, v, mask, causal: bool, scaling: float) -> torch.Tensor:
+        """q: [E, Hq, D], k/v: [S, Hk, D] -> [E, Hq, D]."""
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
 
     def forward_decode(self, q, k, v, layer, fb) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-        meta: DecodeMetadata = fb.attn_metadata
-        kb = pool.get_key_buffer(layer.layer_id)[meta.kv_indices].to(q.dtype)    # [B, L, Hk, D]
-        vb = pool.get_value_buffer(layer.layer_id)[meta.kv_indices].to(q.dtype)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kb.transpose(1, 2), vb.transpose(1, 2),            # q: [B, Hq, 1, D]
-            attn_mask=meta.mask, scale=layer.scaling, enable_gqa=True)
-        return o.squeeze(2)
+        return decode_attention(q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+                                fb.attn_metadata, layer.scaling)

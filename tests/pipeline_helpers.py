@@ -1,0 +1,34 @@
+"""Helpers shared by the pipeline tests: the KV leak check and trace collection."""
+from __future__ import annotations
+
+import time
+
+
+def assert_no_kv_leak(engine, timeout: float = 20.0) -> dict:
+    """Once idle and the cache flushed, every KV slot and request row must be free again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = engine.get_internal_state()
+        idle = state["num_waiting"] == 0 and state["num_running"] == 0
+        if idle and engine.flush_cache():
+            state = engine.get_internal_state()
+            break
+        assert time.monotonic() < deadline, f"engine did not go idle: {state}"
+        time.sleep(0.05)
+    assert state["kv_free"] == state["kv_total"], f"KV slots leaked: {state}"
+    assert state["req_slots_free"] == state["req_slots_total"], f"request rows leaked: {state}"
+    return state
+
+
+def drain_events(sub, settle: float = 0.3) -> list:
+    """Everything a subscription has received, waiting until the stream is quiet."""
+    out = []
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < settle:
+        got = sub.drain()
+        if got:
+            out.extend(got)
+            quiet_since = time.monotonic()
+        else:
+            time.sleep(0.02)
+    return out

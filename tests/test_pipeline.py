@@ -1,0 +1,162 @@
+"""The serving pipeline end to end: Engine -> TokenizerManager -> Scheduler -> Detokenizer, real model."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+
+from conftest import chat_ids, hf_greedy
+from pipeline_helpers import assert_no_kv_leak, drain_events
+from workbench.core.engine import Engine
+from workbench.core.trace import events as ev
+
+NEW = 16
+GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+TOPICS = ["the ocean", "volcanoes", "a robot", "tea", "chess", "winter", "bees", "the moon",
+          "a library", "trains", "jazz", "mountains", "bread", "a lighthouse", "maps", "clocks"]
+SYSTEM = ("You are a careful assistant for a course on computer systems. Answer briefly and plainly. "
+          "The course covers operating systems, memory hierarchies, caches, schedulers, networking, "
+          "compilers, databases and the serving of large language models on many machines. ") * 3
+
+
+@pytest.fixture(scope="module")
+def engine(default_prepared):
+    with Engine(dtype="float32", max_total_tokens=8192, show_progress=False) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [chat_ids(tokenizer, f"Write two sentences about {t}.") for t in TOPICS]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts, hf_model):
+    return [hf_greedy(hf_model, p, NEW) for p in prompts]
+
+
+def test_concurrent_requests_equal_alone_and_transformers(engine, prompts, reference):
+    with cf.ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(lambda p: engine.generate(input_ids=p, sampling_params=GREEDY), prompts))
+    assert [o["output_ids"] for o in outs] == reference
+    alone = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts[:2]]
+    assert alone == reference[:2]
+    for o in outs:
+        m = o["meta_info"]
+        assert m["completion_tokens"] == NEW and m["finish_reason"]["type"] == "length"
+        assert m["prompt_tokens"] > 0 and m["ttft"] is not None and m["e2e_latency"] >= m["ttft"]
+    assert_no_kv_leak(engine)
+
+
+def test_batch_api_and_n(engine, prompts, reference):
+    outs = engine.generate(input_ids=prompts[:3], sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == reference[:3]
+    # n copies get seeds 7, 8, 9. top_k keeps the draw away from the float-noise-sensitive tail,
+    # so a rerun (different batch shapes, prefix now cached) reproduces the same tokens.
+    sp = {"max_new_tokens": 8, "temperature": 1.0, "top_k": 20, "n": 3, "seed": 7}
+    many = engine.generate(prompt="Tell me a color:", sampling_params=sp)
+    assert len(many) == 3 and len({tuple(o["output_ids"]) for o in many}) >= 2
+    again = engine.generate(prompt="Tell me a color:", sampling_params=sp)
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in many]
+    assert_no_kv_leak(engine)
+
+
+def test_shared_prefix_hits_the_radix_cache(engine, tokenizer):
+    engine.flush_cache()
+    sub = engine.subscribe(with_snapshot=False)
+    try:
+        a = engine.generate(input_ids=chat_ids_sys(tokenizer, "What is a cache?"), sampling_params=GREEDY)
+        b_ids = chat_ids_sys(tokenizer, "What is a scheduler?")
+        b = engine.generate(input_ids=b_ids, sampling_params=GREEDY)
+        events = drain_events(sub)
+    finally:
+        sub.close()
+    assert a["meta_info"]["cached_tokens"] == 0
+    cached = b["meta_info"]["cached_tokens"]
+    assert cached > 100, cached
+    rid = b["meta_info"]["id"]
+    scheduled = [e for e in events if isinstance(e, ev.ReqScheduled) and e.rid == rid]
+    assert scheduled and scheduled[0].prefix_hit == cached
+    assert sum(e.extend_len for e in scheduled) == len(b_ids) - cached   # only the rest is computed
+    match = [e for e in events if isinstance(e, ev.CacheMatch) and e.rid == rid]
+    assert match and match[0].matched == cached
+    assert_no_kv_leak(engine)
+
+
+def chat_ids_sys(tokenizer, question: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM},
+                                         {"role": "user", "content": question}],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+
+
+def test_streaming_matches_non_streaming(engine, prompts, reference):
+    chunks = list(engine.generate(input_ids=prompts[0], sampling_params=GREEDY, stream=True))
+    assert chunks[-1]["output_ids"] == reference[0]
+    assert "".join(c["delta"] for c in chunks) == chunks[-1]["text"]
+    whole = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)
+    assert whole["text"] == chunks[-1]["text"]
+
+
+def test_stop_string_and_stop_token(engine, tokenizer):
+    base = engine.generate(prompt="1, 2, 3, 4,", sampling_params={"max_new_tokens": 12, "temperature": 0})
+    text = base["text"]
+    assert len(text) > 4
+    stop = text[2:4]
+    out = engine.generate(prompt="1, 2, 3, 4,", sampling_params={"max_new_tokens": 12, "temperature": 0,
+                                                                 "stop": [stop]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[:text.index(stop)]
+    tok = base["output_ids"][2]
+    out2 = engine.generate(prompt="1, 2, 3, 4,", sampling_params={"max_new_tokens": 12, "temperature": 0,
+                                                                  "stop_token_ids": [tok]})
+    assert out2["output_ids"][-1] == tok and out2["meta_info"]["finish_reason"]["matched"] == tok
+
+
+def test_abort_frees_kv(engine, prompts):
+    stream = engine.generate(input_ids=prompts[1], sampling_params={"max_new_tokens": 400, "temperature": 0,
+                                                                    "ignore_eos": True}, stream=True)
+    got = []
+    for chunk in stream:
+        got.append(chunk)
+        if len(chunk["output_ids"]) >= 3:
+            engine.abort_request(chunk["meta_info"]["id"])
+    assert got[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(got[-1]["output_ids"]) < 400
+    assert_no_kv_leak(engine)
+
+
+def test_bad_input_is_rejected_and_others_unaffected(engine, prompts, reference):
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(prompt="hi", sampling_params={"temperature": -1})
+    with pytest.raises(ValueError, match="unknown sampling parameter"):
+        engine.generate(prompt="hi", sampling_params={"max_tokens": 3})
+    with pytest.raises(ValueError, match="context length"):
+        engine.generate(input_ids=[1] * 9000, sampling_params={"max_new_tokens": 4})
+    assert engine.generate(input_ids=prompts[0], sampling_params=GREEDY)["output_ids"] == reference[0]
+
+
+def test_logprobs_through_the_engine(engine, prompts):
+    out = engine.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 4, "temperature": 0},
+                          return_logprob=True, top_logprobs_num=3, logprob_start_len=0)
+    m = out["meta_info"]
+    assert len(m["output_token_logprobs"]) == len(out["output_ids"])
+    for (lp, tid, _), top in zip(m["output_token_logprobs"], m["output_top_logprobs"]):
+        assert top[0][1] == tid and abs(top[0][0] - lp) < 1e-5   # greedy: the chosen token is the top one
+    assert len(m["input_token_logprobs"]) == len(prompts[0]) and m["input_token_logprobs"][0][0] is None
+
+
+def test_step_gate_runs_exactly_one_iteration(engine, prompts):
+    engine.step_gate("pause")
+    try:
+        fut = cf.ThreadPoolExecutor(1).submit(engine.generate, input_ids=prompts[2],
+                                              sampling_params={"max_new_tokens": 5, "temperature": 0})
+        import time
+        time.sleep(0.3)
+        first = engine.step_gate("step")
+        second = engine.step_gate("step")
+        assert second["step"] == first["step"] + 1 and second["paused"]
+        assert engine.get_internal_state()["num_running"] == 1
+    finally:
+        engine.step_gate("resume")
+    assert fut.result(timeout=60)["meta_info"]["completion_tokens"] == 5

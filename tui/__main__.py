@@ -1,0 +1,5 @@
+import sys
+
+from workbench.tui.cli import main
+
+sys.exit(main())

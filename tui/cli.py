@@ -1,0 +1,141 @@
+"""`workbench tui`: argument parsing and the entry point (the main CLI wires these in).
+
+    workbench tui [--model PATH] [--workload shared-prefix --rate 2]   # live engine
+    workbench tui --attach tcp://127.0.0.1:5557                         # watch `serve --trace-publish`
+    workbench tui --replay run.jsonl [--speed 4]                        # play a recording
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+from typing import Iterator, Optional
+
+LAYOUTS = ("auto", "grid", "tabs")
+
+
+def add_tui_args(parser: argparse.ArgumentParser) -> None:
+    """The TUI's own flags (engine flags come from ServerArgs.add_cli_args)."""
+    from workbench.tui.workload import KINDS
+    g = parser.add_argument_group("TUI")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--attach", metavar="ADDR", default=None,
+                     help="watch a running `workbench serve --trace-publish ADDR` instead of starting an engine")
+    src.add_argument("--replay", metavar="FILE", default=None, help="play a recorded trace (.jsonl[.gz])")
+    g.add_argument("--workload", choices=KINDS, default=None,
+                   help="start this demo workload at once (w toggles it, W cycles the kind)")
+    g.add_argument("--rate", type=float, default=1.0, help="workload requests per second (+/- change it)")
+    g.add_argument("--workload-max-new-tokens", type=int, default=32, help="max_new_tokens of workload requests")
+    g.add_argument("--speed", type=float, default=1.0, help="replay speed")
+    g.add_argument("--paused", action="store_true", help="start with the scheduler (or replay) paused")
+    g.add_argument("--layout", choices=LAYOUTS, default="auto",
+                   help="grid: every panel on one screen; tabs: one per tab (auto: by terminal size)")
+    g.add_argument("--panels", default=None, help="comma-separated panel names and order (default: all)")
+    g.add_argument("--tui-log", default=None,
+                   help="where the engine's own output goes while the TUI owns the terminal")
+
+
+def make_controller(args: argparse.Namespace):
+    """The controller for the parsed flags (raises ValueError/OSError with a clear message)."""
+    from workbench.tui.controller import AttachController, EngineController, ReplayController
+    replay = getattr(args, "replay", None)
+    attach = getattr(args, "attach", None)
+    if replay:
+        from workbench.core.trace.replay import Replay
+        if not os.path.exists(replay):
+            raise FileNotFoundError(f"no such trace file: {replay}")
+        return ReplayController(Replay(replay), autoplay=not getattr(args, "paused", False),
+                                speed=getattr(args, "speed", 1.0), title=os.path.basename(replay))
+    if attach:
+        return AttachController(attach)
+    from workbench.core.args import ServerArgs
+    try:
+        sa = ServerArgs.from_cli_args(args)
+    except TypeError:
+        sa = ServerArgs()
+    return EngineController(server_args=sa, workload=getattr(args, "workload", None),
+                            rate=getattr(args, "rate", 1.0),
+                            max_new_tokens=getattr(args, "workload_max_new_tokens", 32),
+                            start_paused=getattr(args, "paused", False))
+
+
+@contextlib.contextmanager
+def isolate_child_output(log_path: str) -> Iterator[None]:
+    """Send fds 1 and 2 (inherited by the engine's child processes, and whatever the
+    loader prints) to `log_path`, while Textual keeps writing to the terminal through
+    duplicates of the original fds. Without this, a child's warning would scribble
+    over the screen."""
+    saved = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    out_fd, err_fd = os.dup(1), os.dup(2)
+    tty_out = os.fdopen(out_fd, "w", buffering=1, encoding=getattr(sys.stdout, "encoding", None) or "utf-8")
+    tty_err = os.fdopen(err_fd, "w", buffering=1, encoding=getattr(sys.stderr, "encoding", None) or "utf-8")
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    orig1, orig2 = os.dup(1), os.dup(2)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        sys.stdout = sys.__stdout__ = tty_out        # Textual reads these when the App is created
+        sys.stderr = sys.__stderr__ = tty_err
+        yield
+    finally:
+        for f in (tty_out, tty_err):
+            with contextlib.suppress(Exception):
+                f.flush()
+        os.dup2(orig1, 1)
+        os.dup2(orig2, 2)
+        for fd in (orig1, orig2, log_fd):
+            os.close(fd)
+        sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__ = saved
+        for f in (tty_out, tty_err):
+            with contextlib.suppress(Exception):
+                f.close()
+
+
+def run_tui(args: argparse.Namespace) -> int:
+    """Run the TUI for parsed arguments; returns the exit status."""
+    from workbench.tui.app import WorkbenchApp, _friendly
+    try:
+        controller = make_controller(args)
+    except Exception as exc:
+        print(f"workbench tui: {_friendly(exc)}", file=sys.stderr)
+        return 2
+    panels = [p.strip() for p in (getattr(args, "panels", None) or "").split(",") if p.strip()] or None
+    live = controller.mode == "live"
+    log_path: Optional[str] = getattr(args, "tui_log", None)
+    if live and not log_path:
+        log_path = os.path.join(tempfile.gettempdir(), f"workbench-tui-{os.getpid()}.log")
+    try:
+        isolate = live and os.isatty(1) and os.isatty(2)
+        with isolate_child_output(log_path) if isolate else contextlib.nullcontext():
+            try:
+                app = WorkbenchApp(controller, panels=panels, layout=getattr(args, "layout", "auto"),
+                                   log_path=log_path if live else None)
+            except ValueError as exc:
+                controller.close()
+                print(f"workbench tui: {exc}", file=sys.stderr)
+                return 2
+            try:
+                app.run()
+            finally:
+                controller.close()
+    except KeyboardInterrupt:
+        controller.close()
+        return 130
+    if app.startup_error:
+        print(f"workbench tui: {app.startup_error}" + (f" (details: {log_path})" if log_path else ""),
+              file=sys.stderr)
+        return 1
+    return int(app.return_code or 0)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m workbench.tui` (the same flags as `workbench tui`)."""
+    from workbench.core.args import ServerArgs
+    parser = argparse.ArgumentParser(prog="workbench tui", description="watch the scheduler live")
+    ServerArgs.add_cli_args(parser)
+    add_tui_args(parser)
+    return run_tui(parser.parse_args(argv))
