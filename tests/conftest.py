@@ -46,6 +46,17 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if not isinstance(ids, list) else ids)
 
 
+_HF_MEMO: dict = {}
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    """transformers' greedy continuation (memoized per session: several modules ask for the same)."""
+    key = (id(model), tuple(prompt), max_new_tokens)
+    if key not in _HF_MEMO:
+        # A longer memoized continuation of the same prompt already contains this one.
+        for (mid, p, n), toks in _HF_MEMO.items():
+            if mid == id(model) and p == key[1] and n >= max_new_tokens:
+                return toks[:max_new_tokens]
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+        _HF_MEMO[key] = out[0, len(prompt):].tolist()
+    return _HF_MEMO[key]
