@@ -17,6 +17,7 @@ from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.containers import Container, Horizontal, Vertical
 from textual.widget import Widget
 from textual.widgets import Footer, Input, LoadingIndicator, Static, TabbedContent, TabPane
@@ -45,6 +46,7 @@ class WorkbenchApp(App):
     """
 
     TITLE = "Serving Workbench"
+    AUTO_FOCUS = None     # never start in the prompt box: single-key bindings must work at once
     CSS = """
     #status { height: 1; background: $boost; padding: 0 1; }
     #startup { align: center middle; height: 1fr; }
@@ -129,14 +131,14 @@ class WorkbenchApp(App):
         yield Input(placeholder="/ to ask the model (Enter sends, Esc leaves)", id="prompt")
         yield Footer()
 
-    def on_mount(self) -> None:
+    async def on_mount(self) -> None:
         self.query_one("#main").display = False
         self.query_one("#answer").display = False
         self.query_one("#prompt").display = self.controller.can_chat
         if self.layout_mode == "auto":
             w, h = self.size
             self.layout_mode = "grid" if (w >= 130 and h >= 36) else "tabs"
-        self._mount_panels()
+        await self._mount_panels()
         self._update_status()
         threading.Thread(target=self._start_controller, name="tui-start", daemon=True).start()
         self.set_interval(1.0 / self.refresh_hz, self._tick)
@@ -154,17 +156,17 @@ class WorkbenchApp(App):
             widget.border_title = spec.title
         return widget
 
-    def _mount_panels(self) -> None:
+    async def _mount_panels(self) -> None:
         main = self.query_one("#main")
-        main.remove_children()
+        await main.remove_children()
         self.panels = {n: self._make_panel(n) for n in self.panel_names}
         if len(self.panels) == 1:
-            main.mount(*self.panels.values())
+            await main.mount(*self.panels.values())
         elif self.layout_mode == "tabs":
             tabs = TabbedContent(id="tabs")
-            main.mount(tabs)
+            await main.mount(tabs)
             for i, (name, widget) in enumerate(self.panels.items(), 1):
-                tabs.add_pane(TabPane(f"{i} {self.registry.panels[name].title}", widget, id=f"tab-{name}"))
+                await tabs.add_pane(TabPane(f"{i} {self.registry.panels[name].title}", widget, id=f"tab-{name}"))
         else:
             placed: set[str] = set()
             for row, height in zip(GRID, GRID_HEIGHTS):
@@ -180,12 +182,12 @@ class WorkbenchApp(App):
                 if cells:
                     r = Horizontal(*cells, classes="grid-row")
                     r.styles.height = height
-                    main.mount(r)
+                    await main.mount(r)
             extra = [w for n, w in self.panels.items() if n not in placed]
             if extra:
                 r = Horizontal(*extra, classes="grid-row")
                 r.styles.height = "2fr"
-                main.mount(r)
+                await main.mount(r)
 
     def visible_panels(self) -> dict[str, Widget]:
         if self.layout_mode == "tabs" and len(self.panels) > 1:
@@ -224,7 +226,7 @@ class WorkbenchApp(App):
                     self._controller_ready()
             else:
                 self._progress_lines.append(msg)
-        if changed and not self.ready.is_set():
+        if changed and not self.ready.is_set() and not self.startup_error:
             self.query_one("#startup-log", Static).update("\n".join(self._progress_lines[-12:]))
 
     def _show_startup_error(self) -> None:
@@ -245,8 +247,14 @@ class WorkbenchApp(App):
 
     # ---- the 10 Hz loop ---------------------------------------------------------------
     def _tick(self) -> None:
-        if self._quitting:
+        if self._quitting or not self.is_running:
             return
+        try:
+            self._tick_body()
+        except NoMatches:
+            pass       # the screen is being torn down (exit in progress)
+
+    def _tick_body(self) -> None:
         self._drain_progress()
         self._drain_results()
         if not self.ready.is_set():
@@ -284,7 +292,7 @@ class WorkbenchApp(App):
             last = st.steps[-1].step if st.steps else -1
             t.append(f" │ step {last}")
             if self.controller.paused:
-                t.append("  ⏸ PAUSED", style="bold black on yellow")
+                t.append(" PAUSED ", style="bold black on yellow")
             t.append(f" │ wait {len(st.waiting)} run {len(st.running)}")
             if st.kv is not None and st.kv.total:
                 t.append(f" │ KV {100 * st.kv.used / st.kv.total:.0f}% used")
@@ -301,6 +309,21 @@ class WorkbenchApp(App):
     def _error(self, msg: str) -> None:
         self.model.note("error", msg)
         self.notify(msg, severity="error", timeout=6)
+
+    def check_action(self, action: str, parameters: tuple) -> Optional[bool]:
+        """Hide key bindings that mean nothing for this source (e.g. workloads while replaying)."""
+        c = self.controller
+        if action in ("toggle_workload", "cycle_workload"):
+            return c.can_workload or None
+        if action in ("faster", "slower"):
+            return (c.can_workload or c.mode == "replay") or None
+        if action == "focus_prompt":
+            return c.can_chat or None
+        if action in ("toggle_pause", "step"):
+            return c.can_step or None
+        if action == "restart":
+            return c.mode == "replay" or None
+        return True
 
     # ---- control (pause / step / workload) ------------------------------------------------
     @work(thread=True, group="control", exit_on_error=False)
@@ -499,9 +522,9 @@ class WorkbenchApp(App):
         else:
             self.select_request(None)
 
-    def action_toggle_layout(self) -> None:
+    async def action_toggle_layout(self) -> None:
         self.layout_mode = "tabs" if self.layout_mode == "grid" else "grid"
-        self._mount_panels()
+        await self._mount_panels()
         self.call_after_refresh(self.refresh_panels, True)
 
     def action_panel(self, i: int) -> None:

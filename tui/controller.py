@@ -71,7 +71,7 @@ class Controller:
              cancelled: Callable[[], bool], max_new_tokens: int = 128) -> dict:
         raise ControlUnavailable(f"chat needs a live engine (this is {self.mode} mode)")
 
-    def start_workload(self, kind: Optional[str] = None, rate: Optional[float] = None) -> None:
+    def start_workload(self, kind: Optional[str] = None, rate: Optional[float] = None, **options) -> None:
         raise ControlUnavailable(f"workloads need a live engine (this is {self.mode} mode)")
 
     def stop_workload(self) -> None:
@@ -148,11 +148,12 @@ class EngineController(Controller):
     def chat(self, prompt: str, on_delta: Callable[[str, str], None],
              cancelled: Callable[[], bool], max_new_tokens: int = 128) -> dict:
         rid = f"chat-{next(self._chat_ids)}"
-        ids = self.engine.apply_chat_template([{"role": "user", "content": prompt}])
+        from workbench.tui.workload import chat_text
+        text = chat_text(self.engine, [{"role": "user", "content": prompt}])
         self._chat_rids.add(rid)
         last: dict = {}
         try:
-            for chunk in self.engine.generate(input_ids=ids, stream=True, rid=rid,
+            for chunk in self.engine.generate(prompt=text, stream=True, rid=rid,
                                               sampling_params={"max_new_tokens": max_new_tokens,
                                                                "temperature": 0.0}):
                 if cancelled():
@@ -164,14 +165,15 @@ class EngineController(Controller):
             self._chat_rids.discard(rid)
         return last
 
-    def start_workload(self, kind: Optional[str] = None, rate: Optional[float] = None) -> None:
+    def start_workload(self, kind: Optional[str] = None, rate: Optional[float] = None, **options) -> None:
+        """Start (or restart) a workload; `options` go to WorkloadRunner (max_requests, temperature...)."""
         from workbench.tui.workload import WorkloadRunner
         self.stop_workload()
         self.workload = kind or self.workload or "chat"
         if rate is not None:
             self.rate = max(0.05, float(rate))
-        self._runner = WorkloadRunner(self.engine, self.workload, self.rate,
-                                      max_new_tokens=self.max_new_tokens)
+        options.setdefault("max_new_tokens", self.max_new_tokens)
+        self._runner = WorkloadRunner(self.engine, self.workload, self.rate, **options)
         self._runner.start()
 
     def stop_workload(self) -> None:

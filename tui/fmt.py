@@ -72,3 +72,13 @@ def shorten(text: str, n: int) -> str:
     """One line of at most n characters (whitespace collapsed, an ellipsis when cut)."""
     text = " ".join(text.split())
     return text if len(text) <= n else text[: max(0, n - 1)] + "…"
+
+
+def plain_text(renderable, width: int = 120) -> str:
+    """What a Rich renderable looks like as plain text (tests, and panels that export text)."""
+    from rich.console import Console
+    console = Console(width=width, no_color=True, color_system=None, record=False, file=None,
+                      legacy_windows=False, force_terminal=False)
+    with console.capture() as cap:
+        console.print(renderable)
+    return cap.get()

@@ -49,7 +49,7 @@ class EventLog:
         t = type(e)
         if t is ev.ReqArrived:
             preview = " ".join(e.prompt_preview.split())[:60]
-            self.add(e.ts, "arrive", f"{e.rid} arrived  {preview!r}", e.rid)
+            self.add(e.ts, "arrive", f"{e.rid} arrived" + (f"  {preview!r}" if preview else ""), e.rid)
         elif t is ev.ReqFinished:
             if e.reason == "abort":
                 self.add(e.ts, "abort", f"{e.rid} aborted after {e.completion_tokens} tokens", e.rid)

@@ -19,13 +19,15 @@ import threading
 from typing import Any, Iterator, Optional
 
 KINDS = ("chat", "shared-prefix", "long-prompt", "burst")
+_SHORT = {"chat": "chat", "shared-prefix": "sp", "long-prompt": "long", "burst": "burst"}
 
+# The first few start with different words, so N shared-prefix requests branch N ways.
 _QUESTIONS = [
     "What is a radix tree?", "Name three prime numbers.", "Why is the sky blue?",
-    "Write a haiku about caches.", "What does a scheduler do?", "Explain batching in one sentence.",
-    "What is the capital of France?", "How do bees make honey?", "Give me a fun fact about octopuses.",
-    "What is 12 times 12?", "Describe the color green.", "Why do we sleep?",
-    "Suggest a name for a cat.", "What is a token?", "How far is the Moon?", "What is recursion?",
+    "Explain batching in one sentence.", "How do bees make honey?", "Write a haiku about caches.",
+    "Give me a fun fact about octopuses.", "Describe the color green.", "Suggest a name for a cat.",
+    "What does a scheduler do?", "What is the capital of France?", "What is 12 times 12?",
+    "Why do we sleep?", "What is a token?", "How far is the Moon?", "What is recursion?",
 ]
 
 SHARED_SYSTEM = (
@@ -49,13 +51,22 @@ def make_prompts(kind: str, seed: int = 0) -> Iterator[Any]:
         raise ValueError(f"unknown workload {kind!r}; choose one of {', '.join(KINDS)}")
     rng = random.Random(seed)
     for i in itertools.count():
-        q = _QUESTIONS[rng.randrange(len(_QUESTIONS))]
+        q = _QUESTIONS[(i + seed) % len(_QUESTIONS)]
         if kind == "shared-prefix":
             yield [{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": q}]
         elif kind == "long-prompt":
             yield [{"role": "user", "content": _LONG_TEXT * rng.randint(3, 6) + f"\nIn short ({i}): {q}"}]
         else:
             yield [{"role": "user", "content": q}]
+
+
+def chat_text(engine: Any, messages: list[dict]) -> str:
+    """The chat template applied as text (falls back to decoding the template's ids)."""
+    tok = getattr(engine, "tokenizer", None)
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:
+        return tok.decode(engine.apply_chat_template(messages))
 
 
 def _plugin_prompts(kind: str) -> Optional[Iterator[Any]]:
@@ -73,11 +84,13 @@ class WorkloadRunner:
     """Sends requests of one kind at `rate` per second until `stop()`.
 
     Attributes `sent`, `completed`, `failed`, `in_flight` and `last_error` let
-    the UI (and tests) see what it is doing.
+    the UI (and tests) see what it is doing. `max_requests` stops sending after
+    that many (the thread idles until `stop()`).
     """
 
     def __init__(self, engine: Any, kind: str = "chat", rate: float = 1.0, *, max_new_tokens: int = 32,
-                 seed: int = 0, burst_size: int = 8, max_in_flight: int = 256, use_plugins: bool = True):
+                 seed: int = 0, burst_size: int = 8, max_in_flight: int = 256, use_plugins: bool = True,
+                 max_requests: Optional[int] = None, temperature: float = 0.7):
         if kind not in KINDS and (not use_plugins or _plugin_prompts(kind) is None):
             raise ValueError(f"unknown workload {kind!r}; choose one of {', '.join(KINDS)}")
         self.engine = engine
@@ -86,6 +99,8 @@ class WorkloadRunner:
         self.max_new_tokens = max_new_tokens
         self.burst_size = burst_size
         self.max_in_flight = max_in_flight
+        self.max_requests = max_requests
+        self.temperature = temperature
         self.sent = self.completed = self.failed = 0
         self.last_error = ""
         self._prompts = (_plugin_prompts(kind) if use_plugins else None) or make_prompts(kind, seed)
@@ -135,16 +150,17 @@ class WorkloadRunner:
 
     def _next_request(self) -> tuple[str, dict]:
         item = next(self._prompts)
-        params = {"max_new_tokens": self.max_new_tokens, "temperature": 0.7}
+        params = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
         if isinstance(item, dict) and ("prompt" in item or "messages" in item or "input_ids" in item):
             params.update(item.get("sampling_params") or {})
             item = item.get("messages") or item.get("input_ids") or item.get("prompt")
         elif hasattr(item, "prompt"):
             params.update(getattr(item, "sampling_params", None) or {})
             item = item.prompt
-        rid = f"{self.kind}-{next(self._ids)}"
+        rid = f"{_SHORT.get(self.kind, self.kind)}-{next(self._ids)}"
         if isinstance(item, list) and item and isinstance(item[0], dict):
-            return rid, {"input_ids": self.engine.apply_chat_template(item), "sampling_params": params}
+            # As text (not ids) so the trace carries a readable prompt preview.
+            return rid, {"prompt": chat_text(self.engine, item), "sampling_params": params}
         if isinstance(item, list):
             return rid, {"input_ids": item, "sampling_params": params}
         return rid, {"prompt": str(item), "sampling_params": params}
@@ -165,7 +181,8 @@ class WorkloadRunner:
         while not self._stop.is_set():
             n = self.burst_size if self.kind == "burst" else 1
             for _ in range(n):
-                if self.in_flight >= self.max_in_flight:
+                if self.in_flight >= self.max_in_flight or (
+                        self.max_requests is not None and self.sent >= self.max_requests):
                     break
                 try:
                     rid, kwargs = self._next_request()

@@ -33,12 +33,13 @@ class Dashboard(W.VBox):
         max_hz: the most live re-renders per second.
         columns: views per row.
         height: each view's figure height in pixels.
+        feed_kw: passed to TraceFeed (e.g. `keep_events=10_000` to keep the raw events).
     """
 
     def __init__(self, engine_or_source: Any, views: Optional[Sequence[str]] = None, *,
-                 max_hz: float = 5.0, columns: int = 2, height: int = 300):
+                 max_hz: float = 5.0, columns: int = 2, height: int = 300, **feed_kw):
         super().__init__()
-        self.feed = TraceFeed.of(engine_or_source, max_hz=max_hz)
+        self.feed = TraceFeed.of(engine_or_source, max_hz=max_hz, **feed_kw)
         self.header = W.HTML()
         self.views: dict[str, Any] = {}
         for name in views or DEFAULT_VIEWS:
@@ -83,8 +84,9 @@ class Dashboard(W.VBox):
     def _update_header(self, state: TraceState, t0: Optional[int]) -> None:
         s = D.summary(state)
         kv = f"{s['kv_used']}/{s['kv_total']} used, {s['kv_evictable']} evictable" if s["kv_total"] else "–"
+        model = s["model"] or getattr(self.feed.engine, "served_model_name", "") or "workbench"
         parts = [
-            f"<b>{html.escape(s['model'] or 'workbench')}</b>",
+            f"<b>{html.escape(model)}</b>",
             f"step {s['step'] if s['step'] is not None else '–'}",
             f"waiting {s['waiting']} · running {s['running']} · finished {s['finished']}"
             + (f" · aborted {s['aborted']}" if s["aborted"] else ""),

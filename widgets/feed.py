@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Iterable, Optional
 
 from workbench.core.trace.events import BatchStep, Event, TraceReset
@@ -39,11 +40,13 @@ class TraceFeed:
         max_hz: the most renders per second while live.
         start: start the pump thread for live sources (False: call `pump()` yourself).
         position: where a replay starts, "end" (the whole run) or "start" (empty).
+        keep_events: also keep the last this-many folded events in `events` (0: none),
+            for code that wants the raw trace (e.g. a request's sequence diagram).
         clock: seconds, monotonic (injectable for tests).
     """
 
     def __init__(self, source: Any, max_hz: float = 5.0, start: bool = True, position: str = "end",
-                 clock: Callable[[], float] = time.monotonic):
+                 keep_events: int = 0, clock: Callable[[], float] = time.monotonic):
         self.max_hz = max_hz
         self.min_interval = 1.0 / max_hz if max_hz > 0 else 0.0
         self.clock = clock
@@ -63,6 +66,8 @@ class TraceFeed:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._step_release: list[int] = []
+        self.events: deque[Event] = deque(maxlen=keep_events or 1)
+        self._keep = keep_events > 0
 
         if isinstance(source, TraceState):
             self.state = source
@@ -142,6 +147,8 @@ class TraceFeed:
                 if type(e) is TraceReset:
                     self.t0 = None
                 self.state.apply(e)
+                if self._keep:
+                    self.events.append(e)
                 n += 1
             if n:
                 self.events_applied += n

@@ -6,6 +6,13 @@
 - `ScheduleBatch` is a set of requests the scheduler runs together; it allocates
   KV slots and turns itself into a `ModelWorkerBatch` (plain tensors and lists:
   everything the model worker needs, nothing about scheduling).
+
+KV bookkeeping advances when a batch is LAUNCHED (`prepare_for_extend` /
+`prepare_for_decode` move `Req.kv_len`), not when its result comes back: the
+overlap loop builds batch N+1 before batch N's tokens are known, and N+1 must
+already write its KV after N's. A decode input whose token is not sampled yet is
+a negative "future token id" (`Req.future_token_id`) that the overlap worker
+replaces with the real id just before the forward pass.
 """
 from __future__ import annotations
 
@@ -52,7 +59,10 @@ class Req:
         self.prefix_indices: torch.Tensor = _EMPTY
         self.last_node = None
         self.req_pool_idx: Optional[int] = None
-        self.kv_len = 0                          # tokens whose KV is in the pool
+        self.kv_len = 0                          # tokens whose KV is in the pool (or being written)
+        # Overlap loop: the placeholder of this request's last token while the batch sampling it
+        # is still in flight (None once the token is known, and always in the normal loop).
+        self.future_token_id: Optional[int] = None
         self.extend_input_len = 0
         self.cached_tokens = 0                   # prefix-cache hit of the first prefill
         self.is_retracted = False
@@ -116,6 +126,7 @@ class Req:
         self.last_node = None
         self.req_pool_idx = None
         self.kv_len = 0
+        self.future_token_id = None
         self.extend_input_len = 0
         self.num_chunks_done = 0
         self.is_retracted = True
@@ -157,6 +168,12 @@ class ScheduleBatch:
     cuda_graph: bool = False
     padded_size: int = 0
     extend_logprob_reqs: list[int] = field(default_factory=list)
+    # Recorded at launch (prepare_for_*), read when the result is processed: by then the
+    # requests' own fields may already describe the next batch (overlap loop).
+    out_cache_loc: Optional[torch.Tensor] = None
+    prefix_lens: list[int] = field(default_factory=list)     # per row: KV tokens before this pass
+    extend_lens: list[int] = field(default_factory=list)     # per row: tokens computed in this pass
+    future_ids: Optional[list[int]] = None                     # per row: placeholder of its sampled token
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -200,6 +217,9 @@ class ScheduleBatch:
             pos += range(p, p + n)
             prefix_lens.append(p)
             seq_lens.append(p + n)
+            r.kv_len = p + n
+        self.out_cache_loc, self.prefix_lens, self.extend_lens = out_cache_loc, prefix_lens, ext_lens
+        self.future_ids = None
         return_logprob = any(r.return_logprob for r in self.reqs)
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
@@ -219,18 +239,24 @@ class ScheduleBatch:
         self.forward_mode = ForwardMode.DECODE
         out_cache_loc = self.alloc_token_slots(len(self.reqs))
         table = self.req_to_token_pool.req_to_token
+        prefix_lens = [r.kv_len for r in self.reqs]
         for r, slot in zip(self.reqs, out_cache_loc):
             table[r.req_pool_idx, r.kv_len] = slot
-        seq_lens = [r.kv_len + 1 for r in self.reqs]
+            r.kv_len += 1
+        seq_lens = [p + 1 for p in prefix_lens]
+        # The last token may still be in flight (overlap loop): then its placeholder goes in.
+        input_ids = [r.output_ids[-1] if r.future_token_id is None else r.future_token_id for r in self.reqs]
+        self.out_cache_loc, self.prefix_lens, self.extend_lens = out_cache_loc, prefix_lens, [1] * len(self.reqs)
+        self.future_ids = None
         return_logprob = any(r.return_logprob for r in self.reqs)
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
-            input_ids=torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64),
-            positions=torch.tensor([r.kv_len for r in self.reqs], dtype=torch.int64),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(prefix_lens, dtype=torch.int64),
             req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64), out_cache_loc=out_cache_loc,
             seq_lens_cpu=seq_lens, extend_seq_lens_cpu=[1] * len(self.reqs),
-            extend_prefix_lens_cpu=[r.kv_len for r in self.reqs],
+            extend_prefix_lens_cpu=prefix_lens,
             sampling_info=self._sampling_info(), return_logprob=return_logprob,
             top_logprobs_num=max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0))
 
@@ -248,3 +274,15 @@ class ScheduleBatch:
 
     def merge_batch(self, other: "ScheduleBatch") -> None:
         self.reqs.extend(other.reqs)
+
+    def copy(self) -> "ScheduleBatch":
+        """A snapshot of this launch (its rows and what was recorded for them).
+
+        The running batch object is reused from step to step (filtered, merged, launched
+        again), so the overlap loop keeps this copy to process the launch's result with.
+        """
+        return ScheduleBatch(list(self.reqs), self.req_to_token_pool, self.token_to_kv_pool_allocator,
+                             self.tree_cache, self.vocab_size, self.eos_token_ids, self.forward_mode,
+                             self.chunked_req, self.cuda_graph, self.padded_size, list(self.extend_logprob_reqs),
+                             self.out_cache_loc, list(self.prefix_lens), list(self.extend_lens),
+                             list(self.future_ids) if self.future_ids is not None else None)

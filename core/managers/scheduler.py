@@ -10,6 +10,10 @@ One iteration of the event loop (`event_loop_normal`) is the whole story:
                                stream new tokens to the detokenizer
 
 Every step emits trace events (batch composition, queues, KV usage, cache activity).
+
+`event_loop_overlap` (scheduler_overlap.py, selected with --disable-overlap-schedule
+off) runs the same steps but launches batch N before processing batch N-1's result.
+Both loops share everything below; the pieces that care are marked "overlap".
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_m
 from workbench.core.managers.schedule_batch import FinishReason, Req, ScheduleBatch
 from workbench.core.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from workbench.core.managers.scheduler_output import SchedulerOutputMixin
+from workbench.core.managers.scheduler_overlap import InflightBatch, SchedulerOverlapMixin
 from workbench.core.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from workbench.core.mem_cache.chunk_cache import ChunkCache
 from workbench.core.mem_cache.radix_cache import RadixCache
@@ -48,7 +53,7 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 TREE_SNAPSHOT_INTERVAL_NS = 250_000_000
 
 
-class Scheduler(SchedulerOutputMixin):
+class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0, tp_size: int = 1,
                  prepared=None, proc_name: str = "scheduler"):
         self.server_args = server_args
@@ -87,6 +92,10 @@ class Scheduler(SchedulerOutputMixin):
         self.paused = False
         self.step_credits = 0
         self.pending_step_reply = False
+        # Overlap loop: the launch whose result is not processed yet (always None in the normal loop).
+        self.enable_overlap = not server_args.disable_overlap_schedule
+        self.inflight: Optional[InflightBatch] = None
+        self.overlap_worker = None
 
         ctx = zmq.Context(2)
         self.recv_from_tokenizer = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
@@ -114,8 +123,7 @@ class Scheduler(SchedulerOutputMixin):
 
     def recv_requests(self) -> list:
         """Everything waiting on the input socket; blocks up to 50 ms when there is no work."""
-        idle = (not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None) \
-            or (self.paused and self.step_credits == 0)
+        idle = not self.has_work() or (self.paused and self.step_credits == 0)
         if idle:
             self.tracer.flush()
             self.poller.poll(50)
@@ -195,16 +203,29 @@ class Scheduler(SchedulerOutputMixin):
             else:
                 keep.append(req)
         self.waiting_queue = keep
-        for req in self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []):
-            if rid in ("", req.rid):
+        for req in self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []) \
+                + self.just_prefilled_reqs():
+            if rid in ("", req.rid) and not req.finished():
                 req.to_abort = "aborted"
+
+    def just_prefilled_reqs(self) -> list[Req]:
+        """Requests of the last prefill batch: out of the queue, in the running batch only next step."""
+        if self.last_batch is None or self.last_batch.forward_mode != ForwardMode.EXTEND:
+            return []
+        return [r for r in self.last_batch.reqs if not r.finished() and r is not self.chunked_req]
+
+    def has_work(self) -> bool:
+        """Anything queued, running, half-prefilled, just prefilled, or launched and unprocessed."""
+        return bool(self.waiting_queue or any(not r.finished() for r in self.running_batch.reqs)
+                    or self.chunked_req is not None or self.inflight is not None or self.just_prefilled_reqs())
 
     # ==== choosing the next batch ========================================================
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
         # Requests that just finished their prefill join the running (decode) batch.
-        if self.last_batch is not None and self.last_batch.forward_mode == ForwardMode.EXTEND:
-            done_prefill = [r for r in self.last_batch.reqs if not r.finished() and r is not self.chunked_req]
+        done_prefill = self.just_prefilled_reqs()
+        if done_prefill:
             self.running_batch.merge_batch(self._new_batch(done_prefill))
+        self.last_batch = None
         self.begin_step()
         batch = self.get_new_batch_prefill()
         if batch is not None:
@@ -215,6 +236,8 @@ class Scheduler(SchedulerOutputMixin):
         return None
 
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        if self.chunked_req is not None:
+            self.continue_chunked_req()
         if not self.waiting_queue and self.chunked_req is None:
             return None
         running = len(self.running_batch.reqs)
@@ -248,6 +271,23 @@ class Scheduler(SchedulerOutputMixin):
                 req.cached_tokens = len(req.prefix_indices)
         return batch
 
+    def continue_chunked_req(self) -> None:
+        """Before its next chunk: hand the chunks computed so far to the cache (or end an abort).
+
+        Only the slots recorded in the request's row are needed, not the KV values, so this runs
+        at scheduling time, even while the previous chunk is still in flight (overlap loop):
+        anything that reads those slots is launched after it.
+        """
+        req = self.chunked_req
+        if req.to_abort is None:
+            self.tree_cache.cache_unfinished_req(req)
+            return
+        self.sync_inflight()           # overlap: let its last chunk's result be processed first
+        req.finished_reason = FinishReason("abort", message=req.to_abort)
+        self.tree_cache.cache_finished_req(req, kv_len=req.kv_len)
+        self.chunked_req = None
+        self.stream_output([req])
+
     def update_running_batch(self) -> None:
         """Drop finished requests; retract some if the pool cannot hold one more token each."""
         batch = self.running_batch
@@ -255,7 +295,16 @@ class Scheduler(SchedulerOutputMixin):
         if batch.is_empty():
             return
         need = batch.new_decode_tokens_needed()
-        if self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size() < need:
+        short = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size() < need
+        if short and self.sync_inflight():
+            # overlap: retraction needs every request's real tokens and KV length; the in-flight
+            # result may also finish requests and free their KV.
+            batch.filter_batch()
+            if batch.is_empty():
+                return
+            need = batch.new_decode_tokens_needed()
+            short = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size() < need
+        if short:
             self.retract_decode(batch, need)
         self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
 
@@ -289,23 +338,34 @@ class Scheduler(SchedulerOutputMixin):
 
     # ==== running ==================================================================
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        if batch is self.running_batch:
-            mwb = batch.prepare_for_decode()
-        else:
-            mwb = batch.prepare_for_extend()
+        mwb, step_reqs = self.prepare_launch(batch)
         schedule_ms = (time.perf_counter() - self._step_start) * 1000
         result = self.tp_worker.forward_batch_generation(mwb)
         if self.tracer.enabled:
-            self.emit_batch_step(batch, schedule_ms, result.forward_ms)
-        if batch.forward_mode == ForwardMode.DECODE and result.forward_ms > 0:
-            self.last_gen_throughput = len(batch.reqs) / (result.forward_ms / 1000)
+            self.emit_batch_step(batch, schedule_ms, result.forward_ms, step_reqs)
+        self.note_forward_time(batch, result.forward_ms)
         return result
+
+    def prepare_launch(self, batch: ScheduleBatch):
+        """Allocate KV, advance the requests' bookkeeping and build the worker batch."""
+        mwb = batch.prepare_for_decode() if batch is self.running_batch else batch.prepare_for_extend()
+        step_reqs = self.describe_batch_step(batch) if self.tracer.enabled else None
+        if batch.forward_mode == ForwardMode.EXTEND:
+            for req in batch.reqs:
+                req.num_chunks_done += 1
+        return mwb, step_reqs
+
+    def note_forward_time(self, batch: ScheduleBatch, forward_ms: float) -> None:
+        if batch.forward_mode == ForwardMode.DECODE and forward_ms > 0:
+            self.last_gen_throughput = len(batch.reqs) / (forward_ms / 1000)
 
     # ==== control ====================================================================
     def flush_cache(self) -> bool:
         """Reset the radix cache; only allowed when idle (nothing queued or running)."""
-        if self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req is not None:
+        self.sync_inflight()
+        if self.has_work():
             return False
+        self.running_batch.filter_batch()
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
         self.token_to_kv_pool_allocator.clear()
@@ -337,7 +397,8 @@ class Scheduler(SchedulerOutputMixin):
             self.step_credits += max(1, msg.steps)
             self.pending_step_reply = True
             # With nothing to run a step is a no-op: answer at once rather than hang the caller.
-            if not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None:
+            self.sync_inflight()
+            if not self.has_work():
                 self.step_credits = 0
                 self.pending_step_reply = False
             else:
@@ -400,7 +461,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
                           "traceback": traceback.format_exc()})
         raise SystemExit(1)
     _watch_parent()
-    scheduler.event_loop_normal()
+    if scheduler.enable_overlap:
+        scheduler.event_loop_overlap()
+    else:
+        scheduler.event_loop_normal()
 
 
 def _watch_parent() -> None:

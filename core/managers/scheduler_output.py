@@ -7,7 +7,7 @@ stream to the detokenizer, and the trace events that describe the step.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -33,38 +33,41 @@ class SchedulerOutputMixin:
             self.process_batch_result_prefill(batch, result)
 
     def process_batch_result_prefill(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
-        finished = []
+        # KV lengths and chunk counts moved at launch; a cut request's computed part is handed to
+        # the cache when its next chunk is scheduled (Scheduler.get_new_batch_prefill).
         for i, req in enumerate(batch.reqs):
-            req.kv_len = len(req.prefix_indices) + req.extend_input_len
-            req.num_chunks_done += 1
             if req.return_logprob and req.logprob_start_len >= 0 and result.prompt_logprobs is not None:
-                self._add_input_logprobs(req, i, result)
+                self._add_input_logprobs(req, i, result, batch.prefix_lens[i], batch.extend_lens[i])
             if req is batch.chunked_req:
-                # Part of the prompt is still to come: keep the computed part as this request's prefix.
-                self.tree_cache.cache_unfinished_req(req)
-                if req.to_abort is not None:
-                    self._finish_chunked_abort(req)
-                continue
-            self._append_token(req, i, result)
+                continue            # part of the prompt is still to come: nothing sampled yet
+            self._append_token(req, i, result, batch)
             req.is_retracted = False
             if req.finished():
                 self.tree_cache.cache_finished_req(req)
-                finished.append(req)
             else:
                 # Publish the prompt's KV now, so requests arriving meanwhile can share it.
                 self.tree_cache.cache_unfinished_req(req)
         self.stream_output([r for r in batch.reqs if r is not batch.chunked_req or r.finished()])
 
     def process_batch_result_decode(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
+        fresh = []
         for i, req in enumerate(batch.reqs):
-            req.kv_len += 1
-            self._append_token(req, i, result)
+            if req.finished():
+                # Overlap loop: it finished in the previous batch, which this one was built before
+                # knowing. The row was computed for nothing; its KV slot is given back here (the
+                # request's row and the rest of its KV went at cache_finished_req).
+                self.token_to_kv_pool_allocator.free(batch.out_cache_loc[i:i + 1])
+                continue
+            self._append_token(req, i, result, batch)
             if req.finished():
                 self.tree_cache.cache_finished_req(req)
-        self.stream_output(batch.reqs)
+            fresh.append(req)
+        self.stream_output(fresh)
 
-    def _append_token(self, req: "Req", i: int, result: "GenerationBatchResult") -> None:
+    def _append_token(self, req: "Req", i: int, result: "GenerationBatchResult", batch: "ScheduleBatch") -> None:
         req.output_ids.append(result.next_token_ids[i])
+        if batch.future_ids is not None and req.future_token_id == batch.future_ids[i]:
+            req.future_token_id = None      # a later launch may have put its own placeholder there
         out = result.sampler_output
         if req.return_logprob and out is not None and out.logprobs is not None:
             req.output_token_logprobs.append(float(out.logprobs[i]))
@@ -77,24 +80,19 @@ class SchedulerOutputMixin:
     def _decode_tail(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _add_input_logprobs(self, req: "Req", i: int, result: "GenerationBatchResult") -> None:
-        start = len(req.prefix_indices)
+    def _add_input_logprobs(self, req: "Req", i: int, result: "GenerationBatchResult", start: int,
+                            n: int) -> None:
+        """Prompt logprobs of the `n` tokens after `start` computed by row i (launch-time values)."""
         if not req.input_token_logprobs:
             req.input_token_logprobs = [None] * (start + 1)    # nothing predicts the first / cached tokens
         lp = result.prompt_logprobs[i]
         req.input_token_logprobs.extend(float(x) for x in lp.token_logprobs)
-        end = start + req.extend_input_len
+        end = start + n
         if end < len(req.origin_input_ids):
             # The next chunk's first token is scored by this chunk's last position.
-            nxt = torch.tensor([req.origin_input_ids[end]])
             row = result.logits_output.next_token_logits[i:i + 1]
+            nxt = torch.tensor([req.origin_input_ids[end]], device=row.device)
             req.input_token_logprobs.append(float(token_logprobs(row, nxt)[0]))
-
-    def _finish_chunked_abort(self, req: "Req") -> None:
-        from workbench.core.managers.schedule_batch import FinishReason
-        req.finished_reason = FinishReason("abort", message=req.to_abort or "aborted")
-        self.tree_cache.cache_finished_req(req, kv_len=req.kv_len)
-        self.chunked_req = None
 
     # ==== output ======================================================================
     def stream_output(self, reqs: list["Req"]) -> None:
@@ -143,7 +141,8 @@ class SchedulerOutputMixin:
             if any(r == "abort" for r in reasons) else None))
 
     # ==== trace ======================================================================
-    def emit_batch_step(self, batch: "ScheduleBatch", schedule_ms: float, forward_ms: float) -> None:
+    def describe_batch_step(self, batch: "ScheduleBatch") -> list:
+        """Each request's share of a batch about to launch; emits its cache.match / req.scheduled."""
         t = self.tracer
         decode = batch.forward_mode == ForwardMode.DECODE
         step_reqs = []
@@ -163,11 +162,19 @@ class SchedulerOutputMixin:
                                    chunk_index=k, num_chunks=n))
             step_reqs.append(ev.StepReq(req.rid, cached=prefix if k == 0 else 0,
                                         computed=req.extend_input_len, chunk_index=k, num_chunks=n))
+        return step_reqs
+
+    def emit_batch_step(self, batch: "ScheduleBatch", schedule_ms: float, forward_ms: float,
+                        step_reqs: Optional[list] = None, step: int = -1) -> None:
+        """The `batch.step` event; `step_reqs` from `describe_batch_step` at launch (computed now if None)."""
+        if step_reqs is None:
+            step_reqs = self.describe_batch_step(batch)
+        decode = batch.forward_mode == ForwardMode.DECODE
         bs = len(batch.reqs)
-        t.emit(ev.BatchStep(mode="decode" if decode else "extend", reqs=step_reqs, batch_size=bs,
-                            padded_size=batch.padded_size or bs, cuda_graph=batch.cuda_graph,
-                            backend=self.tp_worker.model_runner.attn_backend.name,
-                            schedule_ms=schedule_ms, forward_ms=forward_ms))
+        self.tracer.emit(ev.BatchStep(mode="decode" if decode else "extend", reqs=step_reqs, batch_size=bs,
+                                      padded_size=batch.padded_size or bs, cuda_graph=batch.cuda_graph,
+                                      backend=self.tp_worker.model_runner.attn_backend.name,
+                                      schedule_ms=schedule_ms, forward_ms=forward_ms, step=step))
 
     def emit_state(self) -> None:
         t = self.tracer

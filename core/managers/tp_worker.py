@@ -1,6 +1,9 @@
 """TpModelWorker: the scheduler's handle on one tensor-parallel rank's ModelRunner.
 
 It turns a ModelWorkerBatch into a ForwardBatch, runs the forward pass and samples.
+`forward_batch_generation` is the synchronous call the normal event loop uses;
+the overlap loop drives `forward_batch` from a background thread instead
+(`tp_worker_overlap_thread.TpModelWorkerClient`).
 """
 from __future__ import annotations
 
@@ -26,14 +29,22 @@ class GenerationBatchResult:
     prompt_logprobs: Optional[list] = None     # per request, from compute_prompt_logprobs
 
 
+@dataclass
+class ForwardOutput:
+    """One forward + sample with everything still on the device (nothing synchronized)."""
+    logits_output: LogitsOutput
+    sampler_output: SamplerOutput
+    prompt_logprobs: Optional[list]
+
+
 class TpModelWorker:
     def __init__(self, server_args, tp_rank: int = 0, tp_size: int = 1, prepared=None):
         self.model_runner = ModelRunner(server_args, tp_rank=tp_rank, tp_size=tp_size, prepared=prepared)
         self.tp_rank = tp_rank
 
     @torch.inference_mode()
-    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
-        t0 = time.perf_counter()
+    def forward_batch(self, mwb: ModelWorkerBatch) -> ForwardOutput:
+        """Forward + sample `mwb`; `mwb.input_ids` must hold real token ids (no placeholders)."""
         fb = ForwardBatch(
             forward_mode=mwb.forward_mode, batch_size=len(mwb.seq_lens_cpu), input_ids=mwb.input_ids,
             positions=mwb.positions, req_pool_indices=mwb.req_pool_indices, seq_lens=mwb.seq_lens,
@@ -47,5 +58,11 @@ class TpModelWorker:
         if mwb.return_all_logits and logits.all_logits is not None:
             prompt_lp = compute_prompt_logprobs(logits.all_logits, mwb.input_ids, mwb.extend_seq_lens_cpu,
                                                 mwb.top_logprobs_num)
-        return GenerationBatchResult(logits, sampler_out, sampler_out.next_token_ids.tolist(),
-                                     (time.perf_counter() - t0) * 1000, prompt_lp)
+        return ForwardOutput(logits, sampler_out, prompt_lp)
+
+    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+        t0 = time.perf_counter()
+        out = self.forward_batch(mwb)
+        return GenerationBatchResult(out.logits_output, out.sampler_output,
+                                     out.sampler_output.next_token_ids.tolist(),
+                                     (time.perf_counter() - t0) * 1000, out.prompt_logprobs)

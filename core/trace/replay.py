@@ -37,8 +37,8 @@ class Replay:
     """A replayable event source with `get/drain` like a bus Subscription.
 
     Args:
-        source: a recording's path, or events. A recording's trace.header is the first
-            event played (and `.header`), as on a remote stream.
+        source: a recording's path, or events. The trace.header (`.header`, not in
+            `.events`) is played first, as on a remote stream, and again after a reset.
         speed: playback rate for `play()` (2.0 = twice as fast).
         max_idle_s: while playing, a gap longer than this (trace time) with nothing
             to show is skipped; None keeps real gaps.
@@ -50,17 +50,29 @@ class Replay:
         self.header: Optional[TraceHeader] = None
         if isinstance(source, (str, os.PathLike)):
             self.header, events = read_trace(source)
-            events.insert(0, self.header)    # like a remote stream, playback starts with it
         else:
             events = list(source)
             if events and isinstance(events[0], TraceHeader):
-                self.header = events[0]
-        self.events: list[Event] = events
-        release, m = [], None
+                self.header, events = events[0], events[1:]
+        self.events: list[Event] = events      # without the header
+        self._header_pending = self.header is not None
+        # A header is stamped when recording starts, which need not relate to the events'
+        # clock: it is due with the event after it and never moves the replay clock.
+        release: list[Optional[int]] = []
+        m = None
         for e in events:
+            if type(e) is TraceHeader:
+                release.append(None)
+                continue
             m = e.ts if m is None or e.ts > m else m
             release.append(m)
-        self._release = release
+        nxt = m if m is not None else 0
+        for i in range(len(release) - 1, -1, -1):
+            if release[i] is None:
+                release[i] = nxt
+            else:
+                nxt = release[i]
+        self._release: list[int] = release   # type: ignore[assignment]
         self._step_idx = [i for i, e in enumerate(events) if type(e) is BatchStep]
         self.start_ns = release[0] if release else 0
         self.end_ns = release[-1] if release else 0
@@ -84,7 +96,17 @@ class Replay:
 
     @property
     def released(self) -> int:
+        """How many of `events` have been released."""
         return self._pos
+
+    @property
+    def release_ns(self) -> list[int]:
+        """When each of `events` is due on the replay clock (non-decreasing)."""
+        return self._release
+
+    def step_release_ns(self) -> list[int]:
+        """When each batch.step is due, in order (e.g. for a step slider)."""
+        return [self._release[i] for i in self._step_idx]
 
     @property
     def progress(self) -> float:
@@ -94,6 +116,10 @@ class Replay:
 
     def _release_to(self, j: int) -> list[Event]:
         out = self.events[self._pos:j]
+        if self._header_pending and out:
+            # Like a remote stream, playback starts with the header (model, schema).
+            self._header_pending = False
+            out.insert(0, self.header)
         self._q.extend(out)
         self._pos = max(self._pos, j)
         return out
@@ -124,6 +150,7 @@ class Replay:
             return
         self._q.clear()
         self._q.append(TraceReset(ts=ts_ns, proc="replay"))
+        self._header_pending = self.header is not None
         self._pos = 0
         self.position_ns = ts_ns
         self.epoch += 1
@@ -132,6 +159,8 @@ class Replay:
     def state_at(self, ts_ns: int) -> TraceState:
         """A fresh TraceState folded from the events due by ts_ns (leaves the replay alone)."""
         st = TraceState()
+        if self.header is not None:
+            st.apply(self.header)
         st.apply_many(self.events[:bisect.bisect_right(self._release, ts_ns)])
         return st
 

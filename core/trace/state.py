@@ -188,6 +188,9 @@ class TraceState:
         if type(event) is ev.TraceReset:
             self.__init__(**self._caps)
             return
+        if type(event) is ev.TraceHeader:    # metadata: its ts is when recording began
+            self._on_header(event)
+            return
         if event.ts > self.last_ts:
             self.last_ts = event.ts
         if event.proc and event.proc not in _PSEUDO_PROCS:

@@ -13,11 +13,11 @@ from workbench.tui.panels.base import RequestSelected, TracePanel
 
 CACHED, COMPUTED, DECODE = "blue", "green", "yellow"
 _MODE_STYLE = {"extend": "bold green", "decode": "bold yellow", "mixed": "bold cyan", "idle": "dim"}
-COLUMNS = (("step", "step"), ("mode", "mode"), ("bs", "bs/pad"), ("graph", "graph"), ("ms", "ms"),
+COLUMNS = (("step", "step"), ("mode", "mode"), ("bs", "bs"), ("graph", "cg"), ("ms", "ms"),
            ("mix", "tokens"), ("comp", "composition"))
 
 
-def token_bar(sv: StepView, width: int = 12) -> Text:
+def token_bar(sv: StepView, width: int = 10) -> Text:
     """Cached / computed / decode tokens of one step as a proportional bar."""
     total = sv.cached_tokens + sv.prefill_tokens + sv.decode_tokens
     text = Text()
@@ -75,15 +75,15 @@ def step_cells(sv: StepView, selected: Optional[str] = None) -> tuple:
     badge = Text("CG", style="bold black on green") if sv.cuda_graph else Text("–", style="dim")
     bs = f"{sv.batch_size}/{sv.padded_size}" if sv.padded_size != sv.batch_size else str(sv.batch_size)
     return (str(sv.step), Text(sv.mode, style=_MODE_STYLE.get(sv.mode, "")), bs, badge,
-            f"{sv.schedule_ms + sv.forward_ms:.1f}", token_bar(sv), composition(sv, selected))
+            f"{sv.schedule_ms + sv.forward_ms:.0f}", token_bar(sv), composition(sv, selected))
 
 
 class BatchPanel(TracePanel):
     PANEL_NAME = "batch"
     TITLE = "Batch composition"
     HELP = ("One row per scheduler iteration (newest at the bottom). mode: extend (prefill), decode, "
-            "mixed. bs/pad: batch size and padded size (CUDA-graph bucket; CG badge when a graph "
-            "replayed). tokens: the step's mix — ░ blue = prefix tokens reused from the cache, "
+            "mixed. bs: batch size (/padded size when padded to a CUDA-graph bucket); cg: CG when a "
+            "CUDA graph replayed; ms: schedule + forward time. tokens: the step's mix — ░ blue = prefix tokens reused from the cache, "
             "█ green = prompt tokens computed, █ yellow = decode tokens. composition: each prefill "
             "request with cached+computed tokens and its chunk k/n, then the decode group.")
     clock_interval_s = 0

@@ -12,7 +12,8 @@ from workbench.tui.panels.base import RequestSelected, TracePanel
 
 COLUMNS = (("queue", "queue"), ("rid", "rid"), ("state", "state"), ("prompt", "prompt"),
            ("cached", "cached"), ("computed", "comp"), ("out", "out"), ("age", "age"), ("ttft", "TTFT"))
-_QUEUE_STYLE = {"chunked": "bold magenta", "running": "bold green", "waiting": "yellow", "done": "dim"}
+_QUEUE_STYLE = {"chunked": "bold magenta", "running": "bold green", "waiting": "yellow", "new": "cyan",
+                "done": "dim"}
 
 
 def queue_rows(model: TuiModel, max_rows: int = 300, recent_done: int = 8) -> list[tuple[str, tuple]]:
@@ -27,6 +28,12 @@ def queue_rows(model: TuiModel, max_rows: int = 300, recent_done: int = 8) -> li
                 continue
             seen.add(rid)
             rows.append((rid, _cells(queue, st.requests.get(rid) or RequestView(rid), now)))
+    # Requests the scheduler has not listed yet (queue.state comes once per step, and not at
+    # all while the scheduler is paused): show them from their own events.
+    for r in st.requests.values():
+        if r.rid not in seen and r.state in ("arrived", "queued"):
+            seen.add(r.rid)
+            rows.append((r.rid, _cells("waiting" if r.state == "queued" else "new", r, now)))
     if recent_done:
         done = [r for r in st.requests.values() if r.done and r.rid not in seen and r.finish_ts is not None]
         done.sort(key=lambda r: r.finish_ts)
@@ -58,7 +65,8 @@ class QueuesPanel(TracePanel):
     PANEL_NAME = "queues"
     TITLE = "Queues"
     HELP = ("Every request the scheduler holds: `chunked` (its prompt is being prefilled in chunks), "
-            "`running` (in the decode batch) and `waiting` (queued for prefill), then the last few "
+            "`running` (in the decode batch), `waiting` (queued for prefill) and `new` (arrived, not "
+            "queued yet), then the last few "
             "finished. prompt/cached/comp/out are token counts: cached = reused from the radix tree, "
             "comp = prompt tokens actually computed. TTFT shows the time so far (italic) until the "
             "first token. Click or Enter on a row to select the request.")

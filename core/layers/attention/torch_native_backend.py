@@ -20,9 +20,10 @@ from workbench.core.layers.attention.base_attn_backend import AttentionBackend
 
 @dataclass
 class DecodeMetadata:
-    kv_indices: torch.Tensor          # [B * L] KV slots, row-major over [B, L] (0 = padding)
+    kv_indices: torch.Tensor          # [B * Hk * L] rows of the pool viewed as [slots * Hk, D] (slot 0 = padding)
     max_len: int                      # L
     mask: Optional[torch.Tensor]      # [B, 1, 1, L] True where a key is valid; None if no padding
+    invalid: Optional[torch.Tensor] = None  # ~mask, for the low-precision path's masked_fill
 
 
 @dataclass
@@ -32,14 +33,22 @@ class ExtendMetadata:
 
 
 def build_decode_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                          seq_lens: torch.Tensor, seq_lens_cpu: list[int]) -> DecodeMetadata:
-    """The padded slot table and length mask of a decode batch."""
+                          seq_lens: torch.Tensor, seq_lens_cpu: list[int], num_kv_heads: int) -> DecodeMetadata:
+    """The padded, head-major gather index and length mask of a decode batch.
+
+    The pool is [slots, Hk, D]; viewed as [slots * Hk, D], row slot * Hk + h is head h
+    of a slot. Gathering in (request, head, position) order yields K/V already laid
+    out [B, Hk, L, D], which SDPA and the batched GEMMs take without another copy.
+    """
     bs, max_len = len(seq_lens_cpu), max(seq_lens_cpu)
-    kv_indices = req_to_token.index_select(0, req_pool_indices)[:, :max_len].reshape(-1)
+    slots = req_to_token.index_select(0, req_pool_indices)[:, :max_len]
+    heads = torch.arange(num_kv_heads, device=slots.device).view(1, num_kv_heads, 1)
+    kv_indices = (slots.unsqueeze(1) * num_kv_heads + heads).reshape(-1)
     mask = None
     if min(seq_lens_cpu) != max_len:
         mask = (torch.arange(max_len, device=seq_lens.device) < seq_lens.unsqueeze(1)).view(bs, 1, 1, max_len)
-    return DecodeMetadata(kv_indices, max_len, mask)
+        return DecodeMetadata(kv_indices, max_len, mask, ~mask)
+    return DecodeMetadata(kv_indices, max_len, None)
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -48,15 +57,37 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
 
     q: [B, Hq, D], k_buf/v_buf: [slots, Hk, D] -> [B, Hq, D].
     """
-    bs, hk, d = q.shape[0], k_buf.shape[1], k_buf.shape[2]
-    kb = k_buf.index_select(0, meta.kv_indices).view(bs, meta.max_len, hk, d)
-    vb = v_buf.index_select(0, meta.kv_indices).view(bs, meta.max_len, hk, d)
+    bs, hq, d = q.shape
+    hk = k_buf.shape[1]
+    kb = k_buf.view(-1, d).index_select(0, meta.kv_indices).view(bs, hk, meta.max_len, d)
+    vb = v_buf.view(-1, d).index_select(0, meta.kv_indices).view(bs, hk, meta.max_len, d)
     if kb.dtype != q.dtype:
         kb, vb = kb.to(q.dtype), vb.to(q.dtype)
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), kb.transpose(1, 2), vb.transpose(1, 2),            # q: [B, Hq, 1, D]
-        attn_mask=meta.mask, scale=scaling, enable_gqa=True)
-    return o.view(bs, q.shape[1], d)
+    if q.dtype != torch.float32 and q.device.type == "cpu":
+        return _decode_attention_lowp(q, kb, vb, meta.invalid, scaling)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kb, vb, attn_mask=meta.mask, scale=scaling,
+                                       enable_gqa=True)                  # q: [B, Hq, 1, D]
+    return o.view(bs, hq, d)
+
+
+def _decode_attention_lowp(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
+                           invalid: Optional[torch.Tensor], scaling: float) -> torch.Tensor:
+    """bf16/fp16 decode attention as two batched GEMMs with a float32 softmax.
+
+    ATen's CPU flash kernel is 5-7x slower in bf16 than in fp32 for one query row
+    (measured: B=32, L=128); two small bf16 GEMMs are not. Scores are rounded to
+    bf16 once (the same relative error as the bf16 K they come from), the softmax
+    runs in float32. q: [B, Hq, D], kb/vb: [B, L, Hk, D] -> [B, Hq, D].
+    """
+    bs, hq, d = q.shape
+    hk, length = kb.shape[1], kb.shape[2]
+    g = hq // hk                                                          # query head h uses KV head h // G
+    qg = (q * scaling).view(bs * hk, g, d)
+    scores = torch.bmm(qg, kb.view(bs * hk, length, d).transpose(1, 2)).view(bs, hk, g, length)
+    if invalid is not None:
+        scores = scores.masked_fill(invalid, float("-inf"))
+    probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype).view(bs * hk, g, length)
+    return torch.bmm(probs, vb.view(bs * hk, length, d)).view(bs, hq, d)
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -66,7 +97,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         req_to_token = fb.req_to_token_pool.req_to_token
         if fb.forward_mode.is_decode():
             fb.attn_metadata = build_decode_metadata(req_to_token, fb.req_pool_indices, fb.seq_lens,
-                                                     fb.seq_lens_cpu)
+                                                     fb.seq_lens_cpu, fb.token_to_kv_pool.head_num)
             return
         indices, masks = [], []
         for i, (seq_len, ext, prefix) in enumerate(

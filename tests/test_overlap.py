@@ -1,0 +1,212 @@
+"""The overlap event loop (`disable_overlap_schedule=False`) against the normal loop, real model, float32.
+
+Same greedy tokens for mixed concurrent requests, for chunked prefill of long prompts and under
+KV pressure (retraction); no KV leak afterwards; abort (also of a half-prefilled prompt); the step
+gate; and the trace's batch.step events.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import pytest
+
+from conftest import chat_ids
+from pipeline_helpers import assert_no_kv_leak, drain_events
+from workbench.core.engine import Engine
+from workbench.core.trace import events as ev
+
+TOPICS = ["the ocean", "volcanoes", "a robot", "tea", "chess", "winter", "bees", "the moon",
+          "a library", "trains", "jazz", "mountains", "bread", "a lighthouse", "maps", "clocks"]
+LONG = ("The river carried the boats past the old mill, where the miller counted sacks of grain "
+        "and sang to the turning wheel. ") * 12
+PRESSURE_NEW = 40
+
+
+def _mixed_calls(prompts: list[list[int]]) -> list[dict]:
+    """16 different generate calls: lengths, EOS, stops, logprobs, seeded sampling, penalties."""
+    calls = []
+    for i, p in enumerate(prompts):
+        sp = {"max_new_tokens": (1, 2, 3, 5, 8, 13, 21, 30)[i % 8], "temperature": 0.0}
+        call = {"input_ids": p, "sampling_params": sp}
+        if i % 3 == 0:
+            sp["ignore_eos"] = True
+        if i == 4:
+            call.update(return_logprob=True, top_logprobs_num=2)
+        if i == 5:    # seeded: the same draws whatever else shares the batch
+            sp.update(temperature=0.8, top_k=20, seed=11, max_new_tokens=12)
+        if i == 6:    # reads its own output history: the overlap loop processes it synchronously
+            sp.update(repetition_penalty=1.3, frequency_penalty=0.2, max_new_tokens=12)
+        if i == 7:
+            sp.update(min_new_tokens=6, max_new_tokens=10)
+        if i == 9:
+            sp["stop"] = ["."]
+        calls.append(call)
+    return calls
+
+
+def _run_concurrently(engine, calls: list[dict]) -> list[dict]:
+    with cf.ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda c: engine.generate(**c), calls))
+
+
+def _summary(out: dict) -> tuple:
+    return out["output_ids"], out["meta_info"]["finish_reason"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [chat_ids(tokenizer, f"Write two sentences about {t}.") for t in TOPICS]
+
+
+@pytest.fixture(scope="module")
+def long_prompts(tokenizer):
+    return [chat_ids(tokenizer, f"{LONG} Question {i}: what did the miller do?") for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def pressure_prompts(tokenizer):
+    return [chat_ids(tokenizer, f"Say something about the number {i}.") for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def normal_results(default_prepared, prompts, long_prompts, pressure_prompts):
+    """Every workload of this file through the normal loop (plenty of KV, default chunking)."""
+    sp = {"max_new_tokens": PRESSURE_NEW, "temperature": 0.0, "ignore_eos": True}
+    with Engine(dtype="float32", max_total_tokens=8192, show_progress=False) as e:
+        assert e.server_args.disable_overlap_schedule        # the default stays the normal loop
+        mixed = _run_concurrently(e, _mixed_calls(prompts))
+        long = e.generate(input_ids=long_prompts, sampling_params={"max_new_tokens": 12, "temperature": 0.0,
+                                                                   "ignore_eos": True})
+        pressure = _run_concurrently(e, [{"input_ids": p, "sampling_params": sp} for p in pressure_prompts])
+        assert_no_kv_leak(e)
+    return {"mixed": mixed, "long": long, "pressure": pressure}
+
+
+@pytest.fixture(scope="module")
+def overlap_engine(default_prepared):
+    with Engine(dtype="float32", max_total_tokens=8192, show_progress=False,
+                disable_overlap_schedule=False) as e:
+        yield e
+
+
+def test_mixed_requests_match_normal_loop(overlap_engine, prompts, normal_results):
+    e = overlap_engine
+    sub = e.subscribe(with_snapshot=False)
+    try:
+        outs = _run_concurrently(e, _mixed_calls(prompts))
+        events = drain_events(sub)
+    finally:
+        sub.close()
+    ref = normal_results["mixed"]
+    assert [_summary(o) for o in outs] == [_summary(o) for o in ref]
+    lp, lp_ref = outs[4]["meta_info"]["output_token_logprobs"], ref[4]["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in lp] == [t for _, t, _ in lp_ref]
+    assert all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(lp, lp_ref))
+    assert outs[3]["meta_info"]["completion_tokens"] == 5 and outs[8]["meta_info"]["completion_tokens"] == 1
+    assert_no_kv_leak(e)
+
+    steps = [x for x in events if isinstance(x, ev.BatchStep)]
+    assert any(s.mode == "extend" for s in steps) and any(s.mode == "decode" and s.batch_size > 1 for s in steps)
+    assert all(s.forward_ms > 0 for s in steps)
+    if not any(isinstance(x, ev.TraceDropped) for x in events):
+        # Each request decodes every token after its first exactly once: rows computed for a
+        # request that had already finished (launched before its end was known) are not reported.
+        rid_of = {o["meta_info"]["id"]: o for o in outs}
+        decoded = {rid: 0 for rid in rid_of}
+        for s in steps:
+            for r in s.reqs:
+                if r.rid in decoded:
+                    decoded[r.rid] += r.decode
+        assert decoded == {rid: o["meta_info"]["completion_tokens"] - 1 for rid, o in rid_of.items()}
+
+
+def test_abort_mid_generation(overlap_engine, prompts):
+    e = overlap_engine
+    stream = e.generate(input_ids=prompts[1], sampling_params={"max_new_tokens": 400, "temperature": 0,
+                                                               "ignore_eos": True}, stream=True)
+    got = []
+    for chunk in stream:
+        got.append(chunk)
+        if len(chunk["output_ids"]) >= 3:
+            e.abort_request(chunk["meta_info"]["id"])
+    assert got[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(got[-1]["output_ids"]) < 400
+    assert_no_kv_leak(e)
+
+
+def test_step_gate_runs_one_iteration_per_step(overlap_engine, prompts):
+    e = overlap_engine
+    e.step_gate("pause")
+    try:
+        fut = cf.ThreadPoolExecutor(1).submit(e.generate, input_ids=prompts[2],
+                                              sampling_params={"max_new_tokens": 5, "temperature": 0})
+        time.sleep(0.3)
+        first = e.step_gate("step")
+        second = e.step_gate("step")
+        assert second["step"] == first["step"] + 1 and second["paused"]
+        state = e.get_internal_state()
+        assert state["num_running"] == 1 and state["step"] == second["step"]
+    finally:
+        e.step_gate("resume")
+    assert fut.result(timeout=120)["meta_info"]["completion_tokens"] == 5
+    assert_no_kv_leak(e)
+
+
+@pytest.fixture(scope="module")
+def pressure_engine(default_prepared):
+    # ~16 * (35 + 40) tokens wanted at peak; the pool holds far fewer. Prompts are cut in 64s.
+    with Engine(dtype="float32", max_total_tokens=640, chunked_prefill_size=64, show_progress=False,
+                disable_overlap_schedule=False) as e:
+        yield e
+
+
+def test_chunked_prefill_matches_normal_loop(pressure_engine, long_prompts, normal_results):
+    e = pressure_engine
+    assert all(len(p) > 200 for p in long_prompts)
+    sub = e.subscribe(with_snapshot=False)
+    try:
+        outs = e.generate(input_ids=long_prompts, sampling_params={"max_new_tokens": 12, "temperature": 0.0,
+                                                                   "ignore_eos": True})
+        events = drain_events(sub)
+    finally:
+        sub.close()
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in normal_results["long"]]
+    chunks = [x for x in events if isinstance(x, ev.ReqScheduled)]
+    assert max(c.extend_len for c in chunks) <= 64
+    assert max(c.chunk_index for c in chunks) >= 3      # the prompts really were cut
+    assert_no_kv_leak(e)
+
+
+def test_kv_pressure_retracts_and_matches_normal_loop(pressure_engine, pressure_prompts, normal_results):
+    e = pressure_engine
+    sp = {"max_new_tokens": PRESSURE_NEW, "temperature": 0.0, "ignore_eos": True}
+    sub = e.subscribe(with_snapshot=False)
+    try:
+        outs = _run_concurrently(e, [{"input_ids": p, "sampling_params": sp} for p in pressure_prompts])
+        events = drain_events(sub)
+    finally:
+        sub.close()
+    assert any(isinstance(x, ev.ReqRetracted) for x in events), "expected retraction under KV pressure"
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in normal_results["pressure"]]
+    assert_no_kv_leak(e)
+
+
+def test_abort_half_prefilled_prompt(pressure_engine, long_prompts):
+    """Stopped between chunks with the step gate, then aborted: its chunks' KV must come back."""
+    e = pressure_engine
+    e.step_gate("pause")
+    try:
+        fut = cf.ThreadPoolExecutor(1).submit(e.generate, input_ids=long_prompts[0], rid="half-prefilled",
+                                              sampling_params={"max_new_tokens": 4, "temperature": 0})
+        deadline = time.monotonic() + 30
+        while e.get_internal_state()["num_waiting"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        e.step_gate("step", steps=2)                      # two 64-token chunks of a ~300-token prompt
+        e.abort_request("half-prefilled")
+    finally:
+        e.step_gate("resume")
+    out = fut.result(timeout=120)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
+    assert_no_kv_leak(e)

@@ -1,0 +1,157 @@
+"""The TUI on the real engine (default model): one engine for the module, few tokens.
+
+Checks that what the panels show is what TraceState holds after a shared-prefix
+workload, that stepping runs exactly one scheduler iteration per keypress, and
+that the prompt box returns the model's answer.
+"""
+from __future__ import annotations
+
+import pytest
+from textual.widgets import DataTable, Static
+
+from tests.tui_helpers import wait_for
+from workbench.tui.fmt import fmt_s, plain_text
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from workbench.core.engine import Engine
+    eng = Engine(show_progress=False, chunked_prefill_size=64, max_running_requests=8, random_seed=0)
+    yield eng
+    eng.shutdown()
+
+
+def _app(engine, **kw):
+    from workbench.tui.app import WorkbenchApp
+    from workbench.tui.controller import EngineController
+    return WorkbenchApp(EngineController(engine=engine, max_new_tokens=4), **kw)
+
+
+def _path_tokens(tree, nid):
+    n, total = tree[nid], 0
+    while n is not None:
+        total += n.tokens
+        n = tree.get(n.parent_id)
+    return total
+
+
+async def test_shared_prefix_workload_stepping_and_panels(engine):
+    from workbench.tui.workload import SHARED_SYSTEM, chat_text, make_prompts
+    app = _app(engine, layout="grid")
+    c = app.controller
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_for(app.ready.is_set, 30)
+        st = app.model.state
+        # Pause first, so the four requests queue up and can be walked through step by step.
+        await pilot.press("p")
+        await wait_for(lambda: app.control_results == 1 and c.paused, 30)
+        c.start_workload("shared-prefix", rate=50, max_requests=4, temperature=0.0)
+        sp = [f"sp-{i}" for i in range(1, 5)]
+        await wait_for(lambda: all(st.requests.get(r) and st.requests[r].state == "queued" for r in sp), 60)
+        await pilot.pause(0.3)
+        # the queue table shows the queued requests with TraceState's token counts
+        table = app.query_one("#queues-table", DataTable)
+        rows = {str(table.get_row_at(i)[1]): table.get_row_at(i) for i in range(table.row_count)}
+        for rid in sp:
+            r = st.requests[rid]
+            assert str(rows[rid][0]) == "waiting" and str(rows[rid][2]) == "queued"
+            assert str(rows[rid][3]) == str(r.prompt_tokens) and r.prompt_tokens > 60
+
+        # one keypress = exactly one scheduler iteration = one new batch.step
+        for k in range(3):
+            before = [s.step for s in st.steps]
+            results = app.control_results
+            await pilot.press("s")
+            await wait_for(lambda: app.control_results == results + 1, 60)
+            await wait_for(lambda: st.steps and st.steps[-1].step == app.last_step_result, 30)
+            await pilot.pause(0.3)       # let any (wrong) extra step show up
+            new = [s.step for s in st.steps][len(before):]
+            if k == 0:   # after the first step the scheduler lists its queues again
+                queued = set(st.waiting) | set(st.running) | set(st.chunked)
+                assert queued & set(sp)
+                rows = {str(table.get_row_at(i)[1]): table.get_row_at(i) for i in range(table.row_count)}
+                for rid in st.running:
+                    assert str(rows[rid][0]) == "running"
+                for rid in st.waiting:
+                    assert str(rows[rid][0]) == "waiting"
+            assert new == [app.last_step_result], f"keypress {k}: steps {new}"
+            assert not before or new[0] > before[-1]
+            batch = app.query_one("#batch-table", DataTable)
+            assert str(batch.get_row_at(batch.row_count - 1)[0]) == str(new[0])
+        assert c.paused
+
+        await pilot.press("p")                      # resume and let the workload finish
+        await wait_for(lambda: c.runner.completed + c.runner.failed == 4, 120)
+        await wait_for(lambda: all(st.requests[f"sp-{i}"].done for i in range(1, 5)), 30)
+        await pilot.pause(0.3)
+        assert c.runner.failed == 0, c.runner.last_error
+        app.refresh_panels(force=True)
+        await pilot.pause()
+
+        # batch composition: one row per step in TraceState, same ids, newest last
+        batch = app.query_one("#batch-table", DataTable)
+        shown = [str(batch.get_row_at(i)[0]) for i in range(batch.row_count)]
+        assert shown == [str(s.step) for s in list(st.steps)[-len(shown):]]
+        assert any(s.mode == "extend" and s.cached_tokens > 0 for s in st.steps), "later requests reuse the prefix"
+
+        # the radix tree: the shared prefix ends at one node with several children
+        prompts = [next(make_prompts("shared-prefix")) for _ in range(1)]
+        assert prompts[0][0]["content"] == SHARED_SYSTEM
+        ids = [engine.tokenizer.encode(chat_text(engine, m), add_special_tokens=False)
+               for m in [p for p, _ in zip(make_prompts("shared-prefix"), range(4))]]
+        lcp = 0
+        while all(len(x) > lcp for x in ids) and len({x[lcp] for x in ids}) == 1:
+            lcp += 1
+        tree = st.tree
+        forks = [n for n in tree.values() if n.parent_id in tree and _path_tokens(tree, n.node_id) == lcp]
+        assert len(forks) == 1, (lcp, [(n.node_id, n.text, _path_tokens(tree, n.node_id)) for n in tree.values()])
+        fork = forks[0]
+        assert len(fork.children) >= 3
+        tree_text = plain_text(app.query_one("#tree-body", Static).content, 200)
+        assert f"[{len(fork.children)} children]" in tree_text
+
+        # latency: the numbers on screen are TraceState's percentiles at the app's clock
+        now = app.model.now_ns
+        pct = st.latency_percentiles(60, now)
+        lat_text = plain_text(app.query_one("#latency-body", Static).content, 120)
+        line = next(x for x in lat_text.splitlines() if x.split()[:2] == ["TTFT", "60s"])
+        assert line.split()[2:5] == [fmt_s(v, compact=True) for v in pct["ttft"]]
+        # the requests in Queues (recently finished) carry TraceState's TTFT
+        for rid in (f"sp-{i}" for i in range(1, 5)):
+            r = st.requests[rid]
+            assert r.ttft is not None and r.output_tokens == 4
+        await pilot.press("q")
+    assert c.runner is None or not c.runner._thread.is_alive()
+
+
+async def test_prompt_box_returns_the_models_answer(engine):
+    from workbench.tui.workload import chat_text
+    question = "What is the capital of France?"
+    app = _app(engine, layout="grid", chat_max_new_tokens=12)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_for(app.ready.is_set, 30)
+        await pilot.press("slash")
+        await pilot.press(*question)
+        await pilot.press("enter")
+        try:
+            await wait_for(app.chat_done.is_set, 120)
+        finally:
+            print("answer so far:", repr(app.last_answer), app.model.state.requests.get("chat-1"))
+        await pilot.pause(0.3)
+        rid = app.model.selected
+        assert rid and rid.startswith("chat-")
+        expected = engine.generate(prompt=chat_text(engine, [{"role": "user", "content": question}]),
+                                   sampling_params={"max_new_tokens": app.chat_max_new_tokens,
+                                                    "temperature": 0.0})["text"]
+        assert app.last_answer == expected and expected.strip()
+        answer = plain_text(app.query_one("#answer", Static).content, 200)
+        assert expected.strip()[:30] in " ".join(answer.split())
+        await wait_for(lambda: app.model.state.requests.get(rid) and app.model.state.requests[rid].done, 30)
+        app.refresh_panels(force=True)
+        await pilot.pause()
+        detail = plain_text(app.query_one("#detail-body", Static).content, 200)
+        assert detail.startswith(rid) and "finished" in detail
+        await pilot.press("escape")
+        await pilot.press("q")
