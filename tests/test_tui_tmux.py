@@ -22,9 +22,11 @@ pytestmark = pytest.mark.skipif(not (shutil.which("tmux") and os.path.exists(SCR
                                 reason="needs tmux and shared/testing/tui_in_tmux.sh")
 
 
-def _t(*args, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, timeout=timeout,
-                          check=check, cwd=ROOT)
+def _t(*args, timeout: float = 90, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if check and out.returncode != 0:
+        raise AssertionError(f"tui_in_tmux.sh {' '.join(args)} failed ({out.returncode}):\n{out.stderr}")
+    return out
 
 
 def test_replay_in_tmux_keys_panels_and_clean_exit():
