@@ -300,10 +300,54 @@ class Engine:
         return {"paused": out.paused, "step": out.step}
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        """The first `truncate_size` values of a weight, flattened; HF names work (q_proj, gate_proj, ...)."""
         out = self._run(self.tokenizer_manager.get_weights_by_name(name, truncate_size))
         if out.values is None:
             raise ValueError(out.message)
         return out.values
+
+    # ==== weight updates (see core/managers/weight_updater.py) ==========================
+    # Each waits for in-flight requests (or aborts them with abort_all_requests=True) while new
+    # ones are held, flushes the prefix cache and emits `weights.updated`. A rejected update
+    # raises ValueError with the reason and leaves the old weights in place.
+    def update_weights_from_disk(self, model_path: str, abort_all_requests: bool = False) -> dict:
+        """Load a checkpoint (HF dir or .gguf) of the same architecture in place."""
+        return _update_reply(self._run(self.tokenizer_manager.update_weights_from_disk(
+            str(model_path), abort_all_requests)))
+
+    def update_weights_from_tensor(self, named_tensors, abort_all_requests: bool = False) -> dict:
+        """Load `[(hf_name, tensor), ...]` (any subset of the weights) from this process."""
+        from workbench.core.io_struct import UpdateWeightsFromTensorReq
+        from workbench.core.managers.weight_updater import encode_named_tensors
+        req = UpdateWeightsFromTensorReq(tensors=encode_named_tensors(list(named_tensors)))
+        return _update_reply(self._run(self.tokenizer_manager.update_weights_from_tensor(req, abort_all_requests)))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "gloo") -> dict:
+        """Join a trainer's process group (trainer = rank 0; this server's TP ranks from `rank_offset`).
+
+        Blocks until every rank has joined, so the trainer must join at the same time
+        (e.g. `weight_updater.TrainerWeightSync` in another process or thread).
+        """
+        from workbench.core.io_struct import InitWeightsUpdateGroupReq
+        req = InitWeightsUpdateGroupReq(master_address=master_address, master_port=int(master_port),
+                                        rank_offset=int(rank_offset), world_size=int(world_size),
+                                        group_name=group_name, backend=backend)
+        return _update_reply(self._run(self.tokenizer_manager.init_weights_update_group(req)))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                        group_name: str = "weight_update_group",
+                                        abort_all_requests: bool = False) -> dict:
+        """Receive `names` (HF names) by broadcast from rank 0 of the group, in order, and load them."""
+        from workbench.core.io_struct import UpdateWeightsFromDistributedReq
+        req = UpdateWeightsFromDistributedReq(
+            names=list(names), dtypes=[str(d).replace("torch.", "") for d in dtypes],
+            shapes=[[int(x) for x in s] for s in shapes], group_name=group_name)
+        return _update_reply(self._run(self.tokenizer_manager.update_weights_from_distributed(
+            req, abort_all_requests)))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return _update_reply(self._run(self.tokenizer_manager.destroy_weights_update_group(group_name)))
 
     # ==== trace ======================================================================
     def subscribe(self, maxsize: int = 100_000, with_snapshot: bool = True, name: str = ""):
@@ -402,6 +446,12 @@ def _to_sampling_params(sp: Any) -> SamplingParams:
         return msgspec.convert(sp, SamplingParams, strict=False)
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid sampling_params: {exc}") from None
+
+
+def _update_reply(out) -> dict:
+    if not out.success:
+        raise ValueError(out.message)
+    return {"success": True, "message": out.message, "version": out.version}
 
 
 def _running_loop():

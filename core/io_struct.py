@@ -89,6 +89,41 @@ class UpdateWeightsReqOutput(Msg):
     version: int = 0
 
 
+class NamedTensorPayload(msgspec.Struct, kw_only=True):
+    """One tensor on the wire: raw little-endian bytes (C order) plus dtype name and shape."""
+    name: str
+    dtype: str                    # torch dtype name without "torch.", e.g. "float32", "bfloat16"
+    shape: list[int]
+    data: bytes
+
+
+class UpdateWeightsFromTensorReq(Msg):
+    """In-process weight push (a notebook): the tensors travel as bytes, never pickled."""
+    tensors: list[NamedTensorPayload]
+
+
+class InitWeightsUpdateGroupReq(Msg):
+    """Join a trainer's process group (the trainer is rank 0) to receive broadcast weights."""
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"
+
+
+class UpdateWeightsFromDistributedReq(Msg):
+    """Receive `names` by broadcast from rank 0 of `group_name`, in order, and load them."""
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+
+
+class DestroyWeightsUpdateGroupReq(Msg):
+    group_name: str = "weight_update_group"
+
+
 class GetWeightsByNameReq(Msg):
     name: str
     truncate_size: int = 100
@@ -145,6 +180,8 @@ AnyMsg = Union[
     GetInternalStateReq, GetInternalStateReqOutput, SetTraceReq, StepGateReq,
     StepGateReqOutput, UpdateWeightsFromDiskReq, UpdateWeightsReqOutput,
     GetWeightsByNameReq, GetWeightsByNameReqOutput, BatchTokenIDOut, BatchStrOut,
+    UpdateWeightsFromTensorReq, InitWeightsUpdateGroupReq, UpdateWeightsFromDistributedReq,
+    DestroyWeightsUpdateGroupReq,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

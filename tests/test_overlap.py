@@ -21,6 +21,9 @@ TOPICS = ["the ocean", "volcanoes", "a robot", "tea", "chess", "winter", "bees",
 LONG = ("The river carried the boats past the old mill, where the miller counted sacks of grain "
         "and sang to the turning wheel. ") * 12
 PRESSURE_NEW = 40
+# One intra-op thread in every engine: both loops then run the same kernels (same numerics), and
+# a 2-thread OpenMP team on a busy 2-core machine can be many times slower than one thread.
+ENGINE = {"dtype": "float32", "show_progress": False, "num_threads": 1}
 
 
 def _mixed_calls(prompts: list[list[int]]) -> list[dict]:
@@ -73,7 +76,7 @@ def pressure_prompts(tokenizer):
 def normal_results(default_prepared, prompts, long_prompts, pressure_prompts):
     """Every workload of this file through the normal loop (plenty of KV, default chunking)."""
     sp = {"max_new_tokens": PRESSURE_NEW, "temperature": 0.0, "ignore_eos": True}
-    with Engine(dtype="float32", max_total_tokens=8192, show_progress=False) as e:
+    with Engine(max_total_tokens=8192, **ENGINE) as e:
         assert e.server_args.disable_overlap_schedule        # the default stays the normal loop
         mixed = _run_concurrently(e, _mixed_calls(prompts))
         long = e.generate(input_ids=long_prompts, sampling_params={"max_new_tokens": 12, "temperature": 0.0,
@@ -85,8 +88,7 @@ def normal_results(default_prepared, prompts, long_prompts, pressure_prompts):
 
 @pytest.fixture(scope="module")
 def overlap_engine(default_prepared):
-    with Engine(dtype="float32", max_total_tokens=8192, show_progress=False,
-                disable_overlap_schedule=False) as e:
+    with Engine(max_total_tokens=8192, disable_overlap_schedule=False, **ENGINE) as e:
         yield e
 
 
@@ -156,8 +158,8 @@ def test_step_gate_runs_one_iteration_per_step(overlap_engine, prompts):
 @pytest.fixture(scope="module")
 def pressure_engine(default_prepared):
     # ~16 * (35 + 40) tokens wanted at peak; the pool holds far fewer. Prompts are cut in 64s.
-    with Engine(dtype="float32", max_total_tokens=640, chunked_prefill_size=64, show_progress=False,
-                disable_overlap_schedule=False) as e:
+    with Engine(max_total_tokens=640, chunked_prefill_size=64, disable_overlap_schedule=False,
+                **ENGINE) as e:
         yield e
 
 

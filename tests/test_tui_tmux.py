@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -32,7 +33,9 @@ def _t(*args, timeout: float = 90, check: bool = True) -> subprocess.CompletedPr
 def test_replay_in_tmux_keys_panels_and_clean_exit():
     name = f"wbtui-{uuid.uuid4().hex[:8]}"
     exe = os.path.join(os.path.dirname(sys.executable), "workbench")
-    _t("start", name, "-x", "160", "-y", "48", "--", exe, "tui", "--replay", FIXTURE, "--paused",
+    # Under pytest the session's environment carries COLUMNS=80 LINES=24, which Textual would
+    # believe over the real pane size.
+    _t("start", name, "-x", "160", "-y", "48", "--", "env", "-u", "COLUMNS", "-u", "LINES", exe, "tui", "--replay", FIXTURE, "--paused",
        "--layout", "grid", "--speed", "8")
     try:
         _t("wait", name, "Batch composition", "30")
@@ -58,7 +61,8 @@ def test_replay_in_tmux_keys_panels_and_clean_exit():
         # help, then quit
         _t("keys", name, "?")
         _t("wait", name, "what you are looking at", "20")
-        _t("keys", name, "Escape")
+        _t("keys", name, "?")            # (Escape then q too fast would read as Alt+q)
+        time.sleep(0.5)
         _t("keys", name, "q")
         assert _t("exited", name, "20", check=False).returncode == 0
         assert "Traceback" not in _t("capture", name).stdout

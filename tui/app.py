@@ -67,7 +67,7 @@ class WorkbenchApp(App):
         Binding("W", "cycle_workload", "kind", show=False),
         Binding("plus,equals_sign", "faster", "rate+"),
         Binding("minus", "slower", "rate-"),
-        Binding("r", "restart", "restart", show=False),
+        Binding("r", "restart", "restart"),
         Binding("slash", "focus_prompt", "prompt"),
         Binding("f", "focus_filter", "filter", show=False),
         Binding("left_square_bracket", "select(-1)", "prev req", show=False),
@@ -113,6 +113,7 @@ class WorkbenchApp(App):
         self._control_q: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._progress_lines: list[str] = []
+        self._last_tail = ""
         self._chat_prompt = ""
         self._broken_panels: set[str] = set()
         self._quitting = False
@@ -226,8 +227,27 @@ class WorkbenchApp(App):
                     self._controller_ready()
             else:
                 self._progress_lines.append(msg)
-        if changed and not self.ready.is_set() and not self.startup_error:
-            self.query_one("#startup-log", Static).update("\n".join(self._progress_lines[-12:]))
+        tail = self._log_tail() if not self.ready.is_set() and not self.startup_error else ""
+        if (changed or tail != self._last_tail) and not self.ready.is_set() and not self.startup_error:
+            self._last_tail = tail
+            body = Text("\n".join(self._progress_lines[-12:]))
+            if tail:
+                body.append("\n" + tail, style="dim")
+            self.query_one("#startup-log", Static).update(body)
+
+    def _log_tail(self) -> str:
+        """The last line the engine's processes wrote to the log (e.g. the weight-loading bar)."""
+        if not self.log_path:
+            return ""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - 4096))
+                data = f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+        lines = [x.strip() for x in data.replace("\r", "\n").split("\n") if x.strip()]
+        return shorten(lines[-1], 200) if lines else ""
 
     def _show_startup_error(self) -> None:
         self.query_one("#startup-spinner").display = False
@@ -314,15 +334,15 @@ class WorkbenchApp(App):
         """Hide key bindings that mean nothing for this source (e.g. workloads while replaying)."""
         c = self.controller
         if action in ("toggle_workload", "cycle_workload"):
-            return c.can_workload or None
+            return c.can_workload
         if action in ("faster", "slower"):
-            return (c.can_workload or c.mode == "replay") or None
+            return c.can_workload or c.mode == "replay"
         if action == "focus_prompt":
-            return c.can_chat or None
+            return c.can_chat
         if action in ("toggle_pause", "step"):
-            return c.can_step or None
+            return c.can_step
         if action == "restart":
-            return c.mode == "replay" or None
+            return c.mode == "replay"
         return True
 
     # ---- control (pause / step / workload) ------------------------------------------------
@@ -573,6 +593,6 @@ def _friendly(exc: BaseException) -> str:
     if name in ("ModelLoadError", "ValueError", "ControlUnavailable", "EngineDeadError", "FileNotFoundError",
                 "TraceFormatError"):
         return msg or name
-    if isinstance(exc, OSError) and "address" in msg.lower():
-        return f"address in use or unavailable: {msg}"
+    if "address" in msg.lower() and ("in use" in msg.lower() or isinstance(exc, OSError)):
+        return f"address already in use or unavailable ({msg}): pick another port / --trace-publish address"
     return f"{name}: {msg}" if msg else name

@@ -247,7 +247,7 @@ class ReplayController(Controller):
 
     def status(self) -> str:
         r = self.replay
-        pos = (r.position_ns - r.start_ns) / 1e9
+        pos = (min(r.position_ns, r.end_ns) - r.start_ns) / 1e9
         state = "end" if r.released >= len(r.events) else ("paused" if not r.playing else "playing")
         return f"REPLAY {self.title} · {pos:.2f}/{r.duration_ns / 1e9:.2f} s · ×{r.speed:g} · {state}"
 

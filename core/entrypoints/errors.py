@@ -21,6 +21,7 @@ plain 500 JSON error without it.
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
 from typing import Any, Optional
 
@@ -41,6 +42,15 @@ _ERROR_TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
+
+
+# Engine messages start with the parameter they are about ("top_p must be in (0, 1] ...").
+_LEADING_NAME = re.compile(r"^([a-z_]+)\b")
+_KNOWN_PARAMS = frozenset((
+    "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "max_new_tokens", "min_new_tokens", "n", "seed", "stop", "stop_token_ids", "input_ids",
+    "top_logprobs_num", "sampling_params"))
+_PARAM_ALIASES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 class APIError(Exception):
@@ -115,8 +125,10 @@ def engine_error_to_api(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, ValueError):
         msg = str(exc) or "invalid request"
-        code = "context_length_exceeded" if "context" in msg.lower() else "invalid_request"
-        return APIError(400, msg, code=code)
+        code = "context_length_exceeded" if "context length" in msg.lower() else "invalid_request"
+        m = _LEADING_NAME.match(msg)
+        param = _PARAM_ALIASES.get(m.group(1), m.group(1)) if m and m.group(1) in _KNOWN_PARAMS else None
+        return APIError(400, msg, param=param, code=code)
     name = type(exc).__name__
     if name == "EngineDeadError" or isinstance(exc, (ConnectionError,)):
         return APIError(503, f"The engine is unavailable: {exc}", code="engine_unavailable")

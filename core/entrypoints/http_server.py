@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
-import hmac
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -34,109 +32,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from workbench.core.args import ServerArgs
 from workbench.core.entrypoints.errors import (
     APIError, bad_request, engine_error_to_api, error_response, http_status_error, validation_error,
 )
 from workbench.core.entrypoints.metrics import ServerMetrics
+from workbench.core.entrypoints.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from workbench.core.entrypoints.native_api import finite_json, native_generate
 from workbench.core.entrypoints.openai.protocol import (
     AbortReqInput, ChatCompletionRequest, CompletionRequest, GenerateReqInput, ModelCard, ModelList,
 )
 from workbench.core.entrypoints.openai.serving_chat import create_chat_completion
-from workbench.core.entrypoints.openai.serving_common import (
-    SSE_DONE, ServingContext, SSEResponse, StreamGuard, generate_all, ChoiceSpec, new_rid, sse, sse_error,
-)
+from workbench.core.entrypoints.openai.serving_common import ServingContext, new_rid
 from workbench.core.entrypoints.openai.serving_completions import create_completion
 
 logger = logging.getLogger(__name__)
 
 GRACEFUL_TIMEOUT_S = 30.0
-HEALTH_EXEMPT = ("/health", "/health_generate")
-_SAMPLING_KEYS: Optional[frozenset] = None
-
-
-# ---------------------------------------------------------------- middleware
-
-class BodyLimitMiddleware:
-    """Refuse request bodies over `max_bytes` with 413, before any handler sees them.
-
-    The body is read here (bounded) and replayed to the app, so a handler never
-    meets a half-read body; later receive() calls (disconnect) pass through."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
-            return await self.app(scope, receive, send)
-        too_big = error_response(413, f"Request body too large (limit {self.max_bytes} bytes)",
-                                 code="request_too_large")
-        for k, v in scope.get("headers", ()):
-            if k == b"content-length":
-                try:
-                    if int(v) > self.max_bytes:
-                        return await too_big(scope, receive, send)
-                except ValueError:
-                    return await error_response(400, "bad Content-Length header")(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body = msg.get("body", b"")
-            size += len(body)
-            if size > self.max_bytes:
-                return await too_big(scope, receive, send)
-            chunks.append(body)
-            if not msg.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route except the health checks."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in HEALTH_EXEMPT:
-            return await self.app(scope, receive, send)
-        got = b""
-        for k, v in scope.get("headers", ()):
-            if k == b"authorization":
-                got = v
-        if not hmac.compare_digest(got, self.expected):
-            msg = "Missing API key (send Authorization: Bearer <key>)" if not got else "Incorrect API key provided"
-            return await error_response(401, msg, code="invalid_api_key")(scope, receive, send)
-        await self.app(scope, receive, send)
 
 
 # ---------------------------------------------------------------- helpers
-
-def _finite(obj: Any) -> Any:
-    """JSON has no inf/nan: -inf logprobs become -9999.0, nan becomes null."""
-    if isinstance(obj, float):
-        if math.isnan(obj):
-            return None
-        return obj if math.isfinite(obj) else (-9999.0 if obj < 0 else 9999.0)
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
 
 def _parse(model: type[BaseModel], body: bytes) -> Any:
     try:
@@ -146,14 +62,6 @@ def _parse(model: type[BaseModel], body: bytes) -> Any:
         if errs and errs[0].get("type") == "json_invalid":
             raise bad_request(f"Request body is not valid JSON: {errs[0].get('msg', '')}", code="invalid_json")
         raise validation_error(e) from None
-
-
-def _sampling_keys() -> frozenset:
-    global _SAMPLING_KEYS
-    if _SAMPLING_KEYS is None:
-        from workbench.core.sampling.sampling_params import SamplingParams
-        _SAMPLING_KEYS = frozenset(SamplingParams.__struct_fields__)
-    return _SAMPLING_KEYS
 
 
 def _served_names(engine: Any, server_args: ServerArgs) -> tuple[str, frozenset]:
@@ -266,7 +174,7 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
     async def generate(request: Request):
         req = _parse(GenerateReqInput, await request.body())
         ensure_serving()
-        return await _native_generate(ctx, request, req)
+        return await native_generate(ctx, request, req)
 
     @app.get("/health")
     async def health():
@@ -290,7 +198,7 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
     @app.get("/get_server_info")
     async def get_server_info():
         info = await asyncio.to_thread(engine.get_server_info)
-        return JSONResponse(_finite(_jsonable(dict(info, served_model_name=name, metrics=metrics.snapshot()))))
+        return JSONResponse(finite_json(_jsonable(dict(info, served_model_name=name, metrics=metrics.snapshot()))))
 
     @app.get("/get_model_info")
     async def get_model_info():
@@ -355,61 +263,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _catch_all(_req, exc: Exception):
         return engine_error_to_api(exc).response()
-
-
-async def _native_generate(ctx: ServingContext, request: Request, req: GenerateReqInput):
-    """SGLang's /generate: the engine's own result dicts, or SSE chunks of them."""
-    if (req.text is None) == (req.input_ids is None):
-        raise bad_request("give exactly one of text or input_ids", "text")
-    if isinstance(req.text, list) and not req.text or isinstance(req.input_ids, list) and not req.input_ids:
-        raise bad_request("empty batch", "text" if req.text is not None else "input_ids")
-    is_batch = isinstance(req.text, list) or (bool(req.input_ids) and isinstance(req.input_ids[0], list))
-    sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params or {}]
-    for sp in sps:
-        unknown = sorted(set(sp) - _sampling_keys())
-        if unknown:
-            raise bad_request(f"unknown sampling parameter(s): {', '.join(unknown)}", "sampling_params")
-    if req.input_ids is not None:
-        flat = req.input_ids if not is_batch else [t for ids in req.input_ids for t in ids]
-        ctx.check_token_ids(flat, "input_ids")
-    if req.top_logprobs_num and not 0 <= req.top_logprobs_num <= ctx.max_top_logprobs:
-        raise bad_request(f"top_logprobs_num must be between 0 and {ctx.max_top_logprobs}", "top_logprobs_num")
-    kwargs = dict(prompt=req.text, input_ids=req.input_ids, sampling_params=req.sampling_params,
-                  return_logprob=bool(req.return_logprob), top_logprobs_num=req.top_logprobs_num or 0,
-                  logprob_start_len=-1 if req.logprob_start_len is None else req.logprob_start_len)
-    n = max(int(sp.get("n", 1) or 1) for sp in sps)
-    if req.stream:
-        if is_batch or n > 1:
-            raise bad_request("streaming takes a single prompt with n=1", "stream")
-        rid = req.rid or new_rid("gen")
-        try:
-            it = (await ctx.engine.async_generate(stream=True, rid=rid, **kwargs)).__aiter__()
-            first = await it.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except Exception as e:
-            ctx.abort(rid)
-            raise engine_error_to_api(e) from e
-        guard = StreamGuard(ctx, [rid])
-
-        async def body():
-            try:
-                if first is not None:
-                    yield sse(_finite(first))
-                    if not first.get("meta_info", {}).get("finish_reason"):
-                        async for chunk in it:
-                            yield sse(_finite(chunk))
-                guard.finished(rid)
-            except Exception as e:  # noqa: BLE001 - in-band: headers are already sent
-                yield sse_error(e)
-            yield SSE_DONE
-        return SSEResponse(body(), guard)
-    rid = req.rid if (req.rid or is_batch or n > 1) else new_rid("gen")
-    if rid is not None:
-        kwargs["rid"] = rid
-    spec = ChoiceSpec(0, 0, rid or "", kwargs)
-    result = (await generate_all(ctx, request, [spec]))[0]
-    return JSONResponse(_finite(result))
 
 
 # ---------------------------------------------------------------- launching

@@ -29,7 +29,8 @@ from workbench.core.args import ServerArgs
 from workbench.core.io_struct import (
     AbortReq, FlushCacheReq, FlushCacheReqOutput, GetInternalStateReq, GetInternalStateReqOutput,
     GetWeightsByNameReq, SetTraceReq, StepGateReq, StepGateReqOutput, TokenizedGenerateReqInput,
-    UpdateWeightsFromDiskReq)
+    UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq, InitWeightsUpdateGroupReq,
+    UpdateWeightsFromDistributedReq, DestroyWeightsUpdateGroupReq)
 from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_msg
 from workbench.core.managers.schedule_batch import FinishReason, Req, ScheduleBatch
 from workbench.core.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
@@ -145,7 +146,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
                     self.emit_snapshot()
             elif isinstance(msg, StepGateReq):
                 self.handle_step_gate(msg)
-            elif isinstance(msg, (UpdateWeightsFromDiskReq, GetWeightsByNameReq)):
+            elif isinstance(msg, (UpdateWeightsFromDiskReq, GetWeightsByNameReq, UpdateWeightsFromTensorReq,
+                                  InitWeightsUpdateGroupReq, UpdateWeightsFromDistributedReq,
+                                  DestroyWeightsUpdateGroupReq)):
                 self.handle_weights_request(msg)
             else:
                 logger.warning("scheduler: ignoring unexpected message %s", type(msg).__name__)
@@ -406,16 +409,18 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         send_msg(self.send_to_detokenizer, StepGateReqOutput(paused=self.paused, step=self.forward_ct))
 
     def handle_weights_request(self, msg) -> None:
-        from workbench.core.io_struct import GetWeightsByNameReqOutput, UpdateWeightsReqOutput
-        if isinstance(msg, GetWeightsByNameReq):
-            params = dict(self.tp_worker.model_runner.model.named_parameters())
-            p = params.get(msg.name)
-            out = GetWeightsByNameReqOutput(values=p.flatten()[:msg.truncate_size].float().tolist()) \
-                if p is not None else GetWeightsByNameReqOutput(message=f"no parameter named {msg.name!r}")
-            send_msg(self.send_to_detokenizer, out)
-        else:
-            send_msg(self.send_to_detokenizer, UpdateWeightsReqOutput(
-                success=False, message="update_weights_from_disk is not implemented yet"))
+        """Weight updates and reads (the work is in weight_updater.py); replies on the usual socket."""
+        from workbench.core.managers import weight_updater
+        self.sync_inflight()            # overlap: nothing may still run on the old weights
+        reply, source = weight_updater.handle_request(self.tp_worker.model_runner, msg, busy=self.has_work())
+        if source is not None:
+            self.flush_cache()          # every cached KV entry was computed with the old weights
+            self.weights_version = getattr(self, "weights_version", 0) + 1
+            reply.version = self.weights_version
+            if self.tracer.enabled:
+                self.tracer.emit(ev.WeightsUpdated(source=source, version=self.weights_version))
+                self.tracer.flush()
+        send_msg(self.send_to_detokenizer, reply)
 
     # ==== helpers ====================================================================
     def _decode_preview(self, ids: list[int]) -> str:

@@ -21,15 +21,19 @@ import zmq
 import zmq.asyncio
 
 from workbench.core.io_struct import (
-    AbortReq, BatchStrOut, FlushCacheReq, FlushCacheReqOutput, GetInternalStateReq,
-    GetInternalStateReqOutput, GetWeightsByNameReq, GetWeightsByNameReqOutput, Msg, SetTraceReq,
-    StepGateReq, StepGateReqOutput, TokenizedGenerateReqInput, UpdateWeightsFromDiskReq,
+    AbortReq, BatchStrOut, DestroyWeightsUpdateGroupReq, FlushCacheReq, FlushCacheReqOutput,
+    GetInternalStateReq, GetInternalStateReqOutput, GetWeightsByNameReq, GetWeightsByNameReqOutput,
+    InitWeightsUpdateGroupReq, Msg, SetTraceReq, StepGateReq, StepGateReqOutput, TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq,
     UpdateWeightsReqOutput, decode_msg, encode_msg)
 from workbench.core.ipc import PortArgs
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.trace import events as ev
 
 logger = logging.getLogger(__name__)
+
+
+WEIGHTS_UPDATE_TIMEOUT_S = 1800.0   # a distributed push or a big checkpoint can take long
 
 
 class EngineDeadError(RuntimeError):
@@ -95,6 +99,10 @@ class TokenizerManager:
         # Control replies come back in order on the same socket; one waiter per type.
         self._control_waiters: dict[type, list[asyncio.Future]] = {}
         self._control_lock = asyncio.Lock()
+        # Weight updates: one at a time; while one runs, new requests wait on the gate.
+        self._weights_update_lock = asyncio.Lock()
+        self._weights_gate = asyncio.Event()
+        self._weights_gate.set()
         self.num_requests_total = 0
         self.handle_loop_task = loop.create_task(self.handle_loop())
 
@@ -104,6 +112,8 @@ class TokenizerManager:
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
         created = time.monotonic_ns()
+        if not self._weights_gate.is_set():
+            await self._hold_for_weights_update()
         rid = obj.rid or uuid.uuid4().hex
         if rid in self.rid_to_state:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -301,9 +311,49 @@ class TokenizerManager:
         return await self._control(GetWeightsByNameReq(name=name, truncate_size=truncate_size),
                                    GetWeightsByNameReqOutput)
 
-    async def update_weights_from_disk(self, model_path: str) -> UpdateWeightsReqOutput:
-        return await self._control(UpdateWeightsFromDiskReq(model_path=model_path), UpdateWeightsReqOutput,
-                                   timeout=600)
+    # ==== weight updates ===============================================================
+    async def update_weights_from_disk(self, model_path: str, abort_all_requests: bool = False
+                                       ) -> UpdateWeightsReqOutput:
+        return await self._update_weights(UpdateWeightsFromDiskReq(model_path=model_path), abort_all_requests)
+
+    async def update_weights_from_tensor(self, req: UpdateWeightsFromTensorReq, abort_all_requests: bool = False
+                                         ) -> UpdateWeightsReqOutput:
+        return await self._update_weights(req, abort_all_requests)
+
+    async def update_weights_from_distributed(self, req: UpdateWeightsFromDistributedReq,
+                                              abort_all_requests: bool = False) -> UpdateWeightsReqOutput:
+        return await self._update_weights(req, abort_all_requests)
+
+    async def init_weights_update_group(self, req: InitWeightsUpdateGroupReq) -> UpdateWeightsReqOutput:
+        # Blocks the scheduler until the trainer joins; requests queue meanwhile.
+        return await self._control(req, UpdateWeightsReqOutput, timeout=WEIGHTS_UPDATE_TIMEOUT_S)
+
+    async def destroy_weights_update_group(self, group_name: str) -> UpdateWeightsReqOutput:
+        return await self._control(DestroyWeightsUpdateGroupReq(group_name=group_name), UpdateWeightsReqOutput)
+
+    async def _update_weights(self, req: Msg, abort_all_requests: bool) -> UpdateWeightsReqOutput:
+        """Hold new requests, let the in-flight ones finish (or abort them), then update."""
+        async with self._weights_update_lock:
+            self._weights_gate.clear()
+            try:
+                if abort_all_requests and self.rid_to_state:
+                    await self.abort_request("")
+                await self._wait_inflight_finished()
+                return await self._control(req, UpdateWeightsReqOutput, timeout=WEIGHTS_UPDATE_TIMEOUT_S)
+            finally:
+                self._weights_gate.set()
+
+    async def _wait_inflight_finished(self) -> None:
+        # Polled: request states finish from _handle_batch_output, which has no hook to signal us.
+        while any(not s.finished for s in self.rid_to_state.values()):
+            if self.dead_reason:
+                raise EngineDeadError(self.dead_reason)
+            await asyncio.sleep(0.005)
+
+    async def _hold_for_weights_update(self) -> None:
+        await self._weights_gate.wait()
+        if self.dead_reason:
+            raise EngineDeadError(self.dead_reason)
 
     # ==== failure =====================================================================
     def fail_all(self, reason: str) -> None:

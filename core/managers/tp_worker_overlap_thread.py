@@ -71,6 +71,7 @@ class TpModelWorkerClient:
         self.future_token_ids_map = torch.zeros(self.future_map_size, dtype=torch.int64, device=self.device)
         self.future_token_ids_ct = 0
         self.forward_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        self.num_threads = torch.get_num_threads()
         self.input_queue: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
         self.forward_thread = threading.Thread(target=self._forward_thread_func, daemon=True,
                                                name="overlap-forward")
@@ -112,6 +113,9 @@ class TpModelWorkerClient:
 
     # ---- forward thread -------------------------------------------------------------
     def _forward_thread_func(self) -> None:
+        # OpenMP keeps the thread count per thread: without this the forward thread would use the
+        # machine default, not the scheduler's --num-threads.
+        torch.set_num_threads(self.num_threads)
         while True:
             job = self.input_queue.get()
             if job is None:

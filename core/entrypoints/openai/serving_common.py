@@ -171,8 +171,11 @@ async def generate_all(ctx: ServingContext, request: Request, specs: list[Choice
 
     tasks = [asyncio.ensure_future(one(s)) for s in specs]
     watcher = asyncio.ensure_future(_wait_disconnect(request))
+    gathered = asyncio.gather(*tasks)
+    # Retrieve its outcome even when nobody awaits it (cancelled on disconnect), so
+    # asyncio does not log "exception was never retrieved".
+    gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
     try:
-        gathered = asyncio.gather(*tasks)
         done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if gathered not in done:
             # The client went away: free its KV instead of finishing work nobody reads.
