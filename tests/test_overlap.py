@@ -111,6 +111,7 @@ def test_mixed_requests_match_normal_loop(overlap_engine, prompts, normal_result
     steps = [x for x in events if isinstance(x, ev.BatchStep)]
     assert any(s.mode == "extend" for s in steps) and any(s.mode == "decode" and s.batch_size > 1 for s in steps)
     assert all(s.forward_ms > 0 for s in steps)
+    print("DROPS", sum(isinstance(x, ev.TraceDropped) for x in events), len(steps))
     if not any(isinstance(x, ev.TraceDropped) for x in events):
         # Each request decodes every token after its first exactly once: rows computed for a
         # request that had already finished (launched before its end was known) are not reported.

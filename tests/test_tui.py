@@ -252,6 +252,30 @@ async def test_quit_closes_the_controller():
     assert closed == [True]
 
 
+async def test_attach_to_a_remote_trace_stream():
+    from workbench.core.trace.bus import TraceBus
+    from workbench.tui.app import WorkbenchApp
+    from workbench.tui.controller import AttachController
+    bus = TraceBus("tcp://127.0.0.1:*", publish_addr="tcp://127.0.0.1:*", model="smol")
+    events = synthetic_trace(n_requests=5)
+    app = WorkbenchApp(AttachController(bus.publish_endpoint), panels=["queues", "events"], layout="grid")
+    try:
+        async with app.run_test(size=(120, 30)) as pilot:
+            await wait_for(lambda: app.ready.is_set() and bus.listener_count == 1)
+            bus.publish_batch(events)
+            await wait_for(lambda: app.model.state.counters.num_requests_total == 5)
+            await pilot.pause()
+            assert app.model.state.model == "smol"
+            assert app.controller.status().startswith("ATTACHED tcp://127.0.0.1:")
+            table = app.query_one("#queues-table", DataTable)
+            assert table.row_count == 5      # the finished requests
+            await pilot.press("p")           # no controls when attached: a warning, nothing else
+            await pilot.press("q")
+        await wait_for(lambda: bus.listener_count == 0)
+    finally:
+        bus.close()
+
+
 def test_cli_replay_of_a_missing_file_is_a_clear_error(capsys):
     from workbench.tui.cli import add_tui_args, run_tui
     p = argparse.ArgumentParser()

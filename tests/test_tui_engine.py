@@ -48,8 +48,10 @@ async def test_shared_prefix_workload_stepping_and_panels(engine):
         await pilot.press("p")
         await wait_for(lambda: app.control_results == 1 and c.paused, 30)
         c.start_workload("shared-prefix", rate=50, max_requests=4, temperature=0.0)
-        sp = [f"sp-{i}" for i in range(1, 5)]
-        await wait_for(lambda: all(st.requests.get(r) and st.requests[r].state == "queued" for r in sp), 60)
+        def sp_rids():
+            return sorted((r for r in st.requests if r.startswith("sp-")), key=lambda r: int(r[3:]))
+        await wait_for(lambda: len(sp_rids()) == 4 and all(st.requests[r].state == "queued" for r in sp_rids()), 60)
+        sp = sp_rids()
         await pilot.pause(0.3)
         # the queue table shows the queued requests with TraceState's token counts
         table = app.query_one("#queues-table", DataTable)
@@ -84,7 +86,7 @@ async def test_shared_prefix_workload_stepping_and_panels(engine):
 
         await pilot.press("p")                      # resume and let the workload finish
         await wait_for(lambda: c.runner.completed + c.runner.failed == 4, 120)
-        await wait_for(lambda: all(st.requests[f"sp-{i}"].done for i in range(1, 5)), 30)
+        await wait_for(lambda: all(st.requests[r].done for r in sp), 30)
         await pilot.pause(0.3)
         assert c.runner.failed == 0, c.runner.last_error
         app.refresh_panels(force=True)
@@ -119,7 +121,7 @@ async def test_shared_prefix_workload_stepping_and_panels(engine):
         line = next(x for x in lat_text.splitlines() if x.split()[:2] == ["TTFT", "60s"])
         assert line.split()[2:5] == [fmt_s(v, compact=True) for v in pct["ttft"]]
         # the requests in Queues (recently finished) carry TraceState's TTFT
-        for rid in (f"sp-{i}" for i in range(1, 5)):
+        for rid in sp:
             r = st.requests[rid]
             assert r.ttft is not None and r.output_tokens == 4
         await pilot.press("q")

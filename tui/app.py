@@ -18,21 +18,17 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.css.query import NoMatches
-from textual.containers import Container, Horizontal, Vertical
+from textual.containers import Container, Vertical
 from textual.widget import Widget
-from textual.widgets import Footer, Input, LoadingIndicator, Static, TabbedContent, TabPane
+from textual.widgets import Footer, Input, LoadingIndicator, Static, TabbedContent
 from textual.worker import get_current_worker
 
-from workbench.tui.controller import Controller
+from workbench.tui.controller import Controller, friendly
 from workbench.tui.fmt import fmt_count, shorten
+from workbench.tui.layout import mount_layout
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import RequestSelected
 from workbench.tui.workload import KINDS
-
-#: the default one-screen arrangement: rows of slots; a slot is a panel name or a list side by side
-GRID = (("queues", "tree"), ("batch", ("kv", "latency")), ("events", "detail"))
-GRID_HEIGHTS = ("3fr", "3fr", "2fr")
-
 
 class WorkbenchApp(App):
     """The workbench TUI. `controller` is where events come from (live engine, replay, attach).
@@ -60,13 +56,14 @@ class WorkbenchApp(App):
     """
     BINDINGS = [
         Binding("q", "quit", "quit"),
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True),
         Binding("question_mark", "help", "help"),
         Binding("p", "toggle_pause", "pause/run"),
         Binding("s", "step", "step"),
         Binding("w", "toggle_workload", "workload"),
         Binding("W", "cycle_workload", "kind", show=False),
-        Binding("plus,equals_sign", "faster", "rate+"),
-        Binding("minus", "slower", "rate-"),
+        Binding("plus,equals_sign", "faster", "faster"),
+        Binding("minus", "slower", "slower"),
         Binding("r", "restart", "restart"),
         Binding("slash", "focus_prompt", "prompt"),
         Binding("f", "focus_filter", "filter", show=False),
@@ -143,7 +140,7 @@ class WorkbenchApp(App):
         self._update_status()
         threading.Thread(target=self._start_controller, name="tui-start", daemon=True).start()
         self.set_interval(1.0 / self.refresh_hz, self._tick)
-        if getattr(self.controller, "threaded", self.controller.mode == "live"):
+        if self.controller.threaded:
             self._control_worker()
 
     def _make_panel(self, name: str) -> Widget:
@@ -161,34 +158,8 @@ class WorkbenchApp(App):
         main = self.query_one("#main")
         await main.remove_children()
         self.panels = {n: self._make_panel(n) for n in self.panel_names}
-        if len(self.panels) == 1:
-            await main.mount(*self.panels.values())
-        elif self.layout_mode == "tabs":
-            tabs = TabbedContent(id="tabs")
-            await main.mount(tabs)
-            for i, (name, widget) in enumerate(self.panels.items(), 1):
-                await tabs.add_pane(TabPane(f"{i} {self.registry.panels[name].title}", widget, id=f"tab-{name}"))
-        else:
-            placed: set[str] = set()
-            for row, height in zip(GRID, GRID_HEIGHTS):
-                cells = []
-                for slot in row:
-                    names = [slot] if isinstance(slot, str) else list(slot)
-                    present = [self.panels[n] for n in names if n in self.panels]
-                    placed.update(n for n in names if n in self.panels)
-                    if len(present) == 1:
-                        cells.append(present[0])
-                    elif present:
-                        cells.append(Horizontal(*present))
-                if cells:
-                    r = Horizontal(*cells, classes="grid-row")
-                    r.styles.height = height
-                    await main.mount(r)
-            extra = [w for n, w in self.panels.items() if n not in placed]
-            if extra:
-                r = Horizontal(*extra, classes="grid-row")
-                r.styles.height = "2fr"
-                await main.mount(r)
+        titles = {n: self.registry.panels[n].title for n in self.panels}
+        await mount_layout(main, self.panels, titles, self.layout_mode)
 
     def visible_panels(self) -> dict[str, Widget]:
         if self.layout_mode == "tabs" and len(self.panels) > 1:
@@ -206,7 +177,7 @@ class WorkbenchApp(App):
         try:
             self.controller.start(self._progress.put)
         except BaseException as exc:    # SystemExit from a child helper must not look like success
-            self.startup_error = _friendly(exc) or type(exc).__name__
+            self.startup_error = friendly(exc) or type(exc).__name__
             import traceback
             self.startup_traceback = traceback.format_exc()
         finally:
@@ -283,7 +254,7 @@ class WorkbenchApp(App):
             events = self.controller.drain(self.max_events_per_tick)
         except Exception as exc:
             events = []
-            self._error(f"event source failed: {_friendly(exc)}")
+            self._error(f"event source failed: {friendly(exc)}")
         self.model.now_ns = self.controller.now_ns()
         self.model.apply(events)
         self._drain_chat()
@@ -358,19 +329,19 @@ class WorkbenchApp(App):
             try:
                 self._results.put((label, fn(), None))
             except Exception as exc:
-                self._results.put((label, None, _friendly(exc)))
+                self._results.put((label, None, friendly(exc)))
 
     def _control(self, label: str, fn: Callable) -> None:
         if not self.ready.is_set():
             self.notify("still starting…", timeout=2)
             return
-        if getattr(self.controller, "threaded", self.controller.mode == "live"):
+        if self.controller.threaded:
             self._control_q.put((label, fn))
         else:
             try:
                 self._results.put((label, fn(), None))
             except Exception as exc:
-                self._results.put((label, None, _friendly(exc)))
+                self._results.put((label, None, friendly(exc)))
             self._tick()
 
     def _drain_results(self) -> None:
@@ -483,7 +454,7 @@ class WorkbenchApp(App):
                                  lambda: worker.is_cancelled, self.chat_max_new_tokens)
             self._chat_q.put(("done", None, None))
         except Exception as exc:
-            self._chat_q.put(("error", None, _friendly(exc)))
+            self._chat_q.put(("error", None, friendly(exc)))
 
     def _drain_chat(self) -> None:
         changed = False
@@ -579,20 +550,17 @@ class WorkbenchApp(App):
         self._quitting = True
         self.query_one("#status", Static).update(Text("shutting down…", style="bold"))
         self.workers.cancel_all()
+        await self._close_controller()
+        self.exit()
+
+    async def _close_controller(self) -> None:
         try:
             await asyncio.wait_for(asyncio.to_thread(self.controller.close), timeout=30)
         except Exception:
             pass     # run_tui closes again after exit; never hang here
-        self.exit()
 
-
-def _friendly(exc: BaseException) -> str:
-    """One line for people: the message of errors meant for them, type + message otherwise."""
-    name = type(exc).__name__
-    msg = " ".join(str(exc).split())
-    if name in ("ModelLoadError", "ValueError", "ControlUnavailable", "EngineDeadError", "FileNotFoundError",
-                "TraceFormatError"):
-        return msg or name
-    if "address" in msg.lower() and ("in use" in msg.lower() or isinstance(exc, OSError)):
-        return f"address already in use or unavailable ({msg}): pick another port / --trace-publish address"
-    return f"{name}: {msg}" if msg else name
+    async def on_unmount(self) -> None:
+        # However the app ends (q, ctrl+c, a test harness), the workload stops and an owned
+        # engine shuts down; close() is idempotent.
+        self._quitting = True
+        await self._close_controller()

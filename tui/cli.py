@@ -97,11 +97,12 @@ def isolate_child_output(log_path: str) -> Iterator[None]:
 
 def run_tui(args: argparse.Namespace) -> int:
     """Run the TUI for parsed arguments; returns the exit status."""
-    from workbench.tui.app import WorkbenchApp, _friendly
+    from workbench.tui.app import WorkbenchApp
+    from workbench.tui.controller import friendly
     try:
         controller = make_controller(args)
     except Exception as exc:
-        print(f"workbench tui: {_friendly(exc)}", file=sys.stderr)
+        print(f"workbench tui: {friendly(exc)}", file=sys.stderr)
         return 2
     panels = [p.strip() for p in (getattr(args, "panels", None) or "").split(",") if p.strip()] or None
     live = controller.mode == "live"

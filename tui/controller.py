@@ -22,6 +22,11 @@ from workbench.core.trace.events import Event
 
 Progress = Callable[[str], None]
 
+# Request ids must stay unique for the life of an engine (TraceState keys requests by rid, and a
+# finished rid is final), so chat and workload numbering is process-wide, not per controller/run.
+_CHAT_IDS = itertools.count(1)
+_WORKLOAD_IDS = itertools.count(1)
+
 
 class ControlUnavailable(RuntimeError):
     """The action makes no sense for this source (e.g. chat while replaying)."""
@@ -34,6 +39,8 @@ class Controller:
     can_chat = False
     can_step = False
     can_workload = False
+    #: control calls may block (an engine RPC): the app runs them on its control thread
+    threaded = False
 
     def __init__(self) -> None:
         self.paused = False
@@ -89,6 +96,7 @@ class EngineController(Controller):
     can_chat = True
     can_step = True
     can_workload = True
+    threaded = True
 
     def __init__(self, engine: Any = None, *, server_args: Any = None, workload: Optional[str] = None,
                  rate: float = 1.0, max_new_tokens: int = 32, start_paused: bool = False):
@@ -103,7 +111,6 @@ class EngineController(Controller):
         self._start_paused = start_paused
         self._sub = None
         self._runner = None
-        self._chat_ids = itertools.count(1)
         self._chat_rids: set[str] = set()
         self._closed = False
         self._lock = threading.Lock()
@@ -147,7 +154,7 @@ class EngineController(Controller):
 
     def chat(self, prompt: str, on_delta: Callable[[str, str], None],
              cancelled: Callable[[], bool], max_new_tokens: int = 128) -> dict:
-        rid = f"chat-{next(self._chat_ids)}"
+        rid = f"chat-{next(_CHAT_IDS)}"
         from workbench.tui.workload import chat_text
         text = chat_text(self.engine, [{"role": "user", "content": prompt}])
         self._chat_rids.add(rid)
@@ -174,6 +181,9 @@ class EngineController(Controller):
             self.rate = max(0.05, float(rate))
         options.setdefault("max_new_tokens", self.max_new_tokens)
         self._runner = WorkloadRunner(self.engine, self.workload, self.rate, **options)
+        # A restarted workload must not reuse rids ("sp-1" again): share one counter.
+        # TODO(lead): a `first_id`/`ids` argument on WorkloadRunner would make this public.
+        self._runner._ids = _WORKLOAD_IDS
         self._runner.start()
 
     def stop_workload(self) -> None:
@@ -340,3 +350,15 @@ def _ensure_resource_tracker() -> None:
         resource_tracker.ensure_running()
     finally:
         sys.stderr = saved
+
+
+def friendly(exc: BaseException) -> str:
+    """One line for people: the message of errors meant for them, type + message otherwise."""
+    name = type(exc).__name__
+    msg = " ".join(str(exc).split())
+    if name in ("ModelLoadError", "ValueError", "ControlUnavailable", "EngineDeadError", "FileNotFoundError",
+                "TraceFormatError"):
+        return msg or name
+    if "address" in msg.lower() and ("in use" in msg.lower() or isinstance(exc, OSError)):
+        return f"address already in use or unavailable ({msg}): pick another port / --trace-publish address"
+    return f"{name}: {msg}" if msg else name

@@ -49,6 +49,7 @@ class Dashboard(W.VBox):
             grid_template_columns=f"repeat({columns}, minmax(0, 1fr))", grid_gap="6px", width="100%"))
         self.controls = self._controls()
         self.children = [self.header] + ([self.controls] if self.controls is not None else []) + [grid]
+        self.add_class("workbench-dashboard")     # a stable hook for browser tests and custom CSS
         self.feed.attach(self._update_header)
 
     @classmethod

@@ -57,6 +57,9 @@ class TraceView(W.VBox):
         self.figure = go.FigureWidget()
         self._build(height, width, **kw)
         self.children = [self.figure] + self._extras()
+        self.add_class("workbench-view")
+        if self.name:
+            self.add_class(f"workbench-view-{self.name}")
         self.feed: Optional[TraceFeed] = None
         if source is not None:
             self.feed = TraceFeed.of(source)

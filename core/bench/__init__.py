@@ -1,1 +1,1 @@
-"""Benchmarks: `workbench bench model` (model_bench) and `workbench bench serve` (serve_bench)."""
+"""Benchmarks (`workbench bench ...`)."""

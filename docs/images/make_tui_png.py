@@ -21,14 +21,14 @@ async def shoot() -> str:
     from workbench.tui.controller import EngineController
 
     ctl = EngineController(server_args={"show_progress": False, "chunked_prefill_size": 64},
-                           workload="shared-prefix", rate=1.5, max_new_tokens=24)
+                           workload="shared-prefix", rate=0.7, max_new_tokens=16)
     app = WorkbenchApp(ctl, layout="grid")
     async with app.run_test(size=(160, 48)) as pilot:
         while not app.ready.is_set():
             assert not app.startup_error, app.startup_error
             await asyncio.sleep(0.2)
         st = app.model.state
-        while st.counters.num_requests_total < 8:
+        while st.counters.num_requests_total < 6:
             await asyncio.sleep(0.2)
         running = [r for r in st.running if r.startswith("sp-")]
         app.select_request(running[len(running) // 2] if running else None)

@@ -178,6 +178,9 @@ class TreePanel(TracePanel):
             "shared by N continuations. Cold subtrees (unlocked, idle > 30 s) fold into one line.")
     min_interval_s = 0.25
     clock_interval_s = 1.0
+    DEFAULT_CSS = """
+    #tree-body { text-wrap: nowrap; text-overflow: ellipsis; }
+    """
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():

@@ -18,6 +18,11 @@ import torch.nn.functional as F
 from workbench.core.layers.attention.base_attn_backend import AttentionBackend
 
 
+# Below this many K elements per layer, low-precision decode attention upcasts and
+# uses the float32 SDPA kernel (measured crossover on the 2-core target: ~B*L = 200).
+SMALL_DECODE_KV_ELEMENTS = 32768
+
+
 @dataclass
 class DecodeMetadata:
     kv_indices: torch.Tensor          # [B * Hk * L] rows of the pool viewed as [slots * Hk, D] (slot 0 = padding)
@@ -61,13 +66,17 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     hk = k_buf.shape[1]
     kb = k_buf.view(-1, d).index_select(0, meta.kv_indices).view(bs, hk, meta.max_len, d)
     vb = v_buf.view(-1, d).index_select(0, meta.kv_indices).view(bs, hk, meta.max_len, d)
-    if kb.dtype != q.dtype:
+    out_dtype = q.dtype
+    if q.device.type == "cpu" and out_dtype != torch.float32:
+        if kb.numel() > SMALL_DECODE_KV_ELEMENTS:
+            return _decode_attention_lowp(q, kb.to(out_dtype), vb.to(out_dtype), meta.invalid, scaling)
+        # Small: ATen's float32 flash kernel beats two tiny bf16 GEMMs (~20 us fixed cost each).
+        q, kb, vb = q.float(), kb.float(), vb.float()
+    elif kb.dtype != q.dtype:
         kb, vb = kb.to(q.dtype), vb.to(q.dtype)
-    if q.dtype != torch.float32 and q.device.type == "cpu":
-        return _decode_attention_lowp(q, kb, vb, meta.invalid, scaling)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), kb, vb, attn_mask=meta.mask, scale=scaling,
                                        enable_gqa=True)                  # q: [B, Hq, 1, D]
-    return o.view(bs, hq, d)
+    return o.view(bs, hq, d).to(out_dtype)
 
 
 def _decode_attention_lowp(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
@@ -77,7 +86,7 @@ def _decode_attention_lowp(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
     ATen's CPU flash kernel is 5-7x slower in bf16 than in fp32 for one query row
     (measured: B=32, L=128); two small bf16 GEMMs are not. Scores are rounded to
     bf16 once (the same relative error as the bf16 K they come from), the softmax
-    runs in float32. q: [B, Hq, D], kb/vb: [B, L, Hk, D] -> [B, Hq, D].
+    runs in float32. q: [B, Hq, D], kb/vb: [B, Hk, L, D] -> [B, Hq, D].
     """
     bs, hq, d = q.shape
     hk, length = kb.shape[1], kb.shape[2]

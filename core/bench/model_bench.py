@@ -1,0 +1,277 @@
+"""`workbench bench model`: the model executor's tokens/s beside transformers' `generate`.
+
+Three measurements per dtype, each taken for both engines in the same process
+on the same weights and the same token ids, alternating engine by engine so
+that noise from other processes hits both alike:
+
+- decode bs=1: one request; decode tokens/s, prefill excluded.
+- decode bs=N (32): N requests of equal prompt length; for transformers a static
+  batch (no padding needed), for the workbench one continuous batch.
+- prefill P (512): one P-token prompt, time to its first token.
+
+Decode rates are differences: time(generate n tokens) - time(generate 1 token)
+covers exactly n - 1 decode steps (with sampling) for either engine; each
+timing is the best of `--repeats`. Greedy decoding, EOS ignored, so both
+engines run exactly the requested number of steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+DEFAULT_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class Row:
+    """One line of the result table."""
+
+    metric: str                         # "decode bs=1", "decode bs=32", "prefill 512"
+    dtype: str
+    workbench_tok_s: float
+    transformers_tok_s: Optional[float]  # None with --no-reference
+    ratio: Optional[float]               # workbench / transformers
+    detail: str = ""
+
+
+@dataclass
+class BenchSizes:
+    prompt_len: int = 32          # decode prompts
+    decode_tokens_bs1: int = 64
+    batch: int = 32
+    decode_tokens_batch: int = 32
+    prefill_len: int = 512
+    repeats: int = 2
+
+    @classmethod
+    def quick(cls) -> "BenchSizes":
+        return cls(prompt_len=8, decode_tokens_bs1=4, batch=4, decode_tokens_batch=3, prefill_len=32, repeats=1)
+
+
+@dataclass
+class _Stages:
+    """Printed progress: one line per stage, to stderr so stdout stays the table/JSON."""
+
+    total: int
+    done: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+    quiet: bool = False
+
+    def step(self, text: str) -> None:
+        self.done += 1
+        if not self.quiet:
+            print(f"[{self.done:>2}/{self.total}] {time.perf_counter() - self.t0:6.1f}s  {text}",
+                  file=sys.stderr, flush=True)
+
+
+# ---- engines ------------------------------------------------------------------------
+class _Workbench:
+    name = "workbench"
+
+    def __init__(self, prepared, dtype: str, max_tokens: int, enable_torch_compile: bool):
+        from workbench.core.args import ServerArgs
+        from workbench.core.model_executor.model_runner import ModelRunner
+        from workbench.core.model_executor.offline_harness import OfflineHarness
+        args = ServerArgs(dtype=dtype, max_total_tokens=max_tokens, show_progress=False,
+                          enable_torch_compile=enable_torch_compile)
+        self.runner = ModelRunner(args, prepared=prepared)
+        self.harness = OfflineHarness(self.runner)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        from workbench.core.sampling.sampling_params import SamplingParams
+        sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        out = self.harness.generate(prompts, sp)
+        assert all(len(r.output_ids) == new_tokens for r in out)
+
+
+class _Transformers:
+    name = "transformers"
+
+    def __init__(self, prepared, dtype: str):
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(prepared.model_dir, dtype=getattr(torch, dtype))
+        model.generation_config.eos_token_id = None   # run exactly max_new_tokens steps
+        model.generation_config.pad_token_id = 0
+        self.model = model.eval()
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        ids = torch.tensor(prompts, dtype=torch.int64)     # equal lengths: a static batch, no padding
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False)
+        assert out.shape[1] == ids.shape[1] + new_tokens
+
+
+def _best_time(fn: Callable[[], None], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Deterministic token ids (skipping the lowest ids, where special tokens live)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, min(vocab, 30000), (n, length), generator=g).tolist()
+
+
+def _decode_rate(engine, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
+    t_first = _best_time(lambda: engine.generate(prompts, 1), repeats)
+    t_all = _best_time(lambda: engine.generate(prompts, new_tokens), repeats)
+    steps = new_tokens - 1
+    return len(prompts) * steps / max(t_all - t_first, 1e-9)
+
+
+def _prefill_rate(engine, prompt: list[int], repeats: int) -> float:
+    return len(prompt) / _best_time(lambda: engine.generate([prompt], 1), repeats)
+
+
+# ---- the benchmark ------------------------------------------------------------------
+def run_model_bench(args: argparse.Namespace) -> list[Row]:
+    """Run the benchmark described by parsed `bench model` arguments; returns the table rows."""
+    from workbench.core.model_loader import prepare_model
+
+    sizes = BenchSizes.quick() if args.quick else BenchSizes()
+    for name in ("batch", "prefill_len", "repeats"):
+        if getattr(args, name, None):
+            setattr(sizes, name, getattr(args, name))
+    if getattr(args, "decode_tokens", None):
+        sizes.decode_tokens_bs1 = sizes.decode_tokens_batch = args.decode_tokens
+    if min(sizes.decode_tokens_bs1, sizes.decode_tokens_batch) < 2:
+        raise ValueError("--decode-tokens must be at least 2 (one prefill token plus decode steps)")
+    dtypes = _parse_dtypes(args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    reference = not args.no_reference
+    quiet = bool(getattr(args, "quiet", False))
+
+    metrics = [("decode bs=1", 1), (f"decode bs={sizes.batch}", sizes.batch), (f"prefill {sizes.prefill_len}", 0)]
+    engines_per_dtype = 2 if reference else 1
+    stages = _Stages(total=len(dtypes) * engines_per_dtype * (1 + len(metrics)), quiet=quiet)
+    prepared = prepare_model(args.model, progress=not quiet)
+    vocab = int(prepared.config.vocab_size)
+    max_tokens = max(sizes.batch * (sizes.prompt_len + sizes.decode_tokens_batch),
+                     sizes.prompt_len + sizes.decode_tokens_bs1, sizes.prefill_len + 1) + 64
+    one = _prompts(1, sizes.prompt_len, vocab, seed=1)
+    many = _prompts(sizes.batch, sizes.prompt_len, vocab, seed=2)
+    long_prompt = _prompts(1, sizes.prefill_len, vocab, seed=3)[0]
+
+    rows: list[Row] = []
+    for dtype in dtypes:
+        engines = []
+        t = time.perf_counter()
+        engines.append(_Workbench(prepared, dtype, max_tokens, bool(getattr(args, "enable_torch_compile", False))))
+        stages.step(f"{dtype}: workbench loaded ({time.perf_counter() - t:.1f}s)")
+        if reference:
+            t = time.perf_counter()
+            engines.append(_Transformers(prepared, dtype))
+            stages.step(f"{dtype}: transformers loaded ({time.perf_counter() - t:.1f}s)")
+        for e in engines:   # warm-up: first calls pay one-time set-up (allocator, oneDNN kernels)
+            e.generate(one, 2)
+            e.generate(many[:2], 2)
+        for metric, bs in metrics:
+            rates = {}
+            for e in engines:
+                if bs == 0:
+                    rates[e.name] = _prefill_rate(e, long_prompt, sizes.repeats)
+                else:
+                    n = sizes.decode_tokens_bs1 if bs == 1 else sizes.decode_tokens_batch
+                    rates[e.name] = _decode_rate(e, one if bs == 1 else many, n, sizes.repeats)
+                stages.step(f"{dtype}: {e.name:<12} {metric:<14} {rates[e.name]:8.1f} tok/s")
+            ref = rates.get("transformers")
+            wb = rates["workbench"]
+            if bs == 0:
+                detail = f"{sizes.prefill_len}-token prompt, time to first token"
+            else:
+                n = sizes.decode_tokens_bs1 if bs == 1 else sizes.decode_tokens_batch
+                detail = f"{n} new tokens after {sizes.prompt_len}-token prompts"
+            rows.append(Row(metric, dtype, wb, ref, (wb / ref) if ref else None, detail))
+        del engines
+    return rows
+
+
+def _parse_dtypes(text: Optional[str]) -> list[str]:
+    if not text:
+        return list(DEFAULT_DTYPES)
+    out = [d.strip() for d in text.split(",") if d.strip()]
+    for d in out:
+        if d not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype takes float32, bfloat16 or float16 (comma-separated), not {d!r}")
+    return out
+
+
+def environment() -> dict:
+    """What the numbers depend on: versions, threads, CPU."""
+    from workbench.core.args import choose_cpu_dtype
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "auto_dtype": choose_cpu_dtype(), "python": platform.python_version()}
+
+
+def format_table(rows: list[Row]) -> str:
+    header = f"{'metric':<16}{'dtype':<10}{'workbench tok/s':>17}{'transformers tok/s':>20}{'ratio':>9}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        ref = f"{r.transformers_tok_s:.1f}" if r.transformers_tok_s else "-"
+        ratio = f"{r.ratio:.2f}x" if r.ratio else "-"
+        lines.append(f"{r.metric:<16}{r.dtype:<10}{r.workbench_tok_s:>17.1f}{ref:>20}{ratio:>9}")
+    return "\n".join(lines)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `model` on a `bench` subcommand's subparsers; the handler is `args.func(args)`."""
+    p = subparsers.add_parser("model", help="model executor tokens/s vs transformers (decode bs=1/32, prefill)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=_cli_main)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model path (.gguf, HF dir); default SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default=",".join(DEFAULT_DTYPES),
+                   help="comma-separated dtypes to measure (default: float32,bfloat16)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test, numbers meaningless)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write rows + environment as JSON")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--batch", type=int, default=None, help="batched decode size (default 32)")
+    p.add_argument("--decode-tokens", type=int, default=None, help="new tokens per decode run")
+    p.add_argument("--prefill-len", type=int, default=None, help="prefill prompt length (default 512)")
+    p.add_argument("--repeats", type=int, default=None, help="timings per measurement, best kept (default 2)")
+    p.add_argument("--no-reference", action="store_true", help="skip transformers (workbench numbers only)")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="run decode steps through torch.compile (compiles per batch-size bucket first)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def _cli_main(args: argparse.Namespace) -> int:
+    rows = run_model_bench(args)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": [asdict(r) for r in rows], "environment": environment(),
+                       "quick": bool(args.quick)}, f, indent=2)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m workbench.core.bench.model_bench [options]`."""
+    p = argparse.ArgumentParser(prog="workbench bench model", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return _cli_main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
