@@ -241,15 +241,17 @@ async def test_a_broken_plugin_panel_does_not_take_the_app_down():
         assert app.query_one("#queues-table", DataTable).row_count > 0
 
 
-async def test_quit_closes_the_controller():
+@pytest.mark.parametrize("how", ["q", "ctrl+c", "harness"])
+async def test_every_way_out_closes_the_controller(how):
     app, replay = replay_app(panels=["kv"])
     closed = []
     app.controller.close = lambda: closed.append(True)
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(app.ready.is_set)
-        await pilot.press("q")
-        await wait_for(lambda: closed)
-    assert closed == [True]
+        if how != "harness":
+            await pilot.press(how)
+            await wait_for(lambda: closed)
+    assert closed and all(closed)
 
 
 async def test_attach_to_a_remote_trace_stream():

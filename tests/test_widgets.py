@@ -317,3 +317,38 @@ def test_bad_source_is_refused_clearly():
         TraceFeed(42)
     with pytest.raises(ValueError, match="unknown view 'nope'"):
         Dashboard(EVENTS, views=["gantt", "nope"])
+
+
+def test_figure_updates_survive_a_concurrent_browser_message(monkeypatch):
+    """plotly pulses each update through a synced trait (message, then None); while the kernel
+    applies a browser message, traitlets compresses such pulses to nothing. A render from the
+    feed thread must therefore wait for the browser message, not vanish into it."""
+    import threading
+    import time
+
+    import plotly.graph_objects as go
+    view = BatchView(height=200)
+    fig = view.figure
+    sent = []
+    fig.comm.send = lambda data=None, metadata=None, buffers=None: sent.append(data)
+    fig.comm.kernel = object()             # a "connected" comm, so state is sent
+    entered, release = threading.Event(), threading.Event()
+
+    def browser_message(self, sync_data):  # what ipywidgets does around applying one
+        with self.hold_trait_notifications():
+            entered.set()
+            release.wait(5)
+    monkeypatch.setattr(go.FigureWidget, "set_state", browser_message, raising=False)
+    applying = threading.Thread(target=fig.set_state, args=({"_js2py_traceDeltas": None},))
+    applying.start()
+    assert entered.wait(5)
+    st = TraceState()
+    st.apply_many(EVENTS)
+    render = threading.Thread(target=view.update, args=(st,))
+    render.start()
+    time.sleep(0.3)                        # room for an unguarded render to land inside the hold
+    release.set()
+    applying.join()
+    render.join()
+    pulses = [d["state"]["_py2js_update"] for d in sent if "_py2js_update" in d.get("state", {})]
+    assert any(p and p["style_data"].get("y") for p in pulses), "the render's update never left the kernel"

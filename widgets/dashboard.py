@@ -33,20 +33,26 @@ class Dashboard(W.VBox):
         max_hz: the most live re-renders per second.
         columns: views per row.
         height: each view's figure height in pixels.
+        width: the whole grid's width in pixels. Figures get a fixed width: plotly sizes an
+            autosized figure from its container at first render, which a grid cell may not
+            have yet (the figure then overflows the cell).
         feed_kw: passed to TraceFeed (e.g. `keep_events=10_000` to keep the raw events).
     """
 
     def __init__(self, engine_or_source: Any, views: Optional[Sequence[str]] = None, *,
-                 max_hz: float = 5.0, columns: int = 2, height: int = 300, **feed_kw):
+                 max_hz: float = 5.0, columns: int = 2, height: int = 300, width: int = 1180,
+                 **feed_kw):
         super().__init__()
         self.feed = TraceFeed.of(engine_or_source, max_hz=max_hz, **feed_kw)
         self.header = W.HTML()
         self.views: dict[str, Any] = {}
+        gap = 8
+        cell = (width - gap * (columns - 1)) // columns
         for name in views or DEFAULT_VIEWS:
-            self.views[name] = self._make_view(name, height)
+            self.views[name] = self._make_view(name, height, cell)
         cells = list(self.views.values())
         grid = W.GridBox(cells, layout=W.Layout(
-            grid_template_columns=f"repeat({columns}, minmax(0, 1fr))", grid_gap="6px", width="100%"))
+            grid_template_columns=f"repeat({columns}, {cell}px)", grid_gap=f"{gap}px"))
         self.controls = self._controls()
         self.children = [self.header] + ([self.controls] if self.controls is not None else []) + [grid]
         self.add_class("workbench-dashboard")     # a stable hook for browser tests and custom CSS
@@ -59,10 +65,10 @@ class Dashboard(W.VBox):
 
     # ---- views ------------------------------------------------------------------------------
 
-    def _make_view(self, name: str, height: int):
+    def _make_view(self, name: str, height: int, width: int):
         cls = VIEWS.get(name)
         if cls is not None:
-            return cls(self.feed, height=height)
+            return cls(self.feed, height=height, width=width)
         from workbench.plugins import load_plugins
         spec = load_plugins().views.get(name)
         if spec is None:

@@ -29,6 +29,10 @@ from workbench.widgets.data import time_origin
 
 logger = logging.getLogger(__name__)
 
+#: Held while views render, and (see views.TraceFigure) while the kernel applies a message from
+#: the browser to a figure: the two must never interleave, or a figure update is lost.
+RENDER_LOCK = threading.RLock()
+
 
 class TraceFeed:
     """Keeps a TraceState current and renders attached views, throttled.
@@ -123,7 +127,8 @@ class TraceFeed:
     def _render_one(self, view) -> None:
         try:
             fn = getattr(view, "update", view)
-            fn(self.state, self._origin())
+            with RENDER_LOCK:
+                fn(self.state, self._origin())
         except Exception as exc:   # a failing view must not stop the feed or the others
             self.last_error = f"{type(view).__name__}: {type(exc).__name__}: {exc}"
             logger.exception("view %s failed to render", type(view).__name__)

@@ -17,7 +17,7 @@ from plotly.subplots import make_subplots
 
 from workbench.core.trace.state import TraceState
 from workbench.widgets import data as D
-from workbench.widgets.feed import TraceFeed
+from workbench.widgets.feed import RENDER_LOCK, TraceFeed
 
 COLORS = {
     "queued": "#b0b7c3", "prefill": "#f28e2b", "decode": "#4e79a7",
@@ -29,6 +29,22 @@ COLORS = {
 NODE_COLORS = {"root": "#ffffff", "evicted": "#c9c9c9", "locked": "#e15759", "new": "#59a14f",
                "hit": "#4e79a7", "cached": "#a0cbe8"}
 MARK_SYMBOLS = {"first_token": "diamond", "finished": "line-ns-open", "aborted": "x", "retracted": "triangle-left"}
+
+
+class TraceFigure(go.FigureWidget):
+    """A FigureWidget that applies messages from the browser under RENDER_LOCK.
+
+    plotly sends each update to the browser as a pulse: a synced trait set to the
+    message, then back to None. ipywidgets applies a browser message (plotly's
+    acknowledgements arrive after every update) inside traitlets'
+    `hold_trait_notifications`, which swaps the *instance's* notifier for one that
+    compresses consecutive changes of a trait — on every thread. A pulse from the
+    feed thread landing in that window becomes None -> None and never reaches the
+    browser. Taking the render lock here makes the two mutually exclusive.
+    """
+
+    def set_state(self, sync_data):
+        super().set_state(sync_data)
 
 
 def _layout(title: str, height: int, width: Optional[int], **kw) -> dict:
@@ -54,7 +70,7 @@ class TraceView(W.VBox):
 
     def __init__(self, source: Any = None, *, height: int = 320, width: Optional[int] = None, **kw):
         super().__init__()
-        self.figure = go.FigureWidget()
+        self.figure = TraceFigure()
         self._build(height, width, **kw)
         self.children = [self.figure] + self._extras()
         self.add_class("workbench-view")
@@ -75,7 +91,7 @@ class TraceView(W.VBox):
         """Redraw from `state`; times are relative to t0 (default: the state's own origin)."""
         if t0 is None:
             t0 = D.time_origin(state) or state.last_ts
-        with self.figure.batch_update():
+        with RENDER_LOCK, self.figure.batch_update():
             self._draw(state, t0)
 
     def _draw(self, state: TraceState, t0: int) -> None:
@@ -283,7 +299,7 @@ class LatencyView(TraceView):
                         marker=dict(color=COLORS["ttft"], size=7),
                         hovertemplate="%{customdata}: arrived %{x:.3f}s, TTFT %{y:.3f}s<extra></extra>",
                         row=1, col=2)
-        self.figure = go.FigureWidget(fig)
+        self.figure = TraceFigure(fig)
         self.figure.update_layout(**_layout(self.title, height, width))
         self.figure.update_xaxes(title_text="seconds", row=1, col=1)
         self.figure.update_yaxes(title_text="fraction", range=[0, 1.02], row=1, col=1)

@@ -96,6 +96,8 @@ class _Transformers:
 
     def __init__(self, prepared, dtype: str):
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
         model = AutoModelForCausalLM.from_pretrained(prepared.model_dir, dtype=getattr(torch, dtype))
         model.generation_config.eos_token_id = None   # run exactly max_new_tokens steps
         model.generation_config.pad_token_id = 0
@@ -121,7 +123,8 @@ def _best_time(fn: Callable[[], None], repeats: int) -> float:
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """Deterministic token ids (skipping the lowest ids, where special tokens live)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, min(vocab, 30000), (n, length), generator=g).tolist()
+    low = min(100, vocab // 2)
+    return torch.randint(low, min(vocab, 30000), (n, length), generator=g).tolist()
 
 
 def _decode_rate(engine, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:

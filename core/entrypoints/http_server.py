@@ -106,19 +106,20 @@ def _running_loop():
 # ---------------------------------------------------------------- the app
 
 def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI:
-    """The FastAPI app over a started Engine. Call it from any thread except the engine loop
-    (it asks the engine for its context length). `app.state.metrics.close()` unsubscribes."""
+    """The FastAPI app over a started Engine (routes, errors, metrics; see the module
+    docstring). `app.state.metrics.close()` unsubscribes the metrics from the trace bus."""
     server_args = server_args or getattr(engine, "server_args", None) or ServerArgs()
-    info = engine.get_server_info()
+    context_len = getattr(engine, "context_len", None)
+    if context_len is None:      # an engine-like object without the attribute: ask it
+        context_len = engine.get_server_info().get("context_len") or 2048
     name, aliases = _served_names(engine, server_args)
-    vocab = info.get("vocab_size")
-    if vocab is None:
-        try:
-            vocab = len(engine.tokenizer)
-        except Exception:  # noqa: BLE001
-            vocab = None
-    ctx = ServingContext(engine=engine, model_name=name, model_path=server_args.model_path or name,
-                         context_len=int(info.get("context_len") or 2048), vocab_size=vocab,
+    try:
+        vocab = len(engine.tokenizer)
+    except Exception:  # noqa: BLE001 - then token ids are checked by the engine only
+        vocab = None
+    model_path = str(getattr(engine, "model_path", None) or server_args.model_path or name)
+    ctx = ServingContext(engine=engine, model_name=name, model_path=model_path,
+                         context_len=int(context_len), vocab_size=vocab,
                          max_n=server_args.max_n, max_top_logprobs=server_args.max_top_logprobs,
                          aliases=aliases, abort=_make_abort(engine))
     metrics = ServerMetrics(name)

@@ -71,7 +71,9 @@ class LinearBase(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor],
                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.packed_weight is not None and x.dtype == self.weight.dtype:
+        # Under torch.compile the plain weight is traced (inductor does its own packing).
+        if (self.packed_weight is not None and x.dtype == self.weight.dtype
+                and not torch.compiler.is_compiling()):
             return packed_linear(x, self.packed_weight, bias, residual)
         out = F.linear(x, self.weight, bias)
         return out if residual is None else out + residual

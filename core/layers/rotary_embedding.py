@@ -95,11 +95,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     rotate_half(x) = cat(-x2, x1); here the sign lives in `sin` (its first half is
     negated), so the rotation is one flip of the two halves. Same products and sums
-    as the reference, so float32 results match it bit for bit.
+    as the reference, so float32 results match it bit for bit (tested).
     """
     T, H, D = x.shape
-    swapped = x.reshape(T, H, 2, D // 2).flip(2).view(T, H, D)
-    return torch.addcmul(x * cos, swapped, sin)
+    swapped = x.reshape(T, H, 2, D // 2).flip(2).view(T, H, D)   # a fresh tensor: safe to scale in place
+    # Not addcmul: its fused multiply-add rounds differently from the reference.
+    return (x * cos).add_(swapped.mul_(sin))
 
 
 def rope_config(config) -> tuple[float, Optional[dict]]:

@@ -17,6 +17,7 @@ from workbench.core.layers.attention.torch_native_backend import TorchNativeAttn
 from workbench.core.layers.logits_processor import LogitsOutput, LogitsProcessor
 from workbench.core.layers.sampler import Sampler
 from workbench.core.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from workbench.core.model_executor.cuda_graph_runner import TorchCompileDecodeRunner
 from workbench.core.model_executor.forward_batch_info import ForwardBatch
 from workbench.core.model_executor.model_config import ModelConfig
 from workbench.core.model_loader import iter_weights, prepare_model
@@ -60,6 +61,10 @@ class ModelRunner:
         self.attn_backend = self._make_attn_backend()
         self.logits_processor = LogitsProcessor(self.model_config.vocab_size)
         self.sampler = Sampler()
+        self.decode_runner: Optional[TorchCompileDecodeRunner] = None
+        if server_args.enable_torch_compile and self.tp_size == 1:
+            self.decode_runner = TorchCompileDecodeRunner(
+                self, min(server_args.torch_compile_max_bs, self.max_running_requests))
 
     # ---- set-up -------------------------------------------------------------
     def load_model(self) -> None:
@@ -109,6 +114,8 @@ class ModelRunner:
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
+        if self.decode_runner is not None and self.decode_runner.can_run(fb):
+            return LogitsOutput(next_token_logits=self.decode_runner.forward(fb))
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         is_decode = fb.forward_mode.is_decode()

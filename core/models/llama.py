@@ -144,7 +144,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final hidden states -> [N, vocab] float32 logits (the sampler's input)."""
         head = self.lm_head
-        if self._packed_head is not None and hidden.dtype == head.weight.dtype:
+        if (self._packed_head is not None and hidden.dtype == head.weight.dtype
+                and not torch.compiler.is_compiling()):
             return packed_linear(hidden, self._packed_head, None).float()
         out = F.linear(hidden.to(head.weight.dtype), head.weight)
         if head.tp_size > 1:

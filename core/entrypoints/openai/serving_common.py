@@ -90,8 +90,8 @@ def sampling_params_from(req: CommonOpenAIFields, ctx: ServingContext, max_new_t
     if not 1 <= n <= ctx.max_n:
         raise bad_request(f"n must be between 1 and {ctx.max_n}, got {n}", "n")
     if max_new_tokens is not None:
-        if max_new_tokens < 0:
-            raise bad_request(f"max_tokens must be >= 0, got {max_new_tokens}", "max_tokens")
+        if max_new_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {max_new_tokens}", "max_tokens")
         if max_new_tokens > ctx.context_len:
             raise bad_request(f"max_tokens ({max_new_tokens}) is larger than the model's context length "
                               f"({ctx.context_len})", "max_tokens", "context_length_exceeded")

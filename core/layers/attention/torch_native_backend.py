@@ -39,21 +39,27 @@ class ExtendMetadata:
 
 def build_decode_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                           seq_lens: torch.Tensor, seq_lens_cpu: list[int], num_kv_heads: int) -> DecodeMetadata:
-    """The padded, head-major gather index and length mask of a decode batch.
+    """The padded, head-major gather index and length mask of a decode batch."""
+    slots = req_to_token.index_select(0, req_pool_indices)[:, :max(seq_lens_cpu)]
+    return decode_metadata_from_slots(slots, seq_lens, seq_lens_cpu, num_kv_heads)
+
+
+def decode_metadata_from_slots(slots: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
+                               num_kv_heads: int) -> DecodeMetadata:
+    """Metadata from a [B, L] table of KV slots (entries past a row's length are ignored).
 
     The pool is [slots, Hk, D]; viewed as [slots * Hk, D], row slot * Hk + h is head h
     of a slot. Gathering in (request, head, position) order yields K/V already laid
     out [B, Hk, L, D], which SDPA and the batched GEMMs take without another copy.
     """
     bs, max_len = len(seq_lens_cpu), max(seq_lens_cpu)
-    slots = req_to_token.index_select(0, req_pool_indices)[:, :max_len]
+    slots = slots[:, :max_len]
     heads = torch.arange(num_kv_heads, device=slots.device).view(1, num_kv_heads, 1)
     kv_indices = (slots.unsqueeze(1) * num_kv_heads + heads).reshape(-1)
-    mask = None
-    if min(seq_lens_cpu) != max_len:
-        mask = (torch.arange(max_len, device=seq_lens.device) < seq_lens.unsqueeze(1)).view(bs, 1, 1, max_len)
-        return DecodeMetadata(kv_indices, max_len, mask, ~mask)
-    return DecodeMetadata(kv_indices, max_len, None)
+    if min(seq_lens_cpu) == max_len:
+        return DecodeMetadata(kv_indices, max_len, None)
+    mask = (torch.arange(max_len, device=seq_lens.device) < seq_lens.unsqueeze(1)).view(bs, 1, 1, max_len)
+    return DecodeMetadata(kv_indices, max_len, mask, ~mask)
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
