@@ -44,7 +44,8 @@ class TraceFigure(go.FigureWidget):
     """
 
     def set_state(self, sync_data):
-        super().set_state(sync_data)
+        with RENDER_LOCK:
+            super().set_state(sync_data)
 
 
 def _layout(title: str, height: int, width: Optional[int], **kw) -> dict:

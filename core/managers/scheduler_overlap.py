@@ -122,7 +122,7 @@ class SchedulerOverlapMixin:
         Only a decode batch can hold a request with an in-flight token (a prefill batch's
         requests are new, retracted after a sync, or mid-prompt).
         """
-        if True:
+        if batch is not self.running_batch:
             return False
         for req in batch.reqs:
             sp = req.sampling_params
