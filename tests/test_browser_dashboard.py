@@ -52,8 +52,8 @@ NOTEBOOK_CELLS = [
     "system = 'You are a helpful assistant for a course on computer systems. Answer briefly. '\n"
     "prompts = [system + q for q in ('What is a cache?', 'What is a thread?', 'What is a page?',\n"
     "                                'What is a socket?', 'What is a disk?')]\n"
-    "engine.generate(prompts[0], {'max_new_tokens': 6, 'temperature': 0})\n"
-    "outs = engine.generate(prompts[1:], {'max_new_tokens': 8, 'temperature': 0})\n"
+    "engine.generate(prompts[0], {'max_new_tokens': 6, 'temperature': 0, 'ignore_eos': True})\n"
+    "outs = engine.generate(prompts[1:], {'max_new_tokens': 8, 'temperature': 0, 'ignore_eos': True})\n"
     "dash.flush()\nprint('finished', dash.state.counters.num_requests_total)",
     "engine.shutdown()",
 ]
@@ -164,7 +164,7 @@ def test_live_dashboard_renders_with_data_in_jupyterlab(lab):
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1900})
+            page = browser.new_page(viewport={"width": 1600, "height": 1900})
             page_errors: list[str] = []
             page.on("pageerror", lambda e: page_errors.append(str(e)))
             run_all_cells(page, base, token, "dashboard.ipynb")

@@ -40,7 +40,7 @@ class Dashboard(W.VBox):
     """
 
     def __init__(self, engine_or_source: Any, views: Optional[Sequence[str]] = None, *,
-                 max_hz: float = 5.0, columns: int = 2, height: int = 300, width: int = 1180,
+                 max_hz: float = 5.0, columns: int = 2, height: int = 300, width: int = 1000,
                  **feed_kw):
         super().__init__()
         self.feed = TraceFeed.of(engine_or_source, max_hz=max_hz, **feed_kw)

@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 #: Held while views render, and (see views.TraceFigure) while the kernel applies a message from
 #: the browser to a figure: the two must never interleave, or a figure update is lost.
 RENDER_LOCK = threading.RLock()
+#: Live feeds re-send whole figures this often, and twice more after the events stop.
+KEYFRAME_INTERVAL_S = 2.0
+IDLE_KEYFRAMES = 2
 
 
 class TraceFeed:
@@ -70,6 +73,8 @@ class TraceFeed:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._step_release: list[int] = []
+        self._last_keyframe = float("-inf")
+        self._idle_keyframes = 0
         self.events: deque[Event] = deque(maxlen=keep_events or 1)
         self._keep = keep_events > 0
 
@@ -124,23 +129,34 @@ class TraceFeed:
             self.t0 = time_origin(self.state)
         return self.t0 if self.t0 is not None else self.state.last_ts
 
-    def _render_one(self, view) -> None:
+    def _render_one(self, view, keyframe: bool = False) -> None:
         try:
             fn = getattr(view, "update", view)
             with RENDER_LOCK:
                 fn(self.state, self._origin())
+                if keyframe and hasattr(view, "keyframe"):
+                    view.keyframe()
         except Exception as exc:   # a failing view must not stop the feed or the others
             self.last_error = f"{type(view).__name__}: {type(exc).__name__}: {exc}"
             logger.exception("view %s failed to render", type(view).__name__)
 
-    def refresh(self) -> None:
-        """Render every attached view from the current state, now."""
+    def refresh(self, keyframe: bool = False) -> None:
+        """Render every attached view from the current state, now.
+
+        keyframe: also re-send each figure whole (see TraceView.keyframe), not just what changed."""
         with self._lock:
+            now = self.clock()
+            # While live, every few seconds a render re-sends everything, so a browser that
+            # missed updates (one still loading the widget's code) catches up.
+            keyframe = keyframe or (self.live and now - self._last_keyframe >= KEYFRAME_INTERVAL_S)
             for v in list(self._views):
-                self._render_one(v)
+                self._render_one(v, keyframe)
             self.renders += 1
             self._dirty = False
-            self._last_render = self.clock()
+            self._last_render = now
+            if keyframe:
+                self._last_keyframe = now
+                self._idle_keyframes = max(0, self._idle_keyframes - 1)
 
     # ---- folding -----------------------------------------------------------------------
 
@@ -159,6 +175,7 @@ class TraceFeed:
                 self.events_applied += n
                 self._dirty = True
                 self._last_event = self.clock()
+                self._idle_keyframes = IDLE_KEYFRAMES
         return n
 
     def pump(self, timeout: float = 0.0) -> int:
@@ -191,6 +208,9 @@ class TraceFeed:
             if getattr(self.subscription, "closed", False):
                 self.apply(self.subscription.drain())   # what was queued before the close
                 break
+            if (not self._dirty and self._idle_keyframes
+                    and self.clock() - self._last_render >= KEYFRAME_INTERVAL_S / 2):
+                self.refresh(keyframe=True)             # settle the browser once the run is over
         if self._dirty:
             self.refresh()
 
@@ -211,7 +231,7 @@ class TraceFeed:
                     time.sleep(0.05)
         elif self.replay is not None:
             self.apply(self.replay.drain())
-        self.refresh()
+        self.refresh(keyframe=True)
 
     def close(self) -> None:
         """Stop the pump thread and unsubscribe (views keep their last picture)."""

@@ -98,6 +98,36 @@ class TraceView(W.VBox):
     def _draw(self, state: TraceState, t0: int) -> None:
         raise NotImplementedError
 
+    def keyframe(self) -> None:
+        """Re-send the whole figure to the browser, not only what changed since the last render.
+
+        The browser applies an update only once the widget's code has loaded; one sent
+        earlier is dropped there, and since renders send only changed properties, what
+        it carried would stay missing. A live feed calls this every few seconds."""
+        send_figure(self.figure)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "template":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def send_figure(fig: go.FigureWidget) -> None:
+    """One update message carrying every trace property and the whole layout."""
+    send = getattr(fig, "_send_update_msg", None)   # plotly's own sender (plotly >= 4)
+    if send is None or not fig.data:
+        return
+    traces = [{k: v for k, v in _flatten(t.to_plotly_json()).items() if k not in ("type", "uid")}
+              for t in fig.data]
+    style = {k: [t.get(k) for t in traces] for k in sorted(set().union(*traces))}
+    with RENDER_LOCK:
+        send(style, _flatten(fig.layout.to_plotly_json()), list(range(len(fig.data))))
+
 
 # ---- Gantt ------------------------------------------------------------------------------
 

@@ -11,8 +11,10 @@ that noise from other processes hits both alike:
 
 Decode rates are differences: time(generate n tokens) - time(generate 1 token)
 covers exactly n - 1 decode steps (with sampling) for either engine; each
-timing is the best of `--repeats`. Greedy decoding, EOS ignored, so both
-engines run exactly the requested number of steps.
+timing is the best of `--repeats`, the engines alternating within a repeat.
+Greedy decoding, EOS ignored, so both engines run exactly the requested number
+of steps. On a shared machine the numbers move with other processes' load;
+compare the ratios of one run.
 """
 from __future__ import annotations
 
@@ -111,13 +113,10 @@ class _Transformers:
         assert out.shape[1] == ids.shape[1] + new_tokens
 
 
-def _best_time(fn: Callable[[], None], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(max(1, repeats)):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+def _timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -127,15 +126,24 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(low, min(vocab, 30000), (n, length), generator=g).tolist()
 
 
-def _decode_rate(engine, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
-    t_first = _best_time(lambda: engine.generate(prompts, 1), repeats)
-    t_all = _best_time(lambda: engine.generate(prompts, new_tokens), repeats)
-    steps = new_tokens - 1
-    return len(prompts) * steps / max(t_all - t_first, 1e-9)
-
-
-def _prefill_rate(engine, prompt: list[int], repeats: int) -> float:
-    return len(prompt) / _best_time(lambda: engine.generate([prompt], 1), repeats)
+def _measure(engines: list, bs: int, sizes: "BenchSizes", one, many, long_prompt) -> dict[str, float]:
+    """tokens/s per engine for one metric (bs 0 = prefill); engines alternate within each repeat
+    so a burst of load from other processes does not land on one engine only."""
+    best: dict[str, list[float]] = {e.name: [float("inf"), float("inf")] for e in engines}
+    n = sizes.decode_tokens_bs1 if bs == 1 else sizes.decode_tokens_batch
+    prompts = one if bs == 1 else many
+    for _ in range(max(1, sizes.repeats)):
+        for e in engines:
+            b = best[e.name]
+            if bs == 0:
+                b[0] = min(b[0], _timed(lambda: e.generate([long_prompt], 1)))
+            else:
+                b[0] = min(b[0], _timed(lambda: e.generate(prompts, 1)))
+                b[1] = min(b[1], _timed(lambda: e.generate(prompts, n)))
+    if bs == 0:
+        return {name: len(long_prompt) / b[0] for name, b in best.items()}
+    # n tokens = 1 from the prefill pass + (n - 1) decode steps: the difference is pure decode.
+    return {name: len(prompts) * (n - 1) / max(b[1] - b[0], 1e-9) for name, b in best.items()}
 
 
 # ---- the benchmark ------------------------------------------------------------------
@@ -182,14 +190,9 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
             e.generate(one, 2)
             e.generate(many[:2], 2)
         for metric, bs in metrics:
-            rates = {}
-            for e in engines:
-                if bs == 0:
-                    rates[e.name] = _prefill_rate(e, long_prompt, sizes.repeats)
-                else:
-                    n = sizes.decode_tokens_bs1 if bs == 1 else sizes.decode_tokens_batch
-                    rates[e.name] = _decode_rate(e, one if bs == 1 else many, n, sizes.repeats)
-                stages.step(f"{dtype}: {e.name:<12} {metric:<14} {rates[e.name]:8.1f} tok/s")
+            rates = _measure(engines, bs, sizes, one, many, long_prompt)
+            for name, rate in rates.items():
+                stages.step(f"{dtype}: {name:<12} {metric:<14} {rate:8.1f} tok/s")
             ref = rates.get("transformers")
             wb = rates["workbench"]
             if bs == 0:

@@ -229,6 +229,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         if done_prefill:
             self.running_batch.merge_batch(self._new_batch(done_prefill))
         self.last_batch = None
+        if not self.has_work():
+            self.running_batch.filter_batch()
+            return None                  # idle: no step number is used up
         self.begin_step()
         batch = self.get_new_batch_prefill()
         if batch is not None:

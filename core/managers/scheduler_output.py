@@ -56,7 +56,7 @@ class SchedulerOutputMixin:
                 # Overlap loop: it finished in the previous batch, which this one was built before
                 # knowing. The row was computed for nothing; its KV slot is given back here (the
                 # request's row and the rest of its KV went at cache_finished_req).
-                pass
+                self.token_to_kv_pool_allocator.free(batch.out_cache_loc[i:i + 1])
                 continue
             self._append_token(req, i, result, batch)
             if req.finished():
