@@ -250,19 +250,28 @@ def test_mismatches_are_rejected_and_old_weights_serve(engine, model_dir, origin
 
 
 def test_update_waits_for_inflight_holds_new_and_can_abort(engine, original, prompts, baseline):
-    long_sp = dict(GREEDY, max_new_tokens=24)
+    long_sp = dict(GREEDY, max_new_tokens=16)
     old_long = greedy(engine, prompts[1:], long_sp)[0]
     tm = engine.tokenizer_manager
     new = [(n, t) for n, t in perturbed(original).items() if n != EMBED]
-    with cf.ThreadPoolExecutor(2) as pool:
-        stream = engine.generate(input_ids=prompts[1], sampling_params=long_sp, stream=True)
-        next(stream)                                      # running now
-        update = pool.submit(engine.update_weights_from_tensor, new)
-        deadline = time.monotonic() + 30
-        while tm._weights_gate.is_set():                  # the update has started and holds the door
+
+    def wait_for(cond):
+        deadline = time.monotonic() + 60
+        while not cond():
             assert time.monotonic() < deadline
             time.sleep(0.002)
-        held = pool.submit(greedy, engine, prompts[:1])    # arrives during the update: held
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        stream = engine.generate(input_ids=prompts[1], sampling_params=long_sp, stream=True)
+        next(stream)
+        # Paused, the request stays in flight for as long as the test needs.
+        engine.step_gate("pause")
+        update = pool.submit(engine.update_weights_from_tensor, new)
+        wait_for(lambda: not tm._weights_gate.is_set())           # the update waits for it...
+        held = pool.submit(greedy, engine, prompts[:1])
+        wait_for(lambda: tm.num_held_requests == 1)               # ...and holds a new request
+        assert not update.done()
+        engine.step_gate("resume")
         chunks = list(stream)
         assert update.result(timeout=60)["success"]
         # The in-flight request finished entirely on the old weights...
@@ -276,3 +285,24 @@ def test_update_waits_for_inflight_holds_new_and_can_abort(engine, original, pro
     engine.update_weights_from_tensor([(n, original[n]) for n, _ in new], abort_all_requests=True)
     assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
     assert greedy(engine, prompts) == baseline
+
+
+def test_http_weight_routes(engine, model_dir, original):
+    import httpx
+
+    from workbench.core.entrypoints.http_server import bind_socket, start_server
+    running = start_server(engine, engine.server_args, bind_socket("127.0.0.1", 0))
+    try:
+        url = running.url
+        r = httpx.post(url + "/get_weights_by_name", json={"name": K, "truncate_size": 6}, timeout=60)
+        assert r.status_code == 200 and _close(r.json(), original[K])
+        r = httpx.post(url + "/update_weights_from_distributed", timeout=60,
+                       json={"names": [Q], "dtypes": ["float32"], "shapes": [[576, 576]], "group_name": "g"})
+        assert r.status_code == 400 and not r.json()["success"]
+        assert "init_weights_update_group" in r.json()["message"]
+        r = httpx.post(url + "/update_weights_from_disk", json={"model_pth": "x"}, timeout=60)
+        assert r.status_code == 400 and "model_pth" in r.text
+        r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(model_dir)}, timeout=120)
+        assert r.status_code == 200 and r.json()["success"] and r.json()["version"] >= 1
+    finally:
+        running.stop(timeout_s=5)

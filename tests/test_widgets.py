@@ -352,3 +352,24 @@ def test_figure_updates_survive_a_concurrent_browser_message(monkeypatch):
     render.join()
     pulses = [d["state"]["_py2js_update"] for d in sent if "_py2js_update" in d.get("state", {})]
     assert any(p and p["style_data"].get("y") for p in pulses), "the render's update never left the kernel"
+
+
+def test_sequence_figure_draws_the_requests_real_hand_overs():
+    from workbench.widgets import sequence_figure
+    from workbench.widgets.sequence import LANES, request_events
+    evs = request_events(EVENTS, "r1")
+    steps = [e for e in evs if type(e) is ev.BatchStep]
+    assert steps and all(any(sr.rid == "r1" for sr in e.reqs) for e in steps)
+    fig = sequence_figure(EVENTS, "r1", max_text_events=100)
+    dots = fig.data[0]
+    assert len(dots.y) == len(evs)
+    assert [LANES[int(x)] for x in dots.x] == [e.proc for e in evs]      # each event in its process' lane
+    arrows = [a for a in fig.layout.annotations if a.showarrow]
+    labels = [a.text for a in fig.layout.annotations if not a.showarrow]
+    assert sorted(labels) == sorted(["<i>generate()</i>", "<i>TokenizedGenerateReqInput</i>",
+                                     "<i>BatchTokenIDOut</i>", "<i>BatchStrOut</i>", "<i>result</i>"])
+    followed = sum(1 for i, e in enumerate(evs) if type(e) is ev.BatchStep
+                   and any(x.proc == "tokenizer" for x in evs[i + 1:]))
+    assert len(arrows) == 1 + 1 + 2 * followed + 1
+    with pytest.raises(ValueError):
+        sequence_figure(EVENTS, "nope")

@@ -53,16 +53,17 @@ def _label(e: ev.Event, rid: str) -> str:
 
 
 def sequence_figure(events: Iterable[ev.Event], rid: str, max_text_events: int = 6, height: Optional[int] = None):
-    """A plotly Figure: the request's events per process lane, hand-overs as labelled arrows.
+    """A plotly Figure: one row per trace event of the request (in time order, the time on the
+    left), in the lane of the process that emitted it; hand-overs between processes are arrows
+    labelled with the ZMQ message that carried them.
 
-    `max_text_events` keeps the diagram readable for long outputs (later req.text
-    events and their steps are summarised, not drawn)."""
+    `max_text_events` keeps the diagram readable for long outputs (later token round trips
+    are summarised in the title, not drawn)."""
     import plotly.graph_objects as go
 
     evs = request_events(events, rid)
     if not evs:
         raise ValueError(f"no events for request {rid!r}")
-    # Long generations: keep the first few token round trips and the finish.
     shown, texts = [], 0
     for e in evs:
         if type(e) is ev.ReqText:
@@ -71,44 +72,55 @@ def sequence_figure(events: Iterable[ev.Event], rid: str, max_text_events: int =
             continue
         shown.append(e)
     t0 = shown[0].ts
-    ms = [(e.ts - t0) / 1e6 for e in shown]
     x = {lane: i for i, lane in enumerate(LANES)}
+    rows = list(range(1, len(shown) + 1))          # row 0: the client's call
     fig = go.Figure()
+    last_row = len(shown) + 1
     for lane in LANES:
-        fig.add_shape(type="line", x0=x[lane], x1=x[lane], y0=-max(ms) * 0.03, y1=max(ms) * 1.03 + 1,
-                      line=dict(color="#bbb", dash="dot"))
-    fig.add_scatter(x=[x[_lane(e)] for e in shown], y=ms, mode="markers+text",
-                    text=[_label(e, rid) for e in shown], textposition="middle right",
-                    marker=dict(size=9, color=["#4e79a7" if _lane(e) == "scheduler" else "#f28e2b"
-                                               for e in shown]),
-                    hovertemplate="%{text}<br>+%{y:.1f} ms<extra></extra>", showlegend=False)
+        fig.add_shape(type="line", x0=x[lane], x1=x[lane], y0=-0.5, y1=last_row + 0.5,
+                      line=dict(color="#bbb", dash="dot"), layer="below")
+    fig.add_scatter(x=[x[_lane(e)] for e in shown], y=rows, mode="markers+text",
+                    text=[_label(e, rid) for e in shown],
+                    # scheduler labels on the left: the messages to the detokenizer leave to the right
+                    textposition=["middle left" if _lane(e) == "scheduler" else "middle right" for e in shown],
+                    textfont=dict(size=11),
+                    marker=dict(size=9, color=["#4e79a7" if _lane(e) == "scheduler" else "#f28e2b" for e in shown]),
+                    hoverinfo="skip", showlegend=False)
+
+    labelled: set[str] = set()
 
     def arrow(x0, y0, x1, y1, text):
         fig.add_annotation(x=x1, y=y1, ax=x0, ay=y0, xref="x", yref="y", axref="x", ayref="y",
-                           showarrow=True, arrowhead=3, arrowsize=1.2, arrowcolor="#555", text="")
+                           showarrow=True, arrowhead=3, arrowsize=1.1, arrowwidth=1.2, arrowcolor="#666", text="")
+        if text in labelled:       # name each kind of message once; repeats are the same message
+            return
+        labelled.add(text)
         fig.add_annotation(x=(x0 + x1) / 2, y=(y0 + y1) / 2, text=f"<i>{text}</i>", showarrow=False,
-                           font=dict(size=10, color="#555"), yshift=8)
+                           font=dict(size=10, color="#666"), yshift=9)
 
-    arrow(x["client"], 0, x["tokenizer"], 0, "generate()")
-    prev = shown[0]
-    for e, y in zip(shown[1:], ms[1:]):
-        a, b = _lane(prev), _lane(e)
-        y_prev = (prev.ts - t0) / 1e6
-        if a == "tokenizer" and b == "scheduler":
-            arrow(x[a], y_prev, x[b], y, "TokenizedGenerateReqInput")
-        elif a == "scheduler" and b == "tokenizer":
-            mid = (y_prev + y) / 2
-            arrow(x[a], y_prev, x["detokenizer"], mid, "BatchTokenIDOut")
-            arrow(x["detokenizer"], mid, x[b], y, "BatchStrOut")
-        prev = e
-    last = shown[-1]
-    if type(last) is ev.ReqFinished:
-        arrow(x["tokenizer"], ms[-1], x["client"], ms[-1], "result dict")
+    arrow(x["client"], 0, x["tokenizer"], 1, "generate()")
+    for i, e in enumerate(shown):
+        row = rows[i]
+        if type(e) is ev.ReqQueued:
+            src = next((j for j in range(i - 1, -1, -1) if _lane(shown[j]) == "tokenizer"), None)
+            if src is not None:
+                arrow(x["tokenizer"], rows[src], x["scheduler"], row, "TokenizedGenerateReqInput")
+        elif type(e) is ev.BatchStep:
+            dst = next((j for j in range(i + 1, len(shown)) if _lane(shown[j]) == "tokenizer"), None)
+            if dst is not None:
+                mid = (row + rows[dst]) / 2
+                arrow(x["scheduler"], row, x["detokenizer"], mid, "BatchTokenIDOut")
+                arrow(x["detokenizer"], mid, x["tokenizer"], rows[dst], "BatchStrOut")
+    if type(shown[-1]) is ev.ReqFinished:
+        arrow(x["tokenizer"], rows[-1], x["client"], last_row, "result")
+    omitted = len(evs) - len(shown)
     fig.update_layout(
-        height=height or max(360, 26 * len(shown) + 120), template="plotly_white",
-        title=f"Request {rid[:8]}: {len(evs)} trace events" + (f" ({len(shown)} drawn)" if len(shown) < len(evs) else ""),
+        height=height or 90 + 28 * (last_row + 1), template="plotly_white", showlegend=False,
+        title=dict(text=f"Request {rid[:8]}: {len(evs)} trace events"
+                        + (f" ({omitted} later token round trips not drawn)" if omitted else ""), x=0.01),
         xaxis=dict(tickvals=list(range(len(LANES))), ticktext=[LANE_TITLES[ln] for ln in LANES],
-                   range=[-0.4, len(LANES) + 0.6], side="top", showgrid=False, zeroline=False),
-        yaxis=dict(title="ms since arrival", autorange="reversed", zeroline=False),
-        margin=dict(l=60, r=20, t=90, b=20))
+                   range=[-0.3, len(LANES) - 0.2], side="top", showgrid=False, zeroline=False),
+        yaxis=dict(tickvals=rows, ticktext=[f"+{(e.ts - t0) / 1e6:.1f} ms" for e in shown],
+                   range=[last_row + 0.7, -0.7], showgrid=False, zeroline=False),
+        margin=dict(l=80, r=20, t=90, b=10))
     return fig

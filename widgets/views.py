@@ -50,8 +50,8 @@ class TraceFigure(go.FigureWidget):
 
 def _layout(title: str, height: int, width: Optional[int], **kw) -> dict:
     lay = dict(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
-               margin=dict(l=60, r=20, t=36, b=36), template="plotly_white",
-               legend=dict(orientation="h", y=-0.18, x=0))
+               margin=dict(l=60, r=20, t=36, b=72), template="plotly_white",
+               legend=dict(orientation="h", yanchor="top", y=-0.3, x=0))
     if width:
         lay["width"] = width
     lay.update(kw)
@@ -278,14 +278,16 @@ class RadixTreeView(TraceView):
 # ---- KV pool and queues over time ---------------------------------------------------------------
 
 class KVPoolView(TraceView):
-    """KV pool over time: used by running requests, evictable (radix cache), free (stacked)."""
+    """KV pool over time, stacked: held by requests (used), kept by the radix cache (evictable),
+    free (hidden until clicked in the legend: it would dwarf the rest)."""
     name = "kv"
-    title = "KV pool (tokens)"
+    title = "KV pool"
 
     def _build(self, height, width):
         for key in ("used", "evictable", "free"):
             self.figure.add_scatter(name=key, x=[], y=[], mode="lines", stackgroup="kv",
-                                    line=dict(width=0.5, color=COLORS[key], shape="hv"))
+                                    line=dict(width=0.5, color=COLORS[key], shape="hv"),
+                                    visible="legendonly" if key == "free" else True)
         self.figure.update_layout(**_layout(self.title, height, width, xaxis_title="time (s)",
                                             yaxis_title="tokens"))
 
@@ -293,6 +295,9 @@ class KVPoolView(TraceView):
         k = D.kv_data(state, t0)
         for tr, ys in zip(self.figure.data, (k.used, k.evictable, k.free)):
             tr.x, tr.y = k.t, ys
+        if k.total:
+            self.figure.layout.title.text = (f"{self.title}: {k.used[-1]} used, {k.evictable[-1]} evictable, "
+                                             f"{k.free[-1]} free of {k.total[-1]} tokens")
 
 
 class QueueView(TraceView):

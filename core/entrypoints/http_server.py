@@ -96,6 +96,41 @@ def _make_abort(engine: Any):
     return abort
 
 
+# SGLang's weight routes: path, Engine method, accepted JSON fields (see core/managers/weight_updater.py).
+_WEIGHT_ROUTES = (
+    ("/update_weights_from_disk", "update_weights_from_disk", ("model_path", "abort_all_requests")),
+    ("/init_weights_update_group", "init_weights_update_group",
+     ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")),
+    ("/update_weights_from_distributed", "update_weights_from_distributed",
+     ("names", "dtypes", "shapes", "group_name", "abort_all_requests")),
+    ("/destroy_weights_update_group", "destroy_weights_update_group", ("group_name",)),
+    ("/get_weights_by_name", "get_weights_by_name", ("name", "truncate_size")),
+)
+
+
+def _add_weights_route(app: FastAPI, engine: Any, path: str, method: str, fields: tuple) -> None:
+    """JSON object of `fields` -> `engine.<method>(**body)`: 200 with its reply, or 400
+    `{"success": false, "message": ...}` when the engine rejects it (old weights kept)."""
+    async def route(request: Request):
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError as e:
+            raise bad_request(f"Request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        unknown = sorted(set(body) - set(fields))
+        if unknown:
+            raise bad_request(f"unknown field(s) {', '.join(unknown)}; accepted: {', '.join(fields)}", unknown[0])
+        try:
+            out = await asyncio.to_thread(getattr(engine, method), **body)
+        except (ValueError, TypeError) as e:
+            return JSONResponse({"success": False, "message": str(e)}, status_code=400)
+        return JSONResponse(finite_json(out))
+    methods = ["GET", "POST"] if method == "get_weights_by_name" else ["POST"]
+    app.add_api_route(path, route, methods=methods, name=method)
+
+
 def _running_loop():
     try:
         return asyncio.get_running_loop()
@@ -222,6 +257,9 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
             raise bad_request("give a rid, or abort_all: true", "rid")
         await asyncio.to_thread(engine.abort_request, "" if req.abort_all else req.rid)
         return Response(status_code=200)
+
+    for path, method, fields in _WEIGHT_ROUTES:
+        _add_weights_route(app, engine, path, method, fields)
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -103,6 +103,7 @@ class TokenizerManager:
         self._weights_update_lock = asyncio.Lock()
         self._weights_gate = asyncio.Event()
         self._weights_gate.set()
+        self.num_held_requests = 0     # new requests waiting for a weight update to end
         self.num_requests_total = 0
         self.handle_loop_task = loop.create_task(self.handle_loop())
 
@@ -351,7 +352,11 @@ class TokenizerManager:
             await asyncio.sleep(0.005)
 
     async def _hold_for_weights_update(self) -> None:
-        await self._weights_gate.wait()
+        self.num_held_requests += 1
+        try:
+            await self._weights_gate.wait()
+        finally:
+            self.num_held_requests -= 1
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
 
