@@ -323,16 +323,18 @@ class Engine:
         return _update_reply(self._run(self.tokenizer_manager.update_weights_from_tensor(req, abort_all_requests)))
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str = "gloo") -> dict:
+                                  group_name: str = "weight_update_group", backend: str = "gloo",
+                                  timeout_s: float = 600.0) -> dict:
         """Join a trainer's process group (trainer = rank 0; this server's TP ranks from `rank_offset`).
 
         Blocks until every rank has joined, so the trainer must join at the same time
-        (e.g. `weight_updater.TrainerWeightSync` in another process or thread).
+        (e.g. `weight_updater.TrainerWeightSync` in another process or thread); joining and
+        each later broadcast fail after `timeout_s`.
         """
         from workbench.core.io_struct import InitWeightsUpdateGroupReq
         req = InitWeightsUpdateGroupReq(master_address=master_address, master_port=int(master_port),
                                         rank_offset=int(rank_offset), world_size=int(world_size),
-                                        group_name=group_name, backend=backend)
+                                        group_name=group_name, backend=backend, timeout_s=float(timeout_s))
         return _update_reply(self._run(self.tokenizer_manager.init_weights_update_group(req)))
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,

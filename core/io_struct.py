@@ -110,6 +110,7 @@ class InitWeightsUpdateGroupReq(Msg):
     world_size: int
     group_name: str = "weight_update_group"
     backend: str = "gloo"
+    timeout_s: float = 600.0      # joining, and each broadcast later, fails after this long
 
 
 class UpdateWeightsFromDistributedReq(Msg):

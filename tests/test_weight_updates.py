@@ -53,7 +53,7 @@ def _trainer(model_dir: str, port: int, result_q, done) -> None:
     torch.set_num_threads(1)
     state = load_file(str(Path(model_dir) / "model.safetensors"))
     state.update(perturbed(state))
-    with TrainerWeightSync("127.0.0.1", port, world_size=2, group_name=GROUP) as sync:
+    with TrainerWeightSync("127.0.0.1", port, world_size=2, group_name=GROUP, timeout_s=60) as sync:
         result_q.put(sync.broadcast(sorted(state.items())))
         done.wait(60)      # keep the store up until the server has left the group
 
@@ -147,7 +147,6 @@ def _close(a: list[float], b: torch.Tensor) -> bool:
 # ---- tests ----------------------------------------------------------------------------------
 
 def test_trainer_broadcasts_weights_over_gloo(engine, model_dir, original, ref_model, prompts, baseline):
-    assert baseline == hf_greedy_with(ref_model, prompts, {})
     new = perturbed(original)
     from safetensors import safe_open
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
@@ -157,7 +156,7 @@ def test_trainer_broadcasts_weights_over_gloo(engine, model_dir, original, ref_m
     port = free_port()
     try:
         with trainer_process(model_dir, port) as result_q:
-            out = engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "gloo")
+            out = engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "gloo", timeout_s=60)
             assert "rank 1 of 2" in out["message"]
             # Checked before anything is received: the trainer's broadcast is still waiting.
             with pytest.raises(ValueError, match=r"shape.*expects \[576, 576\]"):

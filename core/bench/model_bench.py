@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -113,10 +114,14 @@ class _Transformers:
         assert out.shape[1] == ids.shape[1] + new_tokens
 
 
+_CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter
+
+
 def _timed(fn: Callable[[], None]) -> float:
-    t = time.perf_counter()
+    t = _clock()
     fn()
-    return time.perf_counter() - t
+    return _clock() - t
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -162,6 +167,8 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
     dtypes = _parse_dtypes(args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
+    global _clock
+    _clock = _CLOCKS[getattr(args, "clock", None) or "wall"]
     reference = not args.no_reference
     quiet = bool(getattr(args, "quiet", False))
 
@@ -221,7 +228,8 @@ def environment() -> dict:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "auto_dtype": choose_cpu_dtype(), "python": platform.python_version()}
+            "auto_dtype": choose_cpu_dtype(), "python": platform.python_version(),
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
 def format_table(rows: list[Row]) -> str:
@@ -254,6 +262,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=None, help="new tokens per decode run")
     p.add_argument("--prefill-len", type=int, default=None, help="prefill prompt length (default 512)")
     p.add_argument("--repeats", type=int, default=None, help="timings per measurement, best kept (default 2)")
+    p.add_argument("--clock", choices=sorted(_CLOCKS), default="wall",
+                   help="wall (default) or cpu: process CPU time, steadier on a busy machine; "
+                        "meaningful with --threads 1 (more threads add up their CPU time)")
     p.add_argument("--no-reference", action="store_true", help="skip transformers (workbench numbers only)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="run decode steps through torch.compile (compiles per batch-size bucket first)")

@@ -100,7 +100,7 @@ def _make_abort(engine: Any):
 _WEIGHT_ROUTES = (
     ("/update_weights_from_disk", "update_weights_from_disk", ("model_path", "abort_all_requests")),
     ("/init_weights_update_group", "init_weights_update_group",
-     ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")),
+     ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s")),
     ("/update_weights_from_distributed", "update_weights_from_distributed",
      ("names", "dtypes", "shapes", "group_name", "abort_all_requests")),
     ("/destroy_weights_update_group", "destroy_weights_update_group", ("group_name",)),

@@ -560,7 +560,7 @@ def handle_request(runner, msg: Msg, busy: bool = False) -> tuple[Msg, Optional[
     try:
         if isinstance(msg, InitWeightsUpdateGroupReq):
             text = init_weights_update_group(runner, msg.master_address, msg.master_port, msg.rank_offset,
-                                             msg.world_size, msg.group_name, msg.backend)
+                                             msg.world_size, msg.group_name, msg.backend, msg.timeout_s)
             return UpdateWeightsReqOutput(success=True, message=text), None
         if isinstance(msg, DestroyWeightsUpdateGroupReq):
             return UpdateWeightsReqOutput(success=True, message=destroy_weights_update_group(msg.group_name)), None
