@@ -373,3 +373,35 @@ def test_sequence_figure_draws_the_requests_real_hand_overs():
     assert len(arrows) == 1 + 1 + 2 * followed + 1
     with pytest.raises(ValueError):
         sequence_figure(EVENTS, "nope")
+
+
+def test_live_feed_resends_whole_figures_now_and_then():
+    """A browser drops updates that arrive before the widget's code has loaded, and renders send
+    only what changed: a live feed re-sends whole figures every few seconds and after a run."""
+    now = [0.0]
+    sub = FakeSubscription()
+    feed = TraceFeed(sub, max_hz=5.0, start=False, clock=lambda: now[0])
+    view = QueueView(feed)
+    sent = []
+    view.figure.comm.send = lambda data=None, metadata=None, buffers=None: sent.append(data)
+    view.figure.comm.kernel = object()
+    events = synthetic_trace(n_requests=6, seed=4)
+    for i in range(0, len(events), 10):
+        sub.q.extend(events[i:i + 10])
+        now[0] += 0.25
+        feed.pump()
+    active_until = now[0]
+    for _ in range(40):                    # 10 quiet seconds
+        now[0] += 0.25
+        feed.pump()
+    full = [d["state"]["_py2js_update"] for d in sent if (d.get("state") or {}).get("_py2js_update")]
+    full = [u for u in full if set(u["style_data"]) >= {"x", "y", "line.color", "name"}]
+    assert len(full) >= 2 + int(active_until // 2)
+    last = full[-1]["style_data"]
+    assert last["y"][1] == [p.running for p in feed.state.queue_history]
+    assert full[-1]["layout_data"]["title.text"] == "Queue lengths"
+    before = len(sent)
+    for _ in range(40):                    # and then it stays quiet
+        now[0] += 0.25
+        feed.pump()
+    assert len(sent) == before

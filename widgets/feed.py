@@ -188,8 +188,11 @@ class TraceFeed:
             n = self.apply(batch)
         elif self.replay is not None:
             n = self.apply(self.replay.drain())
-        if self._dirty and self.clock() - self._last_render >= self.min_interval:
+        since = self.clock() - self._last_render
+        if self._dirty and since >= self.min_interval:
             self.refresh()
+        elif not self._dirty and self._idle_keyframes and self.live and since >= KEYFRAME_INTERVAL_S / 2:
+            self.refresh(keyframe=True)             # settle the browser once the run is over
         return n
 
     def start(self) -> None:
@@ -208,9 +211,6 @@ class TraceFeed:
             if getattr(self.subscription, "closed", False):
                 self.apply(self.subscription.drain())   # what was queued before the close
                 break
-            if (not self._dirty and self._idle_keyframes
-                    and self.clock() - self._last_render >= KEYFRAME_INTERVAL_S / 2):
-                self.refresh(keyframe=True)             # settle the browser once the run is over
         if self._dirty:
             self.refresh()
 

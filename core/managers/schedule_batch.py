@@ -190,7 +190,8 @@ class ScheduleBatch:
         out = alloc.alloc(n)
         if out is None:
             raise RuntimeError(f"KV pool out of memory: {n} slots wanted, "
-                               f"{alloc.available_size()} free; the scheduler's budget is wrong")
+                               f"{alloc.available_size()} free, {self.tree_cache.evictable_size()} evictable; "
+                               f"the scheduler's budget is wrong")
         return out
 
     # ---- extend (prefill) -------------------------------------------------------
