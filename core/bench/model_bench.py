@@ -9,11 +9,12 @@ that noise from other processes hits both alike:
   batch (no padding needed), for the workbench one continuous batch.
 - prefill P (512): one P-token prompt, time to its first token.
 
-Decode rates are differences: time(generate n tokens) - time(generate 1 token)
-covers exactly n - 1 decode steps (with sampling) for either engine; each
-timing is the best of `--repeats`, the engines alternating within a repeat.
-Greedy decoding, EOS ignored, so both engines run exactly the requested number
-of steps. On a shared machine the numbers move with other processes' load;
+Both engines stamp the end of every token step (the workbench at each sampling
+call, transformers through a stopping criterion, which `generate` calls once per
+token): decode is first token -> last token, n - 1 steps with sampling, prefill
+excluded; prefill is start -> first token. Each timing is the best of
+`--repeats`, the engines alternating within a repeat. Greedy decoding, EOS
+ignored, so both engines run exactly the requested number of steps. On a shared machine the numbers move with other processes' load;
 compare the ratios of one run.
 """
 from __future__ import annotations
@@ -69,9 +70,11 @@ class _Stages:
 
     def step(self, text: str) -> None:
         self.done += 1
+        self.note(text, f"[{self.done:>2}/{self.total}]")
+
+    def note(self, text: str, tag: str = "       ") -> None:
         if not self.quiet:
-            print(f"[{self.done:>2}/{self.total}] {time.perf_counter() - self.t0:6.1f}s  {text}",
-                  file=sys.stderr, flush=True)
+            print(f"{tag} {time.perf_counter() - self.t0:6.1f}s  {text}", file=sys.stderr, flush=True)
 
 
 # ---- engines ------------------------------------------------------------------------
@@ -86,12 +89,27 @@ class _Workbench:
                           enable_torch_compile=enable_torch_compile)
         self.runner = ModelRunner(args, prepared=prepared)
         self.harness = OfflineHarness(self.runner)
+        self._stamps: list[float] = []
+        sample = self.runner.sample
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        def stamped_sample(*a, **kw):   # every pass ends in one sampling call: a token step
+            out = sample(*a, **kw)
+            self._stamps.append(_clock())
+            return out
+        self.runner.sample = stamped_sample
+
+    def compile_times(self) -> dict[int, float]:
+        runner = self.runner.decode_runner
+        return dict(runner.compile_time_s) if runner is not None else {}
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[float]:
+        """Run; return the start time then the time each token step ended (by `_clock`)."""
         from workbench.core.sampling.sampling_params import SamplingParams
         sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        self._stamps = [_clock()]
         out = self.harness.generate(prompts, sp)
         assert all(len(r.output_ids) == new_tokens for r in out)
+        return self._stamps
 
 
 class _Transformers:
@@ -106,22 +124,28 @@ class _Transformers:
         model.generation_config.pad_token_id = 0
         self.model = model.eval()
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[float]:
+        """Run; return the start time then the time each token step ended (by `_clock`)."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        stamps = [_clock()]
+
+        class Stamp(StoppingCriteria):   # generate calls it once per new token
+            def __call__(self, input_ids, scores, **kwargs):
+                stamps.append(_clock())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
         ids = torch.tensor(prompts, dtype=torch.int64)     # equal lengths: a static batch, no padding
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                      min_new_tokens=new_tokens, do_sample=False)
+                                      min_new_tokens=new_tokens, do_sample=False,
+                                      stopping_criteria=StoppingCriteriaList([Stamp()]))
         assert out.shape[1] == ids.shape[1] + new_tokens
+        return stamps
 
 
 _CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _clock = time.perf_counter
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    t = _clock()
-    fn()
-    return _clock() - t
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -133,22 +157,27 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def _measure(engines: list, bs: int, sizes: "BenchSizes", one, many, long_prompt) -> dict[str, float]:
     """tokens/s per engine for one metric (bs 0 = prefill); engines alternate within each repeat
-    so a burst of load from other processes does not land on one engine only."""
-    best: dict[str, list[float]] = {e.name: [float("inf"), float("inf")] for e in engines}
+    so a burst of load from other processes does not land on one engine only.
+
+    Each engine stamps the end of every token step: prefill is start -> first token
+    (time to first token), decode is first token -> last token (n - 1 steps,
+    sampling included). The best of the repeats is kept.
+    """
+    best = {e.name: float("inf") for e in engines}
     n = sizes.decode_tokens_bs1 if bs == 1 else sizes.decode_tokens_batch
-    prompts = one if bs == 1 else many
     for _ in range(max(1, sizes.repeats)):
         for e in engines:
-            b = best[e.name]
             if bs == 0:
-                b[0] = min(b[0], _timed(lambda: e.generate([long_prompt], 1)))
+                stamps = e.generate([long_prompt], 1)
+                best[e.name] = min(best[e.name], stamps[1] - stamps[0])
             else:
-                b[0] = min(b[0], _timed(lambda: e.generate(prompts, 1)))
-                b[1] = min(b[1], _timed(lambda: e.generate(prompts, n)))
+                stamps = e.generate(one if bs == 1 else many, n)
+                if len(stamps) != n + 1:
+                    raise RuntimeError(f"{e.name}: {len(stamps) - 1} token steps for {n} tokens")
+                best[e.name] = min(best[e.name], stamps[-1] - stamps[1])
     if bs == 0:
-        return {name: len(long_prompt) / b[0] for name, b in best.items()}
-    # n tokens = 1 from the prefill pass + (n - 1) decode steps: the difference is pure decode.
-    return {name: len(prompts) * (n - 1) / max(b[1] - b[0], 1e-9) for name, b in best.items()}
+        return {name: len(long_prompt) / t for name, t in best.items()}
+    return {name: bs * (n - 1) / max(t, 1e-9) for name, t in best.items()}
 
 
 # ---- the benchmark ------------------------------------------------------------------
@@ -193,9 +222,14 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
             t = time.perf_counter()
             engines.append(_Transformers(prepared, dtype))
             stages.step(f"{dtype}: transformers loaded ({time.perf_counter() - t:.1f}s)")
-        for e in engines:   # warm-up: first calls pay one-time set-up (allocator, oneDNN kernels)
+        for e in engines:   # warm-up at the measured batch sizes: one-time set-up (oneDNN kernels,
+            t = time.perf_counter()                      # torch.compile graphs) stays out of the timings
             e.generate(one, 2)
-            e.generate(many[:2], 2)
+            e.generate(many, 2)
+            compiled = getattr(e, "compile_times", lambda: {})()
+            if compiled:
+                stages.note(f"{dtype}: compiled decode buckets " +
+                            ", ".join(f"bs={b}: {s:.1f}s" for b, s in sorted(compiled.items())))
         for metric, bs in metrics:
             rates = _measure(engines, bs, sizes, one, many, long_prompt)
             for name, rate in rates.items():

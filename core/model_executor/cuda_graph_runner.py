@@ -118,6 +118,13 @@ class TorchCompileDecodeRunner:
     Graphs compile lazily on a bucket's first use (`capture()` compiles them all
     up front); `compile_time_s` records how long each took. Batches larger than
     the last bucket, extend passes, and all-position logits run eagerly.
+
+    Opt-in (`--enable-torch-compile`) and, on the 2-core CPU target, not a win:
+    a bucket takes 50-120 s to compile, and a SmolLM2-135M decode step ran ~1.2-1.5x
+    slower than eager (inductor's GEMMs on plain weights lose to the eager path's
+    oneDNN-packed ones by more than its fused elementwise kernels gain; a variant
+    with per-layer graphs and packed-GEMM custom ops was slower still). It is kept
+    as the device-neutral home of the bucket/pad logic a CUDA-graph runner reuses.
     """
 
     def __init__(self, model_runner, max_bs: int):
