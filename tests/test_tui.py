@@ -291,3 +291,21 @@ def test_unknown_panel_is_rejected():
     from workbench.tui.controller import ReplayController
     with pytest.raises(ValueError, match="unknown panel"):
         WorkbenchApp(ReplayController(Replay(FIXTURE)), panels=["nope"])
+
+
+async def test_tabs_layout_mounts_every_panel():
+    # Small terminals get one tab per panel; the tabs must mount and switch like the grid.
+    from textual.widgets import TabbedContent
+
+    from workbench.tui.app import WorkbenchApp
+    from workbench.tui.controller import ReplayController
+    app = WorkbenchApp(ReplayController(Replay(FIXTURE), autoplay=False), layout="tabs")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        tabs = app.query_one("#tabs", TabbedContent)
+        assert len(app.panels) >= 5
+        assert len(app.visible_panels()) == 1
+        second = list(app.panels)[1]
+        tabs.active = f"tab-{second}"
+        await pilot.pause()
+        assert list(app.visible_panels()) == [second]

@@ -16,10 +16,12 @@ async def mount_layout(main: Widget, panels: dict[str, Widget], titles: dict[str
     if len(panels) == 1:
         await main.mount(*panels.values())
     elif mode == "tabs":
+        # Panes are composed in before mounting (as `with TabbedContent(): yield TabPane(...)` does):
+        # add_pane on a TabbedContent whose children are not composed yet fails.
         tabs = TabbedContent(id="tabs")
-        await main.mount(tabs)
         for i, (name, widget) in enumerate(panels.items(), 1):
-            await tabs.add_pane(TabPane(f"{i} {titles[name]}", widget, id=f"tab-{name}"))
+            tabs.compose_add_child(TabPane(f"{i} {titles[name]}", widget, id=f"tab-{name}"))
+        await main.mount(tabs)
     else:
         placed: set[str] = set()
         for row, height in zip(GRID, GRID_HEIGHTS):

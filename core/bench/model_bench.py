@@ -204,6 +204,9 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
     metrics = [("decode bs=1", 1), (f"decode bs={sizes.batch}", sizes.batch), (f"prefill {sizes.prefill_len}", 0)]
     engines_per_dtype = 2 if reference else 1
     stages = _Stages(total=len(dtypes) * engines_per_dtype * (1 + len(metrics)), quiet=quiet)
+    busy = _busy_warning()
+    if busy and not quiet:
+        print(busy, file=sys.stderr, flush=True)
     prepared = prepare_model(args.model, progress=not quiet)
     vocab = int(prepared.config.vocab_size)
     max_tokens = max(sizes.batch * (sizes.prompt_len + sizes.decode_tokens_batch),
@@ -244,6 +247,18 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
             rows.append(Row(metric, dtype, wb, ref, (wb / ref) if ref else None, detail))
         del engines
     return rows
+
+
+def _busy_warning() -> Optional[str]:
+    """A warning when other processes keep the CPU busy: then every engine's multi-threaded
+    kernels wait at thread barriers for descheduled threads, and timings stop meaning much."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load < 0.75 * cores:
+        return None
+    return (f"warning: load average {load:.1f} on {cores} cores: timings will be noisy and multi-threaded "
+            f"ones can collapse; for steadier ratios use --threads 1 --clock cpu")
 
 
 def _parse_dtypes(text: Optional[str]) -> list[str]:

@@ -205,10 +205,7 @@ class ScheduleBatch:
             for r, row in zip(new_rows, rows):
                 r.req_pool_idx = row
         ext_lens = [r.extend_input_len for r in self.reqs]
-        try:
-            out_cache_loc = self.alloc_token_slots(sum(ext_lens))
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc} DEBUG {[(r.rid[:6], r.extend_input_len, len(r.prefix_indices), r is self.chunked_req, r.num_chunks_done, r.is_retracted) for r in self.reqs]}")
+        out_cache_loc = self.alloc_token_slots(sum(ext_lens))
         table = self.req_to_token_pool.req_to_token
         ids, pos, prefix_lens, seq_lens, offset = [], [], [], [], 0
         for r, n in zip(self.reqs, ext_lens):

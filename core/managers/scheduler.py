@@ -265,6 +265,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             req.init_next_round_input(self.tree_cache)
             if adder.add_one_req(req) != AddReqResult.CONTINUE:
                 break
+        self._fit_prefill_to_pool(adder, chunk_carry)
         if not adder.can_run_list:
             return None
         admitted = set(id(r) for r in adder.can_run_list)
@@ -276,6 +277,23 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             if req.num_chunks_done == 0 and not req.is_retracted:
                 req.cached_tokens = len(req.prefix_indices)
         return batch
+
+    def _fit_prefill_to_pool(self, adder: PrefillAdder, chunk_carry: Optional[Req]) -> None:
+        """Give admitted requests back (last first) until the batch's new tokens fit in the pool.
+
+        PrefillAdder checks a request against the budget before locking its matched prefix, so
+        when that prefix was all that was evictable it is counted as room for the request's own
+        tokens; allocating the batch would then fail. A continuing chunk is never given back.
+        """
+        can_run = adder.can_run_list
+        need = sum(r.extend_input_len for r in can_run)
+        room = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        while can_run and need > room and can_run[-1] is not chunk_carry:
+            req = can_run.pop()
+            need -= req.extend_input_len
+            room += self.tree_cache.dec_lock_ref(req.last_node)
+            if req is adder.new_chunked_req:
+                adder.new_chunked_req = None
 
     def continue_chunked_req(self) -> None:
         """Before its next chunk: hand the chunks computed so far to the cache (or end an abort).
