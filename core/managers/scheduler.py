@@ -11,8 +11,9 @@ One iteration of the event loop (`event_loop_normal`) is the whole story:
 
 Every step emits trace events (batch composition, queues, KV usage, cache activity).
 
-`event_loop_overlap` (scheduler_overlap.py, selected with --disable-overlap-schedule
-off) runs the same steps but launches batch N before processing batch N-1's result.
+`event_loop_overlap` (scheduler_overlap.py; `Engine(disable_overlap_schedule=False)`, CLI
+`--no-disable-overlap-schedule`) runs the same steps but launches batch N before processing
+batch N-1's result.
 Both loops share everything below; the pieces that care are marked "overlap".
 """
 from __future__ import annotations
@@ -403,7 +404,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         free = alloc.available_size()
         evictable = self.tree_cache.evictable_size()
         return GetInternalStateReqOutput(
-            num_waiting=len(self.waiting_queue), num_running=len(self.running_batch.reqs),
+            num_waiting=len(self.waiting_queue), num_running=sum(not r.finished() for r in self.running_batch.reqs),
             kv_total=self.max_total_num_tokens, kv_free=free, kv_evictable=evictable,
             kv_used=self.max_total_num_tokens - free - evictable,
             req_slots_free=self.req_to_token_pool.available_size(),

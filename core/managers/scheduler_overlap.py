@@ -53,7 +53,7 @@ class InflightBatch:
 class SchedulerOverlapMixin:
     # ==== the event loop ==========================================================
     def event_loop_overlap(self) -> None:
-        """The overlap loop (`--disable-overlap-schedule` off); same results as `event_loop_normal`."""
+        """The overlap loop (`disable_overlap_schedule=False`); same results as `event_loop_normal`."""
         self.init_overlap_worker()
         while True:
             recv_reqs = self.recv_requests()
