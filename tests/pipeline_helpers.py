@@ -10,6 +10,10 @@ def assert_no_kv_leak(engine, timeout: float = 20.0) -> dict:
     while True:
         state = engine.get_internal_state()
         idle = state["num_waiting"] == 0 and state["num_running"] == 0
+        if idle:
+            # Before the flush (which clears the pools): every slot is free or held by the cache.
+            assert state["kv_free"] + state["kv_evictable"] == state["kv_total"], f"KV slots leaked: {state}"
+            assert state["req_slots_free"] == state["req_slots_total"], f"request rows leaked: {state}"
         if idle and engine.flush_cache():
             state = engine.get_internal_state()
             break
