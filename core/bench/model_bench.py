@@ -26,7 +26,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -225,8 +225,9 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
             t = time.perf_counter()
             engines.append(_Transformers(prepared, dtype))
             stages.step(f"{dtype}: transformers loaded ({time.perf_counter() - t:.1f}s)")
-        for e in engines:   # warm-up at the measured batch sizes: one-time set-up (oneDNN kernels,
-            t = time.perf_counter()                      # torch.compile graphs) stays out of the timings
+        # Warm-up at the measured batch sizes: one-time set-up (oneDNN kernel creation,
+        # torch.compile graphs) stays out of the timings.
+        for e in engines:
             e.generate(one, 2)
             e.generate(many, 2)
             compiled = getattr(e, "compile_times", lambda: {})()
@@ -258,7 +259,8 @@ def _busy_warning() -> Optional[str]:
     if load < 0.75 * cores:
         return None
     return (f"warning: load average {load:.1f} on {cores} cores: timings will be noisy and multi-threaded "
-            f"ones can collapse; for steadier ratios use --threads 1 --clock cpu")
+            f"ones can collapse (OpenMP threads spin at barriers for descheduled peers); for steadier "
+            f"ratios use --threads 1 --clock cpu, or start with OMP_WAIT_POLICY=PASSIVE")
 
 
 def _parse_dtypes(text: Optional[str]) -> list[str]:
