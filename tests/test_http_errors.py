@@ -174,11 +174,12 @@ def test_disconnecting_a_stream_aborts_it_and_frees_its_kv(url):
             "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url + CHAT, json=body, timeout=120) as resp:
         assert resp.status_code == 200
+        # Keep the line iterator referenced: a generator abandoned by `break` is closed, and closing
+        # it closes the connection, so the abort would race the check below.
+        lines = resp.iter_lines()
         seen = 0
-        for line in resp.iter_lines():
-            seen += line.startswith("data: ")
-            if seen >= 3:
-                break
+        while seen < 3:
+            seen += next(lines).startswith("data: ")
         assert internal_state(url)["num_running"] == 1
     # Without the abort this request would run for 400 tokens; the wait is a bound, not a timing.
     wait_for(lambda: internal_state(url)["num_running"] == 0, what="the aborted request to leave the batch")

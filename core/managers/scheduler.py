@@ -218,6 +218,12 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             return []
         return [r for r in self.last_batch.reqs if not r.finished() and r is not self.chunked_req]
 
+    def running_reqs(self) -> list[Req]:
+        """Unfinished requests past their prefill: the running batch plus those joining it next step."""
+        running = [r for r in self.running_batch.reqs if not r.finished()]
+        seen = {id(r) for r in running}
+        return running + [r for r in self.just_prefilled_reqs() if id(r) not in seen]
+
     def has_work(self) -> bool:
         """Anything queued, running, half-prefilled, just prefilled, or launched and unprocessed."""
         return bool(self.waiting_queue or any(not r.finished() for r in self.running_batch.reqs)
@@ -404,7 +410,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         free = alloc.available_size()
         evictable = self.tree_cache.evictable_size()
         return GetInternalStateReqOutput(
-            num_waiting=len(self.waiting_queue), num_running=sum(not r.finished() for r in self.running_batch.reqs),
+            num_waiting=len(self.waiting_queue), num_running=len(self.running_reqs()),
             kv_total=self.max_total_num_tokens, kv_free=free, kv_evictable=evictable,
             kv_used=self.max_total_num_tokens - free - evictable,
             req_slots_free=self.req_to_token_pool.available_size(),

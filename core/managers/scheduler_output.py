@@ -180,7 +180,7 @@ class SchedulerOutputMixin:
         t = self.tracer
         chunked = [self.chunked_req.rid] if self.chunked_req is not None else []
         t.emit(ev.QueueState(waiting=[r.rid for r in self.waiting_queue],
-                             running=[r.rid for r in self.running_batch.reqs if not r.finished()],
+                             running=[r.rid for r in self.running_reqs()],
                              chunked=chunked))
         free = self.token_to_kv_pool_allocator.available_size()
         evictable = self.tree_cache.evictable_size()
