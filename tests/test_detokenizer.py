@@ -401,3 +401,26 @@ def test_module_import_stays_light():
     code = ("import sys, workbench.core.managers.detokenizer_manager; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bare_rust_tokenizer_decodes_exactly_like_transformers(model_dir, tokenizer):
+    """The detokenizer process decodes with `tokenizers` alone (no transformers, no torch);
+    that must give transformers' text for any ids: special tokens, split UTF-8, both skip modes."""
+    from workbench.core.managers.incremental_detokenize import load_decode_tokenizer, make_batch_decoder
+    bare = load_decode_tokenizer(model_dir)
+    assert type(bare).__module__.startswith("tokenizers"), "the converted tokenizer should load bare"
+    decode = make_batch_decoder(bare)
+    rng = random.Random(0)
+    specials = list(tokenizer.all_special_ids)
+    seqs = [tokenizer.encode(MIXED), tokenizer.encode(MIXED)[3:17]]
+    seqs += [[rng.choice(specials) if rng.random() < 0.15 else rng.randrange(len(tokenizer))
+              for _ in range(rng.randrange(1, 40))] for _ in range(200)]
+    for skip in (True, False):
+        assert decode(seqs, skip, True) == tokenizer.batch_decode(seqs, skip_special_tokens=skip)
+
+
+def test_detokenizer_process_stays_free_of_torch(model_dir):
+    code = ("import sys; from workbench.core.managers.incremental_detokenize import load_decode_tokenizer; "
+            f"load_decode_tokenizer({model_dir!r}); "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -219,8 +219,29 @@ async def send_request(client, url: str, body: dict, headers: dict, input_len: i
     return res
 
 
-async def _discover_model(client, base_url: str, headers: dict) -> str:
-    r = await client.get(base_url + "/v1/models", headers=headers)
+async def _discover_model(client, base_url: str, headers: dict, wait_s: float = 300.0) -> str:
+    """The first model the server lists; waits (with a message) while the server is still starting."""
+    import httpx
+
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        try:
+            r = await client.get(base_url + "/v1/models", headers=headers)
+            if r.status_code != 503:
+                break
+        except httpx.TransportError as e:
+            r = None
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"cannot reach {base_url} ({e}); is the server running?") from None
+        if time.monotonic() > deadline:
+            raise ConnectionError(f"{base_url} still answers 503 after {wait_s:.0f} s; check the server's log")
+        if not told:
+            print(f"[bench] waiting for {base_url} to become ready ...", flush=True)
+            told = True
+        await asyncio.sleep(1.0)
+    if r.status_code in (401, 403):
+        raise ConnectionError(f"{base_url} refused the key ({r.status_code}); pass --api-key or set OPENAI_API_KEY")
     r.raise_for_status()
     return r.json()["data"][0]["id"]
 

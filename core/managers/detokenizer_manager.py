@@ -23,6 +23,7 @@ from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_m
 from workbench.core.managers.incremental_detokenize import (
     DEFAULT_MAX_STATES,
     IncrementalDetokenizer,
+    load_decode_tokenizer,
 )
 from workbench.core.trace.events import ProcStarted
 from workbench.core.trace.tracer import Tracer
@@ -184,9 +185,7 @@ def run_detokenizer_process(model_dir: str, port_args: PortArgs, pipe_writer) ->
     manager = None
     try:
         try:
-            # transformers (and, through its config module, torch) only here.
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            tokenizer = load_decode_tokenizer(model_dir)
             manager = DetokenizerManager(tokenizer, port_args)
         except Exception:
             pipe_writer.send({"status": "error", "role": PROC_NAME, "error": traceback.format_exc()})

@@ -78,6 +78,8 @@ def make_batch_decoder(tokenizer, use_rust_batch: bool = True) -> BatchDecodeFn:
 
 def _plain_rust_backend(tokenizer):
     """The `tokenizers.Tokenizer` behind `tokenizer` if decoding it directly is exact."""
+    if type(tokenizer).__module__.startswith("tokenizers") and hasattr(tokenizer, "decode_batch"):
+        return tokenizer            # already the Rust tokenizer (see load_decode_tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "decode_batch"):
         return None
@@ -250,3 +252,27 @@ class IncrementalDetokenizer:
         delta = text[st.sent_offset:out_end]
         st.sent_offset = out_end
         return delta
+
+
+# Tokenizer classes whose decode is exactly the Rust tokenizer's (no Python post-processing).
+_PLAIN_FAST_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
+def load_decode_tokenizer(model_dir):
+    """What the detokenizer decodes with: the bare `tokenizers.Tokenizer` when the directory's
+    tokenizer is a plain fast one (no transformers — and so no torch — in the detokenizer process:
+    seconds off every start and ~250 MiB of memory), else transformers' AutoTokenizer."""
+    import json
+    from pathlib import Path
+
+    d = Path(model_dir)
+    try:
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        cfg = None
+    if (cfg is not None and cfg.get("tokenizer_class") in _PLAIN_FAST_CLASSES
+            and not cfg.get("clean_up_tokenization_spaces", False) and (d / "tokenizer.json").is_file()):
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(str(d / "tokenizer.json"))
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(d))

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from workbench.core.model_loader.errors import ModelLoadError, describe
-from workbench.core.model_loader.gguf_loader import convert_gguf
+from workbench.core.model_loader.gguf_loader import _is_complete, cache_root, convert_gguf
 from workbench.core.model_loader.hf_loader import check_safetensors, has_tokenizer_files, list_safetensors
 
 DEFAULT_MODEL_NAME = "smollm2-135m"
@@ -41,7 +44,7 @@ class PreparedModel:
     """A model ready for the runner: an HF-style directory plus what was learnt resolving it.
 
     model_dir: config.json, *.safetensors and tokenizer files (with chat template).
-    config: AutoConfig of model_dir.
+    config: AutoConfig of model_dir (loaded lazily for a cached conversion).
     architecture: config.architectures[0], one of SUPPORTED_ARCHITECTURES.
     source: "gguf" when converted from a GGUF file, "hf" for a directory or hub snapshot.
     from_cache: True when a GGUF conversion was served from the converted-model cache.
@@ -49,11 +52,36 @@ class PreparedModel:
     """
 
     model_dir: Path
-    config: PretrainedConfig
     architecture: str
     source: str
     from_cache: bool = False
     gguf_path: Path | None = None
+    hf_config: PretrainedConfig | None = field(default=None, repr=False)
+
+    @cached_property
+    def config(self) -> PretrainedConfig:
+        """AutoConfig of model_dir, loaded on first use: importing transformers takes seconds, and a
+        warm start from the converted-model cache should not wait for it before the children start."""
+        if self.hf_config is not None:
+            return self.hf_config
+        if self.from_cache:
+            return SavedConfig.read(self.model_dir)
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(self.model_dir))
+
+
+class SavedConfig(SimpleNamespace):
+    """A config.json that transformers' `save_pretrained` wrote, read as plain attributes.
+
+    save_pretrained writes every field with its default filled in (rope_parameters, head_dim, ...),
+    so for the converted-model cache this equals AutoConfig without importing transformers: about
+    3 s of every warm start, in the main process and again in each scheduler process.
+    """
+
+    @classmethod
+    def read(cls, model_dir: Path) -> "SavedConfig":
+        return cls(**json.loads((Path(model_dir) / "config.json").read_text()))
 
 
 def default_gguf_path() -> Path:
@@ -116,16 +144,34 @@ def validate_hf_dir(model_dir: Path):
 
 def _prepared_hf(model_dir: Path) -> PreparedModel:
     config = validate_hf_dir(model_dir)
-    return PreparedModel(model_dir=model_dir, config=config, architecture=config.architectures[0], source="hf")
+    return PreparedModel(model_dir=model_dir, hf_config=config, architecture=config.architectures[0], source="hf")
+
+
+def _check_cached_conversion(model_dir: Path) -> str:
+    """The cheap check of a directory this project wrote itself: files present and readable, the
+    architecture supported. Returns the architecture. (A fresh conversion gets the full check.)"""
+    try:
+        architecture = (json.loads((model_dir / "config.json").read_text()).get("architectures") or [None])[0]
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"the converted model in {model_dir} is damaged ({describe(exc)}); "
+                             "delete that directory to convert again.") from None
+    files = list_safetensors(model_dir)
+    if architecture not in SUPPORTED_ARCHITECTURES or not files or not has_tokenizer_files(model_dir):
+        raise ModelLoadError(f"the converted model in {model_dir} is incomplete; delete that directory to "
+                             "convert again.")
+    for path in files:
+        check_safetensors(path)
+    return architecture
 
 
 def _prepared_gguf(gguf_path: Path, progress: bool) -> PreparedModel:
     model_dir, from_cache = convert_gguf(gguf_path, progress=progress)
-    config = validate_hf_dir(model_dir)
+    config = None if from_cache else validate_hf_dir(model_dir)
+    architecture = _check_cached_conversion(model_dir) if from_cache else config.architectures[0]
     return PreparedModel(
         model_dir=model_dir,
-        config=config,
-        architecture=config.architectures[0],
+        hf_config=config,
+        architecture=architecture,
         source="gguf",
         from_cache=from_cache,
         gguf_path=Path(gguf_path).expanduser().resolve(),
@@ -160,6 +206,10 @@ def prepare_model(model_path: str | None, progress: bool = True) -> PreparedMode
             )
         return _prepared_gguf(path, progress)
     if path.is_dir():
+        if path.resolve().parent == cache_root().resolve() and _is_complete(path):
+            # A conversion this project wrote (the Engine hands its children this path).
+            return PreparedModel(model_dir=path.resolve(), architecture=_check_cached_conversion(path.resolve()),
+                                 source="gguf", from_cache=True)
         return _prepared_hf(path.resolve())
     if _HUB_ID_RE.match(text) and not text.lower().endswith(".gguf"):
         snapshot = _hub_snapshot(text)
