@@ -1,0 +1,182 @@
+"""`workbench bench trace`: what the trace bus costs serving.
+
+One workload — 32 concurrent mixed-length requests, 128 new tokens each (the engine benchmark's
+workload (a)) — through three engines started side by side, measured in rounds so that machine
+noise lands on all three alike:
+
+  off         `--trace-mode off`: tracers never emit (the floor);
+  on, idle    `--trace-mode on` and nobody subscribed: every event is stamped, batched, encoded and
+              sent to the bus, which drops it (the price of the one-branch guard being taken);
+  on, busy    default mode with a JSONL recorder and a subscriber that folds every event into a
+              `TraceState` and builds a view from it every 100 ms, as the TUI does.
+
+Prints output tok/s per mode (the median over rounds), the loss against `off`, and how many events
+the busy run delivered and dropped. Goals from the trace-bus issue: <= 0.5% loss idle, <= 2% busy.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class TraceBenchRow:
+    mode: str
+    tok_per_s: list[float] = field(default_factory=list)
+    cpu_ms_per_tok: list[float] = field(default_factory=list)   # all engine processes, this process included
+    events: int = 0
+    dropped: int = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.tok_per_s) if self.tok_per_s else 0.0
+
+    @property
+    def median_cpu(self) -> float:
+        return statistics.median(self.cpu_ms_per_tok) if self.cpu_ms_per_tok else 0.0
+
+
+def _cpu_seconds(engine) -> float:
+    """CPU time (user + system) of the engine's child processes plus this process (tokenizer
+    manager, bus, subscribers). Steadier than wall time on a shared machine: other work on the
+    machine delays a run but does not add to its CPU time."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for proc in engine.procs.values():
+        try:
+            fields = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+class BusySubscriber:
+    """A consumer doing what a view does: fold every event, redraw from the state every 100 ms."""
+
+    def __init__(self, engine):
+        from workbench.core.trace.state import TraceState
+        self.state = TraceState()
+        self.events = 0
+        self.dropped = 0
+        self._sub = engine.subscribe(name="bench-busy")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-busy-subscriber", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from workbench.core.trace.events import TraceDropped
+        last_view = time.monotonic()
+        while not self._stop.is_set():
+            ev = self._sub.get(timeout=0.1)
+            if ev is None:
+                continue
+            batch = [ev] + self._sub.drain()
+            for e in batch:
+                if isinstance(e, TraceDropped):
+                    self.dropped += e.count
+            self.state.apply_many(batch)
+            self.events += len(batch)
+            if time.monotonic() - last_view >= 0.1:
+                self._view()
+                last_view = time.monotonic()
+
+    def _view(self) -> None:
+        # What a frame reads: the queues, every request's counters and the tree.
+        st = self.state
+        _ = (list(st.waiting), list(st.running), [r for r in st.requests.values()], st.tree)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sub.close()
+
+
+def _workload(tok, n: int, rng: random.Random) -> list[list[int]]:
+    from workbench.core.bench.engine_bench import _mixed_prompts
+    return _mixed_prompts(tok, n, rng)
+
+
+def run_trace_bench(args: argparse.Namespace) -> list[TraceBenchRow]:
+    """Run the three modes in `args.rounds` interleaved rounds; print and return the rows."""
+    from workbench.core.args import ServerArgs
+    from workbench.core.bench.engine_bench import _progress, _run_engine
+    from workbench.core.engine import Engine
+    from workbench.core.trace.recorder import Recorder
+
+    base = ServerArgs.from_cli_args(args)
+    base.show_progress = False
+    n, new = (4, 8) if args.quick else (32, 128)
+    rows = {m: TraceBenchRow(m) for m in ("off", "on, idle", "on, busy")}
+    engines = {}
+    tmp = tempfile.TemporaryDirectory(prefix="workbench-trace-bench-")
+    busy = recorder = None
+    try:
+        for mode, trace_mode in (("off", "off"), ("on, idle", "on"), ("on, busy", "auto")):
+            _progress(f"starting the engine for tracing {mode}")
+            engines[mode] = Engine(server_args=base.replace(trace_mode=trace_mode))
+        prompts = _workload(engines["off"].tokenizer, n, random.Random(0))
+        eng = engines["on, busy"]
+        recorder = Recorder(Path(tmp.name) / "run.jsonl", model=eng.served_model_name)
+        rec_handle = eng.subscribe_callback(recorder, name="bench-recorder")
+        busy = BusySubscriber(eng)
+        for e in engines.values():
+            _run_engine(e, prompts[:2], 2)                      # warm-up: first shapes, tracers on
+        for r in range(args.rounds):
+            order = list(engines) if r % 2 == 0 else list(reversed(engines))   # no mode always first
+            for mode in order:
+                _progress(f"round {r + 1}/{args.rounds}: tracing {mode}")
+                engines[mode].flush_cache()                     # every run prefills from scratch
+                cpu0 = _cpu_seconds(engines[mode])
+                dt, toks = _run_engine(engines[mode], prompts, new)
+                rows[mode].cpu_ms_per_tok.append(1000 * (_cpu_seconds(engines[mode]) - cpu0) / toks)
+                rows[mode].tok_per_s.append(toks / dt)
+        time.sleep(0.5)                                         # let the last batches reach the subscriber
+        busy.close()
+        rec_handle.close()
+        recorder.close()
+        rows["on, busy"].events = busy.events
+        rows["on, busy"].dropped = busy.dropped
+        recorded = recorder.events_written
+    finally:
+        for e in engines.values():
+            e.shutdown()
+        tmp.cleanup()
+    out = list(rows.values())
+    _print(out, n, new, recorded)
+    return out
+
+
+def _print(rows: list[TraceBenchRow], n: int, new: int, recorded: int) -> None:
+    floor, floor_cpu = rows[0].median, rows[0].median_cpu
+    print(f"\ntracing overhead: {n} concurrent mixed-length requests x {new} new tokens, "
+          f"median of {len(rows[0].tok_per_s)} interleaved rounds")
+    print(f"{'mode':<10} {'tok/s':>7} {'loss':>8}   {'CPU ms/token':>12} {'extra CPU':>9}   rounds (tok/s)")
+    for r in rows:
+        loss = "" if r is rows[0] else f"{100 * (1 - r.median / floor):.2f}%"
+        extra = "" if r is rows[0] else f"{100 * (r.median_cpu / floor_cpu - 1):.2f}%"
+        rounds = ", ".join(f"{x:.1f}" for x in r.tok_per_s)
+        print(f"{r.mode:<10} {r.median:>7.1f} {loss:>8}   {r.median_cpu:>12.2f} {extra:>9}   {rounds}")
+    print("loss: throughput below `off` (negative = faster); extra CPU: CPU time per token above `off`, "
+          "all processes (steadier than wall time on a shared machine)")
+    busy = rows[-1]
+    print(f"busy subscriber: {busy.events} events folded, {busy.dropped} dropped; recorder wrote {recorded} events")
+    print("goals: <= 0.5% loss with nobody listening, <= 2% with a recorder and a busy subscriber")
+
+
+def add_parser(bench_sub) -> None:
+    from workbench.core.args import ServerArgs
+    p = bench_sub.add_parser("trace", help="serving throughput with tracing off / on idle / on with subscribers",
+                             description=__doc__.split("\n\n")[0])
+    ServerArgs.add_cli_args(p)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per mode (median reported)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    p.set_defaults(func=lambda a: 0 if run_trace_bench(a) else 1)
+

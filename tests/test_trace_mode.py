@@ -1,0 +1,52 @@
+"""`--trace-mode`: auto (emit while something listens), on (always), off (never).
+
+The bus folds everything it receives into its own TraceState (what late subscribers get as a
+snapshot), so whether the pipeline emitted while nobody listened is visible afterwards.
+"""
+from __future__ import annotations
+
+import pytest
+
+from workbench.core.args import ServerArgs
+from workbench.core.trace.events import ReqFinished, ReqSnapshot
+
+SP = {"max_new_tokens": 3, "temperature": 0.0}
+
+
+def _finished_rids(events) -> set[str]:
+    return ({e.rid for e in events if isinstance(e, ReqFinished)}
+            | {e.rid for e in events if isinstance(e, ReqSnapshot) and e.state == "finished"})
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_trace_mode_on_emits_with_nobody_listening_and_auto_does_not(mode):
+    from workbench.core.engine import Engine
+    with Engine(show_progress=False, max_total_tokens=2048, trace_mode=mode) as engine:
+        out = engine.generate("The radix tree", SP)
+        rid = out["meta_info"]["id"]
+        sub = engine.subscribe(with_snapshot=True, name="late")
+        try:
+            seen = _finished_rids(sub.drain() + [e for e in [sub.get(timeout=2.0)] if e is not None])
+        finally:
+            sub.close()
+        assert (rid in seen) == (mode == "on")
+
+
+def test_trace_mode_off_emits_nothing_even_to_a_subscriber():
+    from workbench.core.engine import Engine
+    with Engine(show_progress=False, max_total_tokens=2048, trace_mode="off") as engine:
+        sub = engine.subscribe(with_snapshot=False, name="watcher")
+        try:
+            out = engine.generate("The radix tree", SP)
+            assert out["meta_info"]["completion_tokens"] == 3
+            events = [e for e in [sub.get(timeout=1.0)] if e is not None] + sub.drain()
+        finally:
+            sub.close()
+        assert not [e for e in events if getattr(e, "rid", None) == out["meta_info"]["id"]]
+
+
+def test_trace_mode_is_validated():
+    with pytest.raises(ValueError, match="--trace-mode must be"):
+        ServerArgs(trace_mode="sometimes")
+    with pytest.raises(ValueError, match="emits nothing"):
+        ServerArgs(trace_mode="off", record="run.jsonl")
