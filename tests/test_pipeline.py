@@ -146,6 +146,20 @@ def test_logprobs_through_the_engine(engine, prompts):
     assert len(m["input_token_logprobs"]) == len(prompts[0]) and m["input_token_logprobs"][0][0] is None
 
 
+def test_max_new_tokens_zero_is_prefill_only_with_the_same_prompt_logprobs(engine, prompts):
+    """Scoring a prompt (lm-eval style: max_tokens=0 + logprobs) generates nothing."""
+    kw = dict(input_ids=prompts[1], return_logprob=True, logprob_start_len=0)
+    scored = engine.generate(sampling_params={"max_new_tokens": 0}, **kw)
+    assert scored["output_ids"] == [] and scored["text"] == ""
+    m = scored["meta_info"]
+    assert m["completion_tokens"] == 0 and m["finish_reason"]["type"] == "length"
+    ref = engine.generate(sampling_params={"max_new_tokens": 1, "temperature": 0}, **kw)["meta_info"]
+    assert len(m["input_token_logprobs"]) == len(prompts[1])
+    for (a, ta, _), (b, tb, _) in zip(m["input_token_logprobs"][1:], ref["input_token_logprobs"][1:]):
+        assert ta == tb and abs(a - b) < 1e-4
+    assert_no_kv_leak(engine)
+
+
 def test_step_gate_runs_exactly_one_iteration(engine, prompts):
     engine.step_gate("pause")
     try:

@@ -97,16 +97,21 @@ class PrefillAdder:
         self.new_token_ratio = new_token_ratio
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Optional[Req] = None
+        self._locked_delta = 0
 
     @staticmethod
     def _reserve(req: Req, ratio: float) -> int:
         left = min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS) - len(req.output_ids)
         return int(max(left, 0) * ratio)
 
-    def _lock(self, req: Req) -> None:
-        # The matched prefix must survive evictions made for this very batch.
-        delta = self.tree_cache.inc_lock_ref(req.last_node)
-        self.rem_total_tokens += delta   # locked tokens are no longer evictable
+    def _lock(self, req: Req) -> int:
+        """Lock the matched prefix (it must survive evictions made for this very batch); return the
+        budget the request sees: locked tokens are no longer evictable, so no longer room."""
+        self._locked_delta = self.tree_cache.inc_lock_ref(req.last_node)
+        return self.rem_total_tokens + self._locked_delta
+
+    def _keep_lock(self) -> None:
+        self.rem_total_tokens += self._locked_delta
 
     def add_chunked_req(self, req: Req) -> Optional[Req]:
         """Continue a request whose prefill was cut in the previous step."""
@@ -119,23 +124,26 @@ class PrefillAdder:
         return req if truncated else None
 
     def add_one_req(self, req: Req) -> AddReqResult:
-        need_total = req.extend_input_len + self._reserve(req, 1.0)
-        if need_total > self.rem_total_tokens:
-            return AddReqResult.NO_TOKEN
         if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
             return AddReqResult.OTHER
+        # Lock before checking: an evictable prefix counted as room for the request's own tokens
+        # would overcommit the pool as soon as the request pins it.
+        budget = self._lock(req)
+        if req.extend_input_len + self._reserve(req, 1.0) > budget:
+            self.tree_cache.dec_lock_ref(req.last_node)
+            return AddReqResult.NO_TOKEN
+        self._keep_lock()
         chunk = self.rem_chunk_tokens
         if (chunk is None or req.extend_input_len <= chunk) and req.extend_input_len <= self.rem_input_tokens:
             self.can_run_list.append(req)
-            self._lock(req)
             self._consume(req.extend_input_len, self._reserve(req, 1.0))
             return AddReqResult.CONTINUE
         if chunk is None:
             # Without chunking a prompt larger than the per-step budget still runs, alone.
             if self.can_run_list:
+                self.rem_total_tokens += self.tree_cache.dec_lock_ref(req.last_node)
                 return AddReqResult.OTHER
             self.can_run_list.append(req)
-            self._lock(req)
             self._consume(req.extend_input_len, self._reserve(req, 1.0))
             return AddReqResult.OTHER
         # Cut the prompt: compute what fits now, carry the rest as the chunked request.
@@ -143,7 +151,6 @@ class PrefillAdder:
         req.extend_input_len = n
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + n]
         self.can_run_list.append(req)
-        self._lock(req)
         self.new_chunked_req = req
         self._consume(n, 0)
         return AddReqResult.OTHER

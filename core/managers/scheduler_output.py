@@ -40,10 +40,14 @@ class SchedulerOutputMixin:
                 self._add_input_logprobs(req, i, result, batch.prefix_lens[i], batch.extend_lens[i])
             if req is batch.chunked_req:
                 continue            # part of the prompt is still to come: nothing sampled yet
-            self._append_token(req, i, result, batch)
+            if req.sampling_params.max_new_tokens == 0:
+                req.check_finished()    # prefill only (e.g. prompt logprobs): the sampled token is dropped
+            else:
+                self._append_token(req, i, result, batch)
             req.is_retracted = False
             if req.finished():
-                self.tree_cache.cache_finished_req(req)
+                # With nothing sampled every prompt token's KV is in the row, the last one included.
+                self.tree_cache.cache_finished_req(req, kv_len=None if req.output_ids else len(req.origin_input_ids))
             else:
                 # Publish the prompt's KV now, so requests arriving meanwhile can share it.
                 self.tree_cache.cache_unfinished_req(req)
@@ -120,7 +124,7 @@ class SchedulerOutputMixin:
             lps.append(req.output_token_logprobs[req.sent_len:] if req.return_logprob else [])
             tops.append(req.output_top_logprobs[req.sent_len:] if req.return_logprob else [])
             if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs_sent \
-                    and req.output_ids:
+                    and (req.output_ids or req.finished()):
                 in_lps.append(req.input_token_logprobs[:len(req.origin_input_ids)])
                 req.input_logprobs_sent = True
             else:
