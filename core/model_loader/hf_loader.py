@@ -80,6 +80,16 @@ def has_tokenizer_files(model_dir: Path) -> bool:
     return any(all((Path(model_dir) / name).is_file() for name in group) for group in _TOKENIZER_FILE_SETS)
 
 
+def _thread_only_tqdm_lock() -> None:
+    """tqdm's default lock includes a multiprocessing semaphore; a scheduler process ends by
+    SIGTERM and cannot unlink it, so every engine shutdown warned of a leaked semaphore.
+    No bar here is shared across processes, so a thread lock is all it needs."""
+    import threading
+
+    if getattr(tqdm, "_lock", None) is None:
+        tqdm.set_lock(threading.RLock())
+
+
 def iter_weights(model_dir: str | Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_parameter_name, tensor)` for every tensor in the directory's safetensors files.
 
@@ -93,6 +103,7 @@ def iter_weights(model_dir: str | Path, progress: bool = True) -> Iterator[tuple
     if not files:
         raise ModelLoadError(f"{model_dir} has no *.safetensors files; save the model with safe_serialization=True.")
     total = sum(check_safetensors(f) for f in files)
+    _thread_only_tqdm_lock()
     with tqdm(total=total, desc=f"Loading weights ({model_dir.name})", unit="tensor", disable=not progress) as bar:
         for path in files:
             try:
