@@ -270,7 +270,8 @@ async def test_attach_to_a_remote_trace_stream():
             assert app.model.state.model == "smol"
             assert app.controller.status().startswith("ATTACHED tcp://127.0.0.1:")
             table = app.query_one("#queues-table", DataTable)
-            assert table.row_count == 5      # the finished requests
+            # the finished requests, once the panel's next refresh has drawn them
+            await wait_for(lambda: table.row_count == 5)
             await pilot.press("p")           # no controls when attached: a warning, nothing else
             await pilot.press("q")
         await wait_for(lambda: bus.listener_count == 0)
