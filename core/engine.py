@@ -24,6 +24,8 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 import msgspec
 
 from workbench.core.args import ServerArgs
+from workbench.core.distributed.launch import (spawn_scheduler_ranks, tp_ranks_on_node, validate_tp_for_model,
+                                               with_dist_init_addr)
 from workbench.core.ipc import PortArgs
 from workbench.core.managers.tokenizer_manager import EngineDeadError, GenerateReqInput, TokenizerManager
 from workbench.core.model_loader import load_tokenizer, prepare_model
@@ -67,27 +69,31 @@ class Engine:
     # ==== start-up ====================================================================
     def _launch(self) -> None:
         sa = self.server_args
+        if sa.node_rank > 0:
+            raise ValueError(f"node {sa.node_rank} of a multi-node launch runs only scheduler ranks, no Engine: "
+                             "start it with `workbench serve --nnodes N --node-rank K --dist-init-addr HOST:PORT` "
+                             "(or workbench.core.distributed.launch.run_worker_node); the Engine runs on node 0")
         self._progress("preparing model (converting GGUF on first use)")
         self.prepared = prepare_model(sa.model_path, progress=sa.show_progress)
         self.model_path = str(self.prepared.gguf_path or self.prepared.model_dir)
+        if sa.tp_size > 1:      # reading the config imports transformers: keep it off the TP-1 warm start
+            validate_tp_for_model(self.prepared.config, sa.tp_size)     # before any process starts
         # Children load the converted directory, never the GGUF again.
-        child_args = dataclasses.replace(sa, model_path=str(self.prepared.model_dir))
+        child_args = with_dist_init_addr(dataclasses.replace(sa, model_path=str(self.prepared.model_dir)))
         self.bus = TraceBus(self.port_args.trace_ipc_name, publish_addr=sa.trace_publish,
                             model=self.served_model_name)
         ctx = mp.get_context("spawn")
         self._progress("starting scheduler and detokenizer processes")
         from workbench.core.managers.detokenizer_manager import run_detokenizer_process
-        from workbench.core.managers.scheduler import run_scheduler_process
-        readers = {}
-        for role, target, args in (
-                ("scheduler", run_scheduler_process, (child_args, self.port_args)),
-                ("detokenizer", run_detokenizer_process, (str(self.prepared.model_dir), self.port_args))):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(*args, writer), name=f"workbench-{role}", daemon=True)
-            proc.start()
-            writer.close()
-            self.procs[role] = proc
-            readers[role] = reader
+        readers: dict = {}
+        self._launch_schedulers(ctx, child_args, readers)
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=run_detokenizer_process, name="workbench-detokenizer", daemon=True,
+                           args=(str(self.prepared.model_dir), self.port_args, writer))
+        proc.start()
+        writer.close()
+        self.procs["detokenizer"] = proc
+        readers["detokenizer"] = reader
         self.tokenizer = load_tokenizer(self.prepared.model_dir)
         self.scheduler_info = self._wait_ready(readers)
         self.context_len = self.scheduler_info["context_len"]
@@ -105,7 +111,12 @@ class Engine:
             from workbench.core.trace.recorder import Recorder
             self._recorder = Recorder(sa.record, model=self.served_model_name)
             self.bus.subscribe_callback(self._recorder, name="recorder")
-        if sa.trace_publish:
+        self._otel = None
+        if sa.otlp_traces_endpoint:
+            from workbench.core.trace.otel import make_exporter
+            self._otel = make_exporter(sa.otlp_traces_endpoint, model=self.served_model_name)
+            self.bus.subscribe_callback(self._otel, name="opentelemetry")
+        if sa.trace_publish or sa.trace_mode == "on":
             self._on_listeners_changed(True)
         self.is_healthy = True
         self._watchdog = threading.Thread(target=self._watch_children, name="workbench-watchdog", daemon=True)
@@ -113,6 +124,18 @@ class Engine:
         self.ready_time_s = time.monotonic() - self.t_start
         self._progress(f"ready in {self.ready_time_s:.1f} s ({self.scheduler_info['dtype']}, "
                        f"KV pool {self.max_total_num_tokens} tokens)")
+
+    def _launch_schedulers(self, ctx, child_args: ServerArgs, readers: dict) -> None:
+        """Start this node's scheduler ranks (one per TP rank; rank 0 is role "scheduler").
+
+        Adds each to `self.procs` and its ready pipe to `readers`. With tp_size > 1 the ranks
+        meet at `child_args.dist_init_addr`; on several nodes the other nodes' ranks join there too.
+        """
+        if child_args.dp_size > 1:   # a DataParallelController and N replicas instead
+            from workbench.core.managers.data_parallel_controller import launch_data_parallel
+            return launch_data_parallel(ctx, child_args, self.port_args, self.procs, readers)
+        ranks = tp_ranks_on_node(child_args.tp_size, child_args.nnodes, child_args.node_rank)
+        spawn_scheduler_ranks(ctx, child_args, self.port_args, ranks, self.procs, readers)
 
     async def _make_tokenizer_manager(self) -> TokenizerManager:
         return TokenizerManager(self.server_args, self.port_args, self.tokenizer, self.context_len,
@@ -360,7 +383,8 @@ class Engine:
         return self.bus.subscribe_callback(fn, name=name)
 
     def _on_listeners_changed(self, active: bool) -> None:
-        active = active or bool(self.server_args.trace_publish)
+        mode = self.server_args.trace_mode
+        active = mode == "on" or (mode == "auto" and (active or bool(self.server_args.trace_publish)))
         self.tracer.set_enabled(active)
         if not self._shutdown and self.is_healthy or active:
             try:
@@ -418,6 +442,8 @@ class Engine:
             self._loop_thread.join(timeout=5)
         if getattr(self, "_recorder", None) is not None:
             self._recorder.close()
+        if getattr(self, "_otel", None) is not None:
+            self._otel.close()
         if getattr(self, "bus", None) is not None:
             self.bus.close()
         self.port_args.cleanup()

@@ -61,6 +61,8 @@ class GetInternalStateReqOutput(Msg):
     max_running_requests: int
     max_req_input_len: int
     last_gen_throughput: float = 0.0
+    # Data parallel: the fields above are summed over replicas; here each replica's own figures.
+    per_replica: Optional[list[dict[str, Union[int, float]]]] = None
 
 
 class SetTraceReq(Msg):

@@ -32,6 +32,10 @@ class PortArgs:
                    scheduler_input_ipc_name=ep("scheduler"),
                    detokenizer_ipc_name=ep("detokenizer"), trace_ipc_name=ep("trace"))
 
+    def endpoint(self, name: str) -> str:
+        """Another ipc:// endpoint in this engine's private directory (e.g. per-replica sockets)."""
+        return f"ipc://{os.path.join(self.ipc_dir, name)}"
+
     def cleanup(self) -> None:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 

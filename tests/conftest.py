@@ -60,3 +60,18 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
         _HF_MEMO[key] = out[0, len(prompt):].tolist()
     return _HF_MEMO[key]
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The reliability suite's figures (collected in tests/reliability_helpers.py), when it ran."""
+    import sys
+    rel = sys.modules.get("reliability_helpers")
+    if rel is None or not any(rel.STATS.values()):
+        return
+    failed = [r for key in ("failed", "error") for r in terminalreporter.stats.get(key, [])
+              if any(f in r.nodeid for f in rel.RELIABILITY_FILES)]
+    s = rel.STATS
+    terminalreporter.write_sep("=", "Reliability")
+    terminalreporter.write_line(
+        f"requests {s['requests']} | faults injected {s['faults']} | fuzz cases {s['fuzz_cases']} | "
+        f"unexpected outcomes {s['unexpected']} | failures {len(failed)}")

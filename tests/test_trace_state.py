@@ -330,3 +330,12 @@ def test_trace_reset_forgets_everything_but_keeps_caps():
     st.apply_many(synthetic_trace(4))
     st.apply(ev.TraceReset(ts=1))
     assert st.dump() == TraceState().dump() and st.steps.maxlen == 3
+
+
+def test_req_snapshot_carries_every_request_view_field():
+    """A late subscriber's snapshot must rebuild the whole RequestView: the wire form has them all."""
+    from workbench.core.trace.views import REQUEST_SNAPSHOT_FIELDS, RequestView
+    wire = set(ev.ReqSnapshot.__struct_fields__)
+    assert set(REQUEST_SNAPSHOT_FIELDS) <= wire
+    assert {"rid", "timeline", "steps"} <= wire
+    assert set(REQUEST_SNAPSHOT_FIELDS) | {"rid", "timeline", "steps"} == {f for f in RequestView.__dataclass_fields__}

@@ -127,9 +127,16 @@ def free_port() -> int:
 
 @contextmanager
 def trainer_process(model_dir: Path, port: int):
+    with trainer_group_process(_trainer, (str(model_dir), port)) as result_q:
+        yield result_q
+
+
+@contextmanager
+def trainer_group_process(target, args: tuple):
+    """Run `target(*args, result_q, done)` in a spawned process (a trainer); yields result_q."""
     ctx = mp.get_context("spawn")
     result_q, done = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_trainer, args=(str(model_dir), port, result_q, done), daemon=True)
+    proc = ctx.Process(target=target, args=(*args, result_q, done), daemon=True)
     proc.start()
     try:
         yield result_q

@@ -148,6 +148,7 @@ class BatchData:
     padded_size: list[int] = field(default_factory=list)
     mode: list[str] = field(default_factory=list)
     cuda_graph: list[bool] = field(default_factory=list)
+    backend: list[str] = field(default_factory=list)     # attention backend of each step
 
 
 def batch_data(state: TraceState, max_steps: int = 200) -> BatchData:
@@ -164,6 +165,7 @@ def batch_data(state: TraceState, max_steps: int = 200) -> BatchData:
         d.padded_size.append(sv.padded_size)
         d.mode.append(sv.mode)
         d.cuda_graph.append(sv.cuda_graph)
+        d.backend.append(sv.backend)
     return d
 
 

@@ -231,7 +231,8 @@ class BatchView(TraceView):
 
     def _draw(self, state, t0):
         b = D.batch_data(state, self.max_steps)
-        hover = [f"{m}, batch {bs} (padded {ps})" for m, bs, ps in zip(b.mode, b.batch_size, b.padded_size)]
+        hover = [f"{m}, batch {bs} (padded {ps}), {'CUDA graph' if g else 'eager'}, {be}"
+                 for m, bs, ps, g, be in zip(b.mode, b.batch_size, b.padded_size, b.cuda_graph, b.backend)]
         for tr, ys in zip(self.figure.data[:3], (b.cached, b.computed, b.decode)):
             tr.x, tr.y, tr.customdata = b.steps, ys, hover
         self.figure.data[3].x, self.figure.data[3].y = b.steps, b.step_ms

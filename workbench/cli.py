@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_trace_export)
     p.set_defaults(func=lambda a: p.print_help() or 2)
 
+    p = sub.add_parser("selftest", help="check the GPU paths (or their CPU dry run) against torch-native",
+                       description="Run every attention backend and CUDA-graph decode against the torch-native "
+                                   "backend on the default model; print a pass/fail table with timings.")
+    from workbench.selftest import add_arguments as add_selftest_args
+    add_selftest_args(p)
+    p.set_defaults(func=cmd_selftest)
+
     p = sub.add_parser("plugins", help="list loaded plugins and what they contribute")
     p.set_defaults(func=cmd_plugins)
     return parser
@@ -95,6 +102,10 @@ def _add_bench_parsers(bench_sub) -> None:
         add_model_bench(bench_sub)
     except ImportError:
         pass
+    from workbench.core.bench.tp_bench import add_parser as add_tp_bench
+    add_tp_bench(bench_sub)
+    from workbench.core.bench.trace_bench import add_parser as add_trace_bench
+    add_trace_bench(bench_sub)
     try:
         from workbench.core.bench.serve_bench import add_serve_bench_args, run_serve_bench
         sp = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible server")
@@ -173,6 +184,11 @@ def cmd_bench_engine(args) -> int:
     return 0
 
 
+def cmd_selftest(args) -> int:
+    from workbench.selftest import cli_main
+    return cli_main(args)
+
+
 def cmd_plugins(args) -> int:
     from workbench.plugins import load_plugins
     reg = load_plugins()
@@ -194,7 +210,7 @@ def main(argv=None) -> int:
         rc = args.func(args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ConnectionError) as exc:
         print(f"workbench: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:

@@ -7,6 +7,8 @@ Workloads (the pipeline issue's benchmark):
                 64 new tokens: total time, with and without the radix cache, and transformers.
 It also prints each engine process's resident memory and the time from `Engine(...)` to ready,
 cold (empty converted-weights cache) and warm.
+With `--dp-size N` (N > 1) everything runs on N data-parallel replicas, and workload (a) runs once
+more on one replica (DP 1) as the peer: the DP N / DP 1 throughput ratio is printed.
 """
 from __future__ import annotations
 
@@ -127,6 +129,15 @@ def run_engine_bench(args) -> list[BenchRow]:
     finally:
         engine.shutdown()
 
+    if sa.dp_size > 1:
+        _progress(f"(a) again with --dp-size 1, the peer of --dp-size {sa.dp_size}")
+        with Engine(server_args=ServerArgs(**{**asdict(sa), "dp_size": 1})) as dp1:
+            _run_engine(dp1, mixed[:2], 2)
+            dt, toks = _run_engine(dp1, mixed, mixed_new)
+            rows.append(BenchRow(rows[0].workload, "workbench, dp 1", dt, toks, toks / dt))
+            rows[0].system = f"workbench, dp {sa.dp_size}"
+            rows[0].note = f"dp {sa.dp_size} / dp 1 throughput: {rows[0].tok_per_s / (toks / dt):.2f}x"
+
     _progress("(b) again with --disable-radix-cache")
     with Engine(server_args=ServerArgs(**{**asdict(sa), "disable_radix_cache": True})) as nocache:
         _run_engine(nocache, mixed[:2], 2)
@@ -184,6 +195,9 @@ def _print(rows: list[BenchRow], rss: dict, warm: float, cold: Optional[float]) 
     for r in rows:
         ratio = f"{r.ratio_vs_transformers:.2f}x" if r.ratio_vs_transformers else ""
         print(f"{r.workload:<20} {r.system:<28} {r.seconds:8.2f} {r.output_tokens:8d} {r.tok_per_s:8.1f} {ratio:>16}")
+    for r in rows:
+        if r.note:
+            print(f"{r.workload}: {r.note}")
     on = next((r for r in rows if r.system == "workbench" and r.workload.startswith("b")), None)
     off = next((r for r in rows if r.system.endswith("no radix cache")), None)
     if on and off:

@@ -250,6 +250,79 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+# ---- eager vs compiled decode ------------------------------------------------------------
+@dataclass
+class CompileRow:
+    """One batch size: the workbench's decode tokens/s eager and through its compiled step."""
+
+    batch: int
+    dtype: str
+    eager_tok_s: float
+    compiled_tok_s: float
+    compile_s: float                 # one-time compile of this batch size's graph
+
+    @property
+    def ratio(self) -> float:
+        return self.compiled_tok_s / self.eager_tok_s
+
+
+def run_compile_bench(args: argparse.Namespace) -> list[CompileRow]:
+    """Eager vs `--enable-torch-compile` decode (the CPU analogue of CUDA graphs), same weights,
+    same prompts, the two runners alternating within each repeat; best of the repeats kept."""
+    from workbench.core.model_loader import prepare_model
+
+    batches = sorted({int(b) for b in str(args.batches).split(",") if b.strip()})
+    if not batches or batches[0] < 1:
+        raise ValueError("--batches takes positive batch sizes, e.g. 1,8,32")
+    sizes = BenchSizes.quick() if args.quick else BenchSizes()
+    new_tokens = getattr(args, "decode_tokens", None) or (4 if args.quick else 16)
+    if new_tokens < 2:
+        raise ValueError("--decode-tokens must be at least 2 (one prefill token plus decode steps)")
+    repeats = getattr(args, "repeats", None) or sizes.repeats
+    dtypes = _parse_dtypes(args.dtype) if args.dtype else ["float32"]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    global _clock
+    _clock = _CLOCKS[getattr(args, "clock", None) or "wall"]
+    stages = _Stages(total=len(dtypes) * (2 + 2 * len(batches)), quiet=bool(getattr(args, "quiet", False)))
+    prepared = prepare_model(args.model, progress=not stages.quiet)
+    vocab = int(prepared.config.vocab_size)
+    prompts = {bs: _prompts(bs, sizes.prompt_len, vocab, seed=10 + bs) for bs in batches}
+    max_tokens = batches[-1] * (sizes.prompt_len + new_tokens) + 64
+    rows = []
+    for dtype in dtypes:
+        eager = _Workbench(prepared, dtype, max_tokens, False)
+        stages.step(f"{dtype}: eager runner loaded")
+        compiled = _Workbench(prepared, dtype, max_tokens, True)
+        compiled.runner.decode_runner.buckets = batches      # compile exactly the measured sizes
+        stages.step(f"{dtype}: compiled runner loaded")
+        for bs in batches:   # warm-up: oneDNN kernels for eager; the compile itself for the other
+            eager.generate(prompts[bs], 2)
+            compiled.generate(prompts[bs], 2)
+            stages.step(f"{dtype}: bs={bs} compiled in {compiled.compile_times().get(bs, 0.0):.1f}s")
+        best = {(bs, name): float("inf") for bs in batches for name in ("eager", "compiled")}
+        for _ in range(max(1, repeats)):
+            for bs in batches:
+                for name, engine in (("eager", eager), ("compiled", compiled)):
+                    stamps = engine.generate(prompts[bs], new_tokens)
+                    best[bs, name] = min(best[bs, name], stamps[-1] - stamps[1])
+        for bs in batches:
+            rate = {n: bs * (new_tokens - 1) / max(best[bs, n], 1e-9) for n in ("eager", "compiled")}
+            rows.append(CompileRow(bs, dtype, rate["eager"], rate["compiled"], compiled.compile_times().get(bs, 0.0)))
+            stages.step(f"{dtype}: bs={bs} eager {rate['eager']:.1f} tok/s, compiled {rate['compiled']:.1f} tok/s")
+        del eager, compiled
+    return rows
+
+
+def format_compile_table(rows: list[CompileRow]) -> str:
+    header = f"{'decode':<10}{'dtype':<10}{'eager tok/s':>13}{'compiled tok/s':>16}{'ratio':>8}{'compile s':>11}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{'bs=' + str(r.batch):<10}{r.dtype:<10}{r.eager_tok_s:>13.1f}{r.compiled_tok_s:>16.1f}"
+                     f"{r.ratio:>7.2f}x{r.compile_s:>11.1f}")
+    return "\n".join(lines)
+
+
 def _busy_warning() -> Optional[str]:
     """A warning when other processes keep the CPU busy: then every engine's multi-threaded
     kernels wait at thread barriers for descheduled threads, and timings stop meaning much."""
@@ -304,8 +377,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model path (.gguf, HF dir); default SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default=",".join(DEFAULT_DTYPES),
-                   help="comma-separated dtypes to measure (default: float32,bfloat16)")
+    p.add_argument("--dtype", default=None,
+                   help="comma-separated dtypes to measure (default: float32,bfloat16; "
+                        "float32 with --compare-compile)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test, numbers meaningless)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write rows + environment as JSON")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -319,10 +393,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip transformers (workbench numbers only)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="run decode steps through torch.compile (compiles per batch-size bucket first)")
+    p.add_argument("--compare-compile", action="store_true",
+                   help="instead: eager vs torch.compile'd decode steps of the workbench itself, "
+                        "at the --batches sizes (compiles one graph per size first)")
+    p.add_argument("--batches", default="1,8,32", help="batch sizes for --compare-compile (default 1,8,32)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def _cli_main(args: argparse.Namespace) -> int:
+    if getattr(args, "compare_compile", False):
+        crows = run_compile_bench(args)
+        print(format_compile_table(crows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"compile_rows": [asdict(r) for r in crows], "environment": environment(),
+                           "quick": bool(args.quick)}, f, indent=2)
+            print(f"wrote {args.json}", file=sys.stderr)
+        return 0
     rows = run_model_bench(args)
     print(format_table(rows))
     if args.json:

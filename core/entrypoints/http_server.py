@@ -8,7 +8,9 @@ while the engine starts, then runs uvicorn ON THE ENGINE'S LOOP
 `engine.async_generate` with no cross-thread bridging. The main thread only
 waits for signals: SIGTERM/SIGINT stop accepting, let in-flight requests
 finish (bounded by `GRACEFUL_TIMEOUT_S`), shut the engine down and exit 0; a
-second signal skips the wait.
+second signal skips the wait. If a child process dies, in-flight requests fail
+with 503 `engine_unavailable`, /health answers 503 for `ENGINE_DEAD_GRACE_S`,
+and the process exits 1.
 
 Run: `python -m workbench.core.entrypoints.http_server --port 30000 [--model PATH] [--api-key K]`
 """
@@ -50,6 +52,7 @@ from workbench.core.entrypoints.openai.serving_completions import create_complet
 logger = logging.getLogger(__name__)
 
 GRACEFUL_TIMEOUT_S = 30.0
+ENGINE_DEAD_GRACE_S = 2.0    # after a child process dies: answer 503 this long, then exit 1
 
 
 # ---------------------------------------------------------------- helpers
@@ -115,7 +118,7 @@ def _add_weights_route(app: FastAPI, engine: Any, path: str, method: str, fields
         raw = await request.body()
         try:
             body = json.loads(raw) if raw else {}
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:   # RecursionError: absurdly deep nesting
             raise bad_request(f"Request body is not valid JSON: {e}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
@@ -128,7 +131,8 @@ def _add_weights_route(app: FastAPI, engine: Any, path: str, method: str, fields
             return JSONResponse({"success": False, "message": str(e)}, status_code=400)
         return JSONResponse(finite_json(out))
     methods = ["GET", "POST"] if method == "get_weights_by_name" else ["POST"]
-    app.add_api_route(path, route, methods=methods, name=method)
+    for m in methods:     # one route per method: distinct OpenAPI operation ids
+        app.add_api_route(path, route, methods=[m], name=method, operation_id=f"{method}_{m.lower()}")
 
 
 def _running_loop():
@@ -242,7 +246,8 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
                              "served_model_name": name, "is_generation": True,
                              "context_len": ctx.context_len, "vocab_size": ctx.vocab_size})
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache", operation_id="flush_cache_post")
+    @app.get("/flush_cache", operation_id="flush_cache_get")
     async def flush_cache():
         ok = await asyncio.to_thread(engine.flush_cache)
         if not ok:
@@ -434,6 +439,9 @@ def launch_server(server_args: ServerArgs) -> int:
     """`workbench serve`: start the engine, serve until SIGTERM/SIGINT, shut down. Returns the exit code."""
     from workbench.core.engine import Engine
 
+    if server_args.node_rank > 0:     # multi-node: this node serves only its TP ranks (no HTTP)
+        from workbench.core.distributed.launch import run_worker_node
+        return run_worker_node(server_args)
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID` dumps every thread's stack
     logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -472,6 +480,11 @@ def launch_server(server_args: ServerArgs) -> int:
             if not getattr(engine, "is_healthy", True):
                 print("error: the engine died; shutting down", file=sys.stderr, flush=True)
                 code = 1
+                # Keep the port open a moment longer: in-flight clients get their error
+                # responses and health checks see a 503 rather than a refused connection.
+                deadline = time.monotonic() + ENGINE_DEAD_GRACE_S
+                while time.monotonic() < deadline and not signals["count"]:
+                    time.sleep(0.1)
                 break
         # Stop accepting, let in-flight requests finish (uvicorn bounds the wait); a second
         # signal skips the wait.

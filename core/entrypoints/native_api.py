@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse
 from workbench.core.entrypoints.errors import bad_request, engine_error_to_api
 from workbench.core.entrypoints.openai.protocol import GenerateReqInput
 from workbench.core.entrypoints.openai.serving_common import (
-    SSE_DONE, ChoiceSpec, ServingContext, SSEResponse, StreamGuard, generate_all, new_rid, sse, sse_error,
+    MAX_CHOICES_PER_REQUEST, SSE_DONE, ChoiceSpec, ServingContext, SSEResponse, StreamGuard, generate_all, new_rid,
+    sse, sse_error,
 )
 
 _SAMPLING_KEYS: Optional[frozenset] = None
@@ -37,6 +38,15 @@ def _sampling_keys() -> frozenset:
     return _SAMPLING_KEYS
 
 
+def _choice_count(ctx: ServingContext, n: Any) -> int:
+    """A sampling_params `n` as an int in [1, max_n] (absent or null: 1), else a 400."""
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= ctx.max_n:
+        raise bad_request(f"sampling_params n must be an integer in [1, {ctx.max_n}], got {n!r}", "sampling_params")
+    return n
+
+
 async def native_generate(ctx: ServingContext, request: Request, req: GenerateReqInput):
     """Handle one validated /generate request (single prompt, batch, or a stream)."""
     if (req.text is None) == (req.input_ids is None):
@@ -49,15 +59,22 @@ async def native_generate(ctx: ServingContext, request: Request, req: GenerateRe
         unknown = sorted(set(sp) - _sampling_keys())
         if unknown:
             raise bad_request(f"unknown sampling parameter(s): {', '.join(unknown)}", "sampling_params")
+    n = max(_choice_count(ctx, sp.get("n")) for sp in sps)
+    num_prompts = len(req.text if isinstance(req.text, list) else req.input_ids) if is_batch else 1
+    if num_prompts * n > MAX_CHOICES_PER_REQUEST:
+        raise bad_request(f"too many generations in one request ({num_prompts} prompts x n={n}; at most "
+                          f"{MAX_CHOICES_PER_REQUEST}): split the batch", "text" if req.text is not None else "input_ids")
     if req.input_ids is not None:
         flat = req.input_ids if not is_batch else [t for ids in req.input_ids for t in ids]
         ctx.check_token_ids(flat, "input_ids")
     if req.top_logprobs_num and not 0 <= req.top_logprobs_num <= ctx.max_top_logprobs:
         raise bad_request(f"top_logprobs_num must be between 0 and {ctx.max_top_logprobs}", "top_logprobs_num")
+    if req.logprob_start_len is not None and not -1 <= req.logprob_start_len <= ctx.context_len:
+        raise bad_request(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in "
+                          f"[0, {ctx.context_len}]", "logprob_start_len")
     kwargs = dict(prompt=req.text, input_ids=req.input_ids, sampling_params=req.sampling_params,
                   return_logprob=bool(req.return_logprob), top_logprobs_num=req.top_logprobs_num or 0,
                   logprob_start_len=-1 if req.logprob_start_len is None else req.logprob_start_len)
-    n = max(int(sp.get("n", 1) or 1) for sp in sps)
     if req.stream:
         if is_batch or n > 1:
             raise bad_request("streaming takes a single prompt with n=1", "stream")

@@ -27,6 +27,7 @@ from typing import Optional
 import zmq
 
 from workbench.core.args import ServerArgs
+from workbench.core.distributed.msg_broadcast import broadcast_msgs
 from workbench.core.io_struct import (
     AbortReq, FlushCacheReq, FlushCacheReqOutput, GetInternalStateReq, GetInternalStateReqOutput,
     GetWeightsByNameReq, SetTraceReq, StepGateReq, StepGateReqOutput, TokenizedGenerateReqInput,
@@ -60,7 +61,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
                  prepared=None, proc_name: str = "scheduler"):
         self.server_args = server_args
         self.port_args = port_args
-        self.tracer = Tracer(proc_name, endpoint=port_args.trace_ipc_name)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        # Only TP rank 0 talks to the rest of the engine: it traces, receives and sends.
+        self.tracer = Tracer(proc_name, endpoint=port_args.trace_ipc_name if tp_rank == 0 else None)
         self.tp_worker = TpModelWorker(server_args, tp_rank, tp_size, prepared)
         runner = self.tp_worker.model_runner
         self.model_config = runner.model_config
@@ -99,11 +102,17 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         self.inflight: Optional[InflightBatch] = None
         self.overlap_worker = None
 
-        ctx = zmq.Context(2)
-        self.recv_from_tokenizer = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
-        self.send_to_detokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
         self.poller = zmq.Poller()
-        self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+        if tp_rank == 0:
+            ctx = zmq.Context(2)
+            self.recv_from_tokenizer = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
+            self.send_to_detokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
+            self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+        else:
+            # Ranks > 0 get their input by broadcast from rank 0 and compute the same outputs,
+            # which rank 0 alone sends.
+            self.recv_from_tokenizer = None
+            self.send_to_detokenizer = _DiscardingSocket()
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
@@ -124,12 +133,21 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             self.finish_step(batch)
 
     def recv_requests(self) -> list:
-        """Everything waiting on the input socket; blocks up to 50 ms when there is no work."""
-        idle = not self.has_work() or (self.paused and self.step_credits == 0)
-        if idle:
-            self.tracer.flush()
-            self.poller.poll(50)
-        return recv_all_nowait(self.recv_from_tokenizer)
+        """Everything waiting on the input socket; blocks up to 50 ms when there is no work.
+
+        Under tensor parallelism rank 0 reads the socket and broadcasts the list, so every
+        rank processes the same messages at the same iteration (and others wait in the broadcast).
+        """
+        msgs = None
+        if self.tp_rank == 0:
+            idle = not self.has_work() or (self.paused and self.step_credits == 0)
+            if idle:
+                self.tracer.flush()
+                self.poller.poll(50)
+            msgs = recv_all_nowait(self.recv_from_tokenizer)
+        if self.tp_size > 1:
+            msgs = broadcast_msgs(msgs)
+        return msgs
 
     def process_input_requests(self, recv_reqs: list) -> None:
         for msg in recv_reqs:
@@ -288,10 +306,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
     def _fit_prefill_to_pool(self, adder: PrefillAdder, chunk_carry: Optional[Req]) -> None:
         """Give admitted requests back (last first) until the batch's new tokens fit in the pool.
 
-        PrefillAdder checks a request against the budget before locking its matched prefix, so
-        when that prefix was all that was evictable it is counted as room for the request's own
-        tokens; allocating the batch would then fail. A continuing chunk is never given back.
-        """
+        PrefillAdder's budget already accounts for locked prefixes and running requests' reserves,
+        so this is a last guard for what the estimate cannot see (a continuing chunk's own tokens:
+        it is admitted unconditionally and is never given back here)."""
         can_run = adder.can_run_list
         need = sum(r.extend_input_len for r in can_run)
         room = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
@@ -380,6 +397,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
     def prepare_launch(self, batch: ScheduleBatch):
         """Allocate KV, advance the requests' bookkeeping and build the worker batch."""
         mwb = batch.prepare_for_decode() if batch is self.running_batch else batch.prepare_for_extend()
+        # For the trace: whether this pass replays a CUDA graph, and the bucket it pads to.
+        batch.cuda_graph, batch.padded_size = self.tp_worker.model_runner.graph_plan(
+            batch.forward_mode, len(batch.reqs), mwb.return_all_logits)
         step_reqs = self.describe_batch_step(batch) if self.tracer.enabled else None
         if batch.forward_mode == ForwardMode.EXTEND:
             for req in batch.reqs:
@@ -460,6 +480,13 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             self.tracer.emit(event)
 
 
+class _DiscardingSocket:
+    """The output socket of a TP rank > 0: rank 0 sends the identical outputs."""
+
+    def send(self, *args, **kwargs) -> None:
+        pass
+
+
 def _load_fast_tokenizer(model_dir):
     """The `tokenizers` library directly: fast to load, no transformers import in this process."""
     from pathlib import Path
@@ -475,18 +502,22 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
     try:
         if server_args.num_threads is None:
             import torch
-            torch.set_num_threads(max(1, os.cpu_count() or 1))
+            # TP ranks on one node share its cores.
+            ranks_here = max(1, tp_size // server_args.nnodes)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
         scheduler = Scheduler(server_args, port_args, tp_rank, tp_size, proc_name=proc_name)
         runner = scheduler.tp_worker.model_runner
-        scheduler.tracer.set_enabled(True)
-        scheduler.tracer.emit(ev.ProcStarted(pid=os.getpid(), role=proc_name))
-        scheduler.tracer.flush()
-        scheduler.tracer.set_enabled(False)
+        if tp_rank == 0:
+            scheduler.tracer.set_enabled(True)
+            scheduler.tracer.emit(ev.ProcStarted(pid=os.getpid(), role=proc_name))
+            scheduler.tracer.flush()
+            scheduler.tracer.set_enabled(False)
         pipe_writer.send({"status": "ready", "role": proc_name, "pid": os.getpid(),
                           "max_total_num_tokens": scheduler.max_total_num_tokens,
                           "max_running_requests": scheduler.max_running_requests,
                           "context_len": scheduler.model_config.context_len,
                           "dtype": str(runner.dtype).replace("torch.", ""),
+                          "tp_rank": tp_rank, "tp_size": tp_size, "kv_head_num": runner.token_to_kv_pool.head_num,
                           "load_time_s": runner.load_time_s})
     except Exception as exc:
         import traceback

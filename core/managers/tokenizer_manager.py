@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -124,6 +125,14 @@ class TokenizerManager:
         input_ids = self._tokenize(obj)
         sp = obj.sampling_params
         self._validate(input_ids, sp, obj)
+        try:
+            # Encoded before the state exists: a value msgpack cannot carry is a bad request, not a leak.
+            wire = encode_msg(TokenizedGenerateReqInput(
+                rid=rid, input_text=(obj.text or "")[:200], input_ids=input_ids, sampling_params=sp,
+                return_logprob=obj.return_logprob, top_logprobs_num=obj.top_logprobs_num,
+                logprob_start_len=obj.logprob_start_len, stream=obj.stream, arrival_ts=created))
+        except (OverflowError, TypeError, msgspec.EncodeError) as e:
+            raise ValueError(f"a request parameter cannot be represented: {e}") from None
         state = ReqState(rid=rid, prompt_tokens=len(input_ids), stream=obj.stream, created_ns=created,
                          event=asyncio.Event())
         self.rid_to_state[rid] = state
@@ -132,11 +141,8 @@ class TokenizerManager:
             self.tracer.emit(ev.ReqTokenized(rid=rid, prompt_tokens=len(input_ids),
                                              max_new_tokens=sp.max_new_tokens))
             self.tracer.flush()
-        await self.send_to_scheduler.send(encode_msg(TokenizedGenerateReqInput(
-            rid=rid, input_text=(obj.text or "")[:200], input_ids=input_ids, sampling_params=sp,
-            return_logprob=obj.return_logprob, top_logprobs_num=obj.top_logprobs_num,
-            logprob_start_len=obj.logprob_start_len, stream=obj.stream, arrival_ts=created)))
         try:
+            await self.send_to_scheduler.send(wire)
             async for out in self._wait_one(state, obj.stream):
                 yield out
         finally:

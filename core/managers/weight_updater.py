@@ -37,7 +37,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from workbench.core.distributed.parallel_state import tensor_model_parallel_all_gather
+from workbench.core.distributed.parallel_state import all_gather_bytes, tensor_model_parallel_all_gather
 from workbench.core.io_struct import (
     DestroyWeightsUpdateGroupReq, GetWeightsByNameReq, GetWeightsByNameReqOutput, InitWeightsUpdateGroupReq, Msg,
     NamedTensorPayload, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq,
@@ -550,8 +550,39 @@ def handle_request(runner, msg: Msg, busy: bool = False) -> tuple[Msg, Optional[
     Returns (reply, source): source is set when the weights changed (the scheduler then
     flushes its cache, bumps the weights version and emits `weights.updated`). `busy`:
     requests are still running, so weight changes are refused (the TokenizerManager
-    normally waits for them first).
+    normally waits for them first). Under tensor parallelism every rank runs this for
+    the same message and they agree on the outcome (only rank 0's reply is sent).
     """
+    reply, source = _handle_on_this_rank(runner, msg, busy)
+    if getattr(runner, "tp_size", 1) > 1 and not isinstance(msg, GetWeightsByNameReq):
+        reply, source = _agree_across_ranks(reply, source)
+    return reply, source
+
+
+def _agree_across_ranks(reply: UpdateWeightsReqOutput, source: Optional[str]) -> tuple[Msg, Optional[str]]:
+    """One outcome for all TP ranks: a failure on any rank fails the call, naming the rank(s).
+
+    When the weights changed on any rank, `source` is set on every rank, so that all flush
+    their caches together (their schedules must stay identical).
+    """
+    mine = (b"1" if reply.success else b"0") + (b"1" if source is not None else b"0") + reply.message.encode()
+    outcomes = all_gather_bytes(mine)
+    failed = [(rank, o[2:].decode(errors="replace")) for rank, o in enumerate(outcomes) if o[:1] != b"1"]
+    changed_anywhere = any(o[1:2] == b"1" for o in outcomes)
+    source = (source or "partial") if changed_anywhere else None
+    if not failed:
+        return reply, source
+    messages = sorted({m for _, m in failed})
+    if len(failed) == len(outcomes) and len(messages) == 1:
+        text = messages[0]                       # the usual case: every rank rejected it alike
+    else:
+        text = "; ".join(f"TP rank {r}: {m}" for r, m in failed)
+    if changed_anywhere:
+        text += " (other ranks loaded it: the ranks now disagree; load a full checkpoint again)"
+    return UpdateWeightsReqOutput(success=False, message=text), source
+
+
+def _handle_on_this_rank(runner, msg: Msg, busy: bool) -> tuple[Msg, Optional[str]]:
     if isinstance(msg, GetWeightsByNameReq):
         try:
             return GetWeightsByNameReqOutput(values=get_weights_by_name(runner, msg.name, msg.truncate_size)), None

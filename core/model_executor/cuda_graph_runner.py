@@ -1,11 +1,18 @@
-"""Static-shape decode steps: batch-size buckets, padding, and the compiled CPU runner.
+"""Static-shape decode steps: batch-size buckets, padding, CUDA graphs, and the compiled CPU runner.
 
 A captured CUDA graph and a `torch.compile(dynamic=False)` graph share one
 constraint: the batch size is baked in. Both therefore keep one graph per bucket
-(1, 2, 4, 8, 16, 24, 32, then every 16) and pad a decode batch up to the
-smallest bucket that holds it. Padded rows are harmless by construction: they
-read token 0 at position 0, write their K/V to the pool's scratch slot 0 (never
-handed out), and attend to that one slot only; their logits are dropped.
+and pad a decode batch up to the smallest bucket that holds it. Padded rows are
+harmless by construction: they read token 0 at position 0, write their K/V to the
+pool's scratch slot 0 (never handed out), and attend to that one slot only; their
+logits are dropped.
+
+- `CudaGraphRunner` (CUDA): buckets 1, 2, 4, 8, then every 8; static input buffers,
+  one shared memory pool, the attention backend's capture/replay hooks. The graph
+  mechanism is injectable: `TorchCudaGraphMechanism` on a GPU,
+  `StandInGraphMechanism` (re-runs the recorded callable) in CPU tests.
+- `TorchCompileDecodeRunner` (CPU, `--enable-torch-compile`): buckets 1, 2, 4, 8,
+  16, 24, 32, then every 16.
 """
 from __future__ import annotations
 
@@ -151,6 +158,10 @@ class TorchCompileDecodeRunner:
         return (fb.forward_mode.is_decode() and not fb.return_all_logits
                 and fb.batch_size <= self.buckets[-1])
 
+    def bucket_for(self, bs: int) -> Optional[int]:
+        """The compiled batch size a bs-row decode pads to (None: too big, eager)."""
+        return pick_bucket(bs, self.buckets)
+
     def forward(self, fb) -> torch.Tensor:
         """Next-token logits [B, V] float32 of a decode batch."""
         import time
@@ -196,3 +207,276 @@ class TorchCompileDecodeRunner:
                     print(f"compiled decode bucket bs={bs} in {self.compile_time_s[bs]:.1f}s", flush=True)
         finally:
             mr.req_to_token_pool.free(row)
+
+
+# ---- CUDA graphs for decode ------------------------------------------------------------
+CUDA_GRAPH_STEP = 8
+
+
+def get_cuda_graph_batch_sizes(max_bs: int, explicit: Optional[list[int]] = None) -> list[int]:
+    """Captured batch sizes: `explicit` (--cuda-graph-bs) capped at `max_bs`, else 1, 2, 4, 8 and
+    every 8 up to `max_bs` (--cuda-graph-max-bs), which is always included."""
+    if max_bs < 1:
+        raise ValueError(f"--cuda-graph-max-bs must be at least 1, got {max_bs}")
+    if explicit:
+        bad = [b for b in explicit if int(b) < 1]
+        if bad:
+            raise ValueError(f"--cuda-graph-bs sizes must be at least 1, got {bad}")
+        sizes = sorted({int(b) for b in explicit if int(b) <= max_bs})
+        if not sizes:
+            raise ValueError(f"every --cuda-graph-bs size exceeds the largest batch ({max_bs}); "
+                             "lower them or raise --cuda-graph-max-bs / --max-running-requests")
+        return sizes
+    sizes = {b for b in (1, 2, 4) if b <= max_bs}
+    sizes.update(range(CUDA_GRAPH_STEP, max_bs + 1, CUDA_GRAPH_STEP))
+    sizes.add(max_bs)
+    return sorted(sizes)
+
+
+class _CudaGraph:
+    """A captured torch.cuda.CUDAGraph and the output tensor it writes on every replay."""
+
+    def __init__(self, graph, output: torch.Tensor):
+        self.graph, self.output = graph, output
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class TorchCudaGraphMechanism:
+    """Real CUDA graphs: warm up on a side stream, capture into one shared memory pool."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def make_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn, pool) -> _CudaGraph:
+        # Two eager runs first: lazy initialisation (cuBLAS handles, workspaces, autotuned
+        # kernels) allocates or syncs, neither of which may happen inside a capture.
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.stream(self.stream):
+            fn()
+            fn()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+            output = fn()
+        torch.cuda.synchronize(self.device)
+        return _CudaGraph(graph, output)
+
+
+class _StandInGraph:
+    """Records the step's Python callable; replay re-runs it into the same output tensor."""
+
+    def __init__(self, fn, output: torch.Tensor):
+        self.fn, self.output = fn, output
+
+    def replay(self) -> None:
+        self.output.copy_(self.fn())
+
+
+class StandInGraphMechanism:
+    """A CPU stand-in for CUDA graphs, so the runner's whole flow runs in tests.
+
+    Like a real graph it fixes the callable, its input buffers and its output tensor
+    at capture; replay must read new inputs only through those buffers. Unlike a real
+    graph it re-runs Python, so host-side metadata may change shape between replays.
+    """
+
+    name = "stand-in"
+
+    def make_pool(self):
+        return None
+
+    def capture(self, fn, pool) -> _StandInGraph:
+        return _StandInGraph(fn, fn())
+
+
+@dataclass
+class StaticDecodeBuffers:
+    """The graphs' inputs, allocated once for the largest bucket; bucket bs uses rows [:bs]."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    pad_row: int                      # the req_to_token row padded requests point at (all slot 0)
+
+    @classmethod
+    def allocate(cls, max_bs: int, device, pad_row: int) -> "StaticDecodeBuffers":
+        def z():
+            return torch.zeros(max_bs, dtype=torch.int64, device=device)
+        buf = cls(z(), z(), z(), z(), z(), pad_row)
+        buf.fill_padding(0, max_bs)
+        return buf
+
+    def fill_padding(self, start: int, end: int) -> None:
+        """Rows [start, end) become dummy requests: token 0 at position 0, one key (slot 0),
+        writing their K/V to the scratch slot 0, which no request owns."""
+        if end <= start:
+            return
+        for t in (self.input_ids, self.positions, self.out_cache_loc):
+            t[start:end].zero_()
+        self.req_pool_indices[start:end].fill_(self.pad_row)
+        self.seq_lens[start:end].fill_(1)
+
+    def load(self, fb, bucket: int) -> list[int]:
+        """Copy a decode batch into rows [:bs], pad rows [bs:bucket]; returns the padded host lengths."""
+        bs = fb.batch_size
+        self.input_ids[:bs].copy_(fb.input_ids, non_blocking=True)
+        self.positions[:bs].copy_(fb.positions, non_blocking=True)
+        self.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
+        self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
+        self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
+        self.fill_padding(bs, bucket)
+        return list(fb.seq_lens_cpu) + [1] * (bucket - bs)
+
+
+def _reserve_padding_row(req_to_token_pool) -> int:
+    """Append one all-zero row to req_to_token, beyond the rows the pool hands out.
+
+    Padded requests read their single key through it, so they only ever touch slot 0.
+    The pool's `size` and free list are unchanged, so the row is never given to a request.
+    """
+    table = req_to_token_pool.req_to_token
+    row = torch.zeros((1, table.shape[1]), dtype=table.dtype, device=table.device)
+    req_to_token_pool.req_to_token = torch.cat((table, row))
+    return table.shape[0]
+
+
+class CudaGraphRunner:
+    """Decode passes replayed from graphs captured per batch-size bucket.
+
+    A decode batch of bs rows replays the graph of the smallest bucket >= bs: its
+    tensors are copied into the static input buffers, rows [bs, bucket) become dummy
+    requests, the attention backend refreshes its static metadata, the graph replays,
+    and the first bs rows of the static logits are returned. Larger batches, extend
+    passes and all-position logits run eagerly. `mechanism` is real CUDA graphs by
+    default; tests pass `StandInGraphMechanism()` to run the same flow on CPU.
+    """
+
+    def __init__(self, model_runner, batch_sizes: list[int], mechanism=None):
+        self.model_runner = model_runner
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_bs = self.batch_sizes[-1]
+        self.device = torch.device(model_runner.device)
+        self.mechanism = mechanism if mechanism is not None else TorchCudaGraphMechanism(self.device)
+        self.attn_backend = model_runner.attn_backend
+        if self.mechanism.name == "cuda" and not self.attn_backend.cuda_graph_capturable:
+            raise ValueError(f"the {self.attn_backend.name} attention backend cannot be captured in a CUDA "
+                             "graph; use --attention-backend flashinfer or triton, or --disable-cuda-graph")
+        pool = model_runner.token_to_kv_pool
+        self.attn_backend.init_cuda_graph_state(self.max_bs, pool.size + 1 + self.max_bs)
+        pad_row = _reserve_padding_row(model_runner.req_to_token_pool)
+        self.buffers = StaticDecodeBuffers.allocate(self.max_bs, self.device, pad_row)
+        self.graphs: dict[int, object] = {}
+        self.forward_batches: dict[int, object] = {}
+        self.capture_time_s: dict[int, float] = {}
+        self.replay_count: dict[int, int] = {}
+        self._pool = None                 # one memory pool for every bucket's graph
+
+    # ---- decisions (device-neutral) ----------------------------------------------------------
+    def can_run(self, fb) -> bool:
+        """Graph or eager: graphs cover decode passes of up to max_bs rows, next-token logits only."""
+        return (fb.forward_mode.is_decode() and not fb.return_all_logits
+                and 1 <= fb.batch_size <= self.max_bs)
+
+    def bucket_for(self, bs: int) -> Optional[int]:
+        """The captured batch size a bs-row decode pads to (None: too big, eager)."""
+        return pick_bucket(bs, self.batch_sizes)
+
+    # ---- capture ---------------------------------------------------------------------------------
+    def _static_batch(self, bs: int):
+        from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+        b, mr = self.buffers, self.model_runner
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=b.input_ids[:bs],
+            positions=b.positions[:bs], req_pool_indices=b.req_pool_indices[:bs], seq_lens=b.seq_lens[:bs],
+            out_cache_loc=b.out_cache_loc[:bs], seq_lens_cpu=[1] * bs, extend_seq_lens_cpu=[1] * bs,
+            extend_prefix_lens_cpu=[0] * bs, req_to_token_pool=mr.req_to_token_pool,
+            token_to_kv_pool=mr.token_to_kv_pool, attn_backend=self.attn_backend)
+
+    def capture(self, progress: bool = False) -> None:
+        """Capture every bucket, largest first: the largest sizes the shared pool, the smaller
+        ones reuse its memory (their graphs never run at the same time)."""
+        import sys
+        import time
+        model = self.model_runner.model
+        if self._pool is None:
+            self._pool = self.mechanism.make_pool()
+        pool = self._pool
+        t_all = time.perf_counter()
+        todo = [bs for bs in reversed(self.batch_sizes) if bs not in self.graphs]
+        for i, bs in enumerate(todo):
+            t0 = time.perf_counter()
+            self.buffers.fill_padding(0, self.max_bs)           # capture runs on dummy rows only
+            fb = self._static_batch(bs)
+            self.attn_backend.init_forward_metadata_capture_cuda_graph(
+                bs, self.buffers.req_pool_indices[:bs], self.buffers.seq_lens[:bs], fb)
+
+            def step(fb=fb):
+                return model.compute_logits(model(fb.input_ids, fb.positions, fb))
+
+            with torch.inference_mode():
+                self.graphs[bs] = self.mechanism.capture(step, pool)
+            self.forward_batches[bs] = fb
+            self.capture_time_s[bs] = time.perf_counter() - t0
+            self.replay_count[bs] = 0
+            if progress:
+                print(f"capture {self.mechanism.name} graph bs={bs:<4} [{i + 1}/{len(todo)}] "
+                      f"{self.capture_time_s[bs]:.2f}s", file=sys.stderr, flush=True)
+        if progress and todo:
+            print(f"captured {len(todo)} decode graphs ({self.mechanism.name}) in "
+                  f"{time.perf_counter() - t_all:.1f}s", file=sys.stderr, flush=True)
+
+    # ---- replay ----------------------------------------------------------------------------------
+    def replay(self, fb) -> torch.Tensor:
+        """Next-token logits [bs, V] of decode batch `fb` through its bucket's graph."""
+        bucket = self.bucket_for(fb.batch_size)
+        if bucket is None or not self.can_run(fb):
+            raise ValueError(f"a {fb.forward_mode.name} batch of {fb.batch_size} rows has no graph; "
+                             "check can_run() first and run it eagerly")
+        if bucket not in self.graphs:
+            self.capture()
+        static_fb = self.forward_batches[bucket]
+        seq_lens_cpu = self.buffers.load(fb, bucket)
+        static_fb.seq_lens_cpu = seq_lens_cpu
+        self.attn_backend.init_forward_metadata_replay_cuda_graph(
+            bucket, self.buffers.req_pool_indices[:bucket], self.buffers.seq_lens[:bucket], seq_lens_cpu,
+            static_fb)
+        self.graphs[bucket].replay()
+        self.replay_count[bucket] += 1
+        # A copy: the next replay overwrites the static output while this batch's logits may
+        # still be read (the overlap loop processes a result after launching the next batch).
+        return self.graphs[bucket].output[: fb.batch_size].clone()
+
+
+def maybe_create_cuda_graph_runner(model_runner) -> Optional[CudaGraphRunner]:
+    """The runner for `--disable-cuda-graph` off on CUDA, or None (CPU, disabled, or unsupported).
+
+    `--cuda-graph-stand-in` builds it on any device with the stand-in mechanism: the whole
+    graph bookkeeping (buckets, padding, trace) runs, replay re-runs the captured step.
+    """
+    import logging
+    args = model_runner.server_args
+    stand_in = bool(getattr(args, "cuda_graph_stand_in", False))
+    if args.disable_cuda_graph or (torch.device(model_runner.device).type != "cuda" and not stand_in):
+        return None
+    if not stand_in and not model_runner.attn_backend.cuda_graph_capturable:
+        logging.getLogger(__name__).warning(
+            "CUDA graphs off: the %s attention backend cannot be captured (use flashinfer or triton)",
+            model_runner.attn_backend.name)
+        return None
+    max_bs = min(args.cuda_graph_max_bs, model_runner.max_running_requests)
+    if args.cuda_graph_bs:
+        max_bs = min(max(args.cuda_graph_bs), model_runner.max_running_requests)
+    runner = CudaGraphRunner(model_runner, get_cuda_graph_batch_sizes(max_bs, args.cuda_graph_bs),
+                             StandInGraphMechanism() if stand_in else None)
+    runner.capture(progress=args.show_progress)
+    return runner

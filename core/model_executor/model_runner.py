@@ -13,11 +13,13 @@ from typing import Optional
 import torch
 
 from workbench.core.args import ServerArgs, choose_cpu_dtype
-from workbench.core.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from workbench.core.distributed.launch import validate_tp_for_model
+from workbench.core.distributed.parallel_state import (all_reduce_min_int, init_tp_group, set_tp_group,
+                                                       tensor_model_parallel_broadcast_)
 from workbench.core.layers.logits_processor import LogitsOutput, LogitsProcessor
 from workbench.core.layers.sampler import Sampler
 from workbench.core.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from workbench.core.model_executor.cuda_graph_runner import TorchCompileDecodeRunner
+from workbench.core.model_executor.cuda_graph_runner import TorchCompileDecodeRunner, maybe_create_cuda_graph_runner
 from workbench.core.model_executor.forward_batch_info import ForwardBatch
 from workbench.core.model_executor.model_config import ModelConfig
 from workbench.core.model_loader import iter_weights, prepare_model
@@ -54,6 +56,7 @@ class ModelRunner:
         self.prepared = prepared or prepare_model(server_args.model_path, progress=server_args.show_progress)
         gen_eos = _generation_eos(self.prepared.model_dir)
         self.model_config = ModelConfig.from_hf(self.prepared.config, server_args.context_length, gen_eos)
+        self.init_torch_distributed()
         self.load_model()
         self.load_time_s = time.monotonic() - t0
 
@@ -65,8 +68,27 @@ class ModelRunner:
         if server_args.enable_torch_compile and self.tp_size == 1:
             self.decode_runner = TorchCompileDecodeRunner(
                 self, min(server_args.torch_compile_max_bs, self.max_running_requests))
+        # Decode through CUDA graphs (CUDA only; captured here, before the first request).
+        self.graph_runner = maybe_create_cuda_graph_runner(self)
 
     # ---- set-up -------------------------------------------------------------
+    def init_torch_distributed(self) -> None:
+        """Join the TP group (tp_size > 1) before any layer is built: layers read their rank at build time."""
+        validate_tp_for_model(self.prepared.config, self.tp_size)
+        if self.tp_size == 1:
+            set_tp_group(0, 1)
+            return
+        if not self.server_args.dist_init_addr:
+            raise ValueError("tp_size > 1 needs --dist-init-addr HOST:PORT (the Engine picks one on a single node)")
+        backend = "gloo"
+        if self.device == "cuda":
+            import torch.distributed as dist
+            per_node = self.tp_size // self.server_args.nnodes
+            # "cuda" then means this rank's GPU everywhere (.to("cuda") uses the current device).
+            torch.cuda.set_device(self.tp_rank % per_node)
+            backend = "nccl" if dist.is_nccl_available() else "gloo"
+        init_tp_group(self.tp_rank, self.tp_size, self.server_args.dist_init_addr, backend)
+
     def load_model(self) -> None:
         cls = get_model_class(self.model_config.architecture)
         with torch.device("cpu"):
@@ -94,7 +116,8 @@ class ModelRunner:
                 free, _ = torch.cuda.mem_get_info()
                 budget_gb = free * self.server_args.mem_fraction_static / 2**30
             tokens = int(budget_gb * 2**30 // bytes_per_token)
-        self.max_total_num_tokens = tokens
+        # Every rank must run the same schedule, so all use the smallest pool any rank can hold.
+        self.max_total_num_tokens = tokens = all_reduce_min_int(tokens)
         self.max_running_requests = min(self.server_args.max_running_requests, max_req_rows or 10**9)
         # One extra row beyond the running cap: a request being retracted/chunked never starves.
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, mc.context_len + 8, self.device)
@@ -103,10 +126,11 @@ class ModelRunner:
                                                  mc.num_layers, self.device)
 
     def _make_attn_backend(self):
-        name = self.server_args.resolved_attention_backend()
-        if name == "torch_native":
-            return TorchNativeAttnBackend()
-        raise ValueError(f"attention backend {name!r} needs CUDA; use --attention-backend torch_native on CPU")
+        from workbench.core.layers.attention.registry import create_attn_backend
+        mc = self.model_config
+        return create_attn_backend(self.server_args.resolved_attention_backend(), self.device,
+                                   max(1, mc.num_attention_heads // self.tp_size),
+                                   self.token_to_kv_pool.head_num, mc.head_dim, self.dtype, self.kv_dtype)
 
     # ---- execution ----------------------------------------------------------
     @torch.inference_mode()
@@ -114,6 +138,8 @@ class ModelRunner:
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return LogitsOutput(next_token_logits=self.graph_runner.replay(fb))
         if self.decode_runner is not None and self.decode_runner.can_run(fb):
             return LogitsOutput(next_token_logits=self.decode_runner.forward(fb))
         self.attn_backend.init_forward_metadata(fb)
@@ -121,6 +147,10 @@ class ModelRunner:
         is_decode = fb.forward_mode.is_decode()
         if fb.return_all_logits:
             last = torch.arange(fb.batch_size) if is_decode else fb.last_token_index
+            if self.tp_size > 1:      # the head is vocab-sharded: compute_logits gathers the shards
+                all_logits = self.model.compute_logits(hidden)
+                return LogitsOutput(next_token_logits=all_logits.index_select(0, last.to(hidden.device)),
+                                    all_logits=all_logits)
             return self.logits_processor(hidden, self.model.lm_head.weight, last.to(hidden.device),
                                          return_all_positions=True)
         # Next-token logits only (the common case): the model's packed LM head on the last rows.
@@ -128,10 +158,23 @@ class ModelRunner:
             hidden = hidden.index_select(0, fb.last_token_index.to(hidden.device))
         return LogitsOutput(next_token_logits=self.model.compute_logits(hidden))
 
+    def graph_plan(self, forward_mode, batch_size: int, return_all_logits: bool = False) -> tuple[bool, int]:
+        """(CUDA graph replayed?, padded batch size) for a pass, as `forward` will run it (for the trace)."""
+        for runner in (self.graph_runner, self.decode_runner):
+            if runner is not None and forward_mode.is_decode() and not return_all_logits and batch_size > 0:
+                bucket = runner.bucket_for(batch_size)
+                if bucket is not None:
+                    return runner is self.graph_runner, bucket
+        return False, batch_size
+
     @torch.inference_mode()
     def sample(self, logits_output: LogitsOutput, sampling_info, return_logprob: bool = False,
                top_logprobs_num: int = 0):
-        return self.sampler(logits_output.next_token_logits, sampling_info, return_logprob, top_logprobs_num)
+        out = self.sampler(logits_output.next_token_logits, sampling_info, return_logprob, top_logprobs_num)
+        if self.tp_size > 1:
+            # Every rank must append the same token; rank 0's choice is the one streamed out.
+            tensor_model_parallel_broadcast_(out.next_token_ids)
+        return out
 
 
 def _generation_eos(model_dir) -> list[int]:

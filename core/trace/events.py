@@ -52,6 +52,15 @@ class ReqScheduled(Event, tag="req.scheduled"):
     num_chunks: int = 1      # ... of n (estimate at scheduling time)
 
 
+class ReqDispatched(Event, tag="req.dispatched"):
+    """Data parallel: the controller sent a request to replica `dp_rank` (proc "scheduler.dp<rank>")."""
+    rid: str
+    dp_rank: int
+    method: str              # "round_robin" | "shortest_queue" | "prefix_aware"
+    matched_tokens: int = 0  # prefix_aware: the controller's guess of the replica's cached prefix
+    loads: list[int] = []    # in-flight requests per replica, this one included
+
+
 class ReqFirstToken(Event, tag="req.first_token"):
     rid: str
 
@@ -225,6 +234,7 @@ class ReqSnapshot(Event, tag="req.snapshot"):
     steps: list[int] = []
     round_chunks: list[int] = []  # computed tokens per prefill chunk of the current round
     round_sampled: bool = False   # the current round's last chunk already sampled a token
+    replica: str = ""             # data parallel: the scheduler replica that holds it
 
 
 class TraceCounters(Event, tag="trace.counters"):
@@ -249,7 +259,7 @@ class TraceReset(Event, tag="trace.reset"):
 
 
 AnyEvent = Union[
-    ReqArrived, ReqTokenized, ReqQueued, ReqScheduled, ReqFirstToken, ReqFinished,
+    ReqArrived, ReqTokenized, ReqQueued, ReqScheduled, ReqDispatched, ReqFirstToken, ReqFinished,
     ReqAborted, ReqRetracted, ReqText, BatchStep, QueueState, KVUsage, CacheMatch,
     CacheInsert, CacheEvict, CacheTree, WeightsUpdated, ProcStarted, ProcExited,
     TraceDropped, TraceHeader, ReqSnapshot, TraceCounters, TraceReset,

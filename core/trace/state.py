@@ -26,14 +26,20 @@ import msgspec
 from workbench.core.trace import events as ev
 
 from workbench.core.trace.views import (  # noqa: F401  (re-exported for views)
-    LATENCY_METRICS, REQ_STATES, TERMINAL_STATES, Counters, KVPoint, ProcView, QueuePoint,
-    RequestView, StepView, Throughput, TimelineEntry, TreeNodeView, percentile,
+    LATENCY_METRICS, REQ_STATES, REQUEST_SNAPSHOT_FIELDS, TERMINAL_STATES, Counters, KVPoint, ProcView,
+    QueuePoint, ReplicaView, RequestView, StepView, Throughput, TimelineEntry, TreeNodeView, percentile,
 )
 
 
 # Names the trace machinery itself stamps on events it makes (drop markers,
 # headers, replay resets): not engine processes, so not listed in `procs`.
 _PSEUDO_PROCS = frozenset({"bus", "recorder", "replay"})
+# Data-parallel scheduler replicas trace as "scheduler.dp0", "scheduler.dp1", ...
+_REPLICA_PREFIX = "scheduler.dp"
+
+
+def _is_replica(proc: str) -> bool:
+    return proc.startswith(_REPLICA_PREFIX) and proc[len(_REPLICA_PREFIX):].isdigit()
 
 
 @dataclass
@@ -57,7 +63,8 @@ class TraceState:
     Public, read-only for views: requests, waiting, running, chunked, steps,
     kv, kv_by_proc, kv_history, queue_history, tree (+ trees per scheduler),
     tree_evictable_size, tree_protected_size, counters, cache_hit_rate,
-    throughput(), latency_percentiles(), last_ts, weights_version, model, procs.
+    throughput(), latency_percentiles(), last_ts, weights_version, model, procs,
+    req_replica and replicas() (data parallel: which replica holds each request).
     """
 
     def __init__(self, *, max_steps: int = 2000, max_history: int = 2000,
@@ -91,6 +98,7 @@ class TraceState:
         self.model = ""
         self.schema_version = ev.SCHEMA_VERSION
         self.procs: dict[str, ProcView] = {}
+        self.req_replica: dict[str, str] = {}       # rid -> "scheduler.dp<rank>" (data parallel)
         self._books: dict[str, _Book] = {}
         self._finished_order: dict[str, None] = {}   # insertion-ordered set
         self._queues: dict[str, ev.QueueState] = {}
@@ -99,6 +107,7 @@ class TraceState:
         self._dispatch = {
             ev.ReqArrived: self._on_arrived, ev.ReqTokenized: self._on_tokenized,
             ev.ReqQueued: self._on_queued, ev.ReqScheduled: self._on_scheduled,
+            ev.ReqDispatched: self._on_dispatched,
             ev.ReqFirstToken: self._on_first_token, ev.ReqFinished: self._on_finished,
             ev.ReqAborted: self._on_aborted, ev.ReqRetracted: self._on_retracted,
             ev.ReqText: self._on_text, ev.BatchStep: self._on_step, ev.QueueState: self._on_queue,
@@ -116,6 +125,26 @@ class TraceState:
     def tree(self) -> dict[int, TreeNodeView]:
         """The radix tree of the (first) scheduler that reported one."""
         return self.trees.get(self.tree_proc, {}) if self.tree_proc is not None else {}
+
+    @property
+    def queues_by_proc(self) -> dict[str, ev.QueueState]:
+        """The latest queue.state of each scheduler (one per data-parallel replica)."""
+        return dict(self._queues)
+
+    def replicas(self) -> list[ReplicaView]:
+        """Data-parallel replicas in rank order (empty without data parallelism)."""
+        names = {p for p in (*self._queues, *self.kv_by_proc, *self.req_replica.values()) if _is_replica(p)}
+        names.update(s.proc for s in self.steps if _is_replica(s.proc))
+        per_req: dict[str, int] = {}
+        for p in self.req_replica.values():
+            per_req[p] = per_req.get(p, 0) + 1
+        out = []
+        for p in sorted(names, key=lambda n: int(n[len(_REPLICA_PREFIX):])):
+            q = self._queues.get(p)
+            out.append(ReplicaView(p, int(p[len(_REPLICA_PREFIX):]), list(q.waiting) if q else [],
+                                   list(q.running) if q else [], self.kv_by_proc.get(p), per_req.get(p, 0),
+                                   sum(1 for s in self.steps if s.proc == p)))
+        return out
 
     @property
     def cache_hit_rate(self) -> float:
@@ -175,6 +204,7 @@ class TraceState:
             "tree_protected_size": self.tree_protected_size, "counters": self.counters,
             "last_ts": self.last_ts, "weights_version": self.weights_version, "model": self.model,
             "procs": {k: self.procs[k] for k in sorted(self.procs)},
+            "req_replica": {k: self.req_replica[k] for k in sorted(self.req_replica)},
         })
 
     # ---- folding --------------------------------------------------------------
@@ -219,6 +249,7 @@ class TraceState:
         self.requests.pop(rid, None)
         self._books.pop(rid, None)
         self._finished_order.pop(rid, None)
+        self.req_replica.pop(rid, None)
 
     def _set_state(self, r: RequestView, b: _Book, state: str, ts: int) -> None:
         # Terminal states are final; otherwise the latest event (by ts) wins, so a
@@ -277,8 +308,20 @@ class TraceState:
             r.prompt_tokens = e.prompt_tokens
         r.max_new_tokens = e.max_new_tokens
 
+    def _note_replica(self, rid: str, proc: str) -> None:
+        if _is_replica(proc):
+            self.req_replica[rid] = proc
+
+    def _on_dispatched(self, e: ev.ReqDispatched) -> None:
+        r, _ = self._req(e.rid)
+        self.req_replica[e.rid] = f"{_REPLICA_PREFIX}{e.dp_rank}"
+        hint = f", ~{e.matched_tokens} cached" if e.matched_tokens else ""
+        detail = f"to dp{e.dp_rank} ({e.method}{hint})"
+        self._timeline(r, TimelineEntry(e.ts, "dispatched", detail))
+
     def _on_queued(self, e: ev.ReqQueued) -> None:
         r, b = self._req(e.rid)
+        self._note_replica(e.rid, e.proc)
         if r.queued_ts is None:
             r.queued_ts = e.ts
         if not b.final and e.prompt_tokens:
@@ -304,6 +347,7 @@ class TraceState:
 
     def _on_scheduled(self, e: ev.ReqScheduled) -> None:
         r, b = self._req(e.rid)
+        self._note_replica(e.rid, e.proc)
         self._record_chunk(r, b, e.ts, e.step, e.chunk_index, e.num_chunks, e.prefix_hit, e.extend_len)
         self._set_state(r, b, "prefilling", e.ts)
 
@@ -518,10 +562,7 @@ class TraceState:
     def _on_req_snapshot(self, e: ev.ReqSnapshot) -> None:
         self._forget(e.rid)
         r, b = self._req(e.rid)
-        for name in ("state", "prompt_preview", "prompt_tokens", "max_new_tokens", "cached_tokens",
-                     "computed_tokens", "output_tokens", "chunk_index", "num_chunks", "arrival_ts",
-                     "queued_ts", "first_token_ts", "finish_ts", "finish_reason", "ttft", "tpot",
-                     "e2e", "retractions", "text"):
+        for name in REQUEST_SNAPSHOT_FIELDS:
             setattr(r, name, getattr(e, name))
         r.timeline = [TimelineEntry(t.ts, t.kind, t.detail, t.end_ts, t.count, t.step) for t in e.timeline]
         r.steps = list(e.steps)
@@ -534,6 +575,8 @@ class TraceState:
         b.base_computed = e.computed_tokens - sum(e.round_chunks)
         if e.round_sampled:
             b.sampled_rounds.add(b.round)
+        if e.replica:
+            self.req_replica[e.rid] = e.replica
         if e.state in TERMINAL_STATES:
             b.final = b.counted_finish = True
             b.counted_abort = e.state == "aborted"
@@ -561,15 +604,10 @@ class TraceState:
                 continue
             b = self._books[r.rid]
             out.append(ev.ReqSnapshot(
-                ts=ts, rid=r.rid, state=r.state, prompt_preview=r.prompt_preview,
-                prompt_tokens=r.prompt_tokens, max_new_tokens=r.max_new_tokens,
-                cached_tokens=r.cached_tokens, computed_tokens=r.computed_tokens,
-                output_tokens=r.output_tokens, chunk_index=r.chunk_index, num_chunks=r.num_chunks,
-                arrival_ts=r.arrival_ts, queued_ts=r.queued_ts, first_token_ts=r.first_token_ts,
-                finish_ts=r.finish_ts, finish_reason=r.finish_reason, ttft=r.ttft, tpot=r.tpot,
-                e2e=r.e2e, retractions=r.retractions, text=r.text,
+                ts=ts, rid=r.rid, **{name: getattr(r, name) for name in REQUEST_SNAPSHOT_FIELDS},
                 timeline=[ev.TimelineItem(t.ts, t.kind, t.detail, t.end_ts, t.count, t.step) for t in r.timeline],
                 steps=list(r.steps), round_sampled=b.round in b.sampled_rounds,
+                replica=self.req_replica.get(r.rid, ""),
                 round_chunks=[b.chunks.get((b.round, k), 0)
                               for k in range(1 + max([k for (rd, k) in b.chunks if rd == b.round],
                                                      default=-1))]))

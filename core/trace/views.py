@@ -5,7 +5,7 @@ views read them, only the reducer in state.py writes them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from workbench.core.trace import events as ev
@@ -62,6 +62,26 @@ class RequestView:
     @property
     def done(self) -> bool:
         return self.state in TERMINAL_STATES
+
+
+
+# RequestView's plain fields, which `req.snapshot` (events.ReqSnapshot) carries under the same names:
+# the reducer writes a snapshot from them and reads one back into them, so the two cannot drift apart
+# unnoticed (tests/test_trace_state.py checks ReqSnapshot has every one).
+REQUEST_SNAPSHOT_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in fields(RequestView) if f.name not in ("rid", "timeline", "steps"))
+
+
+@dataclass
+class ReplicaView:
+    """One data-parallel replica side by side with the others (see TraceState.replicas)."""
+    proc: str
+    dp_rank: int
+    waiting: list[str]
+    running: list[str]
+    kv: Optional[ev.KVUsage]
+    requests: int                                   # requests known to have gone to it
+    steps: int                                      # its scheduler steps still in the step ring
 
 
 @dataclass

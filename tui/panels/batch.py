@@ -83,7 +83,7 @@ class BatchPanel(TracePanel):
     TITLE = "Batch composition"
     HELP = ("One row per scheduler iteration (newest at the bottom). mode: extend (prefill), decode, "
             "mixed. bs: batch size (/padded size when padded to a CUDA-graph bucket); cg: CG when a "
-            "CUDA graph replayed; ms: schedule + forward time. tokens: the step's mix — ░ blue = prefix tokens reused from the cache, "
+            "CUDA graph replayed, – when eager (the title names the attention backend on GPU); ms: schedule + forward time. tokens: the step's mix — ░ blue = prefix tokens reused from the cache, "
             "█ green = prompt tokens computed, █ yellow = decode tokens. composition: each prefill "
             "request with cached+computed tokens and its chunk k/n, then the decode group.")
     clock_interval_s = 0
@@ -129,6 +129,9 @@ class BatchPanel(TracePanel):
             table.remove_row(self._keys.pop(0))
         n = len(steps)
         self.border_title = f"Batch composition — {n} steps" + (f" (last {steps[-1].step})" if n else "")
+        # The attention backend badge, when it is not the CPU default (a GPU run: flashinfer / triton).
+        if n and steps[-1].backend != "torch_native":
+            self.border_title += f" · {steps[-1].backend}"
         if new and follow:
             table.call_after_refresh(table.scroll_end, animate=False)
 

@@ -11,7 +11,20 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend:
+    """Attention over the token-slot KV pool, with per-pass metadata and CUDA-graph hooks.
+
+    A pass calls `init_forward_metadata` once, then every layer calls `forward`
+    (which writes this pass's K/V to the pool and attends). Decode passes replayed
+    from a CUDA graph skip `init_forward_metadata`: the graph runner calls the
+    `*_cuda_graph` hooks instead, which must leave the metadata in buffers whose
+    addresses never change (the graph reads them by address).
+    """
+
     name = "base"
+    # True when the decode path reads only static buffers and never syncs with the host,
+    # i.e. it may be captured into a real CUDA graph. Backends without it can still run
+    # under the CPU stand-in graph (which re-runs Python at replay).
+    cuda_graph_capturable = False
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Precompute per-pass metadata (index tables, masks) shared by every layer."""
@@ -28,12 +41,26 @@ class AttentionBackend:
     def forward_decode(self, q, k, v, layer, forward_batch) -> torch.Tensor:
         raise NotImplementedError
 
-    # CUDA-graph hooks: a backend that supports graphs keeps static metadata buffers.
-    def init_cuda_graph_state(self, max_bs: int) -> None:
-        raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+    # ---- CUDA-graph hooks (decode only) ------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the static metadata buffers for batches of up to `max_bs` rows.
 
-    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices, seq_lens) -> None:
-        raise NotImplementedError
+        `max_num_tokens` bounds the KV slots all rows of one batch can hold together.
+        """
+        raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")
 
-    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens) -> None:
-        raise NotImplementedError
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor, forward_batch: "ForwardBatch") -> None:
+        """Before capturing bucket `bs`: point `forward_batch.attn_metadata` at static buffers.
+
+        `req_pool_indices` and `seq_lens` are the graph's static input buffers (first
+        `bs` rows), already holding dummy rows.
+        """
+        raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_cpu: list[int],
+                                                forward_batch: "ForwardBatch") -> None:
+        """Before replaying bucket `bs`: refresh the static metadata for the (padded) batch now
+        in the input buffers; `seq_lens_cpu` are the same lengths on the host."""
+        raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")

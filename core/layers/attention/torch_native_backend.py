@@ -159,3 +159,19 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         return decode_attention(q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
                                 fb.attn_metadata, layer.scaling)
+
+    # ---- CUDA-graph hooks ---------------------------------------------------------------
+    # The decode metadata here has a host-dependent shape (the longest row), so these hooks
+    # rebuild it at every replay: right for the CPU stand-in graph, which re-runs the captured
+    # Python, but not capturable by a real CUDA graph (cuda_graph_capturable stays False).
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self._graph_max_bs = max_bs
+
+    def init_forward_metadata_capture_cuda_graph(self, bs, req_pool_indices, seq_lens, forward_batch) -> None:
+        self.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, [1] * bs, forward_batch)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_cpu,
+                                                forward_batch) -> None:
+        forward_batch.attn_metadata = build_decode_metadata(
+            forward_batch.req_to_token_pool.req_to_token, req_pool_indices, seq_lens, seq_lens_cpu,
+            forward_batch.token_to_kv_pool.head_num)

@@ -1,0 +1,205 @@
+"""Starting the scheduler ranks of a tensor-parallel group, on one node or several.
+
+Ranks are numbered across nodes: node `k` of `nnodes` runs TP ranks
+`k * tp_size / nnodes ...` (SGLang's layout). Node 0 also runs the front end
+(Engine: tokenizer, detokenizer, HTTP); a node with `node_rank > 0` runs only its
+scheduler ranks (`run_worker_node`, which `workbench serve --node-rank N` calls).
+All ranks meet at `--dist-init-addr` (rank 0 hosts the torch.distributed store there);
+on one node without that flag a free loopback port is used.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from multiprocessing.connection import wait as mp_wait
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """'host:port' -> (host, port); raises ValueError saying what a good address looks like."""
+    host, sep, port = str(addr).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--dist-init-addr must be HOST:PORT (e.g. 10.0.0.1:29500), not {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def validate_tp_for_model(hf_config, tp_size: int) -> None:
+    """Reject a TP size that cannot split this model's heads / MLP evenly, naming sizes that can."""
+    if tp_size == 1:
+        return
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    inter = int(getattr(hf_config, "intermediate_size", 0) or 0)
+    problems = []
+    if heads % tp_size:
+        problems.append(f"{heads} attention heads")
+    if kv_heads % tp_size:
+        problems.append(f"{kv_heads} key/value heads")
+    if inter and inter % tp_size:
+        problems.append(f"MLP width {inter}")
+    if problems:
+        ok = [n for n in range(1, kv_heads + 1)
+              if heads % n == 0 and kv_heads % n == 0 and (not inter or inter % n == 0)]
+        raise ValueError(f"--tp-size {tp_size} does not divide this model's {' and '.join(problems)}; "
+                         f"each rank must hold whole heads. Use --tp-size one of {ok}")
+
+
+def tp_ranks_on_node(tp_size: int, nnodes: int, node_rank: int) -> range:
+    """The TP ranks node `node_rank` runs."""
+    per_node = tp_size // nnodes
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+def free_loopback_addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def with_dist_init_addr(server_args):
+    """`server_args` with a concrete --dist-init-addr (a free loopback port on a single node)."""
+    if server_args.tp_size == 1 or server_args.dist_init_addr:
+        return server_args
+    return dataclasses.replace(server_args, dist_init_addr=free_loopback_addr())
+
+
+def scheduler_role(tp_rank: int) -> str:
+    """The process role name: rank 0 is "scheduler" (the one that talks to the front end)."""
+    return "scheduler" if tp_rank == 0 else f"scheduler-tp{tp_rank}"
+
+
+def spawn_scheduler_ranks(ctx, server_args, port_args, tp_ranks, procs: dict, readers: dict) -> None:
+    """Start one `run_scheduler_process` per rank in `tp_ranks`; fills `procs` and `readers` by role.
+
+    `server_args` must carry the model directory and (for tp_size > 1) the dist init address.
+    """
+    from workbench.core.managers.scheduler import run_scheduler_process
+    for tp_rank in tp_ranks:
+        role = scheduler_role(tp_rank)
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=run_scheduler_process, name=f"workbench-{role}", daemon=True,
+                           args=(server_args, port_args, writer),
+                           kwargs=dict(tp_rank=tp_rank, tp_size=server_args.tp_size, proc_name=role))
+        proc.start()
+        writer.close()
+        procs[role] = proc
+        readers[role] = reader
+
+
+def wait_ranks_ready(procs: dict, readers: dict, timeout_s: float = START_TIMEOUT_S) -> dict:
+    """Wait for every rank's ready message; returns role -> message, raises on a failure."""
+    infos = {}
+    deadline = time.monotonic() + timeout_s
+    pending = dict(readers)
+    while pending:
+        ready = mp_wait(list(pending.values()) + [procs[r].sentinel for r in pending],
+                        timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise RuntimeError(f"start timed out waiting for {', '.join(pending)} (are all nodes started with "
+                               f"the same --dist-init-addr and --nnodes?)")
+        for role, reader in list(pending.items()):
+            if reader in ready:
+                try:
+                    msg = reader.recv()
+                except EOFError:
+                    raise RuntimeError(f"the {role} process exited during start-up "
+                                       f"(exit code {procs[role].exitcode})") from None
+                if msg.get("status") != "ready":
+                    raise RuntimeError(f"the {role} process failed to start: {msg.get('error')}")
+                infos[role] = msg
+                del pending[role]
+            elif procs[role].sentinel in ready and not procs[role].is_alive():
+                raise RuntimeError(f"the {role} process exited during start-up (exit code {procs[role].exitcode})")
+    return infos
+
+
+def stop_processes(procs: dict) -> None:
+    for proc in procs.values():
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs.values():
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2)
+
+
+def run_worker_node(server_args, on_ready=None) -> int:
+    """Run this node's scheduler ranks (node_rank > 0) until one exits or SIGTERM/SIGINT arrives.
+
+    Nothing here serves HTTP or tokenizes: node 0's rank 0 receives the requests and
+    broadcasts them to every rank. Returns the exit code (0 after a signal).
+    """
+    import multiprocessing as mp
+
+    from workbench.core.ipc import PortArgs
+    from workbench.core.model_loader import prepare_model
+
+    sa = server_args
+    if sa.node_rank == 0:
+        raise ValueError("node 0 runs the front end: start it with `workbench serve` (or Engine) instead")
+    if not sa.dist_init_addr:
+        raise ValueError("--dist-init-addr HOST:PORT (node 0's address) is required with --nnodes > 1")
+    prepared = prepare_model(sa.model_path, progress=sa.show_progress)
+    child_args = dataclasses.replace(sa, model_path=str(prepared.model_dir))
+    port_args = PortArgs.create()      # only for the process plumbing; ranks > 0 open no sockets
+    ranks = tp_ranks_on_node(sa.tp_size, sa.nnodes, sa.node_rank)
+    procs: dict = {}
+    readers: dict = {}
+    stop = {"signal": 0}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        spawn_scheduler_ranks(mp.get_context("spawn"), child_args, port_args, ranks, procs, readers)
+        wait_ranks_ready(procs, readers)
+        print(f"node {sa.node_rank}/{sa.nnodes}: TP ranks {list(ranks)} of {sa.tp_size} ready "
+              f"(front end on node 0, {sa.dist_init_addr})", flush=True)
+        if on_ready is not None:
+            on_ready()
+        sentinels = {p.sentinel: role for role, p in procs.items()}
+        while not stop["signal"]:
+            done = mp_wait(list(sentinels), timeout=0.5)
+            if done:
+                role = sentinels[done[0]]
+                code = procs[role].exitcode
+                print(f"node {sa.node_rank}: {role} exited (code {code}); stopping this node", file=sys.stderr,
+                      flush=True)
+                return 1
+        return 0
+    except RuntimeError as exc:
+        print(f"node {sa.node_rank}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stop_processes(procs)
+        port_args.cleanup()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def worker_node_main(argv: Optional[list[str]] = None) -> int:
+    """`python -m workbench.core.distributed.launch --nnodes 2 --node-rank 1 ...`."""
+    import argparse
+
+    from workbench.core.args import ServerArgs
+    parser = argparse.ArgumentParser(description="run the scheduler ranks of a node > 0")
+    ServerArgs.add_cli_args(parser)
+    sa = ServerArgs.from_cli_args(parser.parse_args(argv))
+    logging.basicConfig(level=getattr(logging, sa.log_level.upper(), logging.WARNING))
+    return run_worker_node(sa)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(worker_node_main())

@@ -1,0 +1,282 @@
+"""The CUDA-graph runner's whole flow on CPU, through the stand-in graph mechanism.
+
+The stand-in records the decode step's callable at capture and re-runs it at
+replay into the same output tensor, so everything around the graph is real:
+bucket choice, static input buffers, padding rows that touch only the scratch
+KV slot, the attention backend's capture/replay hooks, output slicing, and the
+eager fallback. Greedy tokens on the default model must equal eager decoding.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench.core.model_executor.cuda_graph_runner import (
+    CudaGraphRunner, StandInGraphMechanism, StaticDecodeBuffers, get_cuda_graph_batch_sizes,
+    maybe_create_cuda_graph_runner)
+from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from workbench.core.sampling.sampling_params import SamplingParams
+
+
+# ---- buckets and buffers --------------------------------------------------------------------
+def test_default_cuda_graph_batch_sizes():
+    assert get_cuda_graph_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert get_cuda_graph_batch_sizes(50) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 50]
+    assert get_cuda_graph_batch_sizes(3) == [1, 2, 3]
+    assert get_cuda_graph_batch_sizes(1) == [1]
+    assert get_cuda_graph_batch_sizes(16, [12, 3, 3, 40]) == [3, 12]       # --cuda-graph-bs, capped
+    with pytest.raises(ValueError, match="cuda-graph-max-bs"):
+        get_cuda_graph_batch_sizes(0)
+    with pytest.raises(ValueError, match="exceeds"):
+        get_cuda_graph_batch_sizes(4, [8, 16])
+    with pytest.raises(ValueError, match="at least 1"):
+        get_cuda_graph_batch_sizes(4, [0, 2])
+
+
+def test_server_args_validate_graph_flags():
+    from workbench.core.args import ServerArgs
+    with pytest.raises(ValueError, match="cuda-graph-max-bs"):
+        ServerArgs(cuda_graph_max_bs=0)
+    with pytest.raises(ValueError, match="cuda-graph-bs"):
+        ServerArgs(cuda_graph_bs=[1, -2])
+
+
+def _decode_fb(ids, pos, rows, lens, locs):
+    bs = len(ids)
+    return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=torch.tensor(ids),
+                        positions=torch.tensor(pos), req_pool_indices=torch.tensor(rows),
+                        seq_lens=torch.tensor(lens), out_cache_loc=torch.tensor(locs), seq_lens_cpu=list(lens),
+                        extend_seq_lens_cpu=[1] * bs, extend_prefix_lens_cpu=[ln - 1 for ln in lens])
+
+
+def test_static_buffers_load_and_pad():
+    buf = StaticDecodeBuffers.allocate(8, "cpu", pad_row=9)
+    assert buf.req_pool_indices.tolist() == [9] * 8 and buf.seq_lens.tolist() == [1] * 8
+    lens = buf.load(_decode_fb([11, 12, 13], [4, 7, 2], [0, 3, 5], [5, 8, 3], [21, 22, 23]), bucket=4)
+    assert lens == [5, 8, 3, 1]
+    assert buf.input_ids[:4].tolist() == [11, 12, 13, 0]
+    assert buf.positions[:4].tolist() == [4, 7, 2, 0]
+    assert buf.req_pool_indices[:4].tolist() == [0, 3, 5, 9]        # the padding row
+    assert buf.out_cache_loc[:4].tolist() == [21, 22, 23, 0]         # padding writes the scratch slot
+    # a smaller batch next: stale rows from the previous one become padding again
+    buf.load(_decode_fb([30], [1], [2], [2], [40]), bucket=2)
+    assert buf.input_ids[:2].tolist() == [30, 0] and buf.out_cache_loc[:2].tolist() == [40, 0]
+    assert buf.req_pool_indices[:2].tolist() == [2, 9] and buf.seq_lens[:2].tolist() == [2, 1]
+
+
+# ---- the runner on the default model -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runner(default_prepared):
+    from workbench.core.args import ServerArgs
+    from workbench.core.model_executor.model_runner import ModelRunner
+    r = ModelRunner(ServerArgs(dtype="float32", max_total_tokens=2048, max_running_requests=8, show_progress=False),
+                    prepared=default_prepared)
+    assert r.graph_runner is None                       # CPU: no CUDA graphs unless a test attaches one
+    return r
+
+
+@pytest.fixture(scope="module")
+def graph_runner(runner):
+    return CudaGraphRunner(runner, [1, 2, 4], StandInGraphMechanism())
+
+
+def test_capture_shows_progress_and_times(graph_runner, capsys):
+    graph_runner.capture(progress=True)
+    err = capsys.readouterr().err
+    assert "capture stand-in graph bs=4" in err and "captured 3 decode graphs" in err
+    assert sorted(graph_runner.capture_time_s) == [1, 2, 4]
+    assert all(t > 0 for t in graph_runner.capture_time_s.values())
+
+
+def test_eager_or_graph_decision(graph_runner, runner):
+    assert [graph_runner.bucket_for(b) for b in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+    dec = _decode_fb([1, 2, 3], [1, 1, 1], [0, 1, 2], [2, 2, 2], [5, 6, 7])
+    assert graph_runner.can_run(dec)
+    dec.return_all_logits = True
+    assert not graph_runner.can_run(dec)                   # all-position logits: eager
+    big = _decode_fb([1] * 5, [1] * 5, [0] * 5, [2] * 5, [5] * 5)
+    assert not graph_runner.can_run(big)                   # above the largest bucket: eager
+    ext = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=torch.tensor([1, 2]),
+                       positions=torch.tensor([0, 1]), req_pool_indices=torch.tensor([0]),
+                       seq_lens=torch.tensor([2]), out_cache_loc=torch.tensor([5, 6]), seq_lens_cpu=[2],
+                       extend_seq_lens_cpu=[2], extend_prefix_lens_cpu=[0])
+    assert not graph_runner.can_run(ext)                   # extend: eager
+    with pytest.raises(ValueError, match="eagerly"):
+        graph_runner.replay(big)
+    # what the trace reports (batch.step's cuda_graph / padded_size)
+    runner.graph_runner = graph_runner
+    try:
+        assert runner.graph_plan(ForwardMode.DECODE, 3) == (True, 4)
+        assert runner.graph_plan(ForwardMode.DECODE, 5) == (False, 5)
+        assert runner.graph_plan(ForwardMode.EXTEND, 2) == (False, 2)
+    finally:
+        runner.graph_runner = None
+
+
+def test_padding_rows_write_only_the_scratch_slot(graph_runner, runner):
+    """A 3-row batch replays bucket 4: the dummy row may write slot 0 and nothing else."""
+    pool, table = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+    rows = runner.req_to_token_pool.alloc(3)
+    try:
+        g = torch.Generator().manual_seed(0)
+        for layer in (0, pool.layer_num - 1):
+            pool.k_buffer[layer][1:60].copy_(torch.randn(pool.k_buffer[layer][1:60].shape, generator=g))
+        lens = [4, 9, 6]
+        slot, locs = 1, []
+        for row, n in zip(rows, lens):
+            table[row, :n] = torch.arange(slot, slot + n)
+            locs.append(slot + n - 1)
+            slot += n
+        before = [b.clone() for b in pool.k_buffer]
+        fb = _decode_fb([100, 200, 300], [n - 1 for n in lens], rows, lens, locs)
+        fb.req_to_token_pool, fb.token_to_kv_pool = runner.req_to_token_pool, pool
+        fb.attn_backend = runner.attn_backend
+        n_before = graph_runner.replay_count[4]
+        with torch.inference_mode():
+            logits = graph_runner.replay(fb)
+        assert graph_runner.replay_count[4] == n_before + 1
+        assert logits.shape == (3, runner.model_config.vocab_size)
+        for layer, old in enumerate(before):
+            changed = (pool.k_buffer[layer] != old).flatten(1).any(1).nonzero().flatten().tolist()
+            assert set(changed) <= {0, *locs}, (layer, changed)
+            assert set(locs) <= set(changed)
+        assert table[graph_runner.buffers.pad_row].abs().sum() == 0     # the padding row is all slot 0
+    finally:
+        runner.req_to_token_pool.free(rows)
+
+
+def test_greedy_tokens_with_graphs_equal_eager(graph_runner, runner):
+    """Default model: three requests of different lengths shrink the batch 3 -> 2 -> 1 (buckets 4, 2, 1);
+    a larger batch (5 rows) runs eagerly (above the largest bucket)."""
+    from workbench.core.model_executor.offline_harness import OfflineHarness
+    prompts = [[1, 504, 3458, 314, 260, 3458, 28, 2], [1, 1066, 1745, 253, 17212], [1, 2436, 30, 2830, 282, 2]]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 4, 2)]
+    harness = OfflineHarness(runner)
+    eager = harness.generate(prompts, params, return_logprob=True)
+    five = prompts + [[1, 42, 43], [1, 7, 8, 9]]
+    five_params = [SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)] * 5
+    eager_five = harness.generate(five, five_params)
+    counts = dict(graph_runner.replay_count)
+    runner.graph_runner = graph_runner
+    try:
+        graphed = harness.generate(prompts, params, return_logprob=True)
+        graphed_five = harness.generate(five, five_params)
+    finally:
+        runner.graph_runner = None
+    assert [r.output_ids for r in graphed] == [r.output_ids for r in eager]
+    assert len({tuple(r.output_ids) for r in eager}) == 3
+    for a, b in zip(eager, graphed):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert [r.output_ids for r in graphed_five] == [r.output_ids for r in eager_five]
+    replays = {b: graph_runner.replay_count[b] - counts[b] for b in counts}
+    assert replays[4] > 0 and replays[2] > 0 and replays[1] > 0, replays
+
+
+def test_no_graphs_on_cpu_and_real_graphs_refuse_torch_native(runner):
+    assert maybe_create_cuda_graph_runner(runner) is None         # CPU never captures real graphs
+
+    class _RealGraphsName:               # only the name matters: the check happens before any capture
+        name = "cuda"
+
+    with pytest.raises(ValueError, match="cannot be captured"):
+        CudaGraphRunner(runner, [1], _RealGraphsName())
+
+
+# ---- what the views show --------------------------------------------------------------------------
+def test_dashboard_hover_names_graph_or_eager_and_the_backend():
+    pytest.importorskip("plotly")
+    pytest.importorskip("ipywidgets")
+    from workbench.core.trace import events as ev
+    from workbench.core.trace.state import TraceState
+    from workbench.widgets import BatchView
+    evs = [ev.BatchStep(ts=10**9 + i * 10**7, proc="scheduler", step=i, mode="decode",
+                        reqs=[ev.StepReq("a", 0, 0, 1), ev.StepReq("b", 0, 0, 1), ev.StepReq("c", 0, 0, 1)],
+                        batch_size=3, padded_size=4 if i else 3, cuda_graph=bool(i), backend="triton",
+                        forward_ms=2.0) for i in range(2)]
+    st = TraceState()
+    st.apply_many(evs)
+    hover = BatchView(st).figure.data[0].customdata
+    assert hover[0] == "decode, batch 3 (padded 3), eager, triton"
+    assert hover[1] == "decode, batch 3 (padded 4), CUDA graph, triton"
+
+
+def test_engine_decodes_through_stand_in_graphs_and_traces_them(tokenizer, hf_model):
+    """--cuda-graph-stand-in: the real scheduler decodes through the graph runner on CPU.
+
+    Greedy tokens equal transformers; every decode batch.step says graph + padded bucket."""
+    from conftest import chat_ids, hf_greedy
+    from pipeline_helpers import assert_no_kv_leak, drain_events
+    from workbench.core.engine import Engine
+    from workbench.core.trace import events as ev
+    prompts = [chat_ids(tokenizer, t) for t in ("Name a color.", "What is two plus two?", "Say hi.")]
+    lens = (7, 4, 2)
+    with Engine(dtype="float32", show_progress=False, num_threads=1, max_total_tokens=4096,
+                cuda_graph_stand_in=True, cuda_graph_max_bs=4) as e:
+        sub = e.subscribe(with_snapshot=False)
+        try:
+            outs = e.generate(input_ids=prompts, sampling_params=[
+                {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in lens])
+            events = drain_events(sub)
+        finally:
+            sub.close()
+        assert_no_kv_leak(e)
+    assert [o["output_ids"] for o in outs] == [hf_greedy(hf_model, p, n) for p, n in zip(prompts, lens)]
+    steps = [x for x in events if isinstance(x, ev.BatchStep)]
+    decodes = [s for s in steps if s.mode == "decode"]
+    assert decodes and all(s.cuda_graph and s.backend == "torch_native" for s in decodes)
+    assert all(not s.cuda_graph and s.padded_size == s.batch_size for s in steps if s.mode != "decode")
+    sizes = {(s.batch_size, s.padded_size) for s in decodes}
+    assert sizes <= {(1, 1), (2, 2), (3, 4), (4, 4)} and (1, 1) in sizes
+
+
+# ---- the CPU analogue: eager vs compiled decode benchmark -------------------------------------------
+def test_bench_compare_compile_runs_end_to_end(tmp_path):
+    """`bench model --compare-compile` on a one-layer tiny model, one batch size (one compile)."""
+    import argparse
+    import json
+    import shutil
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("torch.compile needs a C++ compiler")
+    from tiny_models import make_tiny_llama
+    from workbench.core.bench.model_bench import add_parser, format_compile_table, run_compile_bench
+    model_dir = make_tiny_llama(tmp_path / "tiny", seed=2, num_hidden_layers=1)
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["model", "--compare-compile", "--quick", "--quiet", "--batches", "2",
+                              "--model", str(model_dir), "--json", str(tmp_path / "c.json")])
+    rows = run_compile_bench(args)
+    assert [(r.batch, r.dtype) for r in rows] == [(2, "float32")]
+    assert rows[0].eager_tok_s > 0 and rows[0].compiled_tok_s > 0 and rows[0].compile_s > 0
+    assert "compiled tok/s" in format_compile_table(rows)
+    assert args.func(args) == 0
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["compile_rows"][0]["batch"] == 2
+    with pytest.raises(ValueError, match="batches"):
+        run_compile_bench(parser.parse_args(["model", "--compare-compile", "--batches", "0"]))
+
+
+async def test_tui_batch_panel_shows_graph_badge_and_backend(tmp_path):
+    """The recorded TUI fixture replayed as if from a GPU run: decode steps replayed graphs on flashinfer."""
+    import json
+    pytest.importorskip("textual")
+    from tui_helpers import FIXTURE, replay_app, show_at
+    lines = []
+    for line in open(FIXTURE):
+        e = json.loads(line)
+        if e.get("kind") == "batch.step":
+            e["backend"] = "flashinfer"
+            e["cuda_graph"] = e["mode"] == "decode"
+        lines.append(json.dumps(e))
+    path = tmp_path / "gpu_trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    app, replay = replay_app(str(path), panels=["batch"])
+    last = max(e.ts for e in replay.events)
+    async with app.run_test(size=(110, 30)) as pilot:
+        await show_at(app, pilot, replay, last)
+        from textual.widgets import DataTable
+        from workbench.tui.panels.batch import BatchPanel
+        panel = app.query_one(BatchPanel)
+        assert panel.border_title.endswith("· flashinfer")
+        table = panel.query_one(DataTable)
+        badges = [str(table.get_row_at(i)[3]) for i in range(table.row_count)]
+        assert "CG" in badges and "–" in badges          # decode replayed a graph; extend ran eagerly

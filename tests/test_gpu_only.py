@@ -1,0 +1,147 @@
+"""GPU paths that need CUDA: real graph capture/replay, flashinfer, triton compiled for the GPU.
+
+Without CUDA every test here except the device-neutral helper check skips, saying
+why. With a GPU: `pytest -m gpu tests/test_gpu_only.py` (and `workbench selftest
+--device cuda` for the whole table on the default model).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from workbench.core.layers.attention.flashinfer_backend import kv_indices_from_rows
+from workbench.core.sampling.sampling_params import SamplingParams
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (none on this machine); "
+                                                      "the CPU stand-in covers the device-neutral flow")
+needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
+                                      reason="needs flashinfer-python (pip install -e '.[gpu]') and CUDA")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+PROMPTS = [[1, 504, 3458, 314, 260, 3458, 28, 2], [1, 1066, 1745, 253, 17212], [1, 2436, 30, 2830, 282, 2]]
+
+
+def test_flashinfer_kv_indices_from_rows():
+    """Page-size-1 page tables from req_to_token rows (pure torch; runs on CPU)."""
+    table = torch.tensor([[0, 0, 0, 0], [7, 8, 9, 10], [3, 4, 0, 0], [5, 0, 0, 0]])
+    indptr, indices = kv_indices_from_rows(table, torch.tensor([2, 1, 3]), torch.tensor([2, 3, 1]), [2, 3, 1])
+    assert indptr.tolist() == [0, 2, 5, 6] and indptr.dtype == torch.int32
+    assert indices.tolist() == [3, 4, 7, 8, 9, 5] and indices.dtype == torch.int32
+    indptr, indices = kv_indices_from_rows(table, torch.tensor([1, 2]), torch.tensor([0, 0]), [0, 0])
+    assert indptr.tolist() == [0, 0, 0] and indices.numel() == 0
+
+
+def _greedy(default_prepared, **server_args):
+    from workbench.core.args import ServerArgs
+    from workbench.core.model_executor.model_runner import ModelRunner
+    from workbench.core.model_executor.offline_harness import OfflineHarness
+    runner = ModelRunner(ServerArgs(device="cuda", dtype="float32", max_total_tokens=4096, max_running_requests=8,
+                                    show_progress=False, **server_args), prepared=default_prepared)
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 8, 4)]
+    halves = [len(p) // 2 for p in PROMPTS]
+    out = [r.output_ids for r in OfflineHarness(runner).generate(PROMPTS, params, prefix_lens=halves)]
+    return runner, out
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(default_prepared):
+    _, out = _greedy(default_prepared, attention_backend="torch_native", disable_cuda_graph=True)
+    return out
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_triton_backend_on_gpu_matches_torch_native(default_prepared, reference_tokens):
+    _, out = _greedy(default_prepared, attention_backend="triton", disable_cuda_graph=True)
+    assert out == reference_tokens
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_flashinfer
+def test_flashinfer_backend_matches_torch_native(default_prepared, reference_tokens):
+    _, out = _greedy(default_prepared, attention_backend="flashinfer", disable_cuda_graph=True)
+    assert out == reference_tokens
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_cuda_graph_capture_and_replay(default_prepared, reference_tokens, backend):
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"needs {backend}")
+    runner, out = _greedy(default_prepared, attention_backend=backend, cuda_graph_max_bs=4)
+    gr = runner.graph_runner
+    assert gr is not None and gr.mechanism.name == "cuda" and sorted(gr.graphs) == [1, 2, 4]
+    assert out == reference_tokens
+    assert all(gr.replay_count[b] > 0 for b in (1, 2, 4)), gr.replay_count
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_overlap_worker_uses_a_forward_stream(default_prepared):
+    from workbench.core.args import ServerArgs
+    from workbench.core.managers.tp_worker import TpModelWorker
+    from workbench.core.managers.tp_worker_overlap_thread import TpModelWorkerClient
+    worker = TpModelWorker(ServerArgs(device="cuda", max_total_tokens=1024, show_progress=False),
+                           prepared=default_prepared)
+    client = TpModelWorkerClient(worker, 8)
+    try:
+        assert client.is_cuda and client.forward_stream is not None
+        assert client.future_token_ids_map.device.type == "cuda"
+        ids = torch.tensor([5, -1, 7, -2], device="cuda")
+        client.future_token_ids_map[:2] = torch.tensor([11, 12], device="cuda")
+        assert client.resolve_future_token_ids(ids).tolist() == [5, 11, 7, 12]
+    finally:
+        client.shutdown()
+
+
+# ---- workbench selftest -------------------------------------------------------------------------
+def test_compare_greedy_passes_equal_tokens_and_near_ties_only():
+    from workbench.selftest import Greedy, compare_greedy
+    top2 = [[[(1, -0.1), (9, -2.0)], [(2, -0.50), (7, -0.52)], [(3, -0.1), (8, -3.0)]],
+            [[(4, -0.1), (6, -3.0)], [(5, -0.2), (6, -4.0)]]]
+    ref = Greedy([[1, 2, 3], [4, 5]], top2)
+    assert compare_greedy(ref, Greedy([[1, 2, 3], [4, 5]])) == (True, "tokens equal")
+    ok, detail = compare_greedy(ref, Greedy([[1, 7, 0], [4, 5]]))      # 2 vs 7: 0.02 nats apart
+    assert ok and "1 near-tie" in detail
+    ok, detail = compare_greedy(ref, Greedy([[9, 2, 3], [4, 5]]))      # 1 vs 9: a real difference
+    assert not ok and "request 0 diverges at token 0" in detail
+    assert not compare_greedy(ref, Greedy([[1, 2], [4, 5]]))[0]        # wrong length
+    assert not compare_greedy(ref, Greedy([[1, 2, 3]]))[0]             # missing request
+
+
+def test_selftest_cuda_without_a_gpu_says_what_to_run(capsys):
+    if HAS_CUDA:
+        pytest.skip("this machine has a GPU")
+    from workbench.cli import main
+    assert main(["selftest", "--device", "cuda"]) == 2
+    assert "selftest --device cpu" in capsys.readouterr().err
+
+
+def test_selftest_cpu_dry_run(capsys):
+    """The CPU dry run on the default model: every row passes or is skipped with a reason.
+
+    (--quick, and without the overlap row, which starts two Engines: tests/test_overlap.py
+    checks the overlap loop against the normal loop far more thoroughly.)"""
+    from workbench.cli import main
+    rc = main(["selftest", "--device", "cpu", "--quiet", "--quick", "--checks", "cuda_graph,triton,flashinfer"])
+    out = capsys.readouterr().out
+    lines = {line.split("  ")[0].strip(): line for line in out.splitlines()}
+    assert rc == 0, out
+    assert "PASS" in lines["torch_native eager (float32, reference)"]
+    assert "PASS" in lines["cuda graph runner, stand-in graph (torch_native)"]
+    assert "replays bs1=" in lines["cuda graph runner, stand-in graph (torch_native)"]
+    assert "overlap loop == normal loop (Engine)" not in lines
+    flash = lines["flashinfer backend"]
+    assert "SKIP" in flash and "CUDA only" in flash
+    triton = lines["triton kernels (TRITON_INTERPRET=1, model head shapes)"]
+    if importlib.util.find_spec("triton") is None:
+        assert "SKIP" in triton
+    else:
+        assert "PASS" in triton and "Hq=9, Hk=3, D=64" in triton
+    assert "cpu: " in out and " 0 failed" in out
