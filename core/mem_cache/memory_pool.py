@@ -42,6 +42,16 @@ class ReqToTokenPool:
     def clear(self) -> None:
         self.free_slots = list(range(self.size))
 
+    def reserve_padding_row(self) -> int:
+        """Append one all-zero row beyond the rows the pool hands out and return its index.
+
+        Padded (dummy) requests of a CUDA-graph batch point at it, so they read and write only
+        KV slot 0, which the allocator never hands out. `size` and the free list are unchanged.
+        """
+        row = torch.zeros((1, self.req_to_token.shape[1]), dtype=self.req_to_token.dtype, device=self.device)
+        self.req_to_token = torch.cat((self.req_to_token, row))
+        return self.req_to_token.shape[0] - 1
+
 
 class TokenToKVPoolAllocator:
     """Free list of KV token slots 1..size (slot 0 is reserved for padding)."""

@@ -338,18 +338,6 @@ class StaticDecodeBuffers:
         return list(fb.seq_lens_cpu) + [1] * (bucket - bs)
 
 
-def _reserve_padding_row(req_to_token_pool) -> int:
-    """Append one all-zero row to req_to_token, beyond the rows the pool hands out.
-
-    Padded requests read their single key through it, so they only ever touch slot 0.
-    The pool's `size` and free list are unchanged, so the row is never given to a request.
-    """
-    table = req_to_token_pool.req_to_token
-    row = torch.zeros((1, table.shape[1]), dtype=table.dtype, device=table.device)
-    req_to_token_pool.req_to_token = torch.cat((table, row))
-    return table.shape[0]
-
-
 class CudaGraphRunner:
     """Decode passes replayed from graphs captured per batch-size bucket.
 
@@ -373,7 +361,7 @@ class CudaGraphRunner:
                              "graph; use --attention-backend flashinfer or triton, or --disable-cuda-graph")
         pool = model_runner.token_to_kv_pool
         self.attn_backend.init_cuda_graph_state(self.max_bs, pool.size + 1 + self.max_bs)
-        pad_row = _reserve_padding_row(model_runner.req_to_token_pool)
+        pad_row = model_runner.req_to_token_pool.reserve_padding_row()
         self.buffers = StaticDecodeBuffers.allocate(self.max_bs, self.device, pad_row)
         self.graphs: dict[int, object] = {}
         self.forward_batches: dict[int, object] = {}
