@@ -310,3 +310,34 @@ async def test_tabs_layout_mounts_every_panel():
         tabs.active = f"tab-{second}"
         await pilot.pause()
         assert list(app.visible_panels()) == [second]
+
+
+def _dp_events():
+    """Two data-parallel replicas: the controller's dispatches and each replica's own queue."""
+    from workbench.core.trace import events as ev
+    t = 1_000_000_000
+    out = []
+    for i, (rid, rank) in enumerate((("a", 0), ("b", 1), ("c", 1))):
+        out += [ev.ReqArrived(ts=t + i, proc="tokenizer", rid=rid),
+                ev.ReqDispatched(ts=t + 10 + i, proc="dp_controller", rid=rid, dp_rank=rank,
+                                 method="round_robin", loads=[1, 2])]
+    out += [ev.QueueState(ts=t + 100, proc="scheduler.dp0", waiting=[], running=["a"], chunked=[]),
+            ev.QueueState(ts=t + 101, proc="scheduler.dp1", waiting=["c"], running=["b"], chunked=[])]
+    return out
+
+
+async def test_queues_panel_names_each_requests_replica_under_data_parallelism():
+    from workbench.core.trace.replay import Replay
+    from workbench.tui.app import WorkbenchApp
+    from workbench.tui.controller import ReplayController
+    from workbench.tui.panels.queues import QueuesPanel
+    replay = Replay(_dp_events())
+    app = WorkbenchApp(ReplayController(replay, autoplay=False, title="dp"), panels=["queues"])
+    async with app.run_test(size=(140, 30)) as pilot:
+        await show_at(app, pilot, replay, replay.end_ns)
+        table = app.query_one("#queues-table", DataTable)
+        await wait_for(lambda: table.row_count == 3)
+        labels = {str(table.get_row_at(i)[1]): str(table.get_row_at(i)[0]) for i in range(3)}
+        assert labels == {"a": "running@dp0", "b": "running@dp1", "c": "waiting@dp1"}
+        title = str(app.query_one(QueuesPanel).border_title)
+        assert "dp0 0w/1r" in title and "dp1 1w/1r" in title

@@ -27,22 +27,23 @@ def queue_rows(model: TuiModel, max_rows: int = 300, recent_done: int = 8) -> li
             if rid in seen:
                 continue
             seen.add(rid)
-            rows.append((rid, _cells(queue, st.requests.get(rid) or RequestView(rid), now)))
+            rows.append((rid, _cells(queue, st.requests.get(rid) or RequestView(rid), now, st.req_replica.get(rid))))
     # Requests the scheduler has not listed yet (queue.state comes once per step, and not at
     # all while the scheduler is paused): show them from their own events.
     for r in st.requests.values():
         if r.rid not in seen and r.state in ("arrived", "queued"):
             seen.add(r.rid)
-            rows.append((r.rid, _cells("waiting" if r.state == "queued" else "new", r, now)))
+            rows.append((r.rid, _cells("waiting" if r.state == "queued" else "new", r, now, st.req_replica.get(r.rid))))
     if recent_done:
         done = [r for r in st.requests.values() if r.done and r.rid not in seen and r.finish_ts is not None]
         done.sort(key=lambda r: r.finish_ts)
         for r in done[-recent_done:]:
-            rows.append((r.rid, _cells("done", r, now)))
+            rows.append((r.rid, _cells("done", r, now, st.req_replica.get(r.rid))))
     return rows[:max_rows]
 
 
-def _cells(queue: str, r: RequestView, now: int) -> tuple:
+def _cells(queue: str, r: RequestView, now: int, replica: str | None = None) -> tuple:
+    """One row; under data parallelism the queue names the replica (`running@dp1`)."""
     state = r.state
     if state == "prefilling" and r.num_chunks > 1:
         state = f"prefill {r.chunk_index + 1}/{r.num_chunks}"
@@ -57,7 +58,8 @@ def _cells(queue: str, r: RequestView, now: int) -> tuple:
         ttft = Text(f"{fmt_age(now - start)}…", style="italic dim")   # waiting for its first token
     else:
         ttft = Text("–")
-    return (Text(queue, style=_QUEUE_STYLE.get(queue, "")), r.rid, state, str(r.prompt_tokens),
+    label = f"{queue}@{replica.rsplit('.', 1)[-1]}" if replica else queue
+    return (Text(label, style=_QUEUE_STYLE.get(queue, "")), r.rid, state, str(r.prompt_tokens),
             str(r.cached_tokens), str(r.computed_tokens), str(r.output_tokens), age, ttft)
 
 
@@ -85,8 +87,11 @@ class QueuesPanel(TracePanel):
 
     def update_view(self, model: TuiModel) -> None:
         st = model.state
-        self.border_title = (f"Queues — waiting {len(st.waiting)} · running {len(st.running)} · "
-                             f"chunked {len(st.chunked)}")
+        title = f"Queues — waiting {len(st.waiting)} · running {len(st.running)} · chunked {len(st.chunked)}"
+        replicas = st.replicas()
+        if replicas:    # data parallel: each replica's own queues, side by side
+            title += "  |  " + "  ".join(f"dp{v.dp_rank} {len(v.waiting)}w/{len(v.running)}r" for v in replicas)
+        self.border_title = title
         table = self.query_one(DataTable)
         rows = queue_rows(model)
         order = [rid for rid, _ in rows]
