@@ -345,6 +345,13 @@ BOUNDS = [
            "top_logprobs_num": 21}, 400, None),
     (GEN, {"text": "Hi", "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
            "top_logprobs_num": -1}, 400, None),
+    # values that once reached a 500 or leaked a request state
+    (GEN, {"text": "Hi", "sampling_params": {"max_new_tokens": 1, "n": []}}, 400, "sampling_params"),
+    (GEN, b'{"text": "Hi", "sampling_params": {"max_new_tokens": 1, "n": Infinity}}', 400, "sampling_params"),
+    (GEN, {"text": "Hi", "sampling_params": {"max_new_tokens": 1}, "logprob_start_len": 10**30}, 400,
+     "logprob_start_len"),
+    (GEN, {"text": ["Hi"] * 300, "sampling_params": {"max_new_tokens": 1}}, 400, "text"),
+    ("/get_weights_by_name", b"[" * 20_000 + b"]" * 20_000, 400, None),
     # the largest allowed values work
     (CHAT, {"messages": M, "max_tokens": 1, "n": 16}, 200, None),
     (CHAT, {"messages": M, "max_tokens": 1, "logprobs": True, "top_logprobs": 20}, 200, None),
@@ -353,15 +360,15 @@ BOUNDS = [
 ]
 
 
-def test_n_max_tokens_and_top_logprobs_bounds(http):
+def test_n_max_tokens_and_top_logprobs_bounds(http, url):
     failures = []
     for path, body, status, param in BOUNDS:
-        r = http.post(path, json=body)
+        r = send(http, path, body) if isinstance(body, bytes) else http.post(path, json=body)
         count("requests")
         if r.status_code != status:
-            failures.append(f"{path} {body}: {r.status_code} != {status}: {r.text[:300]}")
+            failures.append(f"{path} {str(body)[:200]}: {r.status_code} != {status}: {r.text[:300]}")
         elif status == 400 and param is not None and r.json()["error"]["param"] != param:
-            failures.append(f"{path} {body}: param {r.json()['error']['param']!r} != {param!r}")
+            failures.append(f"{path} {str(body)[:200]}: param {r.json()['error']['param']!r} != {param!r}")
         elif status == 200 and path == CHAT and body.get("n"):
             assert len(r.json()["choices"]) == body["n"]
         elif status == 200 and body.get("top_logprobs"):
@@ -369,3 +376,4 @@ def test_n_max_tokens_and_top_logprobs_bounds(http):
         elif status == 200 and path == CMPL and body.get("logprobs"):
             assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == body["logprobs"]
     assert not failures, "\n".join(failures)
+    assert_server_clean(url)

@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import shutil
 import time
 from pathlib import Path
@@ -140,6 +139,9 @@ def test_tp2_weight_update_from_trainer_reaches_every_rank(llama_dir, llama_tp2)
         shapes = [f.get_slice(n).get_shape() for n in names]
     baseline = greedy(llama_tp2, TINY_PROMPTS)
     port = free_port()
+    # A world without room for both ranks is refused before any rank tries to join.
+    with pytest.raises(ValueError, match="world_size >= 3"):
+        llama_tp2.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "gloo", timeout_s=5)
     # The trainer's world: itself plus both TP ranks of the server (ranks 1 and 2).
     with trainer_group_process(_tiny_trainer, (str(llama_dir), port, 3)) as result_q:
         out = llama_tp2.init_weights_update_group("127.0.0.1", port, 1, 3, GROUP, "gloo", timeout_s=60)
@@ -182,22 +184,41 @@ def test_tp2_update_from_disk_and_rejects_mismatch(llama_dir, llama_tp2, tmp_pat
     assert greedy(llama_tp2, TINY_PROMPTS) == hf_tokens(llama_dir, TINY_PROMPTS)
 
 
+def test_dead_tp_rank_fails_the_engine_instead_of_hanging(llama_tp2):
+    """Runs last on this engine: a rank > 0 dies; rank 0 loses its peer, the engine says so."""
+    import os
+    import signal
+
+    from workbench.core.engine import EngineDeadError
+    os.kill(llama_tp2.get_server_info()["pids"]["scheduler-tp1"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while llama_tp2.is_healthy and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not llama_tp2.is_healthy
+    with pytest.raises(EngineDeadError, match="scheduler"):
+        llama_tp2.generate(input_ids=TINY_PROMPTS[0], sampling_params=GREEDY)
+
+
 # ---- two "nodes" on loopback --------------------------------------------------------------------
 
 def test_two_node_loopback_launch_serves(tmp_path):
-    """`workbench serve` as node 0 (front end + rank 0) and node 1 (rank 1 only), TP 2 over both."""
+    """`workbench serve` as node 0 (front end + rank 0) and node 1 (rank 1 only), TP 2 over both.
+
+    It also runs the overlap loop, where the message broadcast (scheduler thread) and the model's
+    collectives (forward thread) use their two groups at the same time.
+    """
     from workbench.core.entrypoints.server_process import ServerProcess
     model_dir = make_tiny_qwen2(tmp_path / "qwen")
     addr = f"127.0.0.1:{free_port()}"
     common = ["--model", str(model_dir), "--dtype", "float32", "--tp-size", "2", "--nnodes", "2",
-              "--dist-init-addr", addr, "--max-total-tokens", "1024"]
+              "--dist-init-addr", addr, "--max-total-tokens", "1024", "--no-disable-overlap-schedule"]
     node1 = ServerProcess([*common, "--node-rank", "1"], wait=False)
     try:
         with ServerProcess([*common, "--node-rank", "0"], start_timeout_s=300) as node0:
             r = httpx.post(node0.base_url + "/generate", timeout=120,
-                           json={"input_ids": TINY_PROMPTS[1], "sampling_params": GREEDY})
+                           json={"input_ids": TINY_PROMPTS, "sampling_params": GREEDY})
             assert r.status_code == 200, r.text
-            assert r.json()["output_ids"] == hf_tokens(model_dir, TINY_PROMPTS[1:])[0]
+            assert [o["output_ids"] for o in r.json()] == hf_tokens(model_dir, TINY_PROMPTS)
             info = httpx.get(node0.base_url + "/get_server_info", timeout=30).json()
             # Node 0 runs rank 0 only; rank 1 lives in node 1's process tree.
             assert "scheduler" in info["pids"] and "scheduler-tp1" not in info["pids"]

@@ -444,6 +444,12 @@ def init_weights_update_group(runner, master_address: str, master_port: int, ran
         raise WeightUpdateError(f"weight-update group {group_name!r} already exists; destroy it first")
     if runner.device != "cuda" and backend == "nccl":
         raise WeightUpdateError("backend nccl needs the model on CUDA; use gloo on CPU")
+    tp_size = getattr(runner, "tp_size", 1)
+    if world_size < rank_offset + tp_size:
+        # Checked on every rank alike, before any joins: no rank is left half-joined.
+        raise WeightUpdateError(f"world_size {world_size} cannot hold this server's {tp_size} TP rank(s) from "
+                                f"rank_offset {rank_offset}: use world_size >= {rank_offset + tp_size} "
+                                "(the trainer's ranks plus one per TP rank)")
     rank = rank_offset + runner.tp_rank
     _GROUPS[group_name] = _make_group(master_address, master_port, rank, world_size, group_name, backend, timeout_s)
     return f"joined weight-update group {group_name!r} as rank {rank} of {world_size} ({backend})"
