@@ -25,7 +25,7 @@ import msgspec
 
 from workbench.core.args import ServerArgs
 from workbench.core.distributed.launch import (spawn_scheduler_ranks, tp_ranks_on_node, validate_tp_for_model,
-                                               with_dist_init_addr)
+                                               wait_ranks_ready, with_dist_init_addr)
 from workbench.core.ipc import PortArgs
 from workbench.core.managers.tokenizer_manager import EngineDeadError, GenerateReqInput, TokenizerManager
 from workbench.core.model_loader import load_tokenizer, prepare_model
@@ -142,30 +142,11 @@ class Engine:
                                 self.max_total_num_tokens, self.tracer, asyncio.get_running_loop())
 
     def _wait_ready(self, readers: dict) -> dict:
-        info: dict = {}
-        deadline = time.monotonic() + START_TIMEOUT_S
-        pending = dict(readers)
-        while pending:
-            ready = mp_wait(list(pending.values()) + [p.sentinel for p in self.procs.values()],
-                            timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise RuntimeError(f"engine start timed out waiting for {', '.join(pending)}")
-            for role, reader in list(pending.items()):
-                if reader in ready:
-                    try:
-                        msg = reader.recv()
-                    except EOFError:
-                        raise RuntimeError(f"the {role} process exited during start-up "
-                                           f"(exit code {self.procs[role].exitcode})") from None
-                    if msg.get("status") != "ready":
-                        raise RuntimeError(f"the {role} process failed to start: {msg.get('error')}")
-                    if role == "scheduler":
-                        info = msg
-                        self._progress(f"model loaded in {msg.get('load_time_s', 0):.1f} s")
-                    del pending[role]
-            for role, proc in self.procs.items():
-                if role in pending and proc.sentinel in ready and not proc.is_alive():
-                    raise RuntimeError(f"the {role} process exited during start-up (exit code {proc.exitcode})")
+        hint = (" (are all nodes started with the same --dist-init-addr and --nnodes?)"
+                if self.server_args.nnodes > 1 else "")
+        infos = wait_ranks_ready(self.procs, readers, START_TIMEOUT_S, timeout_hint=hint)
+        info = infos.get("scheduler", {})
+        self._progress(f"model loaded in {info.get('load_time_s', 0):.1f} s")
         return info
 
     @property

@@ -109,7 +109,6 @@ def _listeners(pid: int) -> list[tuple[str, int]]:
 
 def test_server_and_trace_publisher_listen_on_loopback_only(served):
     from workbench.core.args import ServerArgs
-    from workbench.core.entrypoints.http_server import main as _main  # noqa: F401 - the CLI exists
     engine, running = served
     assert ServerArgs().host == "127.0.0.1"
     http_port = int(running.url.rsplit(":", 1)[1])

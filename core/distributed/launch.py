@@ -95,8 +95,10 @@ def spawn_scheduler_ranks(ctx, server_args, port_args, tp_ranks, procs: dict, re
         readers[role] = reader
 
 
-def wait_ranks_ready(procs: dict, readers: dict, timeout_s: float = START_TIMEOUT_S) -> dict:
-    """Wait for every rank's ready message; returns role -> message, raises on a failure."""
+def wait_ranks_ready(procs: dict, readers: dict, timeout_s: float = START_TIMEOUT_S,
+                     timeout_hint: str = "") -> dict:
+    """Wait for every child's ready message (`readers`: role -> pipe); returns role -> message and
+    raises RuntimeError naming the child that failed, exited or timed out."""
     infos = {}
     deadline = time.monotonic() + timeout_s
     pending = dict(readers)
@@ -104,8 +106,7 @@ def wait_ranks_ready(procs: dict, readers: dict, timeout_s: float = START_TIMEOU
         ready = mp_wait(list(pending.values()) + [procs[r].sentinel for r in pending],
                         timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            raise RuntimeError(f"start timed out waiting for {', '.join(pending)} (are all nodes started with "
-                               f"the same --dist-init-addr and --nnodes?)")
+            raise RuntimeError(f"start timed out waiting for {', '.join(pending)}{timeout_hint}")
         for role, reader in list(pending.items()):
             if reader in ready:
                 try:
@@ -163,7 +164,8 @@ def run_worker_node(server_args, on_ready=None) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         spawn_scheduler_ranks(mp.get_context("spawn"), child_args, port_args, ranks, procs, readers)
-        wait_ranks_ready(procs, readers)
+        wait_ranks_ready(procs, readers, timeout_hint=" (are all nodes started with the same --dist-init-addr "
+                                                      "and --nnodes?)")
         print(f"node {sa.node_rank}/{sa.nnodes}: TP ranks {list(ranks)} of {sa.tp_size} ready "
               f"(front end on node 0, {sa.dist_init_addr})", flush=True)
         if on_ready is not None:

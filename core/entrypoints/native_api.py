@@ -63,7 +63,8 @@ async def native_generate(ctx: ServingContext, request: Request, req: GenerateRe
     num_prompts = len(req.text if isinstance(req.text, list) else req.input_ids) if is_batch else 1
     if num_prompts * n > MAX_CHOICES_PER_REQUEST:
         raise bad_request(f"too many generations in one request ({num_prompts} prompts x n={n}; at most "
-                          f"{MAX_CHOICES_PER_REQUEST}): split the batch", "text" if req.text is not None else "input_ids")
+                          f"{MAX_CHOICES_PER_REQUEST}): split the batch",
+                          "text" if req.text is not None else "input_ids")
     if req.input_ids is not None:
         flat = req.input_ids if not is_batch else [t for ids in req.input_ids for t in ids]
         ctx.check_token_ids(flat, "input_ids")
