@@ -1,8 +1,8 @@
 """`workbench bench trace`: what the trace bus costs serving.
 
 One workload — 32 concurrent mixed-length requests, 128 new tokens each (the engine benchmark's
-workload (a)) — through three engines started side by side, measured in rounds so that machine
-noise lands on all three alike:
+workload (a)) — in three modes, a fresh engine per run, in interleaved rounds so that machine noise
+lands on all three alike:
 
   off         `--trace-mode off`: tracers never emit (the floor);
   on, idle    `--trace-mode on` and nobody subscribed: every event is stamped, batched, encoded and
@@ -104,51 +104,59 @@ def _workload(tok, n: int, rng: random.Random) -> list[list[int]]:
     return _mixed_prompts(tok, n, rng)
 
 
-def run_trace_bench(args: argparse.Namespace) -> list[TraceBenchRow]:
-    """Run the three modes in `args.rounds` interleaved rounds; print and return the rows."""
-    from workbench.core.args import ServerArgs
-    from workbench.core.bench.engine_bench import _progress, _run_engine
+MODES = (("off", "off"), ("on, idle", "on"), ("on, busy", "auto"))
+
+
+def _one_run(base, mode: str, trace_mode: str, prompts, new: int, row: TraceBenchRow, tmpdir: str) -> int:
+    """Start a fresh engine for `mode`, warm it up, time the workload, shut it down. Returns the
+    number of events the recorder wrote (busy mode) else 0."""
+    from workbench.core.bench.engine_bench import _run_engine
     from workbench.core.engine import Engine
     from workbench.core.trace.recorder import Recorder
+
+    with Engine(server_args=base.replace(trace_mode=trace_mode)) as engine:
+        busy = recorder = handle = None
+        if mode == "on, busy":
+            recorder = Recorder(Path(tmpdir) / "run.jsonl", model=engine.served_model_name)
+            handle = engine.subscribe_callback(recorder, name="bench-recorder")
+            busy = BusySubscriber(engine)
+        _run_engine(engine, prompts[:2], 2)             # warm-up: first shapes, tracers on
+        engine.flush_cache()                            # the run prefills from scratch
+        cpu0 = _cpu_seconds(engine)
+        dt, toks = _run_engine(engine, prompts, new)
+        row.cpu_ms_per_tok.append(1000 * (_cpu_seconds(engine) - cpu0) / toks)
+        row.tok_per_s.append(toks / dt)
+        if busy is None:
+            return 0
+        time.sleep(0.5)                                 # let the last batches reach the subscriber
+        busy.close()
+        handle.close()
+        recorder.close()
+        row.events += busy.events
+        row.dropped += busy.dropped
+        return recorder.events_written
+
+
+def run_trace_bench(args: argparse.Namespace) -> list[TraceBenchRow]:
+    """Run the three modes in `args.rounds` interleaved rounds, one engine at a time (an idle engine
+    beside the measured one would share its cores); print and return the rows."""
+    from workbench.core.args import ServerArgs
+    from workbench.core.bench.engine_bench import _progress
+    from workbench.core.model_loader import load_tokenizer, prepare_model
 
     base = ServerArgs.from_cli_args(args)
     base.show_progress = False
     n, new = (4, 8) if args.quick else (32, 128)
-    rows = {m: TraceBenchRow(m) for m in ("off", "on, idle", "on, busy")}
-    engines = {}
-    tmp = tempfile.TemporaryDirectory(prefix="workbench-trace-bench-")
-    busy = recorder = None
-    try:
-        for mode, trace_mode in (("off", "off"), ("on, idle", "on"), ("on, busy", "auto")):
-            _progress(f"starting the engine for tracing {mode}")
-            engines[mode] = Engine(server_args=base.replace(trace_mode=trace_mode))
-        prompts = _workload(engines["off"].tokenizer, n, random.Random(0))
-        eng = engines["on, busy"]
-        recorder = Recorder(Path(tmp.name) / "run.jsonl", model=eng.served_model_name)
-        rec_handle = eng.subscribe_callback(recorder, name="bench-recorder")
-        busy = BusySubscriber(eng)
-        for e in engines.values():
-            _run_engine(e, prompts[:2], 2)                      # warm-up: first shapes, tracers on
+    rows = {m: TraceBenchRow(m) for m, _ in MODES}
+    prompts = _workload(load_tokenizer(prepare_model(base.model_path, progress=False).model_dir), n,
+                        random.Random(0))
+    recorded = 0
+    with tempfile.TemporaryDirectory(prefix="workbench-trace-bench-") as tmp:
         for r in range(args.rounds):
-            order = list(engines) if r % 2 == 0 else list(reversed(engines))   # no mode always first
-            for mode in order:
+            order = MODES if r % 2 == 0 else tuple(reversed(MODES))     # no mode always first
+            for mode, trace_mode in order:
                 _progress(f"round {r + 1}/{args.rounds}: tracing {mode}")
-                engines[mode].flush_cache()                     # every run prefills from scratch
-                cpu0 = _cpu_seconds(engines[mode])
-                dt, toks = _run_engine(engines[mode], prompts, new)
-                rows[mode].cpu_ms_per_tok.append(1000 * (_cpu_seconds(engines[mode]) - cpu0) / toks)
-                rows[mode].tok_per_s.append(toks / dt)
-        time.sleep(0.5)                                         # let the last batches reach the subscriber
-        busy.close()
-        rec_handle.close()
-        recorder.close()
-        rows["on, busy"].events = busy.events
-        rows["on, busy"].dropped = busy.dropped
-        recorded = recorder.events_written
-    finally:
-        for e in engines.values():
-            e.shutdown()
-        tmp.cleanup()
+                recorded += _one_run(base, mode, trace_mode, prompts, new, rows[mode], tmp)
     out = list(rows.values())
     _print(out, n, new, recorded)
     return out
@@ -167,7 +175,8 @@ def _print(rows: list[TraceBenchRow], n: int, new: int, recorded: int) -> None:
     print("loss: throughput below `off` (negative = faster); extra CPU: CPU time per token above `off`, "
           "all processes (steadier than wall time on a shared machine)")
     busy = rows[-1]
-    print(f"busy subscriber: {busy.events} events folded, {busy.dropped} dropped; recorder wrote {recorded} events")
+    print(f"busy subscriber: {busy.events} events folded, {busy.dropped} dropped; recorder wrote {recorded} events "
+          f"(all rounds)")
     print("goals: <= 0.5% loss with nobody listening, <= 2% with a recorder and a busy subscriber")
 
 
