@@ -403,6 +403,7 @@ def test_filter_and_merge_keep_rows_consistent():
     ("frequency_penalty", 2.5), ("frequency_penalty", -2.1),
     ("presence_penalty", 3.0), ("presence_penalty", float("-inf")),
     ("repetition_penalty", 0.0), ("repetition_penalty", 2.5), ("repetition_penalty", float("nan")),
+    ("temperature", 1e39), ("repetition_penalty", 1e-45), ("top_p", 1e-40),   # beyond float32
     ("max_new_tokens", -1), ("max_new_tokens", 10_000),
     ("n", 0),
     ("stop_token_ids", [5, 1000]), ("stop_token_ids", [-1]),

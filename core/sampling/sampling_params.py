@@ -18,6 +18,9 @@ from typing import Iterable, Optional, Union
 
 import msgspec
 
+_F32_MAX = 3.4028234663852886e38
+_F32_TINY = 1.1754943508222875e-38     # smallest normal float32
+
 # Temperatures below this are treated as greedy: dividing logits by a tiny
 # temperature overflows float32 and turns the softmax into NaNs.
 SAMPLING_EPS = 1e-6
@@ -104,6 +107,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name} must be a number, got {v!r}")
             if not math.isfinite(v):
                 raise ValueError(f"{name} must be finite, got {v!r}")
+            # The sampler computes in float32: a value that overflows it, or is too small to be
+            # anything but zero or a denormal there, would turn logits into inf/NaN.
+            if abs(v) > _F32_MAX or 0 < abs(v) < _F32_TINY:
+                raise ValueError(f"{name} is outside float32's normal range, got {v!r}")
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
