@@ -1,6 +1,7 @@
-"""Helpers shared by the pipeline tests: the KV leak check and trace collection."""
+"""Helpers shared by the pipeline tests: the KV leak check, trace collection, an in-process server."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 
@@ -36,3 +37,20 @@ def drain_events(sub, settle: float = 0.3) -> list:
         else:
             time.sleep(0.02)
     return out
+
+
+@contextlib.contextmanager
+def served_engine(**engine_kwargs):
+    """An Engine with the HTTP server on a free loopback port, for a module fixture: yields
+    (engine, base_url) and stops both afterwards."""
+    from workbench.core.engine import Engine
+    from workbench.core.entrypoints.http_server import bind_socket, start_server
+    engine = Engine(show_progress=False, **engine_kwargs)
+    try:
+        running = start_server(engine, engine.server_args, bind_socket("127.0.0.1", 0))
+        try:
+            yield engine, running.url
+        finally:
+            running.stop(timeout_s=5)
+    finally:
+        engine.shutdown()

@@ -20,6 +20,8 @@ import threading
 import httpx
 import pytest
 
+from pipeline_helpers import served_engine
+
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -36,15 +38,8 @@ FUZZ = settings(max_examples=120, derandomize=True, deadline=None, database=None
 
 @pytest.fixture(scope="module")
 def served():
-    from workbench.core.engine import Engine
-    from workbench.core.entrypoints.http_server import bind_socket, start_server
-    engine = Engine(show_progress=False, max_total_tokens=POOL, max_request_body_bytes=BODY_LIMIT)
-    running = start_server(engine, engine.server_args, bind_socket("127.0.0.1", 0))
-    try:
-        yield engine, running.url
-    finally:
-        running.stop(timeout_s=5)
-        engine.shutdown()
+    with served_engine(max_total_tokens=POOL, max_request_body_bytes=BODY_LIMIT) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from pipeline_helpers import served_engine
+
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -22,15 +24,8 @@ M = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def served():
-    from workbench.core.engine import Engine
-    from workbench.core.entrypoints.http_server import bind_socket, start_server
-    engine = Engine(show_progress=False, max_total_tokens=12288, max_request_body_bytes=BODY_LIMIT)
-    running = start_server(engine, engine.server_args, bind_socket("127.0.0.1", 0))
-    try:
-        yield engine, running.url
-    finally:
-        running.stop(timeout_s=5)
-        engine.shutdown()
+    with served_engine(max_total_tokens=12288, max_request_body_bytes=BODY_LIMIT) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ import json
 import httpx
 import pytest
 
+from pipeline_helpers import served_engine
+
 openai = pytest.importorskip("openai")
 
 # Prompts whose greedy continuations have clear margins between the top two tokens
@@ -21,15 +23,8 @@ N = 5
 
 @pytest.fixture(scope="module")
 def served():
-    from workbench.core.engine import Engine
-    from workbench.core.entrypoints.http_server import bind_socket, start_server
-    engine = Engine(show_progress=False, max_total_tokens=8192)
-    running = start_server(engine, engine.server_args, bind_socket("127.0.0.1", 0))
-    try:
-        yield engine, running.url
-    finally:
-        running.stop(timeout_s=5)
-        engine.shutdown()
+    with served_engine(max_total_tokens=8192) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
