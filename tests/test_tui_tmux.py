@@ -1,10 +1,13 @@
 """`workbench tui --replay FILE` in a real terminal (tmux), driven by keys like a person would.
 
-Needs tmux and ../shared/testing/tui_in_tmux.sh (or $WORKBENCH_TESTING_DIR); skipped without them.
+Needs tmux (skipped without it). The small driver below starts the app in a detached session,
+sends keys, polls the screen, and reads the command's exit status from a marker line printed
+after it ends.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,55 +19,96 @@ import pytest
 from tests.tui_helpers import FIXTURE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTING = os.environ.get("WORKBENCH_TESTING_DIR") or os.path.join(ROOT, "..", "shared", "testing")
-SCRIPT = os.path.join(TESTING, "tui_in_tmux.sh")
+EXIT_MARK = "__workbench_tmux_exit__"
 
-pytestmark = pytest.mark.skipif(not (shutil.which("tmux") and os.path.exists(SCRIPT)),
-                                reason="needs tmux and shared/testing/tui_in_tmux.sh")
+pytestmark = pytest.mark.skipif(not shutil.which("tmux"), reason="needs tmux (apt-get install tmux)")
 
 
-def _t(*args, timeout: float = 90, check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    if check and out.returncode != 0:
-        raise AssertionError(f"tui_in_tmux.sh {' '.join(args)} failed ({out.returncode}):\n{out.stderr}")
-    return out
+class Tmux:
+    """One detached tmux session running one command."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def _tmux(self, *args: str, check: bool = True) -> str:
+        out = subprocess.run(["tmux", *args], capture_output=True, text=True, timeout=30, cwd=ROOT)
+        if check and out.returncode != 0:
+            raise AssertionError(f"tmux {' '.join(args)} failed: {out.stderr}")
+        return out.stdout
+
+    def start(self, cols: int, rows: int, *cmd: str) -> None:
+        # After the command ends, print its status and keep the pane, so the test can read both.
+        script = '"$@"; s=$?; printf "\\n%s %s\\n" "$0" "$s"; exec sleep 86400'
+        self._tmux("new-session", "-d", "-s", self.name, "-x", str(cols), "-y", str(rows), "-c", ROOT,
+                   "sh", "-c", script, EXIT_MARK, *cmd)
+
+    def keys(self, *keys: str) -> None:
+        for k in keys:
+            self._tmux("send-keys", "-t", f"={self.name}:", k)
+
+    def capture(self) -> str:
+        return self._tmux("capture-pane", "-t", f"={self.name}:", "-p")
+
+    def wait(self, regex: str, timeout: float) -> None:
+        """Poll the screen until `regex` matches (a bound on the wait, not a timing assertion)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            screen = self.capture()
+            if re.search(regex, screen):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for /{regex}/; screen was:\n{screen}")
+            time.sleep(0.2)
+
+    def exit_status(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hist = self._tmux("capture-pane", "-t", f"={self.name}:", "-p", "-S", "-200")
+            found = re.findall(rf"^{EXIT_MARK} (\d+)$", hist, re.M)
+            if found:
+                return int(found[-1])
+            time.sleep(0.2)
+        return None
+
+    def stop(self) -> None:
+        self._tmux("kill-session", "-t", f"={self.name}", check=False)
 
 
 def test_replay_in_tmux_keys_panels_and_clean_exit():
-    name = f"wbtui-{uuid.uuid4().hex[:8]}"
+    tm = Tmux(f"wbtui-{uuid.uuid4().hex[:8]}")
     exe = os.path.join(os.path.dirname(sys.executable), "workbench")
     # Under pytest the session's environment carries COLUMNS=80 LINES=24, which Textual would
     # believe over the real pane size.
-    _t("start", name, "-x", "160", "-y", "48", "--", "env", "-u", "COLUMNS", "-u", "LINES", exe, "tui", "--replay", FIXTURE, "--paused",
-       "--layout", "grid", "--speed", "8")
+    tm.start(160, 48, "env", "-u", "COLUMNS", "-u", "LINES", exe, "tui", "--replay", FIXTURE, "--paused",
+             "--layout", "grid", "--speed", "8")
     try:
-        _t("wait", name, "Batch composition", "30")
-        screen = _t("capture", name).stdout
+        tm.wait("Batch composition", 30)
+        screen = tm.capture()
         for title in ("Queues", "Batch composition", "Radix tree", "KV pool", "Latency", "Events",
                       "Request detail"):
             assert title in screen, screen
         assert "REPLAY tui_trace.jsonl" in screen and "PAUSED" in screen
         # three single steps: the recording's first three scheduler steps, one per key
         for _ in range(3):
-            _t("keys", name, "s")
-        _t("wait", name, r"step 10 +PAUSED", "20")
-        screen = _t("capture", name).stdout
+            tm.keys("s")
+        tm.wait(r"step 10 +PAUSED", 20)
+        screen = tm.capture()
         assert "Batch composition — 3 steps" in screen, screen
         # play to the end of the recording
-        _t("keys", name, "p")
-        _t("wait", name, r"· end", "60")
-        _t("wait", name, r"done 7", "20")
-        screen = _t("capture", name).stdout
+        tm.keys("p")
+        tm.wait(r"· end", 60)
+        tm.wait(r"done 7", 20)
+        screen = tm.capture()
         for rid in ("sp-1", "long-1", "chat-2"):
             assert rid in screen
         assert "[3 children]" in screen        # the shared system prompt branches three ways
         # help, then quit
-        _t("keys", name, "?")
-        _t("wait", name, "what you are looking at", "20")
-        _t("keys", name, "?")            # (Escape then q too fast would read as Alt+q)
+        tm.keys("?")
+        tm.wait("what you are looking at", 20)
+        tm.keys("?")            # (Escape then q too fast would read as Alt+q)
         time.sleep(0.5)
-        _t("keys", name, "q")
-        assert _t("exited", name, "20", check=False).returncode == 0
-        assert "Traceback" not in _t("capture", name).stdout
+        tm.keys("q")
+        assert tm.exit_status(20) == 0
+        assert "Traceback" not in tm.capture()
     finally:
-        _t("stop", name, check=False)
+        tm.stop()
