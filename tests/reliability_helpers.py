@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -179,3 +180,25 @@ def gather_bounded(coros, limit: int):
         async with sem:
             return await c
     return asyncio.gather(*(one(c) for c in coros))
+
+
+class BackgroundLoad:
+    """Send `specs` ((path, body, stream, ...) each) all at once from a thread, so the test can
+    inject a fault meanwhile; `join(timeout)` returns the outcomes in spec order (None if the
+    requests are still running: they hung)."""
+
+    def __init__(self, url: str, specs: list[tuple]):
+        self._outs: Optional[list[Outcome]] = None
+
+        async def send_all():
+            async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+                return await asyncio.gather(*(post(client, *s[:3]) for s in specs))
+
+        def run():
+            self._outs = asyncio.run(send_all())
+        self._thread = threading.Thread(target=run, name="background-load")
+        self._thread.start()
+
+    def join(self, timeout: float) -> Optional[list[Outcome]]:
+        self._thread.join(timeout)
+        return None if self._thread.is_alive() else self._outs

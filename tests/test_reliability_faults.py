@@ -27,8 +27,8 @@ import httpx
 import pytest
 
 from reliability_helpers import (
-    Outcome, assert_server_clean, count, fetch_reference, generate_result, openai_text, post, server_info,
-    stream_errors, wait_for,
+    BackgroundLoad, Outcome, assert_server_clean, count, fetch_reference, gather_bounded, generate_result,
+    openai_text, post, server_info, stream_errors, wait_for,
 )
 from workbench.core.entrypoints.server_process import ServerProcess, free_port
 
@@ -135,7 +135,6 @@ def test_100_disconnects_mid_stream_interleaved_with_good_requests(server, refs,
 
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-            sem = asyncio.Semaphore(32)
             jobs = []
             good_specs = []
             for j in range(150):
@@ -145,11 +144,7 @@ def test_100_disconnects_mid_stream_interleaved_with_good_requests(server, refs,
                     jobs.append(post(client, spec[0], spec[1], spec[2]))
                 else:
                     jobs.append(_disconnect_mid_stream(client, j))
-
-            async def bounded(c):
-                async with sem:
-                    return await c
-            results = await asyncio.gather(*(bounded(c) for c in jobs))
+            results = await gather_bounded(jobs, 32)
             return good_specs, results
 
     good_specs, results = asyncio.run(main())
@@ -256,24 +251,16 @@ def test_a_trace_subscriber_dying_mid_run_does_not_disturb_serving(server, refs,
         ready, _, _ = select.select([sub.stdout], [], [], 120)
         assert ready and sub.stdout.readline().strip() == "attached"
         specs = [good_request(j, ids) for j in range(8)]
-        got: dict = {}
-
-        def load():
-            async def main():
-                async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-                    return await asyncio.gather(*(post(client, s[0], s[1], s[2]) for s in specs))
-            got["outs"] = asyncio.run(main())
-
-        t = threading.Thread(target=load)
-        t.start()
+        load = BackgroundLoad(url, specs)
         wait_for(lambda: server_info(url)["internal_state"]["num_running"] > 0, 60, "requests to run")
         sub.kill()                                        # SIGKILL: no goodbye to the publisher
         count("faults")
-        t.join(600)
+        outs = load.join(600)
+        assert outs is not None, "the good requests hung after the subscriber died"
     finally:
         sub.kill()
         sub.wait(10)
-    failures = [why for s, o in zip(specs, got["outs"]) if (why := good_ok(s[0], o, references[s[3]], tokenizer))]
+    failures = [why for s, o in zip(specs, outs) if (why := good_ok(s[0], o, references[s[3]], tokenizer))]
     assert not failures, failures
     # The publisher lives on: a new subscriber attaches and sees the next request finish.
     with RemoteSubscription(trace_addr) as fresh:
@@ -312,17 +299,8 @@ def test_sigterm_while_busy_drains_in_flight_requests_and_exits_0(server, refs, 
     children = server.descendants()
     ipc_dir = ipc_dir_of(server.proc.pid)
     specs = [good_request(j, ids) for j in range(12)]
-    got: dict = {}
-
-    def load():
-        async def main():
-            async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-                return await asyncio.gather(*(post(client, s[0], s[1], s[2]) for s in specs))
-        got["outs"] = asyncio.run(main())
-
     finished_before = metric(url, "num_requests_total")
-    t = threading.Thread(target=load)
-    t.start()
+    load = BackgroundLoad(url, specs)
 
     def all_admitted():
         # In flight now, or already finished: either way the server has every request.
@@ -331,9 +309,10 @@ def test_sigterm_while_busy_drains_in_flight_requests_and_exits_0(server, refs, 
     wait_for(all_admitted, 120, "every request to reach the engine", interval=0.02)
     server.proc.send_signal(signal.SIGTERM)
     count("faults")
-    t.join(600)
+    outs = load.join(600)
+    assert outs is not None, "in-flight requests hung during the drain"
     assert server.proc.wait(120) == 0, server.log()
-    failures = [why for s, o in zip(specs, got["outs"]) if (why := good_ok(s[0], o, references[s[3]], tokenizer))]
+    failures = [why for s, o in zip(specs, outs) if (why := good_ok(s[0], o, references[s[3]], tokenizer))]
     assert not failures, failures
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health", timeout=10)
@@ -359,16 +338,7 @@ def test_kill_9_of_a_child_fails_in_flight_requests_and_exits_nonzero(role):
             ("/v1/completions", {"prompt": "Once", "max_tokens": 1000, "ignore_eos": True, "stream": True}, True),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1000,
                                       "ignore_eos": True}, False)]
-        got: dict = {}
-
-        def load():
-            async def main():
-                async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-                    return await asyncio.gather(*(post(client, *s) for s in specs))
-            got["outs"] = asyncio.run(main())
-
-        t = threading.Thread(target=load)
-        t.start()
+        load = BackgroundLoad(url, specs)
         wait_for(lambda: server_info(url)["internal_state"]["num_running"] == len(specs), 120,
                  "every request to run", interval=0.05)
         health: list = []
@@ -387,8 +357,8 @@ def test_kill_9_of_a_child_fails_in_flight_requests_and_exits_nonzero(role):
         os.kill(pid, signal.SIGKILL)
         count("faults")
         # Bounded waits: the requests fail and the server exits, instead of hanging.
-        t.join(60)
-        assert not t.is_alive(), "in-flight requests hung after the child died"
+        outs = load.join(60)
+        assert outs is not None, "in-flight requests hung after the child died"
         code = srv.proc.wait(60)
         stop_polling.set()
         poller.join(10)
@@ -397,7 +367,7 @@ def test_kill_9_of_a_child_fails_in_flight_requests_and_exits_nonzero(role):
             srv.kill()
         srv.stop()
     assert code != 0, srv.log()
-    for (path, _, stream), out in zip(specs, got["outs"]):
+    for (path, _, stream), out in zip(specs, outs):
         if stream:
             assert out.status == 200 and out.done and stream_errors(out.events), (path, out)
             assert stream_errors(out.events)[0]["code"] == "engine_unavailable", out.events[-1]

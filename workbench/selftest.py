@@ -206,13 +206,7 @@ def _triton_checks(bench: _Bench, ref: Greedy) -> list[CheckResult]:
     if importlib.util.find_spec("triton") is None:
         return [CheckResult("triton backend", "SKIP", 0.0, "triton is not installed (pip install triton)")]
     if bench.device == "cuda":
-        def eager():
-            return _verdict(ref, bench.greedy(bench.runner(attention_backend="triton", disable_cuda_graph=True)))
-
-        def graphed():
-            runner = bench.runner(attention_backend="triton", cuda_graph_max_bs=4)
-            return _verdict(ref, bench.greedy(runner), _replays(runner.graph_runner))
-        return [_timed("triton backend (eager)", eager), _timed("triton backend + cuda graphs", graphed)]
+        return _backend_checks(bench, ref, "triton")
     return [_timed("triton kernels (TRITON_INTERPRET=1, model head shapes)", lambda: _interpreted_kernels(bench))]
 
 
@@ -242,14 +236,18 @@ def _flashinfer_checks(bench: _Bench, ref: Greedy) -> list[CheckResult]:
     reason = flashinfer_unavailable_reason(bench.device)
     if reason:
         return [CheckResult("flashinfer backend", "SKIP", 0.0, reason)]
+    return _backend_checks(bench, ref, "flashinfer")
 
+
+def _backend_checks(bench: _Bench, ref: Greedy, backend: str) -> list[CheckResult]:
+    """`backend` on CUDA against the torch-native reference, eager and through CUDA graphs."""
     def eager():
-        return _verdict(ref, bench.greedy(bench.runner(attention_backend="flashinfer", disable_cuda_graph=True)))
+        return _verdict(ref, bench.greedy(bench.runner(attention_backend=backend, disable_cuda_graph=True)))
 
     def graphed():
-        runner = bench.runner(attention_backend="flashinfer", cuda_graph_max_bs=4)
+        runner = bench.runner(attention_backend=backend, cuda_graph_max_bs=4)
         return _verdict(ref, bench.greedy(runner), _replays(runner.graph_runner))
-    return [_timed("flashinfer backend (eager)", eager), _timed("flashinfer backend + cuda graphs", graphed)]
+    return [_timed(f"{backend} backend (eager)", eager), _timed(f"{backend} backend + cuda graphs", graphed)]
 
 
 def _overlap_check(bench: _Bench) -> tuple[str, str]:

@@ -402,20 +402,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _cli_main(args: argparse.Namespace) -> int:
     if getattr(args, "compare_compile", False):
-        crows = run_compile_bench(args)
-        print(format_compile_table(crows))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"compile_rows": [asdict(r) for r in crows], "environment": environment(),
-                           "quick": bool(args.quick)}, f, indent=2)
-            print(f"wrote {args.json}", file=sys.stderr)
-        return 0
-    rows = run_model_bench(args)
-    print(format_table(rows))
+        key, rows = "compile_rows", run_compile_bench(args)
+        print(format_compile_table(rows))
+    else:
+        key, rows = "rows", run_model_bench(args)
+        print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": [asdict(r) for r in rows], "environment": environment(),
-                       "quick": bool(args.quick)}, f, indent=2)
+            json.dump({key: [asdict(r) for r in rows], "environment": environment(), "quick": bool(args.quick)},
+                      f, indent=2)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
