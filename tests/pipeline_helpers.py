@@ -25,11 +25,17 @@ def assert_no_kv_leak(engine, timeout: float = 20.0) -> dict:
     return state
 
 
-def drain_events(sub, settle: float = 0.3) -> list:
-    """Everything a subscription has received, waiting until the stream is quiet."""
+def drain_events(sub, settle: float = 0.3, until=None, timeout: float = 30.0) -> list:
+    """Everything a subscription has received, waiting until the stream is quiet.
+
+    The scheduler's trace events travel their own socket and may still be in flight when
+    generate() returns; with `until` (a predicate on the events so far), first wait up to
+    `timeout` s for it to hold, so a stalled machine cannot cut the collection short."""
     out = []
+    deadline = time.monotonic() + timeout
     quiet_since = time.monotonic()
-    while time.monotonic() - quiet_since < settle:
+    while (time.monotonic() - quiet_since < settle
+           or (until is not None and not until(out) and time.monotonic() < deadline)):
         got = sub.drain()
         if got:
             out.extend(got)

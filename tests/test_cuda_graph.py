@@ -216,7 +216,15 @@ def test_engine_decodes_through_stand_in_graphs_and_traces_them(tokenizer, hf_mo
         try:
             outs = e.generate(input_ids=prompts, sampling_params=[
                 {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in lens])
-            events = drain_events(sub)
+
+            def every_decode_traced(got):     # the last steps' events may still be on their way
+                decoded: dict = {}
+                for x in got:
+                    if isinstance(x, ev.BatchStep):
+                        for r in x.reqs:
+                            decoded[r.rid] = decoded.get(r.rid, 0) + r.decode
+                return all(decoded.get(o["meta_info"]["id"], 0) >= n - 1 for o, n in zip(outs, lens))
+            events = drain_events(sub, until=every_decode_traced)
         finally:
             sub.close()
         assert_no_kv_leak(e)

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import chat_ids
 from pipeline_helpers import assert_no_kv_leak, drain_events
+from reliability_helpers import wait_for
 from workbench.core.engine import Engine
 from workbench.core.trace import events as ev
 
@@ -74,6 +75,23 @@ def _mixed_calls(prompts: list[list[int]]) -> list[dict]:
     return calls
 
 
+def _decoded_per_rid(events) -> dict[str, int]:
+    decoded: dict[str, int] = {}
+    for s in events:
+        if isinstance(s, ev.BatchStep):
+            for r in s.reqs:
+                decoded[r.rid] = decoded.get(r.rid, 0) + r.decode
+    return decoded
+
+
+def _all_decodes_traced(events, outs: list[dict]) -> bool:
+    """Every request's decode tokens have a batch.step (or the trace says it dropped some)."""
+    if any(isinstance(x, ev.TraceDropped) for x in events):
+        return True
+    decoded = _decoded_per_rid(events)
+    return all(decoded.get(o["meta_info"]["id"], 0) >= o["meta_info"]["completion_tokens"] - 1 for o in outs)
+
+
 def _run_concurrently(engine, calls: list[dict]) -> list[dict]:
     with cf.ThreadPoolExecutor(len(calls)) as pool:
         return list(pool.map(lambda c: engine.generate(**c), calls))
@@ -124,7 +142,8 @@ def test_mixed_requests_match_normal_loop(overlap_engine, prompts, normal_result
     sub = e.subscribe(with_snapshot=False)
     try:
         outs = _run_concurrently(e, _mixed_calls(prompts))
-        events = drain_events(sub)
+        # The last steps' batch.step events may still be on their way to the bus.
+        events = drain_events(sub, until=lambda got: _all_decodes_traced(got, outs))
     finally:
         sub.close()
     ref = normal_results["mixed"]
@@ -148,11 +167,8 @@ def test_mixed_requests_match_normal_loop(overlap_engine, prompts, normal_result
         # Each request decodes every token after its first exactly once: rows computed for a
         # request that had already finished (launched before its end was known) are not reported.
         rid_of = {o["meta_info"]["id"]: o for o in outs}
-        decoded = {rid: 0 for rid in rid_of}
-        for s in steps:
-            for r in s.reqs:
-                if r.rid in decoded:
-                    decoded[r.rid] += r.decode
+        decoded = _decoded_per_rid(steps)
+        decoded = {rid: decoded.get(rid, 0) for rid in rid_of}
         assert decoded == {rid: o["meta_info"]["completion_tokens"] - 1 for rid, o in rid_of.items()}
 
 
@@ -176,7 +192,8 @@ def test_step_gate_runs_one_iteration_per_step(overlap_engine, prompts):
     try:
         fut = cf.ThreadPoolExecutor(1).submit(e.generate, input_ids=prompts[2],
                                               sampling_params={"max_new_tokens": 5, "temperature": 0})
-        time.sleep(0.3)
+        # Step only once the request is queued: a step with nothing to run is answered at once.
+        wait_for(lambda: e.get_internal_state()["num_waiting"] == 1, 30, "the request to reach the scheduler")
         first = e.step_gate("step")
         second = e.step_gate("step")
         assert second["step"] == first["step"] + 1 and second["paused"]

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import chat_ids, hf_greedy
 from pipeline_helpers import assert_no_kv_leak, drain_events
+from reliability_helpers import wait_for
 from workbench.core.engine import Engine
 from workbench.core.trace import events as ev
 
@@ -165,8 +166,8 @@ def test_step_gate_runs_exactly_one_iteration(engine, prompts):
     try:
         fut = cf.ThreadPoolExecutor(1).submit(engine.generate, input_ids=prompts[2],
                                               sampling_params={"max_new_tokens": 5, "temperature": 0})
-        import time
-        time.sleep(0.3)
+        # Step only once the request is queued: a step with nothing to run is answered at once.
+        wait_for(lambda: engine.get_internal_state()["num_waiting"] == 1, 30, "the request to reach the scheduler")
         first = engine.step_gate("step")
         second = engine.step_gate("step")
         assert second["step"] == first["step"] + 1 and second["paused"]

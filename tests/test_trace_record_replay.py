@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from reliability_helpers import wait_for
 from workbench.core.trace import events as ev
 from workbench.core.trace.bus import TraceBus
 from workbench.core.trace.perfetto import export_perfetto
@@ -52,6 +53,9 @@ def test_recorder_on_a_live_bus_matches_the_live_state(tmp_path, trace_events):
                 live.apply(got)
                 n += 1
         assert n == len(trace_events)
+        # The bus calls the recorder after offering a batch to subscriptions (and outside its
+        # lock): closing it as soon as the subscription has everything could lose the last batch.
+        wait_for(lambda: rec.events_written >= len(trace_events), 30, "the recorder to write every event")
         tr.close()
         handle.close()
         rec.close()

@@ -207,8 +207,12 @@ async def test_startup_error_is_a_message_not_a_traceback():
     app = WorkbenchApp(BadEngine(server_args={}), layout="grid")
     async with app.run_test(size=(120, 30)) as pilot:
         await wait_for(lambda: app.startup_error is not None)
-        await pilot.pause(0.2)
-        body = plain_text(app.query_one("#startup-log", Static).content, 110)
+
+        def startup_log() -> str:
+            return plain_text(app.query_one("#startup-log", Static).content, 110)
+        # The error is drawn on the app's next tick, which a busy machine can delay.
+        await wait_for(lambda: "no model at" in startup_log(), 30)
+        body = startup_log()
         assert "no model at /nope/model.gguf" in body and "Traceback" not in body and "press q" in body.lower()
         await pilot.press("q")
     assert app.return_code in (0, None)

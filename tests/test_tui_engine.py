@@ -53,6 +53,9 @@ async def test_shared_prefix_workload_stepping_and_panels(engine):
         await wait_for(lambda: len(sp_rids()) == 4 and all(st.requests[r].state == "queued" for r in sp_rids()), 60)
         sp = sp_rids()
         await pilot.pause(0.3)
+        # Redraw now: the panels' own refresh runs on a timer that a busy machine can delay.
+        app.refresh_panels(force=True)
+        await pilot.pause()
         # the queue table shows the queued requests with TraceState's token counts
         table = app.query_one("#queues-table", DataTable)
         rows = {str(table.get_row_at(i)[1]): table.get_row_at(i) for i in range(table.row_count)}
@@ -69,6 +72,8 @@ async def test_shared_prefix_workload_stepping_and_panels(engine):
             await wait_for(lambda: app.control_results == results + 1, 60)
             await wait_for(lambda: st.steps and st.steps[-1].step == app.last_step_result, 30)
             await pilot.pause(0.3)       # let any (wrong) extra step show up
+            app.refresh_panels(force=True)    # the tables below, drawn from the state just checked
+            await pilot.pause()
             new = [s.step for s in st.steps][len(before):]
             if k == 0:   # after the first step the scheduler lists its queues again
                 queued = set(st.waiting) | set(st.running) | set(st.chunked)

@@ -268,10 +268,14 @@ def test_update_waits_for_inflight_holds_new_and_can_abort(engine, original, pro
             time.sleep(0.002)
 
     with cf.ThreadPoolExecutor(2) as pool:
-        stream = engine.generate(input_ids=prompts[1], sampling_params=long_sp, stream=True)
-        next(stream)
-        # Paused, the request stays in flight for as long as the test needs.
+        # Paused, the request stays in flight for as long as the test needs. Pause before it runs and
+        # step it to its first token: a pause sent after that token can arrive after the last one.
         engine.step_gate("pause")
+        stream = engine.generate(input_ids=prompts[1], sampling_params=long_sp, stream=True)
+        first = pool.submit(next, stream)
+        wait_for(lambda: engine.get_internal_state()["num_waiting"] == 1)
+        engine.step_gate("step")                                  # its prefill (one chunk): the first token
+        first.result(timeout=60)
         update = pool.submit(engine.update_weights_from_tensor, new)
         wait_for(lambda: not tm._weights_gate.is_set())           # the update waits for it...
         held = pool.submit(greedy, engine, prompts[:1])

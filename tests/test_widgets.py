@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
+from reliability_helpers import wait_for  # noqa: E402
 from workbench.core.trace import events as ev  # noqa: E402
 from workbench.core.trace.recorder import Recorder  # noqa: E402
 from workbench.core.trace.replay import Replay  # noqa: E402
@@ -289,6 +290,10 @@ def test_live_feed_from_a_real_bus_with_late_subscription():
         assert dash.feed.live and dash.controls is None
         for i in range(half, len(EVENTS), 7):
             bus.publish_batch(EVENTS[i:i + 7])
+        # The bus thread delivers and the feed thread folds on their own time: wait until both
+        # are through (flush's quiet period alone can end early on a busy machine).
+        wait_for(lambda: bus.received_events >= len(EVENTS) and len(dash.feed.subscription) == 0, 30,
+                 "the bus and the feed to take every event")
         dash.flush(timeout=10, quiet=0.3)
         full = TraceState()
         full.apply_many(EVENTS)
