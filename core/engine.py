@@ -421,12 +421,14 @@ class Engine:
                     pass
             loop.call_soon_threadsafe(loop.stop)
             self._loop_thread.join(timeout=5)
+        # The bus first: its thread stops delivering, so the recorder and exporter it feeds
+        # have received their last batch before they close.
+        if getattr(self, "bus", None) is not None:
+            self.bus.close()
         if getattr(self, "_recorder", None) is not None:
             self._recorder.close()
         if getattr(self, "_otel", None) is not None:
             self._otel.close()
-        if getattr(self, "bus", None) is not None:
-            self.bus.close()
         self.port_args.cleanup()
         try:
             atexit.unregister(self.shutdown)

@@ -175,3 +175,21 @@ def test_step_gate_runs_exactly_one_iteration(engine, prompts):
     finally:
         engine.step_gate("resume")
     assert fut.result(timeout=60)["meta_info"]["completion_tokens"] == 5
+
+
+def test_final_cache_tree_is_published_once_idle(engine, prompts):
+    """Tree snapshots are rate-limited; the last change of a burst must still go out when idle."""
+    assert engine.flush_cache()
+    sub = engine.subscribe(with_snapshot=False, name="tree-watcher")
+    try:
+        prompt = prompts[5]
+        engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 3, "temperature": 0})
+        # While running, the prompt's nodes are locked (protected); only a snapshot taken after
+        # the request finished shows them unlocked.
+        events = drain_events(sub, until=lambda evs: any(
+            isinstance(e, ev.CacheTree) and e.protected_size == 0 and e.evictable_size >= len(prompt)
+            for e in evs), timeout=15)
+    finally:
+        sub.close()
+    final = [e for e in events if isinstance(e, ev.CacheTree)]
+    assert final and final[-1].protected_size == 0 and final[-1].evictable_size >= len(prompt)

@@ -183,25 +183,38 @@ class ServerMetrics:
     def snapshot(self) -> dict[str, float]:
         """The current values by short name (for tests and /get_server_info)."""
         with self._lock:
-            running = sum(len(q.running) for q in self._queues.values())
-            waiting = sum(len(q.waiting) for q in self._queues.values())
-            used = sum(k.used for k in self._kv.values())
-            total = sum(k.total for k in self._kv.values())
-            return {
-                "num_running_reqs": running, "num_queue_reqs": waiting,
-                "num_used_tokens": used, "token_usage": used / total if total else 0.0,
-                "gen_throughput": self.gen_throughput(), "cache_hit_rate": self.cache_hit_rate,
-                "prompt_tokens_total": self.prompt_tokens, "generation_tokens_total": self.generation_tokens,
-                "cached_tokens_total": self.cached_tokens, "num_requests_total": self.num_requests,
-                "num_aborted_requests_total": self.num_aborted, "num_retracted_reqs": self.num_retracted,
-                "evicted_tokens_total": self.evicted_tokens, "trace_dropped_events_total": self.dropped_events,
-            }
+            return self._snapshot_locked()
+
+    def _snapshot_locked(self) -> dict[str, float]:
+        running = sum(len(q.running) for q in self._queues.values())
+        waiting = sum(len(q.waiting) for q in self._queues.values())
+        used = sum(k.used for k in self._kv.values())
+        total = sum(k.total for k in self._kv.values())
+        return {
+            "num_running_reqs": running, "num_queue_reqs": waiting,
+            "num_used_tokens": used, "token_usage": used / total if total else 0.0,
+            "gen_throughput": self.gen_throughput(), "cache_hit_rate": self.cache_hit_rate,
+            "prompt_tokens_total": self.prompt_tokens, "generation_tokens_total": self.generation_tokens,
+            "cached_tokens_total": self.cached_tokens, "num_requests_total": self.num_requests,
+            "num_aborted_requests_total": self.num_aborted, "num_retracted_reqs": self.num_retracted,
+            "evicted_tokens_total": self.evicted_tokens, "trace_dropped_events_total": self.dropped_events,
+        }
 
     # ---- prometheus -------------------------------------------------------------
 
     def collect(self):
-        """prometheus_client Collector protocol: called on every scrape."""
-        s = self.snapshot()
+        """prometheus_client Collector protocol: called on every scrape.
+
+        Values and histograms are read under one lock hold, so a scrape never shows a request
+        counted in `num_requests_total` but missing from the latency histograms."""
+        with self._lock:
+            s = self._snapshot_locked()
+            histograms = [
+                self.ttft.family(PREFIX + "time_to_first_token_seconds", "Time to first token.", self.labels),
+                self.itl.family(PREFIX + "inter_token_latency_seconds", "Time between output tokens.",
+                                self.labels),
+                self.e2e.family(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.",
+                                self.labels)]
         names, values = list(self.labels), list(self.labels.values())
 
         def gauge(short, doc):
@@ -229,12 +242,7 @@ class ServerMetrics:
         yield counter("num_aborted_requests_total", "Aborted requests.")
         yield counter("evicted_tokens_total", "Tokens evicted from the radix cache.")
         yield counter("trace_dropped_events_total", "Trace events lost before reaching the metrics.")
-        with self._lock:
-            yield self.ttft.family(PREFIX + "time_to_first_token_seconds", "Time to first token.", self.labels)
-            yield self.itl.family(PREFIX + "inter_token_latency_seconds", "Time between output tokens.",
-                                  self.labels)
-            yield self.e2e.family(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.",
-                                  self.labels)
+        yield from histograms
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

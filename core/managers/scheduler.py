@@ -53,7 +53,6 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-TREE_SNAPSHOT_INTERVAL_NS = 250_000_000
 
 
 class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
@@ -178,15 +177,19 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         self._step_start = time.perf_counter()
 
     def finish_step(self, batch: Optional[ScheduleBatch]) -> None:
+        # Trace first: a client that steps the scheduler and then reads the trace should
+        # find this step's events already on their way (they travel a separate socket).
+        if self.tracer.enabled:
+            if batch is not None:
+                self.emit_state()
+            else:
+                self.emit_tree_if_due()    # the last change of a burst, once the rate limit allows
+            self.tracer.flush()
         if batch is not None and self.paused and self.step_credits > 0:
             self.step_credits -= 1
             if self.step_credits == 0 and self.pending_step_reply:
                 self.pending_step_reply = False
                 send_msg(self.send_to_detokenizer, StepGateReqOutput(paused=True, step=self.forward_ct))
-        if self.tracer.enabled:
-            if batch is not None:
-                self.emit_state()
-            self.tracer.flush()
 
     # ==== requests in =================================================================
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:

@@ -190,8 +190,11 @@ class SchedulerOutputMixin:
         evictable = self.tree_cache.evictable_size()
         t.emit(ev.KVUsage(used=self.max_total_num_tokens - free - evictable, evictable=evictable, free=free,
                           total=self.max_total_num_tokens))
-        now = time.monotonic_ns()
-        if self.tree_dirty and now - self.last_tree_snapshot_ns >= TREE_SNAPSHOT_INTERVAL_NS:
+        self.emit_tree_if_due()
+
+    def emit_tree_if_due(self) -> None:
+        """A CacheTree snapshot if the tree changed and the last one is old enough (rate-limited)."""
+        if self.tree_dirty and time.monotonic_ns() - self.last_tree_snapshot_ns >= TREE_SNAPSHOT_INTERVAL_NS:
             self.emit_tree()
 
     def emit_tree(self) -> None:
