@@ -61,6 +61,7 @@ class GetInternalStateReqOutput(Msg):
     max_running_requests: int
     max_req_input_len: int
     last_gen_throughput: float = 0.0
+    trace_ms: float = 0.0         # wall time the scheduler has spent in its own tracing code (bench trace)
     # Data parallel: the fields above are summed over replicas; here each replica's own figures.
     per_replica: Optional[list[dict[str, Union[int, float]]]] = None
 

@@ -42,12 +42,16 @@ def test_trace_mode_on_emits_with_nobody_listening_and_auto_does_not(mode):
     with Engine(show_progress=False, max_total_tokens=2048, trace_mode=mode) as engine:
         out = engine.generate("The radix tree", SP)
         rid = out["meta_info"]["id"]
+        trace_ms = engine.get_internal_state()["trace_ms"]
         sub = engine.subscribe(with_snapshot=True, name="late")
         try:
             seen = _collect_finished(sub, rid, wait_s=15.0 if mode == "on" else 2.0)
         finally:
             sub.close()
         assert (rid in seen) == (mode == "on")
+        # The scheduler times its own traced sections (what `bench trace` reports); auto mode
+        # with nobody listening never enters one.
+        assert (trace_ms > 0) == (mode == "on")
 
 
 def test_trace_mode_off_emits_nothing_even_to_a_subscriber():
@@ -61,6 +65,7 @@ def test_trace_mode_off_emits_nothing_even_to_a_subscriber():
         finally:
             sub.close()
         assert not [e for e in events if getattr(e, "rid", None) == out["meta_info"]["id"]]
+        assert engine.get_internal_state()["trace_ms"] == 0
 
 
 def test_trace_mode_is_validated():
@@ -68,3 +73,18 @@ def test_trace_mode_is_validated():
         ServerArgs(trace_mode="sometimes")
     with pytest.raises(ValueError, match="emits nothing"):
         ServerArgs(trace_mode="off", record="run.jsonl")
+
+
+def test_bench_trace_quick_prints_every_mode_and_its_accounted_cost(capsys):
+    from workbench.cli import main
+    assert main(["bench", "trace", "--quick", "--rounds", "1", "--max-total-tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    accounted = out[out.index("accounted cost"):]
+    for mode in ("auto, idle", "on, idle", "busy"):
+        line = next(l for l in accounted.splitlines() if l.startswith(mode))
+        shares = [float(x.rstrip("%")) for x in line[len(mode):].split()]
+        assert len(shares) == 3 and all(x >= 0 for x in shares)
+        if mode == "auto, idle":
+            assert shares[0] == 0.0     # tracers disabled: the scheduler never enters a traced section
+        else:
+            assert shares[0] > 0.0

@@ -256,7 +256,7 @@ def merge_replies(replies: list[Msg]) -> Msg:
 
 
 _SUMMED = ("num_waiting", "num_running", "kv_total", "kv_free", "kv_evictable", "kv_used", "req_slots_free",
-           "req_slots_total", "max_total_num_tokens", "max_running_requests", "last_gen_throughput")
+           "req_slots_total", "max_total_num_tokens", "max_running_requests", "last_gen_throughput", "trace_ms")
 
 
 def _merge_internal_state(replies: list[GetInternalStateReqOutput]) -> GetInternalStateReqOutput:

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import time
+from contextlib import contextmanager
 from typing import Optional
 
 import zmq
@@ -92,6 +93,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         self.tree_dirty = True
         self.last_gen_throughput = 0.0
         self._step_start = 0.0
+        self.trace_ns = 0                       # time inside tracing code (see `trace_cost`)
         # Step gate: while paused the loop runs only when given step credits.
         self.paused = False
         self.step_credits = 0
@@ -171,6 +173,18 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             else:
                 logger.warning("scheduler: ignoring unexpected message %s", type(msg).__name__)
 
+    @contextmanager
+    def trace_cost(self):
+        """Count the wall time of the block as tracing (`trace_ms` in get_internal_state).
+
+        Used around every traced section of the loop, so `workbench bench trace` can say what
+        share of the scheduler's time tracing took, a figure machine noise barely moves."""
+        t0 = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            self.trace_ns += time.perf_counter_ns() - t0
+
     def begin_step(self) -> None:
         self.forward_ct += 1
         self.tracer.begin_step(self.forward_ct)
@@ -180,11 +194,12 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         # Trace first: a client that steps the scheduler and then reads the trace should
         # find this step's events already on their way (they travel a separate socket).
         if self.tracer.enabled:
-            if batch is not None:
-                self.emit_state()
-            else:
-                self.emit_tree_if_due()    # the last change of a burst, once the rate limit allows
-            self.tracer.flush()
+            with self.trace_cost():
+                if batch is not None:
+                    self.emit_state()
+                else:
+                    self.emit_tree_if_due()    # the last change of a burst, once the rate limit allows
+                self.tracer.flush()
         if batch is not None and self.paused and self.step_credits > 0:
             self.step_credits -= 1
             if self.step_credits == 0 and self.pending_step_reply:
@@ -211,8 +226,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             return
         self.waiting_queue.append(req)
         if self.tracer.enabled:
-            self.tracer.emit(ev.ReqQueued(rid=req.rid, prompt_tokens=len(req.origin_input_ids),
-                                          queue_len=len(self.waiting_queue)))
+            with self.trace_cost():
+                self.tracer.emit(ev.ReqQueued(rid=req.rid, prompt_tokens=len(req.origin_input_ids),
+                                              queue_len=len(self.waiting_queue)))
 
     def abort_request(self, rid: str) -> None:
         """Abort one request ("" = all): dropped from the queue, or stopped at its next step."""
@@ -393,7 +409,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         schedule_ms = (time.perf_counter() - self._step_start) * 1000
         result = self.tp_worker.forward_batch_generation(mwb)
         if self.tracer.enabled:
-            self.emit_batch_step(batch, schedule_ms, result.forward_ms, step_reqs)
+            with self.trace_cost():
+                self.emit_batch_step(batch, schedule_ms, result.forward_ms, step_reqs)
         self.note_forward_time(batch, result.forward_ms)
         return result
 
@@ -403,7 +420,10 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         # For the trace: whether this pass replays a CUDA graph, and the bucket it pads to.
         batch.cuda_graph, batch.padded_size = self.tp_worker.model_runner.graph_plan(
             batch.forward_mode, len(batch.reqs), mwb.return_all_logits)
-        step_reqs = self.describe_batch_step(batch) if self.tracer.enabled else None
+        step_reqs = None
+        if self.tracer.enabled:
+            with self.trace_cost():
+                step_reqs = self.describe_batch_step(batch)
         if batch.forward_mode == ForwardMode.EXTEND:
             for req in batch.reqs:
                 req.num_chunks_done += 1
@@ -439,7 +459,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             req_slots_free=self.req_to_token_pool.available_size(),
             req_slots_total=self.req_to_token_pool.size, step=self.forward_ct,
             max_total_num_tokens=self.max_total_num_tokens, max_running_requests=self.max_running_requests,
-            max_req_input_len=self.max_req_input_len, last_gen_throughput=self.last_gen_throughput)
+            max_req_input_len=self.max_req_input_len, last_gen_throughput=self.last_gen_throughput,
+            trace_ms=self.trace_ns / 1e6)
 
     def handle_step_gate(self, msg: StepGateReq) -> None:
         if msg.action == "pause":
@@ -480,7 +501,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
     def _on_cache_event(self, event) -> None:
         self.tree_dirty = True
         if self.tracer.enabled:
-            self.tracer.emit(event)
+            with self.trace_cost():
+                self.tracer.emit(event)
 
 
 class _DiscardingSocket:

@@ -101,10 +101,12 @@ class SchedulerOverlapMixin:
         wasted = {i for i, r in enumerate(batch.reqs) if r.finished()}
         self.process_batch_result(batch, result)
         if self.tracer.enabled:
-            step_reqs = inflight.step_reqs
-            if step_reqs is not None and wasted:
-                step_reqs = [s for i, s in enumerate(step_reqs) if i not in wasted]
-            self.emit_batch_step(batch, inflight.schedule_ms, result.forward_ms, step_reqs, step=inflight.step)
+            with self.trace_cost():
+                step_reqs = inflight.step_reqs
+                if step_reqs is not None and wasted:
+                    step_reqs = [s for i, s in enumerate(step_reqs) if i not in wasted]
+                self.emit_batch_step(batch, inflight.schedule_ms, result.forward_ms, step_reqs,
+                                     step=inflight.step)
         self.note_forward_time(batch, result.forward_ms)
 
     def sync_inflight(self) -> bool:
