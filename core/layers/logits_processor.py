@@ -100,7 +100,7 @@ def compute_prompt_logprobs(
     start = 0
     for n in extend_seq_lens:
         lp = logprobs[start:start + n - 1] if n > 1 else logprobs[start:start]
-        targets = input_ids[start + 1:start + n].long()
+        targets = input_ids[start + 1:start + n].long().to(lp.device)
         item = PromptLogprobs(token_ids=targets,
                               token_logprobs=lp.gather(1, targets.view(-1, 1)).squeeze(1))
         if top_logprobs_num > 0:

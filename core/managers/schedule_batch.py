@@ -266,7 +266,7 @@ class ScheduleBatch:
             [r.sampling_params for r in self.reqs], output_ids=[r.output_ids for r in self.reqs],
             prompt_ids=[r.origin_input_ids for r in self.reqs], vocab_size=self.vocab_size,
             eos_ids=[sorted(r.finish_token_ids) for r in self.reqs],
-            generators=[r.generator for r in self.reqs])
+            generators=[r.generator for r in self.reqs], device=self.req_to_token_pool.device)
 
     # ---- membership ----------------------------------------------------------------
     def filter_batch(self, keep: Optional[list[Req]] = None) -> None:

@@ -56,7 +56,7 @@ class TpModelWorker:
                                                mwb.top_logprobs_num)
         prompt_lp = None
         if mwb.return_all_logits and logits.all_logits is not None:
-            prompt_lp = compute_prompt_logprobs(logits.all_logits, mwb.input_ids, mwb.extend_seq_lens_cpu,
+            prompt_lp = compute_prompt_logprobs(logits.all_logits, fb.input_ids, mwb.extend_seq_lens_cpu,
                                                 mwb.top_logprobs_num)
         return ForwardOutput(logits, sampler_out, prompt_lp)
 

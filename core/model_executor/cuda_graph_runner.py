@@ -195,10 +195,12 @@ class TorchCompileDecodeRunner:
             for bs in self.buckets:
                 if bs in self.compile_time_s:
                     continue
-                zeros = torch.zeros(bs, dtype=torch.int64)
+                dev = mr.req_to_token_pool.device
+                zeros = torch.zeros(bs, dtype=torch.int64, device=dev)
                 fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=zeros,
-                                  positions=zeros, req_pool_indices=torch.full((bs,), row[0], dtype=torch.int64),
-                                  seq_lens=torch.ones(bs, dtype=torch.int64), out_cache_loc=zeros,
+                                  positions=zeros,
+                                  req_pool_indices=torch.full((bs,), int(row[0]), dtype=torch.int64, device=dev),
+                                  seq_lens=torch.ones(bs, dtype=torch.int64, device=dev), out_cache_loc=zeros,
                                   seq_lens_cpu=[1] * bs, extend_seq_lens_cpu=[1] * bs,
                                   extend_prefix_lens_cpu=[0] * bs)
                 with torch.inference_mode():

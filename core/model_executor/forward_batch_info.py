@@ -62,6 +62,15 @@ class ForwardBatch:
                 start += n
             self.extend_start_loc_cpu = locs
 
+    def to(self, device) -> "ForwardBatch":
+        """Move the per-token / per-request tensors to `device` in place (the scheduler and the
+        offline harness build them on the host). Returns self."""
+        for name in ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc"):
+            t = getattr(self, name)
+            if t.device != device:
+                setattr(self, name, t.to(device, non_blocking=True))
+        return self
+
     @property
     def last_token_index(self) -> torch.Tensor:
         """Index into the T new tokens of each request's last one (whose logits we sample)."""

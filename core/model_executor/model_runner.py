@@ -43,6 +43,7 @@ class ModelRunner:
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.device = server_args.resolved_device()
+        self.torch_device = torch.device(self.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
         kv_name = server_args.kv_cache_dtype
         self.kv_dtype = self.dtype if kv_name == "auto" else DTYPES[kv_name]
@@ -135,6 +136,8 @@ class ModelRunner:
     # ---- execution ----------------------------------------------------------
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> LogitsOutput:
+        if self.torch_device.type != "cpu":
+            fb.to(self.torch_device)
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend

@@ -122,7 +122,7 @@ class OfflineHarness:
             [s.params for s in seqs], output_ids=[s.result.output_ids for s in seqs],
             prompt_ids=[s.prompt for s in seqs], vocab_size=r.model_config.vocab_size,
             eos_ids=[s.params.finish_token_ids(eos) for s in seqs],
-            generators=[s.generator for s in seqs])
+            generators=[s.generator for s in seqs], device=r.device)
         out = r.sample(logits, info, return_logprob, top_logprobs_num)
         ids = out.next_token_ids.tolist()
         for i, (s, tok) in enumerate(zip(seqs, ids)):

@@ -121,8 +121,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             if prefix == 0 or ext == 1:
                 masks.append(None)   # plain causal (prefix 0) or a single query that sees all keys
             else:
-                q_pos = torch.arange(prefix, prefix + ext).unsqueeze(1)
-                masks.append(torch.arange(seq_len).unsqueeze(0) <= q_pos)
+                dev = req_to_token.device
+                q_pos = torch.arange(prefix, prefix + ext, device=dev).unsqueeze(1)
+                masks.append(torch.arange(seq_len, device=dev).unsqueeze(0) <= q_pos)
         fb.attn_metadata = ExtendMetadata(indices, masks)
 
     def forward_extend(self, q, k, v, layer, fb) -> torch.Tensor:
