@@ -135,7 +135,7 @@ class ServerArgs:
         if self.attention_backend:
             return self.attention_backend
         from workbench.core.layers.attention.registry import default_attention_backend
-        return default_attention_backend(self.resolved_device())
+        return default_attention_backend(self.resolved_device(), self.dtype)
 
     # ---- CLI -------------------------------------------------------------
     @staticmethod

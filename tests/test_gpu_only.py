@@ -60,21 +60,54 @@ def test_triton_backend_on_gpu_matches_torch_native(default_prepared, reference_
     assert out == reference_tokens
 
 
+def _greedy_bf16(default_prepared, **server_args):
+    """bfloat16 greedy with each step's top-2 logprobs (FlashInfer's kernels are 16-bit only)."""
+    from workbench.core.model_executor.offline_harness import OfflineHarness
+    from workbench.selftest import Greedy
+    from workbench.core.args import ServerArgs
+    from workbench.core.model_executor.model_runner import ModelRunner
+    runner = ModelRunner(ServerArgs(device="cuda", dtype="bfloat16", max_total_tokens=4096, max_running_requests=8,
+                                    show_progress=False, **server_args), prepared=default_prepared)
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 8, 4)]
+    halves = [len(p) // 2 for p in PROMPTS]
+    res = OfflineHarness(runner).generate(PROMPTS, params, prefix_lens=halves, return_logprob=True,
+                                          top_logprobs_num=2)
+    return runner, Greedy([r.output_ids for r in res], [r.top_logprobs for r in res])
+
+
+@pytest.fixture(scope="module")
+def reference_bf16(default_prepared):
+    return _greedy_bf16(default_prepared, attention_backend="torch_native", disable_cuda_graph=True)[1]
+
+
 @pytest.mark.gpu
 @needs_cuda
 @needs_flashinfer
-def test_flashinfer_backend_matches_torch_native(default_prepared, reference_tokens):
-    _, out = _greedy(default_prepared, attention_backend="flashinfer", disable_cuda_graph=True)
-    assert out == reference_tokens
+@pytest.mark.parametrize("graphs", [False, True])
+def test_flashinfer_backend_matches_torch_native(default_prepared, reference_bf16, graphs):
+    from workbench.selftest import compare_greedy
+    runner, out = _greedy_bf16(default_prepared, attention_backend="flashinfer", disable_cuda_graph=not graphs,
+                               cuda_graph_max_bs=4)
+    ok, detail = compare_greedy(reference_bf16, out)
+    assert ok, detail
+    if graphs:
+        gr = runner.graph_runner
+        assert gr is not None and gr.mechanism.name == "cuda"
+        assert all(gr.replay_count[b] > 0 for b in (1, 2, 4)), gr.replay_count
+
+
+def test_flashinfer_refuses_float32_with_what_to_do():
+    from workbench.core.layers.attention.registry import default_attention_backend, unavailable_reason
+    msg = unavailable_reason("flashinfer", "cuda", "float32")
+    assert msg and "--dtype bfloat16" in msg and "triton" in msg
+    assert default_attention_backend("cuda", "float32") != "flashinfer"
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_cuda_graph_capture_and_replay(default_prepared, reference_tokens, backend):
-    if importlib.util.find_spec(backend) is None:
-        pytest.skip(f"needs {backend}")
-    runner, out = _greedy(default_prepared, attention_backend=backend, cuda_graph_max_bs=4)
+@needs_triton
+def test_cuda_graph_capture_and_replay(default_prepared, reference_tokens):
+    runner, out = _greedy(default_prepared, attention_backend="triton", cuda_graph_max_bs=4)
     gr = runner.graph_runner
     assert gr is not None and gr.mechanism.name == "cuda" and sorted(gr.graphs) == [1, 2, 4]
     assert out == reference_tokens

@@ -199,7 +199,7 @@ def _graph_check(bench: _Bench, ref: Greedy):
         cap = sum(runner.graph_runner.capture_time_s.values())
         return _verdict(ref, bench.greedy(runner), f"{_replays(runner.graph_runner)}; capture {cap:.2f}s")
     from workbench.core.layers.attention.registry import default_attention_backend
-    return f"cuda graphs ({default_attention_backend('cuda')})", run_cuda
+    return f"cuda graphs ({default_attention_backend('cuda', bench.dtype)})", run_cuda
 
 
 def _triton_checks(bench: _Bench, ref: Greedy) -> list[CheckResult]:
@@ -233,7 +233,7 @@ def _interpreted_kernels(bench: _Bench) -> tuple[str, str]:
 
 def _flashinfer_checks(bench: _Bench, ref: Greedy) -> list[CheckResult]:
     from workbench.core.layers.attention.flashinfer_backend import flashinfer_unavailable_reason
-    reason = flashinfer_unavailable_reason(bench.device)
+    reason = flashinfer_unavailable_reason(bench.device, bench.dtype)
     if reason:
         return [CheckResult("flashinfer backend", "SKIP", 0.0, reason)]
     return _backend_checks(bench, ref, "flashinfer")

@@ -30,11 +30,16 @@ from workbench.core.layers.attention.base_attn_backend import AttentionBackend
 WORKSPACE_BYTES = 128 * 1024 * 1024   # FlashInfer's float workspace, shared by all wrappers (as SGLang)
 
 
-def flashinfer_unavailable_reason(device: str) -> Optional[str]:
-    """None when the flashinfer backend can run on `device`, else what to do about it."""
+def flashinfer_unavailable_reason(device: str, dtype=None) -> Optional[str]:
+    """None when the flashinfer backend can run on `device` (and `dtype`, a torch.dtype or a
+    --dtype name, if given), else what to do about it."""
     if device != "cuda":
         return ("the flashinfer attention backend runs on CUDA only; "
                 "use --attention-backend torch_native on CPU")
+    if dtype is not None and str(dtype).replace("torch.", "") in ("float32", "float", "fp32"):
+        # Its kernels are built for 16-bit activations only (found on a real H100: KeyError float32).
+        return ("the flashinfer attention backend runs float16/bfloat16 models only; use --dtype bfloat16, "
+                "or --attention-backend triton for float32")
     try:
         import flashinfer  # noqa: F401
     except ImportError as exc:
@@ -81,7 +86,7 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
                  dtype: torch.dtype, kv_dtype: torch.dtype, device: str):
-        reason = flashinfer_unavailable_reason(torch.device(device).type)
+        reason = flashinfer_unavailable_reason(torch.device(device).type, dtype)
         if reason:
             raise RuntimeError(reason)
         import flashinfer

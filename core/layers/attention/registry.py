@@ -15,8 +15,9 @@ from workbench.core.layers.attention.base_attn_backend import AttentionBackend
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 
 
-def unavailable_reason(name: str, device: str) -> Optional[str]:
-    """None when backend `name` can run on `device` ("cpu" / "cuda"), else why not and what to do."""
+def unavailable_reason(name: str, device: str, dtype=None) -> Optional[str]:
+    """None when backend `name` can run on `device` ("cpu" / "cuda") with `dtype` (a torch.dtype or a
+    --dtype name; None: any), else why not and what to do."""
     if name == "torch_native":
         return None
     if name == "triton":
@@ -24,15 +25,16 @@ def unavailable_reason(name: str, device: str) -> Optional[str]:
         return triton_unavailable_reason(device)
     if name == "flashinfer":
         from workbench.core.layers.attention.flashinfer_backend import flashinfer_unavailable_reason
-        return flashinfer_unavailable_reason(device)
+        return flashinfer_unavailable_reason(device, dtype)
     return f"unknown attention backend {name!r}; pick one of {', '.join(ATTENTION_BACKENDS)}"
 
 
-def default_attention_backend(device: str) -> str:
-    """flashinfer (else triton, else torch_native) on CUDA; torch_native on CPU."""
+def default_attention_backend(device: str, dtype=None) -> str:
+    """flashinfer (else triton, else torch_native) on CUDA; torch_native on CPU. A float32 model
+    skips flashinfer, whose kernels are 16-bit only."""
     if device == "cuda":
         for name in ("flashinfer", "triton"):
-            if unavailable_reason(name, device) is None:
+            if unavailable_reason(name, device, dtype) is None:
                 return name
     return "torch_native"
 
@@ -40,7 +42,7 @@ def default_attention_backend(device: str) -> str:
 def create_attn_backend(name: str, device: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype, kv_dtype: torch.dtype) -> AttentionBackend:
     """Build backend `name` for one rank's heads; raises ValueError when `device` cannot run it."""
-    reason = unavailable_reason(name, device)
+    reason = unavailable_reason(name, device, dtype)
     if reason:
         raise ValueError(reason)
     if name == "torch_native":
