@@ -22,8 +22,14 @@ from workbench.core.layers.attention.registry import (create_attn_backend, defau
                                                       unavailable_reason)
 
 CHECK_MODULE = "workbench.core.layers.attention.triton_ops.reference_check"
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed (it comes with pip install -e '.[test]')")
+def _interpreter_skip_reason():
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (it comes with pip install -e '.[test]')"
+    from workbench.core.layers.attention.triton_backend import triton_interpreter_unsupported_reason
+    return triton_interpreter_unsupported_reason()
+
+
+needs_triton = pytest.mark.skipif(_interpreter_skip_reason() is not None, reason=str(_interpreter_skip_reason()))
 
 
 def _interpreted(args: list[str], timeout: int = 600) -> list[dict]:

@@ -202,12 +202,20 @@ def _graph_check(bench: _Bench, ref: Greedy):
     return f"cuda graphs ({default_attention_backend('cuda', bench.dtype)})", run_cuda
 
 
+INTERPRETED_TRITON_ROW = "triton kernels (TRITON_INTERPRET=1, model head shapes)"
+
+
 def _triton_checks(bench: _Bench, ref: Greedy) -> list[CheckResult]:
     if importlib.util.find_spec("triton") is None:
-        return [CheckResult("triton backend", "SKIP", 0.0, "triton is not installed (pip install triton)")]
+        name = "triton backend" if bench.device == "cuda" else INTERPRETED_TRITON_ROW
+        return [CheckResult(name, "SKIP", 0.0, "triton is not installed (pip install triton)")]
     if bench.device == "cuda":
         return _backend_checks(bench, ref, "triton")
-    return [_timed("triton kernels (TRITON_INTERPRET=1, model head shapes)", lambda: _interpreted_kernels(bench))]
+    from workbench.core.layers.attention.triton_backend import triton_interpreter_unsupported_reason
+    reason = triton_interpreter_unsupported_reason()
+    if reason:
+        return [CheckResult(INTERPRETED_TRITON_ROW, "SKIP", 0.0, reason)]
+    return [_timed(INTERPRETED_TRITON_ROW, lambda: _interpreted_kernels(bench))]
 
 
 def _interpreted_kernels(bench: _Bench) -> tuple[str, str]:

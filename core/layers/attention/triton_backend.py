@@ -25,6 +25,28 @@ from workbench.core.layers.attention.base_attn_backend import AttentionBackend
 DEFAULT_NUM_KV_SPLITS = {"cuda": 8, "cpu": 2}
 
 
+# Triton's interpreter before 3.7 hands scalar loads back as 1-element arrays, which `range()` over a
+# runtime bound rejects; compiled for a GPU the same kernels run on 3.6 (checked on an H100).
+MIN_INTERPRETER_TRITON = (3, 7)
+
+
+def triton_interpreter_unsupported_reason() -> Optional[str]:
+    """None when the installed triton's interpreter (TRITON_INTERPRET=1) runs these kernels, else why not.
+
+    Reads the version from package metadata: importing triton here would fix TRITON_INTERPRET
+    for the whole process before a caller sets it."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        v = version("triton")
+    except PackageNotFoundError:
+        return "triton is not installed (pip install triton)"
+    parts = tuple(int(x) for x in v.split("+")[0].split(".")[:2] if x.isdigit())
+    if parts < MIN_INTERPRETER_TRITON:
+        return (f"triton {v}'s interpreter cannot run these kernels on CPU (it needs triton >= "
+                f"{'.'.join(map(str, MIN_INTERPRETER_TRITON))}; on a GPU {v} is fine)")
+    return None
+
+
 def triton_unavailable_reason(device: str) -> Optional[str]:
     """None when the triton backend can run on `device`, else what to do about it."""
     try:
@@ -35,6 +57,10 @@ def triton_unavailable_reason(device: str) -> Optional[str]:
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return ("triton kernels run on CUDA; on CPU only Triton's interpreter can run them "
                 "(TRITON_INTERPRET=1, very slow, for tests) — use --attention-backend torch_native on CPU")
+    if device == "cpu":
+        reason = triton_interpreter_unsupported_reason()
+        if reason:
+            return reason + " — use --attention-backend torch_native on CPU"
     if device not in ("cpu", "cuda"):
         return f"the triton attention backend does not run on {device!r}"
     return None
