@@ -81,12 +81,13 @@ class _Stages:
 class _Workbench:
     name = "workbench"
 
-    def __init__(self, prepared, dtype: str, max_tokens: int, enable_torch_compile: bool):
+    def __init__(self, prepared, dtype: str, max_tokens: int, enable_torch_compile: bool,
+                 device: str = "cpu", disable_cuda_graph: bool = False):
         from workbench.core.args import ServerArgs
         from workbench.core.model_executor.model_runner import ModelRunner
         from workbench.core.model_executor.offline_harness import OfflineHarness
-        args = ServerArgs(dtype=dtype, max_total_tokens=max_tokens, show_progress=False,
-                          enable_torch_compile=enable_torch_compile)
+        args = ServerArgs(dtype=dtype, max_total_tokens=max_tokens, show_progress=False, device=device,
+                          enable_torch_compile=enable_torch_compile, disable_cuda_graph=disable_cuda_graph)
         self.runner = ModelRunner(args, prepared=prepared)
         self.harness = OfflineHarness(self.runner)
         self._stamps: list[float] = []
@@ -115,14 +116,15 @@ class _Workbench:
 class _Transformers:
     name = "transformers"
 
-    def __init__(self, prepared, dtype: str):
+    def __init__(self, prepared, dtype: str, device: str = "cpu"):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
         model = AutoModelForCausalLM.from_pretrained(prepared.model_dir, dtype=getattr(torch, dtype))
         model.generation_config.eos_token_id = None   # run exactly max_new_tokens steps
         model.generation_config.pad_token_id = 0
-        self.model = model.eval()
+        self.model = model.to(device).eval()
+        self.device = device
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[float]:
         """Run; return the start time then the time each token step ended (by `_clock`)."""
@@ -135,7 +137,7 @@ class _Transformers:
                 stamps.append(_clock())
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-        ids = torch.tensor(prompts, dtype=torch.int64)     # equal lengths: a static batch, no padding
+        ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)   # equal lengths: no padding
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                       min_new_tokens=new_tokens, do_sample=False,
@@ -146,6 +148,12 @@ class _Transformers:
 
 _CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _clock = time.perf_counter
+
+
+def _synced_wall() -> float:
+    """Wall time once the GPU has finished what was queued (a step's stamp on CUDA)."""
+    torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -198,6 +206,14 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
         torch.set_num_threads(args.threads)
     global _clock
     _clock = _CLOCKS[getattr(args, "clock", None) or "wall"]
+    device = getattr(args, "device", None) or "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda but torch sees no CUDA GPU; leave --device out to run on CPU")
+        if _clock is not time.perf_counter:
+            raise ValueError("--clock cpu measures process CPU time, which says nothing about a GPU; "
+                             "use the default wall clock with --device cuda")
+        _clock = _synced_wall
     reference = not args.no_reference
     quiet = bool(getattr(args, "quiet", False))
 
@@ -219,11 +235,12 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
     for dtype in dtypes:
         engines = []
         t = time.perf_counter()
-        engines.append(_Workbench(prepared, dtype, max_tokens, bool(getattr(args, "enable_torch_compile", False))))
+        engines.append(_Workbench(prepared, dtype, max_tokens, bool(getattr(args, "enable_torch_compile", False)),
+                                  device, bool(getattr(args, "disable_cuda_graph", False))))
         stages.step(f"{dtype}: workbench loaded ({time.perf_counter() - t:.1f}s)")
         if reference:
             t = time.perf_counter()
-            engines.append(_Transformers(prepared, dtype))
+            engines.append(_Transformers(prepared, dtype, device))
             stages.step(f"{dtype}: transformers loaded ({time.perf_counter() - t:.1f}s)")
         # Warm-up at the measured batch sizes: one-time set-up (oneDNN kernel creation,
         # torch.compile graphs) stays out of the timings.
@@ -391,6 +408,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wall (default) or cpu: process CPU time, steadier on a busy machine; "
                         "meaningful with --threads 1 (more threads add up their CPU time)")
     p.add_argument("--no-reference", action="store_true", help="skip transformers (workbench numbers only)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where both engines run (default cpu; cuda times with a device sync per step)")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="with --device cuda: the workbench decodes eagerly (to see what graphs buy)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="run decode steps through torch.compile (compiles per batch-size bucket first)")
     p.add_argument("--compare-compile", action="store_true",
