@@ -135,7 +135,7 @@ class _Transformers:
         class Stamp(StoppingCriteria):   # generate calls it once per new token
             def __call__(self, input_ids, scores, **kwargs):
                 stamps.append(_clock())
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
         ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)   # equal lengths: no padding
         with torch.inference_mode():
