@@ -256,3 +256,17 @@ def test_bench_model_quick_runs_end_to_end(tiny_dirs, tmp_path):
     assert len(data["rows"]) == 3 and data["quick"] is True
     assert all(r["workbench_tok_s"] > 0 and r["transformers_tok_s"] is None for r in data["rows"])
     assert data["environment"]["threads"] >= 1
+
+
+def test_bench_model_cuda_flags(tiny_dirs):
+    """`--device cuda` without a GPU, or with the CPU clock, is a clear error (the GPU run itself is in
+    the README's H100 table; it needs a GPU)."""
+    from workbench.core.bench.model_bench import add_parser, run_model_bench
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["model", "--quick", "--quiet", "--device", "cuda", "--clock", "cpu",
+                              "--model", str(tiny_dirs["llama"])])
+    assert args.device == "cuda" and args.disable_cuda_graph is False
+    import torch
+    with pytest.raises(ValueError, match="no CUDA GPU" if not torch.cuda.is_available() else "wall clock"):
+        run_model_bench(args)
