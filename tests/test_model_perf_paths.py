@@ -8,6 +8,7 @@ step against eager, and a smoke run of `bench model`.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import math
 import shutil
@@ -270,3 +271,19 @@ def test_bench_model_cuda_flags(tiny_dirs):
     import torch
     with pytest.raises(ValueError, match="no CUDA GPU" if not torch.cuda.is_available() else "wall clock"):
         run_model_bench(args)
+
+
+def test_glibc_malloc_tuning_applies_once_and_can_be_turned_off():
+    """The scheduler keeps activation pages warm across passes (cpu_allocator.py); opt-out by env."""
+    import platform
+    import subprocess
+    import sys
+    code = ("from workbench.core.model_executor.cpu_allocator import tune_glibc_malloc as t; "
+            "print(t(), t())")
+    def run(env_value):
+        env = dict(os.environ, WORKBENCH_MALLOC_TUNING=env_value)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=60).stdout.split()
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert run("1") == ([str(glibc)] * 2)
+    assert run("0") == ["False", "False"]

@@ -19,6 +19,7 @@ from workbench.core.distributed.parallel_state import (all_reduce_min_int, init_
 from workbench.core.layers.logits_processor import LogitsOutput, LogitsProcessor
 from workbench.core.layers.sampler import Sampler
 from workbench.core.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from workbench.core.model_executor.cpu_allocator import tune_glibc_malloc
 from workbench.core.model_executor.cuda_graph_runner import TorchCompileDecodeRunner, maybe_create_cuda_graph_runner
 from workbench.core.model_executor.forward_batch_info import ForwardBatch
 from workbench.core.model_executor.model_config import ModelConfig
@@ -104,6 +105,8 @@ class ModelRunner:
         # Packed oneDNN weights: ~2x faster decode GEMMs on CPU (see layers/linear.py).
         pack = self.device == "cpu" and os.environ.get("WORKBENCH_CPU_PACK", "1") != "0"
         self.model.process_weights_after_loading(pack=pack)
+        if self.device == "cpu":
+            tune_glibc_malloc()      # warm activation pages across passes (see cpu_allocator.py)
 
     def init_memory_pool(self, max_req_rows: Optional[int]) -> None:
         mc = self.model_config
