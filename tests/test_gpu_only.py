@@ -179,3 +179,18 @@ def test_selftest_cpu_dry_run(capsys):
     else:
         assert "PASS" in triton and "Hq=9, Hk=3, D=64" in triton
     assert "cpu: " in out and " 0 failed" in out
+
+
+def test_forward_batch_moves_host_tensors_to_the_runner_device():
+    """Device-neutral half of the GPU fix: host-built batch tensors move, device ones are kept as they are
+    ("meta" stands in for the GPU)."""
+    from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    ids = torch.tensor([3, 4])
+    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=2, input_ids=ids,
+                      positions=torch.tensor([5, 6]), req_pool_indices=torch.tensor([1, 2]),
+                      seq_lens=torch.tensor([6, 7]), out_cache_loc=torch.tensor([9, 10]),
+                      seq_lens_cpu=[6, 7], extend_seq_lens_cpu=[1, 1], extend_prefix_lens_cpu=[5, 6])
+    assert fb.to("cpu").input_ids is ids
+    fb.to(torch.device("meta"))
+    assert all(getattr(fb, n).device.type == "meta"
+               for n in ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline_helpers import drain_events
 from workbench.core.args import ServerArgs
 from workbench.core.trace.events import ReqFinished, ReqSnapshot
 
@@ -18,24 +19,6 @@ def _finished_rids(events) -> set[str]:
             | {e.rid for e in events if isinstance(e, ReqSnapshot) and e.state == "finished"})
 
 
-def _collect_finished(sub, rid: str, wait_s: float) -> set[str]:
-    """Finished rids from a subscription's snapshot and live events, waiting up to `wait_s`.
-
-    generate() returns when the detokenizer's output reaches the caller; the scheduler's own
-    ReqFinished travels the trace bus separately and may still be in flight, so a single
-    get() can miss it on a busy machine.
-    """
-    import time
-    seen: set[str] = set()
-    deadline = time.monotonic() + wait_s
-    while rid not in seen and time.monotonic() < deadline:
-        seen |= _finished_rids(sub.drain())
-        event = sub.get(timeout=0.2)
-        if event is not None:
-            seen |= _finished_rids([event])
-    return seen
-
-
 @pytest.mark.parametrize("mode", ["auto", "on"])
 def test_trace_mode_on_emits_with_nobody_listening_and_auto_does_not(mode):
     from workbench.core.engine import Engine
@@ -45,7 +28,9 @@ def test_trace_mode_on_emits_with_nobody_listening_and_auto_does_not(mode):
         trace_ms = engine.get_internal_state()["trace_ms"]
         sub = engine.subscribe(with_snapshot=True, name="late")
         try:
-            seen = _collect_finished(sub, rid, wait_s=15.0 if mode == "on" else 2.0)
+            # The scheduler's ReqFinished travels its own socket and may trail generate()'s return.
+            seen = _finished_rids(drain_events(sub, until=lambda evs: rid in _finished_rids(evs),
+                                               timeout=15.0 if mode == "on" else 2.0))
         finally:
             sub.close()
         assert (rid in seen) == (mode == "on")

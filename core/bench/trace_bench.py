@@ -1,8 +1,8 @@
 """`workbench bench trace`: what the trace bus costs serving.
 
 One workload — 32 concurrent mixed-length requests, 128 new tokens each (the engine benchmark's
-workload (a)) — in three modes, a fresh engine per run, in interleaved rounds so that machine noise
-lands on all three alike:
+workload (a)) — in four modes, a fresh engine per run, in interleaved rounds so that machine noise
+lands on all of them alike:
 
   off         `--trace-mode off`: tracers never emit (the floor);
   auto, idle  the default `--trace-mode auto` with nobody subscribed: tracers stay disabled, so
@@ -48,11 +48,11 @@ class TraceBenchRow:
 
     @property
     def median(self) -> float:
-        return statistics.median(self.tok_per_s) if self.tok_per_s else 0.0
+        return _median(self.tok_per_s)
 
     @property
     def median_cpu(self) -> float:
-        return statistics.median(self.cpu_ms_per_tok) if self.cpu_ms_per_tok else 0.0
+        return _median(self.cpu_ms_per_tok)
 
 
 def _cpu_seconds(engine, schedulers: bool = True) -> float:
@@ -159,7 +159,7 @@ def _one_run(base, mode: str, trace_mode: str, prompts, new: int, row: TraceBenc
 
 
 def run_trace_bench(args: argparse.Namespace) -> list[TraceBenchRow]:
-    """Run the three modes in `args.rounds` interleaved rounds, one engine at a time (an idle engine
+    """Run the modes in `args.rounds` interleaved rounds, one engine at a time (an idle engine
     beside the measured one would share its cores); print and return the rows."""
     from workbench.core.args import ServerArgs
     from workbench.core.bench.engine_bench import _progress

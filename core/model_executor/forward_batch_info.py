@@ -65,9 +65,10 @@ class ForwardBatch:
     def to(self, device) -> "ForwardBatch":
         """Move the per-token / per-request tensors to `device` in place (the scheduler and the
         offline harness build them on the host). Returns self."""
+        device = torch.device(device)
         for name in ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc"):
             t = getattr(self, name)
-            if t.device != device:
+            if t.device.type != device.type:     # each rank's process has one current GPU
                 setattr(self, name, t.to(device, non_blocking=True))
         return self
 

@@ -36,7 +36,7 @@ def flashinfer_unavailable_reason(device: str, dtype=None) -> Optional[str]:
     if device != "cuda":
         return ("the flashinfer attention backend runs on CUDA only; "
                 "use --attention-backend torch_native on CPU")
-    if dtype is not None and str(dtype).replace("torch.", "") in ("float32", "float", "fp32"):
+    if dtype is not None and str(dtype).replace("torch.", "") == "float32":
         # Its kernels are built for 16-bit activations only (found on a real H100: KeyError float32).
         return ("the flashinfer attention backend runs float16/bfloat16 models only; use --dtype bfloat16, "
                 "or --attention-backend triton for float32")
