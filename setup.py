@@ -13,4 +13,6 @@ for name, folder in MAPPED.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=packages, package_dir=package_dir, include_package_data=True)
+# The CPU attention kernel's C source is compiled at first use, so it ships with the package.
+setup(packages=packages, package_dir=package_dir, include_package_data=True,
+      package_data={"workbench.core.layers.attention.cpu_ops": ["*.c"]})

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
-ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("torch_native", "cpu_paged", "triton", "flashinfer")   # see layers/attention/registry.py
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
 
 
@@ -37,7 +37,7 @@ class ServerArgs:
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = True      # the overlap loop is opt-in on CPU (see docs)
     # execution
-    attention_backend: Optional[str] = None    # None = torch_native on CPU, flashinfer/triton on CUDA
+    attention_backend: Optional[str] = None    # None = cpu_paged (else torch_native) on CPU, flashinfer/triton on CUDA
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
     cuda_graph_bs: Optional[list[int]] = None
@@ -131,7 +131,8 @@ class ServerArgs:
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
 
     def resolved_attention_backend(self) -> str:
-        """The --attention-backend, or the device's default: flashinfer, else triton, on CUDA; torch_native on CPU."""
+        """The --attention-backend, or the device's default: flashinfer, else triton, on CUDA; cpu_paged, else
+        torch_native, on CPU."""
         if self.attention_backend:
             return self.attention_backend
         from workbench.core.layers.attention.registry import default_attention_backend

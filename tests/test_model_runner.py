@@ -1,6 +1,9 @@
 """The model executor against transformers on the same weights (float32, greedy)."""
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -44,7 +47,21 @@ def test_one_at_a_time_matches_transformers(runner_fp32, prompts, reference):
 
 
 def test_mixed_length_batch_matches_transformers(runner_fp32, prompts, reference):
+    if shutil.which(os.environ.get("CC", "cc")):
+        assert runner_fp32.attn_backend.name == "cpu_paged"     # the CPU default, when its kernel builds
     results = OfflineHarness(runner_fp32).generate(prompts, GREEDY)
+    assert [r.output_ids for r in results] == reference
+
+
+def test_torch_native_backend_matches_transformers(default_prepared, prompts, reference):
+    # The CPU default is cpu_paged (its compiled decode kernel); torch_native is the reference
+    # backend the others are checked against, so it must match transformers too.
+    from workbench.core.args import ServerArgs
+    from workbench.core.model_executor.model_runner import ModelRunner
+    runner = ModelRunner(ServerArgs(dtype="float32", max_total_tokens=16384, show_progress=False,
+                                    attention_backend="torch_native"), prepared=default_prepared)
+    assert runner.attn_backend.name == "torch_native"
+    results = OfflineHarness(runner).generate(prompts, GREEDY, prefix_lens=[len(p) // 3 for p in prompts])
     assert [r.output_ids for r in results] == reference
 
 

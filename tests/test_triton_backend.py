@@ -79,7 +79,9 @@ def test_triton_backend_runs_a_model_like_torch_native(tmp_path):
 
 # ---- choosing a backend ----------------------------------------------------------------
 def test_default_backend_per_device():
-    assert default_attention_backend("cpu") == "torch_native"
+    from workbench.core.layers.attention import cpu_ops
+    assert default_attention_backend("cpu") == ("cpu_paged" if cpu_ops.unavailable_reason() is None
+                                                 else "torch_native")
     cuda_default = default_attention_backend("cuda")
     if importlib.util.find_spec("flashinfer") is not None:
         assert cuda_default == "flashinfer"
@@ -101,7 +103,8 @@ def test_unavailable_backends_say_what_to_do(monkeypatch):
 
 def test_server_args_resolve_the_backend():
     from workbench.core.args import ServerArgs
-    assert ServerArgs(device="cpu").resolved_attention_backend() == "torch_native"
+    assert ServerArgs(device="cpu").resolved_attention_backend() in ("cpu_paged", "torch_native")
+    assert ServerArgs(device="cpu", attention_backend="torch_native").resolved_attention_backend() == "torch_native"
     assert ServerArgs(device="cpu", attention_backend="triton").resolved_attention_backend() == "triton"
     with pytest.raises(ValueError, match="attention-backend"):
         ServerArgs(attention_backend="xformers")

@@ -130,11 +130,12 @@ class ModelRunner:
                                                  mc.num_layers, self.device)
 
     def _make_attn_backend(self):
-        from workbench.core.layers.attention.registry import create_attn_backend
+        from workbench.core.layers.attention.registry import choose_attention_backend, create_attn_backend
         mc = self.model_config
-        return create_attn_backend(self.server_args.resolved_attention_backend(), self.device,
-                                   max(1, mc.num_attention_heads // self.tp_size),
-                                   self.token_to_kv_pool.head_num, mc.head_dim, self.dtype, self.kv_dtype)
+        q_heads, kv_heads = max(1, mc.num_attention_heads // self.tp_size), self.token_to_kv_pool.head_num
+        name = choose_attention_backend(self.server_args.attention_backend, torch.device(self.device).type,
+                                        self.dtype, q_heads, kv_heads, mc.head_dim)
+        return create_attn_backend(name, self.device, q_heads, kv_heads, mc.head_dim, self.dtype, self.kv_dtype)
 
     # ---- execution ----------------------------------------------------------
     @torch.inference_mode()

@@ -1,0 +1,152 @@
+"""Compiled CPU kernels for attention over the token-slot KV pool, built at first use.
+
+`paged_attention.c` is compiled once per machine with the system C compiler
+(`$CC`, default `cc`) into `$WORKBENCH_CACHE_DIR/kernels/` (default
+~/.cache/workbench) and loaded with ctypes: no torch headers, so a build takes
+about a second. The file name carries a hash of the source, the flags and the
+CPU, so an edited kernel or a different machine gets its own build. The library
+is linked with -fopenmp after torch has loaded its own libgomp, so both share
+one OpenMP thread pool.
+
+Where no compiler works, `unavailable_reason()` says why and what to do, and the
+CPU default attention backend stays torch_native.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_error: Optional[str] = None
+_tried = False
+
+
+def _cpu_signature() -> str:
+    """The CPU model and flags: -march=native code is only valid on a CPU like the one it was built on."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        wanted = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(wanted)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def library_path() -> Path:
+    """Where this source, built with these flags for this CPU, lives in the cache."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join([os.environ.get("CC", "cc")] + CFLAGS).encode())
+    digest.update(_cpu_signature().encode())
+    base = Path(os.environ.get("WORKBENCH_CACHE_DIR") or "~/.cache/workbench").expanduser()
+    return base / "kernels" / f"paged_attention-{digest.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler {compiler!r} on PATH; install one (apt install gcc) or set CC")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes building at once never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
+            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}: {first}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> None:
+    global _lib, _error, _tried
+    with _lock:
+        if _tried:
+            return
+        _tried = True
+        if os.environ.get("WORKBENCH_DISABLE_CPU_KERNELS") == "1":
+            _error = "disabled by WORKBENCH_DISABLE_CPU_KERNELS=1"
+            return
+        try:
+            target = library_path()
+            if not target.exists():
+                _build(target)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            _error = f"the CPU attention kernel is unavailable: {exc}"
+            return
+        fn = lib.paged_decode_attention
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
+                       ctypes.c_int]
+        _lib = lib
+
+
+def unavailable_reason() -> Optional[str]:
+    """None once the kernel library is built and loaded (building it if needed), else why not."""
+    _load()
+    return _error
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """True for the element types the kernel reads and writes."""
+    return dtype in _DTYPE_CODES
+
+
+MAX_HEAD_DIM = 256   # MAX_D in paged_attention.c
+
+
+def shape_unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int) -> Optional[str]:
+    """None when the kernel handles these heads (see paged_decode_attention in the C file), else why not."""
+    if head_dim % 16 or head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is not a multiple of 16 up to {MAX_HEAD_DIM}"
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        return f"{num_q_heads} query heads do not divide into {num_kv_heads} KV heads"
+    return None
+
+
+def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Decode attention reading K/V in place from the pool.
+
+    q: [B, Hq, D] (any batch stride; heads and D contiguous), k_buf/v_buf: [slots, Hk, D],
+    req_to_token: [rows, max_context] int64, req_pool_indices/seq_lens: [B] int64 contiguous
+    -> [B, Hq, D] in q's dtype.
+    """
+    if _lib is None and unavailable_reason():
+        raise RuntimeError(unavailable_reason())
+    bs, hq, d = q.shape
+    hk = k_buf.shape[1]
+    if q.stride(2) != 1 or q.stride(1) != d or q.stride(0) % d:
+        q = q.contiguous()
+    if not (k_buf.is_contiguous() and v_buf.is_contiguous() and req_to_token.stride(1) == 1):
+        raise ValueError("the KV pool buffers and req_to_token must be contiguous")
+    out = torch.empty((bs, hq, d), dtype=q.dtype)
+    rc = _lib.paged_decode_attention(
+        q.data_ptr(), _DTYPE_CODES[q.dtype], q.stride(0) // d, k_buf.data_ptr(), v_buf.data_ptr(),
+        _DTYPE_CODES[k_buf.dtype], req_to_token.data_ptr(), req_to_token.stride(0),
+        req_pool_indices.data_ptr(), seq_lens.data_ptr(), bs, hq, hk, d, float(scale), out.data_ptr(),
+        torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"paged_decode_attention failed (code {rc}) for Hq={hq}, Hk={hk}, D={d}")
+    return out

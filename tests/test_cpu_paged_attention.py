@@ -1,0 +1,142 @@
+"""The cpu_paged backend's compiled decode kernel against the torch-native reference.
+
+The kernel reads K/V in place through req_to_token; the reference gathers a padded
+copy and runs SDPA. Both are checked against float32 attention over the same
+(possibly low-precision) inputs, over ragged lengths, scattered slots, GQA ratios,
+head sizes, dtypes and both ways the kernel splits work (by request, by KV head).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from workbench.core.layers.attention import cpu_ops
+from workbench.core.layers.attention.registry import (choose_attention_backend, create_attn_backend,
+                                                      default_attention_backend)
+from workbench.core.layers.attention.torch_native_backend import build_decode_metadata, decode_attention
+
+if shutil.which(os.environ.get("CC", "cc")) is None:
+    pytest.skip("no C compiler: the cpu_paged kernel cannot be built here (CPU default falls back to "
+                "torch_native)", allow_module_level=True)
+
+
+def test_the_kernel_builds_here():
+    # A compiler is present, so a failure to build is a bug, not a skip.
+    assert cpu_ops.unavailable_reason() is None
+    assert cpu_ops.library_path().exists()
+
+
+def _case(bs, hq, hk, d, lens, q_dtype, kv_dtype, seed=0):
+    """A scattered pool: each request's slots are a random subset of the pool, in random order."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lens) + 7
+    k_buf = torch.randn(total + 1, hk, d, generator=g).to(kv_dtype)
+    v_buf = torch.randn(total + 1, hk, d, generator=g).to(kv_dtype)
+    req_to_token = torch.zeros(2 * bs + 1, max(lens) + 5, dtype=torch.int64)
+    req_pool_indices = torch.randperm(2 * bs + 1, generator=g)[:bs].to(torch.int64)
+    perm = torch.randperm(total, generator=g) + 1          # slot 0 stays unused, like the real pool
+    offset = 0
+    for b, n in enumerate(lens):
+        req_to_token[req_pool_indices[b], :n] = perm[offset:offset + n]
+        offset += n
+    # q as a view into a fused [B, Hq + Hk, D] tensor, as the model passes it (batch stride > Hq * D)
+    q = torch.randn(bs, hq + hk, d, generator=g).to(q_dtype)[:, :hq]
+    return q, k_buf, v_buf, req_to_token, req_pool_indices, torch.tensor(lens, dtype=torch.int64)
+
+
+def _exact(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale):
+    meta = build_decode_metadata(req_to_token, req_pool_indices, seq_lens, seq_lens.tolist(), k_buf.shape[1])
+    return decode_attention(q.float(), k_buf.float(), v_buf.float(), meta, scale)
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype,atol", [
+    (torch.float32, torch.float32, 1e-5),
+    (torch.bfloat16, torch.bfloat16, 2e-2),       # output rounded to bf16 once
+    (torch.float32, torch.bfloat16, 1e-5),        # a bf16 pool under a float32 model
+    (torch.float16, torch.float16, 3e-3),
+])
+@pytest.mark.parametrize("bs,hq,hk,d", [
+    (1, 9, 3, 64),      # one request: work split by KV head
+    (5, 8, 8, 48),      # MHA, a head size with no specialized copy
+    (12, 12, 3, 128),   # GQA 4
+    (32, 9, 3, 64),     # the default model at batch 32: split by request
+])
+def test_kernel_matches_float32_attention(q_dtype, kv_dtype, atol, bs, hq, hk, d):
+    lens = [1] + [int(x) for x in torch.randint(2, 300, (bs - 1,), generator=torch.Generator().manual_seed(bs))]
+    q, k_buf, v_buf, r2t, rpi, seq_lens = _case(bs, hq, hk, d, lens[:bs], q_dtype, kv_dtype)
+    scale = d ** -0.5
+    out = cpu_ops.paged_decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, scale)
+    assert out.shape == (bs, hq, d) and out.dtype == q_dtype
+    exact = _exact(q, k_buf, v_buf, r2t, rpi, seq_lens, scale)
+    torch.testing.assert_close(out.float(), exact, atol=atol, rtol=0)
+    # ... and it agrees with the torch-native backend on the same dtypes
+    meta = build_decode_metadata(r2t, rpi, seq_lens, seq_lens.tolist(), hk)
+    reference = decode_attention(q, k_buf, v_buf, meta, scale)
+    torch.testing.assert_close(out.float(), reference.float(), atol=2 * atol + 1e-2 * (q_dtype != torch.float32),
+                               rtol=0)
+
+
+def test_one_token_context_returns_its_value_row():
+    # softmax over a single key is 1: the output is exactly that token's V row (per query head's KV head)
+    q, k_buf, v_buf, r2t, rpi, seq_lens = _case(3, 6, 2, 64, [1, 1, 1], torch.float32, torch.float32)
+    out = cpu_ops.paged_decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, 0.125)
+    for b in range(3):
+        slot = int(r2t[rpi[b], 0])
+        expected = v_buf[slot].repeat_interleave(3, dim=0)
+        torch.testing.assert_close(out[b], expected, atol=1e-6, rtol=0)
+
+
+def test_thread_count_does_not_change_the_result():
+    case = _case(8, 9, 3, 64, [5, 80, 200, 33, 1, 150, 64, 99], torch.float32, torch.float32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.paged_decode_attention(*case, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_ops.paged_decode_attention(*case, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)     # each (request, head) is summed by one thread, in one order
+
+
+def test_head_shapes_the_kernel_cannot_run():
+    assert cpu_ops.shape_unsupported_reason(9, 3, 64) is None
+    assert "multiple of 16" in cpu_ops.shape_unsupported_reason(8, 8, 40)
+    assert "divide" in cpu_ops.shape_unsupported_reason(9, 2, 64)
+    # the default steps down; asking for cpu_paged by name is refused with what to use
+    assert choose_attention_backend(None, "cpu", torch.float32, 8, 8, 40) == "torch_native"
+    assert choose_attention_backend(None, "cpu", torch.float32, 9, 3, 64) == "cpu_paged"
+    assert choose_attention_backend("torch_native", "cpu", torch.float32, 9, 3, 64) == "torch_native"
+    with pytest.raises(ValueError, match="torch_native"):
+        create_attn_backend("cpu_paged", "cpu", 8, 8, 40, torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="CPU only"):
+        create_attn_backend("cpu_paged", "cuda", 9, 3, 64, torch.bfloat16, torch.bfloat16)
+
+
+def test_without_a_compiler_the_cpu_default_is_torch_native(tmp_path):
+    # A fresh process with no usable compiler and an empty kernel cache.
+    code = textwrap.dedent("""
+        from workbench.core.layers.attention import cpu_ops
+        from workbench.core.layers.attention.registry import default_attention_backend, unavailable_reason
+        print(cpu_ops.unavailable_reason())
+        print(default_attention_backend("cpu"))
+        print(unavailable_reason("cpu_paged", "cpu"))
+    """)
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "WORKBENCH_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    reason, default, explicit = out.stdout.strip().splitlines()
+    assert "no C compiler" in reason and "apt install gcc" in reason
+    assert default == "torch_native"
+    assert "--attention-backend torch_native" in explicit
+
+
+def test_cpu_default_is_cpu_paged_when_the_kernel_builds():
+    assert default_attention_backend("cpu") == "cpu_paged"
+    assert default_attention_backend("cpu", "bfloat16") == "cpu_paged"
