@@ -82,6 +82,27 @@ def test_kernel_matches_float32_attention(q_dtype, kv_dtype, atol, bs, hq, hk, d
                                rtol=0)
 
 
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.float32, torch.bfloat16), (torch.float16, torch.float16)])
+@pytest.mark.parametrize("bs", [1, 7])
+def test_storing_this_steps_kv_in_the_same_call(q_dtype, kv_dtype, bs):
+    # What set_kv_buffer + attention do in two steps, the kernel does in one call: the pools end up
+    # bit-identical (same rounding as .to()) and so do the outputs.
+    lens = [3, 40, 1, 77, 12, 5, 30][:bs]
+    q, k_buf, v_buf, r2t, rpi, seq_lens = _case(bs, 8, 2, 64, lens, q_dtype, kv_dtype, seed=3)
+    g = torch.Generator().manual_seed(4)
+    kv_new = torch.randn(bs, 3 * 2, 64, generator=g).to(q_dtype)     # strided views, as the model passes them
+    k_new, v_new = kv_new[:, 2:4], kv_new[:, 4:6]
+    loc = torch.stack([r2t[rpi[b], lens[b] - 1] for b in range(bs)])
+    k_ref, v_ref = k_buf.clone(), v_buf.clone()
+    k_ref[loc], v_ref[loc] = k_new.to(kv_dtype), v_new.to(kv_dtype)
+    expected = cpu_ops.paged_decode_attention(q, k_ref, v_ref, r2t, rpi, seq_lens, 0.125)
+    out = cpu_ops.paged_decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, 0.125,
+                                         k_new=k_new, v_new=v_new, out_cache_loc=loc)
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+    assert torch.equal(out, expected)
+
+
 def test_one_token_context_returns_its_value_row():
     # softmax over a single key is 1: the output is exactly that token's V row (per query head's KV head)
     q, k_buf, v_buf, r2t, rpi, seq_lens = _case(3, 6, 2, 64, [1, 1, 1], torch.float32, torch.float32)
@@ -140,3 +161,17 @@ def test_without_a_compiler_the_cpu_default_is_torch_native(tmp_path):
 def test_cpu_default_is_cpu_paged_when_the_kernel_builds():
     assert default_attention_backend("cpu") == "cpu_paged"
     assert default_attention_backend("cpu", "bfloat16") == "cpu_paged"
+
+
+def test_bfloat16_store_rounds_like_torch_on_edge_values():
+    # ties to even both ways, the largest finite float32, infinities and NaN (stays NaN)
+    edge = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.4028235e38, float("inf"), float("-inf"),
+                         float("nan"), 1e-40, -0.0, 2 ** -133, 65504.0, 0.1, 1 / 3, -2.5, 7.0, 1e30], dtype=torch.float32)
+    k_new = edge.repeat(4).view(1, 1, 64)
+    q, k_buf, v_buf, r2t, rpi, seq_lens = _case(1, 1, 1, 64, [1], torch.float32, torch.bfloat16)
+    loc = r2t[rpi[0], :1]
+    cpu_ops.paged_decode_attention(q, k_buf, v_buf, r2t, rpi, seq_lens, 0.125,
+                                   k_new=k_new, v_new=k_new.clone(), out_cache_loc=loc)
+    stored, expected = k_buf[loc[0], 0], k_new[0, 0].to(torch.bfloat16)
+    same = (stored.view(torch.int16) == expected.view(torch.int16)) | (stored.isnan() & expected.isnan())
+    assert bool(same.all()), (stored, expected)

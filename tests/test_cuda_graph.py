@@ -15,6 +15,7 @@ from workbench.core.model_executor.cuda_graph_runner import (
     CudaGraphRunner, StandInGraphMechanism, StaticDecodeBuffers, get_cuda_graph_batch_sizes,
     maybe_create_cuda_graph_runner)
 from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from workbench.core.layers.attention.registry import default_attention_backend
 from workbench.core.sampling.sampling_params import SamplingParams
 
 
@@ -231,7 +232,7 @@ def test_engine_decodes_through_stand_in_graphs_and_traces_them(tokenizer, hf_mo
     assert [o["output_ids"] for o in outs] == [hf_greedy(hf_model, p, n) for p, n in zip(prompts, lens)]
     steps = [x for x in events if isinstance(x, ev.BatchStep)]
     decodes = [s for s in steps if s.mode == "decode"]
-    assert decodes and all(s.cuda_graph and s.backend == "torch_native" for s in decodes)
+    assert decodes and all(s.cuda_graph and s.backend == default_attention_backend("cpu") for s in decodes)
     assert all(not s.cuda_graph and s.padded_size == s.batch_size for s in steps if s.mode != "decode")
     sizes = {(s.batch_size, s.padded_size) for s in decodes}
     assert sizes <= {(1, 1), (2, 2), (3, 4), (4, 4)} and (1, 1) in sizes

@@ -129,8 +129,8 @@ class BatchPanel(TracePanel):
             table.remove_row(self._keys.pop(0))
         n = len(steps)
         self.border_title = f"Batch composition — {n} steps" + (f" (last {steps[-1].step})" if n else "")
-        # The attention backend badge, when it is not the CPU default (a GPU run: flashinfer / triton).
-        if n and steps[-1].backend != "torch_native":
+        # The attention backend badge, when it is not a CPU one (a GPU run: flashinfer / triton).
+        if n and steps[-1].backend not in ("torch_native", "cpu_paged"):
             self.border_title += f" · {steps[-1].backend}"
         if new and follow:
             table.call_after_refresh(table.scroll_end, animate=False)

@@ -21,6 +21,7 @@ from workbench.core.layers.attention.torch_native_backend import TorchNativeAttn
 class PagedDecodeMetadata:
     req_pool_indices: torch.Tensor   # [B] int64, contiguous: each request's row of req_to_token
     seq_lens: torch.Tensor           # [B] int64, contiguous: its context length, this step's token included
+    out_cache_loc: torch.Tensor      # [B] int64, contiguous: the slot this step's K/V go to
 
 
 def cpu_paged_unavailable_reason(device: str, dtype=None) -> str | None:
@@ -40,23 +41,29 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
 
     def init_forward_metadata(self, fb) -> None:
         if fb.forward_mode.is_decode():
-            fb.attn_metadata = _paged_metadata(fb.req_pool_indices, fb.seq_lens)
+            fb.attn_metadata = _paged_metadata(fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc)
             return
         super().init_forward_metadata(fb)
 
     def forward_decode(self, q, k, v, layer, fb) -> torch.Tensor:
+        """One kernel call stores this step's K/V into the pool and attends."""
         pool = fb.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         meta: PagedDecodeMetadata = fb.attn_metadata
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
         return cpu_ops.paged_decode_attention(
             q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-            fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens, layer.scaling)
+            fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens, layer.scaling,
+            k_new=k, v_new=v, out_cache_loc=meta.out_cache_loc)
 
     # The CPU stand-in graph re-runs Python at replay, so plain metadata serves it.
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_cpu,
                                                 forward_batch) -> None:
-        forward_batch.attn_metadata = _paged_metadata(req_pool_indices, seq_lens)
+        forward_batch.attn_metadata = _paged_metadata(req_pool_indices, seq_lens, forward_batch.out_cache_loc)
 
 
-def _paged_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> PagedDecodeMetadata:
-    return PagedDecodeMetadata(req_pool_indices.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous())
+def _paged_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                    out_cache_loc: torch.Tensor) -> PagedDecodeMetadata:
+    def i64(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.int64).contiguous()
+    return PagedDecodeMetadata(i64(req_pool_indices), i64(seq_lens), i64(out_cache_loc))

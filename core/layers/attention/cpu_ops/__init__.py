@@ -94,10 +94,10 @@ def _load() -> None:
             return
         fn = lib.paged_decode_attention
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
-                       ctypes.c_int]
+        ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        fn.argtypes = [ptr, i32, i64, ptr, i64, ptr, i64, ptr,              # q, this step's k/v, their slots
+                       ptr, ptr, i32, ptr, i64, ptr, ptr,                   # the pool and its tables
+                       i32, i32, i32, i32, ctypes.c_float, ptr, i32]        # B, Hq, Hk, D, scale, out, threads
         _lib = lib
 
 
@@ -124,29 +124,48 @@ def shape_unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int)
     return None
 
 
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x ([B, H, D], heads and D contiguous, any batch stride) and its batch stride in rows of D."""
+    d = x.shape[2]
+    if x.stride(2) != 1 or x.stride(1) != d or x.stride(0) % d:
+        x = x.contiguous()
+    return x, x.stride(0) // d
+
+
 def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                            req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None,
+                           out_cache_loc: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decode attention reading K/V in place from the pool.
 
     q: [B, Hq, D] (any batch stride; heads and D contiguous), k_buf/v_buf: [slots, Hk, D],
     req_to_token: [rows, max_context] int64, req_pool_indices/seq_lens: [B] int64 contiguous
-    -> [B, Hq, D] in q's dtype.
+    -> [B, Hq, D] in q's dtype. With k_new/v_new ([B, Hk, D], q's dtype) and out_cache_loc
+    ([B] int64, each request's last slot), this step's K/V are stored into the pool first.
     """
     if _lib is None and unavailable_reason():
         raise RuntimeError(unavailable_reason())
     bs, hq, d = q.shape
     hk = k_buf.shape[1]
-    if q.stride(2) != 1 or q.stride(1) != d or q.stride(0) % d:
-        q = q.contiguous()
+    q, q_stride = _rows(q)
     if not (k_buf.is_contiguous() and v_buf.is_contiguous() and req_to_token.stride(1) == 1):
         raise ValueError("the KV pool buffers and req_to_token must be contiguous")
+    store = k_new is not None
+    if store:
+        if v_new is None or out_cache_loc is None or k_new.dtype != q.dtype or v_new.dtype != q.dtype:
+            raise ValueError("k_new, v_new and out_cache_loc go together, k_new/v_new in q's dtype")
+        k_new, k_stride = _rows(k_new)
+        v_new, v_stride = _rows(v_new)
+        out_cache_loc = out_cache_loc.to(torch.int64).contiguous()
     out = torch.empty((bs, hq, d), dtype=q.dtype)
     rc = _lib.paged_decode_attention(
-        q.data_ptr(), _DTYPE_CODES[q.dtype], q.stride(0) // d, k_buf.data_ptr(), v_buf.data_ptr(),
-        _DTYPE_CODES[k_buf.dtype], req_to_token.data_ptr(), req_to_token.stride(0),
-        req_pool_indices.data_ptr(), seq_lens.data_ptr(), bs, hq, hk, d, float(scale), out.data_ptr(),
-        torch.get_num_threads())
+        q.data_ptr(), _DTYPE_CODES[q.dtype], q_stride,
+        k_new.data_ptr() if store else None, k_stride if store else 0,
+        v_new.data_ptr() if store else None, v_stride if store else 0,
+        out_cache_loc.data_ptr() if store else None,
+        k_buf.data_ptr(), v_buf.data_ptr(), _DTYPE_CODES[k_buf.dtype], req_to_token.data_ptr(),
+        req_to_token.stride(0), req_pool_indices.data_ptr(), seq_lens.data_ptr(), bs, hq, hk, d, float(scale),
+        out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention failed (code {rc}) for Hq={hq}, Hk={hk}, D={d}")
     return out

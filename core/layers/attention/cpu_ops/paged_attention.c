@@ -8,6 +8,10 @@
  * padding. Work items are spread over the OpenMP threads torch already runs (the
  * library links the same libgomp, so there is one thread pool).
  *
+ * The same call first stores this step's K/V rows into the pool (what set_kv_buffer
+ * does with two index_put ops per layer): each work item writes its own request's new
+ * row before reading that request's slots, so no other item ever waits on it.
+ *
  * Numerics: q is pre-scaled and every sum is in float32 (the scores and the
  * softmax too, also for bfloat16/float16 pools), so it is at least as precise as
  * the torch-native reference it is tested against.
@@ -66,33 +70,54 @@ static inline float exp_nonpos(float x) {
 
 /* 16 floats: GCC vector extensions, so the same code becomes AVX-512, AVX2 or SSE as -march allows. */
 typedef float v16f __attribute__((vector_size(64)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint16_t v16u16 __attribute__((vector_size(32), aligned(2), may_alias));   /* unaligned loads */
+typedef _Float16 v16h __attribute__((vector_size(32), aligned(2), may_alias));
+typedef float v16f_u __attribute__((vector_size(64), aligned(4), may_alias));
 typedef uint32_t v16u32 __attribute__((vector_size(64)));
-typedef _Float16 v16h __attribute__((vector_size(32)));
 
 static inline v16f load16(const void *base, int64_t elem, int dt) {   /* 16 elements from base[elem] */
-    v16f f;
-    if (dt == DT_F32) {
-        memcpy(&f, (const float *)base + elem, sizeof f);
-    } else if (dt == DT_BF16) {
-        v16u16 h;
-        memcpy(&h, (const uint16_t *)base + elem, sizeof h);
-        v16u32 w = __builtin_convertvector(h, v16u32) << 16;
-        memcpy(&f, &w, sizeof f);
-    } else {
-        v16h h;
-        memcpy(&h, (const _Float16 *)base + elem, sizeof h);
-        f = __builtin_convertvector(h, v16f);
+    if (dt == DT_F32) return *(const v16f_u *)((const float *)base + elem);
+    if (dt == DT_BF16) {
+        v16u32 w = __builtin_convertvector(*(const v16u16 *)((const uint16_t *)base + elem), v16u32) << 16;
+        return (v16f)w;
     }
-    return f;
+    return __builtin_convertvector(*(const v16h *)((const _Float16 *)base + elem), v16f);
 }
 
-static inline float hsum16(v16f v) {
-    v8f s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4f s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+/* 16 float32 values to base[elem] in dtype `dt` (bfloat16: round to nearest even, as torch's .to does). */
+static inline void store16(void *base, int64_t elem, int dt, v16f f) {
+    if (dt == DT_F32) {
+        *(v16f_u *)((float *)base + elem) = f;
+    } else if (dt == DT_BF16) {
+        v16u32 u = (v16u32)f;
+        v16u32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        v16u32 is_nan = (v16u32)((u & 0x7fffffffu) > 0x7f800000u);
+        v16u32 quiet = (u >> 16) | 0x40u;
+        *(v16u16 *)((uint16_t *)base + elem) = __builtin_convertvector((rounded & ~is_nan) | (quiet & is_nan), v16u16);
+    } else {
+        *(v16h *)((_Float16 *)base + elem) = __builtin_convertvector(f, v16h);
+    }
+}
+
+/* Lane t of the result is the sum of all 16 lanes of v[t]: a transpose-and-add tree (45 ops for 16
+ * sums, against ~8 per sum reduced one by one). The tree leaves lane l holding input bitrev4(l), so
+ * the inputs are taken in bit-reversed order. */
+static inline v16f reduce16(const v16f *v) {
+    static const int rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    v16f a[8], b[4], c[2];
+    for (int j = 0; j < 8; j++) {
+        v16f x = v[rev[2 * j]], y = v[rev[2 * j + 1]];
+        a[j] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+    for (int j = 0; j < 4; j++)
+        b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+             + __builtin_shufflevector(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++)
+        c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+             + __builtin_shufflevector(b[2 * j], b[2 * j + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+         + __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
 static inline void prefetch_bytes(const void *base, int64_t byte_offset, int nbytes) {
@@ -100,46 +125,95 @@ static inline void prefetch_bytes(const void *base, int64_t byte_offset, int nby
     for (int off = 0; off < nbytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
-enum { MAX_D = 256, PREFETCH_AHEAD = 8 };
+enum { MAX_D = 256, BLOCK = 16, PREFETCH_AHEAD = 8 };
 
-/* Scratch one work item needs: queries and accumulators (nq * D floats each) and scores (nq * len). */
-static size_t work_floats(int nq, int D, int64_t len) {
-    return (size_t)nq * (size_t)D * 2 + (size_t)nq * (size_t)(len > 0 ? len : 1);
+/* One call's arguments, shared by every work item. */
+typedef struct {
+    const void *q;                 /* request b's query head hq is row b * q_stride + hq (rows of D) */
+    int64_t q_stride;
+    int q_dt;                      /* also the dtype of k_new, v_new and out */
+    const void *k_new, *v_new;     /* this step's K/V, rows b * k_stride + h; NULL: already stored */
+    int64_t k_stride, v_stride;
+    const int64_t *out_loc;        /* [B] the slot each request's new K/V goes to */
+    void *k_buf, *v_buf;           /* [num_slots, Hk, D]: one layer of the pool */
+    int kv_dt;
+    const int64_t *req_to_token;   /* [rows, r2t_stride]; request b uses row req_pool_indices[b] */
+    int64_t r2t_stride;
+    const int64_t *req_pool_indices, *seq_lens;
+    int Hq, Hk, G;
+    float scale;
+    void *out;                     /* [B, Hq, D] contiguous */
+} Call;
+
+/* Scratch one work item needs: queries and accumulators (nq * D floats each), one block of K rows
+ * in float32 (BLOCK * nh * D) and the scores (nq * len). */
+static size_t work_floats(int nq, int nh, int D, int64_t len) {
+    return (size_t)nq * (size_t)D * 2 + (size_t)BLOCK * nh * D + (size_t)nq * (size_t)(len > 0 ? len : 1);
 }
 
-/* One request, KV heads [h0, h0 + nh): their nh * G query heads attend over the request's
- * `len` slots. Pass 1 reads each slot's K rows for those heads (adjacent in the pool, so
- * one contiguous read per slot) and scores them; the softmax runs over the scores; pass 2
- * reads the V rows the same way. Slots are prefetched a few tokens ahead, since a
- * request's slots need not be adjacent in the pool. */
+/* Request b, KV heads [h0, h0 + nh): store the new K/V rows of those heads, then their nh * G
+ * query heads attend over the request's slots. Pass 1 reads each slot's K rows for those
+ * heads (adjacent in the pool, so one contiguous read per slot) and scores them, BLOCK tokens
+ * at a time; the softmax runs over the scores; pass 2 reads the V rows the same way. Slots
+ * are prefetched ahead, since a request's slots need not be adjacent in the pool. */
 static inline __attribute__((always_inline)) void
-attend(const void *q, int q_dt, int64_t q_row0, const void *k_buf, const void *v_buf, int kv_dt,
-       const int64_t *restrict slots, int64_t len, int Hk, int h0, int nh, int G, int D, float scale, void *out,
-       int64_t out_row0, float *restrict work) {
+attend(const Call *c, int b, int h0, int nh, int D, float *restrict work) {
+    const int G = c->G, Hk = c->Hk, kv_dt = c->kv_dt, q_dt = c->q_dt;
     const int nv = D / 16, nq = nh * G, eb = kv_dt == DT_F32 ? 4 : 2;
     const int row_elems = nh * D;                           /* elements of one slot this item reads */
+    const int64_t *restrict slots = c->req_to_token + c->req_pool_indices[b] * c->r2t_stride;
+    const int64_t len = c->seq_lens[b];
+    const void *k_buf = c->k_buf, *v_buf = c->v_buf;
     v16f *qv = (v16f *)work, *acc = qv + nq * nv;           /* work is 64-byte aligned */
-    float *scores = (float *)(acc + nq * nv);               /* [nq, len] */
+    v16f *kf = acc + nq * nv;                               /* [BLOCK, nh * nv]: a block of K rows */
+    float *scores = (float *)(kf + BLOCK * nh * nv);        /* [nq, len] */
     float mx[nq], inv[nq];
 
+    if (c->k_new != NULL) {
+        const int64_t dst = (c->out_loc[b] * Hk + h0) * D;
+        for (int hh = 0; hh < nh; hh++)
+            for (int j = 0; j < nv; j++) {
+                store16(c->k_buf, dst + hh * D + 16 * j, kv_dt,
+                        load16(c->k_new, (b * c->k_stride + h0 + hh) * D + 16 * j, q_dt));
+                store16(c->v_buf, dst + hh * D + 16 * j, kv_dt,
+                        load16(c->v_new, (b * c->v_stride + h0 + hh) * D + 16 * j, q_dt));
+            }
+    }
+    const int64_t q_row0 = b * c->q_stride + (int64_t)h0 * G;
     for (int i = 0; i < nq; i++) {
-        for (int j = 0; j < nv; j++) qv[i * nv + j] = load16(q, (q_row0 + i) * D + 16 * j, q_dt) * scale;
+        for (int j = 0; j < nv; j++) qv[i * nv + j] = load16(c->q, (q_row0 + i) * D + 16 * j, q_dt) * c->scale;
         mx[i] = -INFINITY;
     }
-    for (int64_t t = 0; t < len; t++) {                   /* pass 1: scores, row maxima */
-        if (t + PREFETCH_AHEAD < len)
-            prefetch_bytes(k_buf, (slots[t + PREFETCH_AHEAD] * Hk + h0) * D * eb, row_elems * eb);
-        const int64_t row = (slots[t] * Hk + h0) * D;
+    /* pass 1: scores, BLOCK tokens at a time, so that BLOCK dot products end in one reduce16 */
+    for (int64_t t0 = 0; t0 < len; t0 += BLOCK) {
+        const int n = len - t0 < BLOCK ? (int)(len - t0) : BLOCK;
+        for (int tt = 0; tt < BLOCK; tt++) {
+            if (tt < n) {
+                if (t0 + tt + BLOCK < len)
+                    prefetch_bytes(k_buf, (slots[t0 + tt + BLOCK] * Hk + h0) * D * eb, row_elems * eb);
+                const int64_t row = (slots[t0 + tt] * Hk + h0) * D;
+                for (int j = 0; j < nh * nv; j++) kf[tt * nh * nv + j] = load16(k_buf, row + 16 * j, kv_dt);
+            } else {
+                for (int j = 0; j < nh * nv; j++) kf[tt * nh * nv + j] = (v16f){0};
+            }
+        }
         for (int hh = 0; hh < nh; hh++) {
-            v16f kv[MAX_D / 16];
-            for (int j = 0; j < nv; j++) kv[j] = load16(k_buf, row + hh * D + 16 * j, kv_dt);
             for (int g = 0; g < G; g++) {
                 const int i = hh * G + g;
-                v16f s = qv[i * nv] * kv[0];
-                for (int j = 1; j < nv; j++) s += qv[i * nv + j] * kv[j];
-                float sc = hsum16(s);
-                scores[i * len + t] = sc;
-                mx[i] = sc > mx[i] ? sc : mx[i];
+                v16f d[BLOCK];
+                for (int tt = 0; tt < BLOCK; tt++) {
+                    const v16f *k = kf + tt * nh * nv + hh * nv;
+                    v16f s = qv[i * nv] * k[0];
+                    for (int j = 1; j < nv; j++) s += qv[i * nv + j] * k[j];
+                    d[tt] = s;
+                }
+                v16f sums = reduce16(d);
+                float m = mx[i], *dst = scores + i * len + t0;
+                for (int tt = 0; tt < n; tt++) {
+                    dst[tt] = sums[tt];
+                    m = sums[tt] > m ? sums[tt] : m;
+                }
+                mx[i] = m;
             }
         }
     }
@@ -172,48 +246,43 @@ attend(const void *q, int q_dt, int64_t q_row0, const void *k_buf, const void *v
         float row[MAX_D];
         for (int j = 0; j < nv; j++) memcpy(row + 16 * j, &acc[i * nv + j], sizeof(v16f));
         for (int d = 0; d < D; d++) row[d] *= inv[i];
-        store_row(out, out_row0 + i, q_dt, D, row);
+        store_row(c->out, (int64_t)b * c->Hq + (int64_t)h0 * G + i, q_dt, D, row);
     }
 }
 
 /* Copies of attend() with the head size fixed, so the row loops unroll and K/V rows stay in
  * registers; other sizes take the generic copy. */
-#define ATTEND_ARGS q, q_dt, q_row0, k_buf, v_buf, kv_dt, slots, len, Hk, h0, nh, G
-static void attend_any(const void *q, int q_dt, int64_t q_row0, const void *k_buf, const void *v_buf,
-                       int kv_dt, const int64_t *slots, int64_t len, int Hk, int h0, int nh, int G, int D,
-                       float scale, void *out, int64_t out_row0, float *work) {
+static void attend_any(const Call *c, int b, int h0, int nh, int D, float *work) {
     switch (D) {
-    case 64: attend(ATTEND_ARGS, 64, scale, out, out_row0, work); break;
-    case 128: attend(ATTEND_ARGS, 128, scale, out, out_row0, work); break;
-    default: attend(ATTEND_ARGS, D, scale, out, out_row0, work); break;
+    case 64: attend(c, b, h0, nh, 64, work); break;
+    case 128: attend(c, b, h0, nh, 128, work); break;
+    default: attend(c, b, h0, nh, D, work); break;
     }
 }
-#undef ATTEND_ARGS
 
 /* out[b, hq, :] = softmax(scale * q[b, hq] . K[slots_b, hq / G]) @ V[slots_b, hq / G]
  *
- * q:   rows of D elements; request b's head hq is row b * q_batch_stride_rows + hq
- * k_buf, v_buf: [num_slots, Hk, D] (one layer of the pool)
- * req_to_token: [rows, r2t_stride] slot table; request b uses row req_pool_indices[b],
- *               its first seq_lens[b] entries
- * out: [B, Hq, D] contiguous, dtype of q
+ * With k_new/v_new given, this step's K/V rows are first written to the pool at out_loc[b]
+ * (which must be the last of request b's seq_lens[b] slots). See Call for the layouts.
  * Work is split by request when there are enough requests to keep every thread busy (each
  * slot's K/V rows are then read whole, once), else by (request, KV head).
  * Returns 0; -1 for shapes outside what the kernel handles (D a multiple of 16, at most
  * 256; Hq a multiple of Hk); -2 when scratch memory could not be allocated.
  */
-int paged_decode_attention(const void *q, int q_dt, int64_t q_batch_stride_rows, const void *k_buf,
-                           const void *v_buf, int kv_dt, const int64_t *req_to_token, int64_t r2t_stride,
+int paged_decode_attention(const void *q, int q_dt, int64_t q_stride, const void *k_new, int64_t k_stride,
+                           const void *v_new, int64_t v_stride, const int64_t *out_loc, void *k_buf,
+                           void *v_buf, int kv_dt, const int64_t *req_to_token, int64_t r2t_stride,
                            const int64_t *req_pool_indices, const int64_t *seq_lens, int B, int Hq, int Hk,
                            int D, float scale, void *out, int num_threads) {
     if (Hk <= 0 || Hq % Hk != 0 || D <= 0 || D % 16 != 0 || D > MAX_D) return -1;
-    const int G = Hq / Hk;
+    const Call call = {q, q_stride, q_dt, k_new, v_new, k_stride, v_stride, out_loc, k_buf, v_buf, kv_dt,
+                       req_to_token, r2t_stride, req_pool_indices, seq_lens, Hq, Hk, Hq / Hk, scale, out};
     const int per_head = B < 2 * (num_threads > 0 ? num_threads : 1) && Hk > 1;
     const int nh = per_head ? 1 : Hk;
     const int64_t items = per_head ? (int64_t)B * Hk : B;
     int64_t max_len = 0;
     for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    const size_t bytes = (sizeof(float) * work_floats(nh * G, D, max_len) + 63) / 64 * 64;
+    const size_t bytes = (sizeof(float) * work_floats(nh * call.G, nh, D, max_len) + 63) / 64 * 64;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -223,9 +292,7 @@ int paged_decode_attention(const void *q, int q_dt, int64_t q_batch_stride_rows,
         for (int64_t w = 0; w < items; w++) {
             if (work == NULL) continue;
             const int b = (int)(w / (items / B)), h0 = per_head ? (int)(w % Hk) : 0;
-            const int64_t *slots = req_to_token + req_pool_indices[b] * r2t_stride;
-            attend_any(q, q_dt, b * q_batch_stride_rows + (int64_t)h0 * G, k_buf, v_buf, kv_dt, slots, seq_lens[b],
-                   Hk, h0, nh, G, D, scale, out, (int64_t)b * Hq + (int64_t)h0 * G, work);
+            attend_any(&call, b, h0, nh, D, work);
         }
         free(work);
     }
