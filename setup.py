@@ -15,4 +15,4 @@ for name, folder in MAPPED.items():
 
 # The CPU attention kernel's C source is compiled at first use, so it ships with the package.
 setup(packages=packages, package_dir=package_dir, include_package_data=True,
-      package_data={"workbench.core.layers.attention.cpu_ops": ["*.c"]})
+      package_data={"workbench.core.layers.cpu_ops": ["*.c"]})

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from workbench.core.layers.attention import cpu_ops
+from workbench.core.layers import cpu_ops
 from workbench.core.layers.attention.registry import (choose_attention_backend, create_attn_backend,
                                                       default_attention_backend)
 from workbench.core.layers.attention.torch_native_backend import build_decode_metadata, decode_attention
@@ -143,7 +143,7 @@ def test_head_shapes_the_kernel_cannot_run():
 def test_without_a_compiler_the_cpu_default_is_torch_native(tmp_path):
     # A fresh process with no usable compiler and an empty kernel cache.
     code = textwrap.dedent("""
-        from workbench.core.layers.attention import cpu_ops
+        from workbench.core.layers import cpu_ops
         from workbench.core.layers.attention.registry import default_attention_backend, unavailable_reason
         print(cpu_ops.unavailable_reason())
         print(default_attention_backend("cpu"))

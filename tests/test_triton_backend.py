@@ -79,7 +79,7 @@ def test_triton_backend_runs_a_model_like_torch_native(tmp_path):
 
 # ---- choosing a backend ----------------------------------------------------------------
 def test_default_backend_per_device():
-    from workbench.core.layers.attention import cpu_ops
+    from workbench.core.layers import cpu_ops
     assert default_attention_backend("cpu") == ("cpu_paged" if cpu_ops.unavailable_reason() is None
                                                  else "torch_native")
     cuda_default = default_attention_backend("cuda")

@@ -96,6 +96,8 @@ def _add_bench_parsers(bench_sub) -> None:
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--json", default=None, help="also write the results as JSON")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="run workload (a) this many times on each side and keep the best (default 2)")
     p.set_defaults(func=cmd_bench_engine)
     try:
         from workbench.core.bench.model_bench import add_parser as add_model_bench

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.core.distributed.parallel_state import tensor_model_parallel_all_gather
+from workbench.core.layers import cpu_ops
 from workbench.core.layers.activation import SiluAndMul, silu_and_mul
 from workbench.core.layers.layernorm import RMSNorm
 from workbench.core.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
@@ -59,8 +60,10 @@ class LlamaAttention(nn.Module):
         T = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
         qk_size = self.q_size + self.kv_size
-        # Rotate q and k together: they are adjacent heads of the fused projection.
-        qk = apply_rotary(qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        # Rotate q and k together: they are adjacent heads of the fused projection. On CPU one
+        # compiled call rotates them in place (bit-identical to apply_rotary).
+        qk = qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = cpu_ops.rope_inplace(qk, *rope) if cpu_ops.fused_ready(qkv) else apply_rotary(qk, *rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, forward_batch)

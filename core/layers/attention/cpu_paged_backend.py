@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.core.layers.attention import cpu_ops
+from workbench.core.layers import cpu_ops
 from workbench.core.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 

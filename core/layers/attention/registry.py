@@ -49,7 +49,7 @@ def choose_attention_backend(requested: Optional[str], device: str, dtype, num_q
         return requested
     name = default_attention_backend(device, dtype)
     if name == "cpu_paged":
-        from workbench.core.layers.attention import cpu_ops
+        from workbench.core.layers import cpu_ops
         if cpu_ops.shape_unsupported_reason(num_q_heads, num_kv_heads, head_dim):
             return "torch_native"
     return name
@@ -72,7 +72,7 @@ def create_attn_backend(name: str, device: str, num_q_heads: int, num_kv_heads: 
         from workbench.core.layers.attention.torch_native_backend import TorchNativeAttnBackend
         return TorchNativeAttnBackend()
     if name == "cpu_paged":
-        from workbench.core.layers.attention import cpu_ops
+        from workbench.core.layers import cpu_ops
         from workbench.core.layers.attention.cpu_paged_backend import CpuPagedAttnBackend
         shape = cpu_ops.shape_unsupported_reason(num_q_heads, num_kv_heads, head_dim)
         if shape:

@@ -1,6 +1,7 @@
-"""Compiled CPU kernels for attention over the token-slot KV pool, built at first use.
+"""Compiled CPU kernels, built at first use: attention over the token-slot KV pool, and the
+rotary embedding in place.
 
-`paged_attention.c` is compiled once per machine with the system C compiler
+`paged_attention.c` and `rope.c` are compiled once per machine with the system C compiler
 (`$CC`, default `cc`) into `$WORKBENCH_CACHE_DIR/kernels/` (default
 ~/.cache/workbench) and loaded with ctypes: no torch headers, so a build takes
 about a second. The file name carries a hash of the source, the flags and the
@@ -26,7 +27,7 @@ from typing import Optional
 
 import torch
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "rope.c")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -48,11 +49,11 @@ def _cpu_signature() -> str:
 
 def library_path() -> Path:
     """Where this source, built with these flags for this CPU, lives in the cache."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     digest.update(" ".join([os.environ.get("CC", "cc")] + CFLAGS).encode())
     digest.update(_cpu_signature().encode())
     base = Path(os.environ.get("WORKBENCH_CACHE_DIR") or "~/.cache/workbench").expanduser()
-    return base / "kernels" / f"paged_attention-{digest.hexdigest()[:16]}.so"
+    return base / "kernels" / f"workbench_cpu_ops-{digest.hexdigest()[:16]}.so"
 
 
 def _build(target: Path) -> None:
@@ -64,11 +65,11 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+        proc = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
-            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}: {first}")
+            raise RuntimeError(f"{compiler} failed to build {', '.join(s.name for s in SOURCES)}: {first}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -98,6 +99,8 @@ def _load() -> None:
         fn.argtypes = [ptr, i32, i64, ptr, i64, ptr, i64, ptr,              # q, this step's k/v, their slots
                        ptr, ptr, i32, ptr, i64, ptr, ptr,                   # the pool and its tables
                        i32, i32, i32, i32, ctypes.c_float, ptr, i32]        # B, Hq, Hk, D, scale, out, threads
+        lib.wb_rope_inplace.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32, i32, i32]
+        lib.wb_rope_inplace.restype = None
         _lib = lib
 
 
@@ -143,8 +146,7 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     -> [B, Hq, D] in q's dtype. With k_new/v_new ([B, Hk, D], q's dtype) and out_cache_loc
     ([B] int64, each request's last slot), this step's K/V are stored into the pool first.
     """
-    if _lib is None and unavailable_reason():
-        raise RuntimeError(unavailable_reason())
+    lib = _require()
     bs, hq, d = q.shape
     hk = k_buf.shape[1]
     q, q_stride = _rows(q)
@@ -158,7 +160,7 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
         v_new, v_stride = _rows(v_new)
         out_cache_loc = out_cache_loc.to(torch.int64).contiguous()
     out = torch.empty((bs, hq, d), dtype=q.dtype)
-    rc = _lib.paged_decode_attention(
+    rc = lib.paged_decode_attention(
         q.data_ptr(), _DTYPE_CODES[q.dtype], q_stride,
         k_new.data_ptr() if store else None, k_stride if store else 0,
         v_new.data_ptr() if store else None, v_stride if store else 0,
@@ -169,3 +171,33 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention failed (code {rc}) for Hq={hq}, Hk={hk}, D={d}")
     return out
+
+
+# ---- rotary embedding (rope.c) ------------------------------------------------------
+def fused_ready(x: torch.Tensor) -> bool:
+    """True when the fused C ops can take `x`: built, a CPU tensor of a supported dtype, not under
+    torch.compile (which cannot trace a ctypes call). Callers fall back to torch ops otherwise."""
+    if x.device.type != "cpu" or x.dtype not in _DTYPE_CODES or torch.compiler.is_compiling():
+        return False
+    if _lib is None and not _tried:
+        _load()
+    return _lib is not None
+
+
+def _require() -> ctypes.CDLL:
+    if _lib is None and unavailable_reason():
+        raise RuntimeError(unavailable_reason())
+    return _lib
+
+
+def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x[t, h] = x * cos[t] + flip_halves(x) * sin[t] in place (the signed-sin layout of
+    rotary_embedding.apply_rotary) for x [T, H, D] with heads and D contiguous, any row stride;
+    cos/sin [T, 1, D] rows with a common stride, x's dtype. Returns x."""
+    t, h, d = x.shape
+    if (x.stride(2) != 1 or x.stride(1) != d or cos.stride(-1) != 1 or sin.stride(-1) != 1
+            or cos.stride(0) != sin.stride(0) or cos.dtype != x.dtype or sin.dtype != x.dtype or d > 512 or d % 2):
+        raise ValueError("rope_inplace: unsupported layout or dtype")
+    _require().wb_rope_inplace(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, h, d,
+                         _DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return x

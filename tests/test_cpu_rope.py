@@ -1,0 +1,55 @@
+"""The compiled CPU rotary embedding (rope.c) against the torch ops it replaces.
+
+It is bit-identical in every dtype, so the model's tokens do not change with it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from workbench.core.layers import cpu_ops
+from workbench.core.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+
+if shutil.which(os.environ.get("CC", "cc")) is None:
+    pytest.skip("no C compiler: the compiled rope cannot be built here (the model uses apply_rotary)",
+                allow_module_level=True)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 32, 700])
+def test_rope_is_bit_identical_to_apply_rotary(dtype, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    rot = RotaryEmbedding(64, 4096, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
+    cos, sin = rot.get_cos_sin(torch.randint(0, 4096, (tokens,), generator=g), dtype)
+    qkv = (torch.randn(tokens, 15 * 64, generator=g) * 4).to(dtype)
+    view = qkv[:, :12 * 64].view(tokens, 12, 64)          # q and k heads of a fused projection: strided rows
+    expected = apply_rotary(view, cos, sin)
+    untouched = qkv[:, 12 * 64:].clone()
+    out = cpu_ops.rope_inplace(view, cos, sin)
+    assert out.data_ptr() == view.data_ptr()                # in place
+    assert torch.equal(_bits(out.contiguous()), _bits(expected.contiguous()))
+    assert torch.equal(qkv[:, 12 * 64:], untouched)         # v is not touched
+
+
+def test_bfloat16_greedy_tokens_are_unchanged_by_the_compiled_rope(default_prepared, monkeypatch):
+    from workbench.core.args import ServerArgs
+    from workbench.core.model_executor.model_runner import ModelRunner
+    from workbench.core.model_executor.offline_harness import OfflineHarness
+    from workbench.core.sampling.sampling_params import SamplingParams
+    runner = ModelRunner(ServerArgs(dtype="bfloat16", max_total_tokens=4096, show_progress=False),
+                         prepared=default_prepared)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 30000, (n,), generator=g).tolist() for n in (5, 40, 130)]
+    sp = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    fused = [r.output_ids for r in OfflineHarness(runner).generate(prompts, sp)]
+    monkeypatch.setattr(cpu_ops, "fused_ready", lambda x: False)
+    plain = [r.output_ids for r in OfflineHarness(runner).generate(prompts, sp)]
+    assert fused == plain
