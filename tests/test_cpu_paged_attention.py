@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from workbench.core.layers import cpu_ops
 from workbench.core.layers.attention.registry import (choose_attention_backend, create_attn_backend,
@@ -175,3 +176,67 @@ def test_bfloat16_store_rounds_like_torch_on_edge_values():
     stored, expected = k_buf[loc[0], 0], k_new[0, 0].to(torch.bfloat16)
     same = (stored.view(torch.int16) == expected.view(torch.int16)) | (stored.isnan() & expected.isnan())
     assert bool(same.all()), (stored, expected)
+
+
+# ---- extend (prefill) -------------------------------------------------------------------------
+def _extend_case(prefixes, exts, hq, hk, d, q_dtype, kv_dtype, seed=0):
+    """A pool holding each request's prefix and new tokens at scattered slots; q for the new tokens."""
+    g = torch.Generator().manual_seed(seed)
+    bs, total = len(exts), sum(prefixes) + sum(exts) + 3
+    k_buf = torch.randn(total + 1, hk, d, generator=g).to(kv_dtype)
+    v_buf = torch.randn(total + 1, hk, d, generator=g).to(kv_dtype)
+    req_to_token = torch.zeros(bs + 3, max(p + e for p, e in zip(prefixes, exts)) + 4, dtype=torch.int64)
+    req_pool_indices = torch.randperm(bs + 3, generator=g)[:bs].to(torch.int64)
+    perm, offset = torch.randperm(total, generator=g) + 1, 0
+    for b, (p, e) in enumerate(zip(prefixes, exts)):
+        req_to_token[req_pool_indices[b], :p + e] = perm[offset:offset + p + e]
+        offset += p + e
+    q = torch.randn(sum(exts), hq + hk, d, generator=g).to(q_dtype)[:, :hq]
+    starts = torch.tensor([0] + torch.tensor(exts).cumsum(0)[:-1].tolist(), dtype=torch.int64)
+    return (q, k_buf, v_buf, req_to_token, req_pool_indices, torch.tensor(prefixes, dtype=torch.int64),
+            torch.tensor(exts, dtype=torch.int64), starts)
+
+
+def _extend_exact(q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, starts, scale):
+    """float32 SDPA per request over its gathered keys, with the causal mask offset by the prefix."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b in range(len(extend_lens)):
+        p, e, s = int(prefix_lens[b]), int(extend_lens[b]), int(starts[b])
+        idx = req_to_token[req_pool_indices[b], :p + e]
+        k, v = k_buf[idx].float().transpose(0, 1), v_buf[idx].float().transpose(0, 1)
+        mask = torch.arange(p + e).unsqueeze(0) <= (torch.arange(e) + p).unsqueeze(1)
+        o = F.scaled_dot_product_attention(q[s:s + e].float().transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+        out[s:s + e] = o.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype,atol", [
+    (torch.float32, torch.float32, 1e-5),
+    (torch.bfloat16, torch.bfloat16, 2e-2),
+    (torch.float32, torch.bfloat16, 1e-5),
+    (torch.float16, torch.float16, 3e-3),
+])
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (8, 8, 48), (12, 3, 128)])
+def test_extend_kernel_matches_float32_attention(q_dtype, kv_dtype, atol, hq, hk, d):
+    # fresh prompts (one token, one block, several blocks), prefixes, and one-token extends (a mixed batch's
+    # decode rows)
+    prefixes, exts = [0, 0, 0, 37, 100, 5, 16], [1, 16, 70, 20, 1, 33, 1]
+    case = _extend_case(prefixes, exts, hq, hk, d, q_dtype, kv_dtype)
+    scale = d ** -0.5
+    out = cpu_ops.paged_extend_attention(*case, scale)
+    assert out.shape == case[0].shape and out.dtype == q_dtype
+    torch.testing.assert_close(out.float(), _extend_exact(*case, scale), atol=atol, rtol=0)
+
+
+def test_extend_kernel_result_does_not_depend_on_threads():
+    case = _extend_case([0, 40], [130, 77], 9, 3, 64, torch.float32, torch.float32, seed=1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.paged_extend_attention(*case, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_ops.paged_extend_attention(*case, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)

@@ -249,8 +249,11 @@ def test_bench_model_quick_runs_end_to_end(tiny_dirs, tmp_path):
         assert r.dtype == "float32"
         assert r.workbench_tok_s > 0 and r.transformers_tok_s > 0
         assert math.isclose(r.ratio, r.workbench_tok_s / r.transformers_tok_s)
+    # the batched row carries the linears-only ceiling (a bound the engine cannot beat); the others do not
+    assert [r.linears_ceiling_tok_s is not None for r in rows] == [False, True, False]
+    assert rows[1].linears_ceiling_tok_s > 0
     table = format_table(rows)
-    assert "decode bs=1" in table and "ratio" in table
+    assert "decode bs=1" in table and "ratio" in table and "linears-only ceiling" in table
     args.no_reference = True
     assert args.func(args) == 0 and args.func is _cli_main
     data = json.loads(out.read_text())

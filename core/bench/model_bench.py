@@ -13,7 +13,12 @@ Both engines stamp the end of every token step (the workbench at each sampling
 call, transformers through a stopping criterion, which `generate` calls once per
 token): decode is first token -> last token, n - 1 steps with sampling, prefill
 excluded; prefill is start -> first token. Each timing is the best of
-`--repeats`, the engines alternating within a repeat. Greedy decoding, EOS
+`--repeats`, the engines alternating within a repeat.
+
+For batched decode on CPU it also prints a linears-only ceiling: the batch's tokens over
+the time of one step's linear layers alone (the workbench's own packed weights, chained as
+in a step, with nothing else). No engine built on these GEMMs can decode faster, so the
+ceiling over transformers bounds the ratio any optimization outside the GEMMs can reach. Greedy decoding, EOS
 ignored, so both engines run exactly the requested number of steps. On a shared machine the numbers move with other processes' load;
 compare the ratios of one run.
 """
@@ -43,6 +48,9 @@ class Row:
     transformers_tok_s: Optional[float]  # None with --no-reference
     ratio: Optional[float]               # workbench / transformers
     detail: str = ""
+    # Decode on CPU: tokens/s if a step cost only its linear layers (the same packed weights,
+    # chained as in one step, nothing else): the most any engine built on these GEMMs can reach.
+    linears_ceiling_tok_s: Optional[float] = None
 
 
 @dataclass
@@ -98,6 +106,32 @@ class _Workbench:
             self._stamps.append(_clock())
             return out
         self.runner.sample = stamped_sample
+
+    def linears_step_seconds(self, bs: int, repeats: int) -> Optional[float]:
+        """Best time of one decode step's linear layers alone at batch `bs` (CPU packed weights
+        only; None where the weights are not packed, e.g. on CUDA)."""
+        from workbench.core.layers.linear import LinearBase, packed_linear
+        model = self.runner.model
+        layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.packed_weight is not None]
+        head = getattr(model, "_packed_head", None)
+        if not layers:
+            return None
+        dtype = layers[0].weight.dtype
+        widths = {m.weight.shape[1] for m in layers} | {int(model.config.hidden_size)}
+        x = {w: torch.randn(bs, w).to(dtype) for w in widths}
+
+        def step():
+            for m in layers:                   # model order: qkv, o, gate_up, down per layer
+                packed_linear(x[m.weight.shape[1]], m.packed_weight, m.bias)
+            if head is not None:
+                packed_linear(x[int(model.config.hidden_size)], head, None)
+        step()
+        best = float("inf")
+        for _ in range(max(1, repeats)):
+            t = _clock()
+            step()
+            best = min(best, _clock() - t)
+        return best
 
     def compile_times(self) -> dict[int, float]:
         runner = self.runner.decode_runner
@@ -262,7 +296,11 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
             else:
                 n = sizes.decode_tokens_bs1 if bs == 1 else sizes.decode_tokens_batch
                 detail = f"{n} new tokens after {sizes.prompt_len}-token prompts"
-            rows.append(Row(metric, dtype, wb, ref, (wb / ref) if ref else None, detail))
+            ceiling = None
+            if bs > 1:
+                step_s = engines[0].linears_step_seconds(bs, sizes.repeats)
+                ceiling = bs / step_s if step_s else None
+            rows.append(Row(metric, dtype, wb, ref, (wb / ref) if ref else None, detail, ceiling))
         del engines
     return rows
 
@@ -374,12 +412,21 @@ def environment() -> dict:
 
 
 def format_table(rows: list[Row]) -> str:
-    header = f"{'metric':<16}{'dtype':<10}{'workbench tok/s':>17}{'transformers tok/s':>20}{'ratio':>9}"
+    header = (f"{'metric':<16}{'dtype':<10}{'workbench tok/s':>17}{'transformers tok/s':>20}{'ratio':>9}"
+              f"{'linears-only ceiling':>22}{'ceiling ratio':>15}")
     lines = [header, "-" * len(header)]
     for r in rows:
         ref = f"{r.transformers_tok_s:.1f}" if r.transformers_tok_s else "-"
         ratio = f"{r.ratio:.2f}x" if r.ratio else "-"
-        lines.append(f"{r.metric:<16}{r.dtype:<10}{r.workbench_tok_s:>17.1f}{ref:>20}{ratio:>9}")
+        ceiling = f"{r.linears_ceiling_tok_s:.1f}" if r.linears_ceiling_tok_s else "-"
+        ceiling_ratio = (f"{r.linears_ceiling_tok_s / r.transformers_tok_s:.2f}x"
+                         if r.linears_ceiling_tok_s and r.transformers_tok_s else "-")
+        lines.append(f"{r.metric:<16}{r.dtype:<10}{r.workbench_tok_s:>17.1f}{ref:>20}{ratio:>9}"
+                     f"{ceiling:>22}{ceiling_ratio:>15}")
+    if any(r.linears_ceiling_tok_s for r in rows):
+        lines.append("linears-only ceiling: the batch's tokens over the time of one step's linear layers alone "
+                     "(same packed weights, chained, nothing else);\nceiling ratio: that ceiling over transformers "
+                     "- no engine on these GEMMs can beat it.")
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
-"""Compiled CPU kernels, built at first use: attention over the token-slot KV pool, and the
-rotary embedding in place.
+"""Compiled CPU kernels, built at first use: attention over the token-slot KV pool (decode and
+extend), and the rotary embedding in place.
 
-`paged_attention.c` and `rope.c` are compiled once per machine with the system C compiler
+`paged_attention.c`, `paged_extend.c` and `rope.c` are compiled once per machine with the system C compiler
 (`$CC`, default `cc`) into `$WORKBENCH_CACHE_DIR/kernels/` (default
 ~/.cache/workbench) and loaded with ctypes: no torch headers, so a build takes
 about a second. The file name carries a hash of the source, the flags and the
@@ -27,7 +27,9 @@ from typing import Optional
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "rope.c")]
+HERE = Path(__file__).parent
+SOURCES = [HERE / name for name in ("paged_attention.c", "paged_extend.c", "rope.c")]
+HEADERS = [HERE / "common.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -49,7 +51,7 @@ def _cpu_signature() -> str:
 
 def library_path() -> Path:
     """Where this source, built with these flags for this CPU, lives in the cache."""
-    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS))
     digest.update(" ".join([os.environ.get("CC", "cc")] + CFLAGS).encode())
     digest.update(_cpu_signature().encode())
     base = Path(os.environ.get("WORKBENCH_CACHE_DIR") or "~/.cache/workbench").expanduser()
@@ -99,6 +101,10 @@ def _load() -> None:
         fn.argtypes = [ptr, i32, i64, ptr, i64, ptr, i64, ptr,              # q, this step's k/v, their slots
                        ptr, ptr, i32, ptr, i64, ptr, ptr,                   # the pool and its tables
                        i32, i32, i32, i32, ctypes.c_float, ptr, i32]        # B, Hq, Hk, D, scale, out, threads
+        lib.paged_extend_attention.restype = ctypes.c_int
+        lib.paged_extend_attention.argtypes = [ptr, i32, i64, ptr, ptr, i32, ptr, i64,   # q, the pool, its table
+                                               ptr, ptr, ptr, ptr,                       # per-request rows and lengths
+                                               i32, i32, i32, i32, ctypes.c_float, ptr, i32]
         lib.wb_rope_inplace.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32, i32, i32]
         lib.wb_rope_inplace.restype = None
         _lib = lib
@@ -170,6 +176,28 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
         out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention failed (code {rc}) for Hq={hq}, Hk={hk}, D={d}")
+    return out
+
+
+def paged_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                           extend_lens: torch.Tensor, extend_starts: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal prefill attention, every key (cached prefix and this pass's, already stored) read
+    from the pool. q: [T, Hq, D] (the batch's new tokens, request after request; any token
+    stride), per-request [B] int64 contiguous tensors -> [T, Hq, D] in q's dtype."""
+    lib = _require()
+    t, hq, d = q.shape
+    q, q_stride = _rows(q)
+    if not (k_buf.is_contiguous() and v_buf.is_contiguous() and req_to_token.stride(1) == 1):
+        raise ValueError("the KV pool buffers and req_to_token must be contiguous")
+    out = torch.empty((t, hq, d), dtype=q.dtype)
+    rc = lib.paged_extend_attention(
+        q.data_ptr(), _DTYPE_CODES[q.dtype], q_stride, k_buf.data_ptr(), v_buf.data_ptr(), _DTYPE_CODES[k_buf.dtype],
+        req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(), prefix_lens.data_ptr(),
+        extend_lens.data_ptr(), extend_starts.data_ptr(), int(req_pool_indices.numel()), hq, k_buf.shape[1], d,
+        float(scale), out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"paged_extend_attention failed (code {rc}) for Hq={hq}, Hk={k_buf.shape[1]}, D={d}")
     return out
 
 

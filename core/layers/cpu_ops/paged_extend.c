@@ -1,0 +1,182 @@
+/* Extend (prefill) attention over the paged KV pool, for CPUs: causal, with cached prefixes.
+ *
+ * Why: per request, torch's CPU flash-attention kernel reaches ~30 GFLOP/s on this model's
+ * shapes (head_dim 64, 9 query heads over 3 KV heads), so prefill attention took a third of
+ * a prefill pass. A request with a cached prefix also needed its whole K/V gathered first.
+ *
+ * How: this pass's K/V are already in the pool; every key, prefix or new, is read through
+ * req_to_token. A work item is one (request, KV head, block of QB new tokens); its QB * G
+ * query rows sweep the keys 16 at a time. Each key block is transposed once into KT[D][16],
+ * so a query row's 16 scores are D multiply-adds with the query element broadcast (no
+ * horizontal sums), and then an online softmax (running max and sum per row) folds the
+ * block's V rows into the row's accumulator. Keys past a row's own position are masked.
+ * All arithmetic is float32.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+/* QB new tokens per work item; KB keys per block (one vector lane each, so 16); RG query rows per
+ * pass (6: the most whose accumulators stay in AVX-512 registers; measured best of 4, 6, 8). */
+enum { QB = 16, KB = 16, RG = 6 };
+
+typedef struct {
+    const void *q;                   /* token t's query head hq is row t * q_stride + hq (rows of D) */
+    int64_t q_stride;
+    int q_dt;                        /* also out's dtype */
+    const void *k_buf, *v_buf;       /* [num_slots, Hk, D]: one layer of the pool */
+    int kv_dt;
+    const int64_t *req_to_token;     /* [rows, r2t_stride] */
+    int64_t r2t_stride;
+    const int64_t *req_pool_indices, *prefix_lens, *extend_lens, *extend_starts;   /* per request */
+    int Hq, Hk, G;
+    float scale;
+    void *out;                       /* [T, Hq, D] contiguous */
+} ExtendCall;
+
+typedef struct { int r, h; int64_t i0, keys; } Item;   /* request, KV head, first new token, keys it reads */
+
+static int by_keys_desc(const void *a, const void *b) {
+    const int64_t x = ((const Item *)a)->keys, y = ((const Item *)b)->keys;
+    return (x < y) - (x > y);
+}
+
+static inline __attribute__((always_inline)) void
+extend_block(const ExtendCall *c, Item it, int D, float *restrict work) {
+    const int G = c->G, Hk = c->Hk, nv = D / 16, h = it.h;
+    const int64_t prefix = c->prefix_lens[it.r], ext = c->extend_lens[it.r], t0 = c->extend_starts[it.r];
+    const int nt = ext - it.i0 < QB ? (int)(ext - it.i0) : QB;       /* new tokens in this block */
+    const int64_t *slots = c->req_to_token + c->req_pool_indices[it.r] * c->r2t_stride;
+    const int64_t kend = prefix + it.i0 + nt;                          /* keys [0, kend) are visible to some row */
+    v16f *qv = (v16f *)work;                                           /* [rows, nv] */
+    v16f *acc = qv + QB * G * nv;                                      /* [rows, nv] */
+    v16f *kt = acc + QB * G * nv;                                      /* [D] vectors of 16 keys: K transposed */
+    v16f *vb = kt + D;                                                 /* [KB, nv]: the block's V rows */
+    float *m = (float *)(vb + KB * nv), *l = m + QB * G;               /* running max and sum per row */
+    float kf[KB * MAX_D] __attribute__((aligned(64)));
+
+    for (int ii = 0; ii < nt; ii++)
+        for (int g = 0; g < G; g++) {
+            const int row = ii * G + g;
+            const int64_t src = (t0 + it.i0 + ii) * c->q_stride + (int64_t)h * G + g;
+            for (int j = 0; j < nv; j++) {
+                qv[row * nv + j] = load16(c->q, src * D + 16 * j, c->q_dt) * c->scale;
+                acc[row * nv + j] = (v16f){0};
+            }
+            m[row] = -INFINITY;
+            l[row] = 0.0f;
+        }
+    const v16f lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t kb = 0; kb < kend; kb += KB) {
+        const int nk = kend - kb < KB ? (int)(kend - kb) : KB;
+        for (int j = 0; j < KB; j++) {                                 /* gather + transpose the block */
+            if (j < nk) {
+                const int64_t row = (slots[kb + j] * Hk + h) * D;
+                for (int v = 0; v < nv; v++) {
+                    *(v16f *)(kf + j * D + 16 * v) = load16(c->k_buf, row + 16 * v, c->kv_dt);
+                    vb[j * nv + v] = load16(c->v_buf, row + 16 * v, c->kv_dt);
+                }
+            } else {
+                for (int v = 0; v < nv; v++) {
+                    *(v16f *)(kf + j * D + 16 * v) = (v16f){0};
+                    vb[j * nv + v] = (v16f){0};
+                }
+            }
+        }
+        for (int d = 0; d < D; d++)
+            for (int j = 0; j < KB; j++) kt[d][j] = kf[j * D + d];
+        /* Rows come token by token, so the rows that see none of this block are a prefix. */
+        int first = 0;
+        while (first < nt && prefix + it.i0 + first < kb) first++;
+        for (int row0 = first * G; row0 < nt * G; row0 += RG) {
+            const int nr = nt * G - row0 < RG ? nt * G - row0 : RG;
+            v16f s[RG], p[RG];
+            for (int i = 0; i < RG; i++) s[i] = (v16f){0};
+            /* RG rows at once: independent accumulators hide the multiply-add latency, and each
+             * column of K^T is loaded once for all of them. */
+            for (int d = 0; d < D; d++) {
+                const v16f kd = kt[d];
+                for (int i = 0; i < RG; i++) s[i] += ((const float *)(qv + (row0 + (i < nr ? i : 0)) * nv))[d] * kd;
+            }
+            float alpha[RG];
+            for (int i = 0; i < nr; i++) {
+                const int row = row0 + i;
+                const int64_t pos = prefix + it.i0 + row / G;             /* this row's token sees keys [0, pos] */
+                const int visible = pos - kb + 1 < nk ? (int)(pos - kb + 1) : nk;
+                const v16i keep = lane < (float)visible;
+                const v16f si = (v16f)(((v16i)s[i] & keep) | ((v16i)((v16f){0} - INFINITY) & ~keep));
+                const float m_new = fmaxf(m[row], hmax16(si));
+                alpha[i] = exp_nonpos(m[row] - m_new);                    /* 0 on the first block (m = -inf) */
+                p[i] = exp16_nonpos(si - m_new);
+                l[row] = l[row] * alpha[i] + hsum16(p[i]);
+                m[row] = m_new;
+            }
+            v16f a[RG][MAX_D / 16];
+            for (int i = 0; i < RG; i++)
+                for (int v = 0; v < nv; v++) a[i][v] = i < nr ? acc[(row0 + i) * nv + v] * alpha[i] : (v16f){0};
+            for (int j = 0; j < nk; j++)
+                for (int v = 0; v < nv; v++) {
+                    const v16f vj = vb[j * nv + v];
+                    for (int i = 0; i < RG; i++) a[i][v] += p[i][j] * vj;
+                }
+            for (int i = 0; i < nr; i++)
+                for (int v = 0; v < nv; v++) acc[(row0 + i) * nv + v] = a[i][v];
+        }
+    }
+    for (int ii = 0; ii < nt; ii++)
+        for (int g = 0; g < G; g++) {
+            const int row = ii * G + g;
+            const float inv = 1.0f / l[row];                           /* every row sees its own key: l > 0 */
+            const int64_t dst = ((t0 + it.i0 + ii) * c->Hq + (int64_t)h * G + g) * D;
+            for (int v = 0; v < nv; v++) store16(c->out, dst + 16 * v, c->q_dt, acc[row * nv + v] * inv);
+        }
+}
+
+static void extend_block_any(const ExtendCall *c, Item it, int D, float *work) {
+    switch (D) {
+    case 64: extend_block(c, it, 64, work); break;
+    case 128: extend_block(c, it, 128, work); break;
+    default: extend_block(c, it, D, work); break;
+    }
+}
+
+/* out[t, hq] = causal attention of new token t (position prefix_r + i) over request r's keys
+ * [0, prefix_r + i], all read from the pool through req_to_token. Shapes as in
+ * paged_decode_attention. Returns 0; -1 for unsupported shapes; -2 when memory ran out. */
+int paged_extend_attention(const void *q, int q_dt, int64_t q_stride, const void *k_buf, const void *v_buf,
+                           int kv_dt, const int64_t *req_to_token, int64_t r2t_stride,
+                           const int64_t *req_pool_indices, const int64_t *prefix_lens, const int64_t *extend_lens,
+                           const int64_t *extend_starts, int B, int Hq, int Hk, int D, float scale, void *out,
+                           int num_threads) {
+    if (Hk <= 0 || Hq % Hk != 0 || D <= 0 || D % 16 != 0 || D > MAX_D) return -1;
+    const ExtendCall call = {q, q_stride, q_dt, k_buf, v_buf, kv_dt, req_to_token, r2t_stride, req_pool_indices,
+                             prefix_lens, extend_lens, extend_starts, Hq, Hk, Hq / Hk, scale, out};
+    int64_t n_items = 0;
+    for (int r = 0; r < B; r++) n_items += (extend_lens[r] + QB - 1) / QB * Hk;
+    Item *items = malloc(sizeof(Item) * (size_t)(n_items > 0 ? n_items : 1));
+    if (items == NULL) return -2;
+    /* Costliest blocks first (the last blocks of the longest contexts), so the dynamic schedule
+     * ends with small ones and the threads finish together. */
+    int64_t k = 0;
+    for (int r = 0; r < B; r++)
+        for (int64_t i0 = (extend_lens[r] - 1) / QB * QB; i0 >= 0; i0 -= QB)
+            for (int h = 0; h < Hk; h++) items[k++] = (Item){r, h, i0, prefix_lens[r] + i0 + QB};
+    qsort(items, (size_t)n_items, sizeof(Item), by_keys_desc);
+    const int G = Hq / Hk;
+    const size_t bytes = (sizeof(float) * ((size_t)QB * G * D * 2 + (size_t)D * 16 + (size_t)KB * D
+                          + 2 * (size_t)QB * G) + 63) / 64 * 64;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *work = aligned_alloc(64, bytes);
+        if (work == NULL) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < n_items; w++)
+            if (work != NULL) extend_block_any(&call, items[w], D, work);
+        free(work);
+    }
+    free(items);
+    return failed ? -2 : 0;
+}
