@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.core.layers import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -19,6 +21,10 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
+        elif x.dim() == 2 and x.dtype != torch.float32 and cpu_ops.fused_ready(x):
+            # 16-bit on CPU: one compiled pass instead of ATen's ~7-op composite (see
+            # cpu_ops/rms_norm.c). float32 stays on ATen: it matches transformers bit for bit.
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         # ATen's fused kernel accumulates in float32 for bf16/fp16 inputs and rounds
         # once: bit-identical to upcasting first (checked), without the two casts.
         out = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)

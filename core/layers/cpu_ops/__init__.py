@@ -1,7 +1,7 @@
 """Compiled CPU kernels, built at first use: attention over the token-slot KV pool (decode and
-extend), and the rotary embedding in place.
+extend), the rotary embedding in place, and RMSNorm for 16-bit models.
 
-`paged_attention.c`, `paged_extend.c` and `rope.c` are compiled once per machine with the system C compiler
+The C files of this folder are compiled once per machine with the system C compiler
 (`$CC`, default `cc`) into `$WORKBENCH_CACHE_DIR/kernels/` (default
 ~/.cache/workbench) and loaded with ctypes: no torch headers, so a build takes
 about a second. The file name carries a hash of the source, the flags and the
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("paged_attention.c", "paged_extend.c", "rope.c")]
+SOURCES = [HERE / name for name in ("paged_attention.c", "paged_extend.c", "rope.c", "rms_norm.c")]
 HEADERS = [HERE / "common.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -107,6 +107,8 @@ def _load() -> None:
                                                i32, i32, i32, i32, ctypes.c_float, ptr, i32]
         lib.wb_rope_inplace.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32, i32, i32]
         lib.wb_rope_inplace.restype = None
+        lib.wb_rms_norm.argtypes = [ptr, i64, ptr, ptr, i32, i32, ctypes.c_float, i32, i32]
+        lib.wb_rms_norm.restype = None
         _lib = lib
 
 
@@ -229,3 +231,17 @@ def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     _require().wb_rope_inplace(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, h, d,
                          _DTYPE_CODES[x.dtype], torch.get_num_threads())
     return x
+
+
+# ---- RMSNorm (rms_norm.c) -------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x * rsqrt(mean(x^2) + eps)) * weight for x [T, H] with unit inner stride (rows may be
+    strided), summed in double and rounded once; see rms_norm.c for how it compares to ATen."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        x = x.contiguous().view(-1, x.shape[-1])
+    t, h = x.shape
+    weight = weight.to(x.dtype).contiguous()
+    out = torch.empty((t, h), dtype=x.dtype)
+    _require().wb_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), t, h, float(eps),
+                           _DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return out

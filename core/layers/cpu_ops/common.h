@@ -10,31 +10,51 @@ enum { MAX_D = 256 };
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
+/* ---- scalars: one element of dtype dt <-> float32 ---- */
+static inline float ld(const void *p, int64_t i, int dt) {
+    if (dt == DT_F32) return ((const float *)p)[i];
+    if (dt == DT_BF16) {
+        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    return (float)((const _Float16 *)p)[i];
+}
+
+static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even as torch does; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;   /* branch-free: it vectorizes */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+}
+
+static inline float rnd(float f, int dt) {       /* f rounded to dtype dt, as a float (exact) */
+    if (dt == DT_BF16) {
+        uint32_t u = (uint32_t)f32_to_bf16(f) << 16;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    if (dt == DT_F16) return (float)(_Float16)f;
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);   /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+static inline void st(void *p, int64_t i, int dt, float f) {
+    if (dt == DT_F32) ((float *)p)[i] = f;
+    else if (dt == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else ((_Float16 *)p)[i] = (_Float16)f;
 }
 
+/* Row loops written once and stamped out per dtype (dt a constant), so that loads, stores and
+ * roundings inline branch-free and the loops vectorize. */
+#define FOR_EACH_DTYPE(dt, call) \
+    switch (dt) { case DT_F32: call(DT_F32); break; case DT_BF16: call(DT_BF16); break; default: call(DT_F16); }
+
+/* Rows are spread over threads only when there is enough work to pay for the fork. */
+#define PARALLEL_ROWS(T, width) if ((int64_t)(T) * (width) >= 65536) num_threads(nthreads)
+
 static inline void store_row(void *base, int64_t row, int dt, int D, const float *restrict src) {
-    if (dt == DT_F32) {
-        memcpy((float *)base + row * D, src, sizeof(float) * (size_t)D);
-    } else if (dt == DT_BF16) {
-        uint16_t *dst = (uint16_t *)base + row * D;
-        for (int i = 0; i < D; i++) dst[i] = f32_to_bf16(src[i]);
-    } else {
-        _Float16 *dst = (_Float16 *)base + row * D;
-        for (int i = 0; i < D; i++) dst[i] = (_Float16)src[i];
-    }
+    for (int i = 0; i < D; i++) st(base, row * D + i, dt, src[i]);
 }
 
 /* exp(x) for x <= 0 (scores minus their row max), written so the compiler can vectorize

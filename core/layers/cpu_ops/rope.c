@@ -8,59 +8,14 @@
  * Numerics follow the torch reference op by op, including where it rounds to the model
  * dtype (bfloat16/float16) between steps, so the fused ops round the same values the
  * same way: the result is bit-identical. No fused multiply-add: the reference does not
- * contract either. (Not here, after trying: RMSNorm, whose mean of squares matches ATen's
- * bit for bit only in ATen's summation order, and one ulp there changes bfloat16 greedy
- * tokens; SiLU-and-mul, which is exp-bound and no faster compiled.)
+ * contract either.
  */
 #pragma GCC optimize("fp-contract=off")
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-
-static inline float ld(const void *p, int64_t i, int dt) {
-    if (dt == DT_F32) return ((const float *)p)[i];
-    if (dt == DT_BF16) {
-        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &u, sizeof f);
-        return f;
-    }
-    return (float)((const _Float16 *)p)[i];
-}
-
-static inline uint16_t to_bf16_bits(float f) {   /* round to nearest even, NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;   /* branch-free: it vectorizes */
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
-}
-
-/* f rounded to dtype dt, returned as float (exact for bf16/f16 values). */
-static inline float rnd(float f, int dt) {
-    if (dt == DT_BF16) {
-        uint32_t u = (uint32_t)to_bf16_bits(f) << 16;
-        memcpy(&f, &u, sizeof f);
-        return f;
-    }
-    if (dt == DT_F16) return (float)(_Float16)f;
-    return f;
-}
-
-static inline void st(void *p, int64_t i, int dt, float f) {
-    if (dt == DT_F32) ((float *)p)[i] = f;
-    else if (dt == DT_BF16) ((uint16_t *)p)[i] = to_bf16_bits(f);
-    else ((_Float16 *)p)[i] = (_Float16)f;
-}
-
-/* Rows are spread over threads only when there is enough work to pay for the fork. */
-#define PARALLEL_ROWS(T, width) if ((int64_t)(T) * (width) >= 65536) num_threads(nthreads)
-
-/* The row loops are written once and stamped out per dtype (dt a constant), so that the
- * loads, stores and roundings inline branch-free and the loops vectorize. */
-#define FOR_EACH_DTYPE(dt, call) \
-    switch (dt) { case DT_F32: call(DT_F32); break; case DT_BF16: call(DT_BF16); break; default: call(DT_F16); }
+#include "common.h"
 
 static inline __attribute__((always_inline)) void rope_row(void *x, int64_t base_row, int H, int D,
                                                            const void *cos_t, const void *sin_t, int64_t cs_row,
