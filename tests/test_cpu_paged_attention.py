@@ -114,16 +114,20 @@ def test_one_token_context_returns_its_value_row():
         torch.testing.assert_close(out[b], expected, atol=1e-6, rtol=0)
 
 
-def test_thread_count_does_not_change_the_result():
-    case = _case(8, 9, 3, 64, [5, 80, 200, 33, 1, 150, 64, 99], torch.float32, torch.float32)
+def _on_one_and_two_threads(fn, *args):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_ops.paged_decode_attention(*case, 0.125)
+        one = fn(*args)
         torch.set_num_threads(2)
-        two = cpu_ops.paged_decode_attention(*case, 0.125)
+        return one, fn(*args)
     finally:
         torch.set_num_threads(before)
+
+
+def test_thread_count_does_not_change_the_result():
+    case = _case(8, 9, 3, 64, [5, 80, 200, 33, 1, 150, 64, 99], torch.float32, torch.float32)
+    one, two = _on_one_and_two_threads(cpu_ops.paged_decode_attention, *case, 0.125)
     assert torch.equal(one, two)     # each (request, head) is summed by one thread, in one order
 
 
@@ -231,12 +235,5 @@ def test_extend_kernel_matches_float32_attention(q_dtype, kv_dtype, atol, hq, hk
 
 def test_extend_kernel_result_does_not_depend_on_threads():
     case = _extend_case([0, 40], [130, 77], 9, 3, 64, torch.float32, torch.float32, seed=1)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_ops.paged_extend_attention(*case, 0.125)
-        torch.set_num_threads(2)
-        two = cpu_ops.paged_extend_attention(*case, 0.125)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, two)
+    one, two = _on_one_and_two_threads(cpu_ops.paged_extend_attention, *case, 0.125)
+    assert torch.equal(one, two)     # each block of new tokens is computed by one thread

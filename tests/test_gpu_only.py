@@ -60,7 +60,7 @@ def test_triton_backend_on_gpu_matches_torch_native(default_prepared, reference_
     assert out == reference_tokens
 
 
-def _greedy_bf16(default_prepared, **server_args):
+def _greedy_bf16(default_prepared, prompts=PROMPTS, **server_args):
     """bfloat16 greedy with each step's top-2 logprobs (FlashInfer's kernels are 16-bit only)."""
     from workbench.core.model_executor.offline_harness import OfflineHarness
     from workbench.selftest import Greedy
@@ -69,8 +69,8 @@ def _greedy_bf16(default_prepared, **server_args):
     runner = ModelRunner(ServerArgs(device="cuda", dtype="bfloat16", max_total_tokens=4096, max_running_requests=8,
                                     show_progress=False, **server_args), prepared=default_prepared)
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 8, 4)]
-    halves = [len(p) // 2 for p in PROMPTS]
-    res = OfflineHarness(runner).generate(PROMPTS, params, prefix_lens=halves, return_logprob=True,
+    halves = [len(p) // 2 for p in prompts]
+    res = OfflineHarness(runner).generate(prompts, params, prefix_lens=halves, return_logprob=True,
                                           top_logprobs_num=2)
     return runner, Greedy([r.output_ids for r in res], [r.top_logprobs for r in res])
 
@@ -94,6 +94,28 @@ def test_flashinfer_backend_matches_torch_native(default_prepared, reference_bf1
         gr = runner.graph_runner
         assert gr is not None and gr.mechanism.name == "cuda"
         assert all(gr.replay_count[b] > 0 for b in (1, 2, 4)), gr.replay_count
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_flashinfer
+@pytest.mark.parametrize("graphs", [False, True])
+def test_flashinfer_tensor_core_decode_on_a_gqa4_model(tmp_path, graphs):
+    # Four or more query heads per KV head take FlashInfer's tensor-core decode kernels
+    # (use_tensor_cores); the default model has three, so this needs a model of its own.
+    from tiny_models import make_tiny_llama
+    from workbench.core.model_loader import prepare_model
+    from workbench.selftest import compare_greedy
+    model_dir = make_tiny_llama(tmp_path / "gqa4", seed=3, hidden_size=512, intermediate_size=512,
+                                num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2)
+    prepared = prepare_model(str(model_dir), progress=False)
+    prompts = [[1, 5, 9, 12, 7, 3, 22, 14], [1, 30, 8, 8, 41], [1, 17, 26, 2, 33, 9]]
+    runner, out = _greedy_bf16(prepared, prompts, attention_backend="flashinfer", disable_cuda_graph=not graphs,
+                               cuda_graph_max_bs=4)
+    assert runner.attn_backend.use_tensor_cores
+    reference = _greedy_bf16(prepared, prompts, attention_backend="torch_native", disable_cuda_graph=True)[1]
+    ok, detail = compare_greedy(reference, out)
+    assert ok, detail
 
 
 def test_flashinfer_refuses_float32_with_what_to_do():

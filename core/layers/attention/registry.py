@@ -1,8 +1,8 @@
 """Choosing and building the attention backend: `--attention-backend cpu_paged|torch_native|triton|flashinfer`.
 
 Per-device default: CUDA takes flashinfer when it imports, else triton; CPU takes
-cpu_paged when its kernel builds (a C compiler is needed), else torch_native. Asking for a backend the device cannot run is an error that says
-what to pick instead.
+cpu_paged when its kernels build (a C compiler is needed), else torch_native. Asking
+for a backend the device cannot run is an error that says what to pick instead.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 
 from workbench.core.args import ATTENTION_BACKENDS
 from workbench.core.layers.attention.base_attn_backend import AttentionBackend
-
 
 
 def unavailable_reason(name: str, device: str, dtype=None) -> Optional[str]:

@@ -9,8 +9,9 @@ CPU, so an edited kernel or a different machine gets its own build. The library
 is linked with -fopenmp after torch has loaded its own libgomp, so both share
 one OpenMP thread pool.
 
-Where no compiler works, `unavailable_reason()` says why and what to do, and the
-CPU default attention backend stays torch_native.
+Where no compiler works, `unavailable_reason()` says why and what to do; the CPU
+default attention backend is then torch_native, and the model rotates and normalizes
+with torch ops.
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def _load() -> None:
                 _build(target)
             lib = ctypes.CDLL(str(target))
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            _error = f"the CPU attention kernel is unavailable: {exc}"
+            _error = f"the compiled CPU kernels are unavailable: {exc}"
             return
         fn = lib.paged_decode_attention
         fn.restype = ctypes.c_int
@@ -123,11 +124,11 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in _DTYPE_CODES
 
 
-MAX_HEAD_DIM = 256   # MAX_D in paged_attention.c
+MAX_HEAD_DIM = 256   # MAX_D in common.h
 
 
 def shape_unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int) -> Optional[str]:
-    """None when the kernel handles these heads (see paged_decode_attention in the C file), else why not."""
+    """None when the attention kernels handle these heads (see their C files), else why not."""
     if head_dim % 16 or head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} is not a multiple of 16 up to {MAX_HEAD_DIM}"
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
