@@ -4,7 +4,7 @@ extend), the rotary embedding in place, and RMSNorm for 16-bit models.
 The C files of this folder are compiled once per machine with the system C compiler
 (`$CC`, default `cc`) into `$WORKBENCH_CACHE_DIR/kernels/` (default
 ~/.cache/workbench) and loaded with ctypes: no torch headers, so a build takes
-about a second. The file name carries a hash of the source, the flags and the
+a few seconds. The file name carries a hash of the source, the flags and the
 CPU, so an edited kernel or a different machine gets its own build. The library
 is linked with -fopenmp after torch has loaded its own libgomp, so both share
 one OpenMP thread pool.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -33,6 +34,7 @@ SOURCES = [HERE / name for name in ("paged_attention.c", "paged_extend.c", "rope
 HEADERS = [HERE / "common.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -64,6 +66,7 @@ def _build(target: Path) -> None:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH; install one (apt install gcc) or set CC")
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("compiling the CPU kernels once for this machine (a few seconds) into %s", target.parent)
     # Build beside the target and rename: processes building at once never load half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
