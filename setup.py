@@ -13,6 +13,6 @@ for name, folder in MAPPED.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(folder)]
 
-# The CPU attention kernel's C source is compiled at first use, so it ships with the package.
+# The CPU kernels' C sources (and their shared header) are compiled at first use, so they ship with the package.
 setup(packages=packages, package_dir=package_dir, include_package_data=True,
-      package_data={"workbench.core.layers.cpu_ops": ["*.c"]})
+      package_data={"workbench.core.layers.cpu_ops": ["*.c", "*.h"]})

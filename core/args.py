@@ -130,14 +130,6 @@ class ServerArgs:
             return 2048 if self.resolved_device() == "cpu" else 8192
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
 
-    def resolved_attention_backend(self) -> str:
-        """The --attention-backend, or the device's default: flashinfer, else triton, on CUDA; cpu_paged, else
-        torch_native, on CPU."""
-        if self.attention_backend:
-            return self.attention_backend
-        from workbench.core.layers.attention.registry import default_attention_backend
-        return default_attention_backend(self.resolved_device(), self.dtype)
-
     # ---- CLI -------------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -101,11 +101,12 @@ def test_unavailable_backends_say_what_to_do(monkeypatch):
     assert "unknown" in unavailable_reason("xformers", "cpu")
 
 
-def test_server_args_resolve_the_backend():
+def test_a_requested_backend_is_kept_and_an_unknown_one_refused():
     from workbench.core.args import ServerArgs
-    assert ServerArgs(device="cpu").resolved_attention_backend() in ("cpu_paged", "torch_native")
-    assert ServerArgs(device="cpu", attention_backend="torch_native").resolved_attention_backend() == "torch_native"
-    assert ServerArgs(device="cpu", attention_backend="triton").resolved_attention_backend() == "triton"
+    from workbench.core.layers.attention.registry import choose_attention_backend
+    assert choose_attention_backend("torch_native", "cpu", torch.float32, 9, 3, 64) == "torch_native"
+    assert choose_attention_backend("triton", "cpu", torch.float32, 9, 3, 64) == "triton"
+    assert choose_attention_backend(None, "cpu", torch.float32, 9, 3, 64) == default_attention_backend("cpu")
     with pytest.raises(ValueError, match="attention-backend"):
         ServerArgs(attention_backend="xformers")
 

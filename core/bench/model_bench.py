@@ -13,14 +13,14 @@ Both engines stamp the end of every token step (the workbench at each sampling
 call, transformers through a stopping criterion, which `generate` calls once per
 token): decode is first token -> last token, n - 1 steps with sampling, prefill
 excluded; prefill is start -> first token. Each timing is the best of
-`--repeats`, the engines alternating within a repeat.
+`--repeats`, the engines alternating within a repeat. Greedy decoding, EOS
+ignored, so both engines run exactly the requested number of steps. On a shared machine the numbers move with other processes' load;
+compare the ratios of one run.
 
 For batched decode on CPU it also prints a linears-only ceiling: the batch's tokens over
 the time of one step's linear layers alone (the workbench's own packed weights, chained as
 in a step, with nothing else). No engine built on these GEMMs can decode faster, so the
-ceiling over transformers bounds the ratio any optimization outside the GEMMs can reach. Greedy decoding, EOS
-ignored, so both engines run exactly the requested number of steps. On a shared machine the numbers move with other processes' load;
-compare the ratios of one run.
+ceiling over transformers bounds the ratio any optimization outside the GEMMs can reach.
 """
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ extend_block(const ExtendCall *c, Item it, int D, float *restrict work) {
                 const v16i keep = lane < (float)visible;
                 const v16f si = (v16f)(((v16i)s[i] & keep) | ((v16i)((v16f){0} - INFINITY) & ~keep));
                 const float m_new = fmaxf(m[row], hmax16(si));
-                alpha[i] = exp_nonpos(m[row] - m_new);                    /* 0 on the first block (m = -inf) */
+                alpha[i] = exp_nonpos(m[row] - m_new);     /* ~1e-38 on the first block (m = -inf): acc, l are 0 */
                 p[i] = exp16_nonpos(si - m_new);
                 l[row] = l[row] * alpha[i] + hsum16(p[i]);
                 m[row] = m_new;
