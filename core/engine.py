@@ -314,16 +314,20 @@ class Engine:
     # Each waits for in-flight requests (or aborts them with abort_all_requests=True) while new
     # ones are held, flushes the prefix cache and emits `weights.updated`. A rejected update
     # raises ValueError with the reason and leaves the old weights in place.
-    def update_weights_from_disk(self, model_path: str, abort_all_requests: bool = False) -> dict:
+    # `flush_cache=False` keeps the radix cache, whose KV was computed with the old weights (SGLang's flag).
+    def update_weights_from_disk(self, model_path: str, abort_all_requests: bool = False,
+                                 flush_cache: bool = True) -> dict:
         """Load a checkpoint (HF dir or .gguf) of the same architecture in place."""
         return _update_reply(self._run(self.tokenizer_manager.update_weights_from_disk(
-            str(model_path), abort_all_requests)))
+            str(model_path), abort_all_requests, bool(flush_cache))))
 
-    def update_weights_from_tensor(self, named_tensors, abort_all_requests: bool = False) -> dict:
+    def update_weights_from_tensor(self, named_tensors, abort_all_requests: bool = False,
+                                   flush_cache: bool = True) -> dict:
         """Load `[(hf_name, tensor), ...]` (any subset of the weights) from this process."""
         from workbench.core.io_struct import UpdateWeightsFromTensorReq
         from workbench.core.managers.weight_updater import encode_named_tensors
-        req = UpdateWeightsFromTensorReq(tensors=encode_named_tensors(list(named_tensors)))
+        req = UpdateWeightsFromTensorReq(tensors=encode_named_tensors(list(named_tensors)),
+                                         flush_cache=bool(flush_cache))
         return _update_reply(self._run(self.tokenizer_manager.update_weights_from_tensor(req, abort_all_requests)))
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -343,12 +347,16 @@ class Engine:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
                                         group_name: str = "weight_update_group",
-                                        abort_all_requests: bool = False) -> dict:
-        """Receive `names` (HF names) by broadcast from rank 0 of the group, in order, and load them."""
+                                        flush_cache: bool = True, abort_all_requests: bool = False) -> dict:
+        """Receive `names` (HF names) by broadcast from rank 0 of the group, in order, and load them.
+
+        The trainer broadcasts the same tensors, in the same order, from rank 0 with
+        `dist.broadcast(t, src=0, group=pg)` while this call runs.
+        """
         from workbench.core.io_struct import UpdateWeightsFromDistributedReq
         req = UpdateWeightsFromDistributedReq(
             names=list(names), dtypes=[str(d).replace("torch.", "") for d in dtypes],
-            shapes=[[int(x) for x in s] for s in shapes], group_name=group_name)
+            shapes=[[int(x) for x in s] for s in shapes], group_name=group_name, flush_cache=bool(flush_cache))
         return _update_reply(self._run(self.tokenizer_manager.update_weights_from_distributed(
             req, abort_all_requests)))
 

@@ -84,6 +84,7 @@ class StepGateReqOutput(Msg):
 
 class UpdateWeightsFromDiskReq(Msg):
     model_path: str
+    flush_cache: bool = True      # False keeps the radix cache (KV computed with the old weights)
 
 
 class UpdateWeightsReqOutput(Msg):
@@ -103,6 +104,7 @@ class NamedTensorPayload(msgspec.Struct, kw_only=True):
 class UpdateWeightsFromTensorReq(Msg):
     """In-process weight push (a notebook): the tensors travel as bytes, never pickled."""
     tensors: list[NamedTensorPayload]
+    flush_cache: bool = True
 
 
 class InitWeightsUpdateGroupReq(Msg):
@@ -122,6 +124,7 @@ class UpdateWeightsFromDistributedReq(Msg):
     dtypes: list[str]
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
+    flush_cache: bool = True
 
 
 class DestroyWeightsUpdateGroupReq(Msg):

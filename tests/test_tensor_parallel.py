@@ -4,7 +4,8 @@
 - `--tp-size 2` on a tiny random Llama over one node, and on a tiny Qwen2 (q/k/v biases)
   over two "nodes" on loopback (`workbench serve` twice);
 - TP sizes that cannot split the heads, and bad multi-node flags, are rejected up front;
-- weight updates at TP 2: a trainer process broadcasts to both ranks, `get_weights_by_name`
+- weight updates at TP 3 from a trainer written the OpenRLHF/SGLang way (torch only), and at TP 2
+  from the project's own `TrainerWeightSync`: a trainer process broadcasts to every rank, `get_weights_by_name`
   returns the gathered full tensor, `update_weights_from_disk` loads every rank's shard.
 """
 from __future__ import annotations
@@ -46,19 +47,63 @@ def greedy(engine, prompts) -> list[list[int]]:
 
 # ---- the default model at TP 3 ------------------------------------------------------------------
 
-def test_tp3_default_model_equals_reference(default_prepared, tokenizer, hf_model):
-    prompts = [chat_ids(tokenizer, t) for t in ("What is 2+2?", "Name a primary color.")]
+@pytest.fixture(scope="module")
+def default_tp3(default_prepared):
     with Engine(dtype="float32", tp_size=3, max_total_tokens=2048, show_progress=False) as engine:
-        out = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-        info = engine.get_server_info()
-        # KV split by heads: 3 KV heads over 3 ranks is one per rank (rank 0 reports its own pool).
-        assert engine.scheduler_info["kv_head_num"] == 1 and engine.scheduler_info["tp_size"] == 3
-        # A second, prefix-sharing request exercises the radix cache across ranks.
-        again = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def tp3_prompts(tokenizer):
+    return [chat_ids(tokenizer, t) for t in ("What is 2+2?", "Name a primary color.")]
+
+
+def test_tp3_default_model_equals_reference(default_tp3, tp3_prompts, hf_model):
+    engine, prompts = default_tp3, tp3_prompts
+    out = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    info = engine.get_server_info()
+    # KV split by heads: 3 KV heads over 3 ranks is one per rank (rank 0 reports its own pool).
+    assert engine.scheduler_info["kv_head_num"] == 1 and engine.scheduler_info["tp_size"] == 3
+    # A second, prefix-sharing request exercises the radix cache across ranks.
+    again = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)
     assert {"scheduler", "scheduler-tp1", "scheduler-tp2", "detokenizer"} <= set(info["pids"])
     for p, o in zip(prompts, out):
         assert o["output_ids"] == hf_greedy(hf_model, p, NEW)
     assert again["output_ids"] == out[0]["output_ids"] and again["meta_info"]["cached_tokens"] > 0
+
+
+def test_tp3_a_trainer_written_the_openrlhf_way_updates_every_rank(default_tp3, tp3_prompts, default_prepared,
+                                                                   hf_model):
+    """World of 4: the trainer (rank 0, torch only) and TP ranks 1-3, each keeping its shard."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from openrlhf_trainer import trainer_main
+    from test_weight_updates import hf_greedy_with, perturbed
+    engine, prompts, model_dir = default_tp3, tp3_prompts, Path(default_prepared.model_dir)
+    original = load_file(str(model_dir / "model.safetensors"))
+    new = perturbed(original)
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        names = sorted(f.keys())
+        shapes = [f.get_slice(n).get_shape() for n in names]
+    baseline = greedy(engine, prompts)
+    port = free_port()
+    args = (str(model_dir), port, 4, GROUP, "test_weight_updates:perturbed", 90.0)
+    with trainer_group_process(trainer_main, args) as result_q:
+        out = engine.init_weights_update_group("127.0.0.1", port, 1, 4, GROUP, "gloo", timeout_s=90)
+        assert "rank 1 of 4" in out["message"]
+        out = engine.update_weights_from_distributed(names, ["float32"] * len(names), shapes, GROUP)
+        status, message = result_q.get(timeout=90)
+        assert status == "ok", message
+        engine.destroy_weights_update_group(GROUP)
+    assert out["success"]
+    for name, t in new.items():      # gathered across the three ranks' shards
+        got = torch.tensor(engine.get_weights_by_name(name, t.numel()))
+        assert torch.equal(got, t.flatten()), name
+    now = greedy(engine, prompts)
+    assert now != baseline
+    # transformers with the same weights (EOS not special: the engine ignores it too).
+    assert now == hf_greedy_with(hf_model, prompts, new, NEW)
 
 
 # ---- bad sizes and flags ------------------------------------------------------------------------

@@ -102,14 +102,14 @@ def greedy(engine, prompts, sp=GREEDY) -> list[list[int]]:
 
 
 @torch.no_grad()
-def hf_greedy_with(model, prompts, new_weights: dict) -> list[list[int]]:
+def hf_greedy_with(model, prompts, new_weights: dict, max_new_tokens: int = NEW) -> list[list[int]]:
     """transformers' greedy continuations with `new_weights` swapped in (restored afterwards)."""
     saved = {n: model.get_parameter(n).detach().clone() for n in new_weights}
     try:
         for n, t in new_weights.items():
             model.get_parameter(n).copy_(t)
-        return [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]
+        return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens,
+                               do_sample=False)[0, len(p):].tolist() for p in prompts]
     finally:
         for n, t in saved.items():
             model.get_parameter(n).copy_(t)
@@ -191,6 +191,70 @@ def test_trainer_broadcasts_weights_over_gloo(engine, model_dir, original, ref_m
         sub.close()
         restore(engine, original, PERTURBED)
     assert _close(engine.get_weights_by_name(EMBED, 50), original[EMBED])
+
+
+def test_trainer_with_the_wrong_world_size_times_out_clearly_and_the_engine_keeps_serving(
+        engine, model_dir, prompts, baseline):
+    """The trainer counts 3 ranks, the engine 2: both give up after the timeout, saying what to check."""
+    from openrlhf_trainer import trainer_main
+    port = free_port()
+    t0 = time.monotonic()
+    args = (str(model_dir), port, 3, GROUP, "test_weight_updates:perturbed", 8.0)
+    with trainer_group_process(trainer_main, args) as result_q:
+        with pytest.raises(ValueError, match=r"did not form within 8 s at tcp://127\.0\.0\.1:\d+ "
+                                             r"\(this side: rank 1 of world_size 2, gloo\).*world_size"):
+            engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "gloo", timeout_s=8)
+        status, message = result_q.get(timeout=60)
+    assert time.monotonic() - t0 < 60
+    assert status == "error", message
+    assert engine.is_healthy
+    assert greedy(engine, prompts) == baseline
+
+
+def test_a_trainer_written_the_openrlhf_way_updates_the_engine(engine, model_dir, original, ref_model, prompts,
+                                                               baseline):
+    """rendezvous -> PrefixStore(group_name) -> torch's group helper -> dist.broadcast, no workbench import.
+
+    Runs after the failed attempt above with the same group name: a failure leaves nothing behind.
+    """
+    from safetensors import safe_open
+
+    from openrlhf_trainer import trainer_main
+    new = perturbed(original)
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        names = sorted(f.keys())
+        shapes = [f.get_slice(n).get_shape() for n in names]
+    port = free_port()
+    try:
+        args = (str(model_dir), port, 2, GROUP, "test_weight_updates:perturbed", 60.0)
+        with trainer_group_process(trainer_main, args) as result_q:
+            out = engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "gloo", timeout_s=60)
+            assert "rank 1 of 2" in out["message"]
+            out = engine.update_weights_from_distributed(names=names, dtypes=["float32"] * len(names),
+                                                         shapes=shapes, group_name=GROUP, flush_cache=True)
+            status, message = result_q.get(timeout=60)
+            assert status == "ok", message
+            engine.destroy_weights_update_group(GROUP)
+        assert out["success"]
+        for name in (Q, K, UP, EMBED):
+            assert _close(engine.get_weights_by_name(name, 50), new[name]), name
+        now = greedy(engine, prompts)
+        assert now != baseline
+        assert now == hf_greedy_with(ref_model, prompts, new)
+    finally:
+        restore(engine, original, PERTURBED)
+    assert greedy(engine, prompts) == baseline
+
+
+def test_flush_cache_false_keeps_the_radix_cache(engine, original, prompts):
+    """SGLang's `flush_cache`: True (the default) empties the prefix cache after an update, False keeps it."""
+    engine.generate(input_ids=prompts[0], sampling_params=GREEDY)       # cache the prompt
+    same = [(Q, original[Q])]
+    engine.update_weights_from_tensor(same, flush_cache=False)
+    kept = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)["meta_info"]["cached_tokens"]
+    engine.update_weights_from_tensor(same)
+    flushed = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)["meta_info"]["cached_tokens"]
+    assert kept >= len(prompts[0]) - 1 and flushed == 0
 
 
 def test_update_from_disk(engine, model_dir, original, ref_model, prompts, baseline, tmp_path):

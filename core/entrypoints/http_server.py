@@ -101,11 +101,11 @@ def _make_abort(engine: Any):
 
 # SGLang's weight routes: path, Engine method, accepted JSON fields (see core/managers/weight_updater.py).
 _WEIGHT_ROUTES = (
-    ("/update_weights_from_disk", "update_weights_from_disk", ("model_path", "abort_all_requests")),
+    ("/update_weights_from_disk", "update_weights_from_disk", ("model_path", "abort_all_requests", "flush_cache")),
     ("/init_weights_update_group", "init_weights_update_group",
      ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s")),
     ("/update_weights_from_distributed", "update_weights_from_distributed",
-     ("names", "dtypes", "shapes", "group_name", "abort_all_requests")),
+     ("names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests")),
     ("/destroy_weights_update_group", "destroy_weights_update_group", ("group_name",)),
     ("/get_weights_by_name", "get_weights_by_name", ("name", "truncate_size")),
 )

@@ -486,7 +486,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         self.sync_inflight()            # overlap: nothing may still run on the old weights
         reply, source = weight_updater.handle_request(self.tp_worker.model_runner, msg, busy=self.has_work())
         if source is not None:
-            self.flush_cache()          # every cached KV entry was computed with the old weights
+            if getattr(msg, "flush_cache", True):
+                self.flush_cache()      # every cached KV entry was computed with the old weights
             self.weights_version = getattr(self, "weights_version", 0) + 1
             reply.version = self.weights_version
             if self.tracer.enabled:

@@ -319,9 +319,10 @@ class TokenizerManager:
                                    GetWeightsByNameReqOutput)
 
     # ==== weight updates ===============================================================
-    async def update_weights_from_disk(self, model_path: str, abort_all_requests: bool = False
-                                       ) -> UpdateWeightsReqOutput:
-        return await self._update_weights(UpdateWeightsFromDiskReq(model_path=model_path), abort_all_requests)
+    async def update_weights_from_disk(self, model_path: str, abort_all_requests: bool = False,
+                                       flush_cache: bool = True) -> UpdateWeightsReqOutput:
+        return await self._update_weights(UpdateWeightsFromDiskReq(model_path=model_path, flush_cache=flush_cache),
+                                          abort_all_requests)
 
     async def update_weights_from_tensor(self, req: UpdateWeightsFromTensorReq, abort_all_requests: bool = False
                                          ) -> UpdateWeightsReqOutput:

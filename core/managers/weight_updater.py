@@ -37,6 +37,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from workbench.core.distributed.custom_group import destroy_custom_process_group, init_custom_process_group
 from workbench.core.distributed.parallel_state import all_gather_bytes, tensor_model_parallel_all_gather
 from workbench.core.io_struct import (
     DestroyWeightsUpdateGroupReq, GetWeightsByNameReq, GetWeightsByNameReqOutput, InitWeightsUpdateGroupReq, Msg,
@@ -397,7 +398,6 @@ class WeightsUpdateGroup:
     backend: str
     device: torch.device
     pg: Any
-    store: Any
 
 
 _GROUPS: dict[str, WeightsUpdateGroup] = {}
@@ -405,35 +405,37 @@ _GROUPS: dict[str, WeightsUpdateGroup] = {}
 
 def _make_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                 backend: str, timeout_s: float) -> WeightsUpdateGroup:
-    import torch.distributed as dist
-
+    """Host (rank 0, the trainer) or join the group the way OpenRLHF's and SGLang's trainers build it."""
     if backend not in ("gloo", "nccl"):
         raise WeightUpdateError(f"backend must be gloo (CPU) or nccl (CUDA), not {backend!r}")
     if not 0 <= rank < world_size:
         raise WeightUpdateError(f"rank {rank} is outside the world of {world_size} ranks")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    # Rank 0 (the trainer) hosts the store; the prefix keeps several groups on one store apart.
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0),
-                          timeout=timeout, wait_for_workers=False)
-    prefixed = dist.PrefixStore(f"{group_name}/", store)
-    if backend == "gloo":
-        pg, device = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), torch.device("cpu")
-    else:
-        if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
+    if backend == "nccl":
+        import torch.distributed as dist
+        if not torch.cuda.is_available() or not dist.is_nccl_available():
             raise WeightUpdateError("backend nccl needs CUDA and a torch built with NCCL; use gloo on CPU")
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg, device = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts), torch.device("cuda",
-                                                                                           torch.cuda.current_device())
-    return WeightsUpdateGroup(group_name, rank, world_size, backend, device, pg, store)
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    init_method = f"tcp://{master_address}:{int(master_port)}"
+    try:
+        pg = init_custom_process_group(backend, init_method, world_size, rank, group_name,
+                                       datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - torch raises several types; the user needs one message
+        who = "its ranks" if rank == 0 else "the trainer (rank 0) and the other ranks"
+        raise WeightUpdateError(
+            f"weight-update group {group_name!r} did not form within {timeout_s:g} s at {init_method} "
+            f"(this side: rank {rank} of world_size {world_size}, {backend}): {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}. Check that {who} join at the same time with the same "
+            "master address and port, group_name, backend and world_size (the trainer's ranks plus one per TP "
+            "rank of every engine); nothing was changed") from exc
+    return WeightsUpdateGroup(group_name, rank, world_size, backend, device, pg)
 
 
 def _broadcast(group: WeightsUpdateGroup, tensor: torch.Tensor) -> None:
     import torch.distributed as dist
-
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = 0, 0
-    group.pg.broadcast([tensor], opts).wait()
+    # `src` is a rank of this group: its rank map is the identity (see custom_group).
+    dist.broadcast(tensor, src=0, group=group.pg)
 
 
 def init_weights_update_group(runner, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -491,15 +493,11 @@ def destroy_weights_update_group(group_name: str = "weight_update_group") -> str
 
 
 def _shutdown(group: WeightsUpdateGroup) -> None:
-    for method in ("shutdown", "abort"):
-        fn = getattr(group.pg, method, None)
-        if fn is not None and group.backend == "nccl":
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - tearing down; nothing to recover
-                pass
-            break
-    group.pg = group.store = None
+    try:
+        destroy_custom_process_group(group.pg)
+    except Exception:  # noqa: BLE001 - tearing down; nothing to recover
+        logger.debug("destroying weight-update group %r failed", group.name, exc_info=True)
+    group.pg = None
 
 
 class TrainerWeightSync:

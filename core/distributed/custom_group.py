@@ -1,0 +1,52 @@
+"""A process group outside torch.distributed's default one, built the standard way.
+
+Trainers that drive inference engines (OpenRLHF, SGLang's own tests, veRL) create the
+weight-sync group with one recipe, and an engine only meets them if it follows the same
+recipe byte for byte, because every step names keys in a shared TCPStore:
+
+1. `torch.distributed.rendezvous("tcp://host:port", rank, world_size)`: rank 0 hosts the
+   TCPStore and *waits until all `world_size` ranks have connected* (the other ranks
+   register as workers; a client that does not register leaves the master waiting);
+2. `PrefixStore(group_name, store)`: the group name, with no separator, prefixes every key;
+3. torch's `_new_process_group_helper(world_size, rank, [], backend, store, group_name=...)`,
+   which adds its own `"{group_name}/"` and `"{device}/"` prefixes and registers the group
+   with torch, so `dist.broadcast(t, src=0, group=pg)` works on it;
+4. an identity rank map in `_world.pg_group_ranks`, since the group is nobody's subgroup.
+
+`init_custom_process_group` does exactly that. It is the engine's side (every TP rank joins
+with `rank_offset + tp_rank`) and, through `TrainerWeightSync`, the project's trainer side.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any, Optional
+
+__all__ = ["init_custom_process_group", "destroy_custom_process_group"]
+
+
+def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                              timeout: Optional[datetime.timedelta] = None) -> Any:
+    """Join (rank > 0) or host (rank 0) the group `group_name`; returns the ProcessGroup.
+
+    Blocks until all `world_size` ranks have joined; raises torch's error (DistStoreError,
+    DistNetworkError, RuntimeError) after `timeout` otherwise. Callers turn that into a
+    message saying what to check.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+
+    timeout = timeout or datetime.timedelta(minutes=10)
+    store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
+                                      group_name=group_name, timeout=timeout)
+    # The new group's ranks are its own (0..world_size-1), not a slice of the default group's.
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_custom_process_group(pg: Any) -> None:
+    """Leave a group made by `init_custom_process_group`; its name can then be used again."""
+    import torch.distributed as dist
+    dist.destroy_process_group(pg)
