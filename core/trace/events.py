@@ -115,10 +115,22 @@ class BatchStep(Event, tag="batch.step"):
     forward_ms: float = 0.0
 
 
+class HeldReq(msgspec.Struct, array_like=True):
+    """A waiting request the scheduler held back (in-batch prefix caching)."""
+    rid: str
+    waits_for: str           # the request computing the prefix they share
+    shared_tokens: int       # shared tokens not cached yet: what holding saves it from computing
+
+    def reason(self) -> str:
+        return f"waits for {self.waits_for}'s shared prefix ({self.shared_tokens} tokens) to be cached"
+
+
 class QueueState(Event, tag="queue.state"):
     waiting: list[str]
     running: list[str]
     chunked: list[str]
+    # Waiting requests held back in this step (a subset of `waiting`); absent in older recordings.
+    held: list[HeldReq] = []
 
 
 class KVUsage(Event, tag="kv.usage"):

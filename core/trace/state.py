@@ -60,7 +60,7 @@ class _Book:
 class TraceState:
     """Folds trace events into the current picture; see the module docstring.
 
-    Public, read-only for views: requests, waiting, running, chunked, steps,
+    Public, read-only for views: requests, waiting, running, chunked, held (+ held_reason), steps,
     kv, kv_by_proc, kv_history, queue_history, tree (+ trees per scheduler),
     tree_evictable_size, tree_protected_size, counters, cache_hit_rate,
     throughput(), latency_percentiles(), last_ts, weights_version, model, procs,
@@ -82,6 +82,7 @@ class TraceState:
         self.waiting: list[str] = []
         self.running: list[str] = []
         self.chunked: list[str] = []
+        self.held: list[ev.HeldReq] = []            # waiting requests held back (in-batch prefix caching)
         self.steps: deque[StepView] = deque(maxlen=max_steps)
         self.kv: Optional[ev.KVUsage] = None
         self.kv_by_proc: dict[str, ev.KVUsage] = {}
@@ -125,6 +126,10 @@ class TraceState:
     def tree(self) -> dict[int, TreeNodeView]:
         """The radix tree of the (first) scheduler that reported one."""
         return self.trees.get(self.tree_proc, {}) if self.tree_proc is not None else {}
+
+    def held_reason(self, rid: str) -> Optional[str]:
+        """Why a waiting request was held back in the last step, or None if it was not."""
+        return next((h.reason() for h in self.held if h.rid == rid), None)
 
     @property
     def queues_by_proc(self) -> dict[str, ev.QueueState]:
@@ -196,7 +201,7 @@ class TraceState:
         """Canonical, JSON-able dump of the whole public state (for tests and debugging)."""
         return msgspec.to_builtins({
             "requests": {k: self.requests[k] for k in sorted(self.requests)},
-            "waiting": self.waiting, "running": self.running, "chunked": self.chunked,
+            "waiting": self.waiting, "running": self.running, "chunked": self.chunked, "held": self.held,
             "steps": list(self.steps), "kv": self.kv, "kv_by_proc": self.kv_by_proc,
             "kv_history": list(self.kv_history), "queue_history": list(self.queue_history),
             "trees": {p: {str(k): t[k] for k in sorted(t)} for p, t in sorted(self.trees.items())},
@@ -459,6 +464,7 @@ class TraceState:
         self.waiting = [rid for p in procs for rid in self._queues[p].waiting]
         self.running = [rid for p in procs for rid in self._queues[p].running]
         self.chunked = [rid for p in procs for rid in self._queues[p].chunked]
+        self.held = [h for p in procs for h in self._queues[p].held]
         self.queue_history.append(QueuePoint(e.ts, len(self.waiting), len(self.running)))
 
     def _on_kv(self, e: ev.KVUsage) -> None:
@@ -613,7 +619,7 @@ class TraceState:
                                                      default=-1))]))
         for q in self._queues.values():
             out.append(ev.QueueState(ts=q.ts, proc=q.proc, step=q.step, waiting=list(q.waiting),
-                                     running=list(q.running), chunked=list(q.chunked)))
+                                     running=list(q.running), chunked=list(q.chunked), held=list(q.held)))
         for k in self.kv_by_proc.values():
             out.append(ev.KVUsage(ts=k.ts, proc=k.proc, step=k.step, used=k.used,
                                   evictable=k.evictable, free=k.free, total=k.total))
