@@ -87,13 +87,18 @@ class Req:
         """
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None:
-            # At least one token must be computed to get logits to sample from.
-            limit = len(self.fill_ids) - 1
-            if self.return_logprob and self.logprob_start_len >= 0:
-                limit = min(limit, self.logprob_start_len)
-            match = tree_cache.match_prefix(self.fill_ids[:limit])
+            match = tree_cache.match_prefix(self.fill_ids[:self.prefix_match_limit()])
             self.prefix_indices, self.last_node = match.device_indices, match.last_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def prefix_match_limit(self) -> int:
+        """How many leading tokens of `fill_ids` may come from the prefix cache."""
+        # At least one token must be computed to get logits to sample from; prompt logprobs
+        # need the logits of every token from logprob_start_len on.
+        limit = len(self.origin_input_ids) + len(self.output_ids) - 1
+        if self.return_logprob and self.logprob_start_len >= 0:
+            limit = min(limit, self.logprob_start_len)
+        return max(limit, 0)
 
     def check_finished(self, tail_decode=None) -> None:
         """Stop on max_new_tokens, a stop/EOS token, or a stop string in the decoded tail."""

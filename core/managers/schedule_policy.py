@@ -9,17 +9,36 @@ Policies (`--schedule-policy`):
 - random      shuffled (a baseline for experiments).
 Prefix-aware policies fall back to fcfs when the queue is long, because matching
 every waiting request each step would cost more than it saves.
+
+In-batch prefix caching (every policy, unless --disable-radix-cache): a waiting request
+whose not-yet-cached part shares a long prefix with a request admitted in this step (or
+still being prefilled: a chunked request, an in-flight launch) is held back, so it finds
+that prefix in the radix cache one step later instead of computing it a second time
+(`InBatchPrefixIndex`, `PrefillAdder.add_one_req` -> `AddReqResult.HELD`).
 """
 from __future__ import annotations
 
 import random
 from collections import defaultdict
+from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Optional
 
+import torch
+
 from workbench.core.managers.schedule_batch import Req
+from workbench.core.mem_cache.radix_cache import RadixCache
 
 PREFIX_POLICY_MAX_QUEUE = 128
+# In-batch prefix caching holds a request back only when waiting would save it at least this
+# many tokens of prefill. Below it, recomputing is cheaper than the step of delay it costs, and
+# short common heads (a chat template's first tokens, a one-line system prompt) would otherwise
+# serialize a burst of unrelated requests behind one of them. SGLang uses 32 as well.
+IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD = 32
+# At most this many held requests are looked at per step: past it the rest of the queue waits
+# for the next step, so a long queue of requests behind one long shared prefix (computed over
+# several chunked steps) does not cost a prefix match per request per step.
+MAX_HELD_PER_STEP = 128
 # Reserve for output tokens is clipped: a request asking for 4096 new tokens
 # should not block admission as if it will surely use them all.
 CLIP_MAX_NEW_TOKENS = 4096
@@ -76,6 +95,61 @@ class AddReqResult(Enum):
     CONTINUE = auto()      # added; more may fit
     NO_TOKEN = auto()      # the KV pool cannot hold it now
     OTHER = auto()         # a per-batch limit (prefill tokens, chunk) is reached
+    HELD = auto()          # not added: it waits for a shared prefix being computed; try the next one
+
+
+@dataclass
+class HeldBack:
+    """A waiting request held back this step, and why."""
+    rid: str
+    waits_for: str         # the request computing the shared prefix
+    shared_tokens: int     # tokens it would otherwise compute a second time
+
+
+class InBatchPrefixIndex:
+    """Token sequences whose KV will be in the radix cache soon but is not yet.
+
+    Holds the prompts of requests being prefilled now: admitted into this step's batch, a
+    chunked request with chunks still to come, or a launch whose result is not processed yet
+    (overlap loop). Once such a request's extend has run, its KV goes into the radix cache
+    (`cache_unfinished_req` / `cache_finished_req` when its result is processed, a chunked
+    request's computed part at its next chunk), so a request sharing its prefix that waits one
+    step matches it there instead of computing it again. A small `RadixCache` over token ids
+    (no KV pool) indexes them; its values record which request put each token in, for the trace.
+    SGLang keeps a similar temporary tree (`waiting_queue_radix_tree`).
+    """
+
+    def __init__(self, threshold: int = IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD):
+        self.threshold = threshold
+        self.tree = RadixCache(None, None)
+        self.rids: list[str] = []
+
+    def add(self, req: Req) -> None:
+        """`req`'s whole sequence (prompt and, if retracted, its outputs) will be cached."""
+        key = req.origin_input_ids + req.output_ids
+        if len(key) < self.threshold:
+            return                  # nothing anyone could wait for
+        self.tree.insert(key, torch.full((len(key),), len(self.rids), dtype=torch.int64))
+        self.rids.append(req.rid)
+
+    def blocker(self, req: Req) -> Optional[HeldBack]:
+        """Whom `req` should wait for, if waiting saves it >= threshold tokens; else None.
+
+        `req.prefix_indices` must be its current radix-cache match (init_next_round_input):
+        only the shared tokens beyond it count, and only those the cache may serve it
+        (`Req.prefix_match_limit`).
+        """
+        if not self.rids:
+            return None
+        cached = len(req.prefix_indices)
+        limit = req.prefix_match_limit()
+        if limit - cached < self.threshold:
+            return None
+        match = self.tree.match_prefix(req.fill_ids[:limit]).device_indices
+        shared = len(match) - cached
+        if shared < self.threshold:
+            return None
+        return HeldBack(req.rid, self.rids[int(match[-1])], shared)
 
 
 class PrefillAdder:
@@ -85,11 +159,19 @@ class PrefillAdder:
     are still expected to decode (scaled by `new_token_ratio`); `rem_input_tokens`
     = --max-prefill-tokens; `rem_chunk_tokens` = --chunked-prefill-size (a request
     larger than what is left is cut, and carried to the next step as the chunked req).
+
+    With `in_batch_prefix_caching`, a request sharing >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
+    uncached prefix tokens with one being prefilled (admitted here, or registered with
+    `add_pending`) is not added: `add_one_req` answers HELD and records it in `held`.
     """
 
     def __init__(self, tree_cache, token_to_kv_pool_allocator, running_reqs: list[Req],
-                 new_token_ratio: float, max_prefill_tokens: int, chunked_prefill_size: Optional[int]):
+                 new_token_ratio: float, max_prefill_tokens: int, chunked_prefill_size: Optional[int],
+                 in_batch_prefix_caching: bool = False):
         self.tree_cache = tree_cache
+        # In-batch prefix caching: prompts being prefilled, and whom this step held back for them.
+        self.in_batch_prefix = InBatchPrefixIndex() if in_batch_prefix_caching else None
+        self.held: list[HeldBack] = []
         self.rem_total_tokens = (token_to_kv_pool_allocator.available_size() + tree_cache.evictable_size()
                                  - sum(self._reserve(r, new_token_ratio) for r in running_reqs))
         self.rem_input_tokens = max_prefill_tokens
@@ -113,8 +195,16 @@ class PrefillAdder:
     def _keep_lock(self) -> None:
         self.rem_total_tokens += self._locked_delta
 
+    def add_pending(self, req: Req) -> None:
+        """A request prefilled outside this batch whose prompt is not in the cache yet (the
+        overlap loop's in-flight launch): requests sharing its prefix wait for it."""
+        if self.in_batch_prefix is not None:
+            self.in_batch_prefix.add(req)
+
     def add_chunked_req(self, req: Req) -> Optional[Req]:
         """Continue a request whose prefill was cut in the previous step."""
+        # Its later chunks are still to come: who shares them waits until they are cached.
+        self.add_pending(req)
         truncated = self.rem_chunk_tokens is not None and req.extend_input_len > self.rem_chunk_tokens
         n = min(req.extend_input_len, self.rem_chunk_tokens) if self.rem_chunk_tokens else req.extend_input_len
         req.extend_input_len = n
@@ -124,8 +214,22 @@ class PrefillAdder:
         return req if truncated else None
 
     def add_one_req(self, req: Req) -> AddReqResult:
+        """Admit `req` (its prefix matched by init_next_round_input) if the budgets allow."""
         if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
             return AddReqResult.OTHER
+        if self.in_batch_prefix is not None:
+            if len(self.held) >= MAX_HELD_PER_STEP:
+                return AddReqResult.OTHER
+            held = self.in_batch_prefix.blocker(req)
+            if held is not None:
+                self.held.append(held)
+                return AddReqResult.HELD
+        result = self._add_one_req(req)
+        if self.in_batch_prefix is not None and self.can_run_list and self.can_run_list[-1] is req:
+            self.in_batch_prefix.add(req)
+        return result
+
+    def _add_one_req(self, req: Req) -> AddReqResult:
         # Lock before checking: an evictable prefix counted as room for the request's own tokens
         # would overcommit the pool as soon as the request pins it.
         budget = self._lock(req)

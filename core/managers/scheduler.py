@@ -36,7 +36,7 @@ from workbench.core.io_struct import (
     UpdateWeightsFromDistributedReq, DestroyWeightsUpdateGroupReq)
 from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_msg
 from workbench.core.managers.schedule_batch import FinishReason, Req, ScheduleBatch
-from workbench.core.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from workbench.core.managers.schedule_policy import AddReqResult, HeldBack, PrefillAdder, SchedulePolicy
 from workbench.core.managers.scheduler_output import SchedulerOutputMixin
 from workbench.core.managers.scheduler_overlap import InflightBatch, SchedulerOverlapMixin
 from workbench.core.managers.tp_worker import GenerationBatchResult, TpModelWorker
@@ -83,6 +83,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         self.max_req_input_len = self.model_config.context_len - 1
 
         self.waiting_queue: list[Req] = []
+        self.held_back: list[HeldBack] = []     # waiting requests the last prefill held back (trace)
         self.running_batch: ScheduleBatch = self._new_batch([])
         self.chunked_req: Optional[Req] = None
         self.last_batch: Optional[ScheduleBatch] = None
@@ -286,6 +287,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         return None
 
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        self.held_back = []
         if self.chunked_req is not None:
             self.continue_chunked_req()
         if not self.waiting_queue and self.chunked_req is None:
@@ -295,7 +297,14 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             return None
         self.policy.calc_priority(self.waiting_queue)
         adder = PrefillAdder(self.tree_cache, self.token_to_kv_pool_allocator, self.running_batch.reqs,
-                             self.new_token_ratio, self.max_prefill_tokens, self.chunked_prefill_size)
+                             self.new_token_ratio, self.max_prefill_tokens, self.chunked_prefill_size,
+                             in_batch_prefix_caching=not self.server_args.disable_radix_cache)
+        # In-batch prefix caching: prompts launched but not processed yet (overlap loop) reach the
+        # radix cache only when their result is processed; who shares them waits for that.
+        if self.inflight is not None and self.inflight.batch.forward_mode == ForwardMode.EXTEND:
+            for req in self.inflight.batch.reqs:
+                if req is not self.chunked_req:     # added below with its chunks still to come
+                    adder.add_pending(req)
         chunk_carry = None
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input()   # keep its prefix: its computed part
@@ -307,8 +316,12 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
                                                                if r.req_pool_idx is None]):
                 break
             req.init_next_round_input(self.tree_cache)
-            if adder.add_one_req(req) != AddReqResult.CONTINUE:
+            result = adder.add_one_req(req)
+            if result == AddReqResult.HELD:
+                continue        # stays queued, in order; the requests behind it may still fit
+            if result != AddReqResult.CONTINUE:
                 break
+        self.held_back = adder.held
         self._fit_prefill_to_pool(adder, chunk_carry)
         if not adder.can_run_list:
             return None

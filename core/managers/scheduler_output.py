@@ -183,9 +183,11 @@ class SchedulerOutputMixin:
     def emit_state(self) -> None:
         t = self.tracer
         chunked = [self.chunked_req.rid] if self.chunked_req is not None else []
-        t.emit(ev.QueueState(waiting=[r.rid for r in self.waiting_queue],
-                             running=[r.rid for r in self.running_reqs()],
-                             chunked=chunked))
+        waiting = [r.rid for r in self.waiting_queue]
+        queued = set(waiting)           # a held request may have been aborted since
+        held = [ev.HeldReq(h.rid, h.waits_for, h.shared_tokens) for h in self.held_back if h.rid in queued]
+        t.emit(ev.QueueState(waiting=waiting, running=[r.rid for r in self.running_reqs()],
+                             chunked=chunked, held=held))
         free = self.token_to_kv_pool_allocator.available_size()
         evictable = self.tree_cache.evictable_size()
         t.emit(ev.KVUsage(used=self.max_total_num_tokens - free - evictable, evictable=evictable, free=free,
