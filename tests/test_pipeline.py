@@ -193,3 +193,39 @@ def test_final_cache_tree_is_published_once_idle(engine, prompts):
         sub.close()
     final = [e for e in events if isinstance(e, ev.CacheTree)]
     assert final and final[-1].protected_size == 0 and final[-1].evictable_size >= len(prompt)
+
+
+def test_requests_sharing_an_uncached_prefix_compute_it_once(engine, tokenizer):
+    """In-batch prefix caching: 8 requests (the same 512-token prefix + 32 tokens of their own) queued
+    together; one computes the prefix, the other 7 wait a step and read it from the radix cache."""
+    prefix = tokenizer.encode(SYSTEM * 4, add_special_tokens=False)[:512]
+    assert len(prefix) == 512
+    suffixes = [tokenizer.encode(f"{t.split()[-1].capitalize()}! Write two sentences about {t}, plainly and "
+                                 f"briefly, for a curious reader who is new to the subject and wants the main "
+                                 f"idea first, then one detail.", add_special_tokens=False)[:32] for t in TOPICS[:8]]
+    assert all(len(s) == 32 for s in suffixes) and len({s[0] for s in suffixes}) == 8
+    prompts = [prefix + s for s in suffixes]
+    engine.flush_cache()
+    alone = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
+    engine.flush_cache()
+    sub = engine.subscribe(with_snapshot=False)
+    engine.step_gate("pause")            # queue all 8 before the scheduler admits any of them
+    try:
+        fut = cf.ThreadPoolExecutor(1).submit(engine.generate, input_ids=prompts, sampling_params=GREEDY)
+        wait_for(lambda: engine.get_internal_state()["num_waiting"] == 8, 30, "the 8 requests to be queued")
+    finally:
+        engine.step_gate("resume")
+    outs = fut.result(timeout=300)
+    events = drain_events(sub)
+    sub.close()
+    assert [o["output_ids"] for o in outs] == alone
+    # The first admitted matched nothing; each of the others matched the whole shared prefix (its
+    # first own token differs from everyone else's, so the match stops exactly at 512).
+    assert sorted(o["meta_info"]["cached_tokens"] for o in outs) == [0] + [512] * 7
+    assert sum(o["meta_info"]["cached_tokens"] for o in outs) == 7 * 512
+    held = [e for e in events if isinstance(e, ev.QueueState) and e.held]
+    assert held and len(held[0].held) == 7 and len({h.waits_for for h in held[0].held}) == 1
+    first = held[0].held[0].waits_for
+    assert {h.rid for h in held[0].held} | {first} == {o["meta_info"]["id"] for o in outs}
+    assert all(h.shared_tokens == 512 for h in held[0].held)
+    assert_no_kv_leak(engine)
