@@ -44,7 +44,8 @@ class ServerArgs:
     cuda_graph_stand_in: bool = False          # CPU: decode through the graph runner with a stand-in graph
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
-    num_threads: Optional[int] = None          # torch intra-op threads in the scheduler process
+    num_threads: Optional[int] = None          # torch intra-op threads in the scheduler process (None: adaptive)
+    cpu_omp_threads_bind: Optional[str] = None  # pin each scheduler rank to cores, e.g. 0-1 or 0-1|2-3 (SGLang's SGLANG_CPU_OMP_THREADS_BIND)
     # parallelism
     tp_size: int = 1
     dp_size: int = 1
@@ -110,6 +111,16 @@ class ServerArgs:
         if self.trace_mode == "off" and (self.trace_publish or self.record or self.otlp_traces_endpoint):
             bad("--trace-mode off emits nothing, so --trace-publish / --record / --otlp-traces-endpoint would "
                 "stay empty; drop one of them")
+        if self.num_threads is not None and self.num_threads < 1:
+            bad("--num-threads must be at least 1 (leave it out for the adaptive default)")
+        if self.cpu_omp_threads_bind and self.cpu_omp_threads_bind != "nobind":
+            from workbench.core.model_executor.cpu_threads import parse_core_list
+            groups = self.cpu_omp_threads_bind.split("|")
+            for g in groups:
+                parse_core_list(g)             # raises with an example of a good list
+            if len(groups) != self.tp_size // self.nnodes:
+                bad(f"--cpu-omp-threads-bind {self.cpu_omp_threads_bind!r} has {len(groups)} core group(s); this "
+                    f"node runs {self.tp_size // self.nnodes} scheduler rank(s): one group each, separated by |")
         if self.device not in ("auto", "cpu", "cuda"):
             bad("--device must be auto, cpu or cuda")
         if self.cuda_graph_max_bs < 1:

@@ -123,7 +123,7 @@ class Engine:
         self._watchdog.start()
         self.ready_time_s = time.monotonic() - self.t_start
         self._progress(f"ready in {self.ready_time_s:.1f} s ({self.scheduler_info['dtype']}, "
-                       f"KV pool {self.max_total_num_tokens} tokens)")
+                       f"KV pool {self.max_total_num_tokens} tokens; {self.scheduler_info.get('threads', '')})")
 
     def _launch_schedulers(self, ctx, child_args: ServerArgs, readers: dict) -> None:
         """Start this node's scheduler ranks (one per TP rank; rank 0 is role "scheduler").

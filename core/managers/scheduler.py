@@ -83,6 +83,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         self.max_req_input_len = self.model_config.context_len - 1
 
         self.waiting_queue: list[Req] = []
+        self.adaptive_threads = None            # set by init_adaptive_threads (CPU, one rank per node)
         self.held_back: list[HeldBack] = []     # waiting requests the last prefill held back (trace)
         self.running_batch: ScheduleBatch = self._new_batch([])
         self.chunked_req: Optional[Req] = None
@@ -201,6 +202,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
                 else:
                     self.emit_tree_if_due()    # the last change of a burst, once the rate limit allows
                 self.tracer.flush()
+        if self.adaptive_threads is not None:
+            self.adaptive_threads.maybe_update()
         if batch is not None and self.paused and self.step_credits > 0:
             self.step_credits -= 1
             if self.step_credits == 0 and self.pending_step_reply:
@@ -461,7 +464,29 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             self.emit_snapshot()
         return True
 
+    # ==== compute threads (core/model_executor/cpu_threads.py) ===========================
+    def init_adaptive_threads(self, plan) -> None:
+        """Let the thread count follow the neighbours' load, when the plan allows it."""
+        from workbench.core.model_executor.cpu_threads import AdaptiveThreads
+        self.thread_plan = plan
+        if plan.adaptive:
+            self.adaptive_threads = AdaptiveThreads(plan, apply=self.set_num_threads)
+
+    def set_num_threads(self, n: int) -> None:
+        """Between steps: this thread now, the overlap loop's forward thread before its next batch."""
+        import torch
+        torch.set_num_threads(n)
+        if self.overlap_worker is not None:
+            self.overlap_worker.num_threads = n
+
+    def _num_threads(self) -> int:
+        import torch
+        if self.overlap_worker is not None:
+            return self.overlap_worker.num_threads
+        return torch.get_num_threads()
+
     def get_internal_state(self) -> GetInternalStateReqOutput:
+        at = self.adaptive_threads
         alloc = self.token_to_kv_pool_allocator
         free = alloc.available_size()
         evictable = self.tree_cache.evictable_size()
@@ -473,7 +498,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             req_slots_total=self.req_to_token_pool.size, step=self.forward_ct,
             max_total_num_tokens=self.max_total_num_tokens, max_running_requests=self.max_running_requests,
             max_req_input_len=self.max_req_input_len, last_gen_throughput=self.last_gen_throughput,
-            trace_ms=self.trace_ns / 1e6)
+            trace_ms=self.trace_ns / 1e6, num_threads=self._num_threads(),
+            others_load=-1.0 if at is None or at.others is None else round(at.others, 3))
 
     def handle_step_gate(self, msg: StepGateReq) -> None:
         if msg.action == "pause":
@@ -539,12 +565,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
     """Spawn target: build the Scheduler, report ready (or the error), run the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent decides when we stop
     try:
-        if server_args.num_threads is None:
-            import torch
-            # TP ranks on one node share its cores.
-            ranks_here = max(1, tp_size // server_args.nnodes)
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
+        # Threads and cores before anything starts torch's OpenMP team: its threads inherit the affinity.
+        plan = _apply_thread_plan(server_args, tp_rank, tp_size)
         scheduler = Scheduler(server_args, port_args, tp_rank, tp_size, proc_name=proc_name)
+        scheduler.init_adaptive_threads(plan)
         runner = scheduler.tp_worker.model_runner
         if tp_rank == 0:
             scheduler.tracer.set_enabled(True)
@@ -557,6 +581,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
                           "context_len": scheduler.model_config.context_len,
                           "dtype": str(runner.dtype).replace("torch.", ""),
                           "tp_rank": tp_rank, "tp_size": tp_size, "kv_head_num": runner.token_to_kv_pool.head_num,
+                          "threads": plan.describe(),
                           "load_time_s": runner.load_time_s})
     except Exception as exc:
         import traceback
@@ -568,6 +593,21 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
         scheduler.event_loop_overlap()
     else:
         scheduler.event_loop_normal()
+
+
+def _apply_thread_plan(server_args: ServerArgs, tp_rank: int, tp_size: int):
+    """Pin this rank's cores (if asked) and set its starting thread count; returns the ThreadPlan."""
+    import torch
+
+    from workbench.core.model_executor.cpu_threads import plan_threads
+    ranks_here = max(1, tp_size // server_args.nnodes)         # TP ranks on one node share its cores
+    plan = plan_threads(server_args.num_threads, server_args.cpu_omp_threads_bind, tp_rank % ranks_here,
+                        ranks_here, server_args.resolved_device())
+    if plan.cores:
+        os.sched_setaffinity(0, plan.cores)
+    torch.set_num_threads(plan.threads)
+    logger.info("scheduler rank %d: %s", tp_rank, plan.describe())
+    return plan
 
 
 def _watch_parent() -> None:

@@ -120,6 +120,8 @@ class TpModelWorkerClient:
             job = self.input_queue.get()
             if job is None:
                 return
+            if torch.get_num_threads() != self.num_threads:     # the adaptive policy changed it
+                torch.set_num_threads(self.num_threads)
             try:
                 with torch.inference_mode():
                     if self.forward_stream is not None:
