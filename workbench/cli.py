@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-stats", action="store_true", help="print token counts and latency at the end")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmarks: model | engine | serve")
+    p = sub.add_parser("bench", help="benchmarks: model | engine | serve | threads | tp | trace")
     bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_bench_parsers(bench_sub)
     p.set_defaults(func=lambda a: p.print_help() or 2)
@@ -121,6 +121,8 @@ def _add_bench_parsers(bench_sub) -> None:
     add_tp_bench(bench_sub)
     from workbench.core.bench.trace_bench import add_parser as add_trace_bench
     add_trace_bench(bench_sub)
+    from workbench.bench_threads import add_parser as add_threads_bench
+    add_threads_bench(bench_sub)
     try:
         from workbench.core.bench.serve_bench import add_serve_bench_args, run_serve_bench
         sp = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible server")
