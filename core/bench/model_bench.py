@@ -21,6 +21,9 @@ For batched decode on CPU it also prints a linears-only ceiling: the batch's tok
 the time of one step's linear layers alone (the workbench's own packed weights, chained as
 in a step, with nothing else). No engine built on these GEMMs can decode faster, so the
 ceiling over transformers bounds the ratio any optimization outside the GEMMs can reach.
+
+`--profile` instead splits each step's time by component (GEMMs, attention, norms + rope, ...) and
+a real Engine's decode step by scheduler phase; see core/bench/profile_bench.py.
 """
 from __future__ import annotations
 
@@ -465,10 +468,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead: eager vs torch.compile'd decode steps of the workbench itself, "
                         "at the --batches sizes (compiles one graph per size first)")
     p.add_argument("--batches", default="1,8,32", help="batch sizes for --compare-compile (default 1,8,32)")
+    p.add_argument("--profile", action="store_true",
+                   help="instead: where a step's time goes (GEMMs, attention, norms+rope, activation, sampling, "
+                        "embedding, other, host), decode bs=1 / bs=--batch and one extend, per dtype; then a real "
+                        "Engine's scheduler split (see core/bench/profile_bench.py)")
+    p.add_argument("--profile-steps", type=int, default=None,
+                   help="with --profile: decode steps per measurement (default 16; 3 with --quick)")
+    p.add_argument("--no-engine-split", action="store_true",
+                   help="with --profile: skip the real Engine's schedule/forward/rest split")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def _cli_main(args: argparse.Namespace) -> int:
+    if getattr(args, "profile", False):
+        from workbench.core.bench import profile_bench      # its own module: the profiler's code
+        return profile_bench.cli_main(args)
     if getattr(args, "compare_compile", False):
         key, rows = "compile_rows", run_compile_bench(args)
         print(format_compile_table(rows))
