@@ -65,10 +65,26 @@ def test_pad_decode_batch_pads_to_scratch_slot():
 
 
 # ---- kernels ---------------------------------------------------------------------------
+def test_bf16_packs_only_where_onednn_has_bf16_kernels():
+    """On an AVX2-only CPU oneDNN's bf16 reorder raises: such weights must stay unpacked, and still run."""
+    w = torch.randn(32, 16, dtype=torch.bfloat16)
+    supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert can_pack_for_cpu(w) == (supported and can_pack_for_cpu(torch.empty(1)))
+    layer = RowParallelLinear(16, 32, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(32, 16) / 4)
+    layer.process_weights_after_loading(pack=True)      # never raises: packs where it can
+    assert (layer.packed_weight is not None) == can_pack_for_cpu(layer.weight)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    assert torch.allclose(layer(x).float(), F.linear(x.float(), layer.weight.float()), atol=5e-2)
+
+
 @needs_onednn
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("rows", [1, 7])
 def test_packed_linear_matches_f_linear(dtype, tol, rows):
+    if not can_pack_for_cpu(torch.empty(1, dtype=dtype)):
+        pytest.skip(f"oneDNN has no {dtype} kernels on this CPU (bf16 needs AVX-512 or AVX-NE-CONVERT)")
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(96, 80, generator=g) / 9).to(dtype)
     b = torch.randn(96, generator=g).to(dtype)

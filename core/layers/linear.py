@@ -35,9 +35,23 @@ def _divide(a: int, b: int, what: str) -> int:
 
 
 def can_pack_for_cpu(weight: torch.Tensor) -> bool:
-    """True if `weight` can take the oneDNN packed-GEMM path (CPU, fp32/bf16, oneDNN built in)."""
-    return (weight.device.type == "cpu" and weight.dtype in _PACKABLE_DTYPES
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """True if `weight` can take the oneDNN packed-GEMM path (CPU, fp32/bf16, oneDNN built in).
+
+    bfloat16 also needs oneDNN's bf16 kernels, which need AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT:
+    on an AVX2-only CPU packing raises, so bf16 weights there stay unpacked (torch's own GEMM).
+    """
+    if not (weight.device.type == "cpu" and weight.dtype in _PACKABLE_DTYPES
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return weight.dtype != torch.bfloat16 or _mkldnn_bf16_supported()
+
+
+def _mkldnn_bf16_supported() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(check()) if check is not None else True
+    except RuntimeError:
+        return False
 
 
 def pack_linear_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:

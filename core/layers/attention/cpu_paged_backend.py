@@ -8,6 +8,8 @@ measured on the 2-core target at B=32, contexts 17-511 tokens, one layer takes
 Extend: one call for the whole batch, causal over each request's cached prefix and
 new tokens, all read through req_to_token (`cpu_ops/paged_extend.c`); torch's CPU
 flash kernel, called per request, was ~30 GFLOP/s on this model's head shapes.
+On CPUs without AVX-512 the extend kernel is slower than torch's flash kernel, so there
+extend goes through the torch-native path (`cpu_ops.extend_kernel_preferred`).
 """
 from __future__ import annotations
 
@@ -49,9 +51,17 @@ class PagedExtendMetadata:
 class CpuPagedAttnBackend(TorchNativeAttnBackend):
     name = "cpu_paged"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Prefill through torch's SDPA (the parent's path) where the compiled kernel is slower.
+        self.use_extend_kernel = cpu_ops.extend_kernel_preferred()
+
     def init_forward_metadata(self, fb) -> None:
         if fb.forward_mode.is_decode():
             fb.attn_metadata = _paged_metadata(fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc)
+            return
+        if not self.use_extend_kernel:
+            super().init_forward_metadata(fb)
             return
         fb.attn_metadata = PagedExtendMetadata(
             fb.req_pool_indices.to(torch.int64).contiguous(),
@@ -61,6 +71,8 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
 
     def forward_extend(self, q, k, v, layer, fb) -> torch.Tensor:
         """Store this pass's K/V, then one kernel call attends for every request of the batch."""
+        if not self.use_extend_kernel:
+            return super().forward_extend(q, k, v, layer, fb)
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         meta: PagedExtendMetadata = fb.attn_metadata
