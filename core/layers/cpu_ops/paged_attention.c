@@ -51,6 +51,169 @@ static size_t work_floats(int nq, int nh, int D, int64_t len) {
     return (size_t)nq * (size_t)D * 2 + (size_t)BLOCK * nh * D + (size_t)nq * (size_t)(len > 0 ? len : 1);
 }
 
+#ifdef WB_AVX2
+/* AVX2 version of attend() below (see common.h's WB_AVX2 for why a second one). Same two passes,
+ * blocked for 16 ymm registers instead of AVX-512's 32:
+ * - scores: R <= 3 query rows of one KV head against 4 tokens at a time, as 12 running dot-product
+ *   vectors (+ 3 query vectors + 1 K vector = 16 registers); K is read from the pool (converted to
+ *   float32 in the register) once per 3 rows, and each 4 dot products end in two horizontal adds;
+ * - weighted V sum: the same R rows and 32 columns (4 vectors) at a time over every token, so the
+ *   12 accumulators stay in registers for the whole sweep instead of being loaded and stored per
+ *   token. Each sweep reads its own 128 (f32) or 64 (16-bit) bytes of every V row, so the pool is
+ *   still read once. Slots are prefetched ahead in both passes. */
+enum { TB = 4, RMAX = 3, PF_TOKENS = 16 };
+
+static inline __attribute__((always_inline)) void
+scores_tile(const float *restrict q, const int R, const int D, const void *k_buf, const int kv_dt,
+            const int64_t *row, float *restrict out, const int64_t out_stride, const int n) {
+    __m256 a[RMAX][TB];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; t++) a[r][t] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m256 qd[RMAX];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) qd[r] = _mm256_load_ps(q + r * D + d);
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; t++) {
+            const __m256 k = load8(k_buf, row[t] + d, kv_dt);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) a[r][t] = _mm256_fmadd_ps(qd[r], k, a[r][t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+        const __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));   /* 4 dot products */
+        if (n == TB) {
+            _mm_storeu_ps(out + r * out_stride, s);
+        } else {
+            float tmp[TB];
+            _mm_storeu_ps(tmp, s);
+            for (int t = 0; t < n; t++) out[r * out_stride + t] = tmp[t];
+        }
+    }
+}
+
+/* out rows [R] (8 * C columns from column d0) = sum over tokens of p[r][t] * V[t]. */
+static inline __attribute__((always_inline)) void
+pv_tile(const float *restrict p, const int64_t len, const int R, const int C, const int D, const int d0,
+        const void *v_buf, const int kv_dt, const int64_t *restrict slots, const int Hk, const int h,
+        const float *inv, void *out, const int out_dt, const int64_t out_row0) {
+    const int eb = kv_dt == DT_F32 ? 4 : 2;
+    __m256 a[RMAX][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int cc = 0; cc < C; cc++) a[r][cc] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        if (t + PF_TOKENS < len) prefetch_bytes(v_buf, ((slots[t + PF_TOKENS] * Hk + h) * D + d0) * eb, 8 * C * eb);
+        const int64_t row = (slots[t] * Hk + h) * D + d0;
+        __m256 pr[RMAX];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) pr[r] = _mm256_broadcast_ss(p + r * len + t);
+#pragma GCC unroll 4
+        for (int cc = 0; cc < C; cc++) {
+            const __m256 v = load8(v_buf, row + 8 * cc, kv_dt);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) a[r][cc] = _mm256_fmadd_ps(pr[r], v, a[r][cc]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int cc = 0; cc < C; cc++)
+            store8(out, (out_row0 + r) * D + d0 + 8 * cc, out_dt, _mm256_mul_ps(a[r][cc], _mm256_set1_ps(inv[r])));
+}
+
+static inline __attribute__((always_inline)) void
+attend(const Call *c, int b, int h0, int nh, int D, float *restrict work) {
+    const int G = c->G, Hk = c->Hk, kv_dt = c->kv_dt, q_dt = c->q_dt;
+    const int nv = D / 16, nq = nh * G, eb = kv_dt == DT_F32 ? 4 : 2;
+    const int row_elems = nh * D;                           /* elements of one slot this item reads */
+    const int64_t *restrict slots = c->req_to_token + c->req_pool_indices[b] * c->r2t_stride;
+    const int64_t len = c->seq_lens[b];
+    const void *k_buf = c->k_buf, *v_buf = c->v_buf;
+    float *restrict qv = work;                              /* [nq, D], pre-scaled; work is 64-byte aligned */
+    float *restrict scores = qv + nq * D;                   /* [nq, len] */
+    float inv[nq];
+
+    if (c->k_new != NULL) {
+        const int64_t dst = (c->out_loc[b] * Hk + h0) * D;
+        for (int hh = 0; hh < nh; hh++)
+            for (int j = 0; j < nv; j++) {
+                store16(c->k_buf, dst + hh * D + 16 * j, kv_dt,
+                        load16(c->k_new, (b * c->k_stride + h0 + hh) * D + 16 * j, q_dt));
+                store16(c->v_buf, dst + hh * D + 16 * j, kv_dt,
+                        load16(c->v_new, (b * c->v_stride + h0 + hh) * D + 16 * j, q_dt));
+            }
+    }
+    const int64_t q_row0 = b * c->q_stride + (int64_t)h0 * G;
+    const __m256 scale = _mm256_set1_ps(c->scale);
+    for (int i = 0; i < nq; i++)
+        for (int d = 0; d < D; d += 8)
+            _mm256_store_ps(qv + i * D + d, _mm256_mul_ps(load8(c->q, (q_row0 + i) * D + d, q_dt), scale));
+    /* pass 1: scores, TB tokens at a time (a short last block repeats its last token, unused) */
+    for (int64_t t0 = 0; t0 < len; t0 += TB) {
+        const int n = len - t0 < TB ? (int)(len - t0) : TB;
+        int64_t row[TB];
+        for (int t = 0; t < TB; t++) {
+            row[t] = (slots[t0 + (t < n ? t : n - 1)] * Hk + h0) * D;
+            if (t0 + t + PF_TOKENS < len)
+                prefetch_bytes(k_buf, (slots[t0 + t + PF_TOKENS] * Hk + h0) * D * eb, row_elems * eb);
+        }
+        for (int hh = 0; hh < nh; hh++) {
+            const int64_t rh[TB] = {row[0] + hh * D, row[1] + hh * D, row[2] + hh * D, row[3] + hh * D};
+            for (int g0 = 0; g0 < G; g0 += RMAX) {
+                const int i = hh * G + g0;
+                const float *q = qv + i * D;
+                float *dst = scores + i * len + t0;
+                switch (G - g0 < RMAX ? G - g0 : RMAX) {
+                case 1: scores_tile(q, 1, D, k_buf, kv_dt, rh, dst, len, n); break;
+                case 2: scores_tile(q, 2, D, k_buf, kv_dt, rh, dst, len, n); break;
+                default: scores_tile(q, 3, D, k_buf, kv_dt, rh, dst, len, n); break;
+                }
+            }
+        }
+    }
+    for (int i = 0; i < nq; i++) {                        /* softmax numerators, sums */
+        float *si = scores + i * len, m = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < len; t++) m = si[t] > m ? si[t] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            float p = exp_nonpos(si[t] - m);
+            si[t] = p;
+            sum += p;
+        }
+        inv[i] = len > 0 ? 1.0f / sum : 0.0f;              /* nothing to attend to gives 0 */
+    }
+    /* pass 2: weighted sum of V, R rows x 32 columns per sweep over the tokens */
+    for (int hh = 0; hh < nh; hh++)
+        for (int g0 = 0; g0 < G; g0 += RMAX) {
+            const int i = hh * G + g0, R = G - g0 < RMAX ? G - g0 : RMAX;
+            const float *p = scores + i * len;
+            const int64_t orow = (int64_t)b * c->Hq + (int64_t)h0 * G + i;
+            for (int d0 = 0; d0 < D; d0 += 32) {
+                const int h = h0 + hh;
+                if (D - d0 >= 32) {
+                    switch (R) {
+                    case 1: pv_tile(p, len, 1, 4, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, c->out, q_dt, orow); break;
+                    case 2: pv_tile(p, len, 2, 4, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, c->out, q_dt, orow); break;
+                    default: pv_tile(p, len, 3, 4, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, c->out, q_dt, orow); break;
+                    }
+                } else {                                   /* D % 32 == 16: the last 16 columns */
+                    switch (R) {
+                    case 1: pv_tile(p, len, 1, 2, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, c->out, q_dt, orow); break;
+                    case 2: pv_tile(p, len, 2, 2, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, c->out, q_dt, orow); break;
+                    default: pv_tile(p, len, 3, 2, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, c->out, q_dt, orow); break;
+                    }
+                }
+            }
+        }
+}
+#else
 /* Request b, KV heads [h0, h0 + nh): store the new K/V rows of those heads, then their nh * G
  * query heads attend over the request's slots. Pass 1 reads each slot's K rows for those
  * heads (adjacent in the pool, so one contiguous read per slot) and scores them, BLOCK tokens
@@ -149,6 +312,8 @@ attend(const Call *c, int b, int h0, int nh, int D, float *restrict work) {
         store_row(c->out, (int64_t)b * c->Hq + (int64_t)h0 * G + i, q_dt, D, row);
     }
 }
+
+#endif
 
 /* Copies of attend() with the head size fixed, so the row loops unroll and K/V rows stay in
  * registers; other sizes take the generic copy. */
