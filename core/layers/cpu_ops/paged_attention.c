@@ -108,7 +108,10 @@ pv_tile(const float *restrict p, const int64_t len, const int R, const int C, co
 #pragma GCC unroll 4
         for (int cc = 0; cc < C; cc++) a[r][cc] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len; t++) {
-        if (t + PF_TOKENS < len) prefetch_bytes(v_buf, ((slots[t + PF_TOKENS] * Hk + h) * D + d0) * eb, 8 * C * eb);
+        const int64_t ahead = t + PF_TOKENS < len ? t + PF_TOKENS : len - 1;   /* branch-free prefetch */
+        const char *pf = (const char *)v_buf + ((slots[ahead] * Hk + h) * D + d0) * eb;
+        __builtin_prefetch(pf, 0, 1);
+        if (8 * C * eb > 64) __builtin_prefetch(pf + 64, 0, 1);
         const int64_t row = (slots[t] * Hk + h) * D + d0;
         __m256 pr[RMAX];
 #pragma GCC unroll 4
@@ -128,8 +131,8 @@ pv_tile(const float *restrict p, const int64_t len, const int R, const int C, co
 }
 
 static inline __attribute__((always_inline)) void
-attend(const Call *c, int b, int h0, int nh, int D, float *restrict work) {
-    const int G = c->G, Hk = c->Hk, kv_dt = c->kv_dt, q_dt = c->q_dt;
+attend_dt(const Call *c, int b, int h0, int nh, int D, float *restrict work, const int kv_dt) {
+    const int G = c->G, Hk = c->Hk, q_dt = c->q_dt;
     const int nv = D / 16, nq = nh * G, eb = kv_dt == DT_F32 ? 4 : 2;
     const int row_elems = nh * D;                           /* elements of one slot this item reads */
     const int64_t *restrict slots = c->req_to_token + c->req_pool_indices[b] * c->r2t_stride;
@@ -177,13 +180,22 @@ attend(const Call *c, int b, int h0, int nh, int D, float *restrict work) {
             }
         }
     }
-    for (int i = 0; i < nq; i++) {                        /* softmax numerators, sums */
+    for (int i = 0; i < nq; i++) {                        /* softmax numerators, sums, 8 at a time */
         float *si = scores + i * len, m = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : m)
-        for (int64_t t = 0; t < len; t++) m = si[t] > m ? si[t] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            float p = exp_nonpos(si[t] - m);
+        const int64_t len8 = len / 8 * 8;
+        __m256 mv = _mm256_set1_ps(-INFINITY), sv = _mm256_setzero_ps();
+        for (int64_t t = 0; t < len8; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(si + t));
+        m = hmax8(mv);
+        for (int64_t t = len8; t < len; t++) m = si[t] > m ? si[t] : m;
+        mv = _mm256_set1_ps(m);
+        for (int64_t t = 0; t < len8; t += 8) {
+            const __m256 p = exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(si + t), mv));
+            _mm256_storeu_ps(si + t, p);
+            sv = _mm256_add_ps(sv, p);
+        }
+        sum = hsum8(sv);
+        for (int64_t t = len8; t < len; t++) {
+            const float p = exp_nonpos(si[t] - m);
             si[t] = p;
             sum += p;
         }
@@ -212,6 +224,13 @@ attend(const Call *c, int b, int h0, int nh, int D, float *restrict work) {
                 }
             }
         }
+}
+/* attend_dt with the pool's dtype a constant, so the loads in the hot loops convert branch-free. */
+static inline __attribute__((always_inline)) void
+attend(const Call *c, int b, int h0, int nh, int D, float *restrict work) {
+#define ATTEND_DT(dt) attend_dt(c, b, h0, nh, D, work, dt)
+    FOR_EACH_DTYPE(c->kv_dt, ATTEND_DT)
+#undef ATTEND_DT
 }
 #else
 /* Request b, KV heads [h0, h0 + nh): store the new K/V rows of those heads, then their nh * G

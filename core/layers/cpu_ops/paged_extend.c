@@ -62,8 +62,8 @@ static int by_keys_desc(const void *a, const void *b) {
 /* Every loop over the RG rows is unrolled, so that the per-row vectors are registers, not stack arrays. */
 #define UNROLL_RG _Pragma("GCC unroll 8")
 static inline __attribute__((always_inline)) void
-extend_block(const ExtendCall *c, Item it, int D, float *restrict work) {
-    const int G = c->G, Hk = c->Hk, h = it.h, kv_dt = c->kv_dt;
+extend_block_dt(const ExtendCall *c, Item it, int D, float *restrict work, const int kv_dt) {
+    const int G = c->G, Hk = c->Hk, h = it.h;
     const int64_t prefix = c->prefix_lens[it.r], ext = c->extend_lens[it.r], t0 = c->extend_starts[it.r];
     const int nt = ext - it.i0 < QB ? (int)(ext - it.i0) : QB;       /* new tokens in this block */
     const int64_t *slots = c->req_to_token + c->req_pool_indices[it.r] * c->r2t_stride;
@@ -184,6 +184,13 @@ extend_block(const ExtendCall *c, Item it, int D, float *restrict work) {
             const int64_t dst = ((t0 + it.i0 + ii) * c->Hq + (int64_t)h * G + g) * D;
             for (int d = 0; d < D; d += 8) store8(c->out, dst + d, c->q_dt, _mm256_mul_ps(_mm256_load_ps(acc + row * D + d), inv));
         }
+}
+/* extend_block_dt with the pool's dtype a constant, so the K/V loads convert branch-free. */
+static inline __attribute__((always_inline)) void
+extend_block(const ExtendCall *c, Item it, int D, float *restrict work) {
+#define EXTEND_DT(dt) extend_block_dt(c, it, D, work, dt)
+    FOR_EACH_DTYPE(c->kv_dt, EXTEND_DT)
+#undef EXTEND_DT
 }
 #else
 static inline __attribute__((always_inline)) void
