@@ -16,7 +16,9 @@
  * softmax too, also for bfloat16/float16 pools), so it is at least as precise as
  * the torch-native reference it is tested against.
  *
- * Built at first use by cpu_ops/__init__.py: cc -O3 -march=native -fopenmp.
+ * Built at first use by cpu_ops/__init__.py: cc -O3 -march=native -fopenmp. attend() has an
+ * AVX-512-shaped 16-float version and an AVX2 one (WB_AVX2, common.h) blocked for 16 registers, where
+ * the 16-float code spilled and read the KV at ~3 GB/s (numbers in docs/design.md).
  */
 #include <math.h>
 #include <stdint.h>

@@ -11,6 +11,10 @@
  * horizontal sums), and then an online softmax (running max and sum per row) folds the
  * block's V rows into the row's accumulator. Keys past a row's own position are masked.
  * All arithmetic is float32.
+ *
+ * Two builds of the block loop: 16-float vectors blocked for AVX-512's 32 registers, and (WB_AVX2,
+ * common.h) 8-float AVX2 intrinsics blocked for 16 registers, where the 16-float code spilled and ran
+ * 7x slower than torch SDPA (numbers in docs/design.md).
  */
 #include <stdint.h>
 #include <stdlib.h>
