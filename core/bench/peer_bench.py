@@ -317,14 +317,15 @@ def run_peer_bench(args) -> Optional[list[PeerRow]]:
     bindings: dict[str, str] = {}
     workloads = None
 
+    failures: list[str] = []
     for dtype in dtypes:
         for tc in configs:
-            _progress(f"{dtype}, threads {tc.name}: starting the workbench Engine "
-                      f"(num_threads={tc.workbench_threads or 'default'})")
-            engine = Engine(server_args=ServerArgs(**{**asdict(sa), "dtype": dtype,
-                                                      "num_threads": tc.workbench_threads}))
-            peer = None
-            try:
+            engine = peer = None
+            try:       # one configuration failing (an engine that cannot start) leaves the others measured
+                _progress(f"{dtype}, threads {tc.name}: starting the workbench Engine "
+                          f"(num_threads={tc.workbench_threads or 'default'})")
+                engine = Engine(server_args=ServerArgs(**{**asdict(sa), "dtype": dtype,
+                                                          "num_threads": tc.workbench_threads}))
                 if workloads is None:
                     workloads = build_workloads(engine.tokenizer, quick)
                 max_len = max(len(p) + wl.new_tokens for wl in workloads for p in wl.prompts)
@@ -336,30 +337,18 @@ def run_peer_bench(args) -> Optional[list[PeerRow]]:
                                                   kv_cache_gib=kv_gib), timeout=LOAD_TIMEOUT_S)
                 _progress(f"vLLM ready in {reply['seconds']:.0f} s")
                 bindings[tc.name] = vllm_binding(peer.log_tail(10**6))
-                sides = {"workbench": _workbench_run(engine), "vLLM": _vllm_run(peer)}
-                for run in sides.values():                    # warm-up, both engines
-                    run(workloads[0].prompts[:2], 4)
-                for wl in workloads:
-                    samples: dict[str, list[float]] = {"workbench": [], "vLLM": []}
-                    first: dict[str, list[list[int]]] = {}
-                    loads: list[float] = []
-                    for r in range(repeats):
-                        for side in ("workbench", "vLLM", "vLLM", "workbench"):
-                            tok_s, ids = measure(sides[side], wl)
-                            load1 = os.getloadavg()[0]
-                            samples[side].append(tok_s)
-                            loads.append(load1)
-                            first.setdefault(side, ids)
-                            _progress(f"{wl.key} {dtype} threads {tc.name} [{r + 1}/{repeats}] {side:<9} "
-                                      f"{tok_s:8.1f} tok/s   (load 1m {load1:.2f})")
-                    rows.append(make_row(wl, dtype, tc.name, samples["workbench"], samples["vLLM"], loads))
-                    if wl.key == "i":
-                        eq = count_equal(first["workbench"], first["vLLM"])
-                        equal.setdefault(dtype, []).append(f"{eq}/{len(wl.prompts)} (threads {tc.name})")
+                for row, eq in _measure_config(engine, peer, workloads, dtype, tc, repeats):
+                    rows.append(row)
+                    if eq is not None:
+                        equal.setdefault(dtype, []).append(f"{eq}/{len(workloads[0].prompts)} (threads {tc.name})")
+            except Exception as exc:
+                failures.append(f"{dtype}, threads {tc.name}: {type(exc).__name__}: {exc}")
+                _progress(f"FAILED {failures[-1]}")
             finally:
                 if peer is not None:
                     peer.close()
-                engine.shutdown()
+                if engine is not None:
+                    engine.shutdown()
 
     print()
     print(format_table(rows))
@@ -371,8 +360,35 @@ def run_peer_bench(args) -> Optional[list[PeerRow]]:
         if text:
             print(f"vLLM binding, threads {name}: {text}")
     print(f"vLLM logs: {log_dir}")
+    for text in failures:
+        print(f"not measured: {text}")
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump({"peer": "vllm", "vllm_version": detail, "rows": [asdict(r) for r in rows],
-                       "equal_first_ids": equal, "vllm_binding": bindings}, f, indent=2)
+                       "equal_first_ids": equal, "vllm_binding": bindings, "failures": failures}, f, indent=2)
+    if failures:
+        raise PeerError(f"{len(failures)} configuration(s) not measured (above); the table holds the rest")
     return rows
+
+
+def _measure_config(engine, peer: VllmPeer, workloads: list[Workload], dtype: str, tc: ThreadConfig,
+                    repeats: int):
+    """Yield (row, first-ids equality count or None) per workload: `repeats` rounds of A B B A."""
+    sides = {"workbench": _workbench_run(engine), "vLLM": _vllm_run(peer)}
+    for run in sides.values():                    # warm-up, both engines
+        run(workloads[0].prompts[:2], 4)
+    for wl in workloads:
+        samples: dict[str, list[float]] = {"workbench": [], "vLLM": []}
+        first: dict[str, list[list[int]]] = {}
+        loads: list[float] = []
+        for r in range(repeats):
+            for side in ("workbench", "vLLM", "vLLM", "workbench"):
+                tok_s, ids = measure(sides[side], wl)
+                load1 = os.getloadavg()[0]
+                samples[side].append(tok_s)
+                loads.append(load1)
+                first.setdefault(side, ids)
+                _progress(f"{wl.key} {dtype} threads {tc.name} [{r + 1}/{repeats}] {side:<9} "
+                          f"{tok_s:8.1f} tok/s   (load 1m {load1:.2f})")
+        row = make_row(wl, dtype, tc.name, samples["workbench"], samples["vLLM"], loads)
+        yield row, (count_equal(first["workbench"], first["vLLM"]) if wl.key == "i" else None)
