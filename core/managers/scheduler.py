@@ -202,8 +202,6 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
                 else:
                     self.emit_tree_if_due()    # the last change of a burst, once the rate limit allows
                 self.tracer.flush()
-        if self.adaptive_threads is not None:
-            self.adaptive_threads.maybe_update()
         if batch is not None and self.paused and self.step_credits > 0:
             self.step_credits -= 1
             if self.step_credits == 0 and self.pending_step_reply:
@@ -446,6 +444,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         return mwb, step_reqs
 
     def note_forward_time(self, batch: ScheduleBatch, forward_ms: float) -> None:
+        if batch.forward_mode == ForwardMode.DECODE and forward_ms > 0 and self.adaptive_threads is not None:
+            self.adaptive_threads.on_decode_step(len(batch.reqs), forward_ms)
         if batch.forward_mode == ForwardMode.DECODE and forward_ms > 0:
             self.last_gen_throughput = len(batch.reqs) / (forward_ms / 1000)
 
@@ -499,7 +499,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             max_total_num_tokens=self.max_total_num_tokens, max_running_requests=self.max_running_requests,
             max_req_input_len=self.max_req_input_len, last_gen_throughput=self.last_gen_throughput,
             trace_ms=self.trace_ns / 1e6, num_threads=self._num_threads(),
-            others_load=-1.0 if at is None or at.others is None else round(at.others, 3))
+            others_load=-1.0 if at is None or at.others is None else round(at.others, 3),
+            thread_probes=0 if at is None else at.policy.probes)
 
     def handle_step_gate(self, msg: StepGateReq) -> None:
         if msg.action == "pause":

@@ -3,17 +3,15 @@
 Why this exists: torch's CPU kernels split every op across an OpenMP team and end in a
 barrier. When another process (the TUI, a notebook kernel, the HTTP front end, a busy
 neighbour) takes a core, one thread of the team is descheduled mid-op and the others wait
-for it at every barrier: on this project's 2-core machine two threads then decode 5-35x
-slower than one. One thread never waits for a sibling, but leaves half the machine idle when
-it is quiet. So the default is adaptive:
+for it at every barrier, so two threads can run slower than one; quiet, two are ~1.5x one.
+Which wins depends on the CPU, the batch and the neighbour, so the default measures it:
 
-- `CpuLoadMeter` measures what *other* processes use of the cores this process may run on
-  (from /proc/stat, steal time included, minus this process's own CPU time), in cores;
-- `ThreadPolicy` (pure, tested without /proc) turns those readings into a thread count:
-  one fewer thread per core the others keep busy, down at once, back up only after the
-  cores have stayed quiet for a few windows (hysteresis, so it does not flap);
-- `AdaptiveThreads` is the glue the scheduler calls once per step: it reads the meter every
-  `interval_s` and applies a change with `torch.set_num_threads` between steps.
+- `StepTimePolicy` (pure, tested without processes) now and then runs a few decode steps of
+  the same batch size with the other thread count and keeps whichever was faster, giving
+  up on a probe at its first step that takes twice as long;
+- `AdaptiveThreads` is the glue the scheduler calls after every decode step: it applies a
+  change with `torch.set_num_threads` between steps, and reads `CpuLoadMeter` (what the
+  *other* processes use of our cores, from /proc/stat, steal included) to report it.
 
 `--num-threads N` fixes the count; `--cpu-omp-threads-bind 0-1` (SGLang's
 SGLANG_CPU_OMP_THREADS_BIND, `|` between TP ranks) pins the scheduler to those cores and uses
@@ -29,7 +27,7 @@ from typing import Callable, Optional
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["parse_core_list", "cores_for_rank", "CpuLoadMeter", "ThreadPolicy", "AdaptiveThreads",
+__all__ = ["parse_core_list", "cores_for_rank", "CpuLoadMeter", "StepTimePolicy", "AdaptiveThreads",
            "ThreadPlan", "plan_threads"]
 
 BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
@@ -132,43 +130,78 @@ class CpuLoadMeter:
 # ==== the decision rule ========================================================================
 
 @dataclass
-class ThreadPolicy:
-    """Threads = max_threads minus one per core the neighbours keep busy; pure and deterministic.
+class StepTimePolicy:
+    """Keeps whichever thread count decodes the current batch faster; pure and deterministic.
 
-    `observe(others)` takes one window's reading (cores used by other processes) and returns
-    the thread count to use from now on. A core counts as taken above `down_at` of it (one
-    stalled team member costs more than the core's remaining share brings), and is given back
-    below `up_at` for `up_after` windows in a row: quick to retreat, slow to return.
+    Whether a second thread helps depends on the CPU, the batch and what else runs, and on
+    the machine this was built on no load threshold predicted it well (a TUI using 0.4 of a
+    core left two threads faster; a busy loop made one thread 1.9x faster at batch 1). So it
+    is measured: after every `period` decode steps at the current count, the next
+    `probe_steps` decode steps of the *same batch size* run with the other count. The probe's
+    first step is not timed (the team wakes up). The probe is kept if its median step is
+    `margin` faster than the median of the last steps before it; it is abandoned at once
+    if a step takes over twice as long (a collapsing team costs one slow step, not four),
+    or if the batch size changes (not comparable).
     """
     max_threads: int
-    down_at: float = 0.35
-    up_at: float = 0.15
-    up_after: int = 3
+    period: int = 48
+    probe_steps: int = 4
+    margin: float = 0.08
     threads: int = 0
-    _quiet_windows: int = field(default=0, repr=False)
+    probing: Optional[int] = None            # the count being tried, or None
+    probes: int = 0                          # probes started (reported in get_internal_state)
+    _since: int = field(default=0, repr=False)
+    _recent: list = field(default_factory=list, repr=False)      # (bs, ms) at `threads`
+    _probe: list = field(default_factory=list, repr=False)       # ms at `probing`
+    _probe_bs: int = field(default=0, repr=False)
+    _next_try: int = field(default=0, repr=False)                # alternates down / up for N > 2
 
     def __post_init__(self):
         self.max_threads = max(1, int(self.max_threads))
         self.threads = self.threads or self.max_threads
 
-    def _target(self, others: float, margin: float) -> int:
-        taken = 0
-        while taken < self.max_threads - 1 and others > taken + margin:
-            taken += 1
-        return self.max_threads - taken
+    @property
+    def current(self) -> int:
+        """The count the next step should run with."""
+        return self.probing if self.probing is not None else self.threads
 
-    def observe(self, others: float) -> int:
-        down = self._target(others, self.down_at)
-        if down < self.threads:
-            self.threads, self._quiet_windows = down, 0
-            return self.threads
-        up = self._target(others, self.up_at)
-        if up > self.threads:
-            self._quiet_windows += 1
-            if self._quiet_windows >= self.up_after:
-                self.threads, self._quiet_windows = self.threads + 1, 0
-        else:
-            self._quiet_windows = 0
+    def _candidate(self) -> Optional[int]:
+        options = [n for n in (self.threads - 1, self.threads + 1) if 1 <= n <= self.max_threads]
+        if not options:
+            return None
+        self._next_try += 1
+        return options[self._next_try % len(options)]
+
+    def observe_decode(self, bs: int, ms: float) -> int:
+        """One decode step of `bs` requests took `ms` at `self.current` threads; returns the next count."""
+        if self.probing is None:
+            self._recent = (self._recent + [(bs, ms)])[-8:]
+            self._since += 1
+            same = [m for b, m in self._recent[-4:] if b == bs]
+            if self._since >= self.period and len(same) == 4:
+                cand = self._candidate()
+                if cand is not None:
+                    self.probing, self._probe, self._probe_bs = cand, [], bs
+                    self.probes += 1
+            return self.current
+        base = sorted(m for b, m in self._recent if b == self._probe_bs)
+        base_ms = base[len(base) // 2]
+        if bs != self._probe_bs:
+            return self._end_probe(keep=False, retry_soon=True)
+        self._probe.append(ms)
+        if len(self._probe) > 1 and ms > 2 * base_ms:
+            return self._end_probe(keep=False)
+        if len(self._probe) < self.probe_steps:
+            return self.current
+        timed = sorted(self._probe[1:])
+        return self._end_probe(keep=timed[len(timed) // 2] < (1 - self.margin) * base_ms)
+
+    def _end_probe(self, keep: bool, retry_soon: bool = False) -> int:
+        if keep:
+            self.threads = self.probing
+            self._recent = []
+        self.probing, self._probe = None, []
+        self._since = self.period // 2 if retry_soon else 0
         return self.threads
 
 
@@ -221,53 +254,55 @@ def plan_threads(num_threads: Optional[int], bind: Optional[str], local_rank: in
         return ThreadPlan(share, False, None, f"{n_cores} core(s) shared by {local_ranks} ranks on this node")
     if share == 1:
         return ThreadPlan(1, False, None, "one core available")
-    return ThreadPlan(share, True, None, f"up to {share} on {n_cores} cores, one fewer per core other "
-                      "processes keep busy")
+    return ThreadPlan(share, True, None, f"up to {share} on {n_cores} cores, whichever count decodes faster "
+                      "beside the other processes (probed every 48 decode steps)")
 
 
 # ==== the scheduler's glue =====================================================================
 
 class AdaptiveThreads:
-    """Called by the scheduler after every step; re-reads the meter every `interval_s`.
+    """The scheduler's glue: decode step times in, `apply(n)` out, between steps.
 
-    `apply(n)` is what changes the count (torch.set_num_threads in the thread that runs the
-    model); `changes` records (time, threads, others) for get_server_info and the trace.
+    `apply(n)` changes the count (torch.set_num_threads in the thread that runs the model).
+    The load meter is read every `interval_s` for reporting only (`others`): what the
+    neighbours use, beside what the policy chose. `changes` records (time, threads, others).
     """
 
     def __init__(self, plan: ThreadPlan, apply: Callable[[int], None], interval_s: float = 0.5,
-                 meter: Optional[CpuLoadMeter] = None, clock: Callable[[], float] = time.monotonic):
+                 meter: Optional[CpuLoadMeter] = None, clock: Callable[[], float] = time.monotonic,
+                 policy: Optional[StepTimePolicy] = None):
         self.plan = plan
         self.apply = apply
         self.interval_s = interval_s
         self.clock = clock
-        self.policy = ThreadPolicy(plan.threads, threads=plan.threads)
+        self.policy = policy or StepTimePolicy(plan.threads, threads=plan.threads)
         self.meter = meter if meter is not None else (CpuLoadMeter(plan.cores) if plan.adaptive else None)
         self.next_at = clock() + interval_s
         self.others: Optional[float] = None
         self.changes: list[tuple[float, int, float]] = []
+        self.applied = plan.threads
 
     @property
     def threads(self) -> int:
         return self.policy.threads
 
-    def maybe_update(self) -> Optional[int]:
-        """The new thread count when it changed on this call, else None."""
-        if self.meter is None:
-            return None
+    def on_decode_step(self, bs: int, forward_ms: float) -> Optional[int]:
+        """Feed one decode step; returns the new count when it changed (probe or decision)."""
         now = self.clock()
-        if now < self.next_at:
+        if self.meter is not None and now >= self.next_at:
+            self.next_at = now + self.interval_s
+            others = self.meter.read()
+            self.others = others if others is not None else self.others
+        before_threads = self.policy.threads
+        want = self.policy.observe_decode(bs, forward_ms)
+        if self.policy.threads != before_threads:
+            self.changes.append((now, self.policy.threads, self.others if self.others is not None else -1.0))
+            del self.changes[:-32]
+            logger.info("compute threads %d -> %d (decode steps at batch %d ran faster; others use %s cores)",
+                        before_threads, self.policy.threads, bs,
+                        "?" if self.others is None else f"{self.others:.2f}")
+        if want == self.applied:
             return None
-        self.next_at = now + self.interval_s
-        others = self.meter.read()
-        if others is None:
-            return None
-        self.others = others
-        before = self.policy.threads
-        after = self.policy.observe(others)
-        if after == before:
-            return None
-        self.apply(after)
-        self.changes.append((now, after, others))
-        del self.changes[:-32]
-        logger.info("compute threads %d -> %d: other processes use %.2f core(s)", before, after, others)
-        return after
+        self.applied = want
+        self.apply(want)
+        return want
