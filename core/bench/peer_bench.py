@@ -318,6 +318,14 @@ def run_peer_bench(args) -> Optional[list[PeerRow]]:
     workloads = None
 
     failures: list[str] = []
+
+    def save() -> None:        # after every row too, so a run cut short keeps what it measured
+        if getattr(args, "json", None):
+            with open(args.json, "w") as f:
+                json.dump({"peer": "vllm", "vllm_version": detail, "rows": [asdict(r) for r in rows],
+                           "table": format_table(rows), "equal_first_ids": equal, "vllm_binding": bindings,
+                           "failures": failures}, f, indent=2)
+
     for dtype in dtypes:
         for tc in configs:
             engine = peer = None
@@ -341,6 +349,7 @@ def run_peer_bench(args) -> Optional[list[PeerRow]]:
                     rows.append(row)
                     if eq is not None:
                         equal.setdefault(dtype, []).append(f"{eq}/{len(workloads[0].prompts)} (threads {tc.name})")
+                    save()
             except Exception as exc:
                 failures.append(f"{dtype}, threads {tc.name}: {type(exc).__name__}: {exc}")
                 _progress(f"FAILED {failures[-1]}")
@@ -362,10 +371,7 @@ def run_peer_bench(args) -> Optional[list[PeerRow]]:
     print(f"vLLM logs: {log_dir}")
     for text in failures:
         print(f"not measured: {text}")
-    if getattr(args, "json", None):
-        with open(args.json, "w") as f:
-            json.dump({"peer": "vllm", "vllm_version": detail, "rows": [asdict(r) for r in rows],
-                       "equal_first_ids": equal, "vllm_binding": bindings, "failures": failures}, f, indent=2)
+    save()
     if failures:
         raise PeerError(f"{len(failures)} configuration(s) not measured (above); the table holds the rest")
     return rows
