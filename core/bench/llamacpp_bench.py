@@ -196,7 +196,7 @@ def ensure_converter(version: str, pip_python: str, cache: Optional[Path] = None
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".sdist-") as tmp:
         _progress(f"downloading the llama-cpp-python {version} sdist for llama.cpp's convert_hf_to_gguf.py "
                   f"(once; kept in {target})")
-        cmd = [pip_python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+        cmd = [pip_python, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
                f"llama-cpp-python=={version}", "-d", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S)
         archives = sorted(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
