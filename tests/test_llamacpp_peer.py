@@ -111,6 +111,7 @@ def test_check_peer_and_recipe(tmp_path):
     assert "-DGGML_NATIVE=ON" in recipe and f"llama-cpp-python=={lb.PEER_VERSION}" in recipe
     assert "--no-binary llama-cpp-python" in recipe
     assert "~/llama-venv" in lb.install_recipe(None)
+    assert "python3 -m venv ~/llama-venv" in lb.install_recipe("/usr/bin/python3")   # no venv: never /usr
 
 
 def test_thread_counts():

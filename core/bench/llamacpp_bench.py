@@ -53,7 +53,11 @@ CONVERT_TIMEOUT_S = 1800
 
 def install_recipe(python: Optional[str]) -> str:
     """How to make a venv that can serve as `--peer-python`, as commands."""
-    venv = str(Path(python).parent.parent) if python and Path(python).parent.name == "bin" else "~/llama-venv"
+    venv = "~/llama-venv"
+    if python and Path(python).parent.name == "bin":
+        root = Path(python).expanduser().parent.parent           # a venv to make, or one that is there
+        if not Path(python).expanduser().exists() or (root / "pyvenv.cfg").is_file():
+            venv = str(Path(python).parent.parent)
     return "\n".join([
         "Build llama-cpp-python from source, with native CPU flags, in a separate venv (never the project's own):",
         f"  python3 -m venv {venv}",
