@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from workbench.core.bench.ceiling import WorkloadWork, measure_linears, needed_fraction
 from workbench.core.bench.vllm_peer import (FIRST_IDS, ProtocolError, encode_message, load_request, parse_reply,
                                             quit_request, run_request)
 
@@ -220,6 +221,11 @@ class PeerRow:
     workbench_samples: list[float] = field(default_factory=list)
     vllm_samples: list[float] = field(default_factory=list)
     load_1m: list[float] = field(default_factory=list)
+    # the GEMM-only ceiling of the workload on these cores (ceiling.py), filled in after the run
+    ceiling_tok_s: Optional[float] = None
+    # CPU the idle engine's processes used while the other engine ran (cores, mean): the fairness check
+    workbench_idle_cores: Optional[float] = None
+    vllm_idle_cores: Optional[float] = None
 
 
 def make_row(wl: Workload, dtype: str, threads: str, wb: list[float], vl: list[float], loads: list[float]) -> PeerRow:
@@ -229,13 +235,68 @@ def make_row(wl: Workload, dtype: str, threads: str, wb: list[float], vl: list[f
 
 def format_table(rows: list[PeerRow]) -> str:
     """The result as a Markdown table (paste-able into the README)."""
-    lines = [f"| workload | dtype | threads | workbench tok/s | vLLM tok/s | ratio | goal {GOAL:g}× | load 1m |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| workload | dtype | threads | workbench tok/s | vLLM tok/s | ratio | goal {GOAL:g}× "
+             f"| GEMM-only ceiling tok/s | workbench / ceiling | vLLM / ceiling | {GOAL:g}× vLLM / ceiling "
+             "| idle engine's CPU (wb, vLLM) | load 1m |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         load = f"{min(r.load_1m):.2f}–{max(r.load_1m):.2f}" if r.load_1m else ""
+        if r.ceiling_tok_s:
+            need = needed_fraction(r.vllm_tok_s, r.ceiling_tok_s, GOAL)
+            ceiling = (f"{r.ceiling_tok_s:.1f} | {r.workbench_tok_s / r.ceiling_tok_s:.0%} "
+                       f"| {r.vllm_tok_s / r.ceiling_tok_s:.0%} | " + (f"{need:.0%}" if need is not None else "n/a"))
+        else:
+            ceiling = " | | | "
+        idle = (f"{r.workbench_idle_cores:.2f}, {r.vllm_idle_cores:.2f}"
+                if r.workbench_idle_cores is not None and r.vllm_idle_cores is not None else "")
         lines.append(f"| {r.workload} | {r.dtype} | {r.threads} | {r.workbench_tok_s:.1f} | {r.vllm_tok_s:.1f} "
-                     f"| {r.ratio:.2f}× | {goal_text(r.ratio)} | {load} |")
+                     f"| {r.ratio:.2f}× | {goal_text(r.ratio)} | {ceiling} | {idle} | {load} |")
     return "\n".join(lines)
+
+
+def apply_ceilings(rows: list[PeerRow], workloads: list[Workload], times: dict) -> None:
+    """Fill each row's GEMM-only ceiling from the best `LinearTimes` measured for its dtype."""
+    by_label = {wl.label: wl for wl in workloads}
+    for r in rows:
+        lt, wl = times.get(r.dtype), by_label.get(r.workload)
+        if lt is None or wl is None:
+            continue
+        work = WorkloadWork.of(wl.prompts, wl.new_tokens)
+        r.ceiling_tok_s = lt.ceiling_tok_s(work, decode_only=wl.decode_only)
+
+
+def best_linear_times(a, b):
+    """Of two `LinearTimes` of one dtype, per entry the faster (a ceiling is the best the machine did)."""
+    if a is None or b is None:
+        return a or b
+    return type(a)(max(a.threads, b.threads),
+                   {k: min(a.decode_step_s[k], b.decode_step_s[k]) for k in a.decode_step_s},
+                   min(a.prefill_token_s, b.prefill_token_s),
+                   {k: min(a.head_row_s[k], b.head_row_s[k]) for k in a.head_row_s},
+                   max(a.sgemm_gflops, b.sgemm_gflops),
+                   {k: max(a.packed_gflops_decode[k], b.packed_gflops_decode[k]) for k in a.packed_gflops_decode})
+
+
+def cpu_seconds(pids) -> float:
+    """User + system CPU seconds of these processes and all their descendants (gone ones count 0)."""
+    import psutil
+    seen, total = set(), 0.0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            family = [proc] + proc.children(recursive=True)
+        except psutil.Error:
+            continue
+        for p in family:
+            if p.pid in seen:
+                continue
+            seen.add(p.pid)
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+    return total
 
 
 def vllm_binding(log_text: str) -> str:
@@ -318,17 +379,19 @@ def run_peer_bench(args) -> Optional[list[PeerRow]]:
     workloads = None
 
     failures: list[str] = []
+    linear_times: dict = {}       # dtype -> best LinearTimes (ceiling.py)
 
     def save() -> None:        # after every row too, so a run cut short keeps what it measured
         if getattr(args, "json", None):
             with open(args.json, "w") as f:
                 json.dump({"peer": "vllm", "vllm_version": detail, "rows": [asdict(r) for r in rows],
                            "table": format_table(rows), "equal_first_ids": equal, "vllm_binding": bindings,
-                           "failures": failures}, f, indent=2)
+                           "failures": failures,
+                           "linear_times": {k: asdict(v) for k, v in linear_times.items()}}, f, indent=2)
 
     for dtype in dtypes:
         for tc in configs:
-            engine = peer = None
+            engine = peer = config = None
             try:       # one configuration failing (an engine that cannot start) leaves the others measured
                 _progress(f"{dtype}, threads {tc.name}: starting the workbench Engine "
                           f"(num_threads={tc.workbench_threads or 'default'})")
@@ -357,7 +420,21 @@ def run_peer_bench(args) -> Optional[list[PeerRow]]:
                 if peer is not None:
                     peer.close()
                 if engine is not None:
+                    config = engine.prepared.config
                     engine.shutdown()
+            if config is not None and workloads is not None:
+                # with both engines down: this machine's GEMMs at the model's shapes, all its CPUs
+                # on every CPU and on one (beside a neighbour one thread can be the faster), the best kept
+                _progress(f"{dtype}: timing the workloads' GEMMs alone on {len(cpus)} and 1 thread(s) (the ceiling)")
+                for n in sorted({len(cpus), 1}, reverse=True):
+                    lt = measure_linears(config, dtype, n, {len(wl.prompts) for wl in workloads})
+                    linear_times[dtype] = best_linear_times(linear_times.get(dtype), lt)
+                best = linear_times[dtype]
+                _progress(f"{dtype}: packed GEMMs of a decode step " + ", ".join(
+                    f"bs {k}: {v:.1f} GFLOP/s" for k, v in best.packed_gflops_decode.items())
+                    + f"; one 2048^3 sgemm {best.sgemm_gflops:.1f} GFLOP/s")
+                apply_ceilings(rows, workloads, linear_times)
+                save()
 
     print()
     print(format_table(rows))
@@ -365,6 +442,12 @@ def run_peer_bench(args) -> Optional[list[PeerRow]]:
         print(f"first {FIRST_IDS} greedy tokens equal, workbench vs vLLM, workload (i), {dtype}: " + ", ".join(texts))
     print(f"ratio = workbench tok/s / vLLM tok/s, medians of {2 * repeats} measurements each (A B B A x {repeats}); "
           f"(i), (ii): output tok/s; (iii): decode tok/s, the 1-new-token time subtracted; vLLM KV cache {kv_gib:g} GiB")
+    for dtype, lt in linear_times.items():
+        print(f"GEMM-only ceiling ({dtype}, the best of 1 and {lt.threads} threads): each workload's linear layers "
+              f"and LM head alone, timed here on the model's shapes (ceiling.py); decode-step GEMMs "
+              + ", ".join(f"bs {k} {v:.1f}" for k, v in lt.packed_gflops_decode.items())
+              + f" GFLOP/s against {lt.sgemm_gflops:.1f} for one 2048^3 sgemm (the library's best shape). "
+              f"'{GOAL:g}× vLLM / ceiling' over 100% means the goal is above what these cores can compute.")
     for name, text in bindings.items():
         if text:
             print(f"vLLM binding, threads {name}: {text}")
@@ -381,20 +464,30 @@ def _measure_config(engine, peer: VllmPeer, workloads: list[Workload], dtype: st
                     repeats: int):
     """Yield (row, first-ids equality count or None) per workload: `repeats` rounds of A B B A."""
     sides = {"workbench": _workbench_run(engine), "vLLM": _vllm_run(peer)}
+    # the idle side's processes: the Engine's children (scheduler ranks, detokenizer; its tokenizer
+    # manager is this process, which drives the measurement) and vLLM's driver with its children
+    pids = {"workbench": [p.pid for p in engine.procs.values()], "vLLM": [peer.proc.pid]}
     for run in sides.values():                    # warm-up, both engines
         run(workloads[0].prompts[:2], 4)
     for wl in workloads:
         samples: dict[str, list[float]] = {"workbench": [], "vLLM": []}
         first: dict[str, list[list[int]]] = {}
         loads: list[float] = []
+        idle: dict[str, list[float]] = {"workbench": [], "vLLM": []}
         for r in range(repeats):
             for side in ("workbench", "vLLM", "vLLM", "workbench"):
+                other = "vLLM" if side == "workbench" else "workbench"
+                c0, t0 = cpu_seconds(pids[other]), time.perf_counter()
                 tok_s, ids = measure(sides[side], wl)
+                idle[other].append((cpu_seconds(pids[other]) - c0) / max(1e-9, time.perf_counter() - t0))
                 load1 = os.getloadavg()[0]
                 samples[side].append(tok_s)
                 loads.append(load1)
                 first.setdefault(side, ids)
                 _progress(f"{wl.key} {dtype} threads {tc.name} [{r + 1}/{repeats}] {side:<9} "
-                          f"{tok_s:8.1f} tok/s   (load 1m {load1:.2f})")
+                          f"{tok_s:8.1f} tok/s   (load 1m {load1:.2f}; idle {other} used "
+                          f"{idle[other][-1]:.2f} cores)")
         row = make_row(wl, dtype, tc.name, samples["workbench"], samples["vLLM"], loads)
+        row.workbench_idle_cores = statistics.mean(idle["workbench"])
+        row.vllm_idle_cores = statistics.mean(idle["vLLM"])
         yield row, (count_equal(first["workbench"], first["vLLM"]) if wl.key == "i" else None)
