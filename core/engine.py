@@ -28,6 +28,7 @@ from workbench.core.distributed.launch import (spawn_scheduler_ranks, tp_ranks_o
                                                wait_ranks_ready, with_dist_init_addr)
 from workbench.core.ipc import PortArgs
 from workbench.core.managers.tokenizer_manager import EngineDeadError, GenerateReqInput, TokenizerManager
+from workbench.core.model_executor.cpu_threads import omp_wait_env
 from workbench.core.model_loader import load_tokenizer, prepare_model
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.trace import events as ev
@@ -86,7 +87,8 @@ class Engine:
         self._progress("starting scheduler and detokenizer processes")
         from workbench.core.managers.detokenizer_manager import run_detokenizer_process
         readers: dict = {}
-        self._launch_schedulers(ctx, child_args, readers)
+        with omp_wait_env(sa.device):   # the children's OpenMP threads sleep soon when idle
+            self._launch_schedulers(ctx, child_args, readers)
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=run_detokenizer_process, name="workbench-detokenizer", daemon=True,
                            args=(str(self.prepared.model_dir), self.port_args, writer))

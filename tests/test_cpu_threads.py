@@ -13,8 +13,9 @@ import time
 import pytest
 
 from workbench.core.args import ServerArgs
-from workbench.core.model_executor.cpu_threads import (AdaptiveThreads, CpuLoadMeter, StepTimePolicy, ThreadPlan,
-                                                       cores_for_rank, parse_core_list, plan_threads)
+from workbench.core.model_executor.cpu_threads import (OMP_SPINCOUNT, AdaptiveThreads, CpuLoadMeter, StepTimePolicy,
+                                                       ThreadPlan, cores_for_rank, omp_wait_env, omp_wait_text,
+                                                       omp_wait_values, parse_core_list, plan_threads)
 
 
 # ---- the pure parts ------------------------------------------------------------------------------
@@ -169,6 +170,30 @@ def _busy_loop(stop) -> None:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the adaptive policy needs at least 2 cores")
+def test_omp_wait_env_bounds_the_spin_unless_the_user_chose(monkeypatch):
+    for var in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(var, raising=False)
+    assert omp_wait_values({}) == {"GOMP_SPINCOUNT": OMP_SPINCOUNT}
+    assert omp_wait_values({"OMP_WAIT_POLICY": "ACTIVE"}) == {} and omp_wait_values({"GOMP_SPINCOUNT": "5"}) == {}
+    with omp_wait_env("cpu") as added:               # set for children started inside, restored after
+        assert added == {"GOMP_SPINCOUNT": OMP_SPINCOUNT} and os.environ["GOMP_SPINCOUNT"] == OMP_SPINCOUNT
+    assert "GOMP_SPINCOUNT" not in os.environ
+    with omp_wait_env("cuda") as added:
+        assert added == {} and "GOMP_SPINCOUNT" not in os.environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    with omp_wait_env("cpu") as added:
+        assert added == {} and "GOMP_SPINCOUNT" not in os.environ
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert omp_wait_text({"GOMP_SPINCOUNT": "10000"}) == "OpenMP waits: spin 10000 rounds, then sleep"
+    assert "OMP_WAIT_POLICY=PASSIVE" in omp_wait_text({"OMP_WAIT_POLICY": "PASSIVE"})
+    assert "default" in omp_wait_text({})
+
+
+def _environ_of(pid: int) -> dict:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
+
+
 def test_engine_probes_thread_counts_beside_a_busy_neighbour_and_keeps_serving(default_prepared, hf_model):
     """Real scheduler, real neighbours: it measures (probes) and its tokens stay transformers' tokens."""
     from conftest import hf_greedy
@@ -176,6 +201,10 @@ def test_engine_probes_thread_counts_beside_a_busy_neighbour_and_keeps_serving(d
     prompt = [1, 504, 3003, 2380, 281, 260]
     with Engine(dtype="float32", max_total_tokens=2048, show_progress=False) as engine:
         assert "adaptive" in engine.scheduler_info["threads"]
+        # the scheduler was started with the bounded OpenMP spin, and says so; this process was not changed
+        assert f"spin {OMP_SPINCOUNT} rounds" in engine.scheduler_info["threads"]
+        if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+            assert _environ_of(engine.procs["scheduler"].pid).get("GOMP_SPINCOUNT") == OMP_SPINCOUNT
         cores = len(os.sched_getaffinity(0))
         ctx = mp.get_context("spawn")
         stop = ctx.Event()

@@ -19,6 +19,8 @@ import time
 from multiprocessing.connection import wait as mp_wait
 from typing import Optional
 
+from workbench.core.model_executor.cpu_threads import omp_wait_env
+
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600
@@ -163,7 +165,8 @@ def run_worker_node(server_args, on_ready=None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        spawn_scheduler_ranks(mp.get_context("spawn"), child_args, port_args, ranks, procs, readers)
+        with omp_wait_env(sa.device):   # the ranks' OpenMP threads sleep soon when idle
+            spawn_scheduler_ranks(mp.get_context("spawn"), child_args, port_args, ranks, procs, readers)
         wait_ranks_ready(procs, readers, timeout_hint=" (are all nodes started with the same --dist-init-addr "
                                                       "and --nnodes?)")
         print(f"node {sa.node_rank}/{sa.nnodes}: TP ranks {list(ranks)} of {sa.tp_size} ready "

@@ -13,6 +13,12 @@ Which wins depends on the CPU, the batch and the neighbour, so the default measu
   change with `torch.set_num_threads` between steps, and reads `CpuLoadMeter` (what the
   *other* processes use of our cores, from /proc/stat, steal included) to report it.
 
+How long an idle thread of the team spins before it sleeps matters as much. libgomp (torch's
+OpenMP) spins ~300,000 rounds at every barrier by default: quiet that is free, but beside a
+neighbour a spinning thread burns the core its descheduled teammate (or the neighbour) needs,
+and a decode step of ~300 parallel regions runs several times slower. `omp_wait_env` starts the
+scheduler processes with a bounded spin (GOMP_SPINCOUNT, below) unless the user set one.
+
 `--num-threads N` fixes the count; `--cpu-omp-threads-bind 0-1` (SGLang's
 SGLANG_CPU_OMP_THREADS_BIND, `|` between TP ranks) pins the scheduler to those cores and uses
 one thread per core. Both turn the adaptation off: the user chose.
@@ -28,9 +34,54 @@ from typing import Callable, Optional
 logger = logging.getLogger(__name__)
 
 __all__ = ["parse_core_list", "cores_for_rank", "CpuLoadMeter", "StepTimePolicy", "AdaptiveThreads",
-           "ThreadPlan", "plan_threads"]
+           "ThreadPlan", "plan_threads", "omp_wait_env", "OMP_SPINCOUNT"]
 
 BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+# Spin rounds before an idle OpenMP thread sleeps (libgomp's GOMP_SPINCOUNT; default 300,000).
+# Gaps between a decode step's parallel regions are far shorter than this many rounds, so quiet
+# steps keep their speed; beside a neighbour a waiting thread yields its core soon (docs/design.md).
+OMP_SPINCOUNT = "10000"
+_USER_WAIT_VARS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+
+
+def omp_wait_values(environ) -> dict:
+    """The variables `omp_wait_env` adds to `environ` (none where the user chose a wait policy)."""
+    if any(environ.get(v) for v in _USER_WAIT_VARS):
+        return {}
+    return {"GOMP_SPINCOUNT": OMP_SPINCOUNT}
+
+
+def omp_wait_text(environ) -> str:
+    """How this process's OpenMP threads wait, for the ready line."""
+    if environ.get("OMP_WAIT_POLICY"):
+        return f"OpenMP waits: OMP_WAIT_POLICY={environ['OMP_WAIT_POLICY']}"
+    if environ.get("GOMP_SPINCOUNT"):
+        return f"OpenMP waits: spin {environ['GOMP_SPINCOUNT']} rounds, then sleep"
+    return "OpenMP waits: libgomp's default spin"
+
+
+class omp_wait_env:
+    """Context manager: processes started inside it get the bounded OpenMP spin (libgomp reads it
+    once, when torch loads it, so it must be in the child's environment from the start); the
+    parent's environment is restored on exit."""
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self._saved: dict = {}
+
+    def __enter__(self) -> dict:
+        # "auto" too (resolving it would import torch here): on a GPU the host threads barely use OpenMP
+        added = omp_wait_values(os.environ) if self.device != "cuda" else {}
+        self._saved = {k: os.environ.get(k) for k in added}
+        os.environ.update(added)
+        return added
+
+    def __exit__(self, *exc) -> None:
+        for k, v in self._saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def parse_core_list(text: str) -> list[int]:
@@ -216,7 +267,7 @@ class ThreadPlan:
     def describe(self) -> str:
         where = f" on cores {_ranges(self.cores)}" if self.cores else ""
         mode = "adaptive" if self.adaptive else "fixed"
-        return f"{self.threads} compute thread(s){where}, {mode}: {self.reason}"
+        return f"{self.threads} compute thread(s){where}, {mode}: {self.reason}; {omp_wait_text(os.environ)}"
 
 
 def _ranges(cores: list[int]) -> str:
