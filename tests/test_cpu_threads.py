@@ -50,6 +50,13 @@ def test_policy_keeps_the_faster_count_after_a_probe():
     assert 2 in used and p.threads == 1 and p.current == 1
 
 
+def test_first_probe_comes_early_then_every_period():
+    p = StepTimePolicy(2)                              # defaults: first after 8 steps, then every 48
+    used = _run(p, 4, {2: 50.0, 1: 80.0}, 8 + 4 + 48 + 4)
+    assert used[:8] == [2] * 8 and used[8] == 1        # the early probe: a collapsing start is short
+    assert used[12:60] == [2] * 48 and used[60] == 1 and p.probes == 2 and p.threads == 2
+
+
 def test_policy_keeps_two_threads_when_they_are_faster_and_ignores_small_gains():
     p = StepTimePolicy(2, period=8, probe_steps=4)
     _run(p, 8, {2: 50.0, 1: 80.0}, 40)

@@ -187,7 +187,8 @@ class StepTimePolicy:
     Whether a second thread helps depends on the CPU, the batch and what else runs, and on
     the machine this was built on no load threshold predicted it well (a TUI using 0.4 of a
     core left two threads faster; a busy loop made one thread 1.9x faster at batch 1). So it
-    is measured: after every `period` decode steps at the current count, the next
+    is measured: after every `period` decode steps at the current count (the first time after
+    `first_probe`), the next
     `probe_steps` decode steps of the *same batch size* run with the other count. The probe's
     first step is not timed (the team wakes up). The probe is kept if its median step is
     `margin` faster than the median of the last steps before it; it is abandoned at once
@@ -196,6 +197,7 @@ class StepTimePolicy:
     """
     max_threads: int
     period: int = 48
+    first_probe: int = 8                     # the first probe comes sooner: a collapsing start is short
     probe_steps: int = 4
     margin: float = 0.08
     threads: int = 0
@@ -210,6 +212,7 @@ class StepTimePolicy:
     def __post_init__(self):
         self.max_threads = max(1, int(self.max_threads))
         self.threads = self.threads or self.max_threads
+        self._since = self.period - min(self.first_probe, self.period)
 
     @property
     def current(self) -> int:
@@ -306,7 +309,7 @@ def plan_threads(num_threads: Optional[int], bind: Optional[str], local_rank: in
     if share == 1:
         return ThreadPlan(1, False, None, "one core available")
     return ThreadPlan(share, True, None, f"up to {share} on {n_cores} cores, whichever count decodes faster "
-                      "beside the other processes (probed every 48 decode steps)")
+                      "beside the other processes (probed after 8 decode steps, then every 48)")
 
 
 # ==== the scheduler's glue =====================================================================
