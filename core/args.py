@@ -36,6 +36,10 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = True      # the overlap loop is opt-in on CPU (see docs)
+    enable_kv_invariant_check: bool = field(default=False, metadata={"help": (
+        "check, whenever the scheduler goes idle, that every KV slot is free, cached or held by a request "
+        "and every request row and radix lock is accounted for; a violation is logged with the numbers and "
+        "reported by get_internal_state (env WORKBENCH_KV_INVARIANT_CHECK=1 turns it on, =0 off)")})
     # execution
     attention_backend: Optional[str] = None    # None = cpu_paged (else torch_native) on CPU, flashinfer/triton on CUDA
     disable_cuda_graph: bool = False
@@ -153,7 +157,8 @@ class ServerArgs:
                 if default:
                     parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
                 else:
-                    parser.add_argument(*names, dest=f.name, action="store_true", default=False)
+                    parser.add_argument(*names, dest=f.name, action="store_true", default=False,
+                                        help=f.metadata.get("help"))
                 continue
             kind = str(f.type)
             if "list[int]" in kind:

@@ -65,6 +65,7 @@ class GetInternalStateReqOutput(Msg):
     num_threads: int = 0          # compute threads now (the adaptive policy may change it; see cpu_threads.py)
     others_load: float = -1.0     # cores other processes kept busy in the last window (-1: not measured)
     thread_probes: int = 0        # times the adaptive policy tried the other thread count
+    kv_check_error: str = ""      # --enable-kv-invariant-check: the last violation seen ("" = none)
     # Data parallel: the fields above are summed over replicas; here each replica's own figures.
     per_replica: Optional[list[dict[str, Union[int, float]]]] = None
 

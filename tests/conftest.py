@@ -8,6 +8,9 @@ import torch
 
 # Tests run on 2 cores; keep torch from oversubscribing when several processes run.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Every scheduler the tests start checks its KV bookkeeping whenever it goes idle
+# (core/managers/scheduler_kv_check.py); assert_no_kv_leak reads the outcome.
+os.environ.setdefault("WORKBENCH_KV_INVARIANT_CHECK", "1")
 
 
 @pytest.fixture(scope="session")

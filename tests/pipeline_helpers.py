@@ -6,12 +6,17 @@ import time
 
 
 def assert_no_kv_leak(engine, timeout: float = 20.0) -> dict:
-    """Once idle and the cache flushed, every KV slot and request row must be free again."""
+    """Once idle and the cache flushed, every KV slot and request row must be free again.
+
+    With the scheduler's KV integrity check on (tests/conftest.py sets WORKBENCH_KV_INVARIANT_CHECK=1
+    for every engine the tests start), an idle scheduler also checks slot by slot, row by row and
+    lock by lock (Scheduler.check_kv_invariants) and reports any violation here."""
     deadline = time.monotonic() + timeout
     while True:
         state = engine.get_internal_state()
         idle = state["num_waiting"] == 0 and state["num_running"] == 0
         if idle:
+            assert not state.get("kv_check_error"), f"scheduler KV check: {state['kv_check_error']}"
             # Before the flush (which clears the pools): every slot is free or held by the cache.
             assert state["kv_free"] + state["kv_evictable"] == state["kv_total"], f"KV slots leaked: {state}"
             assert state["req_slots_free"] == state["req_slots_total"], f"request rows leaked: {state}"

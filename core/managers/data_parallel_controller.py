@@ -265,6 +265,7 @@ def _merge_internal_state(replies: list[GetInternalStateReqOutput]) -> GetIntern
     merged = {name: sum(getattr(r, name) for r in replies) for name in _SUMMED}
     return GetInternalStateReqOutput(
         **merged, step=max(r.step for r in replies), max_req_input_len=min(r.max_req_input_len for r in replies),
+        kv_check_error="; ".join(f"dp{i}: {r.kv_check_error}" for i, r in enumerate(replies) if r.kv_check_error),
         per_replica=[{name: getattr(r, name) for name in _SUMMED + ("step",)} for r in replies])
 
 

@@ -15,6 +15,13 @@ Every step emits trace events (batch composition, queues, KV usage, cache activi
 `--no-disable-overlap-schedule`) runs the same steps but launches batch N before processing
 batch N-1's result.
 Both loops share everything below; the pieces that care are marked "overlap".
+
+Seams: the Scheduler takes its model worker, its I/O (what `recv_requests` reads and where
+outputs go), its tokenizer and its tracer from outside when given (`Scheduler(..., worker=,
+io=, tokenizer=, tracer=)`); `run_scheduler_process` gives none, so the real ones are built
+(TpModelWorker, ZMQ sockets). One iteration of either loop is a method (`step_normal`,
+`step_overlap`), so the in-process tests (tests/test_scheduler_inprocess.py) drive the same code
+with a stand-in worker and a list-based I/O. The KV integrity check is scheduler_kv_check.py.
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ from workbench.core.io_struct import (
 from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_msg
 from workbench.core.managers.schedule_batch import FinishReason, Req, ScheduleBatch
 from workbench.core.managers.schedule_policy import AddReqResult, HeldBack, PrefillAdder, SchedulePolicy
+from workbench.core.managers.scheduler_kv_check import SchedulerKVCheckMixin, kv_check_enabled
 from workbench.core.managers.scheduler_output import SchedulerOutputMixin
 from workbench.core.managers.scheduler_overlap import InflightBatch, SchedulerOverlapMixin
 from workbench.core.managers.tp_worker import GenerationBatchResult, TpModelWorker
@@ -56,22 +64,29 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0, tp_size: int = 1,
-                 prepared=None, proc_name: str = "scheduler"):
+class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMixin):
+    def __init__(self, server_args: ServerArgs, port_args: Optional[PortArgs], tp_rank: int = 0, tp_size: int = 1,
+                 prepared=None, proc_name: str = "scheduler", *, worker=None, io=None, tokenizer=None,
+                 tracer: Optional[Tracer] = None):
+        """`worker` (a TpModelWorker or a stand-in with the same interface), `io` (recv/send, see
+        ZmqSchedulerIO), `tokenizer` (`decode(ids, skip_special_tokens=)`) and `tracer`: built here
+        when not given, as `run_scheduler_process` does."""
         self.server_args = server_args
         self.port_args = port_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
         # Only TP rank 0 talks to the rest of the engine: it traces, receives and sends.
-        self.tracer = Tracer(proc_name, endpoint=port_args.trace_ipc_name if tp_rank == 0 else None)
-        self.tp_worker = TpModelWorker(server_args, tp_rank, tp_size, prepared)
+        if tracer is None:
+            endpoint = port_args.trace_ipc_name if tp_rank == 0 and port_args is not None else None
+            tracer = Tracer(proc_name, endpoint=endpoint)
+        self.tracer = tracer
+        self.tp_worker = worker if worker is not None else TpModelWorker(server_args, tp_rank, tp_size, prepared)
         runner = self.tp_worker.model_runner
         self.model_config = runner.model_config
         self.max_total_num_tokens = runner.max_total_num_tokens
         self.max_running_requests = runner.max_running_requests
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool_allocator = runner.token_to_kv_pool_allocator
-        self.tokenizer = _load_fast_tokenizer(runner.prepared.model_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_fast_tokenizer(runner.prepared.model_dir)
 
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
         self.tree_cache = cache_cls(self.req_to_token_pool, self.token_to_kv_pool_allocator,
@@ -104,18 +119,15 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         self.enable_overlap = not server_args.disable_overlap_schedule
         self.inflight: Optional[InflightBatch] = None
         self.overlap_worker = None
+        # KV integrity check when the loop goes idle (scheduler_kv_check.py); once per idle period.
+        self.kv_check_enabled = kv_check_enabled(server_args)
+        self._kv_checked_idle = True
 
-        self.poller = zmq.Poller()
-        if tp_rank == 0:
-            ctx = zmq.Context(2)
-            self.recv_from_tokenizer = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
-            self.send_to_detokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
-            self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
-        else:
+        if io is None:
             # Ranks > 0 get their input by broadcast from rank 0 and compute the same outputs,
             # which rank 0 alone sends.
-            self.recv_from_tokenizer = None
-            self.send_to_detokenizer = _DiscardingSocket()
+            io = ZmqSchedulerIO(port_args) if tp_rank == 0 else _DiscardingIO()
+        self.io = io
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
@@ -124,16 +136,20 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
     # ==== the event loop ==========================================================
     def event_loop_normal(self) -> None:
         while True:
-            recv_reqs = self.recv_requests()
-            self.process_input_requests(recv_reqs)
-            if self.paused and self.step_credits == 0:
-                continue                       # recv_requests blocks briefly: no busy spin
-            batch = self.get_next_batch_to_run()
-            if batch is not None:
-                result = self.run_batch(batch)
-                self.process_batch_result(batch, result)
-            self.last_batch = batch
-            self.finish_step(batch)
+            self.step_normal()
+
+    def step_normal(self) -> None:
+        """One iteration of the normal loop."""
+        recv_reqs = self.recv_requests()
+        self.process_input_requests(recv_reqs)
+        if self.paused and self.step_credits == 0:
+            return                             # recv_requests blocks briefly: no busy spin
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            result = self.run_batch(batch)
+            self.process_batch_result(batch, result)
+        self.last_batch = batch
+        self.finish_step(batch)
 
     def recv_requests(self) -> list:
         """Everything waiting on the input socket; blocks up to 50 ms when there is no work.
@@ -146,8 +162,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             idle = not self.has_work() or (self.paused and self.step_credits == 0)
             if idle:
                 self.tracer.flush()
-                self.poller.poll(50)
-            msgs = recv_all_nowait(self.recv_from_tokenizer)
+            msgs = self.io.recv(50 if idle else 0)
         if self.tp_size > 1:
             msgs = broadcast_msgs(msgs)
         return msgs
@@ -159,9 +174,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg.rid)
             elif isinstance(msg, FlushCacheReq):
-                send_msg(self.send_to_detokenizer, FlushCacheReqOutput(success=self.flush_cache()))
+                self.io.send(FlushCacheReqOutput(success=self.flush_cache()))
             elif isinstance(msg, GetInternalStateReq):
-                send_msg(self.send_to_detokenizer, self.get_internal_state())
+                self.io.send(self.get_internal_state())
             elif isinstance(msg, SetTraceReq):
                 self.tracer.set_enabled(msg.enabled)
                 if msg.enabled:
@@ -190,6 +205,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
     def begin_step(self) -> None:
         self.forward_ct += 1
         self.tracer.begin_step(self.forward_ct)
+        self._kv_checked_idle = False
         self._step_start = time.perf_counter()
 
     def finish_step(self, batch: Optional[ScheduleBatch]) -> None:
@@ -206,7 +222,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             self.step_credits -= 1
             if self.step_credits == 0 and self.pending_step_reply:
                 self.pending_step_reply = False
-                send_msg(self.send_to_detokenizer, StepGateReqOutput(paused=True, step=self.forward_ct))
+                self.io.send(StepGateReqOutput(paused=True, step=self.forward_ct))
 
     # ==== requests in =================================================================
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
@@ -277,6 +293,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         self.last_batch = None
         if not self.has_work():
             self.running_batch.filter_batch()
+            self.check_kv_invariants_when_idle()
             return None                  # idle: no step number is used up
         self.begin_step()
         batch = self.get_new_batch_prefill()
@@ -500,7 +517,16 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             max_req_input_len=self.max_req_input_len, last_gen_throughput=self.last_gen_throughput,
             trace_ms=self.trace_ns / 1e6, num_threads=self._num_threads(),
             others_load=-1.0 if at is None or at.others is None else round(at.others, 3),
-            thread_probes=0 if at is None else at.policy.probes)
+            thread_probes=0 if at is None else at.policy.probes, kv_check_error=self.kv_check_error_now())
+
+    def kv_check_error_now(self) -> str:
+        """For get_internal_state: with the check enabled and the scheduler idle, check now ("" = ok)."""
+        if self.kv_check_enabled and not self.has_work():
+            try:
+                self.check_kv_invariants()
+            except Exception as exc:       # KVInvariantError, or the check itself tripping on bad state
+                self.kv_check_error = f"{type(exc).__name__}: {exc}"
+        return self.kv_check_error
 
     def handle_step_gate(self, msg: StepGateReq) -> None:
         if msg.action == "pause":
@@ -518,7 +544,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
                 self.pending_step_reply = False
             else:
                 return
-        send_msg(self.send_to_detokenizer, StepGateReqOutput(paused=self.paused, step=self.forward_ct))
+        self.io.send(StepGateReqOutput(paused=self.paused, step=self.forward_ct))
 
     def handle_weights_request(self, msg) -> None:
         """Weight updates and reads (the work is in weight_updater.py); replies on the usual socket."""
@@ -533,7 +559,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             if self.tracer.enabled:
                 self.tracer.emit(ev.WeightsUpdated(source=source, version=self.weights_version))
                 self.tracer.flush()
-        send_msg(self.send_to_detokenizer, reply)
+        self.io.send(reply)
 
     # ==== helpers ====================================================================
     def _decode_preview(self, ids: list[int]) -> str:
@@ -546,10 +572,34 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
                 self.tracer.emit(event)
 
 
-class _DiscardingSocket:
-    """The output socket of a TP rank > 0: rank 0 sends the identical outputs."""
+class ZmqSchedulerIO:
+    """The scheduler's I/O in the engine: requests from the TokenizerManager (or the DP controller),
+    outputs to the Detokenizer, over ZMQ. Any object with these two methods can stand in."""
 
-    def send(self, *args, **kwargs) -> None:
+    def __init__(self, port_args: PortArgs):
+        ctx = zmq.Context(2)
+        self.recv_from_tokenizer = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
+        self.send_to_detokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
+        self.poller = zmq.Poller()
+        self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+
+    def recv(self, timeout_ms: int = 0) -> list:
+        """Every message waiting; with `timeout_ms`, first wait up to that long for one."""
+        if timeout_ms:
+            self.poller.poll(timeout_ms)
+        return recv_all_nowait(self.recv_from_tokenizer)
+
+    def send(self, msg) -> None:
+        send_msg(self.send_to_detokenizer, msg)
+
+
+class _DiscardingIO:
+    """The I/O of a TP rank > 0: its input comes by broadcast, rank 0 sends the identical outputs."""
+
+    def recv(self, timeout_ms: int = 0) -> list:
+        return []
+
+    def send(self, msg) -> None:
         pass
 
 

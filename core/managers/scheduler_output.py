@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from workbench.core.io_struct import BatchTokenIDOut
-from workbench.core.ipc import send_msg
 from workbench.core.layers.logits_processor import token_logprobs
 from workbench.core.model_executor.forward_batch_info import ForwardMode
 from workbench.core.trace import events as ev
@@ -135,7 +134,7 @@ class SchedulerOutputMixin:
                 self.tracer.emit(ev.ReqAborted(rid=req.rid, reason=fr.message))
         if not rids:
             return
-        send_msg(self.send_to_detokenizer, BatchTokenIDOut(
+        self.io.send(BatchTokenIDOut(
             rids=rids, new_token_ids=new_ids, finished_reasons=reasons, matched_stops=matched,
             prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
             skip_special_tokens=skip, spaces_between_special_tokens=spaces, no_stop_trim=no_trim,
@@ -195,8 +194,11 @@ class SchedulerOutputMixin:
         self.emit_tree_if_due()
 
     def emit_tree_if_due(self) -> None:
-        """A CacheTree snapshot if the tree changed and the last one is old enough (rate-limited)."""
-        if self.tree_dirty and time.monotonic_ns() - self.last_tree_snapshot_ns >= TREE_SNAPSHOT_INTERVAL_NS:
+        """A CacheTree snapshot if the tree changed (inserts, evictions, locks, hits: the radix cache
+        reports each through `_on_cache_event`) and the last one is old enough; while paused or
+        stepping, at every step boundary (the rate limit is for a running engine)."""
+        if self.tree_dirty and (self.paused or
+                                time.monotonic_ns() - self.last_tree_snapshot_ns >= TREE_SNAPSHOT_INTERVAL_NS):
             self.emit_tree()
 
     def emit_tree(self) -> None:

@@ -56,25 +56,29 @@ class SchedulerOverlapMixin:
         """The overlap loop (`disable_overlap_schedule=False`); same results as `event_loop_normal`."""
         self.init_overlap_worker()
         while True:
-            recv_reqs = self.recv_requests()
-            self.process_input_requests(recv_reqs)
-            if self.paused:
-                self.sync_inflight()            # nothing half-done while paused or single-stepping
-                if self.step_credits == 0:
-                    continue
-            batch = self.get_next_batch_to_run()
-            if batch is not None and self.inflight is not None and self.needs_output_history(batch):
-                self.sync_inflight()
-                batch = self._without_finished(batch)
-            previous, self.inflight = self.inflight, None
-            if batch is not None:
-                self.inflight = self.launch_batch(batch)
-            if previous is not None:
-                self.process_inflight(previous)
-            if self.paused:
-                self.sync_inflight()            # a gated step ends with its own result processed
-            self.last_batch = batch
-            self.finish_step(batch)
+            self.step_overlap()
+
+    def step_overlap(self) -> None:
+        """One iteration of the overlap loop (`init_overlap_worker` first)."""
+        recv_reqs = self.recv_requests()
+        self.process_input_requests(recv_reqs)
+        if self.paused:
+            self.sync_inflight()            # nothing half-done while paused or single-stepping
+            if self.step_credits == 0:
+                return
+        batch = self.get_next_batch_to_run()
+        if batch is not None and self.inflight is not None and self.needs_output_history(batch):
+            self.sync_inflight()
+            batch = self._without_finished(batch)
+        previous, self.inflight = self.inflight, None
+        if batch is not None:
+            self.inflight = self.launch_batch(batch)
+        if previous is not None:
+            self.process_inflight(previous)
+        if self.paused:
+            self.sync_inflight()            # a gated step ends with its own result processed
+        self.last_batch = batch
+        self.finish_step(batch)
 
     def init_overlap_worker(self) -> None:
         from workbench.core.managers.tp_worker_overlap_thread import TpModelWorkerClient
