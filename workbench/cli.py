@@ -130,15 +130,30 @@ def _add_bench_parsers(bench_sub) -> None:
     from workbench.bench_threads import add_parser as add_threads_bench
     add_threads_bench(bench_sub)
     try:
-        from workbench.core.bench.serve_bench import add_serve_bench_args, run_serve_bench
+        from workbench.core.bench.serve_bench import add_serve_bench_args
         sp = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible server")
         add_serve_bench_args(sp)
-        sp.set_defaults(func=lambda a: 0 if run_serve_bench(a) is not None else 1)
+        sp.set_defaults(func=_bench_serve)
     except ImportError:
         pass
 
 
 # ---- commands ------------------------------------------------------------------------
+def _bench_serve(args) -> int:
+    if args.peer == "vllm":      # both servers started here, vLLM's client against each
+        from workbench.core.bench.peer_bench import PeerError
+        from workbench.core.bench.served_peer import run_served_peer
+        if args.max_concurrency is None:
+            args.max_concurrency = 32
+        try:
+            return 0 if run_served_peer(args) is not None else 1
+        except PeerError as exc:
+            print(f"workbench: the vLLM peer failed: {exc}", file=sys.stderr)
+            return 1
+    from workbench.core.bench.serve_bench import run_serve_bench
+    return 0 if run_serve_bench(args) is not None else 1
+
+
 def _server_args(args):
     from workbench.core.args import ServerArgs
     return ServerArgs.from_cli_args(args)

@@ -64,6 +64,20 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=0)
     a("--output-json", default=None, help="write the results as JSON here")
     a("--disable-tqdm", action="store_true")
+    g = parser.add_argument_group("against vLLM-CPU (core/bench/served_peer.py): start both servers, run "
+                                  "`vllm bench serve` against each, A B B A")
+    g.add_argument("--peer", choices=("none", "vllm"), default="none",
+                   help="vllm: ignore --base-url, start `workbench serve` and `vllm serve` on the same model and "
+                        "compare them through vLLM's own client")
+    g.add_argument("--peer-python", default=os.environ.get("WORKBENCH_VLLM_PYTHON"), metavar="PATH",
+                   help="python of a venv with vllm-cpu (default $WORKBENCH_VLLM_PYTHON); without one the "
+                        "install recipe is printed")
+    g.add_argument("--peer-threads", choices=("default", "all", "both"), default="default",
+                   help="each server's default threads, every CPU for both, or both configurations")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both servers' dtype")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV budget of each server (default: workbench's CPU default, 0.5 GiB)")
+    g.add_argument("--repeats", type=int, default=1, help="rounds of A B B A (medians reported)")
 
 
 # ---------------------------------------------------------------- data
