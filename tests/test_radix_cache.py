@@ -562,3 +562,30 @@ def test_reset_forgets_everything():
     cache.reset()
     assert cache.total_size() == 0 and cache.match_prefix([1, 2]).device_indices.numel() == 0
     assert len(cache.snapshot()) == 1
+
+
+def test_lock_and_hit_changes_are_reported_once_per_snapshot():
+    """Views republish the tree when locks or hits change, not only on insert/evict: the cache says
+    so through `on_event` with one CacheTouch, then stays silent until the next snapshot()."""
+    from workbench.core.trace.events import CacheTouch
+    events = []
+    cache, _, alloc = make_cache(pool_size=32, on_event=events.append)
+    cache.insert([1, 2, 3], alloc.alloc(3))
+    cache.snapshot()
+    del events[:]
+    node = cache.match_prefix([1, 2, 3]).last_node        # a hit
+    assert events == [CacheTouch(what="hit", node_id=node.id)]
+    cache.inc_lock_ref(node)                               # silent: already reported
+    cache.match_prefix([1, 2])                             # (a split: an insert, reported as such)
+    assert [type(e) for e in events].count(CacheTouch) == 1
+    snap = cache.snapshot()
+    assert {n.node_id: n.lock_ref for n in snap}[node.id] == 1
+    del events[:]
+    cache.dec_lock_ref(node)                               # a lock change after the snapshot
+    assert events == [CacheTouch(what="lock", node_id=node.id)]
+    cache.inc_lock_ref(node)
+    assert len(events) == 1
+    cache.snapshot()
+    cache.inc_lock_ref(cache.root_node)                    # the root's permanent lock is not news
+    assert len(events) == 1
+    assert decode_json(encode_json(events[0])) == events[0]

@@ -339,3 +339,34 @@ def test_req_snapshot_carries_every_request_view_field():
     assert set(REQUEST_SNAPSHOT_FIELDS) <= wire
     assert {"rid", "timeline", "steps"} <= wire
     assert set(REQUEST_SNAPSHOT_FIELDS) | {"rid", "timeline", "steps"} == {f for f in RequestView.__dataclass_fields__}
+
+
+def test_hit_rate_counts_cached_tokens_as_requests_are_admitted():
+    st = fold([
+        ev.BatchStep(ts=1, proc="scheduler", step=1, mode="extend", batch_size=2, padded_size=2,
+                     reqs=[ev.StepReq("a", cached=0, computed=40), ev.StepReq("b", cached=30, computed=10)]),
+    ])
+    # nobody finished yet, and still 30 of the 80 prefilled prompt tokens came from the cache
+    assert st.counters.num_requests_total == 0
+    assert st.cache_hit_rate == pytest.approx(30 / 80)
+
+
+def test_one_evictable_figure_for_every_view():
+    node = lambda i, p, n, lock: ev.TreeNode(i, p, n, f"n{i}", lock, 1, 100)  # noqa: E731
+    st = fold([ev.CacheTree(ts=1, proc="scheduler", nodes=[node(0, -1, 0, 0), node(1, 0, 10, 0)],
+                            evictable_size=10, protected_size=0)])
+    assert st.evictable == 10                              # before any kv.usage: the tree's
+    st.apply(ev.KVUsage(ts=2, proc="scheduler", used=10, evictable=0, free=90, total=100))
+    assert st.evictable == 0 == st.kv.evictable            # kv.usage comes every step
+    assert st.tree_evictable_size == 10                    # (the stale tree's own figure is not shown)
+
+
+def test_queue_counts_include_requests_not_listed_yet():
+    st = fold([
+        ev.ReqArrived(ts=1, proc="tokenizer", rid="a"), ev.ReqArrived(ts=2, proc="tokenizer", rid="b"),
+        ev.ReqArrived(ts=3, proc="tokenizer", rid="c"),
+        ev.ReqQueued(ts=4, proc="scheduler", rid="b", prompt_tokens=5, queue_len=1),
+        ev.QueueState(ts=5, proc="scheduler", waiting=[], running=["c"], chunked=[]),
+    ])
+    assert [r.rid for r in st.unlisted()] == ["a", "b"]
+    assert st.queue_counts() == {"waiting": 1, "new": 1, "running": 1, "chunked": 0}

@@ -194,8 +194,11 @@ class SchedulerOutputMixin:
         self.emit_tree_if_due()
 
     def emit_tree_if_due(self) -> None:
-        """A CacheTree snapshot if the tree changed and the last one is old enough (rate-limited)."""
-        if self.tree_dirty and time.monotonic_ns() - self.last_tree_snapshot_ns >= TREE_SNAPSHOT_INTERVAL_NS:
+        """A CacheTree snapshot if the tree changed (inserts, evictions, locks, hits: the radix cache
+        reports each through `_on_cache_event`) and the last one is old enough; while paused or
+        stepping, at every step boundary (the rate limit is for a running engine)."""
+        if self.tree_dirty and (self.paused or
+                                time.monotonic_ns() - self.last_tree_snapshot_ns >= TREE_SNAPSHOT_INTERVAL_NS):
             self.emit_tree()
 
     def emit_tree(self) -> None:

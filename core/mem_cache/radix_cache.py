@@ -23,6 +23,12 @@ prefix from the root, and a request's `last_node` stays valid across splits.
 A split emits two `CacheInsert` events: one for the new parent and one
 re-announcing the original node under its new parent with its shorter edge
 (viewers treat `CacheInsert` as an upsert by node_id).
+
+Staleness: besides inserts and evictions, lock and hit changes alter what a
+snapshot shows. The first such change after a `snapshot()` emits one
+`CacheTouch` through `on_event` (later ones stay silent until the next
+snapshot), so an owner that re-publishes the tree when it hears from the cache
+never shows stale lock counts or hits, at no more than one event per snapshot.
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ from workbench.core.mem_cache.base_prefix_cache import (
     free_req_without_caching,
     record_unfinished_req_without_caching,
 )
-from workbench.core.trace.events import CacheEvict, CacheInsert, Event
+from workbench.core.trace.events import CacheEvict, CacheInsert, CacheTouch, Event
 from workbench.core.trace.events import TreeNode as TreeNodeInfo
 
 __all__ = ["RadixCache", "TreeNode", "MatchResult"]
@@ -111,7 +117,8 @@ class RadixCache(BasePrefixCache):
         req_to_token_pool: `ReqToTokenPool` (rows of slot indices per request).
         token_to_kv_pool_allocator: `TokenToKVPoolAllocator` (free list of slots).
         disable: reuse nothing (behaves like `ChunkCache`).
-        on_event: receives `CacheInsert` / `CacheEvict` events when given.
+        on_event: receives `CacheInsert` / `CacheEvict` events when given, and one
+            `CacheTouch` per snapshot when locks or hits changed (see the module doc).
         decode_text: token ids -> text, used only for previews in events,
             `snapshot` and `pretty_print`.
     """
@@ -140,6 +147,7 @@ class RadixCache(BasePrefixCache):
         self.root_node.lock_ref = 1
         self._evictable_size = 0
         self._protected_size = 0
+        self._touched = False       # a CacheTouch went out since the last snapshot()
 
     def _new_id(self) -> int:
         nid = self._next_id
@@ -157,6 +165,12 @@ class RadixCache(BasePrefixCache):
     def _emit(self, event: Event) -> None:
         if self.on_event is not None:
             self.on_event(event)
+
+    def _touch(self, what: str, node: TreeNode) -> None:
+        """Locks or hits changed: say so once until the next `snapshot()`."""
+        if not self._touched and self.on_event is not None:
+            self._touched = True
+            self._emit(CacheTouch(what=what, node_id=node.id))
 
     def _text(self, node: TreeNode) -> str:
         if self.decode_text is None or not node.key:
@@ -205,6 +219,7 @@ class RadixCache(BasePrefixCache):
             child.last_access = now
             if count_hit:
                 child.hits += 1
+                self._touch("hit", child)
             values.append(child.value)
             pos += n
             node = child
@@ -325,6 +340,8 @@ class RadixCache(BasePrefixCache):
         """Lock `node` and its ancestors; return the change in evictable size (<= 0)."""
         if self.disable or node is None:
             return 0
+        if node is not self.root_node:
+            self._touch("lock", node)
         delta = 0
         while node is not self.root_node and node is not None:
             if node.lock_ref == 0:
@@ -339,6 +356,8 @@ class RadixCache(BasePrefixCache):
         """Undo one `inc_lock_ref(node)`; return the change in evictable size (>= 0)."""
         if self.disable or node is None:
             return 0
+        if node is not self.root_node:
+            self._touch("lock", node)
         delta = 0
         while node is not self.root_node and node is not None:
             if node.lock_ref <= 0:
@@ -411,7 +430,9 @@ class RadixCache(BasePrefixCache):
         return torch.cat(vals) if vals else self._empty()
 
     def snapshot(self) -> list[TreeNodeInfo]:
-        """The whole tree as trace `TreeNode`s, root first (parent_id -1), parents before children."""
+        """The whole tree as trace `TreeNode`s, root first (parent_id -1), parents before children.
+        The next lock or hit change after it emits a `CacheTouch` again."""
+        self._touched = False
         root = self.root_node
         out = [TreeNodeInfo(node_id=root.id, parent_id=-1, tokens=0, text="", lock_ref=0,
                             hits=root.hits, last_access=root.last_access)]

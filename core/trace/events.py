@@ -160,6 +160,14 @@ class CacheEvict(Event, tag="cache.evict"):
     tokens: int
 
 
+class CacheTouch(Event, tag="cache.touch"):
+    """The tree's locks or hit counts changed since its last `cache.tree` snapshot (no node was
+    inserted or evicted). Sent once per snapshot at most: it tells the scheduler (and a reader of
+    the trace) that a fresh `cache.tree` is due at the next step boundary."""
+    what: str                # "lock" | "hit": the first change seen since the last snapshot
+    node_id: int             # the node it touched
+
+
 class TreeNode(msgspec.Struct, array_like=True):
     node_id: int
     parent_id: int           # -1 for the root
@@ -273,7 +281,7 @@ class TraceReset(Event, tag="trace.reset"):
 AnyEvent = Union[
     ReqArrived, ReqTokenized, ReqQueued, ReqScheduled, ReqDispatched, ReqFirstToken, ReqFinished,
     ReqAborted, ReqRetracted, ReqText, BatchStep, QueueState, KVUsage, CacheMatch,
-    CacheInsert, CacheEvict, CacheTree, WeightsUpdated, ProcStarted, ProcExited,
+    CacheInsert, CacheEvict, CacheTouch, CacheTree, WeightsUpdated, ProcStarted, ProcExited,
     TraceDropped, TraceHeader, ReqSnapshot, TraceCounters, TraceReset,
 ]
 

@@ -62,7 +62,8 @@ class TraceState:
 
     Public, read-only for views: requests, waiting, running, chunked, held (+ held_reason), steps,
     kv, kv_by_proc, kv_history, queue_history, tree (+ trees per scheduler),
-    tree_evictable_size, tree_protected_size, counters, cache_hit_rate,
+    tree_evictable_size, tree_protected_size, evictable (the one figure views show), unlisted() and
+    queue_counts() (requests not listed by a scheduler yet), counters, cache_hit_rate,
     throughput(), latency_percentiles(), last_ts, weights_version, model, procs,
     req_replica and replicas() (data parallel: which replica holds each request).
     """
@@ -153,8 +154,42 @@ class TraceState:
 
     @property
     def cache_hit_rate(self) -> float:
+        """Share of prefilled prompt tokens served from the radix cache, counted as requests are
+        admitted (each batch.step: a request's cached prefix at its first chunk, every computed
+        chunk), so it moves while requests run; before any step, over finished requests."""
         c = self.counters
+        pre = c.prefill_cached_total + c.prefill_computed_total
+        if pre:
+            return c.prefill_cached_total / pre
         return c.cached_tokens_total / c.prompt_tokens_total if c.prompt_tokens_total else 0.0
+
+    @property
+    def evictable(self) -> int:
+        """Evictable tokens (cached, locked by no request): the ONE figure every view shows (the
+        KV pool and the radix tree's title alike). It comes from kv.usage, sent every step, of the
+        scheduler whose tree is shown (all schedulers summed when no tree is known yet); before
+        any kv.usage, from the last cache.tree."""
+        k = self.kv_by_proc.get(self.tree_proc) if self.tree_proc is not None else None
+        if k is None:
+            k = self.kv
+        return k.evictable if k is not None else self.tree_evictable_size
+
+    def unlisted(self) -> list[RequestView]:
+        """Requests no scheduler lists yet, in arrival order: state "queued" (the scheduler took
+        them in, its next queue.state will list them; while paused that is the next step) or
+        "arrived" (`new`: the tokenizer has them, the scheduler not yet)."""
+        listed = set(self.waiting)
+        listed.update(self.running)
+        listed.update(self.chunked)
+        return [r for r in self.requests.values() if r.state in ("arrived", "queued") and r.rid not in listed]
+
+    def queue_counts(self) -> dict[str, int]:
+        """waiting (listed by a scheduler or queued but not listed yet), new (arrived, not queued),
+        running, chunked: the counts every header shows."""
+        extra = self.unlisted()
+        new = sum(1 for r in extra if r.state == "arrived")
+        return {"waiting": len(self.waiting) + len(extra) - new, "new": new,
+                "running": len(self.running), "chunked": len(self.chunked)}
 
     def throughput(self, window_s: float = 5.0, now_ns: Optional[int] = None) -> Throughput:
         """Prefill and decode tokens/s over steps in (now - window, now].

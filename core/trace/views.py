@@ -135,7 +135,8 @@ class ProcView:
 @dataclass
 class Counters:
     """Cumulative counters. The *_total request counters follow SGLang's metrics:
-    they grow when a request finishes (so cache_hit_rate is over finished requests)."""
+    they grow when a request finishes. The prefill_* and decode_* ones grow with every batch.step
+    (TraceState.cache_hit_rate uses those: tokens served from cache as requests are admitted)."""
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     cached_tokens_total: int = 0
