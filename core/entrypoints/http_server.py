@@ -6,9 +6,11 @@ first (a port in use is a one-line error before any model loads), answers 503
 while the engine starts, then runs uvicorn ON THE ENGINE'S LOOP
 (`engine.loop`, the thread that owns the TokenizerManager) so handlers await
 `engine.async_generate` with no cross-thread bridging. The main thread only
-waits for signals: SIGTERM/SIGINT stop accepting, let in-flight requests
-finish (bounded by `GRACEFUL_TIMEOUT_S`), shut the engine down and exit 0; a
-second signal skips the wait. If a child process dies, in-flight requests fail
+waits for signals: SIGTERM/SIGINT stop accepting ("draining N request(s)"),
+let in-flight requests finish for `DRAIN_S` (env WORKBENCH_DRAIN_S, default
+20 s; a second signal ends the wait), then stop the ones still running with an
+error (an in-band SSE error event for streams, a 503 otherwise; KV freed), shut
+the engine down and exit 0 when every request finished, 3 when some were stopped. If a child process dies, in-flight requests fail
 with 503 `engine_unavailable`, /health answers 503 for `ENGINE_DEAD_GRACE_S`,
 and the process exits 1.
 
@@ -52,6 +54,10 @@ from workbench.core.entrypoints.openai.serving_completions import create_complet
 logger = logging.getLogger(__name__)
 
 GRACEFUL_TIMEOUT_S = 30.0
+# How long a shutdown waits for in-flight requests before stopping them (WORKBENCH_DRAIN_S); below
+# uvicorn's own limit, so uvicorn never cancels a handler mid-stream.
+DRAIN_S = min(float(os.environ.get("WORKBENCH_DRAIN_S", "20")), GRACEFUL_TIMEOUT_S - 5)
+EXIT_REQUESTS_STOPPED = 3    # exit code when the drain window ended with requests unfinished
 ENGINE_DEAD_GRACE_S = 2.0    # after a child process dies: answer 503 this long, then exit 1
 
 
@@ -416,9 +422,10 @@ def start_server(engine: Any, server_args: Optional[ServerArgs] = None,
         sock = bind_socket(server_args.host, server_args.port)
     app = create_app(engine, server_args)
     level = server_args.log_level.lower()
+    from workbench.core.entrypoints.header_timeout import HeaderTimeoutH11Protocol
     config = uvicorn.Config(app, log_level=level, access_log=level in ("info", "debug", "trace"),
                             lifespan="off", timeout_graceful_shutdown=int(GRACEFUL_TIMEOUT_S),
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=5, http=HeaderTimeoutH11Protocol)
     server = uvicorn.Server(config)
     fut = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), engine.loop)
     deadline = time.monotonic() + timeout_s
@@ -433,6 +440,36 @@ def start_server(engine: Any, server_args: Optional[ServerArgs] = None,
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     return RunningServer(app, server, fut, f"http://{host}:{port}")
+
+
+def _in_flight(engine: Any) -> int:
+    """Requests the engine is still answering (len() of a dict is atomic: no lock needed)."""
+    tm = getattr(engine, "tokenizer_manager", None)
+    return len(getattr(tm, "rid_to_state", ())) if tm is not None else 0
+
+
+def _drain(engine: Any, running: "RunningServer", signals: dict, announce: bool) -> int:
+    """The drain window of a shutdown; returns how many requests were stopped unfinished."""
+    running.app.state.draining = True             # new requests get 503 shutting_down
+    n = _in_flight(engine)
+    if announce:
+        print(f"draining {n} request(s) for up to {DRAIN_S:g} s (Ctrl-C again to stop now)" if n
+              else "shutting down (no requests in flight)", flush=True)
+    seen = signals["count"]
+    deadline = time.monotonic() + DRAIN_S
+    while _in_flight(engine) and time.monotonic() < deadline and signals["count"] == seen:
+        time.sleep(0.05)
+    cut = _in_flight(engine)
+    if cut:
+        engine.loop.call_soon_threadsafe(running.app.state.ctx.stopping.set)
+        deadline = time.monotonic() + 5.0         # the handlers send their errors and abort
+        while _in_flight(engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(f"stopped {cut} unfinished request(s): each client got an error (`server_shutdown`, "
+              f"in-band for streams); exit code {EXIT_REQUESTS_STOPPED}", flush=True)
+    elif n and announce:
+        print(f"all {n} request(s) finished", flush=True)
+    return cut
 
 
 def launch_server(server_args: ServerArgs) -> int:
@@ -486,8 +523,11 @@ def launch_server(server_args: ServerArgs) -> int:
                 while time.monotonic() < deadline and not signals["count"]:
                     time.sleep(0.1)
                 break
-        # Stop accepting, let in-flight requests finish (uvicorn bounds the wait); a second
-        # signal skips the wait.
+        # Stop accepting and let in-flight requests finish for the drain window; a second signal
+        # ends the window. Requests still running then end with an error (in-band for streams,
+        # before the stream closes) and their KV is freed; only then does uvicorn stop, so it
+        # never has to cancel a handler.
+        cut = _drain(engine, running, signals, announce=code == 0)
         seen = signals["count"]
         stopper = threading.Thread(target=running.stop, name="http-stop", daemon=True)
         stopper.start()
@@ -496,7 +536,7 @@ def launch_server(server_args: ServerArgs) -> int:
             if signals["count"] > seen:
                 running.server.force_exit = True
                 seen = signals["count"]
-        return code
+        return code or (EXIT_REQUESTS_STOPPED if cut else 0)
     finally:
         if engine is not None:
             engine.shutdown()

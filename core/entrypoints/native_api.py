@@ -11,7 +11,7 @@ from workbench.core.entrypoints.errors import bad_request, engine_error_to_api
 from workbench.core.entrypoints.openai.protocol import GenerateReqInput
 from workbench.core.entrypoints.openai.serving_common import (
     MAX_CHOICES_PER_REQUEST, SSE_DONE, ChoiceSpec, ServingContext, SSEResponse, StreamGuard, generate_all, new_rid,
-    sse, sse_error,
+    sse, sse_error, stop_aware,
 )
 
 _SAMPLING_KEYS: Optional[frozenset] = None
@@ -95,7 +95,7 @@ async def native_generate(ctx: ServingContext, request: Request, req: GenerateRe
                 if first is not None:
                     yield sse(finite_json(first))
                     if not first.get("meta_info", {}).get("finish_reason"):
-                        async for chunk in it:
+                        async for chunk in stop_aware(ctx, it):
                             yield sse(finite_json(chunk))
                 guard.finished(rid)
             except Exception as e:  # noqa: BLE001 - in-band: headers are already sent

@@ -117,7 +117,7 @@ async def _stream(ctx: ServingContext, rid: str, model: str, opened, n: int, pro
         for spec, _, _ in opened:
             yield sse(ChatCompletionChunk(id=rid, model=model, choices=[ChatCompletionStreamChoice(
                 index=spec.index, delta=DeltaMessage(role="assistant", content=""))]))
-        async for spec, chunk in merge_streams(opened):
+        async for spec, chunk in merge_streams(opened, ctx):
             meta = chunk.get("meta_info", {})
             reason, matched = finish_reason_of(meta)
             n_ids = len(chunk.get("output_ids") or [])

@@ -44,6 +44,9 @@ class ServingContext:
     max_top_logprobs: int = 20
     aliases: frozenset = frozenset()
     abort: Callable[[str], None] = lambda rid: None
+    # set by the server when its drain window is over: requests still running end with a 503
+    # (in-band for streams, before the stream closes) and their KV is freed
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _tok_str: dict = field(default_factory=dict)
 
     @property
@@ -175,13 +178,16 @@ async def generate_all(ctx: ServingContext, request: Request, specs: list[Choice
     # Retrieve its outcome even when nobody awaits it (cancelled on disconnect), so
     # asyncio does not log "exception was never retrieved".
     gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
+    stop = asyncio.ensure_future(ctx.stopping.wait())
     try:
-        done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({gathered, watcher, stop}, return_when=asyncio.FIRST_COMPLETED)
         if gathered not in done:
-            # The client went away: free its KV instead of finishing work nobody reads.
+            # The client went away (or the server stops): free the KV instead of finishing work nobody reads.
             for s in specs:
                 ctx.abort(s.rid)
             gathered.cancel()
+            if stop in done:
+                raise shutdown_error()
             raise APIError(499, "client disconnected", code="client_disconnected")
         return gathered.result()
     except BaseException as e:
@@ -196,6 +202,40 @@ async def generate_all(ctx: ServingContext, request: Request, specs: list[Choice
         raise
     finally:
         watcher.cancel()
+        stop.cancel()
+
+
+def shutdown_error() -> APIError:
+    return APIError(503, "The server is shutting down and stopped this request before it finished; send it again "
+                         "(to another server if this one does not come back)", code="server_shutdown")
+
+
+async def until_stopping(ctx: ServingContext, awaitable):
+    """Await `awaitable` unless the server stops serving first (then APIError 503 server_shutdown)."""
+    if ctx.stopping.is_set():
+        if asyncio.iscoroutine(awaitable):
+            awaitable.close()
+        raise shutdown_error()
+    task = asyncio.ensure_future(awaitable)
+    stop = asyncio.ensure_future(ctx.stopping.wait())
+    try:
+        done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise shutdown_error()
+
+
+async def stop_aware(ctx: ServingContext, it: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """The chunks of `it` until it ends or the server stops serving (then APIError 503)."""
+    while True:
+        try:
+            chunk = await until_stopping(ctx, it.__anext__())
+        except StopAsyncIteration:
+            return
+        yield chunk
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -232,8 +272,9 @@ async def open_streams(ctx: ServingContext, specs: list[ChoiceSpec]
         raise
 
 
-async def merge_streams(opened) -> AsyncIterator[tuple[ChoiceSpec, dict]]:
-    """Interleave the chunks of several choices as they come (first chunks first)."""
+async def merge_streams(opened, ctx: Optional[ServingContext] = None) -> AsyncIterator[tuple[ChoiceSpec, dict]]:
+    """Interleave the chunks of several choices as they come (first chunks first); with `ctx`, end
+    with APIError 503 when the server stops serving before they finish."""
     queue: asyncio.Queue = asyncio.Queue()
     live = 0
 
@@ -256,7 +297,7 @@ async def merge_streams(opened) -> AsyncIterator[tuple[ChoiceSpec, dict]]:
             live += 1
     try:
         while live:
-            spec, chunk, err = await queue.get()
+            spec, chunk, err = await (queue.get() if ctx is None else until_stopping(ctx, queue.get()))
             if err is not None:
                 live -= 1
                 if isinstance(err, StopAsyncIteration):

@@ -122,7 +122,7 @@ async def _stream(ctx: ServingContext, rid: str, model: str, opened, n: int, top
     finals: dict[int, dict] = {}
     echoed: set[int] = set()
     try:
-        async for spec, chunk in merge_streams(opened):
+        async for spec, chunk in merge_streams(opened, ctx):
             meta = chunk.get("meta_info", {})
             reason, matched = finish_reason_of(meta)
             n_ids = len(chunk.get("output_ids") or [])
