@@ -31,14 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tui)
 
     p = _engine_parser(sub, "generate", "generate a reply for a prompt (streams to stdout)")
-    p.add_argument("prompt", help="the user message (or raw text with --raw)")
+    p.add_argument("prompt", help="the user message (or raw text with --raw); - reads it from standard input")
     p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
     p.add_argument("--system", default=None, help="a system message (chat mode)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--show-stats", action="store_true", help="print token counts and latency at the end")
+    p.add_argument("--show-stats", action="store_true",
+                   help="print token counts, TTFT, decode tokens/s and end-to-end latency at the end (stderr)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="benchmarks: model | engine | serve | threads | tp | trace")
@@ -177,6 +178,12 @@ def cmd_replay(args) -> int:
 
 def cmd_generate(args) -> int:
     from workbench.core.engine import Engine
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
+        if not args.prompt.strip():
+            print("workbench generate: standard input was empty; pipe a prompt in (echo hi | workbench generate -)",
+                  file=sys.stderr)
+            return 2
     sa = _server_args(args)
     with Engine(server_args=sa) as engine:
         sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
@@ -195,11 +202,29 @@ def cmd_generate(args) -> int:
             last = chunk
         sys.stdout.write("\n")
         if args.show_stats and last is not None:
-            m = last["meta_info"]
-            print(f"[{m['prompt_tokens']} prompt + {m['completion_tokens']} completion tokens, "
-                  f"TTFT {m['ttft']:.3f} s, E2E {m['e2e_latency']:.3f} s, finish {m['finish_reason']}]",
-                  file=sys.stderr)
+            print(format_stats(last["meta_info"]), file=sys.stderr)
     return 0
+
+
+def _finish_text(fr) -> str:
+    if isinstance(fr, dict):      # {"type": "stop" | "length" | "abort", "matched": ...}
+        matched = fr.get("matched")
+        return fr.get("type", "?") + (f" (matched {matched!r})" if matched is not None else "")
+    return str(fr)
+
+
+def format_stats(m: dict) -> str:
+    """`generate --show-stats`: a small table of one request's figures."""
+    decode_s = m["e2e_latency"] - m["ttft"]
+    n = m["completion_tokens"]
+    rate = f"{(n - 1) / decode_s:.1f}" if n > 1 and decode_s > 0 else "-"
+    rows = [("prompt tokens", f"{m['prompt_tokens']}" + (f" ({m['cached_tokens']} cached)"
+                                                         if m.get("cached_tokens") else "")),
+            ("completion tokens", str(n)), ("time to first token", f"{m['ttft']:.3f} s"),
+            ("decode", f"{rate} tokens/s"), ("end to end", f"{m['e2e_latency']:.3f} s"),
+            ("finish reason", _finish_text(m.get("finish_reason")))]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
 def cmd_record(args) -> int:
