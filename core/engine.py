@@ -74,7 +74,6 @@ class Engine:
             raise ValueError(f"node {sa.node_rank} of a multi-node launch runs only scheduler ranks, no Engine: "
                              "start it with `workbench serve --nnodes N --node-rank K --dist-init-addr HOST:PORT` "
                              "(or workbench.core.distributed.launch.run_worker_node); the Engine runs on node 0")
-        self._progress("preparing model (converting GGUF on first use)")
         self.prepared = prepare_model(sa.model_path, progress=sa.show_progress)
         self.model_path = str(self.prepared.gguf_path or self.prepared.model_dir)
         if sa.tp_size > 1:      # reading the config imports transformers: keep it off the TP-1 warm start

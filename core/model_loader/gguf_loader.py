@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -331,6 +332,9 @@ def convert_gguf(gguf_path: str | Path, progress: bool = True) -> tuple[Path, bo
         if _is_complete(target):  # another process finished it while we waited
             return target, True
         started = time.monotonic()
+        if progress:      # said only when it happens, so a bad model path is not preceded by it
+            print(f"converting {gguf_path.name} to a cached HF directory (once): {target}", file=sys.stderr,
+                  flush=True)
         reader = open_gguf(gguf_path)
         config = build_config(reader, gguf_path)
         tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
