@@ -115,7 +115,11 @@ async def test_queue_table_matches_trace_state():
         await show_at(app, pilot, replay, step_ts(replay, 21))
         st = app.model.state
         table = app.query_one("#queues-table", DataTable)
-        in_queues = st.chunked + [r for r in st.running if r not in st.chunked] + st.waiting
+        # waiting (and new) first, so a long running list cannot push them off-screen
+        extra = st.unlisted()
+        in_queues = (st.waiting + [r.rid for r in extra if r.state == "queued"]
+                     + [r.rid for r in extra if r.state == "arrived"] + st.chunked
+                     + [r for r in st.running if r not in st.chunked])
         rows = [table.get_row_at(i) for i in range(table.row_count)]
         assert [str(r[1]) for r in rows][:len(in_queues)] == in_queues
         for row in rows:

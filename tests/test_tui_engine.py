@@ -10,7 +10,7 @@ import pytest
 from textual.widgets import DataTable, Static
 
 from tests.tui_helpers import wait_for
-from workbench.tui.fmt import fmt_s, plain_text
+from workbench.tui.fmt import fmt_count, fmt_s, plain_text
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -162,3 +162,104 @@ async def test_prompt_box_returns_the_models_answer(engine):
         assert detail.startswith(rid) and "finished" in detail
         await pilot.press("escape")
         await pilot.press("q")
+
+
+def _lock_counts(tree_text: str) -> list[int]:
+    import re
+    return [int(m) for m in re.findall(r" lock (\d+)", tree_text)]
+
+
+async def test_tree_is_never_stale_and_one_evictable_figure(engine):
+    """#15: while stepping, the radix tree is republished at every step boundary where locks or hits
+    changed (at most once per step), so its lock counts change between two consecutive steps in which
+    a request finished, even when the finish inserts nothing new (same prompt, same greedy answer:
+    only the locks move); the tree's title and the KV panel show the same evictable count, and the
+    KV panel follows every step."""
+    import re
+    import threading
+    from workbench.core.trace import events as ev
+    from workbench.tui.workload import chat_text, make_prompts
+    app = _app(engine, layout="grid")
+    c = app.controller
+    trees_per_step: dict[int, int] = {}
+    real_drain = c.drain
+
+    def drain(max_items=None):
+        out = real_drain(max_items)
+        for e in out:
+            if type(e) is ev.CacheTree and e.step >= 0:
+                trees_per_step[e.step] = trees_per_step.get(e.step, 0) + 1
+        return out
+    c.drain = drain
+    prompt = chat_text(engine, next(make_prompts("shared-prefix")))
+    rids = [f"nostale-{i}" for i in range(2)]
+    threads = [threading.Thread(target=engine.generate, daemon=True, kwargs=dict(
+        prompt=prompt, rid=rid, sampling_params={"max_new_tokens": 3, "temperature": 0.0})) for rid in rids]
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_for(app.ready.is_set, 30)
+        st = app.model.state
+        await pilot.press("p")
+        await wait_for(lambda: app.control_results == 1 and c.paused, 30)
+
+        seen = []      # per step: (step, finished rids, lock counts drawn, tree evictable, KV evictable)
+
+        async def step_and_look():
+            results = app.control_results
+            await pilot.press("s")
+            await wait_for(lambda: app.control_results == results + 1, 60)
+            step = app.last_step_result
+            await wait_for(lambda: st.steps and st.steps[-1].step == step and st.kv is not None
+                           and st.kv.step == step, 30)
+            await pilot.pause(0.3)           # the finished events come from the tokenizer, a hop later
+            app.refresh_panels(force=True)
+            await pilot.pause()
+            tree_text = plain_text(app.query_one("#tree-body", Static).content, 200)
+            kv_text = plain_text(app.query_one("#kv-body", Static).content, 120)
+            title = str(app.panels["tree"].border_title)
+            tree_ev = re.search(r"evictable (\S+)", title).group(1)
+            kv_ev = re.search(r"evictable\s+(\S+) \(", kv_text).group(1)
+            kv_used = re.search(r"used\s+(\S+) \(", kv_text).group(1)
+            assert kv_used == fmt_count(st.kv.used), (kv_text, st.kv)       # KV follows every step
+            seen.append((step, {r for r in rids if r in st.requests and st.requests[r].done},
+                         _lock_counts(tree_text), tree_ev, kv_ev, st.steps[-1].mode))
+
+        # A starts; once it has decoded, B (same prompt, same length) enters: A finishes one step
+        # before B, and B's finish inserts nothing (A cached the very same tokens): only locks move.
+        a, b = threads
+        a.start()
+        await wait_for(lambda: rids[0] in st.requests and st.requests[rids[0]].state == "queued", 60)
+        # a request that arrived while paused counts as waiting, and its row comes first
+        await pilot.pause(0.2)
+        app.refresh_panels(force=True)
+        await pilot.pause()
+        assert st.queue_counts()["waiting"] == 1
+        table = app.query_one("#queues-table", DataTable)
+        assert str(table.get_row_at(0)[1]) == rids[0] and str(table.get_row_at(0)[0]) == "waiting"
+        for _ in range(10):
+            if st.requests[rids[0]].output_tokens >= 2:
+                break
+            await step_and_look()
+        b.start()
+        await wait_for(lambda: rids[1] in st.requests and st.requests[rids[1]].state == "queued", 60)
+        for _ in range(30):
+            if all(st.requests[r].done for r in rids):
+                break
+            await step_and_look()
+        assert all(st.requests[r].done for r in rids)
+
+        # one evictable figure: the tree's title and the KV panel agree at every step
+        for step, _, _, tree_ev, kv_ev, _ in seen:
+            assert tree_ev == kv_ev, (step, tree_ev, kv_ev)
+        # at most one tree snapshot per step
+        assert trees_per_step and max(trees_per_step.values()) == 1, trees_per_step
+        # between two consecutive steps in which a request finished, the lock counts drawn changed
+        finish = [i for i in range(1, len(seen)) if len(seen[i][1]) > len(seen[i - 1][1])]
+        pairs = [(i, j) for i, j in zip(finish, finish[1:]) if j == i + 1]
+        assert pairs, seen
+        for i, j in pairs:
+            assert seen[i][2] != seen[j][2], (seen[i], seen[j])
+        assert seen[-1][2] == []                   # everyone finished: no lock left on screen
+        await pilot.press("p")
+        await pilot.press("q")
+    for t in threads:
+        t.join(30)

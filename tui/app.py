@@ -283,8 +283,9 @@ class WorkbenchApp(App):
             last = st.steps[-1].step if st.steps else -1
             t.append(f" │ step {last}")
             if self.controller.paused:
-                t.append(" PAUSED ", style="bold black on yellow")
-            t.append(f" │ wait {len(st.waiting)} run {len(st.running)}")
+                t.append(" PAUSED ", style="bold reverse")
+            q = st.queue_counts()
+            t.append(f" │ wait {q['waiting']} new {q['new']} run {q['running']}")
             if st.kv is not None and st.kv.total:
                 t.append(f" │ KV {100 * st.kv.used / st.kv.total:.0f}% used")
             tp = st.throughput(5.0, self.model.now_ns)
@@ -442,7 +443,7 @@ class WorkbenchApp(App):
         self._chat_prompt = text
         ans = self.query_one("#answer", Static)
         ans.display = True
-        ans.update(Text.assemble(("you: ", "bold cyan"), shorten(text, 200), ("\nmodel: ", "bold green"),
+        ans.update(Text.assemble(("you: ", "bold"), shorten(text, 200), ("\nmodel: ", "bold"),
                                  ("…", "dim")))
         self._chat_worker(text)
 
@@ -475,7 +476,7 @@ class WorkbenchApp(App):
                 self.chat_done.set()
         if changed:
             self.query_one("#answer", Static).update(Text.assemble(
-                ("you: ", "bold cyan"), shorten(self._chat_prompt, 200), ("\nmodel: ", "bold green"),
+                ("you: ", "bold"), shorten(self._chat_prompt, 200), ("\nmodel: ", "bold"),
                 self.last_answer[-400:] or "…"))
 
     # ---- selection, focus, layout -----------------------------------------------------------

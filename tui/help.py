@@ -1,4 +1,4 @@
-"""The `?` screen: key bindings and a one-screen explanation of each panel."""
+"""The `?` screen: key bindings, the colour key (real swatches) and an explanation of each panel."""
 from __future__ import annotations
 
 from rich.text import Text
@@ -7,6 +7,8 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
+
+from workbench.core.trace.palette import MEANINGS, PALETTE
 
 KEYS = (
     ("q", "quit (stops workloads, shuts the engine down)"),
@@ -23,6 +25,18 @@ KEYS = (
     ("1…9", "tabs: show panel N; grid: focus panel N"),
     ("Esc", "leave a text box, or clear the selection"),
 )
+
+
+def colour_key() -> Text:
+    """One line per meaning: a swatch drawn in its colour, its name, what it means (the same
+    colours every panel and the Jupyter widgets use: workbench.core.trace.palette)."""
+    t = Text()
+    for name, hex_ in PALETTE.items():
+        t.append("  ")
+        t.append("███", style=hex_)
+        t.append(f" {name:<10}", style=f"bold {hex_}")
+        t.append(f" {MEANINGS[name]}\n")
+    return t
 
 
 class HelpScreen(ModalScreen):
@@ -47,11 +61,13 @@ class HelpScreen(ModalScreen):
             t.append(self._mode + "\n", style="dim")
         t.append("\nKeys\n", style="bold")
         for k, what in KEYS:
-            t.append(f"  {k:<8}", style="bold cyan")
+            t.append(f"  {k:<8}", style="bold")
             t.append(what + "\n")
+        t.append("\nColours (the same in every panel and in the Jupyter widgets)\n", style="bold")
+        t.append_text(colour_key())
         t.append("\nPanels\n", style="bold")
         for i, (name, title, help_text) in enumerate(self._panels, 1):
-            t.append(f"  {i}. {title}", style="bold yellow")
+            t.append(f"  {i}. {title}", style="bold underline")
             t.append(f"  ({name})\n", style="dim")
             t.append(f"     {help_text}\n")
         t.append("\nEvery panel reads only the trace (TraceState); nothing here pokes into the engine.",

@@ -95,7 +95,7 @@ class Dashboard(W.VBox):
         parts = [
             f"<b>{html.escape(model)}</b>",
             f"step {s['step'] if s['step'] is not None else '–'}",
-            f"waiting {s['waiting']} · running {s['running']} · finished {s['finished']}"
+            f"waiting {s['waiting']} · new {s['new']} · running {s['running']} · finished {s['finished']}"
             + (f" · aborted {s['aborted']}" if s["aborted"] else ""),
             f"cache hit {s['cache_hit_rate'] * 100:.0f}%",
             f"prefill {s['prefill_tps']:.0f} tok/s · decode {s['decode_tps']:.0f} tok/s",

@@ -310,11 +310,12 @@ def summary(state: TraceState) -> dict:
     tp = state.throughput()
     kv = state.kv
     last_step = state.steps[-1].step if state.steps else None
+    q = state.queue_counts()
     return {
-        "model": state.model, "step": last_step, "waiting": len(state.waiting),
-        "running": len(state.running), "finished": states.get("finished", 0),
+        "model": state.model, "step": last_step, "waiting": q["waiting"], "new": q["new"],
+        "running": q["running"], "finished": states.get("finished", 0),
         "aborted": states.get("aborted", 0), "requests": len(state.requests),
         "cache_hit_rate": state.cache_hit_rate, "prefill_tps": tp.prefill_tps, "decode_tps": tp.decode_tps,
         "kv_used": kv.used if kv else 0, "kv_total": kv.total if kv else 0,
-        "kv_evictable": kv.evictable if kv else 0, "dropped": state.counters.dropped_events,
+        "kv_evictable": state.evictable if kv else 0, "dropped": state.counters.dropped_events,
     }

@@ -84,7 +84,7 @@ def sequence_figure(events: Iterable[ev.Event], rid: str, max_text_events: int =
                     # scheduler labels on the left: the messages to the detokenizer leave to the right
                     textposition=["middle left" if _lane(e) == "scheduler" else "middle right" for e in shown],
                     textfont=dict(size=11),
-                    marker=dict(size=9, color=["#4e79a7" if _lane(e) == "scheduler" else "#f28e2b" for e in shown]),
+                    marker=dict(size=9, color=["#333333" if _lane(e) == "scheduler" else "#999999" for e in shown]),
                     hoverinfo="skip", showlegend=False)
 
     labelled: set[str] = set()

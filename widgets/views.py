@@ -15,19 +15,26 @@ import ipywidgets as W
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from workbench.core.trace.palette import METRIC_COLORS, PALETTE as P
 from workbench.core.trace.state import TraceState
 from workbench.widgets import data as D
 from workbench.widgets.feed import RENDER_LOCK, TraceFeed
 
+# Every colour with a meaning comes from the one palette the TUI uses too (core/trace/palette.py).
 COLORS = {
-    "queued": "#b0b7c3", "prefill": "#f28e2b", "decode": "#4e79a7",
-    "cached": "#59a14f", "computed": "#f28e2b",
-    "used": "#e15759", "evictable": "#edc948", "free": "#d4e6d4",
-    "waiting": "#f28e2b", "running": "#4e79a7",
-    "ttft": "#e15759", "tpot": "#4e79a7", "e2e": "#76b7b2",
+    "queued": P["waiting"], "prefill": P["computed"], "decode": P["decode"],
+    "cached": P["cached"], "computed": P["computed"],
+    "used": P["locked"], "evictable": P["evictable"], "free": P["free"],
+    "waiting": P["waiting"], "running": P["decode"], "retracted": P["retracted"],
+    **METRIC_COLORS,
 }
-NODE_COLORS = {"root": "#ffffff", "evicted": "#c9c9c9", "locked": "#e15759", "new": "#59a14f",
-               "hit": "#4e79a7", "cached": "#a0cbe8"}
+#: Radix node state (widgets.data.NODE_STATES) -> colour: a node just inserted holds freshly
+#: computed tokens, a node with hits served them from the cache, any other unlocked node is evictable.
+NODE_COLORS = {"root": "#ffffff", "evicted": P["evicted"], "locked": P["locked"], "new": P["computed"],
+               "hit": P["cached"], "cached": P["evictable"]}
+NODE_LABELS = {"evicted": "evicted", "locked": "locked", "new": "new (computed)", "hit": "hit (cached)",
+               "cached": "evictable"}
+MARK_COLOR = "#333333"
 MARK_SYMBOLS = {"first_token": "diamond", "finished": "line-ns-open", "aborted": "x", "retracted": "triangle-left"}
 
 
@@ -146,7 +153,7 @@ class GanttView(TraceView):
                                 customdata=[], hovertemplate="%{customdata[0]}<br>%{customdata[1]}"
                                 "<br>%{base:.3f}s + %{x:.3f}s<extra>" + kind + "</extra>")
         self.figure.add_scatter(name="events", mode="markers", x=[], y=[], customdata=[],
-                                marker=dict(color="#333", size=9, symbol=[]),
+                                marker=dict(color=MARK_COLOR, size=9, symbol=[]),
                                 hovertemplate="%{customdata[0]}: %{customdata[1]} at %{x:.3f}s<extra></extra>")
         self.figure.update_layout(**_layout(self.title, height, width, barmode="overlay",
                                             xaxis_title="time (s)", clickmode="event"))
@@ -173,6 +180,7 @@ class GanttView(TraceView):
         m.y = [label[rid] for rid, _, _ in g.marks]
         m.customdata = [[rid, kind] for rid, _, kind in g.marks]
         m.marker.symbol = [MARK_SYMBOLS[k] for _, _, k in g.marks]
+        m.marker.color = [COLORS["retracted"] if k == "retracted" else MARK_COLOR for _, _, k in g.marks]
         self.figure.layout.yaxis.categoryarray = [label[r] for r in g.rids]
         self.figure.layout.yaxis.categoryorder = "array"
         if self.selected is not None:
@@ -223,7 +231,7 @@ class BatchView(TraceView):
         self.figure.add_scatter(name="step time (ms)", x=[], y=[], yaxis="y2", mode="lines+markers",
                                 line=dict(color="#555", width=1), marker=dict(size=3))
         self.figure.add_scatter(name="CUDA graph", x=[], y=[], mode="markers",
-                                marker=dict(symbol="star", size=9, color="#b07aa1"))
+                                marker=dict(symbol="star", size=9, color=MARK_COLOR))
         self.figure.update_layout(**_layout(
             self.title, height, width, barmode="stack", xaxis_title="scheduler step",
             yaxis=dict(title="tokens"),
@@ -257,8 +265,8 @@ class RadixTreeView(TraceView):
             hovertemplate="%{customdata[4]}<br>node %{customdata[0]}: %{customdata[1]} tokens"
                           "<br>lock_ref %{customdata[2]}, hits %{customdata[3]}<br>%{customdata[5]}<extra></extra>"))
         self.figure.update_layout(**_layout(self.title, height, width, margin=dict(l=10, r=10, t=36, b=10)))
-        legend = " ".join(f"<span style='background:{c};padding:0 6px;border:1px solid #999'>&nbsp;</span> {k}"
-                          for k, c in NODE_COLORS.items() if k != "root")
+        legend = " ".join(f"<span style='background:{c};padding:0 6px;border:1px solid #999'>&nbsp;</span> "
+                          f"{NODE_LABELS[k]}" for k, c in NODE_COLORS.items() if k != "root")
         self.caption = W.HTML(value=f"<small>{legend}</small>")
 
     def _extras(self):
@@ -272,7 +280,7 @@ class RadixTreeView(TraceView):
         tr.customdata = [[i, v, lr, h, s, html.escape(t[:120])]
                          for i, v, lr, h, s, t in zip(d.ids, d.values, d.lock_refs, d.hits, d.states, d.texts)]
         self.figure.layout.title.text = (f"{self.title}: {len(d.ids) - 1} nodes, {sum(d.values)} tokens "
-                                         f"(evictable {state.tree_evictable_size}, "
+                                         f"(evictable {state.evictable}, "
                                          f"protected {state.tree_protected_size})")
 
 

@@ -7,12 +7,12 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import DataTable
 
+from workbench.core.trace.palette import CACHED, COMPUTED, DECODE
 from workbench.core.trace.views import StepView
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import RequestSelected, TracePanel
 
-CACHED, COMPUTED, DECODE = "blue", "green", "yellow"
-_MODE_STYLE = {"extend": "bold green", "decode": "bold yellow", "mixed": "bold cyan", "idle": "dim"}
+_MODE_STYLE = {"extend": f"bold {COMPUTED}", "decode": f"bold {DECODE}", "mixed": "bold", "idle": "dim"}
 COLUMNS = (("step", "step"), ("mode", "mode"), ("bs", "bs"), ("graph", "cg"), ("ms", "ms"),
            ("mix", "tokens"), ("comp", "composition"))
 
@@ -51,7 +51,7 @@ def composition(sv: StepView, selected: Optional[str] = None, max_decode_names: 
                 text.append("+")
             text.append(f"█{sr.computed}", style=COMPUTED)
             if sr.num_chunks > 1:
-                text.append(f" chunk {sr.chunk_index + 1}/{sr.num_chunks}", style="magenta")
+                text.append(f" chunk {sr.chunk_index + 1}/{sr.num_chunks}", style="italic")
         elif sr.decode > 0:
             decodes.append(sr.rid)
     if decodes:
@@ -72,7 +72,7 @@ def composition(sv: StepView, selected: Optional[str] = None, max_decode_names: 
 
 
 def step_cells(sv: StepView, selected: Optional[str] = None) -> tuple:
-    badge = Text("CG", style="bold black on green") if sv.cuda_graph else Text("–", style="dim")
+    badge = Text("CG", style="bold reverse") if sv.cuda_graph else Text("–", style="dim")
     bs = f"{sv.batch_size}/{sv.padded_size}" if sv.padded_size != sv.batch_size else str(sv.batch_size)
     return (str(sv.step), Text(sv.mode, style=_MODE_STYLE.get(sv.mode, "")), bs, badge,
             f"{sv.schedule_ms + sv.forward_ms:.0f}", token_bar(sv), composition(sv, selected))
@@ -83,8 +83,9 @@ class BatchPanel(TracePanel):
     TITLE = "Batch composition"
     HELP = ("One row per scheduler iteration (newest at the bottom). mode: extend (prefill), decode, "
             "mixed. bs: batch size (/padded size when padded to a CUDA-graph bucket); cg: CG when a "
-            "CUDA graph replayed, – when eager (the title names the attention backend on GPU); ms: schedule + forward time. tokens: the step's mix — ░ blue = prefix tokens reused from the cache, "
-            "█ green = prompt tokens computed, █ yellow = decode tokens. composition: each prefill "
+            "CUDA graph replayed, – when eager (the title names the attention backend on GPU); ms: schedule + forward time. tokens: the step's mix — ░ cached = prefix tokens reused from the "
+            "cache, █ computed = prompt tokens computed, █ decode = decode tokens (colours: the colour key "
+            "above). composition: each prefill "
             "request with cached+computed tokens and its chunk k/n, then the decode group.")
     clock_interval_s = 0
     max_rows = 200

@@ -9,13 +9,15 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from workbench.core.trace.palette import COMPUTED, DECODE, RETRACTED, WAITING
 from workbench.core.trace.views import RequestView
 from workbench.tui.fmt import fmt_s, shorten
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import TracePanel
 
-_KIND_STYLE = {"arrived": "cyan", "queued": "yellow", "prefill": "green", "first_token": "bold green",
-               "decode": "yellow", "retracted": "magenta", "finished": "bold green", "aborted": "bold red"}
+_KIND_STYLE = {"arrived": f"italic {WAITING}", "queued": WAITING, "prefill": COMPUTED,
+               "first_token": f"bold {DECODE}", "decode": DECODE, "retracted": f"bold {RETRACTED}",
+               "finished": "bold", "aborted": "bold red"}
 
 
 def shared_steps(model: TuiModel, r: RequestView) -> tuple[dict[int, list[str]], Counter]:

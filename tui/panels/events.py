@@ -5,11 +5,13 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Input, RichLog
 
+from workbench.core.trace.palette import EVICTED, RETRACTED, WAITING
 from workbench.tui.model import LogLine, TuiModel
 from workbench.tui.panels.base import TracePanel
 
-_STYLE = {"arrive": "cyan", "finish": "green", "abort": "bold red", "retract": "magenta", "evict": "yellow",
-          "drop": "bold red", "proc": "blue", "weights": "blue", "error": "bold white on red", "info": "dim"}
+_STYLE = {"arrive": f"italic {WAITING}", "finish": "bold", "abort": "bold red", "retract": f"bold {RETRACTED}",
+          "evict": EVICTED, "drop": "bold red", "proc": "", "weights": "", "error": "bold white on red",
+          "info": "dim"}
 
 
 def line_matches(line: LogLine, terms: list[str]) -> bool:

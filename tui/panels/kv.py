@@ -5,11 +5,12 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
 
+from workbench.core.trace.palette import EVICTABLE, EVICTED, FREE, LOCKED, RETRACTED
 from workbench.tui.fmt import fmt_count, resample, spark
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import TracePanel
 
-USED, EVICTABLE, FREE = "red", "yellow", "green"
+USED = LOCKED      # "used" in the pool = held (locked) by running requests
 
 
 def kv_gauge(used: int, evictable: int, free: int, total: int, width: int) -> Text:
@@ -35,12 +36,13 @@ def render_kv(model: TuiModel, width: int = 40) -> Text:
         return out
     width = max(10, width)
     total = max(k.total, 1)
-    out.append_text(kv_gauge(k.used, k.evictable, k.free, k.total, width))
+    evictable = st.evictable     # the one figure the radix tree's title shows too
+    out.append_text(kv_gauge(k.used, evictable, k.free, k.total, width))
     out.append("\n")
     out.append("█ used      ", style=USED)
     out.append(f"{fmt_count(k.used):>6} ({100 * k.used / total:.0f}%)\n")
     out.append("▓ evictable ", style=EVICTABLE)
-    out.append(f"{fmt_count(k.evictable):>6} ({100 * k.evictable / total:.0f}%)\n")
+    out.append(f"{fmt_count(evictable):>6} ({100 * evictable / total:.0f}%)\n")
     out.append("░ free      ", style=FREE)
     out.append(f"{fmt_count(k.free):>6} of {fmt_count(k.total)} tokens\n")
     hist = list(st.kv_history)
@@ -52,8 +54,10 @@ def render_kv(model: TuiModel, width: int = 40) -> Text:
         out.append(spark(held, width, hi=1.0), style=EVICTABLE)
         out.append("  used+cached\n", style="dim")
     c = st.counters
-    out.append(f"hit rate {100 * st.cache_hit_rate:.0f}% · evicted {fmt_count(c.evicted_tokens_total)} t · "
-               f"retracted {c.num_retracted}", style="dim")
+    out.append(f"hit rate {100 * st.cache_hit_rate:.0f}% · ", style="dim")
+    out.append(f"evicted {fmt_count(c.evicted_tokens_total)} t", style=EVICTED)
+    out.append(" · ", style="dim")
+    out.append(f"retracted {c.num_retracted}", style=RETRACTED)
     return out
 
 
@@ -62,7 +66,7 @@ class KVPanel(TracePanel):
     TITLE = "KV pool"
     HELP = ("The token KV pool: █ used by requests in flight, ▓ evictable (cached prefixes nobody "
             "holds; freed on demand), ░ free. Below: the history of used and used+cached, the cache "
-            "hit rate over finished requests, tokens evicted and requests retracted (the pool ran out "
+            "hit rate (prompt tokens served from the cache as requests are admitted), tokens evicted and requests retracted (the pool ran out "
             "during decode).")
     clock_interval_s = 0
 

@@ -7,6 +7,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
 
+from workbench.core.trace.palette import COMPUTED, DECODE, METRIC_COLORS
 from workbench.core.trace.views import LATENCY_METRICS
 from workbench.tui.fmt import fmt_count, fmt_s, spark
 from workbench.tui.model import TuiModel
@@ -63,13 +64,13 @@ def render_latency(model: TuiModel, spark_width: int = 30) -> Group:
     tp = model.state.throughput(5.0, model.now_ns)
     lines = Text()
     lines.append("TTFT      ", style="bold")
-    lines.append(spark(tt, spark_width) or "·", style="magenta")
+    lines.append(spark(tt, spark_width) or "·", style=METRIC_COLORS["ttft"])
     lines.append(f"  last {fmt_s(tt[-1])}\n" if tt else "\n", style="dim")
     lines.append("prefill/s ", style="bold")
-    lines.append(spark(pre, spark_width), style="green")
+    lines.append(spark(pre, spark_width), style=COMPUTED)
     lines.append(f"  {fmt_count(tp.prefill_tps)} tok/s\n", style="dim")
     lines.append("decode/s  ", style="bold")
-    lines.append(spark(dec, spark_width), style="yellow")
+    lines.append(spark(dec, spark_width), style=DECODE)
     lines.append(f"  {fmt_count(tp.decode_tps)} tok/s", style="dim")
     return Group(latency_table(model), lines)
 

@@ -5,6 +5,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import DataTable
 
+from workbench.core.trace.palette import COMPUTED, DECODE, WAITING
 from workbench.core.trace.views import RequestView
 from workbench.tui.fmt import fmt_age, fmt_s
 from workbench.tui.model import TuiModel
@@ -12,28 +13,40 @@ from workbench.tui.panels.base import RequestSelected, TracePanel
 
 COLUMNS = (("queue", "queue"), ("rid", "rid"), ("state", "state"), ("prompt", "prompt"),
            ("cached", "cached"), ("computed", "comp"), ("out", "out"), ("age", "age"), ("ttft", "TTFT"))
-_QUEUE_STYLE = {"chunked": "bold magenta", "running": "bold green", "waiting": "yellow", "new": "cyan",
+_QUEUE_STYLE = {"chunked": f"bold {COMPUTED}", "running": f"bold {DECODE}", "waiting": WAITING,
+                "new": f"italic {WAITING}",
                 "done": "dim"}
 
 
 def queue_rows(model: TuiModel, max_rows: int = 300, recent_done: int = 8) -> list[tuple[str, tuple]]:
-    """(rid, cells) for the table: chunked, running, waiting, then the most recently finished."""
+    """(rid, cells) for the table: waiting, new (arrived, not queued yet), chunked, running, then
+    the most recently finished. Waiting and new come first: a long running list must not push
+    the requests that wait off-screen."""
     st = model.state
     now = model.now_ns
     rows: list[tuple[str, tuple]] = []
     seen: set[str] = set()
-    for queue, rids in (("chunked", st.chunked), ("running", st.running), ("waiting", st.waiting)):
-        for rid in rids:
-            if rid in seen:
-                continue
-            seen.add(rid)
-            rows.append((rid, _cells(queue, st.requests.get(rid) or RequestView(rid), now, st.req_replica.get(rid))))
+
+    def add(queue: str, rid: str, r) -> None:
+        seen.add(rid)
+        rows.append((rid, _cells(queue, r or RequestView(rid), now, st.req_replica.get(rid))))
+
+    for rid in st.waiting:
+        if rid not in seen:
+            add("waiting", rid, st.requests.get(rid))
     # Requests the scheduler has not listed yet (queue.state comes once per step, and not at
     # all while the scheduler is paused): show them from their own events.
-    for r in st.requests.values():
-        if r.rid not in seen and r.state in ("arrived", "queued"):
-            seen.add(r.rid)
-            rows.append((r.rid, _cells("waiting" if r.state == "queued" else "new", r, now, st.req_replica.get(r.rid))))
+    unlisted = [r for r in st.unlisted() if r.rid not in seen]
+    for r in unlisted:
+        if r.state == "queued":
+            add("waiting", r.rid, r)
+    for r in unlisted:
+        if r.state == "arrived":
+            add("new", r.rid, r)
+    for queue, rids in (("chunked", st.chunked), ("running", st.running)):
+        for rid in rids:
+            if rid not in seen:
+                add(queue, rid, st.requests.get(rid))
     if recent_done:
         done = [r for r in st.requests.values() if r.done and r.rid not in seen and r.finish_ts is not None]
         done.sort(key=lambda r: r.finish_ts)
@@ -66,9 +79,10 @@ def _cells(queue: str, r: RequestView, now: int, replica: str | None = None) -> 
 class QueuesPanel(TracePanel):
     PANEL_NAME = "queues"
     TITLE = "Queues"
-    HELP = ("Every request the scheduler holds: `chunked` (its prompt is being prefilled in chunks), "
-            "`running` (in the decode batch), `waiting` (queued for prefill) and `new` (arrived, not "
-            "queued yet), then the last few "
+    HELP = ("Every request the scheduler holds, those that wait first: `waiting` (queued for prefill), "
+            "`new` (arrived, not queued yet; both count in the title and the status line's wait/new), "
+            "`chunked` (its prompt is being prefilled in chunks), `running` (in the decode batch), "
+            "then the last few "
             "finished. prompt/cached/comp/out are token counts: cached = reused from the radix tree, "
             "comp = prompt tokens actually computed. TTFT shows the time so far (italic) until the "
             "first token. Click or Enter on a row to select the request.")
@@ -87,7 +101,9 @@ class QueuesPanel(TracePanel):
 
     def update_view(self, model: TuiModel) -> None:
         st = model.state
-        title = f"Queues — waiting {len(st.waiting)} · running {len(st.running)} · chunked {len(st.chunked)}"
+        q = st.queue_counts()
+        title = (f"Queues — waiting {q['waiting']} · new {q['new']} · running {q['running']} · "
+                 f"chunked {q['chunked']}")
         replicas = st.replicas()
         if replicas:    # data parallel: each replica's own queues, side by side
             title += "  |  " + "  ".join(f"dp{v.dp_rank} {len(v.waiting)}w/{len(v.running)}r" for v in replicas)

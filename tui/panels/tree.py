@@ -9,6 +9,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from workbench.core.trace.palette import CACHED, COMPUTED, EVICTABLE, EVICTED, LOCKED
 from workbench.core.trace.views import RequestView, TreeNodeView
 from workbench.tui.fmt import fmt_age, fmt_count, shorten
 from workbench.tui.model import TuiModel
@@ -123,7 +124,7 @@ def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] 
                 out.append(f"  ▸ {s.nodes - 1} cold below ({fmt_count(s.tokens - n.tokens)} t)",
                            style="dim italic")
             elif len(n.children) > 1:
-                out.append(f"  [{len(n.children)} children]", style="bold cyan")
+                out.append(f"  [{len(n.children)} children]", style="bold")
             out.append("\n")
             if folded:
                 continue
@@ -147,23 +148,23 @@ def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] 
 def _node_line(out: Text, n: TreeNodeView, now_ns: int, selected: bool, preview_chars: int) -> None:
     label = shorten(n.text, preview_chars) if n.text else f"#{n.node_id}"
     if n.just_evicted:
-        style = "strike red"
+        style = f"strike {EVICTED}"
     elif n.lock_ref > 0:
-        style = "bold yellow"
+        style = f"bold {LOCKED}"
     elif n.just_inserted:
-        style = "green"
+        style = COMPUTED            # just computed and inserted
     else:
-        style = ""
+        style = EVICTABLE           # unlocked: the cache may drop it
     if selected:
         style = (style + " reverse").strip()
     out.append(f"“{label}”", style=style)
-    out.append(f" {n.tokens}t", style="cyan")
+    out.append(f" {n.tokens}t")
     if n.lock_ref > 0:
-        out.append(f" lock {n.lock_ref}", style="bold yellow")
+        out.append(f" lock {n.lock_ref}", style=f"bold {LOCKED}")
     if n.hits:
-        out.append(f" hits {n.hits}", style="")
+        out.append(f" hits {n.hits}", style=CACHED)
     if n.just_evicted:
-        out.append(" evicted", style="red")
+        out.append(" evicted", style=EVICTED)
     elif n.last_access:
         out.append(f" {fmt_age(now_ns - n.last_access)}", style="dim")
 
@@ -173,8 +174,8 @@ class TreePanel(TracePanel):
     TITLE = "Radix tree"
     HELP = ("The KV cache as a prefix tree: each node is an edge of token ids, shown as decoded text "
             "with its token count, lock count (lock N = in use by N running requests, cannot be evicted), "
-            "hits and age. Bold yellow = locked, plain = evictable, green = just inserted, red struck "
-            "= just evicted, reversed = the selected request's nodes. 'N children' marks a prefix "
+            "hits and age. Colours (the colour key above): locked (bold), evictable, computed = "
+            "just inserted, evicted (struck through); hits in the cached colour; reversed = the selected request's nodes. 'N children' marks a prefix "
             "shared by N continuations. Cold subtrees (unlocked, idle > 30 s) fold into one line.")
     min_interval_s = 0.25
     clock_interval_s = 1.0
@@ -193,4 +194,4 @@ class TreePanel(TracePanel):
         text, _ = render_tree(tree, model.now_ns, request_path(tree, sel))
         self.query_one("#tree-body", Static).update(text)
         self.border_title = (f"Radix tree — {max(0, len(tree) - 1)} nodes · evictable "
-                             f"{fmt_count(st.tree_evictable_size)} · protected {fmt_count(st.tree_protected_size)} t")
+                             f"{fmt_count(st.evictable)} · protected {fmt_count(st.tree_protected_size)} t")
