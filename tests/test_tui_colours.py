@@ -38,6 +38,9 @@ async def test_tui_draws_every_meaning_in_its_palette_colour():
         for meaning in ("cached", "computed", "decode", "waiting", "locked", "evictable", "free",
                         "evicted", "retracted"):
             assert PALETTE[meaning] in screen, f"{meaning} ({PALETTE[meaning]}) is not drawn"
+        # the theme speaks the language too: $wb-<meaning> for CSS (a plugin panel's included)
+        css = app.get_css_variables()
+        assert {m: css[f"wb-{m}"] for m in PALETTE} == PALETTE
         await pilot.press("question_mark")
         await pilot.pause()
         help_svg = app.export_screenshot().lower()

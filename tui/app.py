@@ -23,6 +23,7 @@ from textual.widget import Widget
 from textual.widgets import Footer, Input, LoadingIndicator, Static, TabbedContent
 from textual.worker import get_current_worker
 
+from workbench.core.trace.palette import PALETTE
 from workbench.tui.controller import Controller, friendly
 from workbench.tui.fmt import fmt_count, shorten
 from workbench.tui.layout import mount_layout
@@ -115,6 +116,13 @@ class WorkbenchApp(App):
         self._broken_panels: set[str] = set()
         self._quitting = False
         self._kind_cycle = list(KINDS)
+
+    def get_css_variables(self) -> dict[str, str]:
+        """The theme's variables plus the colour language ($wb-cached, $wb-locked, ...: the palette
+        in core/trace/palette.py), so CSS, built-in or a plugin panel's, speaks it too."""
+        variables = super().get_css_variables()
+        variables.update({f"wb-{name}": hex_ for name, hex_ in PALETTE.items()})
+        return variables
 
     # ---- layout ---------------------------------------------------------------------
     def compose(self) -> ComposeResult:
