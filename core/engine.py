@@ -24,8 +24,9 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 import msgspec
 
 from workbench.core.args import ServerArgs
-from workbench.core.distributed.launch import (spawn_scheduler_ranks, tp_ranks_on_node, validate_tp_for_model,
-                                               wait_ranks_ready, with_dist_init_addr)
+from workbench.core.distributed.launch import (MAIN_GUARD_EXIT, MainGuardError, spawn_scheduler_ranks,
+                                               tp_ranks_on_node, validate_tp_for_model, wait_ranks_ready,
+                                               with_dist_init_addr)
 from workbench.core.ipc import PortArgs
 from workbench.core.managers.tokenizer_manager import EngineDeadError, GenerateReqInput, TokenizerManager
 from workbench.core.model_executor.cpu_threads import omp_wait_env
@@ -43,11 +44,19 @@ _SAMPLING_KEYS = {f for f in SamplingParams.__struct_fields__}
 START_TIMEOUT_S = 600
 
 
+def _exit_if_starting_child() -> None:
+    """In a child that multiprocessing is still starting, an Engine() call means the user's script
+    is being re-run without a `__main__` guard: leave quietly with a code the parent recognises."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        os._exit(MAIN_GUARD_EXIT)
+
+
 class Engine:
     """The serving engine: processes, trace bus and TokenizerManager. Use as a context manager."""
 
     def __init__(self, model_path: Optional[str] = None, *, server_args: Optional[ServerArgs] = None,
                  on_progress: Optional[Callable[[str], None]] = None, **kwargs):
+        _exit_if_starting_child()
         if server_args is None:
             server_args = ServerArgs(model_path=model_path, **kwargs)
         elif model_path is not None or kwargs:
@@ -62,6 +71,9 @@ class Engine:
         self.port_args = PortArgs.create()
         try:
             self._launch()
+        except MainGuardError as exc:
+            self.shutdown()
+            raise SystemExit(f"workbench: {exc}") from None     # one line, not a child's traceback
         except BaseException:
             self.shutdown()
             raise

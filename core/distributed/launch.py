@@ -97,6 +97,24 @@ def spawn_scheduler_ranks(ctx, server_args, port_args, tp_ranks, procs: dict, re
         readers[role] = reader
 
 
+# A child exits with this code when it finds itself re-running the user's script while it starts
+# (an Engine created at a script's top level, without the `if __name__ == "__main__":` guard).
+MAIN_GUARD_EXIT = 86
+MAIN_GUARD_HINT = ("Engine() ran again inside one of its own child processes: multiprocessing starts each child by "
+                   "re-running your script, so create the Engine under `if __name__ == \"__main__\":` "
+                   "(see docs/engine_api.md)")
+
+
+class MainGuardError(RuntimeError):
+    """The script that created the Engine lacks the `if __name__ == "__main__":` guard."""
+
+
+def _exited(role: str, proc) -> RuntimeError:
+    if proc.exitcode == MAIN_GUARD_EXIT:
+        return MainGuardError(MAIN_GUARD_HINT)
+    return RuntimeError(f"the {role} process exited during start-up (exit code {proc.exitcode})")
+
+
 def wait_ranks_ready(procs: dict, readers: dict, timeout_s: float = START_TIMEOUT_S,
                      timeout_hint: str = "") -> dict:
     """Wait for every child's ready message (`readers`: role -> pipe); returns role -> message and
@@ -114,14 +132,14 @@ def wait_ranks_ready(procs: dict, readers: dict, timeout_s: float = START_TIMEOU
                 try:
                     msg = reader.recv()
                 except EOFError:
-                    raise RuntimeError(f"the {role} process exited during start-up "
-                                       f"(exit code {procs[role].exitcode})") from None
+                    procs[role].join(5)          # its exit code says why
+                    raise _exited(role, procs[role]) from None
                 if msg.get("status") != "ready":
                     raise RuntimeError(f"the {role} process failed to start: {msg.get('error')}")
                 infos[role] = msg
                 del pending[role]
             elif procs[role].sentinel in ready and not procs[role].is_alive():
-                raise RuntimeError(f"the {role} process exited during start-up (exit code {procs[role].exitcode})")
+                raise _exited(role, procs[role])
     return infos
 
 
