@@ -15,6 +15,85 @@ ATTENTION_BACKENDS = ("torch_native", "cpu_paged", "triton", "flashinfer")   # s
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
 
 
+# `--help` of every flag (SGLang's wording where it has the flag). Defaults and choices are added
+# by `add_cli_args`; tests/test_cli_help.py checks that no field is left without help.
+FLAG_HELP = {
+    "model_path": "the model: nothing for the default (SmolLM2-135M-Instruct, embedded GGUF), 'smollm2-135m', "
+                  "a .gguf file or a local Hugging Face directory (Llama, Mistral, Qwen2)",
+    "served_model_name": "the model name the API reports and accepts (default: derived from the model)",
+    "dtype": "weights and activations: auto picks bfloat16 on CPUs with AVX512-BF16/AMX (and on CUDA), "
+             "else float32",
+    "kv_cache_dtype": "KV cache dtype; auto = the model dtype",
+    "context_length": "the longest prompt + output a request may have (default: the model's)",
+    "device": "where the model runs; auto = cuda if available, else cpu",
+    "random_seed": "seed of the sampler (a request's own seed overrides it)",
+    "max_total_tokens": "KV pool size in tokens (default: from the memory budget)",
+    "kv_cache_memory_gb": "CPU: memory budget of the KV pool in GiB (default 0.5)",
+    "mem_fraction_static": "CUDA: fraction of free GPU memory for weights and the KV pool",
+    "max_running_requests": "most requests in the running batch at once",
+    "max_prefill_tokens": "token budget of one prefill (extend) batch",
+    "chunked_prefill_size": "longest prompt piece one step prefills; longer prompts are chunked "
+                            "(default 2048 on CPU, 8192 on CUDA; -1 or 0 turns chunking off)",
+    "schedule_policy": "the order waiting requests are admitted in: " + ", ".join(SCHEDULE_POLICIES)
+                       + " (lpm: longest cached prefix first)",
+    "schedule_conservativeness": "how much KV room admission keeps for running requests' future tokens "
+                                 "(higher: fewer retractions, smaller batches)",
+    "disable_radix_cache": "turn the radix prefix cache off (every prompt computed in full)",
+    "disable_overlap_schedule": "run schedule and forward one after the other; --no-disable-overlap-schedule "
+                                "overlaps the next step's scheduling with the current forward",
+    "attention_backend": "attention kernels (default: cpu_paged on CPU, flashinfer or triton on CUDA)",
+    "disable_cuda_graph": "CUDA: run decode eagerly instead of through captured CUDA graphs",
+    "cuda_graph_max_bs": "CUDA: the largest decode batch captured as a graph",
+    "cuda_graph_bs": "CUDA: the batch sizes to capture (default: buckets up to --cuda-graph-max-bs)",
+    "cuda_graph_stand_in": "CPU: decode through the graph runner with a stand-in graph (tests the GPU path's logic)",
+    "enable_torch_compile": "compile the decode step with torch.compile",
+    "torch_compile_max_bs": "the largest decode batch torch.compile is used for",
+    "num_threads": "CPU compute threads of each scheduler process (default: adaptive, measured against the "
+                   "neighbours while decoding)",
+    "cpu_omp_threads_bind": "pin each scheduler rank to cores, e.g. 0-1, or 0-1|2-3 for two TP ranks "
+                            "(SGLang's SGLANG_CPU_OMP_THREADS_BIND; 'nobind' leaves them unpinned)",
+    "tp_size": "tensor-parallel ranks (one scheduler process each)",
+    "dp_size": "data-parallel replicas of the whole model behind one front end",
+    "load_balance_method": "how requests are spread over data-parallel replicas",
+    "nnodes": "nodes in a multi-node tensor-parallel launch",
+    "node_rank": "this node's rank in a multi-node launch (node 0 runs the front end)",
+    "dist_init_addr": "HOST:PORT of node 0 that every node can reach (multi-node TP)",
+    "host": "address to bind (127.0.0.1: this machine only)",
+    "port": "HTTP port",
+    "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
+    "enable_cors": "answer cross-origin requests from any origin (for a browser front end)",
+    "max_request_body_bytes": "largest request body accepted (413 above it)",
+    "max_n": "largest n (choices per request) accepted",
+    "max_top_logprobs": "largest top_logprobs accepted",
+    "trace_publish": "publish the trace over ZMQ PUB at this address (e.g. tcp://127.0.0.1:5557) for "
+                     "`workbench tui --attach`",
+    "record": "write the trace as a JSONL recording to this file",
+    "trace_mode": "auto: emit trace events while anything listens; on: always; off: never",
+    "otlp_traces_endpoint": "export one OpenTelemetry trace per request to this OTLP/HTTP endpoint, "
+                            "e.g. http://127.0.0.1:4318/v1/traces",
+    "log_level": "log level of the server and its processes",
+    "show_progress": "print start-up progress",
+}
+FLAG_CHOICES = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "kv_cache_dtype": ("auto", "float32", "bfloat16", "float16"),
+    "device": ("auto", "cpu", "cuda"),
+    "attention_backend": ATTENTION_BACKENDS,
+    "load_balance_method": LOAD_BALANCE_METHODS,
+    "trace_mode": ("auto", "on", "off"),
+    "log_level": ("debug", "info", "warning", "error", "critical"),
+}
+
+
+def flag_help(f: dataclasses.Field) -> str:
+    """A field's help line with its default (what `--help` shows)."""
+    text = f.metadata.get("help") or FLAG_HELP.get(f.name, "")
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if isinstance(default, bool):
+        return text
+    return f"{text} (default: {default})" if default is not None else text
+
+
 @dataclass
 class ServerArgs:
     # model
@@ -149,26 +228,29 @@ class ServerArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Add every field as --kebab-case (with --model as an alias of --model-path)."""
+        group = parser.add_argument_group("engine and server (ServerArgs; SGLang's flag names)")
         for f in dataclasses.fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")
             names = [flag, "--model"] if f.name == "model_path" else [flag]
             default = f.default if f.default is not dataclasses.MISSING else None
+            text = flag_help(f)
             if f.type in ("bool",) or isinstance(default, bool):
                 if default:
-                    parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+                    group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                       help=text)
                 else:
-                    parser.add_argument(*names, dest=f.name, action="store_true", default=False,
-                                        help=f.metadata.get("help"))
+                    group.add_argument(*names, dest=f.name, action="store_true", default=False, help=text)
                 continue
             kind = str(f.type)
+            extra = {"choices": FLAG_CHOICES[f.name]} if f.name in FLAG_CHOICES else {}
             if "list[int]" in kind:
-                parser.add_argument(*names, dest=f.name, type=int, nargs="+", default=default)
+                group.add_argument(*names, dest=f.name, type=int, nargs="+", default=default, help=text)
             elif "int" in kind:
-                parser.add_argument(*names, dest=f.name, type=int, default=default)
+                group.add_argument(*names, dest=f.name, type=int, default=default, help=text, **extra)
             elif "float" in kind:
-                parser.add_argument(*names, dest=f.name, type=float, default=default)
+                group.add_argument(*names, dest=f.name, type=float, default=default, help=text, **extra)
             else:
-                parser.add_argument(*names, dest=f.name, type=str, default=default)
+                group.add_argument(*names, dest=f.name, type=str, default=default, help=text, **extra)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

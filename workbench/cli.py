@@ -271,9 +271,37 @@ def cmd_plugins(args) -> int:
     return 0
 
 
+def _innermost_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)parser the command line selected: `workbench bench serve ...` -> bench serve's."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for i, word in enumerate(argv):
+                if word in action.choices:
+                    return _innermost_parser(action.choices[word], argv[i + 1:])
+    return parser
+
+
+def _unknown_flags_error(parser: argparse.ArgumentParser, argv: list[str], extras: list[str]) -> None:
+    """Report unknown arguments with the usage of the command they were given to, and a guess."""
+    import difflib
+    sub = _innermost_parser(parser, argv)
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for word in extras:
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{word}: did you mean {close[0]}?")
+    sub.error(f"unrecognized arguments: {' '.join(extras)}" + ("\n  " + "\n  ".join(hints) if hints else "")
+              + f"\n  ({sub.prog} --help lists every flag)")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _unknown_flags_error(parser, argv, extras)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
