@@ -175,11 +175,12 @@ def test_a_request_that_can_never_fit_is_rejected_with_the_numbers():
 
 
 # ==== retraction under KV pressure ===============================================================
+@pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
 @BOTH_LOOPS
-def test_retraction_under_kv_pressure_keeps_every_token_right(overlap):
+def test_retraction_under_kv_pressure_keeps_every_token_right(overlap, radix):
     # 6 * (8 + 40) tokens wanted at peak, 120 in the pool: admission reserves only part of a running
     # request's remaining tokens (new_token_ratio), so decoding runs out and retracts.
-    h = SchedulerHarness(max_total_tokens=120, overlap=overlap)
+    h = SchedulerHarness(max_total_tokens=120, overlap=overlap, disable_radix_cache=not radix)
     prompts = {f"r{i}": prompt(i, 8) for i in range(6)}
     for rid, p in prompts.items():
         h.submit(rid, p, max_new_tokens=40)

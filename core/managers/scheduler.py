@@ -428,7 +428,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
     def release_req_kv(self, req: Req) -> None:
         """Free a request's own KV slots and row; the cached prefix stays in the tree."""
         table = self.req_to_token_pool.req_to_token
-        p = len(req.prefix_indices)
+        # With ChunkCache (--disable-radix-cache) prefix_indices are the request's own slots
+        # (record_unfinished_req_without_caching): nothing is in a tree, all of them are freed.
+        p = 0 if isinstance(self.tree_cache, ChunkCache) else len(req.prefix_indices)
         if req.kv_len > p:
             self.token_to_kv_pool_allocator.free(table[req.req_pool_idx, p:req.kv_len].clone())
         self.tree_cache.dec_lock_ref(req.last_node)
