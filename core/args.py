@@ -187,7 +187,7 @@ class ServerArgs:
             bad("--nnodes > 1 needs --dist-init-addr HOST:PORT, an address of node 0 every node can reach "
                 "(the same on every node)")
         if self.dist_init_addr is not None:
-            from workbench.core.distributed.launch import split_addr
+            from workbench.core.distributed.topology import split_addr
             split_addr(self.dist_init_addr)      # raises with an example of a good address
         if self.trace_mode not in ("auto", "on", "off"):
             bad("--trace-mode must be auto (trace while a view, recorder or publisher listens), on or off")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from workbench.core.trace.replay import Replay
-from workbench.core.trace.synthetic import synthetic_trace
+from synthetic import synthetic_trace
 from workbench.plugins import GROUP, load_plugins
 
 EVENTS = synthetic_trace(n_requests=5, seed=2)

@@ -14,7 +14,7 @@ import zmq
 from workbench.core.trace import events as ev
 from workbench.core.trace.bus import RemoteSubscription, TraceBus
 from workbench.core.trace.state import TraceState
-from workbench.core.trace.synthetic import synthetic_trace
+from synthetic import synthetic_trace
 from workbench.core.trace.tracer import Tracer
 
 

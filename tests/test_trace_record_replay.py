@@ -15,7 +15,7 @@ from workbench.core.trace.perfetto import export_perfetto
 from workbench.core.trace.recorder import Recorder, TraceFormatError, load_trace, read_trace
 from workbench.core.trace.replay import Replay
 from workbench.core.trace.state import TraceState
-from workbench.core.trace.synthetic import synthetic_trace
+from synthetic import synthetic_trace
 from workbench.core.trace.tracer import Tracer
 
 

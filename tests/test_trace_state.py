@@ -7,7 +7,7 @@ import pytest
 
 from workbench.core.trace import events as ev
 from workbench.core.trace.state import TraceState
-from workbench.core.trace.synthetic import synthetic_trace
+from synthetic import synthetic_trace
 
 MS = 1_000_000
 S = 1_000_000_000

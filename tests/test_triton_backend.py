@@ -21,7 +21,7 @@ from tiny_models import make_tiny_llama
 from workbench.core.layers.attention.registry import (create_attn_backend, default_attention_backend,
                                                       unavailable_reason)
 
-CHECK_MODULE = "workbench.core.layers.attention.triton_ops.reference_check"
+CHECK_MODULE = "workbench.triton_check"
 def _interpreter_skip_reason():
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (it comes with pip install -e '.[test]')"
@@ -43,7 +43,7 @@ def _interpreted(args: list[str], timeout: int = 600) -> list[dict]:
 def _case_ids():
     if importlib.util.find_spec("triton") is None:
         return []
-    from workbench.core.layers.attention.triton_ops.reference_check import default_cases
+    from workbench.triton_check import default_cases
     return [c.id for c in default_cases()]
 
 
@@ -56,11 +56,11 @@ def kernel_results() -> dict:
 @pytest.mark.parametrize("case_id", _case_ids())
 def test_triton_kernels_match_torch_native(kernel_results, case_id):
     """Decode (split-KV + reduce) and extend (pool prefix + causal new tokens); GQA 1/3/4; ragged;
-    float32 and float16 (bfloat16: see reference_check.default_cases)."""
+    float32 and float16 (bfloat16: see workbench.triton_check.default_cases)."""
     r = kernel_results[case_id]
     assert r["error"] == "", r["error"]
     assert r["ref_max_abs"] > 0.05                   # the reference is not trivially zero
-    from workbench.core.layers.attention.triton_ops.reference_check import TOLERANCE
+    from workbench.triton_check import TOLERANCE
     assert r["max_abs_diff"] < TOLERANCE[r["case"]["dtype"]], r
 
 

@@ -12,7 +12,7 @@ from tests.tui_helpers import FIXTURE, replay_app, show_at, step_ts, wait_for
 from workbench.core.trace import events as ev
 from workbench.core.trace.replay import Replay
 from workbench.core.trace.state import TraceState
-from workbench.core.trace.synthetic import synthetic_trace
+from synthetic import synthetic_trace
 from workbench.core.trace.views import TreeNodeView
 from workbench.tui.fmt import plain_text
 from workbench.tui.model import TuiModel

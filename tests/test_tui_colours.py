@@ -55,7 +55,7 @@ async def test_tui_draws_every_meaning_in_its_palette_colour():
 def test_widgets_take_their_colours_from_the_palette():
     pytest.importorskip("plotly")
     pytest.importorskip("ipywidgets")
-    from workbench.core.trace.synthetic import synthetic_trace
+    from synthetic import synthetic_trace
     from workbench.widgets import BatchView, GanttView, KVPoolView, QueueView, RadixTreeView
     from workbench.widgets.views import NODE_COLORS
     events = synthetic_trace(n_requests=8, seed=3, chunk_size=24, max_running=3, kv_total=300)

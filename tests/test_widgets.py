@@ -19,7 +19,7 @@ from workbench.core.trace import events as ev  # noqa: E402
 from workbench.core.trace.recorder import Recorder  # noqa: E402
 from workbench.core.trace.replay import Replay  # noqa: E402
 from workbench.core.trace.state import TraceState  # noqa: E402
-from workbench.core.trace.synthetic import synthetic_trace  # noqa: E402
+from synthetic import synthetic_trace  # noqa: E402
 from workbench.core.trace.views import percentile  # noqa: E402
 from workbench.widgets import (  # noqa: E402
     BatchView, Dashboard, GanttView, KVPoolView, LatencyView, QueueView, RadixTreeView, TraceFeed,

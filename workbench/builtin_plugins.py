@@ -9,7 +9,7 @@ from __future__ import annotations
 def register(registry) -> None:
     # Sections are filled in by the modules that own them (TUI panels, widgets,
     # workloads, policies); see each module's `register_builtin(registry)`.
-    for module in ("workbench.core.managers.schedule_policy", "workbench.core.trace.workloads",
+    for module in ("workbench.core.managers.schedule_policy", "workbench.workloads",
                    "workbench.core.trace.sinks", "workbench.tui.registration",
                    "workbench.widgets.registration"):
         try:

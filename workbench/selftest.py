@@ -225,7 +225,7 @@ def _interpreted_kernels(bench: _Bench) -> tuple[str, str]:
     hk = getattr(cfg, "num_key_value_heads", None) or hq
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "workbench.core.layers.attention.triton_ops.reference_check",
+    proc = subprocess.run([sys.executable, "-m", "workbench.triton_check",
                            "--json", "--heads", f"{hq},{hk},{d}"], env=env, capture_output=True, text=True,
                           timeout=900)
     if proc.returncode != 0:

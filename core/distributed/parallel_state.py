@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from workbench.core.distributed.launch import split_addr
+from workbench.core.distributed.topology import split_addr
 
 DEFAULT_TIMEOUT_S = 1800.0
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from workbench.core.args import ServerArgs, choose_cpu_dtype
-from workbench.core.distributed.launch import validate_tp_for_model
+from workbench.core.distributed.topology import validate_tp_for_model
 from workbench.core.distributed.parallel_state import (all_reduce_min_int, init_tp_group, set_tp_group,
                                                        tensor_model_parallel_broadcast_)
 from workbench.core.layers.logits_processor import LogitsOutput, LogitsProcessor

@@ -6,7 +6,7 @@ backends (`init_forward_metadata`, then `forward`, which also writes the pass's
 K/V to the pool). On CPU this needs Triton's interpreter, and `TRITON_INTERPRET=1`
 must be set before triton is first imported, so callers run it in a fresh process:
 
-    TRITON_INTERPRET=1 python -m workbench.core.layers.attention.triton_ops.reference_check --json
+    TRITON_INTERPRET=1 python -m workbench.triton_check --json
 
 prints one JSON line per case: its parameters and the largest absolute difference.
 """
