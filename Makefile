@@ -1,10 +1,10 @@
-# Two set-up commands (see README): `make run` and `make test`.
+# Two set-up commands (see README): `make run` and `make test` (`make test-full`: what CI runs).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+.PHONY: install run test test-full bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,13 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/workbench tui --workload shared-prefix
 
+# Two tiers (README "Tests and guarantees"): `make test` the fast one, after every change;
+# `make test-full` everything, what CI (.ci/run) runs. End-to-end tests carry the `e2e` marker
+# (tests/conftest.py decides which); soak runs only on demand (pytest -m soak).
 test: $(STAMP)
+	$(BIN)/python -m pytest -q tests -m "not e2e and not soak"
+
+test-full: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)

@@ -1,7 +1,10 @@
 """Shared fixtures: the real default model, loaded once per test session."""
 from __future__ import annotations
 
+import inspect
 import os
+import re
+import time
 
 import pytest
 import torch
@@ -65,9 +68,85 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return _HF_MEMO[key]
 
 
+# ==== two tiers: `make test` (fast) and `make test-full` (everything CI runs) ======================
+# A test is end-to-end (marker `e2e`, left out of `make test`) when it is in one of these files, or
+# when it or any fixture it uses starts an Engine, a server or another process:
+# `pytest_collection_modifyitems` reads their source. `@pytest.mark.e2e`
+# marks one by hand. The rest (unit tests, the in-process scheduler tests, kernels, the model
+# runner on the real weights) is the fast tier.
+E2E_FILES = {
+    "test_browser_dashboard.py", "test_notebooks.py", "test_tui_tmux.py",                 # browser, kernels, tmux
+    "test_reliability_load.py", "test_reliability_faults.py", "test_fuzz_http.py",        # load, faults, fuzz
+    "test_tensor_parallel.py", "test_served_peer.py", "test_llamacpp_peer.py",             # TP, peers
+}
+_E2E_SOURCE = re.compile(r"(?<![A-Za-z])[Ee]ngine\(|start_server\(|subprocess|Popen\(|sys\.executable")
+_T0 = time.time()
+_LOAD0 = os.getloadavg() if hasattr(os, "getloadavg") else None
+
+
+def _process_start() -> float:
+    """Wall-clock start of this process (Linux), else when this file was imported."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return _T0
+
+
+def _starts_processes(obj, cache: dict) -> bool:
+    if obj not in cache:
+        try:
+            # The body only: a fixture called `engine` is not a reason, what it does is.
+            src = re.split(r"^\s*(?:async\s+)?def [^\n]*\n", inspect.getsource(obj), maxsplit=1, flags=re.M)[-1]
+        except (OSError, TypeError):
+            src = ""
+        cache[obj] = bool(_E2E_SOURCE.search(src))
+    return cache[obj]
+
+
+def pytest_configure(config):
+    # Registered here rather than in pyproject.toml: editing that file makes `make` reinstall the venv.
+    config.addinivalue_line("markers", "e2e: end to end (engines, servers, processes, notebooks, browser, "
+                                       "tmux): only in the full tier (make test-full); tests/conftest.py marks them")
+
+
+@pytest.hookimpl(tryfirst=True)          # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    cache: dict = {}
+    for item in items:
+        if item.get_closest_marker("e2e") is not None:
+            continue
+        e2e = item.path.name in E2E_FILES
+        if not e2e and getattr(item, "function", None) is not None:
+            e2e = _starts_processes(item.function, cache)
+            infos = getattr(item, "_fixtureinfo", None)
+            for defs in (infos.name2fixturedefs.values() if infos else ()):
+                if e2e:
+                    break
+                e2e = any(_starts_processes(d.func, cache) for d in defs if d.baseid)
+        if e2e:
+            item.add_marker(pytest.mark.e2e)
+
+
+def _tier(config) -> str:
+    expr = (config.getoption("markexpr", "") or "").replace('"', "").replace("'", "").strip()
+    whole = all(os.path.basename(str(a).rstrip("/")) == "tests" for a in config.args)
+    if whole and expr == "not e2e and not soak":
+        return "fast tier (make test)"
+    if whole and expr in ("", "not soak"):
+        return "full tier (make test-full)"
+    return "this selection"
+
+
 def pytest_terminal_summary(terminalreporter):
-    """The reliability suite's figures (collected in tests/reliability_helpers.py), when it ran."""
+    """The run's wall time and tier (and the load beside it), then the reliability figures."""
     import sys
+    wall = time.time() - _process_start()
+    n = sum(len(terminalreporter.stats.get(k, [])) for k in ("passed", "failed", "error", "skipped"))
+    load = "?" if _LOAD0 is None else f"{_LOAD0[0]:.1f} at start, {os.getloadavg()[0]:.1f} at the end"
+    terminalreporter.write_sep("=", f"{_tier(terminalreporter.config)}: {n} tests in {wall / 60:.1f} min "
+                               f"({wall:.0f} s wall); load average {load}; {os.cpu_count()} cores")
     rel = sys.modules.get("reliability_helpers")
     if rel is None or not any(rel.STATS.values()):
         return
