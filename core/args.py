@@ -35,7 +35,7 @@ FLAG_HELP = {
     "chunked_prefill_size": "longest prompt piece one step prefills; longer prompts are chunked "
                             "(default 2048 on CPU, 8192 on CUDA; -1 or 0 turns chunking off)",
     "schedule_policy": "the order waiting requests are admitted in: " + ", ".join(SCHEDULE_POLICIES)
-                       + " (lpm: longest cached prefix first)",
+                       + " (lpm: longest cached prefix first), or one a plugin registered",
     "schedule_conservativeness": "how much KV room admission keeps for running requests' future tokens "
                                  "(higher: fewer retractions, smaller batches)",
     "disable_radix_cache": "turn the radix prefix cache off (every prompt computed in full)",
@@ -164,7 +164,11 @@ class ServerArgs:
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             bad(f"--kv-cache-dtype must be auto, float32, bfloat16 or float16, not {self.kv_cache_dtype!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            bad(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}")
+            from workbench.core.plugins import load_plugins    # only for a name that is not built in
+            known = list(SCHEDULE_POLICIES) + [n for n in load_plugins().policies if n not in SCHEDULE_POLICIES]
+            if self.schedule_policy not in known:
+                bad(f"--schedule-policy must be one of {', '.join(known)} (built in, or registered by a plugin: "
+                    f"`workbench plugins` lists them), not {self.schedule_policy!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             bad(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:

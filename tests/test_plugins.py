@@ -60,7 +60,23 @@ class Countdown:
         return [f"count down from {i}" for i in range(self.n, 0, -1)]
 
 
+class ShortestFirst:
+    """Admit the shortest prompt first; log each ordering to $WB_POLICY_LOG (proof the scheduler ran it)."""
+
+    def __init__(self, tree_cache, rng_seed=0):
+        self.tree_cache = tree_cache
+
+    def calc_priority(self, waiting_queue):
+        waiting_queue.sort(key=lambda r: len(r.origin_input_ids))
+        import os
+        path = os.environ.get("WB_POLICY_LOG")
+        if path and waiting_queue:
+            with open(path, "a") as f:
+                f.write(" ".join(str(len(r.origin_input_ids)) for r in waiting_queue) + "\\n")
+
+
 def register(registry):
+    registry.add_policy("shortest-first", ShortestFirst, help="shortest prompt first")
     registry.add_panel("reqcount", "Request count", make_panel, help="how many requests the trace saw")
     registry.add_view("reqcount", "Request count", make_view, help="how many requests the trace saw")
     registry.add_workload("countdown", Countdown, help="three numbered prompts")
@@ -99,7 +115,8 @@ def test_plugin_contributions_show_up_and_broken_ones_are_skipped(plugin_dir):
     info = {p.name: p for p in reg.plugins}
     ok = info["reqcount"]
     assert ok.error is None and ok.distribution == "wb-reqcount" and ok.module == "wb_reqcount:register"
-    assert sorted(ok.contributed) == ["panel:reqcount", "view:reqcount", "workload:countdown"]
+    assert sorted(ok.contributed) == ["panel:reqcount", "policy:shortest-first", "view:reqcount",
+                                      "workload:countdown"]
     assert reg.panels["reqcount"].plugin == reg.views["reqcount"].plugin == "reqcount"
     assert reg.workloads["countdown"].factory().requests()[0] == "count down from 3"
     assert "RuntimeError: boom" in info["broken"].error
@@ -176,3 +193,52 @@ def test_workbench_plugins_cli_lists_them(plugin_dir):
     text = out.stdout
     for needle in ("reqcount", "wb-reqcount", "countdown", "broken", "boom", "ghost", "builtin", "gantt"):
         assert needle in text, f"{needle!r} missing from `workbench plugins`:\n{text}"
+
+
+def test_a_plugin_policy_is_selectable_and_unknown_names_say_where_to_look(plugin_dir):
+    from types import SimpleNamespace
+
+    from workbench.core.args import ServerArgs
+    from workbench.core.managers.schedule_policy import SchedulePolicy
+    load_plugins(reload=True)
+    assert ServerArgs(schedule_policy="shortest-first").schedule_policy == "shortest-first"
+    with pytest.raises(ValueError, match="registered by a plugin.*workbench plugins"):
+        ServerArgs(schedule_policy="no-such-policy")
+    policy = SchedulePolicy("shortest-first", None, True)
+    queue = [SimpleNamespace(origin_input_ids=[0] * n) for n in (5, 2, 9)]
+    policy.calc_priority(queue)
+    assert [len(r.origin_input_ids) for r in queue] == [2, 5, 9]
+
+
+def test_the_scheduler_runs_a_plugin_policy(plugin_dir, monkeypatch, tmp_path):
+    """A real engine started with the plugin's policy: its scheduler process calls it (the log it
+    writes), and the requests are answered."""
+    from workbench import Engine
+    log = tmp_path / "policy.log"
+    monkeypatch.setenv("WB_POLICY_LOG", str(log))
+    load_plugins(reload=True)
+    prompts = [[1, 504, 3003] * k for k in (6, 1, 3)]
+    with Engine(schedule_policy="shortest-first", dtype="float32", max_total_tokens=2048,
+                show_progress=False) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 2, "temperature": 0,
+                                                                         "ignore_eos": True})
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [2, 2, 2]
+    orders = [line.split() for line in log.read_text().splitlines()]
+    assert orders and all(o == sorted(o, key=int) for o in orders), orders
+
+
+def test_cli_says_which_builtin_parts_did_not_load(monkeypatch):
+    from workbench.plugins import PluginRegistry
+    import workbench.builtin_plugins as builtin
+    real_import = __import__
+
+    def fake_import(name, *a, **kw):
+        if name == "workbench.widgets.registration":
+            raise ImportError("No module named 'ipywidgets'")
+        return real_import(name, *a, **kw)
+    reg = PluginRegistry()
+    monkeypatch.setattr("builtins.__import__", fake_import)
+    builtin.register(reg)
+    monkeypatch.undo()
+    assert reg.missing == [("workbench.widgets.registration", "ImportError: No module named 'ipywidgets'")]
+    assert "fcfs" in reg.policies and "tree" in reg.panels

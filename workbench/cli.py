@@ -268,6 +268,8 @@ def cmd_plugins(args) -> int:
         print(f"{info.name:<20} {info.module:<45} {info.distribution or '-':<20} {status}")
         for item in info.contributed:
             print(f"    {item}")
+    for module, why in reg.missing:
+        print(f"not loaded: {module} ({why}); install the extra it needs, e.g. pip install -e '.[jupyter]'")
     return 0
 
 

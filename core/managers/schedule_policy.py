@@ -44,15 +44,29 @@ MAX_HELD_PER_STEP = 128
 CLIP_MAX_NEW_TOKENS = 4096
 
 
+BUILTIN_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+
+
 class SchedulePolicy:
     def __init__(self, policy: str, tree_cache, enable_prefix_cache: bool, rng_seed: int = 0):
         self.policy = policy
         self.tree_cache = tree_cache
         self.enable_prefix_cache = enable_prefix_cache
         self.rng = random.Random(rng_seed)
+        self.plugin = None            # a plugin's policy object, when `policy` is not built in
+        if policy not in BUILTIN_POLICIES:
+            from workbench.core.plugins import policy_factory
+            factory = policy_factory(policy)
+            if factory is None:
+                raise ValueError(f"no scheduling policy {policy!r}: built in are {', '.join(BUILTIN_POLICIES)}; "
+                                 "`workbench plugins` lists the ones plugins registered")
+            self.plugin = factory(tree_cache, rng_seed=rng_seed)
 
     def calc_priority(self, waiting_queue: list[Req]) -> None:
         """Reorder `waiting_queue` in place; prefix-aware policies also match prefixes."""
+        if self.plugin is not None:
+            self.plugin.calc_priority(waiting_queue)
+            return
         policy = self.policy
         if policy in ("lpm", "dfs-weight") and (not self.enable_prefix_cache
                                                 or len(waiting_queue) > PREFIX_POLICY_MAX_QUEUE):
