@@ -495,7 +495,7 @@ def test_snapshot_and_pretty_print_with_real_text():
     cache, _, alloc = make_cache(pool_size=512, on_event=events.append, decode_text=decode)
     prompts = [list((system + q).encode()) for q in questions]
     for p in prompts:
-        dup = cache.insert(p, alloc.alloc(len(p)))
+        cache.insert(p, alloc.alloc(len(p)))
     assert cache.match_prefix(prompts[1]).device_indices.numel() == len(prompts[1])
     assert cache.total_size() == len(prompts[0]) + len(prompts[1]) - len(
         (system + "What is the ").encode())

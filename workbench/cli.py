@@ -6,7 +6,6 @@ start an engine. Heavy modules are imported inside each command, so `--help` is 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 

@@ -62,7 +62,7 @@ def install_recipe(python: Optional[str]) -> str:
         "Build llama-cpp-python from source, with native CPU flags, in a separate venv (never the project's own):",
         f"  python3 -m venv {venv}",
         f"  {venv}/bin/pip install numpy",
-        f"  CMAKE_ARGS='-DGGML_NATIVE=ON -DGGML_BLAS=OFF' CMAKE_BUILD_PARALLEL_LEVEL=2 \\",
+        "  CMAKE_ARGS='-DGGML_NATIVE=ON -DGGML_BLAS=OFF' CMAKE_BUILD_PARALLEL_LEVEL=2 \\",
         f"    {venv}/bin/pip install --no-binary llama-cpp-python llama-cpp-python=={PEER_VERSION}",
         "  (a compile of 6-15 minutes on 2 cores; it needs cmake and a C/C++ compiler)",
         f"then: workbench bench engine --peer llamacpp --peer-python {venv}/bin/python --dtype float32",

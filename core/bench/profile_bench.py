@@ -311,7 +311,7 @@ def run_profile(args: argparse.Namespace) -> tuple[list[ProfileRow], Optional[En
              f"{extends} x one {sizes.prefill_len}-token prompt, its first token sampled"),
         ]
         rows += profile_shapes(wb, dtype, shapes, sizes.repeats, clock, stages)
-        del wb
+        shapes = wb = None            # free this dtype's model before the next one loads
     split = None
     if engine_split:
         split = run_engine_split(args.model, dtypes[0], many, steps + 1, max_tokens, args.threads)

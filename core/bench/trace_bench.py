@@ -196,7 +196,7 @@ def _print(rows: list[TraceBenchRow], n: int, new: int, recorded: int) -> None:
         print(f"{r.mode:<10} {r.median:>7.1f} {loss:>8}   {r.median_cpu:>12.2f} {extra:>9}   {rounds}")
     print("loss: throughput below `off` (negative = faster); extra CPU: CPU time per token above `off`, "
           "all processes (a spinning scheduler makes this track wall time)")
-    print(f"\naccounted cost (what tracing itself took; machine noise barely moves it)")
+    print("\naccounted cost (what tracing itself took; machine noise barely moves it)")
     print(f"{'mode':<10} {'scheduler in tracing':>20} {'other processes':>16} {'total':>7}")
     for r in rows[1:]:
         sched = 100 * _median(r.sched_trace_share)

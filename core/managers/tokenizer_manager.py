@@ -10,7 +10,6 @@ with the same monotonic clock the trace uses.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
