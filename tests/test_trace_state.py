@@ -71,7 +71,7 @@ def test_request_lifecycle_through_every_request_event():
     kinds = [(t.kind, t.detail) for t in r.timeline]
     assert kinds == [("arrived", ""), ("queued", "queue length 1"),
                      ("prefill", "chunk 1/2: 8 cached + 16 computed"),
-                     ("prefill", "chunk 2/2: 8 cached + 16 computed"),
+                     ("prefill", "chunk 2/2: 16 computed"),   # its own chunk 1 is not "cached"
                      ("first_token", ""), ("decode", "3 steps"), ("finished", "length, 4 tokens")]
     assert [t.ts for t in r.timeline] == sorted(t.ts for t in r.timeline)
     c = st.counters

@@ -194,6 +194,15 @@ class PrefillAdder:
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Optional[Req] = None
         self._locked_delta = 0
+        # For the trace (events.StepDecision): this step's prefill token budget, and why admission
+        # stopped ("budget" | "kv" | "running" | "held"; None while everyone tried got in).
+        self.budget = min(max_prefill_tokens, chunked_prefill_size) if chunked_prefill_size else max_prefill_tokens
+        self.stop_reason: Optional[str] = None
+
+    def note_stop(self, reason: str) -> None:
+        """Admission stopped for `reason` (the first reason given sticks)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
 
     @staticmethod
     def _reserve(req: Req, ratio: float) -> int:
@@ -230,9 +239,11 @@ class PrefillAdder:
     def add_one_req(self, req: Req) -> AddReqResult:
         """Admit `req` (its prefix matched by init_next_round_input) if the budgets allow."""
         if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
+            self.note_stop("budget")
             return AddReqResult.OTHER
         if self.in_batch_prefix is not None:
             if len(self.held) >= MAX_HELD_PER_STEP:
+                self.note_stop("held")
                 return AddReqResult.OTHER
             held = self.in_batch_prefix.blocker(req)
             if held is not None:
@@ -249,6 +260,7 @@ class PrefillAdder:
         budget = self._lock(req)
         if req.extend_input_len + self._reserve(req, 1.0) > budget:
             self.tree_cache.dec_lock_ref(req.last_node)
+            self.note_stop("kv")
             return AddReqResult.NO_TOKEN
         self._keep_lock()
         chunk = self.rem_chunk_tokens
@@ -258,6 +270,7 @@ class PrefillAdder:
             return AddReqResult.CONTINUE
         if chunk is None:
             # Without chunking a prompt larger than the per-step budget still runs, alone.
+            self.note_stop("budget")
             if self.can_run_list:
                 self.rem_total_tokens += self.tree_cache.dec_lock_ref(req.last_node)
                 return AddReqResult.OTHER
@@ -271,6 +284,7 @@ class PrefillAdder:
         self.can_run_list.append(req)
         self.new_chunked_req = req
         self._consume(n, 0)
+        self.note_stop("budget")
         return AddReqResult.OTHER
 
     def _consume(self, extend: int, reserve: int) -> None:

@@ -45,6 +45,7 @@ from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_m
 from workbench.core.managers.schedule_batch import FinishReason, Req, ScheduleBatch
 from workbench.core.managers.schedule_policy import AddReqResult, HeldBack, PrefillAdder, SchedulePolicy
 from workbench.core.managers.scheduler_kv_check import SchedulerKVCheckMixin, kv_check_enabled
+from workbench.core.managers.scheduler_narration import StepNarrator
 from workbench.core.managers.scheduler_output import SchedulerOutputMixin
 from workbench.core.managers.scheduler_overlap import InflightBatch, SchedulerOverlapMixin
 from workbench.core.managers.tp_worker import GenerationBatchResult, TpModelWorker
@@ -100,6 +101,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.waiting_queue: list[Req] = []
         self.adaptive_threads = None            # set by init_adaptive_threads (CPU, one rank per node)
         self.held_back: list[HeldBack] = []     # waiting requests the last prefill held back (trace)
+        self.narrator = StepNarrator(self.token_to_kv_pool_allocator)   # batch.decision (trace)
         self.running_batch: ScheduleBatch = self._new_batch([])
         self.chunked_req: Optional[Req] = None
         self.last_batch: Optional[ScheduleBatch] = None
@@ -207,10 +209,13 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.tracer.begin_step(self.forward_ct)
         self._kv_checked_idle = False
         self._step_start = time.perf_counter()
+        self.narrator.begin()
 
     def finish_step(self, batch: Optional[ScheduleBatch]) -> None:
         # Trace first: a client that steps the scheduler and then reads the trace should
         # find this step's events already on their way (they travel a separate socket).
+        if batch is not None:
+            self.narrator.end_step(self.tracer, batch, self.waiting_queue, self.running_batch.reqs)
         if self.tracer.enabled:
             with self.trace_cost():
                 if batch is not None:
@@ -312,6 +317,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             return None
         running = len(self.running_batch.reqs)
         if running >= self.max_running_requests and self.chunked_req is None:
+            self.narrator.admission(None, None, "running")
             return None
         self.policy.calc_priority(self.waiting_queue)
         adder = PrefillAdder(self.tree_cache, self.token_to_kv_pool_allocator, self.running_batch.reqs,
@@ -329,9 +335,11 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             chunk_carry = adder.add_chunked_req(self.chunked_req)
         for req in self.waiting_queue:
             if running + len(adder.can_run_list) >= self.max_running_requests:
+                adder.note_stop("running")
                 break
             if self.req_to_token_pool.available_size() <= len([r for r in adder.can_run_list
                                                                if r.req_pool_idx is None]):
+                adder.note_stop("running")
                 break
             req.init_next_round_input(self.tree_cache)
             result = adder.add_one_req(req)
@@ -341,6 +349,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                 break
         self.held_back = adder.held
         self._fit_prefill_to_pool(adder, chunk_carry)
+        self.narrator.admission(adder, self.chunked_req)
         if not adder.can_run_list:
             return None
         admitted = set(id(r) for r in adder.can_run_list)
@@ -366,6 +375,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             req = can_run.pop()
             need -= req.extend_input_len
             room += self.tree_cache.dec_lock_ref(req.last_node)
+            adder.stop_reason = "kv"        # it goes back to the queue, first of those turned away
             if req is adder.new_chunked_req:
                 adder.new_chunked_req = None
 
@@ -417,6 +427,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             self.release_req_kv(req)
             req.reset_for_retract()
             retracted.append(req)
+            self.narrator.on_retract(req.rid)
             if self.tracer.enabled:
                 self.tracer.emit(ev.ReqRetracted(rid=req.rid, output_tokens=len(req.output_ids)))
         batch.filter_batch([r for r in batch.reqs if r not in retracted])
@@ -569,6 +580,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
 
     def _on_cache_event(self, event) -> None:
         self.tree_dirty = True
+        if type(event) is ev.CacheEvict:
+            self.narrator.on_evict(event)
         if self.tracer.enabled:
             with self.trace_cost():
                 self.tracer.emit(event)

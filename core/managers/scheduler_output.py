@@ -154,15 +154,18 @@ class SchedulerOutputMixin:
                 step_reqs.append(ev.StepReq(req.rid, decode=1))
                 continue
             prefix = len(req.prefix_indices)
-            total = len(req.origin_input_ids) + len(req.output_ids) - prefix
+            # Chunk k of n: this one, plus what is left after it at the chunk size (an estimate when a
+            # later step's budget is shared). A cut request always has more to come, even when what
+            # is left would fit in one chunk (it was cut because others used the step's budget).
+            rest = len(req.origin_input_ids) + len(req.output_ids) - prefix - req.extend_input_len
             chunk = self.chunked_prefill_size
-            remaining_chunks = 1 if not chunk else max(1, -(-total // chunk))
             k = req.num_chunks_done
-            n = k + remaining_chunks
+            n = k + 1 + (0 if rest <= 0 else (-(-rest // chunk) if chunk else 1))
             if req.num_chunks_done == 0:
                 t.emit(ev.CacheMatch(rid=req.rid, matched=prefix, prompt_tokens=len(req.origin_input_ids)))
-            t.emit(ev.ReqScheduled(rid=req.rid, prefix_hit=prefix, extend_len=req.extend_input_len,
-                                   chunk_index=k, num_chunks=n))
+            # Only a first chunk reads a cached prefix; a later one's prefix is its own earlier chunks.
+            t.emit(ev.ReqScheduled(rid=req.rid, prefix_hit=prefix if k == 0 else 0,
+                                   extend_len=req.extend_input_len, chunk_index=k, num_chunks=n))
             step_reqs.append(ev.StepReq(req.rid, cached=prefix if k == 0 else 0,
                                         computed=req.extend_input_len, chunk_index=k, num_chunks=n))
         return step_reqs

@@ -59,6 +59,9 @@ class TokenToKVPoolAllocator:
     def __init__(self, size: int, device: str = "cpu"):
         self.size = size
         self.device = device
+        # Slots ever handed out / taken back (never reset): the trace's per-step KV +/- figures.
+        self.num_allocated = 0
+        self.num_freed = 0
         self.clear()
 
     def available_size(self) -> int:
@@ -69,11 +72,13 @@ class TokenToKVPoolAllocator:
             return None
         out = self.free_slots[:need_size]
         self.free_slots = self.free_slots[need_size:]
+        self.num_allocated += need_size
         return out
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:
             return
+        self.num_freed += int(free_index.numel())
         self.free_slots = torch.cat((self.free_slots, free_index.to(self.free_slots.device, torch.int64)))
 
     def clear(self) -> None:

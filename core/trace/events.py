@@ -46,7 +46,8 @@ class ReqQueued(Event, tag="req.queued"):
 class ReqScheduled(Event, tag="req.scheduled"):
     """A request enters a prefill (extend) batch: one event per chunk."""
     rid: str
-    prefix_hit: int          # tokens reused from the radix cache
+    prefix_hit: int          # tokens reused from the radix cache (first chunk; 0 for later chunks,
+                             # whose prefix is the request's own earlier chunks)
     extend_len: int          # tokens computed in this chunk
     chunk_index: int = 0     # k (0-based) ...
     num_chunks: int = 1      # ... of n (estimate at scheduling time)
@@ -113,6 +114,32 @@ class BatchStep(Event, tag="batch.step"):
     backend: str = "torch_native"
     schedule_ms: float = 0.0
     forward_ms: float = 0.0
+
+
+class StepDecision(Event, tag="batch.decision"):
+    """What the scheduler decided in one step, and why: the companion of that step's `batch.step`
+    (same `proc` and `step`), emitted at the end of the step. In the overlap loop the step's
+    `batch.step` comes later (when its result is processed); TraceState joins the two.
+
+    A request left waiting was either held back (`held`; the reason is in queue.state's `held`)
+    or queued behind `stop_rid`, the first one that did not fit, for `stop_reason`."""
+    mode: str = ""                    # "extend" | "decode": the batch this step ran
+    admitted: list[str] = []          # rids taken from the waiting queue into this step's prefill
+    chunk_continued: str = ""         # a chunked request whose next chunk ran in this step
+    waiting: int = 0                  # requests still waiting after this step
+    stop_reason: str = ""             # why admission stopped: "budget" (prefill token budget), "kv"
+                                      # (KV room), "running" (running-request limit), "held" (too many
+                                      # held this step), "" (nobody was turned away)
+    stop_rid: str = ""                # the first waiting request that did not fit
+    held: list[str] = []              # waiting requests held back for in-batch prefix caching
+    budget: int = 0                   # the step's prefill token budget (chunk size / max prefill tokens)
+    budget_used: int = 0              # prompt tokens computed in this step
+    running_waited: int = 0           # running requests that did not advance (an extend step)
+    kv_alloc: int = 0                 # KV slots allocated in this step
+    kv_freed: int = 0                 # KV slots freed in this step (finishes, evictions, retractions)
+    evicted: int = 0                  # tokens evicted from the radix cache in this step ...
+    evicted_nodes: list[int] = []     # ... from these nodes
+    retracted: list[str] = []         # requests sent back to the queue (KV pool full)
 
 
 class HeldReq(msgspec.Struct, array_like=True):
@@ -280,7 +307,7 @@ class TraceReset(Event, tag="trace.reset"):
 
 AnyEvent = Union[
     ReqArrived, ReqTokenized, ReqQueued, ReqScheduled, ReqDispatched, ReqFirstToken, ReqFinished,
-    ReqAborted, ReqRetracted, ReqText, BatchStep, QueueState, KVUsage, CacheMatch,
+    ReqAborted, ReqRetracted, ReqText, BatchStep, StepDecision, QueueState, KVUsage, CacheMatch,
     CacheInsert, CacheEvict, CacheTouch, CacheTree, WeightsUpdated, ProcStarted, ProcExited,
     TraceDropped, TraceHeader, ReqSnapshot, TraceCounters, TraceReset,
 ]

@@ -60,7 +60,8 @@ class _Book:
 class TraceState:
     """Folds trace events into the current picture; see the module docstring.
 
-    Public, read-only for views: requests, waiting, running, chunked, held (+ held_reason), steps,
+    Public, read-only for views: requests, waiting, running, chunked, held (+ held_reason), steps
+    (each with its batch.decision; narrate(), last_step_line and step_rids() tell a step in words),
     kv, kv_by_proc, kv_history, queue_history, tree (+ trees per scheduler),
     tree_evictable_size, tree_protected_size, evictable (the one figure views show), unlisted() and
     queue_counts() (requests not listed by a scheduler yet), counters, cache_hit_rate,
@@ -106,13 +107,16 @@ class TraceState:
         self._queues: dict[str, ev.QueueState] = {}
         self._latency: deque[tuple[int, float, Optional[float], float]] = deque(maxlen=max_latency_samples)
         self._first_step_start: Optional[int] = None
+        # batch.decision events whose batch.step has not come yet (overlap loop), by (proc, step).
+        self._pending_decisions: dict[tuple[str, int], ev.StepDecision] = {}
         self._dispatch = {
             ev.ReqArrived: self._on_arrived, ev.ReqTokenized: self._on_tokenized,
             ev.ReqQueued: self._on_queued, ev.ReqScheduled: self._on_scheduled,
             ev.ReqDispatched: self._on_dispatched,
             ev.ReqFirstToken: self._on_first_token, ev.ReqFinished: self._on_finished,
             ev.ReqAborted: self._on_aborted, ev.ReqRetracted: self._on_retracted,
-            ev.ReqText: self._on_text, ev.BatchStep: self._on_step, ev.QueueState: self._on_queue,
+            ev.ReqText: self._on_text, ev.BatchStep: self._on_step, ev.StepDecision: self._on_decision,
+            ev.QueueState: self._on_queue,
             ev.KVUsage: self._on_kv, ev.CacheMatch: self._on_match, ev.CacheInsert: self._on_insert,
             ev.CacheEvict: self._on_evict, ev.CacheTree: self._on_tree,
             ev.WeightsUpdated: self._on_weights, ev.ProcStarted: self._on_proc_started,
@@ -127,6 +131,30 @@ class TraceState:
     def tree(self) -> dict[int, TreeNodeView]:
         """The radix tree of the (first) scheduler that reported one."""
         return self.trees.get(self.tree_proc, {}) if self.tree_proc is not None else {}
+
+    @property
+    def last_step_line(self) -> str:
+        """The last scheduler step in one line of plain language ("" before any step); see narrate."""
+        return self.narrate(self.steps[-1]) if self.steps else ""
+
+    def narrate(self, sv: StepView) -> str:
+        """One step as a sentence: what ran (admitted, chunks, cached + computed tokens, the token
+        budget, running requests that waited) and, when its `batch.decision` is known, KV slots
+        allocated/freed, evictions, retractions and why the others still wait. Older recordings
+        (no batch.decision) get the part the batch.step alone tells."""
+        return narrate_step(sv)
+
+    def step_rids(self, sv: Optional[StepView] = None) -> set[str]:
+        """The requests a step (default: the last) touched beyond decoding one token: those it
+        prefilled (admitted, or a chunk continued) and those it retracted."""
+        if sv is None:
+            if not self.steps:
+                return set()
+            sv = self.steps[-1]
+        out = {r.rid for r in sv.reqs if r.computed > 0}
+        if sv.decision is not None:
+            out.update(sv.decision.retracted)
+        return out
 
     def held_reason(self, rid: str) -> Optional[str]:
         """Why a waiting request was held back in the last step, or None if it was not."""
@@ -381,9 +409,9 @@ class TraceState:
             r.chunk_index, r.num_chunks = chunk, n
         if key not in b.tl_chunks:
             b.tl_chunks.add(key)
-            self._timeline(r, TimelineEntry(
-                ts, "prefill", f"chunk {chunk + 1}/{n}: {cached} cached + {computed} computed",
-                step=step))
+            # A later chunk's prefix is the request's own earlier chunks, not a cache hit.
+            what = f"{cached} cached + {computed} computed" if chunk == 0 else f"{computed} computed"
+            self._timeline(r, TimelineEntry(ts, "prefill", f"chunk {chunk + 1}/{n}: {what}", step=step))
 
     def _on_scheduled(self, e: ev.ReqScheduled) -> None:
         r, b = self._req(e.rid)
@@ -458,7 +486,8 @@ class TraceState:
 
     def _on_step(self, e: ev.BatchStep) -> None:
         sv = StepView(e.step, e.ts, e.proc, e.mode, list(e.reqs), e.batch_size, e.padded_size,
-                      e.cuda_graph, e.backend, e.schedule_ms, e.forward_ms)
+                      e.cuda_graph, e.backend, e.schedule_ms, e.forward_ms,
+                      decision=self._pending_decisions.pop((e.proc, e.step), None))
         if self._first_step_start is None:
             self._first_step_start = e.ts - int((e.schedule_ms + e.forward_ms) * 1e6)
         c = self.counters
@@ -489,6 +518,17 @@ class TraceState:
                 self._set_state(r, b, "running", e.ts)
                 self._decode_timeline(r, e.ts, e.step)
         self.steps.append(sv)
+
+    def _on_decision(self, e: ev.StepDecision) -> None:
+        for sv in reversed(self.steps):
+            if sv.step == e.step and sv.proc == e.proc:
+                sv.decision = e
+                return
+            if sv.step < e.step - 4:
+                break
+        self._pending_decisions[(e.proc, e.step)] = e
+        if len(self._pending_decisions) > 64:
+            self._pending_decisions.pop(next(iter(self._pending_decisions)))
 
     def _on_queue(self, e: ev.QueueState) -> None:
         old = self._queues.get(e.proc)
@@ -670,3 +710,51 @@ class TraceState:
     def _counters_event(self, ts: int) -> ev.TraceCounters:
         fields = {k: getattr(self.counters, k) for k in Counters.__dataclass_fields__}
         return ev.TraceCounters(ts=ts, weights_version=self.weights_version, model=self.model, **fields)
+
+
+# ---- narration (TraceState.narrate) ---------------------------------------------------------
+
+#: Why a waiting request was not admitted (events.StepDecision.stop_reason), in words.
+WAIT_REASONS = {"budget": "token budget", "kv": "no KV room", "running": "running limit",
+                "held": "held limit"}
+
+
+def _rids(rids: list[str]) -> str:
+    return ", ".join(rids) if len(rids) <= 3 else f"{rids[0]}…{rids[-1]}"
+
+
+def narrate_step(sv: StepView) -> str:
+    """See TraceState.narrate."""
+    d = sv.decision
+    parts: list[str] = []
+    if sv.mode == "decode":
+        parts.append(f"{len(sv.reqs)} running decoded 1 token each")
+    else:
+        prefills = [r for r in sv.reqs if r.computed > 0]
+        admitted = list(d.admitted) if d is not None else [r.rid for r in prefills if r.chunk_index == 0]
+        if admitted:
+            parts.append(f"admitted {len(admitted)} from waiting ({_rids(admitted)})")
+        chunks = [f"{r.rid} chunk {r.chunk_index + 1}/{r.num_chunks}" for r in prefills if r.num_chunks > 1]
+        if chunks:
+            parts.append(", ".join(chunks[:2]) + (f" +{len(chunks) - 2} more" if len(chunks) > 2 else ""))
+        parts.append(f"{sv.cached_tokens} cached + {sv.prefill_tokens} computed")
+        if d is not None and d.budget:
+            parts.append(f"budget {d.budget_used}/{d.budget}")
+        if d is not None and d.running_waited:
+            parts.append(f"{d.running_waited} running waited")
+    if d is not None:
+        parts.append(f"KV +{d.kv_alloc}" + (f" −{d.kv_freed}" if d.kv_freed else ""))
+        nodes = len(d.evicted_nodes)
+        parts.append(f"evicted {d.evicted}" + (f" ({nodes} node{'s' if nodes != 1 else ''})" if nodes else ""))
+        if d.retracted:
+            parts.append(f"retracted {len(d.retracted)} ({_rids(d.retracted)})")
+        if d.waiting:
+            n_held = len(d.held)
+            stop = (f"{WAIT_REASONS.get(d.stop_reason, d.stop_reason)} ({d.stop_rid} next)"
+                    if d.stop_rid else "")
+            if n_held and stop:
+                why = f"{n_held} held for a shared prefix, {d.waiting - n_held} {stop}"
+            else:
+                why = "held for a shared prefix" if n_held else stop
+            parts.append(f"{d.waiting} waiting" + (f": {why}" if why else ""))
+    return f"step {sv.step} {sv.mode}: " + " · ".join(parts)

@@ -101,6 +101,7 @@ class StepView:
     prefill_tokens: int = 0         # prompt tokens computed in this step
     cached_tokens: int = 0          # prefix tokens reused by first chunks in this step
     decode_tokens: int = 0          # tokens from decode entries
+    decision: Optional[ev.StepDecision] = None   # its `batch.decision` (what was decided and why), once known
 
 
 @dataclass

@@ -1,0 +1,98 @@
+"""What one scheduler step decided, and why: the `batch.decision` trace event (events.StepDecision).
+
+The scheduler tells a `StepNarrator` what it does as it does it (admission in
+`get_new_batch_prefill`, retractions, evictions through the radix cache's events) and emits
+one `StepDecision` per step that ran a batch, at the end of the step (`Scheduler.finish_step`).
+KV figures are the allocator's counters (`TokenToKVPoolAllocator.num_allocated / num_freed`)
+since the previous decision, so every slot handed out or taken back is counted in exactly one step.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from workbench.core.model_executor.forward_batch_info import ForwardMode
+from workbench.core.trace import events as ev
+
+if TYPE_CHECKING:
+    from workbench.core.managers.schedule_batch import Req, ScheduleBatch
+    from workbench.core.managers.schedule_policy import PrefillAdder
+
+
+class StepNarrator:
+    """Collects one step's decisions; `decision()` turns them into the event and starts afresh."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self._marks = (allocator.num_allocated, allocator.num_freed)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.evicted = 0
+        self.evicted_nodes: list[int] = []
+        self.retracted: list[str] = []
+        self.begin()
+
+    def begin(self) -> None:
+        """A new step: forget the last admission (evictions and retractions of a step that ran no
+        batch are told with the next one that does)."""
+        self.admitted: list[str] = []
+        self.chunk_continued = ""
+        self.stop_reason = ""
+        self.held: list[str] = []
+        self.budget = 0
+        self.budget_used = 0
+
+    # ---- what the scheduler reports ------------------------------------------------------
+    def admission(self, adder: Optional["PrefillAdder"], continued: Optional["Req"],
+                  stop_reason: Optional[str] = None) -> None:
+        """The prefill admission of this step (adder None: not attempted, for `stop_reason`)."""
+        if adder is None:
+            self.stop_reason = stop_reason or ""
+            return
+        self.stop_reason = adder.stop_reason or stop_reason or ""
+        self.held = [h.rid for h in adder.held]
+        self.budget = adder.budget
+        self.budget_used = sum(r.extend_input_len for r in adder.can_run_list)
+        self.admitted = [r.rid for r in adder.can_run_list if r is not continued]
+        self.chunk_continued = continued.rid if continued is not None else ""
+
+    def on_evict(self, e: ev.CacheEvict) -> None:
+        self.evicted += e.tokens
+        self.evicted_nodes.extend(e.node_ids)
+
+    def on_retract(self, rid: str) -> None:
+        self.retracted.append(rid)
+
+    # ---- the event ---------------------------------------------------------------------------
+    def end_step(self, tracer, batch: "ScheduleBatch", waiting: list["Req"], running: list["Req"]) -> None:
+        """A step that ran `batch` ends: emit its decision (or, tracing off, just start afresh)."""
+        if tracer.enabled:
+            tracer.emit(self.decision(batch, waiting, running))
+        else:
+            self._marks = (self.allocator.num_allocated, self.allocator.num_freed)
+            self._reset()
+
+    def decision(self, batch: "ScheduleBatch", waiting: list["Req"], running: list["Req"]) -> ev.StepDecision:
+        """This step's StepDecision (`waiting`: the queue after the step; `running`: the running
+        batch's requests, which an extend step does not advance)."""
+        alloc, freed = self.allocator.num_allocated, self.allocator.num_freed
+        kv_alloc, kv_freed = alloc - self._marks[0], freed - self._marks[1]
+        self._marks = (alloc, freed)
+        decode = batch.forward_mode == ForwardMode.DECODE
+        held = set(self.held)
+        stop_rid = ""
+        if self.stop_reason:
+            stop_rid = next((r.rid for r in waiting if r.rid not in held), "")
+        queued = {r.rid for r in waiting}
+        in_batch = {id(r) for r in batch.reqs}
+        out = ev.StepDecision(
+            mode="decode" if decode else "extend",
+            admitted=[] if decode else list(self.admitted),
+            chunk_continued="" if decode else self.chunk_continued,
+            waiting=len(waiting), stop_reason=self.stop_reason if stop_rid else "", stop_rid=stop_rid,
+            held=[rid for rid in self.held if rid in queued],
+            budget=0 if decode else self.budget, budget_used=0 if decode else self.budget_used,
+            running_waited=0 if decode else sum(1 for r in running if not r.finished() and id(r) not in in_batch), kv_alloc=kv_alloc, kv_freed=kv_freed,
+            evicted=self.evicted, evicted_nodes=list(self.evicted_nodes), retracted=list(self.retracted))
+        self._reset()
+        return out
