@@ -186,3 +186,17 @@ def test_old_recordings_without_decisions_still_read():
     # the new event decodes with every field defaulted, too
     d = ev.decode_json(b'{"kind":"batch.decision","step":3}')
     assert isinstance(d, ev.StepDecision) and d.admitted == [] and d.kv_alloc == 0
+
+
+def test_dashboard_header_tells_the_last_step():
+    pytest.importorskip("ipywidgets")
+    from workbench.widgets.dashboard import Dashboard
+    step, dec = _extend_events()
+    dash = Dashboard([step, dec], views=["batch"])
+    try:
+        dash.refresh()
+        assert "last step" in dash.header.value
+        assert "admitted 11 from waiting (sp-68…sp-78)" in dash.header.value
+        assert "budget 11/64" in dash.header.value and "KV +11" in dash.header.value
+    finally:
+        dash.close()

@@ -46,6 +46,7 @@ class WorkbenchApp(App):
     AUTO_FOCUS = None     # never start in the prompt box: single-key bindings must work at once
     CSS = """
     #status { height: 1; background: $boost; padding: 0 1; }
+    #laststep { height: auto; max-height: 2; padding: 0 1; }
     #startup { align: center middle; height: 1fr; }
     #startup-box { width: 80%; height: auto; max-height: 80%; border: round $accent; padding: 0 1; }
     #startup-log { height: auto; }
@@ -127,6 +128,7 @@ class WorkbenchApp(App):
     # ---- layout ---------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Static(id="status")
+        yield Static(id="laststep")
         with Container(id="startup"):
             with Vertical(id="startup-box"):
                 yield Static(Text("Starting…", style="bold"), id="startup-title")
@@ -305,6 +307,11 @@ class WorkbenchApp(App):
         else:
             t.append(" │ starting…", style="dim")
         self.query_one("#status", Static).update(t)
+        line = st.last_step_line if self.ready.is_set() else ""
+        last = self.query_one("#laststep", Static)
+        last.display = bool(line)
+        if line:
+            last.update(Text.assemble(("last step ", "bold"), line))
 
     def _error(self, msg: str) -> None:
         self.model.note("error", msg)

@@ -105,7 +105,9 @@ class Dashboard(W.VBox):
             parts.append(f"<span style='color:#c00'>{s['dropped']} events dropped</span>")
         if self.feed.replay is not None:
             parts.append(f"replay step {self.feed.step_at(self.feed.replay.position_ns) + 1}/{self.feed.num_steps}")
-        self.header.value = "<div class='workbench-header'>" + " &nbsp;|&nbsp; ".join(parts) + "</div>"
+        line = state.last_step_line
+        last = (f"<div class='workbench-laststep'><b>last step</b> {html.escape(line)}</div>" if line else "")
+        self.header.value = "<div class='workbench-header'>" + " &nbsp;|&nbsp; ".join(parts) + "</div>" + last
 
     def _controls(self):
         if self.feed.replay is not None and self.feed.num_steps:

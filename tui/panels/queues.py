@@ -26,10 +26,11 @@ def queue_rows(model: TuiModel, max_rows: int = 300, recent_done: int = 8) -> li
     now = model.now_ns
     rows: list[tuple[str, tuple]] = []
     seen: set[str] = set()
+    touched = st.step_rids()        # prefilled or retracted by the last step: highlighted
 
     def add(queue: str, rid: str, r) -> None:
         seen.add(rid)
-        rows.append((rid, _cells(queue, r or RequestView(rid), now, st.req_replica.get(rid))))
+        rows.append((rid, _cells(queue, r or RequestView(rid), now, st.req_replica.get(rid), rid in touched)))
 
     for rid in st.waiting:
         if rid not in seen:
@@ -51,12 +52,13 @@ def queue_rows(model: TuiModel, max_rows: int = 300, recent_done: int = 8) -> li
         done = [r for r in st.requests.values() if r.done and r.rid not in seen and r.finish_ts is not None]
         done.sort(key=lambda r: r.finish_ts)
         for r in done[-recent_done:]:
-            rows.append((r.rid, _cells("done", r, now, st.req_replica.get(r.rid))))
+            rows.append((r.rid, _cells("done", r, now, st.req_replica.get(r.rid), r.rid in touched)))
     return rows[:max_rows]
 
 
-def _cells(queue: str, r: RequestView, now: int, replica: str | None = None) -> tuple:
-    """One row; under data parallelism the queue names the replica (`running@dp1`)."""
+def _cells(queue: str, r: RequestView, now: int, replica: str | None = None, touched: bool = False) -> tuple:
+    """One row; under data parallelism the queue names the replica (`running@dp1`); the rid is
+    highlighted when the last step prefilled or retracted the request."""
     state = r.state
     if state == "prefilling" and r.num_chunks > 1:
         state = f"prefill {r.chunk_index + 1}/{r.num_chunks}"
@@ -72,7 +74,7 @@ def _cells(queue: str, r: RequestView, now: int, replica: str | None = None) -> 
     else:
         ttft = Text("–")
     label = f"{queue}@{replica.rsplit('.', 1)[-1]}" if replica else queue
-    return (Text(label, style=_QUEUE_STYLE.get(queue, "")), r.rid, state, str(r.prompt_tokens),
+    return (Text(label, style=_QUEUE_STYLE.get(queue, "")), Text(r.rid, style="reverse" if touched else ""), state, str(r.prompt_tokens),
             str(r.cached_tokens), str(r.computed_tokens), str(r.output_tokens), age, ttft)
 
 
@@ -85,7 +87,8 @@ class QueuesPanel(TracePanel):
             "then the last few "
             "finished. prompt/cached/comp/out are token counts: cached = reused from the radix tree, "
             "comp = prompt tokens actually computed. TTFT shows the time so far (italic) until the "
-            "first token. Click or Enter on a row to select the request.")
+            "first token. The rids the last step prefilled (admitted, or a chunk) or retracted are "
+            "shown reversed, as named on the `last step` line. Click or Enter on a row to select the request.")
     clock_interval_s = 0.5
 
     def compose(self) -> ComposeResult:
