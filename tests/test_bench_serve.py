@@ -19,7 +19,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
-from workbench.core.bench import serve_bench as sb  # noqa: E402
+from workbench.bench import serve_bench as sb  # noqa: E402
 
 FIRST_TOKEN_DELAY = 0.02
 

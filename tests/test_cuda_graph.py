@@ -247,7 +247,7 @@ def test_bench_compare_compile_runs_end_to_end(tmp_path):
     if not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("torch.compile needs a C++ compiler")
     from tiny_models import make_tiny_llama
-    from workbench.core.bench.model_bench import add_parser, format_compile_table, run_compile_bench
+    from workbench.bench.model_bench import add_parser, format_compile_table, run_compile_bench
     model_dir = make_tiny_llama(tmp_path / "tiny", seed=2, num_hidden_layers=1)
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="cmd"))

@@ -88,5 +88,6 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
 
 
 def test_no_benchmark_or_test_only_code_in_the_core():
+    assert not list((ROOT / "core").glob("bench/*.py")), "benchmarks live beside the CLI: workbench/bench/"
     assert not (ROOT / "core" / "trace" / "synthetic.py").exists(), "test-only code lives in tests/"
     assert not (ROOT / "core" / "trace" / "workloads.py").exists(), "workloads drive an Engine: workbench/"

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from workbench.core.bench import llamacpp_bench as lb
-from workbench.core.bench import llamacpp_peer as lp
-from workbench.core.bench.llamacpp_peer import ProtocolError
-from workbench.core.bench.peer_bench import Workload
+from workbench.bench import llamacpp_bench as lb
+from workbench.bench import llamacpp_peer as lp
+from workbench.bench.llamacpp_peer import ProtocolError
+from workbench.bench.peer_bench import Workload
 
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
 LLAMACPP_PYTHON = os.environ.get("WORKBENCH_LLAMACPP_PYTHON")
 
 
 def test_modules_never_import_llama_cpp():
-    code = ("import sys, workbench.core.bench.llamacpp_bench, workbench.core.bench.llamacpp_peer; "
+    code = ("import sys, workbench.bench.llamacpp_bench, workbench.bench.llamacpp_peer; "
             "print('llama_cpp' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

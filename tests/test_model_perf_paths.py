@@ -252,7 +252,7 @@ def test_compiled_decode_matches_eager(tmp_path):
 
 # ---- the benchmark -----------------------------------------------------------------------
 def test_bench_model_quick_runs_end_to_end(tiny_dirs, tmp_path):
-    from workbench.core.bench.model_bench import _cli_main, add_parser, format_table, run_model_bench
+    from workbench.bench.model_bench import _cli_main, add_parser, format_table, run_model_bench
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd")
     add_parser(sub)
@@ -281,7 +281,7 @@ def test_bench_model_quick_runs_end_to_end(tiny_dirs, tmp_path):
 def test_bench_model_cuda_flags(tiny_dirs):
     """`--device cuda` without a GPU, or with the CPU clock, is a clear error (the GPU run itself is in
     the README's H100 table; it needs a GPU)."""
-    from workbench.core.bench.model_bench import add_parser, run_model_bench
+    from workbench.bench.model_bench import add_parser, run_model_bench
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="cmd"))
     args = parser.parse_args(["model", "--quick", "--quiet", "--device", "cuda", "--clock", "cpu",

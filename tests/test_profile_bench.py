@@ -9,8 +9,8 @@ import math
 import pytest
 
 from tiny_models import make_tiny_llama
-from workbench.core.bench import profile_bench
-from workbench.core.bench.model_bench import add_parser
+from workbench.bench import profile_bench
+from workbench.bench.model_bench import add_parser
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_profiling_leaves_the_model_untouched(tiny_llama):
     module global is wrapped, so the unprofiled path is the plain code."""
     import sys
 
-    from workbench.core.bench.model_bench import _Workbench, _prompts
+    from workbench.bench.model_bench import _Workbench, _prompts
     from workbench.core.layers import cpu_ops
     from workbench.core.model_loader import prepare_model
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from workbench.core.bench import served_peer, vllm_cli
-from workbench.core.bench.serve_bench import add_serve_bench_args
+from workbench.bench import served_peer, vllm_cli
+from workbench.bench.serve_bench import add_serve_bench_args
 
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
 VLLM_PYTHON = os.environ.get("WORKBENCH_VLLM_PYTHON")

@@ -119,18 +119,18 @@ def _add_bench_parsers(bench_sub) -> None:
                         "(workbench --num-threads N, vLLM VLLM_CPU_OMP_THREADS_BIND=0-(N-1)), or both (default)")
     p.set_defaults(func=cmd_bench_engine)
     try:
-        from workbench.core.bench.model_bench import add_parser as add_model_bench
+        from workbench.bench.model_bench import add_parser as add_model_bench
         add_model_bench(bench_sub)
     except ImportError:
         pass
-    from workbench.core.bench.tp_bench import add_parser as add_tp_bench
+    from workbench.bench.tp_bench import add_parser as add_tp_bench
     add_tp_bench(bench_sub)
-    from workbench.core.bench.trace_bench import add_parser as add_trace_bench
+    from workbench.bench.trace_bench import add_parser as add_trace_bench
     add_trace_bench(bench_sub)
-    from workbench.bench_threads import add_parser as add_threads_bench
+    from workbench.bench.threads import add_parser as add_threads_bench
     add_threads_bench(bench_sub)
     try:
-        from workbench.core.bench.serve_bench import add_serve_bench_args
+        from workbench.bench.serve_bench import add_serve_bench_args
         sp = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible server")
         add_serve_bench_args(sp)
         sp.set_defaults(func=_bench_serve)
@@ -141,8 +141,8 @@ def _add_bench_parsers(bench_sub) -> None:
 # ---- commands ------------------------------------------------------------------------
 def _bench_serve(args) -> int:
     if args.peer == "vllm":      # both servers started here, vLLM's client against each
-        from workbench.core.bench.peer_bench import PeerError
-        from workbench.core.bench.served_peer import run_served_peer
+        from workbench.bench.peer_bench import PeerError
+        from workbench.bench.served_peer import run_served_peer
         if args.max_concurrency is None:
             args.max_concurrency = 32
         try:
@@ -150,7 +150,7 @@ def _bench_serve(args) -> int:
         except PeerError as exc:
             print(f"workbench: the vLLM peer failed: {exc}", file=sys.stderr)
             return 1
-    from workbench.core.bench.serve_bench import run_serve_bench
+    from workbench.bench.serve_bench import run_serve_bench
     return 0 if run_serve_bench(args) is not None else 1
 
 
@@ -242,10 +242,10 @@ def cmd_trace_export(args) -> int:
 
 def cmd_bench_engine(args) -> int:
     if args.peer == "llamacpp":
-        from workbench.core.bench.llamacpp_bench import run_llamacpp_bench
+        from workbench.bench.llamacpp_bench import run_llamacpp_bench
         return run_llamacpp_bench(args)
-    from workbench.core.bench.engine_bench import run_engine_bench
-    from workbench.core.bench.peer_bench import PeerError
+    from workbench.bench.engine_bench import run_engine_bench
+    from workbench.bench.peer_bench import PeerError
     try:
         run_engine_bench(args)
     except PeerError as exc:

@@ -117,7 +117,7 @@ class BusySubscriber:
 
 
 def _workload(tok, n: int, rng: random.Random) -> list[list[int]]:
-    from workbench.core.bench.engine_bench import _mixed_prompts
+    from workbench.bench.engine_bench import _mixed_prompts
     return _mixed_prompts(tok, n, rng)
 
 
@@ -127,7 +127,7 @@ MODES = (("off", "off"), ("auto, idle", "auto"), ("on, idle", "on"), ("busy", "a
 def _one_run(base, mode: str, trace_mode: str, prompts, new: int, row: TraceBenchRow, tmpdir: str) -> int:
     """Start a fresh engine for `mode`, warm it up, time the workload, shut it down. Returns the
     number of events the recorder wrote (busy mode) else 0."""
-    from workbench.core.bench.engine_bench import _run_engine
+    from workbench.bench.engine_bench import _run_engine
     from workbench.core.engine import Engine
     from workbench.core.trace.recorder import Recorder
 
@@ -162,7 +162,7 @@ def run_trace_bench(args: argparse.Namespace) -> list[TraceBenchRow]:
     """Run the modes in `args.rounds` interleaved rounds, one engine at a time (an idle engine
     beside the measured one would share its cores); print and return the rows."""
     from workbench.core.args import ServerArgs
-    from workbench.core.bench.engine_bench import _progress
+    from workbench.bench.engine_bench import _progress
     from workbench.core.model_loader import load_tokenizer, prepare_model
 
     base = ServerArgs.from_cli_args(args)

@@ -263,7 +263,7 @@ def profile_shapes(wb, dtype: str, shapes: list[tuple[str, str, Callable[[], Non
 
 def run_profile(args: argparse.Namespace) -> tuple[list[ProfileRow], Optional[EngineSplit]]:
     """`bench model --profile`: the tables for every dtype, then (unless skipped) the engine split."""
-    from workbench.core.bench import model_bench as mb
+    from workbench.bench import model_bench as mb
     from workbench.core.model_loader import prepare_model
 
     if (getattr(args, "device", None) or "cpu") != "cpu":
@@ -425,7 +425,7 @@ def cli_main(args: argparse.Namespace) -> int:
     """Print the profile (and write it with --json); called from `bench model --profile`."""
     import json
     from dataclasses import asdict
-    from workbench.core.bench.model_bench import environment
+    from workbench.bench.model_bench import environment
     rows, split = run_profile(args)
     print(format_profile(rows))
     if split is not None:

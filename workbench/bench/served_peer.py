@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from workbench.core.bench.peer_bench import (GOAL, PeerError, check_peer, cpu_seconds, goal_text,
+from workbench.bench.peer_bench import (GOAL, PeerError, check_peer, cpu_seconds, goal_text,
                                              install_recipe, thread_configs)
 
 VLLM_CLI = Path(__file__).with_name("vllm_cli.py")

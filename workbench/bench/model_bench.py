@@ -23,7 +23,7 @@ in a step, with nothing else). No engine built on these GEMMs can decode faster,
 ceiling over transformers bounds the ratio any optimization outside the GEMMs can reach.
 
 `--profile` instead splits each step's time by component (GEMMs, attention, norms + rope, ...) and
-a real Engine's decode step by scheduler phase; see core/bench/profile_bench.py.
+a real Engine's decode step by scheduler phase; see workbench/bench/profile_bench.py.
 """
 from __future__ import annotations
 
@@ -471,7 +471,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="instead: where a step's time goes (GEMMs, attention, norms+rope, activation, sampling, "
                         "embedding, other, host), decode bs=1 / bs=--batch and one extend, per dtype; then a real "
-                        "Engine's scheduler split (see core/bench/profile_bench.py)")
+                        "Engine's scheduler split (see workbench/bench/profile_bench.py)")
     p.add_argument("--profile-steps", type=int, default=None,
                    help="with --profile: decode steps per measurement (default 16; 3 with --quick)")
     p.add_argument("--no-engine-split", action="store_true",
@@ -481,7 +481,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _cli_main(args: argparse.Namespace) -> int:
     if getattr(args, "profile", False):
-        from workbench.core.bench import profile_bench      # its own module: the profiler's code
+        from workbench.bench import profile_bench      # its own module: the profiler's code
         return profile_bench.cli_main(args)
     if getattr(args, "compare_compile", False):
         key, rows = "compile_rows", run_compile_bench(args)
@@ -498,7 +498,7 @@ def _cli_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m workbench.core.bench.model_bench [options]`."""
+    """`python -m workbench.bench.model_bench [options]`."""
     p = argparse.ArgumentParser(prog="workbench bench model", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)

@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from workbench.core.bench.llamacpp_peer import (FIRST_IDS, ProtocolError, encode_message, load_request,
+from workbench.bench.llamacpp_peer import (FIRST_IDS, ProtocolError, encode_message, load_request,
                                                 missing_cpu_features, parse_reply, quit_request, run_request)
-from workbench.core.bench.peer_bench import Workload, goal_text, measure
+from workbench.bench.peer_bench import Workload, goal_text, measure
 
 DRIVER = Path(__file__).with_name("llamacpp_peer.py")
 PEER_VERSION = "0.3.36"      # the llama-cpp-python release the recipe installs
@@ -240,7 +240,7 @@ def _sentencepiece_stub(cache: Path) -> Optional[Path]:
     stub = cache / "sentencepiece-stub"
     stub.mkdir(parents=True, exist_ok=True)
     (stub / "sentencepiece.py").write_text(
-        '"""Stand-in for the converter (core/bench/llamacpp_bench.py): no tokenizer.model here."""\n'
+        '"""Stand-in for the converter (workbench/bench/llamacpp_bench.py): no tokenizer.model here."""\n'
         "class SentencePieceProcessor:\n"
         "    def __init__(self, *args, **kwargs):\n"
         "        raise FileNotFoundError('no SentencePiece model (workbench stub)')\n")
@@ -379,7 +379,7 @@ def run_llamacpp_bench(args) -> int:
                   f"rebuild it as the recipe says")
 
     from workbench.core.args import ServerArgs
-    from workbench.core.bench.peer_bench import _workbench_run, build_workloads
+    from workbench.bench.peer_bench import _workbench_run, build_workloads
     from workbench.core.engine import Engine
     from workbench.core.model_loader.resolve import prepare_model
 

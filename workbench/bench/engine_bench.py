@@ -103,12 +103,12 @@ def _rss_mib(engine) -> dict[str, float]:
 
 def run_engine_bench(args) -> list:
     """Run the workloads and print the table; with `--peer vllm` (and a usable `--peer-python`) the
-    peer is vLLM-CPU instead of transformers (core/bench/peer_bench.py), and its rows are returned."""
+    peer is vLLM-CPU instead of transformers (workbench/bench/peer_bench.py), and its rows are returned."""
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
 
     if getattr(args, "peer", None) == "vllm":
-        from workbench.core.bench.peer_bench import run_peer_bench
+        from workbench.bench.peer_bench import run_peer_bench
         peer_rows = run_peer_bench(args)
         if peer_rows is not None:
             return peer_rows

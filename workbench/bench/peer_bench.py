@@ -37,8 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from workbench.core.bench.ceiling import WorkloadWork, measure_linears, needed_fraction
-from workbench.core.bench.vllm_peer import (FIRST_IDS, ProtocolError, encode_message, load_request, parse_reply,
+from workbench.bench.ceiling import WorkloadWork, measure_linears, needed_fraction
+from workbench.bench.vllm_peer import (FIRST_IDS, ProtocolError, encode_message, load_request, parse_reply,
                                             quit_request, run_request)
 
 DRIVER = Path(__file__).with_name("vllm_peer.py")
@@ -315,7 +315,7 @@ def _progress(msg: str) -> None:
 
 def build_workloads(tok, quick: bool) -> list[Workload]:
     """(i), (ii), (iii) on the tokenizer's ids (tiny sizes with --quick)."""
-    from workbench.core.bench.engine_bench import _mixed_prompts, _prefix_prompts
+    from workbench.bench.engine_bench import _mixed_prompts, _prefix_prompts
     rng = random.Random(0)
     n = 4 if quick else 32
     lens = (16, 32) if quick else (32, 64, 128, 256)
