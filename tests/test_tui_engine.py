@@ -263,3 +263,55 @@ async def test_tree_is_never_stale_and_one_evictable_figure(engine):
         await pilot.press("q")
     for t in threads:
         t.join(30)
+
+
+async def test_last_step_line_names_what_one_step_did(engine):
+    """#15 item 1: after `p` and one `s`, the 'last step' line names what the step admitted, its token
+    budget and the KV it allocated, and why the other request still waits; Queues highlights the
+    admitted request."""
+    import threading
+    from rich.text import Text
+    from workbench.tui.workload import chat_text
+    app = _app(engine, layout="grid")
+    c = app.controller
+    rids = ["narrate-a", "narrate-b"]
+    words = {"narrate-a": "alpha", "narrate-b": "omega"}
+    threads = [threading.Thread(target=engine.generate, daemon=True, kwargs=dict(
+        prompt=chat_text(engine, [{"role": "user", "content": " ".join(
+            f"{words[rid]} {i}" for i in range(50))}]),
+        rid=rid, sampling_params={"max_new_tokens": 3, "temperature": 0.0})) for rid in rids]
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_for(app.ready.is_set, 30)
+        st = app.model.state
+        await pilot.press("p")
+        await wait_for(lambda: app.control_results == 1 and c.paused, 30)
+        for rid, t in zip(rids, threads):       # in this order: a is first in the queue
+            t.start()
+            await wait_for(lambda: rid in st.requests and st.requests[rid].state == "queued", 60)
+        assert st.requests[rids[0]].prompt_tokens > 100
+        results = app.control_results
+        await pilot.press("s")
+        await wait_for(lambda: app.control_results == results + 1, 60)
+        step = app.last_step_result
+        await wait_for(lambda: st.steps and st.steps[-1].step == step and st.steps[-1].decision is not None, 30)
+        await pilot.pause(0.3)
+        app.refresh_panels(force=True)
+        await pilot.pause()
+        sv = st.steps[-1]
+        d = sv.decision
+        line = " ".join(plain_text(app.query_one("#laststep", Static).content, 200).split())
+        assert line.startswith(f"last step step {step} extend: admitted 1 from waiting ({rids[0]})"), line
+        n = -(-(st.requests[rids[0]].prompt_tokens - sv.reqs[0].cached) // 64)
+        assert n > 1 and f"{rids[0]} chunk 1/{n}" in line, line       # a's prompt is cut at the budget
+        assert "budget 64/64" in line, line
+        assert f"KV +{d.kv_alloc}" in line and d.kv_alloc == sv.prefill_tokens == 64, (line, d)
+        assert f"1 waiting: token budget ({rids[1]} next)" in line, line
+        table = app.query_one("#queues-table", DataTable)
+        cells = {str(table.get_row_at(i)[1]): table.get_row_at(i)[1] for i in range(table.row_count)}
+        assert isinstance(cells[rids[0]], Text) and "reverse" in str(cells[rids[0]].style)
+        assert "reverse" not in str(cells[rids[1]].style)
+        await pilot.press("p")
+        await wait_for(lambda: all(st.requests[r].done for r in rids), 120)
+        await pilot.press("q")
+    for t in threads:
+        t.join(30)
