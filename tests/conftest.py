@@ -69,15 +69,28 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 # ==== two tiers: `make test` (fast) and `make test-full` (everything CI runs) ======================
-# A test is end-to-end (marker `e2e`, left out of `make test`) when it is in one of these files, or
-# when it or any fixture it uses starts an Engine, a server or another process:
-# `pytest_collection_modifyitems` reads their source. `@pytest.mark.e2e`
-# marks one by hand. The rest (unit tests, the in-process scheduler tests, kernels, the model
-# runner on the real weights) is the fast tier.
+# A test is end-to-end (marker `e2e`, left out of `make test`) when it is in one of these files or
+# listed below, uses the reference-model fixtures, or when it or any fixture it uses starts an
+# Engine, a server or another process (`pytest_collection_modifyitems` reads their source).
+# `@pytest.mark.e2e` marks one by hand. The rest (unit tests, the in-process scheduler tests,
+# kernels, tiny models) is the fast tier.
 E2E_FILES = {
     "test_browser_dashboard.py", "test_notebooks.py", "test_tui_tmux.py",                 # browser, kernels, tmux
     "test_reliability_load.py", "test_reliability_faults.py", "test_fuzz_http.py",        # load, faults, fuzz
     "test_tensor_parallel.py", "test_served_peer.py", "test_llamacpp_peer.py",             # TP, peers
+}
+# Fixtures that load the real model beside transformers' reference (minutes on a busy 2-core machine).
+E2E_FIXTURES = {"hf_model", "runner_fp32"}
+# Single tests that measured over 10 s in the fast tier (tests --durations, load ~6 on 2 cores).
+E2E_TESTS = {
+    "test_cpu_ops.py::test_bfloat16_greedy_tokens_are_unchanged_by_the_compiled_rope",
+    "test_gpu_only.py::test_selftest_cpu_dry_run",
+    "test_cuda_graph.py::test_greedy_tokens_with_graphs_equal_eager",
+    "test_cuda_graph.py::test_bench_compare_compile_runs_end_to_end",
+    "test_detokenizer.py::test_bad_model_dir_reports_error_and_exits",
+    "test_model_loader.py::test_converted_weights_equal_transformers_gguf_loader",
+    "test_http_server.py::test_shutdown_stops_unfinished_requests_with_an_error_event_and_says_so",
+    "test_http_server.py::test_startup_answers_503_until_ready",
 }
 _E2E_SOURCE = re.compile(r"(?<![A-Za-z])[Ee]ngine\(|start_server\(|subprocess|Popen\(|sys\.executable")
 _T0 = time.time()
@@ -117,7 +130,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("e2e") is not None:
             continue
-        e2e = item.path.name in E2E_FILES
+        e2e = (item.path.name in E2E_FILES or f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in E2E_TESTS
+               or bool(E2E_FIXTURES & set(getattr(item, "fixturenames", ()))))
         if not e2e and getattr(item, "function", None) is not None:
             e2e = _starts_processes(item.function, cache)
             infos = getattr(item, "_fixtureinfo", None)
