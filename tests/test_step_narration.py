@@ -95,6 +95,7 @@ def test_kv_room_and_running_limit_are_named():
     st = TraceState()
     st.apply_many(h.events)
     assert st.last_step_line.endswith("1 waiting: running limit (q2 next)")
+    assert st.wait_reason("q2") == "running" and st.wait_reason("q0") is None
 
 
 def test_held_back_requests_are_told_apart():
@@ -108,6 +109,7 @@ def test_held_back_requests_are_told_apart():
     st = TraceState()
     st.apply_many(h.events)
     assert "1 waiting: held for a shared prefix" in st.last_step_line
+    assert st.wait_reason("second") == "held" and st.wait_reason("first") is None
 
 
 @pytest.mark.parametrize("radix", [True, False])

@@ -310,6 +310,8 @@ async def test_last_step_line_names_what_one_step_did(engine):
         cells = {str(table.get_row_at(i)[1]): table.get_row_at(i)[1] for i in range(table.row_count)}
         assert isinstance(cells[rids[0]], Text) and "reverse" in str(cells[rids[0]].style)
         assert "reverse" not in str(cells[rids[1]].style)
+        states = {str(table.get_row_at(i)[1]): str(table.get_row_at(i)[2]) for i in range(table.row_count)}
+        assert states[rids[1]] == "queued: budget", states                 # why b still waits
         await pilot.press("p")
         await wait_for(lambda: all(st.requests[r].done for r in rids), 120)
         await pilot.press("q")

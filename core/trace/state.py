@@ -109,6 +109,7 @@ class TraceState:
         self._first_step_start: Optional[int] = None
         # batch.decision events whose batch.step has not come yet (overlap loop), by (proc, step).
         self._pending_decisions: dict[tuple[str, int], ev.StepDecision] = {}
+        self._last_decision: dict[str, ev.StepDecision] = {}     # per scheduler, its latest
         self._dispatch = {
             ev.ReqArrived: self._on_arrived, ev.ReqTokenized: self._on_tokenized,
             ev.ReqQueued: self._on_queued, ev.ReqScheduled: self._on_scheduled,
@@ -155,6 +156,22 @@ class TraceState:
         if sv.decision is not None:
             out.update(sv.decision.retracted)
         return out
+
+    def wait_reason(self, rid: str) -> Optional[str]:
+        """Why a waiting request was not admitted by the last step that could have admitted it
+        (a WAIT_REASONS key, or "held" for in-batch prefix caching); None if it was not turned
+        away (it came after that step, or no batch.decision is known)."""
+        r = self.requests.get(rid)
+        if r is None or r.state not in ("queued", "retracted"):
+            return None
+        for d in self._last_decision.values():
+            if r.queued_ts is not None and r.queued_ts > d.ts:
+                continue
+            if rid in d.held:
+                return "held"
+            if d.stop_rid and rid in self.waiting:
+                return d.stop_reason
+        return None
 
     def held_reason(self, rid: str) -> Optional[str]:
         """Why a waiting request was held back in the last step, or None if it was not."""
@@ -520,6 +537,9 @@ class TraceState:
         self.steps.append(sv)
 
     def _on_decision(self, e: ev.StepDecision) -> None:
+        old = self._last_decision.get(e.proc)
+        if old is None or old.step <= e.step:
+            self._last_decision[e.proc] = e
         for sv in reversed(self.steps):
             if sv.step == e.step and sv.proc == e.proc:
                 sv.decision = e

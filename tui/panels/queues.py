@@ -18,6 +18,10 @@ _QUEUE_STYLE = {"chunked": f"bold {COMPUTED}", "running": f"bold {DECODE}", "wai
                 "done": "dim"}
 
 
+# Why a request waits (TraceState.wait_reason), short enough for the state column.
+_WAIT_SHORT = {"budget": "budget", "kv": "KV room", "running": "run limit", "held": "held"}
+
+
 def queue_rows(model: TuiModel, max_rows: int = 300, recent_done: int = 8) -> list[tuple[str, tuple]]:
     """(rid, cells) for the table: waiting, new (arrived, not queued yet), chunked, running, then
     the most recently finished. Waiting and new come first: a long running list must not push
@@ -30,7 +34,8 @@ def queue_rows(model: TuiModel, max_rows: int = 300, recent_done: int = 8) -> li
 
     def add(queue: str, rid: str, r) -> None:
         seen.add(rid)
-        rows.append((rid, _cells(queue, r or RequestView(rid), now, st.req_replica.get(rid), rid in touched)))
+        rows.append((rid, _cells(queue, r or RequestView(rid), now, st.req_replica.get(rid), rid in touched,
+                                 st.wait_reason(rid) if queue == "waiting" else None)))
 
     for rid in st.waiting:
         if rid not in seen:
@@ -56,12 +61,16 @@ def queue_rows(model: TuiModel, max_rows: int = 300, recent_done: int = 8) -> li
     return rows[:max_rows]
 
 
-def _cells(queue: str, r: RequestView, now: int, replica: str | None = None, touched: bool = False) -> tuple:
+def _cells(queue: str, r: RequestView, now: int, replica: str | None = None, touched: bool = False,
+           wait_reason: str | None = None) -> tuple:
     """One row; under data parallelism the queue names the replica (`running@dp1`); the rid is
-    highlighted when the last step prefilled or retracted the request."""
+    highlighted when the last step prefilled or retracted the request; a waiting request's state
+    says why the last step left it waiting (TraceState.wait_reason)."""
     state = r.state
     if state == "prefilling" and r.num_chunks > 1:
         state = f"prefill {r.chunk_index + 1}/{r.num_chunks}"
+    if wait_reason:
+        state = f"{state}: {_WAIT_SHORT.get(wait_reason, wait_reason)}"
     start = r.arrival_ts if r.arrival_ts is not None else r.queued_ts
     if r.done:
         age = fmt_s(r.e2e) if r.e2e is not None else "–"
@@ -88,7 +97,10 @@ class QueuesPanel(TracePanel):
             "finished. prompt/cached/comp/out are token counts: cached = reused from the radix tree, "
             "comp = prompt tokens actually computed. TTFT shows the time so far (italic) until the "
             "first token. The rids the last step prefilled (admitted, or a chunk) or retracted are "
-            "shown reversed, as named on the `last step` line. Click or Enter on a row to select the request.")
+            "shown reversed, as named on the `last step` line; a waiting request's state says why that "
+            "step left it waiting: `budget` (the step's prefill token budget was spent), `KV room`, `run limit` "
+            "(running-request limit) or `held` (it waits for a shared prefix being computed). "
+            "Click or Enter on a row to select the request.")
     clock_interval_s = 0.5
 
     def compose(self) -> ComposeResult:
