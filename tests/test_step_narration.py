@@ -202,3 +202,14 @@ def test_dashboard_header_tells_the_last_step():
         assert "budget 11/64" in dash.header.value and "KV +11" in dash.header.value
     finally:
         dash.close()
+
+
+def test_a_batch_row_names_four_prefills_then_how_many_more():
+    from workbench.tui.panels.batch import composition
+    step, dec = _extend_events()
+    st = TraceState()
+    st.apply_many([step, dec])
+    text = composition(st.steps[-1]).plain
+    assert text.startswith("sp-68 ") and "sp-71" in text and "sp-72" not in text and text.endswith("+7 more")
+    text = composition(st.steps[-1], selected="sp-78").plain     # the selected request is always named
+    assert "sp-78" in text and text.endswith("+6 more")

@@ -36,12 +36,18 @@ def token_bar(sv: StepView, width: int = 10) -> Text:
     return text
 
 
-def composition(sv: StepView, selected: Optional[str] = None, max_decode_names: int = 6) -> Text:
-    """Per-request segments: `rid ░cached+█computed k/n` for prefill chunks, then the decode group."""
+def composition(sv: StepView, selected: Optional[str] = None, max_decode_names: int = 6,
+                max_prefill_names: int = 4) -> Text:
+    """Per-request segments: `rid ░cached+█computed k/n` for prefill chunks (the first
+    `max_prefill_names` and the selected one, then `+N more`), then the decode group."""
     text = Text()
     decodes = []
+    prefills = [sr for sr in sv.reqs if sr.computed > 0]
+    shown = prefills[:max_prefill_names] + [sr for sr in prefills[max_prefill_names:] if sr.rid == selected]
     for sr in sv.reqs:
         if sr.computed > 0:
+            if not any(sr is x for x in shown):
+                continue
             if text:
                 text.append("  ")
             text.append(sr.rid, style="reverse bold" if sr.rid == selected else "bold")
@@ -54,6 +60,8 @@ def composition(sv: StepView, selected: Optional[str] = None, max_decode_names: 
                 text.append(f" chunk {sr.chunk_index + 1}/{sr.num_chunks}", style="italic")
         elif sr.decode > 0:
             decodes.append(sr.rid)
+    if len(prefills) > len(shown):
+        text.append(f"  +{len(prefills) - len(shown)} more", style="dim")
     if decodes:
         if text:
             text.append("  ")
