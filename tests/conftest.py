@@ -91,6 +91,10 @@ E2E_TESTS = {
     "test_model_loader.py::test_converted_weights_equal_transformers_gguf_loader",
     "test_http_server.py::test_shutdown_stops_unfinished_requests_with_an_error_event_and_says_so",
     "test_http_server.py::test_startup_answers_503_until_ready",
+    "test_trace_mode.py::test_bench_trace_quick_prints_every_mode_and_its_accounted_cost",
+    "test_triton_backend.py::test_triton_backend_runs_a_model_like_torch_native",
+    "test_engine_script.py::test_the_same_script_with_the_guard_runs",
+    "test_engine_script.py::test_a_script_without_the_main_guard_fails_with_one_line",
 }
 _E2E_SOURCE = re.compile(r"(?<![A-Za-z])[Ee]ngine\(|start_server\(|subprocess|Popen\(|sys\.executable")
 _T0 = time.time()
