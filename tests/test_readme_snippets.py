@@ -1,0 +1,50 @@
+"""The README's snippets run as written: each ```python block saved as a script and run, and every
+`workbench` command line in a ```sh block accepted by the CLI (its flags parsed, with `--help` appended so
+that no engine starts: argparse rejects an unknown flag or subcommand before it prints help)."""
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, flags=re.S)
+PYTHON = [body for lang, body in BLOCKS if lang == "python"]
+WORKBENCH = Path(sys.executable).with_name("workbench")
+
+
+def _commands() -> list[str]:
+    out = []
+    for lang, body in BLOCKS:
+        if lang != "sh":
+            continue
+        for line in body.splitlines():
+            line = line.split("  #", 1)[0].strip().rstrip("&").strip()
+            if line.startswith(".venv/bin/workbench "):
+                out.append(line[len(".venv/bin/workbench "):])
+    return out
+
+
+def test_the_readme_has_snippets_to_check():
+    assert PYTHON and len(_commands()) >= 5
+
+
+@pytest.mark.parametrize("i", range(len(PYTHON)))
+def test_readme_python_snippet_runs_as_a_script(tmp_path, i):
+    script = tmp_path / f"snippet{i}.py"
+    script.write_text(PYTHON[i])
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("cmd", _commands())
+def test_readme_workbench_command_parses(cmd):
+    args = shlex.split(cmd.replace("~", str(Path.home())))
+    proc = subprocess.run([str(WORKBENCH), *args, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"`workbench {cmd}` is not accepted by the CLI:\n{proc.stderr[-2000:]}"
+    assert "usage:" in proc.stdout
