@@ -8,6 +8,7 @@ since the previous decision, so every slot handed out or taken back is counted i
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Optional
 
 from workbench.core.model_executor.forward_batch_info import ForwardMode
@@ -41,6 +42,7 @@ class StepNarrator:
         self.held: list[str] = []
         self.budget = 0
         self.budget_used = 0
+        self.start_ts = time.monotonic_ns()     # the trace clock (events' ts), not perf_counter
 
     # ---- what the scheduler reports ------------------------------------------------------
     def admission(self, adder: Optional["PrefillAdder"], continued: Optional["Req"],
@@ -93,6 +95,7 @@ class StepNarrator:
             held=[rid for rid in self.held if rid in queued],
             budget=0 if decode else self.budget, budget_used=0 if decode else self.budget_used,
             running_waited=0 if decode else sum(1 for r in running if not r.finished() and id(r) not in in_batch), kv_alloc=kv_alloc, kv_freed=kv_freed,
-            evicted=self.evicted, evicted_nodes=list(self.evicted_nodes), retracted=list(self.retracted))
+            evicted=self.evicted, evicted_nodes=list(self.evicted_nodes), retracted=list(self.retracted),
+            start_ts=self.start_ts)
         self._reset()
         return out

@@ -140,6 +140,9 @@ class StepDecision(Event, tag="batch.decision"):
     evicted: int = 0                  # tokens evicted from the radix cache in this step ...
     evicted_nodes: list[int] = []     # ... from these nodes
     retracted: list[str] = []         # requests sent back to the queue (KV pool full)
+    start_ts: int = 0                 # when the step began (monotonic ns; `ts` is when it ended): with
+                                      # it a view knows what the scheduler was busy with at any moment
+                                      # (0 in older recordings)
 
 
 class HeldReq(msgspec.Struct, array_like=True):

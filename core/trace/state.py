@@ -29,6 +29,7 @@ from workbench.core.trace.views import (  # noqa: F401  (re-exported for views)
     LATENCY_METRICS, REQ_STATES, REQUEST_SNAPSHOT_FIELDS, TERMINAL_STATES, Counters, KVPoint, ProcView,
     QueuePoint, ReplicaView, RequestView, StepView, Throughput, TimelineEntry, TreeNodeView, percentile,
 )
+from workbench.core.trace.ttft import StepIndex, TtftBreakdown, ttft_breakdown
 
 
 # Names the trace machinery itself stamps on events it makes (drop markers,
@@ -50,6 +51,8 @@ class _Book:
     base_computed: int = 0                          # from a snapshot
     chunks: dict = field(default_factory=dict)      # (round, chunk) -> computed tokens
     tl_chunks: set = field(default_factory=set)     # (round, chunk) already on the timeline
+    tl_prefill: dict = field(default_factory=dict)  # (round, chunk) -> its timeline entry (relabelled
+                                                    # when a later chunk changes the count n)
     sampled_rounds: set = field(default_factory=set)
     final: bool = False                             # counts came from req.finished
     counted_finish: bool = False
@@ -66,7 +69,8 @@ class TraceState:
     tree_evictable_size, tree_protected_size, evictable (the one figure views show), unlisted() and
     queue_counts() (requests not listed by a scheduler yet), counters, cache_hit_rate,
     throughput(), latency_percentiles(), last_ts, weights_version, model, procs,
-    req_replica and replicas() (data parallel: which replica holds each request).
+    req_replica and replicas() (data parallel: which replica holds each request), ttft_parts(rid)
+    (where a request's time to first token went, in parts that sum to it).
     """
 
     def __init__(self, *, max_steps: int = 2000, max_history: int = 2000,
@@ -172,6 +176,14 @@ class TraceState:
             if d.stop_rid and rid in self.waiting:
                 return d.stop_reason
         return None
+
+    def ttft_parts(self, rid: str, index: Optional[StepIndex] = None) -> Optional[TtftBreakdown]:
+        """The request's TTFT in parts that sum to it exactly: arrived → queued (and the step the
+        scheduler was busy in), queued (passed over by which steps, why, and who got the prefill),
+        each prefill chunk (with whom it shared the step), first token; see core/trace/ttft.py.
+        The parts so far (`partial`) before the first token; None without an arrival. Pass one
+        `StepIndex(state)` to explain many requests at once."""
+        return ttft_breakdown(self, rid, index)
 
     def held_reason(self, rid: str) -> Optional[str]:
         """Why a waiting request was held back in the last step, or None if it was not."""
@@ -364,7 +376,7 @@ class TraceState:
             prev.count += 1
             prev.detail = f"{prev.count} steps"
         else:
-            self._timeline(r, TimelineEntry(ts, "decode", "1 steps", end_ts=ts, step=step))
+            self._timeline(r, TimelineEntry(ts, "decode", "1 step", end_ts=ts, step=step))
 
     def _add_step(self, r: RequestView, step: int) -> None:
         r.steps.append(step)
@@ -428,7 +440,14 @@ class TraceState:
             b.tl_chunks.add(key)
             # A later chunk's prefix is the request's own earlier chunks, not a cache hit.
             what = f"{cached} cached + {computed} computed" if chunk == 0 else f"{computed} computed"
-            self._timeline(r, TimelineEntry(ts, "prefill", f"chunk {chunk + 1}/{n}: {what}", step=step))
+            entry = TimelineEntry(ts, "prefill", f"chunk {chunk + 1}/{n}: {what}", step=step)
+            self._timeline(r, entry)
+            b.tl_prefill[key] = entry
+            # n is the scheduler's estimate when it cut the chunk; a later chunk knows better, and
+            # the earlier ones of this round say the same n (never `1/1` then `2/2`).
+            for (rd, k), old in b.tl_prefill.items():
+                if rd == b.round and k != chunk and not old.detail.startswith(f"chunk {k + 1}/{n}:"):
+                    old.detail = f"chunk {k + 1}/{n}:" + old.detail.split(":", 1)[1]
 
     def _on_scheduled(self, e: ev.ReqScheduled) -> None:
         r, b = self._req(e.rid)
