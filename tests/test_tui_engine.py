@@ -160,6 +160,11 @@ async def test_prompt_box_returns_the_models_answer(engine):
         await pilot.pause()
         detail = plain_text(app.query_one("#detail-body", Static).content, 200)
         assert detail.startswith(rid) and "finished" in detail
+        # its TTFT in parts that add up to it, each part named on screen
+        b = app.model.state.ttft_parts(rid)
+        assert not b.partial and sum(p.ns for p in b.parts) == b.ttft_ns
+        assert f"TTFT {fmt_s(b.ttft)} = the parts below" in detail
+        assert all(p.label in detail for p in b.parts) and "first token" in detail
         await pilot.press("escape")
         await pilot.press("q")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from workbench.core.trace import ttft as T
 from workbench.core.trace.state import TraceState
 from workbench.core.trace.views import StepView
 
@@ -34,8 +35,9 @@ def time_origin(state: TraceState) -> Optional[int]:
 
 
 def step_start(sv: StepView) -> int:
-    """When a step began: its event is stamped at the end, after scheduling and the forward."""
-    return sv.ts - int((sv.schedule_ms + sv.forward_ms) * 1e6)
+    """When a step began (its batch.decision's start_ts; without one, its batch.step, stamped at the
+    end, less the scheduling and forward time): the same moment the TTFT parts use."""
+    return T.step_start(sv)
 
 
 def _sec(ts: int, t0: int) -> float:
@@ -64,6 +66,7 @@ class GanttData:
     rids: list[str]                      # requests shown, oldest first
     spans: list[Span]
     marks: list[tuple[str, float, str]]  # (rid, time, "first_token" | "finished" | "aborted" | "retracted")
+    ttft: dict[str, list[str]] = field(default_factory=dict)   # rid -> its TTFT in parts, one line each
 
 
 def _step_index(state: TraceState, rids: set[str]) -> dict[tuple[int, str], StepView]:
@@ -88,9 +91,14 @@ def gantt_data(state: TraceState, t0: int, max_requests: int = 40) -> GanttData:
                   key=lambda r: (r.arrival_ts if r.arrival_ts is not None else (r.queued_ts or 0), r.rid))
     reqs = reqs[-max_requests:] if max_requests else reqs
     idx = _step_index(state, {r.rid for r in reqs})
+    steps = T.StepIndex(state)
     spans: list[Span] = []
     marks: list[tuple[str, float, str]] = []
+    ttft: dict[str, list[str]] = {}
     for r in reqs:
+        b = state.ttft_parts(r.rid, steps)
+        if b is not None:
+            ttft[r.rid] = ttft_lines(b)
         own: list[Span] = []
         for e in r.timeline:
             if e.kind == "prefill":
@@ -114,10 +122,19 @@ def gantt_data(state: TraceState, t0: int, max_requests: int = 40) -> GanttData:
                 q1 = _sec(r.finish_ts, t0)
             else:
                 q1 = _sec(state.last_ts, t0)      # still waiting: the bar grows
+            # The bar runs from arrival to the first chunk: the TTFT parts before the prefill say why.
+            waited = [ln for ln, p in zip(ttft[r.rid][1:], b.parts) if p.kind in ("arrived", "queued")] \
+                if b is not None else []
             spans.append(Span(r.rid, "queued", _sec(q0, t0), max(q1, _sec(q0, t0)), (),
-                              f"queued {max(q1 - _sec(q0, t0), 0.0) * 1e3:.1f} ms"))
+                              "\n".join(waited) or f"queued {max(q1 - _sec(q0, t0), 0.0) * 1e3:.1f} ms"))
         spans.extend(own)
-    return GanttData([r.rid for r in reqs], spans, marks)
+    return GanttData([r.rid for r in reqs], spans, marks, ttft)
+
+
+def ttft_lines(b: T.TtftBreakdown) -> list[str]:
+    """A TTFT breakdown as text lines: the sum first, then one line per part (duration, what, why)."""
+    return [b.summary()] + [f"{T.fmt_dur(p.ns)} {p.label}" + (f": {p.detail}" if p.detail else "")
+                            for p in b.parts]
 
 
 def request_details(state: TraceState, rid: str) -> dict:
@@ -132,6 +149,7 @@ def request_details(state: TraceState, rid: str) -> dict:
         "finish_reason": r.finish_reason, "ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e,
         "retractions": r.retractions, "text": r.text,
         "timeline": [(e.ts, e.kind, e.detail) for e in r.timeline],
+        "ttft_parts": ttft_lines(b) if (b := state.ttft_parts(rid)) is not None else [],
     }
 
 

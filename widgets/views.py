@@ -174,11 +174,14 @@ class GanttView(TraceView):
             tr.y = [label[s.rid] for s in sp]
             tr.base = [s.start for s in sp]
             tr.x = [s.end - s.start for s in sp]
-            tr.customdata = [[s.rid, s.detail] for s in sp]
+            # The queued bar's hover is the TTFT parts before the prefill (lines of text).
+            tr.customdata = [[s.rid, _hover(s.detail) if kind == "queued" else s.detail] for s in sp]
         m = self.figure.data[len(D.SPAN_KINDS)]
         m.x = [t for _, t, _ in g.marks]
         m.y = [label[rid] for rid, _, _ in g.marks]
-        m.customdata = [[rid, kind] for rid, _, kind in g.marks]
+        # The first-token marker's hover: the whole TTFT, part by part.
+        m.customdata = [[rid, kind + "<br>" + _hover("\n".join(g.ttft[rid]))
+                         if kind == "first_token" and rid in g.ttft else kind] for rid, _, kind in g.marks]
         m.marker.symbol = [MARK_SYMBOLS[k] for _, _, k in g.marks]
         m.marker.color = [COLORS["retracted"] if k == "retracted" else MARK_COLOR for _, _, k in g.marks]
         self.figure.layout.yaxis.categoryarray = [label[r] for r in g.rids]
@@ -197,6 +200,11 @@ class GanttView(TraceView):
             self.details.value = details_html(self._state, rid)
 
 
+def _hover(text: str) -> str:
+    """Plain text lines as plotly hover markup (which reads <br>, and HTML entities)."""
+    return html.escape(text).replace("\n", "<br>")
+
+
 def details_html(state: TraceState, rid: str) -> str:
     d = D.request_details(state, rid)
     if not d:
@@ -208,7 +216,10 @@ def details_html(state: TraceState, rid: str) -> str:
     t0 = d["timeline"][0][0] if d["timeline"] else 0
     rows = "".join(f"<tr><td>+{(ts - t0) / 1e6:.1f} ms</td><td>{html.escape(k)}</td>"
                    f"<td>{html.escape(det)}</td></tr>" for ts, k, det in d["timeline"])
-    return (f"<div><b>{html.escape(rid)}</b>: {html.escape(d['prompt'][:80])}<br>{facts}"
+    parts = d["ttft_parts"]
+    ttft = (f"<div class='workbench-ttft'><b>{html.escape(parts[0])}</b>"
+            + "".join(f"<br>&nbsp;&nbsp;{html.escape(ln)}" for ln in parts[1:]) + "</div>") if parts else ""
+    return (f"<div><b>{html.escape(rid)}</b>: {html.escape(d['prompt'][:80])}<br>{facts}{ttft}"
             f"<br>output: <code>{html.escape(d['text'][-200:])}</code>"
             f"<table style='font-size:90%'>{rows}</table></div>")
 

@@ -10,6 +10,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from workbench.core.trace.palette import COMPUTED, DECODE, RETRACTED, WAITING
+from workbench.core.trace.ttft import TtftBreakdown
 from workbench.core.trace.views import RequestView
 from workbench.tui.fmt import fmt_s, shorten
 from workbench.tui.model import TuiModel
@@ -34,6 +35,43 @@ def shared_steps(model: TuiModel, r: RequestView) -> tuple[dict[int, list[str]],
     return per_step, counts
 
 
+# TTFT parts: waiting colours until the scheduler admits it, then prefill, then the token.
+_PART_STYLE = {"arrived": f"italic {WAITING}", "queued": WAITING, "prefill": COMPUTED, "first_token": DECODE}
+_PART_BAR = {"arrived": "░", "queued": "▒", "prefill": "█", "first_token": "▌"}
+
+
+def ttft_bar(b: TtftBreakdown, width: int = 40) -> Text:
+    """The parts as one bar, each part as wide as its share of the TTFT (rounded cumulatively, so
+    the bar is exactly `width` cells; a part too short for a cell gets none)."""
+    out = Text()
+    total = b.ttft_ns or 1
+    acc = done = chunk = 0
+    for p in b.parts:
+        acc += p.ns
+        cells = round(acc * width / total) - done
+        done += cells
+        bar = _PART_BAR[p.kind]
+        if p.kind == "prefill":         # alternate shades, so each chunk shows where it ends
+            bar, chunk = ("█" if chunk % 2 == 0 else "▓"), chunk + 1
+        out.append(bar * cells, style=_PART_STYLE[p.kind])
+    return out
+
+
+def render_ttft(b: TtftBreakdown) -> Text:
+    """Where the time to first token went: one line per part (duration, what, why), then the bar."""
+    out = Text()
+    out.append(("TTFT so far" if b.partial else "TTFT") + f" {fmt_s(b.ttft)} = the parts below\n",
+               style="underline")
+    label_w = max(len(p.label) for p in b.parts)
+    for p in b.parts:
+        out.append(f"{fmt_s(p.seconds):>9} ", style="bold")
+        out.append(f"{p.label:<{label_w}} ", style=_PART_STYLE[p.kind])
+        out.append(p.detail + "\n", style="dim" if not p.ns else "")
+    out.append(ttft_bar(b))
+    out.append("\n")
+    return out
+
+
 def render_detail(model: TuiModel, rid: Optional[str], text_chars: int = 1200) -> Text:
     out = Text()
     r = model.state.requests.get(rid) if rid else None
@@ -51,6 +89,9 @@ def render_detail(model: TuiModel, rid: Optional[str], text_chars: int = 1200) -
                f"out {r.output_tokens}" + (f"/{r.max_new_tokens}" if r.max_new_tokens else "")
                + (f" · retracted {r.retractions}×" if r.retractions else "") + "\n")
     out.append(f"TTFT {fmt_s(r.ttft)} · TPOT {fmt_s(r.tpot)} · E2E {fmt_s(r.e2e)}\n", style="bold")
+    breakdown = model.state.ttft_parts(r.rid)
+    if breakdown is not None and breakdown.parts:
+        out.append_text(render_ttft(breakdown))
     per_step, counts = shared_steps(model, r)
     base = r.arrival_ts if r.arrival_ts is not None else (r.timeline[0].ts if r.timeline else None)
     out.append("timeline\n", style="underline")
@@ -61,7 +102,8 @@ def render_detail(model: TuiModel, rid: Optional[str], text_chars: int = 1200) -
         detail = e.detail
         if e.kind == "decode":
             first = e.step - e.count + 1
-            detail = f"{e.count} steps" + (f" (steps {first}–{e.step})" if e.count > 1 else f" (step {e.step})")
+            detail = (f"{e.count} steps (steps {first}–{e.step})" if e.count > 1
+                      else f"1 step (step {e.step})")
             if e.end_ts > e.ts:
                 detail += f", {(e.end_ts - e.ts) / 1e9 * 1e3:.0f} ms"
         elif e.step >= 0:
@@ -93,7 +135,10 @@ def render_detail(model: TuiModel, rid: Optional[str], text_chars: int = 1200) -
 class DetailPanel(TracePanel):
     PANEL_NAME = "detail"
     TITLE = "Request detail"
-    HELP = ("The selected request: token counts, TTFT/TPOT/E2E, and its timeline — arrival, queueing, "
+    HELP = ("The selected request: token counts, TTFT/TPOT/E2E, and where its TTFT went — arrived → queued "
+            "(and the step the scheduler was busy in), queued (passed over by which steps, why, who got the "
+            "prefill), each prefill chunk (who shared the step), first token: parts that add up to the TTFT. "
+            "Then its timeline — arrival, queueing, "
             "each prefill chunk (cached + computed tokens, the step, who shared that step), decode runs "
             "(consecutive steps; a gap means it sat out), finish — and the requests it shared "
             "scheduler steps with. Its text streams in at the bottom.")
