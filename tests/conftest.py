@@ -72,8 +72,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 # A test is end-to-end (marker `e2e`, left out of `make test`) when it is in one of these files or
 # listed below, uses the reference-model fixtures, or when it or any fixture it uses starts an
 # Engine, a server or another process (`pytest_collection_modifyitems` reads their source).
-# `@pytest.mark.e2e` marks one by hand. The rest (unit tests, the in-process scheduler tests,
-# kernels, tiny models) is the fast tier.
+# `@pytest.mark.e2e` marks one by hand; `@pytest.mark.fast` keeps a quick subprocess test (ruff) in the
+# fast tier. The rest (unit tests, the in-process scheduler tests, kernels, tiny models) is the fast tier.
 E2E_FILES = {
     "test_browser_dashboard.py", "test_notebooks.py", "test_tui_tmux.py",                 # browser, kernels, tmux
     "test_reliability_load.py", "test_reliability_faults.py", "test_fuzz_http.py",        # load, faults, fuzz
@@ -126,13 +126,14 @@ def pytest_configure(config):
     # Registered here rather than in pyproject.toml: editing that file makes `make` reinstall the venv.
     config.addinivalue_line("markers", "e2e: end to end (engines, servers, processes, notebooks, browser, "
                                        "tmux): only in the full tier (make test-full); tests/conftest.py marks them")
+    config.addinivalue_line("markers", "fast: in the fast tier although it runs a subprocess (a quick tool, e.g. ruff)")
 
 
 @pytest.hookimpl(tryfirst=True)          # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     cache: dict = {}
     for item in items:
-        if item.get_closest_marker("e2e") is not None:
+        if item.get_closest_marker("e2e") is not None or item.get_closest_marker("fast") is not None:
             continue
         e2e = (item.path.name in E2E_FILES or f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in E2E_TESTS
                or bool(E2E_FIXTURES & set(getattr(item, "fixturenames", ()))))

@@ -12,11 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_ruff_check_is_clean():
+def _ruff() -> str:
     ruff = Path(sys.executable).with_name("ruff")
     exe = str(ruff) if ruff.exists() else shutil.which("ruff")
     if exe is None:
         pytest.skip("ruff is not installed: pip install -e '.[test]' brings it")
-    proc = subprocess.run([exe, "check", "--output-format", "concise", "."], cwd=ROOT, capture_output=True,
+    return exe
+
+
+@pytest.mark.fast
+def test_ruff_check_is_clean():
+    proc = subprocess.run([_ruff(), "check", "--output-format", "concise", "."], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
