@@ -79,18 +79,19 @@ def request_path(tree: dict[int, TreeNodeView], r: Optional[RequestView]) -> set
 
 def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] = frozenset(),
                 cold_s: float = 30.0, max_lines: int = 400, max_children: int = 12,
-                preview_chars: int = 28) -> tuple[Text, int]:
+                preview_chars: int = 28, touched: set[int] = frozenset()) -> tuple[Text, int]:
     """The tree as indented lines; returns (text, lines). A subtree with no locked node whose
-    newest access is older than `cold_s` (and that is not highlighted) is folded into one line;
-    beyond `max_children` children the coldest are summarized."""
+    newest access is older than `cold_s` (and that is not highlighted or touched) is folded into
+    one line; beyond `max_children` children the coldest are summarized. `highlight` (the selected
+    request's nodes) is drawn reversed, `touched` (the last step's requests' nodes) underlined."""
     out = Text(no_wrap=True, overflow="ellipsis")
     if not tree:
         out.append("(empty: nothing cached yet)", style="dim")
         return out, 1
     stats = subtree_stats(tree)
     cold_ns = int(cold_s * 1e9)
-    hot_path = set(highlight)
-    for nid in highlight:   # keep the ancestors of highlighted nodes unfolded
+    hot_path = set(highlight) | set(touched)
+    for nid in set(highlight) | set(touched):   # keep the ancestors of highlighted nodes unfolded
         p = tree.get(nid)
         while p is not None and p.parent_id in tree:
             hot_path.add(p.parent_id)
@@ -119,7 +120,7 @@ def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] 
         else:
             folded = (n.children and not s.locked and now_ns - s.last_access > cold_ns
                       and payload not in hot_path)
-            _node_line(out, n, now_ns, payload in highlight, preview_chars)
+            _node_line(out, n, now_ns, payload in highlight, preview_chars, payload in touched)
             if folded:
                 out.append(f"  ▸ {s.nodes - 1} cold below ({fmt_count(s.tokens - n.tokens)} t)",
                            style="dim italic")
@@ -145,7 +146,8 @@ def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] 
     return out, lines
 
 
-def _node_line(out: Text, n: TreeNodeView, now_ns: int, selected: bool, preview_chars: int) -> None:
+def _node_line(out: Text, n: TreeNodeView, now_ns: int, selected: bool, preview_chars: int,
+               touched: bool = False) -> None:
     label = shorten(n.text, preview_chars) if n.text else f"#{n.node_id}"
     if n.just_evicted:
         style = f"strike {EVICTED}"
@@ -157,6 +159,8 @@ def _node_line(out: Text, n: TreeNodeView, now_ns: int, selected: bool, preview_
         style = EVICTABLE           # unlocked: the cache may drop it
     if selected:
         style = (style + " reverse").strip()
+    if touched:
+        style = (style + " underline").strip()
     out.append(f"“{label}”", style=style)
     out.append(f" {n.tokens}t")
     if n.lock_ref > 0:
@@ -175,7 +179,9 @@ class TreePanel(TracePanel):
     HELP = ("The KV cache as a prefix tree: each node is an edge of token ids, shown as decoded text "
             "with its token count, lock count (lock N = in use by N running requests, cannot be evicted), "
             "hits and age. Colours (the colour key above): locked (bold), evictable, computed = "
-            "just inserted, evicted (struck through); hits in the cached colour; reversed = the selected request's nodes. 'N children' marks a prefix "
+            "just inserted, evicted (struck through); hits in the cached colour; reversed = the "
+            "selected request's nodes; underlined = the nodes of the requests the last step prefilled "
+            "(as named on the `last step` line). 'N children' marks a prefix "
             "shared by N continuations. Cold subtrees (unlocked, idle > 30 s) fold into one line.")
     min_interval_s = 0.25
     clock_interval_s = 1.0
@@ -191,7 +197,10 @@ class TreePanel(TracePanel):
         st = model.state
         tree = st.tree
         sel = st.requests.get(model.selected) if model.selected else None
-        text, _ = render_tree(tree, model.now_ns, request_path(tree, sel))
+        touched: set[int] = set()
+        for rid in st.step_rids():      # the requests the last step prefilled: their nodes underlined
+            touched |= request_path(tree, st.requests.get(rid))
+        text, _ = render_tree(tree, model.now_ns, request_path(tree, sel), touched=touched)
         self.query_one("#tree-body", Static).update(text)
         self.border_title = (f"Radix tree — {max(0, len(tree) - 1)} nodes · evictable "
                              f"{fmt_count(st.evictable)} · protected {fmt_count(st.tree_protected_size)} t")
