@@ -5,8 +5,11 @@ numbers. Pure render functions on synthetic events where possible, a real Textua
 the app's layout is the point."""
 from __future__ import annotations
 
+from rich.cells import cell_len
 from rich.text import Text
+from textual.widgets import Static
 
+from tests.tui_helpers import replay_app, show_at, step_ts
 from workbench.core.trace import events as ev
 from workbench.core.trace.views import TreeNodeView
 
@@ -45,6 +48,68 @@ def test_render_tree_underlines_touched_nodes_and_unfolds_their_ancestors():
     # selected and touched at once: both marks
     both, _ = render_tree(tree, NOW, highlight={4}, touched={4})
     assert {"underline", "reverse"} <= set(_styles_at(both, "“deep leaf”").split())
+
+
+def test_whitespace_tokens_are_drawn_visibly():
+    from workbench.tui.panels.tree import edge_label, render_tree
+    assert edge_label("\n", 10) == "⏎"
+    assert edge_label("\n\n", 10) == "⏎⏎"
+    assert edge_label("  ", 10) == "␣␣"
+    assert edge_label("a\tb\r\n", 10) == "a⇥b␍⏎"
+    assert edge_label(" the", 10) == " the"        # spaces beside text show between the quotes
+    assert edge_label("abcdefghij", 5) == "abcd…"
+    text, _ = render_tree(_tree({1: (0, "\n"), 2: (0, " ")}, age_s=1), NOW)
+    assert "“⏎”" in text.plain and "“␣”" in text.plain and "“”" not in text.plain
+
+
+def test_tree_labels_use_the_width_they_are_given():
+    from workbench.tui.panels.tree import MIN_PREVIEW, render_tree
+    long = "You are a patient teaching assistant for a course on computer systems. " * 2
+    tree = _tree({1: (0, long), 2: (1, "What is a page table?"), 3: (1, long)}, age_s=1)
+    narrow_default, _ = render_tree(tree, NOW)
+    for width in (60, 100, 160):
+        text, _ = render_tree(tree, NOW, width=width)
+        lines = text.plain.splitlines()
+        assert max(cell_len(ln) for ln in lines) == width      # the long edges fill their line
+        assert all(cell_len(ln) <= width for ln in lines)
+    wide = render_tree(tree, NOW, width=160)[0].plain
+    assert long[:100] in wide and long[:40] not in narrow_default
+    tiny = render_tree(tree, NOW, width=10)[0].plain           # never below MIN_PREVIEW
+    assert f"“{long[:MIN_PREVIEW - 1]}…”" in tiny
+
+
+async def test_tree_panel_labels_follow_the_panel_width_and_underline_the_last_step():
+    from workbench.tui.panels.tree import edge_label, request_path
+    app, replay = replay_app(panels=["tree"])
+    async with app.run_test(size=(160, 30)) as pilot:
+        await show_at(app, pilot, replay, step_ts(replay, 21))
+        body = app.query_one("#tree-body", Static)
+
+        def lines() -> list[str]:
+            return body.content.plain.splitlines()
+
+        def labels() -> list[str]:
+            return [ln.split("“", 1)[1].split("”", 1)[0] for ln in lines() if "“" in ln]
+        # at 160 columns every edge's text is shown as the trace has it (the recorder keeps 40
+        # characters), not cut at ~27
+        whole = {edge_label(n.text, 10**6) for n in app.model.state.tree.values() if n.text}
+        assert set(labels()) <= whole and max(len(x) for x in labels()) > 28
+        longest = max(len(x) for x in labels())
+        assert "⏎" in body.content.plain      # the chat template's newlines
+        assert max(cell_len(ln) for ln in lines()) <= body.size.width
+        # the requests step 21 prefilled: their nodes underlined, no other node
+        st = app.model.state
+        touched = set().union(*(request_path(st.tree, st.requests.get(r)) for r in st.step_rids()))
+        assert touched
+        underlined = {body.content.plain[sp.start:sp.end] for sp in body.content.spans
+                      if "underline" in str(sp.style)}
+        assert underlined and all(u.startswith("“") for u in underlined)
+        assert len(underlined) <= len(touched)
+        await pilot.resize_terminal(60, 30)       # narrower: the texts give way, the lines fit
+        await pilot.pause()
+        await pilot.pause()
+        assert max(cell_len(ln) for ln in lines()) <= body.size.width <= 58
+        assert max(len(x) for x in labels()) < longest
 
 
 # ---- status line -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
@@ -11,7 +12,7 @@ from textual.widgets import Static
 
 from workbench.core.trace.palette import CACHED, COMPUTED, EVICTABLE, EVICTED, LOCKED
 from workbench.core.trace.views import RequestView, TreeNodeView
-from workbench.tui.fmt import fmt_age, fmt_count, shorten
+from workbench.tui.fmt import fmt_age, fmt_count
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import TracePanel
 
@@ -77,13 +78,30 @@ def request_path(tree: dict[int, TreeNodeView], r: Optional[RequestView]) -> set
     return path
 
 
+# Whitespace a token may be made of, drawn visibly: a newline token must not look like an empty node.
+_VISIBLE = str.maketrans({"\n": "⏎", "\t": "⇥", "\r": "␍"})
+MIN_PREVIEW = 8     # the fewest characters of an edge's text shown, however narrow the panel
+
+
+def edge_label(text: str, n: int) -> str:
+    """An edge's text for one line of at most n characters: newlines, tabs and carriage returns
+    as ⏎ ⇥ ␍, an edge of nothing but spaces as ␣ (one per space), an ellipsis when cut."""
+    text = text.translate(_VISIBLE)
+    if text and not text.strip(" "):
+        text = "␣" * len(text)
+    return text if len(text) <= n else text[: max(0, n - 1)] + "…"
+
+
 def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] = frozenset(),
                 cold_s: float = 30.0, max_lines: int = 400, max_children: int = 12,
-                preview_chars: int = 28, touched: set[int] = frozenset()) -> tuple[Text, int]:
+                preview_chars: int = 28, touched: set[int] = frozenset(),
+                width: Optional[int] = None) -> tuple[Text, int]:
     """The tree as indented lines; returns (text, lines). A subtree with no locked node whose
     newest access is older than `cold_s` (and that is not highlighted or touched) is folded into
     one line; beyond `max_children` children the coldest are summarized. `highlight` (the selected
-    request's nodes) is drawn reversed, `touched` (the last step's requests' nodes) underlined."""
+    request's nodes) is drawn reversed, `touched` (the last step's requests' nodes) underlined.
+    With `width` (the panel's, in cells) each node's text gets the room its line has left
+    (at least MIN_PREVIEW characters); without, `preview_chars`."""
     out = Text(no_wrap=True, overflow="ellipsis")
     if not tree:
         out.append("(empty: nothing cached yet)", style="dim")
@@ -120,12 +138,15 @@ def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] 
         else:
             folded = (n.children and not s.locked and now_ns - s.last_access > cold_ns
                       and payload not in hot_path)
-            _node_line(out, n, now_ns, payload in highlight, preview_chars, payload in touched)
             if folded:
-                out.append(f"  ▸ {s.nodes - 1} cold below ({fmt_count(s.tokens - n.tokens)} t)",
-                           style="dim italic")
+                tail = (f"  ▸ {s.nodes - 1} cold below ({fmt_count(s.tokens - n.tokens)} t)", "dim italic")
             elif len(n.children) > 1:
-                out.append(f"  [{len(n.children)} children]", style="bold")
+                tail = (f"  [{len(n.children)} children]", "bold")
+            else:
+                tail = ("", "")
+            room = None if width is None else width - cell_len(pre) - cell_len(tail[0])
+            _node_line(out, n, now_ns, payload in highlight, preview_chars, payload in touched, room)
+            out.append(*tail)
             out.append("\n")
             if folded:
                 continue
@@ -147,8 +168,21 @@ def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] 
 
 
 def _node_line(out: Text, n: TreeNodeView, now_ns: int, selected: bool, preview_chars: int,
-               touched: bool = False) -> None:
-    label = shorten(n.text, preview_chars) if n.text else f"#{n.node_id}"
+               touched: bool = False, room: Optional[int] = None) -> None:
+    """One node: “text” Nt [lock N] [hits N] age. With `room` (cells left on its line) the text
+    takes what the figures after it leave; else `preview_chars`."""
+    figures: list[tuple[str, str]] = [(f" {n.tokens}t", "")]
+    if n.lock_ref > 0:
+        figures.append((f" lock {n.lock_ref}", f"bold {LOCKED}"))
+    if n.hits:
+        figures.append((f" hits {n.hits}", CACHED))
+    if n.just_evicted:
+        figures.append((" evicted", EVICTED))
+    elif n.last_access:
+        figures.append((f" {fmt_age(now_ns - n.last_access)}", "dim"))
+    if room is not None:     # 2: the quotes
+        preview_chars = max(MIN_PREVIEW, room - 2 - sum(cell_len(t) for t, _ in figures))
+    label = edge_label(n.text, preview_chars) if n.text else f"#{n.node_id}"
     if n.just_evicted:
         style = f"strike {EVICTED}"
     elif n.lock_ref > 0:
@@ -162,21 +196,15 @@ def _node_line(out: Text, n: TreeNodeView, now_ns: int, selected: bool, preview_
     if touched:
         style = (style + " underline").strip()
     out.append(f"“{label}”", style=style)
-    out.append(f" {n.tokens}t")
-    if n.lock_ref > 0:
-        out.append(f" lock {n.lock_ref}", style=f"bold {LOCKED}")
-    if n.hits:
-        out.append(f" hits {n.hits}", style=CACHED)
-    if n.just_evicted:
-        out.append(" evicted", style=EVICTED)
-    elif n.last_access:
-        out.append(f" {fmt_age(now_ns - n.last_access)}", style="dim")
+    for text, fig_style in figures:
+        out.append(text, style=fig_style)
 
 
 class TreePanel(TracePanel):
     PANEL_NAME = "tree"
     TITLE = "Radix tree"
     HELP = ("The KV cache as a prefix tree: each node is an edge of token ids, shown as decoded text "
+            "(⏎ a newline, ⇥ a tab, ␣ a space-only token; as much as the panel's width allows) "
             "with its token count, lock count (lock N = in use by N running requests, cannot be evicted), "
             "hits and age. Colours (the colour key above): locked (bold), evictable, computed = "
             "just inserted, evicted (struck through); hits in the cached colour; reversed = the "
@@ -189,18 +217,30 @@ class TreePanel(TracePanel):
     #tree-body { text-wrap: nowrap; text-overflow: ellipsis; }
     """
 
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self._model: Optional[TuiModel] = None
+
     def compose(self) -> ComposeResult:
         with VerticalScroll():
             yield Static(id="tree-body")
 
+    def on_resize(self) -> None:
+        # The node texts are as long as the width allows: redraw now, not at the next clock tick.
+        if self._model is not None and self.panel_ready:
+            self.update_view(self._model)
+
     def update_view(self, model: TuiModel) -> None:
+        self._model = model
         st = model.state
         tree = st.tree
         sel = st.requests.get(model.selected) if model.selected else None
         touched: set[int] = set()
         for rid in st.step_rids():      # the requests the last step prefilled: their nodes underlined
             touched |= request_path(tree, st.requests.get(rid))
-        text, _ = render_tree(tree, model.now_ns, request_path(tree, sel), touched=touched)
+        # the scroll view's content width (0 before the first layout: then the default preview)
+        width = self.query_one(VerticalScroll).scrollable_content_region.width or None
+        text, _ = render_tree(tree, model.now_ns, request_path(tree, sel), touched=touched, width=width)
         self.query_one("#tree-body", Static).update(text)
         self.border_title = (f"Radix tree — {max(0, len(tree) - 1)} nodes · evictable "
                              f"{fmt_count(st.evictable)} · protected {fmt_count(st.tree_protected_size)} t")
