@@ -494,4 +494,13 @@ def _running_loop():
 
 
 def _print_progress(msg: str) -> None:
-    print(f"[workbench] {msg}", file=sys.stderr, flush=True)
+    # A Jupyter front end draws stderr as an error box; start-up progress is not an error, so in a
+    # kernel it is ordinary output (still in the cell, and in an executed notebook's outputs).
+    print(f"[workbench] {msg}", file=sys.stdout if _in_jupyter_kernel() else sys.stderr, flush=True)
+
+
+def _in_jupyter_kernel() -> bool:
+    """True inside an IPython kernel (Jupyter, nbclient), not in a terminal IPython or a script."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
