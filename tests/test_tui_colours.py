@@ -68,7 +68,7 @@ def test_widgets_take_their_colours_from_the_palette():
     kv = KVPoolView(events)
     assert [t.line.color for t in kv.figure.data] == [PALETTE["locked"], PALETTE["evictable"], PALETTE["free"]]
     q = QueueView(events)
-    assert [t.line.color for t in q.figure.data] == [PALETTE["waiting"], PALETTE["decode"]]
+    assert [t.line.color for t in q.figure.data] == [PALETTE["waiting"], PALETTE["decode"], PALETTE["waiting"]]
     tree = RadixTreeView(events)
     assert {k: v for k, v in NODE_COLORS.items() if k != "root"} == {
         "evicted": PALETTE["evicted"], "locked": PALETTE["locked"], "new": PALETTE["computed"],

@@ -181,9 +181,10 @@ def test_kv_and_queue_series(dash, full_state):
     assert (list(used.y), list(evictable.y), list(free.y)) == (
         [p.used for p in hist], [p.evictable for p in hist], [p.free for p in hist])
     assert used.stackgroup == evictable.stackgroup == free.stackgroup
-    waiting, running = dash["queues"].figure.data
+    waiting, running, new = dash["queues"].figure.data
     qh = list(full_state.queue_history)
     assert list(waiting.y) == [p.waiting for p in qh] and list(running.y) == [p.running for p in qh]
+    assert list(new.y) == [p.new for p in qh]
     assert max(waiting.y) > 0 and max(running.y) > 1
 
 

@@ -4,6 +4,7 @@
     Dashboard(engine)                     # live
     Dashboard.from_trace("run.jsonl")     # replay with Play/slider
     GanttView(engine)                     # any single view, alone
+    dash.snapshot(("gantt", "radix"))     # a static picture of this moment (stays in the outputs)
 
 Names are imported lazily, so `import workbench.widgets.registration` (done by
 the plugin host on every start) never pulls in ipywidgets or plotly.
@@ -25,6 +26,9 @@ _EXPORTS = {
     "LatencyView": "workbench.widgets.views",
     "VIEWS": "workbench.widgets.views",
     "sequence_figure": "workbench.widgets.sequence",
+    "Snapshot": "workbench.widgets.static",
+    "snapshot": "workbench.widgets.static",
+    "STATIC_VIEWS": "workbench.widgets.static",
 }
 
 __all__ = sorted(_EXPORTS)

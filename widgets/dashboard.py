@@ -137,6 +137,19 @@ class Dashboard(W.VBox):
         self.flush(timeout=1.0, quiet=0.15)
         return res
 
+    # ---- static pictures ---------------------------------------------------------------------
+
+    def snapshot(self, views: Optional[Sequence[str]] = None, name: str = "", **kw):
+        """Static pictures of this dashboard's views as they are now (default: those of its views that
+        have one: gantt, batch, radix, kv, queues), under the header's line and the narrated last
+        step. Unlike the live widgets, the picture stays in the notebook's saved outputs and does not
+        move on with the engine: show one wherever the text talks about a moment.
+        kw: see `workbench.widgets.static.snapshot` (width, max_requests, max_steps, ...)."""
+        from workbench.widgets.static import STATIC_VIEWS
+        if views is None:
+            views = [v for v in self.views if v in STATIC_VIEWS]
+        return self.feed.snapshot(tuple(views), name=name, **kw)
+
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def refresh(self) -> None:
@@ -147,7 +160,18 @@ class Dashboard(W.VBox):
         """Wait for the trace to go quiet (after a generate call), then re-render."""
         self.feed.flush(timeout=timeout, quiet=quiet)
 
+    def stop(self) -> None:
+        """Stop following the source; the widgets stay on the page with their last picture
+        (call this before `engine.shutdown()` where the text still points at the views)."""
+        self.flush(timeout=1.0, quiet=0.1)
+        self.feed.close()
+        if hasattr(self, "gate_label"):
+            self.gate_label.value = "stopped"
+            for b in self.controls.children:
+                if isinstance(b, W.Button):
+                    b.disabled = True
+
     def close(self) -> None:
-        """Stop following the source and close the widgets."""
+        """Stop following the source and close the widgets (they vanish from the page: see stop())."""
         self.feed.close()
         super().close()

@@ -263,6 +263,7 @@ class KVData:
 
 
 def kv_data(state: TraceState, t0: int) -> KVData:
+    """The KV pool's used / evictable / free / total tokens at each kv.usage, times relative to t0."""
     d = KVData()
     for p in state.kv_history:
         d.t.append(_sec(p.ts, t0))
@@ -273,19 +274,30 @@ def kv_data(state: TraceState, t0: int) -> KVData:
     return d
 
 
+def kv_axis_range(k: KVData) -> tuple[int, int]:
+    """The KV chart's y range: the whole pool (its largest capacity seen), so 126 used of 4096
+    looks like 3 %, not like a full pool; (0, 1) before any kv.usage."""
+    return 0, max(k.total, default=0) or max((u + e + f for u, e, f in zip(k.used, k.evictable, k.free)),
+                                             default=0) or 1
+
+
 @dataclass
 class QueueData:
     t: list[float] = field(default_factory=list)
-    waiting: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)     # queued for prefill, listed by a scheduler or not yet
     running: list[int] = field(default_factory=list)
+    new: list[int] = field(default_factory=list)         # arrived at the tokenizer, not yet queued
 
 
 def queue_data(state: TraceState, t0: int) -> QueueData:
+    """Queue lengths over time, as TraceState sampled them (each queue.state, each arrival and
+    each request queued: see TraceState.queue_history)."""
     d = QueueData()
     for p in state.queue_history:
         d.t.append(_sec(p.ts, t0))
         d.waiting.append(p.waiting)
         d.running.append(p.running)
+        d.new.append(p.new)
     return d
 
 

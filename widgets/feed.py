@@ -158,6 +158,14 @@ class TraceFeed:
                 self._last_keyframe = now
                 self._idle_keyframes = max(0, self._idle_keyframes - 1)
 
+    def snapshot(self, views=("gantt", "batch", "radix"), name: str = "", **kw):
+        """Static pictures (SVG) of `views` as the state is now, on this feed's time origin: a
+        `widgets.static.Snapshot` that shows in a notebook's outputs and stays there. Call
+        `flush()` first after a generate call, so the last steps are in. kw: see `static.snapshot`."""
+        from workbench.widgets.static import snapshot
+        with self._lock:        # the pump thread must not fold events into the state mid-drawing
+            return snapshot(self.state, views, name=name, t0=self._origin(), **kw)
+
     # ---- folding -----------------------------------------------------------------------
 
     def apply(self, events: Iterable[Event]) -> int:

@@ -19,6 +19,8 @@ from workbench.core.trace.palette import METRIC_COLORS, PALETTE as P
 from workbench.core.trace.state import TraceState
 from workbench.widgets import data as D
 from workbench.widgets.feed import RENDER_LOCK, TraceFeed
+# Radix node colours and legend words are shared with the static pictures.
+from workbench.widgets.static import NODE_COLORS, NODE_LABELS
 
 # Every colour with a meaning comes from the one palette the TUI uses too (core/trace/palette.py).
 COLORS = {
@@ -28,12 +30,6 @@ COLORS = {
     "waiting": P["waiting"], "running": P["decode"], "retracted": P["retracted"],
     **METRIC_COLORS,
 }
-#: Radix node state (widgets.data.NODE_STATES) -> colour: a node just inserted holds freshly
-#: computed tokens, a node with hits served them from the cache, any other unlocked node is evictable.
-NODE_COLORS = {"root": "#ffffff", "evicted": P["evicted"], "locked": P["locked"], "new": P["computed"],
-               "hit": P["cached"], "cached": P["evictable"]}
-NODE_LABELS = {"evicted": "evicted", "locked": "locked", "new": "new (computed)", "hit": "hit (cached)",
-               "cached": "evictable"}
 MARK_COLOR = "#333333"
 MARK_SYMBOLS = {"first_token": "diamond", "finished": "line-ns-open", "aborted": "x", "retracted": "triangle-left"}
 
@@ -104,6 +100,13 @@ class TraceView(W.VBox):
 
     def _draw(self, state: TraceState, t0: int) -> None:
         raise NotImplementedError
+
+    def snapshot(self, name: str = "", **kw):
+        """A static picture of this view now (`widgets.static.Snapshot`): it stays in the notebook's
+        outputs after the engine, the kernel or this widget is gone. kw: see `static.snapshot`."""
+        if self.feed is None:
+            raise RuntimeError("this view has no source of its own: snapshot its Dashboard or TraceFeed")
+        return self.feed.snapshot((self.name,), name=name, **kw)
 
     def keyframe(self) -> None:
         """Re-send the whole figure to the browser, not only what changed since the last render.
@@ -299,7 +302,8 @@ class RadixTreeView(TraceView):
 
 class KVPoolView(TraceView):
     """KV pool over time, stacked: held by requests (used), kept by the radix cache (evictable),
-    free (hidden until clicked in the legend: it would dwarf the rest)."""
+    free (hidden until clicked in the legend). The y axis is the pool's capacity, so the height
+    of used + evictable is the share of the pool they take."""
     name = "kv"
     title = "KV pool"
 
@@ -315,13 +319,15 @@ class KVPoolView(TraceView):
         k = D.kv_data(state, t0)
         for tr, ys in zip(self.figure.data, (k.used, k.evictable, k.free)):
             tr.x, tr.y = k.t, ys
+        self.figure.layout.yaxis.range = D.kv_axis_range(k)
         if k.total:
             self.figure.layout.title.text = (f"{self.title}: {k.used[-1]} used, {k.evictable[-1]} evictable, "
                                              f"{k.free[-1]} free of {k.total[-1]} tokens")
 
 
 class QueueView(TraceView):
-    """Waiting and running queue lengths over time."""
+    """Queue lengths over time: waiting (queued for prefill), running, and new (arrived at the
+    tokenizer, not yet queued by the scheduler; dotted)."""
     name = "queues"
     title = "Queue lengths"
 
@@ -329,6 +335,8 @@ class QueueView(TraceView):
         for key in ("waiting", "running"):
             self.figure.add_scatter(name=key, x=[], y=[], mode="lines",
                                     line=dict(color=COLORS[key], shape="hv"))
+        self.figure.add_scatter(name="new", x=[], y=[], mode="lines",
+                                line=dict(color=COLORS["waiting"], shape="hv", dash="dot"))
         self.figure.update_layout(**_layout(self.title, height, width, xaxis_title="time (s)",
                                             yaxis_title="requests"))
 
@@ -336,6 +344,7 @@ class QueueView(TraceView):
         q = D.queue_data(state, t0)
         self.figure.data[0].x, self.figure.data[0].y = q.t, q.waiting
         self.figure.data[1].x, self.figure.data[1].y = q.t, q.running
+        self.figure.data[2].x, self.figure.data[2].y = q.t, q.new
 
 
 # ---- latency ---------------------------------------------------------------------------------

@@ -392,12 +392,14 @@ class TraceState:
             self._forget(next(iter(self._finished_order)))
 
     def _on_arrived(self, e: ev.ReqArrived) -> None:
+        before = self._queue_slot(e.rid)
         r, b = self._req(e.rid)
         r.arrival_ts = e.ts
         if e.prompt_preview:
             r.prompt_preview = e.prompt_preview
         self._set_state(r, b, "arrived", e.ts)
         self._timeline(r, TimelineEntry(e.ts, "arrived"))
+        self._nudge_queues(e.rid, before, e.ts)
 
     def _on_tokenized(self, e: ev.ReqTokenized) -> None:
         r, _ = self._req(e.rid)
@@ -417,6 +419,7 @@ class TraceState:
         self._timeline(r, TimelineEntry(e.ts, "dispatched", detail))
 
     def _on_queued(self, e: ev.ReqQueued) -> None:
+        before = self._queue_slot(e.rid)
         r, b = self._req(e.rid)
         self._note_replica(e.rid, e.proc)
         if r.queued_ts is None:
@@ -425,6 +428,7 @@ class TraceState:
             r.prompt_tokens = e.prompt_tokens
         self._set_state(r, b, "queued", e.ts)
         self._timeline(r, TimelineEntry(e.ts, "queued", f"queue length {e.queue_len}", step=e.step))
+        self._nudge_queues(e.rid, before, e.ts)
 
     def _record_chunk(self, r: RequestView, b: _Book, ts: int, step: int, chunk: int, n: int,
                       cached: int, computed: int) -> None:
@@ -493,6 +497,7 @@ class TraceState:
             self.counters.num_aborted += 1
 
     def _on_aborted(self, e: ev.ReqAborted) -> None:
+        before = self._queue_slot(e.rid)
         r, b = self._req(e.rid)
         if r.finish_ts is None:
             r.finish_ts = e.ts
@@ -502,6 +507,7 @@ class TraceState:
             self._timeline(r, TimelineEntry(e.ts, "aborted", e.reason))
         self._count_abort(b)
         self._mark_finished(e.rid, b)
+        self._nudge_queues(e.rid, before, e.ts)
 
     def _on_retracted(self, e: ev.ReqRetracted) -> None:
         r, b = self._req(e.rid)
@@ -579,7 +585,34 @@ class TraceState:
         self.running = [rid for p in procs for rid in self._queues[p].running]
         self.chunked = [rid for p in procs for rid in self._queues[p].chunked]
         self.held = [h for p in procs for h in self._queues[p].held]
-        self.queue_history.append(QueuePoint(e.ts, len(self.waiting), len(self.running)))
+        q = self.queue_counts()
+        self._push_queue_point(e.ts, q["waiting"], q["running"], q["new"])
+
+    # The queue chart samples at every queue.state (a full count) and also when a request arrives,
+    # is queued or is aborted before a scheduler lists it: between steps those are the only moves,
+    # and a chart fed by queue.state alone shows waiting 0 whenever each step admits everything.
+    def _queue_slot(self, rid: str) -> tuple[int, int]:
+        """(waiting, new) that one request adds to queue_counts() now."""
+        r = self.requests.get(rid)
+        if r is None:
+            return 0, 0
+        if rid in self.waiting:
+            return 1, 0
+        if r.state not in ("arrived", "queued") or rid in self.running or rid in self.chunked:
+            return 0, 0
+        return (1, 0) if r.state == "queued" else (0, 1)
+
+    def _nudge_queues(self, rid: str, before: tuple[int, int], ts: int) -> None:
+        after = self._queue_slot(rid)
+        if after != before:       # no recount: the last point moved by this request alone
+            last = self.queue_history[-1] if self.queue_history else QueuePoint(ts, 0, 0, 0)
+            self._push_queue_point(ts, max(last.waiting + after[0] - before[0], 0), last.running,
+                                   max(last.new + after[1] - before[1], 0))
+
+    def _push_queue_point(self, ts: int, waiting: int, running: int, new: int) -> None:
+        if self.queue_history:     # tokenizer and scheduler events interleave a little: x never goes back
+            ts = max(ts, self.queue_history[-1].ts)
+        self.queue_history.append(QueuePoint(ts, waiting, running, new))
 
     def _on_kv(self, e: ev.KVUsage) -> None:
         old = self.kv_by_proc.get(e.proc)

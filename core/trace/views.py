@@ -162,9 +162,12 @@ class KVPoint:
 
 @dataclass(frozen=True)
 class QueuePoint:
+    """Queue lengths at one moment: waiting counts requests queued but not yet listed by a
+    scheduler's queue.state too (see TraceState.queue_counts); new: arrived, not yet queued."""
     ts: int
     waiting: int
     running: int
+    new: int = 0
 
 
 @dataclass(frozen=True)
