@@ -9,9 +9,12 @@ from rich.cells import cell_len
 from rich.text import Text
 from textual.widgets import Static
 
+from synthetic import synthetic_trace
 from tests.tui_helpers import replay_app, show_at, step_ts
 from workbench.core.trace import events as ev
+from workbench.core.trace.state import TraceState
 from workbench.core.trace.views import TreeNodeView
+from workbench.tui.fmt import fmt_count
 
 NOW = 10**12
 S = 10**9
@@ -113,6 +116,44 @@ async def test_tree_panel_labels_follow_the_panel_width_and_underline_the_last_s
 
 
 # ---- status line -----------------------------------------------------------------------------
+
+def test_status_line_labels_its_figures_and_breaks_instead_of_cutting():
+    from workbench.tui.status import status_line
+    st = TraceState()
+    st.apply_many(synthetic_trace(n_requests=8))
+    now = st.steps[-1].ts
+    tp = st.throughput(5.0, now)
+    head = "REPLAY a-rather-long-recording-name.jsonl · 12.34/56.78 s · ×1 · paused"
+    wide = status_line(head, st, now, ready=True, paused=True, width=300).plain
+    assert "\n" not in wide
+    assert f"prefill {fmt_count(tp.prefill_tps)} · decode {fmt_count(tp.decode_tps)} tok/s" in wide
+    assert f"step {st.steps[-1].step} PAUSED" in wide
+    assert f"done {st.counters.num_requests_total} · hit" in wide and "KV " in wide and "wait 0" in wide
+    narrow = status_line(head, st, now, ready=True, paused=True, width=98).plain
+    first, second = narrow.split("\n")
+    assert cell_len(first) <= 98 and cell_len(second) <= 98
+    assert first.startswith(head) and second.startswith("wait ")
+    # every figure of the one-line form is still there, nothing was cut
+    assert sorted(wide.replace("\n", " │ ").split(" │ ")) == sorted(narrow.replace("\n", " │ ").split(" │ "))
+    # too narrow for the head: its title shrinks, mode and position stay
+    tight = status_line(head, st, now, ready=True, paused=False, width=60).plain.split("\n")[0]
+    assert cell_len(tight) <= 60 and tight.startswith("REPLAY a-") and "12.34/56.78 s" in tight
+    assert "starting…" in status_line("LIVE x", None, 0, ready=False, paused=False, width=100).plain
+
+
+async def test_status_line_fits_100_columns_in_the_app():
+    app, replay = replay_app(layout="tabs")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await show_at(app, pilot, replay, step_ts(replay, 21))
+        assert app.controller.paused    # PAUSED shown: the longest first line
+        app._update_status()
+        await pilot.pause()
+        status = app.query_one("#status", Static)
+        lines = status.content.plain.split("\n")
+        assert len(lines) == 2 and status.size.height == 2        # both lines shown
+        assert all(cell_len(ln) <= status.content_size.width for ln in lines)
+        assert "tok/s" in lines[1] and "prefill " in lines[1] and "decode " in lines[1]
+        assert "hit " in lines[1] and "PAUSED" in lines[0]
 
 
 # ---- queues ----------------------------------------------------------------------------------

@@ -25,10 +25,11 @@ from textual.worker import get_current_worker
 
 from workbench.core.trace.palette import PALETTE
 from workbench.tui.controller import Controller, friendly
-from workbench.tui.fmt import fmt_count, shorten
+from workbench.tui.fmt import shorten
 from workbench.tui.layout import mount_layout
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import RequestSelected
+from workbench.tui.status import status_line
 from workbench.tui.workload import KINDS
 
 class WorkbenchApp(App):
@@ -45,7 +46,7 @@ class WorkbenchApp(App):
     TITLE = "Serving Workbench"
     AUTO_FOCUS = None     # never start in the prompt box: single-key bindings must work at once
     CSS = """
-    #status { height: 1; background: $boost; padding: 0 1; }
+    #status { height: auto; max-height: 2; background: $boost; padding: 0 1; }
     #laststep { height: auto; max-height: 2; padding: 0 1; }
     #startup { align: center middle; height: 1fr; }
     #startup-box { width: 80%; height: auto; max-height: 80%; border: round $accent; padding: 0 1; }
@@ -287,26 +288,10 @@ class WorkbenchApp(App):
 
     def _update_status(self) -> None:
         st = self.model.state
-        t = Text(no_wrap=True, overflow="ellipsis")
-        t.append(self.controller.status(), style="bold")
-        if self.ready.is_set():
-            last = st.steps[-1].step if st.steps else -1
-            t.append(f" │ step {last}")
-            if self.controller.paused:
-                t.append(" PAUSED ", style="bold reverse")
-            q = st.queue_counts()
-            t.append(f" │ wait {q['waiting']} new {q['new']} run {q['running']}")
-            if st.kv is not None and st.kv.total:
-                t.append(f" │ KV {100 * st.kv.used / st.kv.total:.0f}% used")
-            tp = st.throughput(5.0, self.model.now_ns)
-            t.append(f" │ {fmt_count(tp.prefill_tps)}+{fmt_count(tp.decode_tps)} tok/s")
-            c = st.counters
-            t.append(f" │ done {c.num_requests_total} · hit {100 * st.cache_hit_rate:.0f}%")
-            if c.dropped_events:
-                t.append(f" │ dropped {c.dropped_events}", style="bold red")
-        else:
-            t.append(" │ starting…", style="dim")
-        self.query_one("#status", Static).update(t)
+        status = self.query_one("#status", Static)
+        width = status.content_size.width or max(20, self.size.width - 2)
+        status.update(status_line(self.controller.status(), st, self.model.now_ns, ready=self.ready.is_set(),
+                                  paused=self.controller.paused, width=width))
         line = st.last_step_line if self.ready.is_set() else ""
         last = self.query_one("#laststep", Static)
         last.display = bool(line)

@@ -63,6 +63,9 @@ class HelpScreen(ModalScreen):
         for k, what in KEYS:
             t.append(f"  {k:<8}", style="bold")
             t.append(what + "\n")
+        from workbench.tui.status import STATUS_HELP
+        t.append("\nStatus line (top)\n", style="bold")
+        t.append(STATUS_HELP)
         t.append("\nColours (the same in every panel and in the Jupyter widgets)\n", style="bold")
         t.append_text(colour_key())
         t.append("\nPanels\n", style="bold")
