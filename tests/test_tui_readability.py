@@ -7,14 +7,15 @@ from __future__ import annotations
 
 from rich.cells import cell_len
 from rich.text import Text
-from textual.widgets import Static
+from textual.widgets import DataTable, Static
 
 from synthetic import synthetic_trace
 from tests.tui_helpers import replay_app, show_at, step_ts
 from workbench.core.trace import events as ev
+from workbench.core.trace.replay import Replay
 from workbench.core.trace.state import TraceState
 from workbench.core.trace.views import TreeNodeView
-from workbench.tui.fmt import fmt_count
+from workbench.tui.fmt import fmt_count, fmt_s
 
 NOW = 10**12
 S = 10**9
@@ -170,6 +171,23 @@ def _one_request(first_token_ms: float) -> list[ev.Event]:
         ev.QueueState(ts=t + 5 * ms, proc="scheduler", step=0, waiting=[], running=["a"], chunked=[]),
         ev.ReqFirstToken(ts=t + int(first_token_ms * ms), proc="tokenizer", rid="a"),
     ]
+
+
+async def test_queues_ttft_keeps_its_unit_when_the_first_token_comes():
+    from workbench.tui.app import WorkbenchApp
+    from workbench.tui.controller import ReplayController
+    replay = Replay(_one_request(first_token_ms=12.3))
+    app = WorkbenchApp(ReplayController(replay, autoplay=False), panels=["queues"])
+    async with app.run_test(size=(120, 30)) as pilot:
+        await show_at(app, pilot, replay, NOW + 6 * 10**6)       # running, no first token yet
+        table = app.query_one("#queues-table", DataTable)
+        assert str(table.get_cell("a", "ttft")).endswith("s…")
+        await show_at(app, pilot, replay, NOW + 20 * 10**6)      # same row order, TTFT known
+        cell = str(table.get_cell("a", "ttft"))
+        assert cell == fmt_s(0.0123) == "12.3 ms"
+        assert table.columns["ttft"].content_width >= cell_len(cell)    # drawn whole, unit included
+        assert all(table.columns[k].content_width >= cell_len(str(table.get_cell("a", k)))
+                   for k in ("age", "state", "out"))
 
 
 # ---- events ----------------------------------------------------------------------------------

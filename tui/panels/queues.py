@@ -1,6 +1,7 @@
 """Queues: the scheduler's waiting, running and chunked requests as one keyed table."""
 from __future__ import annotations
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import DataTable
@@ -141,7 +142,13 @@ class QueuesPanel(TracePanel):
                 old = self._cells.get(rid)
                 for i, (a, b) in enumerate(zip(old, cells)):
                     if str(a) != str(b) or (isinstance(a, Text) and a.style != b.style):
-                        table.update_cell(rid, keys[i], b)
+                        # A column is as wide as its widest cell so far and update_cell does not
+                        # widen it: a TTFT of '12.3 ms' in a column sized for '0.0s…' lost its
+                        # unit. Widen when the new cell is wider (cheap: never shrinks, so the
+                        # table does not re-measure the whole column).
+                        col = table.columns.get(keys[i])
+                        wider = col is not None and cell_len(str(b)) > col.content_width
+                        table.update_cell(rid, keys[i], b, update_width=wider)
                 self._cells[rid] = cells
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
