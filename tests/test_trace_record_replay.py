@@ -265,3 +265,67 @@ def test_replay_of_a_recording_keeps_its_header_across_seeks(tmp_path, trace_eve
     r.seek(r.start_ns)
     consumer.apply_many(r.drain())
     assert consumer.model == "m" and consumer.requests == {}
+
+
+def _with_startup(gap_s: float = 40.0) -> list:
+    """An engine's start-up (processes, empty queues and KV), `gap_s` of model loading, then one
+    request served in one step."""
+    t, s, ms = 10**12, 10**9, 10**6
+    a = t + int(gap_s * s)
+    return [ev.ProcStarted(ts=t, proc="scheduler", pid=1, role="scheduler"),
+            ev.KVUsage(ts=t + 1, proc="scheduler", used=0, evictable=0, free=100, total=100),
+            ev.ReqArrived(ts=a, proc="tokenizer", rid="x"),
+            ev.BatchStep(ts=a + 100 * ms, proc="scheduler", step=0, mode="extend", batch_size=1,
+                         padded_size=1, reqs=[ev.StepReq("x", 0, 4, 1)]),
+            ev.ReqFinished(ts=a + 1000 * ms, proc="tokenizer", rid="x", reason="length", prompt_tokens=4,
+                           completion_tokens=1, cached_tokens=0, ttft=0.1, tpot=0.0, e2e=1.0)]
+
+
+def test_replay_clock_starts_at_the_first_request_not_at_engine_start_up():
+    from workbench.tui.controller import ReplayController
+    events = _with_startup()
+    r = Replay(events)
+    assert r.start_ns == events[0].ts and r.origin_ns == events[2].ts
+    ctl = ReplayController(r, autoplay=False)
+    assert ctl.origin_ns == r.origin_ns
+    ctl.start(lambda msg: None)
+    # start-up is shown at once, the clock reads 0 of the 1.1 s that follow the first request
+    assert [type(e) for e in r.drain()] == [ev.ProcStarted, ev.KVUsage]
+    assert " · 0.00/1.00 s · " in ctl.status()
+    assert ctl.step() == 0
+    assert " · 0.10/1.00 s · " in ctl.status()
+    ctl.seek_end()
+    assert " · 1.00/1.00 s · " in ctl.status()
+    r.drain()
+    ctl.restart()                     # back to just before the first request
+    assert [type(e) for e in r.drain()] == [ev.TraceReset, ev.ProcStarted, ev.KVUsage]
+    assert " · 0.00/1.00 s · " in ctl.status()
+    # a recording with no start-up keeps its first event as the zero
+    plain = Replay(events[2:])
+    assert plain.origin_ns == plain.start_ns
+
+
+def test_replay_clock_skips_start_up_while_playing():
+    from workbench.tui.controller import ReplayController
+    clock = FakeClock(0)
+    r = Replay(_with_startup(gap_s=1.5), clock=clock)     # a gap too short for max_idle_s to skip
+    ctl = ReplayController(r, autoplay=True)
+    ctl.start(lambda msg: None)
+    r.drain()
+    clock.now += 50 * 10**6
+    got = r.drain()
+    assert [type(e) for e in got] == [ev.ReqArrived]       # 50 ms in: the request, not more start-up
+    assert " · 0.05/1.00 s · " in ctl.status()
+
+
+def test_the_tui_counts_a_replays_event_times_from_its_first_request():
+    from workbench.tui.app import WorkbenchApp
+    from workbench.tui.controller import ReplayController
+    from workbench.tui.panels.events import format_line
+    events = _with_startup()
+    app = WorkbenchApp(ReplayController(Replay(events), autoplay=False))
+    assert app.model.t0_ns == events[2].ts
+    app.model.apply(events)
+    times = {ln.category: format_line(ln, app.model).plain.split("s ", 1)[0].strip()
+             for ln in app.model.log.lines}
+    assert times == {"proc": "-40.000", "arrive": "0.000", "finish": "1.000"}

@@ -89,6 +89,8 @@ class WorkbenchApp(App):
         self.controller = controller
         self.model = TuiModel()
         self.model.selected = select
+        # a replay's events log counts from its first request, as its clock does
+        self.model.t0_ns = getattr(controller, "origin_ns", None)
         names = list(panels) if panels else list(registry.panels)
         unknown = [n for n in names if n not in registry.panels]
         if unknown:

@@ -47,6 +47,8 @@ class Controller:
         self.workload: Optional[str] = None
         self.rate = 1.0
         self.title = ""
+        #: trace time shown as 0 (the events log's times); None: the first event's
+        self.origin_ns: Optional[int] = None
 
     # ---- lifecycle ------------------------------------------------------------
     def start(self, progress: Progress) -> None:
@@ -238,14 +240,25 @@ class ReplayController(Controller):
         self._autoplay = autoplay
         self.paused = not autoplay
         self.title = title or (replay.header.model if getattr(replay, "header", None) else "")
+        # The clock starts at the first request/step event, not at the engine's start-up.
+        self.origin_ns = replay.origin_ns
 
     @classmethod
     def from_file(cls, path: str, **kw) -> "ReplayController":
         from workbench.core.trace.replay import Replay
         return cls(Replay(path), title=kw.pop("title", str(path)), **kw)
 
+    def _before_first_request(self) -> int:
+        """Trace time just before the first request/step event: start-up is behind it."""
+        r = self.replay
+        return r.origin_ns - 1 if r.origin_ns > r.start_ns else r.start_ns
+
     def start(self, progress: Progress) -> None:
         progress(f"replaying {len(self.replay.events)} events")
+        if self.replay.origin_ns > self.replay.start_ns:
+            # show the engine as it was once started (processes, empty tree) at once, so playing
+            # (or the first step) starts with the first request
+            self.replay.advance_to(self._before_first_request())
         if self._autoplay:
             self.replay.play()
 
@@ -257,9 +270,9 @@ class ReplayController(Controller):
 
     def status(self) -> str:
         r = self.replay
-        pos = (min(r.position_ns, r.end_ns) - r.start_ns) / 1e9
+        pos = max(0, min(r.position_ns, r.end_ns) - r.origin_ns) / 1e9
         state = "end" if r.released >= len(r.events) else ("paused" if not r.playing else "playing")
-        return f"REPLAY {self.title} · {pos:.2f}/{r.duration_ns / 1e9:.2f} s · ×{r.speed:g} · {state}"
+        return f"REPLAY {self.title} · {pos:.2f}/{(r.end_ns - r.origin_ns) / 1e9:.2f} s · ×{r.speed:g} · {state}"
 
     def set_paused(self, paused: bool) -> bool:
         if paused:
@@ -280,7 +293,7 @@ class ReplayController(Controller):
         self.replay.set_speed(max(0.05, min(64.0, speed)))
 
     def restart(self) -> None:
-        self.replay.seek(self.replay.start_ns)
+        self.replay.seek(self._before_first_request())
 
     def seek_end(self) -> None:
         self.replay.advance_to(self.replay.end_ns)

@@ -28,9 +28,17 @@ import time
 from collections import deque
 from typing import Callable, Iterable, Optional, Union
 
+from workbench.core.trace import events as ev
 from workbench.core.trace.events import BatchStep, Event, TraceHeader, TraceReset
 from workbench.core.trace.recorder import read_trace
 from workbench.core.trace.state import TraceState
+
+
+# What counts as the run having begun: a request event or a scheduler step. Engine start-up
+# (proc.started, the empty tree and queues, model loading) comes before and is not part of it.
+_ACTIVITY = (ev.ReqArrived, ev.ReqTokenized, ev.ReqQueued, ev.ReqScheduled, ev.ReqDispatched,
+             ev.ReqFirstToken, ev.ReqFinished, ev.ReqAborted, ev.ReqRetracted, ev.ReqText,
+             ev.ReqSnapshot, ev.BatchStep)
 
 
 class Replay:
@@ -77,6 +85,11 @@ class Replay:
         self.start_ns = release[0] if release else 0
         self.end_ns = release[-1] if release else 0
         self.duration_ns = self.end_ns - self.start_ns
+        # The replay clock's zero: when the first request/step event is due (start_ns if there is
+        # none). A recording may begin with the engine's start-up, which a learner should not
+        # have to sit through or count (ReplayController starts the clock here).
+        self.origin_ns = next((release[i] for i, e in enumerate(events) if isinstance(e, _ACTIVITY)),
+                              self.start_ns)
         self.position_ns = self.start_ns      # trace time the replay clock shows
         self.speed = float(speed)
         self.max_idle_ns = None if max_idle_s is None else int(max_idle_s * 1e9)
