@@ -16,6 +16,7 @@ from workbench.core.trace.replay import Replay
 from workbench.core.trace.state import TraceState
 from workbench.core.trace.views import TreeNodeView
 from workbench.tui.fmt import fmt_count, fmt_s
+from workbench.tui.model import TuiModel
 
 NOW = 10**12
 S = 10**9
@@ -191,3 +192,47 @@ async def test_queues_ttft_keeps_its_unit_when_the_first_token_comes():
 
 
 # ---- events ----------------------------------------------------------------------------------
+
+def test_events_name_their_step_and_finish_lines_lead_with_latency():
+    from workbench.tui.panels.events import format_line, line_matches
+    events = synthetic_trace(n_requests=6, reorder=True)    # finishes delivered before their step
+    m = TuiModel()
+    m.apply(events)
+    last_step = {}
+    for e in events:
+        if type(e) is ev.BatchStep:
+            for r in e.reqs:
+                last_step[r.rid] = e.step
+    finishes = [ln for ln in m.log.lines if ln.category == "finish"]
+    assert len(finishes) == 6
+    for ln in finishes:
+        assert ln.step == last_step[ln.rid]                    # the step of its last token
+        plain = format_line(ln, m).plain
+        assert f"step {ln.step} {ln.rid} finished: TTFT " in plain
+        assert plain.index("E2E") < plain.index("prompt")      # latencies before the counts
+        assert cell_len(plain[:plain.index(" · ", plain.index("E2E"))]) <= 80
+        assert line_matches(ln, [f"step {ln.step}"])
+    evicts = [e for e in events if type(e) is ev.CacheEvict]
+    logged = [ln for ln in m.log.lines if ln.category == "evict"]
+    assert [ln.step for ln in logged] == [e.step for e in evicts]
+    assert all(ln.step == -1 for ln in m.log.lines if ln.category == "arrive")
+    assert "step" not in format_line(next(ln for ln in m.log.lines if ln.category == "arrive"), m).plain
+
+
+async def test_events_lines_are_drawn_at_the_panels_width():
+    from textual.widgets import RichLog
+    app, replay = replay_app(panels=["events"])
+    async with app.run_test(size=(140, 30)) as pilot:
+        await show_at(app, pilot, replay, replay.end_ns)
+        log = app.query_one("#events-log", RichLog)
+        finishes = [s.text for s in log.lines if " finished: " in s.text]
+        assert len(finishes) == 7
+        # past the 80 columns RichLog would measure against on its own: the whole line shows
+        assert all(s.rstrip().endswith(("· length", "· stop")) for s in finishes)
+        await pilot.resize_terminal(90, 30)     # drawn again at the new width, the latencies kept
+        await pilot.pause()
+        await pilot.pause()
+        finishes = [s.text for s in log.lines if " finished: " in s.text]
+        assert len(finishes) == 7
+        assert all(cell_len(s.rstrip()) <= log.scrollable_content_region.width and "E2E " in s
+                   for s in finishes)

@@ -8,11 +8,12 @@ picture as the built-in ones.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 from workbench.core.trace import events as ev
 from workbench.core.trace.state import TraceState
+from workbench.tui.fmt import fmt_s
 
 #: Categories of the events log (the Events panel can filter on them).
 LOG_CATEGORIES = ("arrive", "finish", "abort", "retract", "evict", "drop", "proc", "weights", "error", "info")
@@ -20,12 +21,14 @@ LOG_CATEGORIES = ("arrive", "finish", "abort", "retract", "evict", "drop", "proc
 
 @dataclass(frozen=True)
 class LogLine:
-    """One line of the events log. `ts` is trace time (monotonic ns)."""
+    """One line of the events log. `ts` is trace time (monotonic ns); `step` the scheduler step
+    the event belongs to (-1: none, e.g. an arrival)."""
     seq: int
     ts: int
     category: str
     text: str
     rid: Optional[str] = None
+    step: int = -1
 
 
 class EventLog:
@@ -38,33 +41,35 @@ class EventLog:
     def clear(self) -> None:
         self.lines.clear()
 
-    def add(self, ts: int, category: str, text: str, rid: Optional[str] = None) -> LogLine:
+    def add(self, ts: int, category: str, text: str, rid: Optional[str] = None, step: int = -1) -> LogLine:
         self.seq += 1
-        line = LogLine(self.seq, ts, category, text, rid)
+        line = LogLine(self.seq, ts, category, text, rid, step)
         self.lines.append(line)
         return line
 
     def observe(self, e: ev.Event) -> None:
-        """Log `e` if it is one of the notable kinds."""
+        """Log `e` if it is one of the notable kinds. A scheduler's event carries its step; a
+        finish (from the tokenizer, step -1) gets its request's last step from TuiModel.apply."""
         t = type(e)
         if t is ev.ReqArrived:
             preview = " ".join(e.prompt_preview.split())[:60]
             self.add(e.ts, "arrive", f"{e.rid} arrived" + (f"  {preview!r}" if preview else ""), e.rid)
         elif t is ev.ReqFinished:
             if e.reason == "abort":
-                self.add(e.ts, "abort", f"{e.rid} aborted after {e.completion_tokens} tokens", e.rid)
+                self.add(e.ts, "abort", f"{e.rid} aborted after {e.completion_tokens} tokens", e.rid, e.step)
             else:
+                # the latencies first: a narrow panel cuts the end of the line, not them
                 self.add(e.ts, "finish",
-                         f"{e.rid} finished ({e.reason}): {e.prompt_tokens} prompt "
-                         f"({e.cached_tokens} cached) + {e.completion_tokens} out, "
-                         f"TTFT {e.ttft * 1e3:.0f} ms, E2E {e.e2e * 1e3:.0f} ms", e.rid)
+                         f"{e.rid} finished: TTFT {fmt_s(e.ttft)} · E2E {fmt_s(e.e2e)} · "
+                         f"{e.prompt_tokens} prompt ({e.cached_tokens} cached) + {e.completion_tokens} "
+                         f"out · {e.reason}", e.rid, e.step)
         elif t is ev.ReqAborted:
-            self.add(e.ts, "abort", f"{e.rid} aborted{': ' + e.reason if e.reason else ''}", e.rid)
+            self.add(e.ts, "abort", f"{e.rid} aborted{': ' + e.reason if e.reason else ''}", e.rid, e.step)
         elif t is ev.ReqRetracted:
             self.add(e.ts, "retract", f"{e.rid} retracted after {e.output_tokens} output tokens "
-                                      f"(KV pool full; it will be prefilled again)", e.rid)
+                                      f"(KV pool full; it will be prefilled again)", e.rid, e.step)
         elif t is ev.CacheEvict:
-            self.add(e.ts, "evict", f"evicted {len(e.node_ids)} node(s), {e.tokens} tokens")
+            self.add(e.ts, "evict", f"evicted {len(e.node_ids)} node(s), {e.tokens} tokens", step=e.step)
         elif t is ev.TraceDropped:
             self.add(e.ts, "drop", f"{e.count} trace events dropped (the view fell behind)")
         elif t is ev.ProcStarted:
@@ -95,6 +100,7 @@ class TuiModel:
         """Fold events into the state and the log; returns how many were folded."""
         n = 0
         st, log = self.state, self.log
+        seq0 = log.seq
         for e in events:
             n += 1
             if type(e) is ev.TraceReset:
@@ -104,9 +110,25 @@ class TuiModel:
                 self.t0_ns = e.ts
             st.apply(e)
             log.observe(e)
+        if log.seq > seq0:
+            self._step_finishes(seq0)
         if n:
             self.version += 1
         return n
+
+    def _step_finishes(self, seq0: int) -> None:
+        """Give the request lines logged since `seq0` without a step (finishes and aborts come from
+        the tokenizer) their request's last step. Done once the whole batch is folded: live, a
+        finish is often delivered just before the batch.step that produced its last token."""
+        lines, st = self.log.lines, self.state
+        for i in range(len(lines) - 1, -1, -1):
+            line = lines[i]
+            if line.seq <= seq0:
+                break
+            if line.step < 0 and line.rid is not None and line.category in ("finish", "abort"):
+                r = st.requests.get(line.rid)
+                if r is not None and r.steps:
+                    lines[i] = replace(line, step=r.steps[-1])
 
     def note(self, category: str, text: str, rid: Optional[str] = None) -> None:
         """Add an app-side line (errors, workload changes) to the log at the current clock."""

@@ -16,7 +16,7 @@ _STYLE = {"arrive": f"italic {WAITING}", "finish": "bold", "abort": "bold red", 
 
 def line_matches(line: LogLine, terms: list[str]) -> bool:
     """Every term must occur in the category or the text (case-insensitive); `-term` excludes."""
-    hay = f"{line.category} {line.text}".lower()
+    hay = f"{line.category} {_step_label(line)}{line.text}".lower()
     for t in terms:
         if t.startswith("-") and len(t) > 1:
             if t[1:] in hay:
@@ -26,10 +26,16 @@ def line_matches(line: LogLine, terms: list[str]) -> bool:
     return True
 
 
+def _step_label(line: LogLine) -> str:
+    """'step 12 ' for an event that belongs to a scheduler step (the Batch panel's step column)."""
+    return f"step {line.step} " if line.step >= 0 else ""
+
+
 def format_line(line: LogLine, model: TuiModel) -> Text:
     text = Text(no_wrap=True, overflow="ellipsis")
     text.append(f"{model.rel_s(line.ts):8.3f}s ", style="dim")
     text.append(f"{line.category:<7} ", style=_STYLE.get(line.category, ""))
+    text.append(_step_label(line), style="dim")
     style = "reverse" if line.rid is not None and line.rid == model.selected else ""
     text.append(line.text, style=style)
     return text
@@ -39,7 +45,10 @@ class EventsPanel(TracePanel):
     PANEL_NAME = "events"
     TITLE = "Events"
     HELP = ("Notable events, newest at the bottom: arrivals, finishes (with TTFT/E2E), retractions, "
-            "evictions, aborts, dropped trace events, process starts/exits and errors. Type in the "
+            "evictions, aborts, dropped trace events, process starts/exits and errors. `step N` names "
+            "the scheduler step an event belongs to (a finish: the step of its last token), as in "
+            "the Batch panel. Times are seconds since the trace began (a replay: since its first request, "
+            "as its clock counts; start-up lines are negative). Type in the "
             "filter box (key f) to keep matching lines: words must all match, `-word` hides, e.g. "
             "`evict` or `-arrive`.")
     clock_interval_s = 0
@@ -66,6 +75,12 @@ class EventsPanel(TracePanel):
         if self._model is not None:
             self._rewrite(self._model)
 
+    def on_resize(self) -> None:
+        # Lines are drawn at the log's width: draw them again at the new one (and at the first
+        # layout, for lines written before the log knew its size).
+        if self._model is not None:
+            self._rewrite(self._model)
+
     def _rewrite(self, model: TuiModel) -> None:
         log = self.query_one(RichLog)
         log.clear()
@@ -74,9 +89,12 @@ class EventsPanel(TracePanel):
 
     def _append(self, model: TuiModel) -> None:
         log = self.query_one(RichLog)
+        # Render each line at the log's own width (0 before the first layout: RichLog defers it);
+        # left to itself RichLog measures against the console's width, not the panel's.
+        width = log.scrollable_content_region.width or None
         for line in model.log.lines:
             if line.seq > self._shown_seq and line_matches(line, self._terms):
-                log.write(format_line(line, model))
+                log.write(format_line(line, model), width=width)
         if model.log.lines:
             self._shown_seq = model.log.lines[-1].seq
         self.border_title = f"Events — {len(model.log.lines)}" + (
