@@ -267,6 +267,18 @@ def test_replay_of_a_recording_keeps_its_header_across_seeks(tmp_path, trace_eve
     assert consumer.model == "m" and consumer.requests == {}
 
 
+def test_trace_export_reports_events_read_and_trace_events_written(tmp_path, capsys):
+    from tests.tui_helpers import FIXTURE
+    from workbench.cli import main
+    out = tmp_path / "t.json"
+    assert main(["trace", "export", FIXTURE, "--perfetto", str(out)]) == 0
+    said = capsys.readouterr().out
+    read, written = len(load_trace(FIXTURE)), len(json.loads(out.read_text())["traceEvents"])
+    assert read != written            # two different counts, each named for what it counts
+    assert f"read {read} workbench events from {FIXTURE}" in said
+    assert f"wrote {written} Perfetto trace events to {out}" in said
+
+
 def _with_startup(gap_s: float = 40.0) -> list:
     """An engine's start-up (processes, empty queues and KV), `gap_s` of model loading, then one
     request served in one step."""

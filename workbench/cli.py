@@ -235,8 +235,11 @@ def cmd_trace_export(args) -> int:
     from workbench.core.trace.perfetto import export_perfetto
     from workbench.core.trace.recorder import load_trace
     events = load_trace(args.file)
-    export_perfetto(events, args.perfetto)
-    print(f"wrote {args.perfetto} ({len(events)} events): open it in ui.perfetto.dev or chrome://tracing")
+    doc = export_perfetto(events, args.perfetto)
+    # Say what was counted: workbench events read (the header not included) and the Perfetto
+    # trace events written (slices, counters, instants, metadata), which differ in number.
+    print(f"read {len(events)} workbench events from {args.file}; wrote {len(doc['traceEvents'])} "
+          f"Perfetto trace events to {args.perfetto}: open it in ui.perfetto.dev or chrome://tracing")
     return 0
 
 
