@@ -198,3 +198,102 @@ def test_live_dashboard_renders_with_data_in_jupyterlab(lab):
         finally:
             browser.close()
     assert shot.stat().st_size > 20_000
+
+
+# ---- walkthrough 03 after Run All ------------------------------------------------------------------
+
+def png_pixels(png: bytes) -> tuple[int, int, list[bytes]]:
+    """Decode an 8-bit RGB/RGBA, non-interlaced PNG (what Chromium writes) into rows of raw pixels.
+    (No imaging library in the test extra; the format is simple enough.)"""
+    import struct
+    import zlib
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, ihdr = 8, b"", None
+    while pos < len(png):
+        n, kind = struct.unpack(">I4s", png[pos:pos + 8])
+        body = png[pos + 8:pos + 8 + n]
+        if kind == b"IHDR":
+            ihdr = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    w, h, depth, colour, _, _, interlace = ihdr
+    assert depth == 8 and colour in (2, 6) and not interlace, ihdr
+    bpp = 3 if colour == 2 else 4
+    raw, stride, rows, prev = zlib.decompress(idat), w * bpp, [], bytearray(w * bpp)
+    for y in range(h):
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+            if f == 1:
+                line[i] = (line[i] + a) & 255
+            elif f == 2:
+                line[i] = (line[i] + b) & 255
+            elif f == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif f == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line if bpp == 3 else b"".join(line[j:j + 3] for j in range(0, stride, 4))))
+        prev = line
+    return w, h, rows
+
+
+def count_colour(png: bytes, hex_colour: str) -> int:
+    """Pixels of exactly this colour in a screenshot."""
+    rgb = bytes.fromhex(hex_colour.lstrip("#"))
+    _, _, rows = png_pixels(png)
+    return sum(sum(1 for j in range(0, len(r), 3) if r[j:j + 3] == rgb) for r in rows)
+
+
+@pytest.fixture
+def lab_03(tmp_path):
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    shutil.copy(ROOT / "walkthroughs" / "03_scheduler.ipynb", tmp_path / "03_scheduler.ipynb")
+    with jupyter_lab(tmp_path) as server:
+        yield server
+
+
+def test_walkthrough_03_keeps_its_gantt_after_run_all(lab_03):
+    """Walkthrough 03 in JupyterLab, Run All: its last cell shuts the engine down, yet the Gantt chart
+    the text points to is on the page. The kept picture of the 15 stepped steps is drawn (its bars
+    have a size on the page and show in a screenshot, in the decode and prefill colours, with A's
+    stall as two decode bars), and the live Dashboard at the top is still there with its bars and
+    the narrated last step in its header."""
+    from workbench.core.trace.palette import PALETTE
+    base, token = lab_03
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "walkthrough03-gantt.png"
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1200})
+            page_errors: list[str] = []
+            page.on("pageerror", lambda e: page_errors.append(str(e)))
+            run_all_cells(page, base, token, "03_scheduler.ipynb", timeout_s=540)
+            snap = page.locator('.workbench-snapshot[data-name="after-15-steps"]')
+            snap.wait_for(state="visible", timeout=30_000)
+            gantt = snap.locator("svg.workbench-snapshot-gantt")
+            gantt.scroll_into_view_if_needed()
+            boxes = [b for b in (r.bounding_box() for r in gantt.locator("rect.span").all()) if b]
+            a_decode = gantt.locator('rect.span[data-rid="A"][data-kind="decode"]').count()
+            png = gantt.screenshot(path=str(shot))
+            drawn = {k: count_colour(png, PALETTE[k]) for k in ("computed", "decode")}
+            live = page.locator(".workbench-dashboard .workbench-view-gantt .barlayer .point")
+            deadline = time.monotonic() + 60
+            while live.count() == 0 and time.monotonic() < deadline:
+                page.wait_for_timeout(500)
+            last_step = page.locator(".workbench-dashboard .workbench-laststep").first.inner_text()
+            print("snapshot bars:", len(boxes), "A decode bars:", a_decode, "pixels:", drawn,
+                  "live bars:", live.count(), "last step:", last_step, "screenshot:", shot)
+            assert len(boxes) >= 8 and all(b["width"] >= 1 and b["height"] >= 5 for b in boxes), boxes
+            assert a_decode >= 2, "A's decode bar has a gap while B's chunks run"
+            assert all(n > 50 for n in drawn.values()), drawn
+            assert live.count() >= 6, "the live Dashboard was closed or lost its Gantt bars"
+            assert last_step.startswith("last step") and "step" in last_step[9:], last_step
+            assert not page_errors, page_errors
+        finally:
+            browser.close()
