@@ -63,7 +63,7 @@ class WorkbenchApp(App):
         Binding("question_mark", "help", "help"),
         Binding("p", "toggle_pause", "pause/run"),
         Binding("s", "step", "step"),
-        Binding("w", "toggle_workload", "workload"),
+        Binding("w", "toggle_workload", "workload on/off"),
         Binding("W", "cycle_workload", "kind", show=False),
         Binding("plus,equals_sign", "faster", "faster"),
         Binding("minus", "slower", "slower"),
@@ -247,6 +247,10 @@ class WorkbenchApp(App):
         self.query_one("#startup").display = False
         self.query_one("#main").display = True
         self.ready.set()
+        scenario = getattr(self.controller, "scenario", None)
+        if scenario is not None:      # what this demo sets up and what to look for, in the events log
+            self.model.note("info", scenario.describe())
+            self.notify(scenario.describe(), title=f"scenario {scenario.name}", timeout=15)
         self._tick()
 
     # ---- the 10 Hz loop ---------------------------------------------------------------
@@ -359,7 +363,10 @@ class WorkbenchApp(App):
             elif label == "step":
                 self.last_step_result = value
             elif label.startswith("workload"):
-                self.model.note("info", label)
+                # a control may return its own report (what a stop aborted, the new rate)
+                self.model.note("info", value if isinstance(value, str) else label)
+                if isinstance(value, str):
+                    self.notify(value, timeout=3)
 
     def action_toggle_pause(self) -> None:
         c = self.controller
@@ -386,10 +393,11 @@ class WorkbenchApp(App):
             self.notify(f"workloads need a live engine ({c.mode} mode)", severity="warning")
             return
         if getattr(c, "workload_running", False):
-            self._control("workload stopped", c.stop_workload)
+            # stopping aborts the workload's requests still in flight: say how many
+            self._control("workload stopped",
+                          lambda: f"workload stopped; {c.stop_workload()} of its requests in flight aborted")
         else:
-            self._control(f"workload {c.workload or 'chat'} started at {c.rate:g}/s",
-                          lambda: c.start_workload(c.workload or "chat"))
+            self._control("workload started", lambda: c.start_workload() or f"workload started: {c.status()}")
 
     def action_cycle_workload(self) -> None:
         c = self.controller
@@ -398,7 +406,7 @@ class WorkbenchApp(App):
         cur = c.workload if c.workload in self._kind_cycle else self._kind_cycle[-1]
         kind = self._kind_cycle[(self._kind_cycle.index(cur) + 1) % len(self._kind_cycle)]
         if getattr(c, "workload_running", False):
-            self._control(f"workload {kind} started at {c.rate:g}/s", lambda: c.start_workload(kind))
+            self._control("workload started", lambda: c.start_workload(kind) or f"workload started: {c.status()}")
         else:
             c.workload = kind
             self.notify(f"workload kind: {kind} (w starts it)", timeout=3)
@@ -409,7 +417,7 @@ class WorkbenchApp(App):
             c.set_speed(c.replay.speed * (2.0 if factor > 1 else 0.5))
             self._update_status()
         elif c.can_workload:
-            self._control(f"workload rate {c.rate * factor:.2g}/s", lambda: c.set_rate(c.rate * factor))
+            self._control("workload load", lambda: c.change_load(factor))
 
     def action_faster(self) -> None:
         self._change_rate(1.5)

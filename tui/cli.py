@@ -1,6 +1,7 @@
 """`workbench tui`: argument parsing and the entry point (the main CLI wires these in).
 
-    workbench tui [--model PATH] [--workload shared-prefix --rate 2]   # live engine
+    workbench tui [--model PATH] [--scenario kv-pressure]              # live engine, a demo running
+    workbench tui [--workload shared-prefix --rate 2]                   # ... or a fixed-rate workload
     workbench tui --attach tcp://127.0.0.1:5557                         # watch `serve --trace-publish`
     workbench tui --replay run.jsonl [--speed 4]                        # play a recording
 """
@@ -24,9 +25,17 @@ def add_tui_args(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--attach", metavar="ADDR", default=None,
                      help="watch a running `workbench serve --trace-publish ADDR` instead of starting an engine")
     src.add_argument("--replay", metavar="FILE", default=None, help="play a recorded trace (.jsonl[.gz])")
-    g.add_argument("--workload", choices=KINDS, default=None,
-                   help="start this demo workload at once (w toggles it, W cycles the kind)")
-    g.add_argument("--rate", type=float, default=1.0, help="workload requests per second (+/- change it)")
+    from workbench.scenarios import SCENARIOS
+    demo = g.add_mutually_exclusive_group()
+    demo.add_argument("--scenario", choices=list(SCENARIOS), default=None,
+                      help="start a demo scenario at once: its engine settings (where you did not set the flag) "
+                           "and a workload whose rate adapts to this machine (docs/scenarios.md); "
+                           + "; ".join(f"{s.name}: {s.summary}" for s in SCENARIOS.values()))
+    demo.add_argument("--workload", choices=KINDS, default=None,
+                      help="start this workload at a fixed rate at once (w toggles it, W cycles the kind)")
+    g.add_argument("--rate", type=float, default=None,
+                   help="workload requests per second (default 1; with --scenario the starting rate, which "
+                        "then adapts; + and - change it)")
     g.add_argument("--workload-max-new-tokens", type=int, default=32, help="max_new_tokens of workload requests")
     g.add_argument("--speed", type=float, default=1.0, help="replay speed")
     g.add_argument("--paused", action="store_true", help="start with the scheduler (or replay) paused")
@@ -55,8 +64,13 @@ def make_controller(args: argparse.Namespace):
         sa = ServerArgs.from_cli_args(args)
     except TypeError:
         sa = ServerArgs()
-    return EngineController(server_args=sa, workload=getattr(args, "workload", None),
-                            rate=getattr(args, "rate", 1.0),
+    scenario = getattr(args, "scenario", None)
+    if scenario:
+        from workbench.scenarios import get_scenario
+        scenario = get_scenario(scenario)
+        sa = scenario.server_args(sa)
+    return EngineController(server_args=sa, workload=getattr(args, "workload", None), scenario=scenario,
+                            rate=getattr(args, "rate", None),
                             max_new_tokens=getattr(args, "workload_max_new_tokens", 32),
                             start_paused=getattr(args, "paused", False))
 

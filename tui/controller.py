@@ -101,14 +101,19 @@ class EngineController(Controller):
     threaded = True
 
     def __init__(self, engine: Any = None, *, server_args: Any = None, workload: Optional[str] = None,
-                 rate: float = 1.0, max_new_tokens: int = 32, start_paused: bool = False):
+                 rate: Optional[float] = None, max_new_tokens: int = 32, start_paused: bool = False,
+                 scenario: Any = None):
+        """`scenario`: a workbench.scenarios.Scenario started once the engine is up (its engine
+        settings are the caller's business: `scenario.server_args(...)`); `workload`: a workload
+        kind started at `rate` instead."""
         super().__init__()
         self.engine = engine
         self._own = engine is None
         self._server_args = server_args
-        self._initial_workload = workload
-        self.workload = workload
-        self.rate = rate
+        self.scenario = scenario
+        self._initial_workload = workload or (scenario.name if scenario is not None else None)
+        self.workload = self._initial_workload
+        self.rate = rate or (scenario.initial_rate if scenario is not None else 1.0)
         self.max_new_tokens = max_new_tokens
         self._start_paused = start_paused
         self._sub = None
@@ -138,17 +143,30 @@ class EngineController(Controller):
         if self._start_paused:
             self.set_paused(True)
         if self._initial_workload:
-            self.start_workload(self._initial_workload, self.rate)
+            # --paused: the workload waits with the scheduler (p starts both)
+            self.start_workload(rate=self.rate, paused=self._start_paused)
 
     def drain(self, max_items: Optional[int] = None) -> list[Event]:
         return self._sub.drain(max_items) if self._sub is not None else []
 
     def status(self) -> str:
-        wl = f" · workload {self.workload} @ {self.rate:g}/s" if self._runner is not None else ""
-        return f"LIVE {self.title}{wl}"
+        runner = self._runner
+        if runner is None:
+            return f"LIVE {self.title}"
+        from workbench.scenarios import runner_status
+        what = "scenario" if runner.adaptive else "workload"
+        return f"LIVE {self.title} · {what} {runner_status(runner)}"
 
     def set_paused(self, paused: bool) -> bool:
+        """Pause or resume the scheduler, and the workload's arrivals with it (so a single step
+        admits only what was already queued)."""
         self.paused = bool(self.engine.step_gate("pause" if paused else "resume")["paused"])
+        runner = self._runner
+        if runner is not None:
+            if self.paused:
+                runner.pause()
+            else:
+                runner.resume()
         return self.paused
 
     def step(self) -> int:
@@ -175,23 +193,43 @@ class EngineController(Controller):
         return last
 
     def start_workload(self, kind: Optional[str] = None, rate: Optional[float] = None, **options) -> None:
-        """Start (or restart) a workload; `options` go to WorkloadRunner (max_requests, temperature...)."""
+        """Start (or restart) a workload: `kind` (a workload kind, run at a fixed rate), or with no
+        kind the scenario (adaptive) or the last kind. `options` go to WorkloadRunner
+        (max_requests, temperature, paused...)."""
         from workbench.tui.workload import WorkloadRunner
         self.stop_workload()
+        if kind is not None and (self.scenario is None or kind != self.scenario.name):
+            self.scenario = None           # W picked a plain workload kind
         self.workload = kind or self.workload or "chat"
         if rate is not None:
             self.rate = max(0.05, float(rate))
-        options.setdefault("max_new_tokens", self.max_new_tokens)
-        self._runner = WorkloadRunner(self.engine, self.workload, self.rate, **options)
-        # A restarted workload must not reuse rids ("sp-1" again): share one counter.
-        # TODO(lead): a `first_id`/`ids` argument on WorkloadRunner would make this public.
-        self._runner._ids = _WORKLOAD_IDS
+        # A restarted workload must not reuse rids ("sp-1" again): all share one counter.
+        options.setdefault("ids", _WORKLOAD_IDS)
+        if self.scenario is not None:
+            self._runner = self.scenario.runner(self.engine, rate=self.rate, **options)
+        else:
+            options.setdefault("max_new_tokens", self.max_new_tokens)
+            self._runner = WorkloadRunner(self.engine, self.workload, self.rate, **options)
         self._runner.start()
 
-    def stop_workload(self) -> None:
+    def stop_workload(self) -> int:
+        """Stop the workload; its requests still in flight are aborted (returns how many)."""
         runner, self._runner = self._runner, None
-        if runner is not None:
-            runner.stop()
+        if runner is None:
+            return 0
+        self.rate = runner.rate         # a restart continues from where the adaptive rate got to
+        return runner.stop()
+
+    def change_load(self, factor: float) -> str:
+        """`+` / `-`: a fixed-rate workload's rate, or an adaptive one's target in flight, × factor;
+        returns what it is now, for a note."""
+        from workbench.workloads import fmt_rate
+        runner = self._runner
+        if runner is not None and runner.adaptive:
+            runner.set_target(runner.target_in_flight * factor)
+            return f"scenario keeps ~{runner.target_in_flight:.0f} requests in flight"
+        self.set_rate(self.rate * factor)
+        return f"workload rate {fmt_rate(self.rate)} req/s"
 
     @property
     def workload_running(self) -> bool:

@@ -13,10 +13,12 @@ from workbench.core.trace.palette import MEANINGS, PALETTE
 KEYS = (
     ("q", "quit (stops workloads, shuts the engine down)"),
     ("?", "this help (Esc closes)"),
-    ("p", "pause / resume the scheduler (replay: pause / play)"),
-    ("s", "single-step: run exactly one scheduler iteration (pauses first)"),
-    ("w / W", "start or stop the workload / cycle its kind (chat, shared-prefix, long-prompt, burst)"),
-    ("+ / -", "workload rate up / down (replay: speed ×2 / ÷2)"),
+    ("p", "pause / resume the scheduler and the workload's arrivals with it (replay: pause / play)"),
+    ("s", "single-step: run exactly one scheduler iteration (pauses first; nothing new arrives meanwhile)"),
+    ("w / W", "start or stop the workload (stopping aborts its requests still in flight) / switch to a "
+              "plain workload kind (chat, shared-prefix, long-prompt, burst)"),
+    ("+ / -", "workload rate ×1.5 / ÷1.5; a scenario's adaptive rate: requests kept in flight ×1.5 / ÷1.5 "
+              "(replay: speed ×2 / ÷2)"),
     ("r", "replay: back to the start"),
     ("/", "type a chat prompt (Enter sends, Esc leaves the box)"),
     ("f", "filter the events log"),

@@ -46,11 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parsers(bench_sub)
     p.set_defaults(func=lambda a: p.print_help() or 2)
 
-    p = _engine_parser(sub, "record", "run a workload on the engine and record its trace as JSONL")
+    p = _engine_parser(sub, "record", "run a workload (or a scenario) on the engine and record its trace as JSONL")
+    from workbench.scenarios import SCENARIOS
     p.add_argument("--workload", default="shared-prefix", help="chat | shared-prefix | long-prompt | burst")
-    p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--scenario", default=None, choices=list(SCENARIOS),
+                   help="run a demo scenario instead (its engine settings, adaptive arrivals; docs/scenarios.md)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="stop after this many requests (default 16; with --scenario: no limit)")
+    p.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                   help="stop after this long (default with --scenario: 60 s)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="requests per second (default 4; with --scenario the starting rate, which then adapts)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="max_new_tokens of --workload requests")
     p.add_argument("-o", "--output", required=True, help="the .jsonl file to write")
     p.set_defaults(func=cmd_record)
 

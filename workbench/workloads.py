@@ -9,14 +9,22 @@ If a plugin registered a workload of that name (registry "workload"), its
 `requests()` items are used as prompts instead of the generators here. The
 runner owns one daemon thread with its own asyncio loop and calls
 `engine.async_generate`, so hundreds of requests can be in flight cheaply.
+
+Arrivals come at a fixed rate, or adapt (`adaptive=True`): every second the
+rate is set from what this machine measurably completes (`adapt_rate`), so a
+demo neither starves a fast machine nor piles hundreds of requests onto a slow
+or busy one. Scenarios (workbench/scenarios.py) run adaptive workloads.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
+import math
 import random
 import threading
-from typing import Any, Iterator, Optional
+import time
+from typing import Any, Iterable, Iterator, Optional
 
 KINDS = ("chat", "shared-prefix", "long-prompt", "burst")
 _SHORT = {"chat": "chat", "shared-prefix": "sp", "long-prompt": "long", "burst": "burst"}
@@ -60,6 +68,44 @@ def make_prompts(kind: str, seed: int = 0) -> Iterator[Any]:
             yield [{"role": "user", "content": q}]
 
 
+# ---- the adaptive arrival rate ------------------------------------------------------
+MIN_RATE, MAX_RATE = 0.05, 50.0
+ADAPT_PERIOD_S = 1.0       # how often an adaptive runner recomputes its rate
+RATE_WINDOW_S = 10.0       # completions over this much unpaused time measure the machine
+
+
+def adapt_rate(rate: float, done_per_s: float, in_flight: int, target_in_flight: float, *,
+               max_change: float = 2.0, min_rate: float = MIN_RATE, max_rate: float = MAX_RATE) -> float:
+    """The next arrival rate (requests/s) of an adaptive workload.
+
+    By Little's law a steady state that holds `target_in_flight` requests in the engine has
+    arrivals equal to completions. So the rule starts from what the machine measurably completes
+    (`done_per_s`; before anything has completed, the current rate) and pulls towards the target
+    by sqrt(target / in_flight), kept within [1/max_change, max_change]: fewer in flight than the
+    target speeds arrivals up, more (a pile-up) slows them down. The result moves at most
+    `max_change` times away from the current rate per update, so one noisy window cannot swing
+    it, and stays within [min_rate, max_rate]. Until something has completed (a slow machine's
+    first long requests, or a stalled engine) the rate is also at most the gap to the target per
+    second (an update comes every second): the ramp-up never sends past the target blind.
+    """
+    pull = math.sqrt(max(target_in_flight, 0.5) / max(in_flight, 0.5))
+    pull = min(max_change, max(1.0 / max_change, pull))
+    base = done_per_s if done_per_s > 0 else rate
+    new = min(rate * max_change, max(rate / max_change, base * pull))
+    if done_per_s <= 0:
+        new = min(new, target_in_flight - in_flight)
+    return min(max_rate, max(min_rate, new))
+
+
+def fmt_rate(rate: float) -> str:
+    """A request rate for people: '12', '2.3', '0.67' (never '0.666667')."""
+    if rate >= 10:
+        return f"{rate:.0f}"
+    if rate >= 1:
+        return f"{rate:.1f}"
+    return f"{rate:.2f}"
+
+
 def chat_text(engine: Any, messages: list[dict]) -> str:
     """The chat template applied as text (falls back to decoding the template's ids)."""
     tok = getattr(engine, "tokenizer", None)
@@ -81,66 +127,133 @@ def _plugin_prompts(kind: str) -> Optional[Iterator[Any]]:
 
 
 class WorkloadRunner:
-    """Sends requests of one kind at `rate` per second until `stop()`.
+    """Sends requests of one kind until `stop()`: at `rate` per second, or (`adaptive`) at a rate
+    that keeps about `target_in_flight` requests in the engine (see `adapt_rate`).
 
-    Attributes `sent`, `completed`, `failed`, `in_flight` and `last_error` let
-    the UI (and tests) see what it is doing. `max_requests` stops sending after
-    that many (the thread idles until `stop()`).
+    Attributes `sent`, `completed`, `failed`, `in_flight`, `aborted` and `last_error` let the UI
+    (and tests) see what it is doing. `max_requests` stops sending after that many (the thread
+    idles until `stop()`); `max_in_flight` never lets more than that many be in the engine at
+    once (a burst is sent whole or waits). `pause()` holds arrivals back (the TUI pauses the
+    workload with the scheduler); paused time does not count in the measured throughput.
+
+    `prompts` replaces the kind's generated prompts (items: a prompt string, chat messages, or a
+    dict with "messages"/"prompt"/"input_ids", optional "sampling_params" and "rid_prefix");
+    `ids` is the counter that numbers rids (share one to keep rids unique across runners).
     """
 
     def __init__(self, engine: Any, kind: str = "chat", rate: float = 1.0, *, max_new_tokens: int = 32,
                  seed: int = 0, burst_size: int = 8, max_in_flight: int = 256, use_plugins: bool = True,
-                 max_requests: Optional[int] = None, temperature: float = 0.7):
-        if kind not in KINDS and (not use_plugins or _plugin_prompts(kind) is None):
+                 max_requests: Optional[int] = None, temperature: float = 0.7, ignore_eos: bool = False,
+                 prompts: Optional[Iterable[Any]] = None, ids: Optional[Iterator[int]] = None,
+                 label: Optional[str] = None, adaptive: bool = False, target_in_flight: float = 8.0,
+                 paused: bool = False):
+        if prompts is None and kind not in KINDS and (not use_plugins or _plugin_prompts(kind) is None):
             raise ValueError(f"unknown workload {kind!r}; choose one of {', '.join(KINDS)}")
         self.engine = engine
         self.kind = kind
-        self.rate = max(0.05, float(rate))
+        self.label = label or kind
+        self.rate = min(MAX_RATE, max(MIN_RATE, float(rate)))
         self.max_new_tokens = max_new_tokens
         self.burst_size = burst_size
         self.max_in_flight = max_in_flight
         self.max_requests = max_requests
         self.temperature = temperature
-        self.sent = self.completed = self.failed = 0
+        self.ignore_eos = ignore_eos
+        self.adaptive = adaptive
+        self.target_in_flight = float(target_in_flight)
+        self.sent = self.completed = self.failed = self.aborted = 0
         self.last_error = ""
-        self._prompts = (_plugin_prompts(kind) if use_plugins else None) or make_prompts(kind, seed)
-        self._ids = itertools.count(1)
+        if prompts is not None:
+            self._prompts = iter(prompts)
+        else:
+            self._prompts = (_plugin_prompts(kind) if use_plugins else None) or make_prompts(kind, seed)
+        self._ids = ids if ids is not None else itertools.count(1)
         self._rids: set[str] = set()
         self._stop = threading.Event()
         self._wake: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
+        # The active clock: monotonic time minus time spent paused.
+        self._clock_lock = threading.Lock()
+        self._paused_total = 0.0
+        self._paused_at: Optional[float] = time.monotonic() if paused else None
+        self._t0 = self._active_now()
+        self._done_at: collections.deque[float] = collections.deque()
 
     @property
     def in_flight(self) -> int:
         return len(self._rids)
 
+    @property
+    def paused(self) -> bool:
+        return self._paused_at is not None
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._main, name=f"workload-{self.kind}", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=f"workload-{self.label}", daemon=True)
         self._thread.start()
 
     def set_rate(self, rate: float) -> None:
-        self.rate = max(0.05, float(rate))
-        if self._loop is not None and self._wake is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+        """A fixed runner's rate; an adaptive runner starts its next update from it."""
+        self.rate = min(MAX_RATE, max(MIN_RATE, float(rate)))
+        self._poke()
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop sending, abort what is in flight, and join the thread."""
+    def set_target(self, target_in_flight: float) -> None:
+        """An adaptive runner's target: how many requests it keeps in the engine."""
+        self.target_in_flight = max(1.0, float(target_in_flight))
+        self._poke()
+
+    def pause(self) -> None:
+        """Hold arrivals back until `resume()` (requests in flight go on)."""
+        with self._clock_lock:
+            if self._paused_at is None:
+                self._paused_at = time.monotonic()
+        self._poke()
+
+    def resume(self) -> None:
+        with self._clock_lock:
+            if self._paused_at is not None:
+                self._paused_total += time.monotonic() - self._paused_at
+                self._paused_at = None
+        self._poke()
+
+    def done_per_s(self) -> float:
+        """Requests completed per second over the last RATE_WINDOW_S of unpaused time (0: none yet)."""
+        now = self._active_now()
+        done = self._done_at
+        while done and done[0] < now - RATE_WINDOW_S:
+            done.popleft()
+        span = min(RATE_WINDOW_S, now - self._t0)
+        return len(done) / span if span > 0.5 else 0.0
+
+    def stop(self, timeout: float = 5.0) -> int:
+        """Stop sending, abort what is in flight, and join the thread; returns how many were aborted."""
         self._stop.set()
+        self._poke()
+        rids = list(self._rids)
+        for rid in rids:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                pass
+        self.aborted += len(rids)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return len(rids)
+
+    # ---- the thread -------------------------------------------------------------
+    def _poke(self) -> None:
         if self._loop is not None and self._wake is not None:
             try:
                 self._loop.call_soon_threadsafe(self._wake.set)
             except RuntimeError:
                 pass       # the loop already closed
-        for rid in list(self._rids):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:
-                pass
-        if self._thread is not None:
-            self._thread.join(timeout)
 
-    # ---- the thread -------------------------------------------------------------
+    def _active_now(self) -> float:
+        with self._clock_lock:
+            now = time.monotonic()
+            held = self._paused_total + (now - self._paused_at if self._paused_at is not None else 0.0)
+        return now - held
+
     def _main(self) -> None:
         loop = self._loop = asyncio.new_event_loop()
         try:
@@ -151,13 +264,17 @@ class WorkloadRunner:
     def _next_request(self) -> tuple[str, dict]:
         item = next(self._prompts)
         params = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
+        if self.ignore_eos:
+            params["ignore_eos"] = True
+        prefix = _SHORT.get(self.kind, self.kind)
         if isinstance(item, dict) and ("prompt" in item or "messages" in item or "input_ids" in item):
             params.update(item.get("sampling_params") or {})
+            prefix = item.get("rid_prefix") or prefix
             item = item.get("messages") or item.get("input_ids") or item.get("prompt")
         elif hasattr(item, "prompt"):
             params.update(getattr(item, "sampling_params", None) or {})
             item = item.prompt
-        rid = f"{_SHORT.get(self.kind, self.kind)}-{next(self._ids)}"
+        rid = f"{prefix}-{next(self._ids)}"
         if isinstance(item, list) and item and isinstance(item[0], dict):
             # As text (not ids) so the trace carries a readable prompt preview.
             return rid, {"prompt": chat_text(self.engine, item), "sampling_params": params}
@@ -169,42 +286,75 @@ class WorkloadRunner:
         try:
             await self.engine.async_generate(rid=rid, **kwargs)
             self.completed += 1
+            self._done_at.append(self._active_now())
         except Exception as exc:          # aborted on stop, engine gone, bad input
             self.failed += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
         finally:
             self._rids.discard(rid)
+            if self._wake is not None:
+                self._wake.set()          # room for a waiting burst
+
+    def _how_many(self) -> int:
+        """How many to send now: a whole burst (or one request) if the limits allow it, else 0."""
+        n = self.burst_size if self.kind == "burst" else 1
+        if self.max_requests is not None:
+            n = min(n, self.max_requests - self.sent)
+        if n <= 0 or self.in_flight + n > self.max_in_flight:
+            return 0
+        return n
+
+    def _send(self, n: int, tasks: set) -> None:
+        for _ in range(n):
+            try:
+                rid, kwargs = self._next_request()
+            except Exception as exc:
+                self.failed += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                return
+            self._rids.add(rid)
+            self.sent += 1
+            t = asyncio.ensure_future(self._one(rid, kwargs))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
 
     async def _run(self) -> None:
         self._wake = asyncio.Event()
         tasks: set[asyncio.Task] = set()
+        last_send = -math.inf              # active time of the last send: the first goes at once
+        last_adapt = self._active_now()
         while not self._stop.is_set():
-            n = self.burst_size if self.kind == "burst" else 1
-            for _ in range(n):
-                if self.in_flight >= self.max_in_flight or (
-                        self.max_requests is not None and self.sent >= self.max_requests):
-                    break
-                try:
-                    rid, kwargs = self._next_request()
-                except Exception as exc:
-                    self.failed += 1
-                    self.last_error = f"{type(exc).__name__}: {exc}"
-                    break
-                self._rids.add(rid)
-                self.sent += 1
-                t = asyncio.ensure_future(self._one(rid, kwargs))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=n / self.rate)
-            except asyncio.TimeoutError:
-                pass
+            if self.paused:
+                await self._sleep(ADAPT_PERIOD_S)
+                continue
+            now = self._active_now()
+            if self.adaptive and now - last_adapt >= ADAPT_PERIOD_S:
+                self.rate = adapt_rate(self.rate, self.done_per_s(), self.in_flight, self.target_in_flight)
+                last_adapt = now
+            per = (self.burst_size if self.kind == "burst" else 1) / self.rate
+            due = last_send + per
+            if now >= due:
+                n = self._how_many()
+                if n:
+                    self._send(n, tasks)
+                    last_send = now
+                    due = now + per
+                else:
+                    due = now + ADAPT_PERIOD_S     # at a limit: a completion (or stop) wakes us
+            # Never sleep past an adaptive update (a rate of 0.05/s would otherwise wait 20 s).
+            await self._sleep(min(due - now, ADAPT_PERIOD_S) if self.adaptive else due - now)
         if tasks:
             # Aborted requests finish quickly; do not wait forever on a dead engine.
             await asyncio.wait(tasks, timeout=3.0)
             for t in tasks:
                 t.cancel()
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, seconds))
+        except asyncio.TimeoutError:
+            pass
 
 
 _HELP = {
@@ -230,31 +380,27 @@ def register_builtin(registry) -> None:
 
 
 def record_workload(args) -> int:
-    """`workbench record`: run `args.num_requests` of a workload and write the trace as JSONL."""
-    import time
-
+    """`workbench record`: run a workload (`--workload`, `--num-requests` of them) or a scenario
+    (`--scenario`, for `--duration` seconds) and write the trace as JSONL."""
     from workbench.core.args import ServerArgs
-    from workbench.core.engine import Engine
-    from workbench.core.trace.recorder import Recorder
+    from workbench.scenarios import get_scenario, record_run
 
     sa = ServerArgs.from_cli_args(args)
     sa.record = None
-    with Engine(server_args=sa) as engine:
-        recorder = Recorder(args.output, model=engine.served_model_name)
-        handle = engine.bus.subscribe_callback(recorder, name="recorder", with_snapshot=True)
-        runner = WorkloadRunner(engine, args.workload, args.rate, max_new_tokens=args.max_new_tokens,
-                                max_requests=args.num_requests, temperature=0.0)
-        runner.start()
-        t0 = time.monotonic()
-        while runner.completed + runner.failed < args.num_requests:
-            time.sleep(0.2)
-            done = runner.completed + runner.failed
-            print(f"\r[record] {done}/{args.num_requests} requests done", end="", flush=True)
-        print()
-        runner.stop()
-        time.sleep(0.5)             # let the last events reach the bus
-        handle.close()
-        recorder.close()
-    print(f"wrote {args.output}: {runner.completed} requests in {time.monotonic() - t0:.1f} s "
-          f"({runner.failed} failed)")
-    return 0 if runner.failed == 0 else 1
+    name = getattr(args, "scenario", None)
+    if name:
+        scenario = get_scenario(name)
+        sa = scenario.server_args(sa)
+        make_runner = lambda engine: scenario.runner(engine, rate=args.rate,   # noqa: E731
+                                                     max_requests=args.num_requests)
+        num = args.num_requests
+        duration = args.duration if args.duration is not None else (None if num else 60.0)
+    else:
+        num = args.num_requests or 16
+        make_runner = lambda engine: WorkloadRunner(   # noqa: E731
+            engine, args.workload, args.rate or 4.0, max_new_tokens=args.max_new_tokens,
+            max_requests=num, temperature=0.0)
+        duration = args.duration
+    result = record_run(sa, args.output, make_runner, num_requests=num, duration_s=duration)
+    print(result.summary())
+    return 0 if result.failed == 0 else 1
