@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from typing import Callable, Optional
 
 from rich.text import Text
@@ -115,6 +116,7 @@ class WorkbenchApp(App):
         self._control_q: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._progress_lines: list[str] = []
+        self._started_at = time.monotonic()
         self._last_tail = ""
         self._chat_prompt = ""
         self._broken_panels: set[str] = set()
@@ -211,12 +213,19 @@ class WorkbenchApp(App):
                     self._controller_ready()
             else:
                 self._progress_lines.append(msg)
-        tail = self._log_tail() if not self.ready.is_set() and not self.startup_error else ""
-        if (changed or tail != self._last_tail) and not self.ready.is_set() and not self.startup_error:
+        starting = not self.ready.is_set() and not self.startup_error
+        tail = self._log_tail() if starting else ""
+        if starting:
+            # Loading a model can take a minute on a busy machine: show that time passes.
+            waited = time.monotonic() - self._started_at
+            self.query_one("#startup-title", Static).update(Text(f"Starting… {waited:.0f} s", style="bold"))
+        if (changed or tail != self._last_tail) and starting:
             self._last_tail = tail
             body = Text("\n".join(self._progress_lines[-12:]))
             if tail:
                 body.append("\n" + tail, style="dim")
+            if self.log_path:
+                body.append(f"\nthe engine's own output (weight loading, warnings): {self.log_path}", style="dim")
             self.query_one("#startup-log", Static).update(body)
 
     def _log_tail(self) -> str:
