@@ -14,6 +14,10 @@ a decode-sized GEMM (M=1) on packed weights streams ~2x the bandwidth of
 `F.linear` on the plain row-major weight (which goes through MKL's gemv), and
 the residual add rides along as a oneDNN post-op. The plain `weight` parameter
 stays (named-parameter lookups, weight updates); the packed copy is derived.
+
+At one row of float32 input (decode at batch 1) the compiled GEMV (cpu_ops.gemv, gemv.c) on
+the plain weight replaces oneDNN, which streams the weights well below the memory bandwidth at
+M=1 (docs/design.md); WORKBENCH_CPU_GEMV=0 turns it off.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.core.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from workbench.core.layers import cpu_ops
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -86,6 +91,8 @@ class LinearBase(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor],
                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         # Under torch.compile the plain weight is traced (inductor does its own packing).
+        if self.packed_weight is not None and cpu_ops.gemv_ready(x, self.weight):
+            return cpu_ops.gemv(x, self.weight, bias, residual)
         if (self.packed_weight is not None and x.dtype == self.weight.dtype
                 and not torch.compiler.is_compiling()):
             return packed_linear(x, self.packed_weight, bias, residual)

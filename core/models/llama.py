@@ -147,6 +147,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final hidden states -> [N, vocab] float32 logits (the sampler's input)."""
         head = self.lm_head
+        if self._packed_head is not None and cpu_ops.gemv_ready(hidden, head.weight):
+            return cpu_ops.gemv(hidden, head.weight[: self.vocab_size])
         if (self._packed_head is not None and hidden.dtype == head.weight.dtype
                 and not torch.compiler.is_compiling()):
             return packed_linear(hidden, self._packed_head, None).float()

@@ -1,5 +1,6 @@
 """Compiled CPU kernels, built at first use: attention over the token-slot KV pool (decode and
-extend), the rotary embedding in place, and RMSNorm for 16-bit models.
+extend), the rotary embedding in place, RMSNorm for 16-bit models, and the float32 linear for
+one row of input (decode at batch 1; gemv.c).
 
 The C files of this folder are compiled once per machine with the system C compiler
 (`$CC`, default `cc`) into `$WORKBENCH_CACHE_DIR/kernels/` (default
@@ -30,7 +31,8 @@ from typing import Optional
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("paged_attention.c", "paged_extend.c", "rope.c", "rms_norm.c")]
+SOURCES = [HERE / name for name in ("paged_attention.c", "paged_extend.c", "rope.c", "rms_norm.c",
+                                           "gemv.c")]
 HEADERS = [HERE / "common.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -40,6 +42,7 @@ _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _error: Optional[str] = None
 _tried = False
+_gemv_ok = False   # the library has gemv.c's AVX2 + FMA path and WORKBENCH_CPU_GEMV is not 0
 
 
 def _cpu_signature() -> str:
@@ -98,7 +101,7 @@ def _build(target: Path) -> None:
 
 
 def _load() -> None:
-    global _lib, _error, _tried
+    global _lib, _error, _tried, _gemv_ok
     with _lock:
         if _tried:
             return
@@ -128,6 +131,10 @@ def _load() -> None:
         lib.wb_rope_inplace.restype = None
         lib.wb_rms_norm.argtypes = [ptr, i64, ptr, ptr, i32, i32, ctypes.c_float, i32, i32]
         lib.wb_rms_norm.restype = None
+        lib.wb_gemv_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i32, i64, i64, i32]
+        lib.wb_gemv_f32.restype = None
+        lib.wb_gemv_f32_available.restype = ctypes.c_int
+        _gemv_ok = bool(lib.wb_gemv_f32_available()) and os.environ.get("WORKBENCH_CPU_GEMV", "1") != "0"
         _lib = lib
 
 
@@ -263,4 +270,54 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty((t, h), dtype=x.dtype)
     _require().wb_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), t, h, float(eps),
                            _DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return out
+
+
+# ---- float32 linear for a few input rows (gemv.c) ---------------------------------------------
+# Rows of x up to which `gemv` replaces oneDNN's packed GEMM. Measured on the 2-core AVX2 target
+# (docs/design.md): at one row it streams the weights ~1.4-2x faster than oneDNN on the layers'
+# shapes and as fast on the LM head; at 2-4 rows the two trade places shape by shape (the LM head
+# and gate_up slower), so only a batch of one takes it.
+GEMV_MAX_ROWS = 1
+
+
+def gemv_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when `gemv` should compute x @ weight.T: float32 x and weight on the CPU, x 2-D with
+    at most GEMV_MAX_ROWS rows, the kernel built with its AVX2 + FMA path and not switched off
+    (WORKBENCH_CPU_GEMV=0), and not under torch.compile (which cannot trace a ctypes call)."""
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2
+            or x.shape[0] > GEMV_MAX_ROWS or x.device.type != "cpu" or torch.compiler.is_compiling()):
+        return False
+    if _lib is None and not _tried:
+        _load()
+    return _gemv_ok
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+         residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) (+ residual) in float32: x [M, K], weight [N, K] (rows may be strided,
+    elements contiguous), bias [N], residual [M, N] -> a new [M, N]. Any M is correct; it is fast
+    for a few rows (see GEMV_MAX_ROWS)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.dtype != torch.float32 or x.dtype != torch.float32:
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    if residual is not None:
+        if residual.shape != (m, n):
+            raise ValueError(f"gemv: residual {tuple(residual.shape)} is not [{m}, {n}]")
+        residual = residual.to(torch.float32)
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+    out = torch.empty((m, n), dtype=torch.float32)
+    _require().wb_gemv_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                           bias.data_ptr() if bias is not None else None,
+                           residual.data_ptr() if residual is not None else None,
+                           residual.stride(0) if residual is not None else 0,
+                           out.data_ptr(), n, m, n, k, torch.get_num_threads())
     return out
