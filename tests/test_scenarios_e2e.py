@@ -88,8 +88,11 @@ async def test_make_run_scenario_shows_a_queue_and_an_eviction_and_p_pauses_its_
         assert time.monotonic() - t0 < 60, "a waiting queue and an eviction took over a minute"
         runner = controller.runner
         assert runner.adaptive and runner.in_flight <= scn.max_in_flight
-        status = str(app.query_one("#status").render())
-        assert "scenario shared-prefix" in status and "req/s (auto" in status, status
+        # the status line shows the adaptive rate and the measured throughput it follows
+        def status():
+            return str(app.query_one("#status").render())
+        await wait_for(lambda: "done/s" in status(), 20)
+        assert "scenario shared-prefix" in status() and "req/s (auto: " in status(), status()
 
         await pilot.press("p")
         await wait_for(lambda: controller.paused and runner.paused, 30)

@@ -117,7 +117,7 @@ class WorkbenchApp(App):
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._progress_lines: list[str] = []
         self._started_at = time.monotonic()
-        self._last_tail = ""
+        self._last_tail: Optional[str] = None     # None: the start-up box is not drawn yet
         self._chat_prompt = ""
         self._broken_panels: set[str] = set()
         self._quitting = False
@@ -221,7 +221,7 @@ class WorkbenchApp(App):
             self.query_one("#startup-title", Static).update(Text(f"Starting… {waited:.0f} s", style="bold"))
         if (changed or tail != self._last_tail) and starting:
             self._last_tail = tail
-            body = Text("\n".join(self._progress_lines[-12:]))
+            body = Text("\n".join(self._progress_lines[-12:]) or "loading the serving core…")
             if tail:
                 body.append("\n" + tail, style="dim")
             if self.log_path:

@@ -142,11 +142,14 @@ def get_scenario(name: str) -> Scenario:
 
 
 def runner_status(runner: WorkloadRunner) -> str:
-    """What a running workload is doing, for a status line: 'kv-pressure 2.3 req/s (auto, 14/14 in flight)'."""
+    """What a running workload is doing, for a status line:
+    'kv-pressure 2.3 req/s (auto: 2.1 done/s, 14/14 in flight)'."""
     if runner.paused:
         how = "paused"
     elif runner.adaptive:
-        how = f"auto, {runner.in_flight}/{runner.target_in_flight:g} in flight"
+        # what the rate follows: the machine's measured completions (none yet: still measuring)
+        done = f"{fmt_rate(runner.measured_per_s)} done/s" if runner.measured_per_s > 0 else "measuring"
+        how = f"auto: {done}, {runner.in_flight}/{runner.target_in_flight:g} in flight"
     else:
         how = f"{runner.in_flight} in flight"
     return f"{runner.label} {fmt_rate(runner.rate)} req/s ({how})"

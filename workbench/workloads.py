@@ -162,6 +162,7 @@ class WorkloadRunner:
         self.adaptive = adaptive
         self.target_in_flight = float(target_in_flight)
         self.sent = self.completed = self.failed = self.aborted = 0
+        self.measured_per_s = 0.0      # completions/s at the last adaptive update (0: none yet)
         self.last_error = ""
         if prompts is not None:
             self._prompts = iter(prompts)
@@ -330,7 +331,8 @@ class WorkloadRunner:
                 continue
             now = self._active_now()
             if self.adaptive and now - last_adapt >= ADAPT_PERIOD_S:
-                self.rate = adapt_rate(self.rate, self.done_per_s(), self.in_flight, self.target_in_flight)
+                self.measured_per_s = self.done_per_s()
+                self.rate = adapt_rate(self.rate, self.measured_per_s, self.in_flight, self.target_in_flight)
                 last_adapt = now
             per = (self.burst_size if self.kind == "burst" else 1) / self.rate
             due = last_send + per
