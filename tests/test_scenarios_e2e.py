@@ -1,7 +1,8 @@
 """Demo scenarios on the real engine (default model), end to end (issue #15 item 5).
 
 - A recording of `kv-pressure` holds waiting requests, evictions and retractions within a minute
-  of its first request, and its narrated steps (`batch.decision`) say so.
+  of its first request, its narrated steps (`batch.decision`) say so, and every finished request's
+  TTFT parts sum to its TTFT.
 - `make run`'s scenario (`shared-prefix`) in the real TUI (Textual Pilot): a waiting queue and an
   eviction within its first minute, the adaptive rate in the status line, and `p` pausing the
   workload's arrivals with the scheduler.
@@ -64,6 +65,15 @@ def test_a_kv_pressure_recording_holds_waiting_evictions_and_retractions(tmp_pat
         if isinstance(e, ev.StepDecision) and e.step == step_of:
             break
     assert "retracted" in st.last_step_line, st.last_step_line
+
+    # The TTFT parts of every finished request sum to its TTFT exactly.
+    from tests.test_ttft_parts import _check_sums
+    whole = TraceState()
+    whole.apply_many(events)
+    finished = [rid for rid, r in whole.requests.items() if r.state == "finished"]
+    assert finished   # (the run stops once the hard cases are seen: a retracted request may not be done)
+    for rid in finished:
+        _check_sums(whole, rid)
 
 
 async def test_make_run_scenario_shows_a_queue_and_an_eviction_and_p_pauses_its_arrivals():
