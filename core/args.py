@@ -3,6 +3,7 @@
 `ServerArgs` is the single source of truth for the CLI (`--kebab-case` flags are
 generated from the field names), the Python `Engine(**kwargs)` and the HTTP server.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
-ATTENTION_BACKENDS = ("torch_native", "cpu_paged", "triton", "flashinfer")   # see layers/attention/registry.py
+ATTENTION_BACKENDS = ("torch_native", "cpu_paged", "triton", "flashinfer")  # see layers/attention/registry.py
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
 
 
@@ -19,10 +20,9 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
 # by `add_cli_args`; tests/test_cli_help.py checks that no field is left without help.
 FLAG_HELP = {
     "model_path": "the model: nothing for the default (SmolLM2-135M-Instruct, embedded GGUF), 'smollm2-135m', "
-                  "a .gguf file or a local Hugging Face directory (Llama, Mistral, Qwen2)",
+    "a .gguf file or a local Hugging Face directory (Llama, Mistral, Qwen2)",
     "served_model_name": "the model name the API reports and accepts (default: derived from the model)",
-    "dtype": "weights and activations: auto picks bfloat16 on CPUs with AVX512-BF16/AMX (and on CUDA), "
-             "else float32",
+    "dtype": "weights and activations: auto picks bfloat16 on CPUs with AVX512-BF16/AMX (and on CUDA), else float32",
     "kv_cache_dtype": "KV cache dtype; auto = the model dtype",
     "context_length": "the longest prompt + output a request may have (default: the model's)",
     "device": "where the model runs; auto = cuda if available, else cpu",
@@ -33,14 +33,15 @@ FLAG_HELP = {
     "max_running_requests": "most requests in the running batch at once",
     "max_prefill_tokens": "token budget of one prefill (extend) batch",
     "chunked_prefill_size": "longest prompt piece one step prefills; longer prompts are chunked "
-                            "(default 2048 on CPU, 8192 on CUDA; -1 or 0 turns chunking off)",
-    "schedule_policy": "the order waiting requests are admitted in: " + ", ".join(SCHEDULE_POLICIES)
-                       + " (lpm: longest cached prefix first), or one a plugin registered",
+    "(default 2048 on CPU, 8192 on CUDA; -1 or 0 turns chunking off)",
+    "schedule_policy": "the order waiting requests are admitted in: "
+    + ", ".join(SCHEDULE_POLICIES)
+    + " (lpm: longest cached prefix first), or one a plugin registered",
     "schedule_conservativeness": "how much KV room admission keeps for running requests' future tokens "
-                                 "(higher: fewer retractions, smaller batches)",
+    "(higher: fewer retractions, smaller batches)",
     "disable_radix_cache": "turn the radix prefix cache off (every prompt computed in full)",
     "disable_overlap_schedule": "run schedule and forward one after the other; --no-disable-overlap-schedule "
-                                "overlaps the next step's scheduling with the current forward",
+    "overlaps the next step's scheduling with the current forward",
     "attention_backend": "attention kernels (default: cpu_paged on CPU, flashinfer or triton on CUDA)",
     "disable_cuda_graph": "CUDA: run decode eagerly instead of through captured CUDA graphs",
     "cuda_graph_max_bs": "CUDA: the largest decode batch captured as a graph",
@@ -49,9 +50,9 @@ FLAG_HELP = {
     "enable_torch_compile": "compile the decode step with torch.compile",
     "torch_compile_max_bs": "the largest decode batch torch.compile is used for",
     "num_threads": "CPU compute threads of each scheduler process (default: adaptive, measured against the "
-                   "neighbours while decoding)",
+    "neighbours while decoding)",
     "cpu_omp_threads_bind": "pin each scheduler rank to cores, e.g. 0-1, or 0-1|2-3 for two TP ranks "
-                            "(SGLang's SGLANG_CPU_OMP_THREADS_BIND; 'nobind' leaves them unpinned)",
+    "(SGLang's SGLANG_CPU_OMP_THREADS_BIND; 'nobind' leaves them unpinned)",
     "tp_size": "tensor-parallel ranks (one scheduler process each)",
     "dp_size": "data-parallel replicas of the whole model behind one front end",
     "load_balance_method": "how requests are spread over data-parallel replicas",
@@ -66,11 +67,11 @@ FLAG_HELP = {
     "max_n": "largest n (choices per request) accepted",
     "max_top_logprobs": "largest top_logprobs accepted",
     "trace_publish": "publish the trace over ZMQ PUB at this address (e.g. tcp://127.0.0.1:5557) for "
-                     "`workbench tui --attach`",
+    "`workbench tui --attach`",
     "record": "write the trace as a JSONL recording to this file",
     "trace_mode": "auto: emit trace events while anything listens; on: always; off: never",
     "otlp_traces_endpoint": "export one OpenTelemetry trace per request to this OTLP/HTTP endpoint, "
-                            "e.g. http://127.0.0.1:4318/v1/traces",
+    "e.g. http://127.0.0.1:4318/v1/traces",
     "log_level": "log level of the server and its processes",
     "show_progress": "print start-up progress",
 }
@@ -97,38 +98,46 @@ def flag_help(f: dataclasses.Field) -> str:
 @dataclass
 class ServerArgs:
     # model
-    model_path: Optional[str] = None          # None: the default model (SmolLM2-135M-Instruct GGUF)
+    model_path: Optional[str] = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
     served_model_name: Optional[str] = None
-    dtype: str = "auto"                        # auto | float32 | bfloat16 | float16
-    kv_cache_dtype: str = "auto"               # auto = same as dtype
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # auto = same as dtype
     context_length: Optional[int] = None
-    device: str = "auto"                       # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda
     random_seed: int = 0
     # memory and scheduling
-    max_total_tokens: Optional[int] = None     # KV pool size in tokens; None = from the memory budget
+    max_total_tokens: Optional[int] = None  # KV pool size in tokens; None = from the memory budget
     kv_cache_memory_gb: Optional[float] = None  # CPU budget for the KV pool (default 0.5 GiB)
-    mem_fraction_static: float = 0.85          # CUDA: fraction of free memory for weights + KV
+    mem_fraction_static: float = 0.85  # CUDA: fraction of free memory for weights + KV
     max_running_requests: int = 128
     max_prefill_tokens: int = 8192
     chunked_prefill_size: Optional[int] = None  # None = per-device default; -1 or 0 disables
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = True      # the overlap loop is opt-in on CPU (see docs)
-    enable_kv_invariant_check: bool = field(default=False, metadata={"help": (
-        "check, whenever the scheduler goes idle, that every KV slot is free, cached or held by a request "
-        "and every request row and radix lock is accounted for; a violation is logged with the numbers and "
-        "reported by get_internal_state (env WORKBENCH_KV_INVARIANT_CHECK=1 turns it on, =0 off)")})
+    disable_overlap_schedule: bool = True  # the overlap loop is opt-in on CPU (see docs)
+    enable_kv_invariant_check: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "check, whenever the scheduler goes idle, that every KV slot is free, cached or held by a request "
+                "and every request row and radix lock is accounted for; a violation is logged with the numbers and "
+                "reported by get_internal_state (env WORKBENCH_KV_INVARIANT_CHECK=1 turns it on, =0 off)"
+            )
+        },
+    )
     # execution
-    attention_backend: Optional[str] = None    # None = cpu_paged (else torch_native) on CPU, flashinfer/triton on CUDA
+    attention_backend: Optional[str] = None  # None = cpu_paged (else torch_native) on CPU, flashinfer/triton on CUDA
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
     cuda_graph_bs: Optional[list[int]] = None
-    cuda_graph_stand_in: bool = False          # CPU: decode through the graph runner with a stand-in graph
+    cuda_graph_stand_in: bool = False  # CPU: decode through the graph runner with a stand-in graph
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
-    num_threads: Optional[int] = None          # torch intra-op threads in the scheduler process (None: adaptive)
-    cpu_omp_threads_bind: Optional[str] = None  # pin each scheduler rank to cores, e.g. 0-1 or 0-1|2-3 (SGLang's SGLANG_CPU_OMP_THREADS_BIND)
+    num_threads: Optional[int] = None  # torch intra-op threads in the scheduler process (None: adaptive)
+    cpu_omp_threads_bind: Optional[str] = (
+        None  # pin each scheduler rank to cores, e.g. 0-1 or 0-1|2-3 (SGLang's SGLANG_CPU_OMP_THREADS_BIND)
+    )
     # parallelism
     tp_size: int = 1
     dp_size: int = 1
@@ -145,10 +154,12 @@ class ServerArgs:
     max_n: int = 16
     max_top_logprobs: int = 20
     # trace
-    trace_publish: Optional[str] = None        # e.g. tcp://127.0.0.1:5557
-    record: Optional[str] = None               # write a JSONL recording of the trace
-    trace_mode: str = "auto"                   # auto: emit while anything listens; on: always; off: never
-    otlp_traces_endpoint: Optional[str] = None  # OpenTelemetry spans per request (OTLP/HTTP), e.g. http://127.0.0.1:4318/v1/traces
+    trace_publish: Optional[str] = None  # e.g. tcp://127.0.0.1:5557
+    record: Optional[str] = None  # write a JSONL recording of the trace
+    trace_mode: str = "auto"  # auto: emit while anything listens; on: always; off: never
+    otlp_traces_endpoint: Optional[str] = (
+        None  # OpenTelemetry spans per request (OTLP/HTTP), e.g. http://127.0.0.1:4318/v1/traces
+    )
     log_level: str = "warning"
     show_progress: bool = True
 
@@ -157,18 +168,23 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Raise ValueError with a message that says what to change."""
+
         def bad(msg: str):
             raise ValueError(msg)
+
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             bad(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             bad(f"--kv-cache-dtype must be auto, float32, bfloat16 or float16, not {self.kv_cache_dtype!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            from workbench.core.plugins import load_plugins    # only for a name that is not built in
+            from workbench.core.plugins import load_plugins  # only for a name that is not built in
+
             known = list(SCHEDULE_POLICIES) + [n for n in load_plugins().policies if n not in SCHEDULE_POLICIES]
             if self.schedule_policy not in known:
-                bad(f"--schedule-policy must be one of {', '.join(known)} (built in, or registered by a plugin: "
-                    f"`workbench plugins` lists them), not {self.schedule_policy!r}")
+                bad(
+                    f"--schedule-policy must be one of {', '.join(known)} (built in, or registered by a plugin: "
+                    f"`workbench plugins` lists them), not {self.schedule_policy!r}"
+                )
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             bad(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
@@ -185,29 +201,39 @@ class ServerArgs:
         if not 0 <= self.node_rank < self.nnodes:
             bad("--node-rank must be in [0, --nnodes)")
         if self.tp_size % self.nnodes:
-            bad(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}: every node runs "
-                f"the same number of TP ranks")
+            bad(
+                f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}: every node runs "
+                f"the same number of TP ranks"
+            )
         if self.nnodes > 1 and not self.dist_init_addr:
-            bad("--nnodes > 1 needs --dist-init-addr HOST:PORT, an address of node 0 every node can reach "
-                "(the same on every node)")
+            bad(
+                "--nnodes > 1 needs --dist-init-addr HOST:PORT, an address of node 0 every node can reach "
+                "(the same on every node)"
+            )
         if self.dist_init_addr is not None:
             from workbench.core.distributed.topology import split_addr
-            split_addr(self.dist_init_addr)      # raises with an example of a good address
+
+            split_addr(self.dist_init_addr)  # raises with an example of a good address
         if self.trace_mode not in ("auto", "on", "off"):
             bad("--trace-mode must be auto (trace while a view, recorder or publisher listens), on or off")
         if self.trace_mode == "off" and (self.trace_publish or self.record or self.otlp_traces_endpoint):
-            bad("--trace-mode off emits nothing, so --trace-publish / --record / --otlp-traces-endpoint would "
-                "stay empty; drop one of them")
+            bad(
+                "--trace-mode off emits nothing, so --trace-publish / --record / --otlp-traces-endpoint would "
+                "stay empty; drop one of them"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             bad("--num-threads must be at least 1 (leave it out for the adaptive default)")
         if self.cpu_omp_threads_bind and self.cpu_omp_threads_bind != "nobind":
             from workbench.core.model_executor.cpu_threads import parse_core_list
+
             groups = self.cpu_omp_threads_bind.split("|")
             for g in groups:
-                parse_core_list(g)             # raises with an example of a good list
+                parse_core_list(g)  # raises with an example of a good list
             if len(groups) != self.tp_size // self.nnodes:
-                bad(f"--cpu-omp-threads-bind {self.cpu_omp_threads_bind!r} has {len(groups)} core group(s); this "
-                    f"node runs {self.tp_size // self.nnodes} scheduler rank(s): one group each, separated by |")
+                bad(
+                    f"--cpu-omp-threads-bind {self.cpu_omp_threads_bind!r} has {len(groups)} core group(s); this "
+                    f"node runs {self.tp_size // self.nnodes} scheduler rank(s): one group each, separated by |"
+                )
         if self.device not in ("auto", "cpu", "cuda"):
             bad("--device must be auto, cpu or cuda")
         if self.cuda_graph_max_bs < 1:
@@ -220,6 +246,7 @@ class ServerArgs:
         if self.device != "auto":
             return self.device
         import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_chunked_prefill_size(self) -> Optional[int]:
@@ -240,8 +267,9 @@ class ServerArgs:
             text = flag_help(f)
             if f.type in ("bool",) or isinstance(default, bool):
                 if default:
-                    group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                                       help=text)
+                    group.add_argument(
+                        *names, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=text
+                    )
                 else:
                     group.add_argument(*names, dest=f.name, action="store_true", default=False, help=text)
                 continue

@@ -6,6 +6,7 @@ thread, so `generate` works from plain scripts, from Jupyter (which already runs
 a loop) and from the HTTP server (which runs on `engine.loop` itself).
 See docs/engine_api.md for the contract.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,9 +25,15 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 import msgspec
 
 from workbench.core.args import ServerArgs
-from workbench.core.distributed.launch import (MAIN_GUARD_EXIT, MainGuardError, spawn_scheduler_ranks,
-                                               tp_ranks_on_node, validate_tp_for_model, wait_ranks_ready,
-                                               with_dist_init_addr)
+from workbench.core.distributed.launch import (
+    MAIN_GUARD_EXIT,
+    MainGuardError,
+    spawn_scheduler_ranks,
+    tp_ranks_on_node,
+    validate_tp_for_model,
+    wait_ranks_ready,
+    with_dist_init_addr,
+)
 from workbench.core.ipc import PortArgs
 from workbench.core.managers.tokenizer_manager import EngineDeadError, GenerateReqInput, TokenizerManager
 from workbench.core.model_executor.cpu_threads import omp_wait_env
@@ -54,14 +61,19 @@ def _exit_if_starting_child() -> None:
 class Engine:
     """The serving engine: processes, trace bus and TokenizerManager. Use as a context manager."""
 
-    def __init__(self, model_path: Optional[str] = None, *, server_args: Optional[ServerArgs] = None,
-                 on_progress: Optional[Callable[[str], None]] = None, **kwargs):
+    def __init__(
+        self,
+        model_path: Optional[str] = None,
+        *,
+        server_args: Optional[ServerArgs] = None,
+        on_progress: Optional[Callable[[str], None]] = None,
+        **kwargs,
+    ):
         _exit_if_starting_child()
         if server_args is None:
             server_args = ServerArgs(model_path=model_path, **kwargs)
         elif model_path is not None or kwargs:
-            server_args = dataclasses.replace(server_args, model_path=model_path or server_args.model_path,
-                                              **kwargs)
+            server_args = dataclasses.replace(server_args, model_path=model_path or server_args.model_path, **kwargs)
         self.server_args = server_args
         self._progress = on_progress or (_print_progress if server_args.show_progress else (lambda msg: None))
         self._shutdown = False
@@ -73,7 +85,7 @@ class Engine:
             self._launch()
         except MainGuardError as exc:
             self.shutdown()
-            raise SystemExit(f"workbench: {exc}") from None     # one line, not a child's traceback
+            raise SystemExit(f"workbench: {exc}") from None  # one line, not a child's traceback
         except BaseException:
             self.shutdown()
             raise
@@ -83,26 +95,32 @@ class Engine:
     def _launch(self) -> None:
         sa = self.server_args
         if sa.node_rank > 0:
-            raise ValueError(f"node {sa.node_rank} of a multi-node launch runs only scheduler ranks, no Engine: "
-                             "start it with `workbench serve --nnodes N --node-rank K --dist-init-addr HOST:PORT` "
-                             "(or workbench.core.distributed.launch.run_worker_node); the Engine runs on node 0")
+            raise ValueError(
+                f"node {sa.node_rank} of a multi-node launch runs only scheduler ranks, no Engine: "
+                "start it with `workbench serve --nnodes N --node-rank K --dist-init-addr HOST:PORT` "
+                "(or workbench.core.distributed.launch.run_worker_node); the Engine runs on node 0"
+            )
         self.prepared = prepare_model(sa.model_path, progress=sa.show_progress)
         self.model_path = str(self.prepared.gguf_path or self.prepared.model_dir)
-        if sa.tp_size > 1:      # reading the config imports transformers: keep it off the TP-1 warm start
-            validate_tp_for_model(self.prepared.config, sa.tp_size)     # before any process starts
+        if sa.tp_size > 1:  # reading the config imports transformers: keep it off the TP-1 warm start
+            validate_tp_for_model(self.prepared.config, sa.tp_size)  # before any process starts
         # Children load the converted directory, never the GGUF again.
         child_args = with_dist_init_addr(dataclasses.replace(sa, model_path=str(self.prepared.model_dir)))
-        self.bus = TraceBus(self.port_args.trace_ipc_name, publish_addr=sa.trace_publish,
-                            model=self.served_model_name)
+        self.bus = TraceBus(self.port_args.trace_ipc_name, publish_addr=sa.trace_publish, model=self.served_model_name)
         ctx = mp.get_context("spawn")
         self._progress("starting scheduler and detokenizer processes")
         from workbench.core.managers.detokenizer_manager import run_detokenizer_process
+
         readers: dict = {}
-        with omp_wait_env(sa.device):   # the children's OpenMP threads sleep soon when idle
+        with omp_wait_env(sa.device):  # the children's OpenMP threads sleep soon when idle
             self._launch_schedulers(ctx, child_args, readers)
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=run_detokenizer_process, name="workbench-detokenizer", daemon=True,
-                           args=(str(self.prepared.model_dir), self.port_args, writer))
+        proc = ctx.Process(
+            target=run_detokenizer_process,
+            name="workbench-detokenizer",
+            daemon=True,
+            args=(str(self.prepared.model_dir), self.port_args, writer),
+        )
         proc.start()
         writer.close()
         self.procs["detokenizer"] = proc
@@ -113,8 +131,7 @@ class Engine:
         self.max_total_num_tokens = self.scheduler_info["max_total_num_tokens"]
 
         self.loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="workbench-engine-loop",
-                                             daemon=True)
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="workbench-engine-loop", daemon=True)
         self._loop_thread.start()
         self.tracer = Tracer("tokenizer", sink=self.bus.publish_batch)
         self.tokenizer_manager: TokenizerManager = self._run(self._make_tokenizer_manager())
@@ -122,11 +139,13 @@ class Engine:
         self._recorder = None
         if sa.record:
             from workbench.core.trace.recorder import Recorder
+
             self._recorder = Recorder(sa.record, model=self.served_model_name)
             self.bus.subscribe_callback(self._recorder, name="recorder")
         self._otel = None
         if sa.otlp_traces_endpoint:
             from workbench.core.trace.otel import make_exporter
+
             self._otel = make_exporter(sa.otlp_traces_endpoint, model=self.served_model_name)
             self.bus.subscribe_callback(self._otel, name="opentelemetry")
         if sa.trace_publish or sa.trace_mode == "on":
@@ -135,8 +154,10 @@ class Engine:
         self._watchdog = threading.Thread(target=self._watch_children, name="workbench-watchdog", daemon=True)
         self._watchdog.start()
         self.ready_time_s = time.monotonic() - self.t_start
-        self._progress(f"ready in {self.ready_time_s:.1f} s ({self.scheduler_info['dtype']}, "
-                       f"KV pool {self.max_total_num_tokens} tokens; {self.scheduler_info.get('threads', '')})")
+        self._progress(
+            f"ready in {self.ready_time_s:.1f} s ({self.scheduler_info['dtype']}, "
+            f"KV pool {self.max_total_num_tokens} tokens; {self.scheduler_info.get('threads', '')})"
+        )
 
     def _launch_schedulers(self, ctx, child_args: ServerArgs, readers: dict) -> None:
         """Start this node's scheduler ranks (one per TP rank; rank 0 is role "scheduler").
@@ -144,19 +165,30 @@ class Engine:
         Adds each to `self.procs` and its ready pipe to `readers`. With tp_size > 1 the ranks
         meet at `child_args.dist_init_addr`; on several nodes the other nodes' ranks join there too.
         """
-        if child_args.dp_size > 1:   # a DataParallelController and N replicas instead
+        if child_args.dp_size > 1:  # a DataParallelController and N replicas instead
             from workbench.core.managers.data_parallel_controller import launch_data_parallel
+
             return launch_data_parallel(ctx, child_args, self.port_args, self.procs, readers)
         ranks = tp_ranks_on_node(child_args.tp_size, child_args.nnodes, child_args.node_rank)
         spawn_scheduler_ranks(ctx, child_args, self.port_args, ranks, self.procs, readers)
 
     async def _make_tokenizer_manager(self) -> TokenizerManager:
-        return TokenizerManager(self.server_args, self.port_args, self.tokenizer, self.context_len,
-                                self.max_total_num_tokens, self.tracer, asyncio.get_running_loop())
+        return TokenizerManager(
+            self.server_args,
+            self.port_args,
+            self.tokenizer,
+            self.context_len,
+            self.max_total_num_tokens,
+            self.tracer,
+            asyncio.get_running_loop(),
+        )
 
     def _wait_ready(self, readers: dict) -> dict:
-        hint = (" (are all nodes started with the same --dist-init-addr and --nnodes?)"
-                if self.server_args.nnodes > 1 else "")
+        hint = (
+            " (are all nodes started with the same --dist-init-addr and --nnodes?)"
+            if self.server_args.nnodes > 1
+            else ""
+        )
         infos = wait_ranks_ready(self.procs, readers, START_TIMEOUT_S, timeout_hint=hint)
         info = infos.get("scheduler", {})
         self._progress(f"model loaded in {info.get('load_time_s', 0):.1f} s")
@@ -170,13 +202,21 @@ class Engine:
         return "smollm2-135m" if path in (None, "smollm2-135m") else os.path.basename(str(path).rstrip("/"))
 
     # ==== generation ===================================================================
-    def generate(self, prompt: Union[str, list[str], None] = None, sampling_params: Any = None,
-                 input_ids: Union[list[int], list[list[int]], None] = None, return_logprob: bool = False,
-                 top_logprobs_num: int = 0, logprob_start_len: int = -1, stream: bool = False,
-                 rid: Optional[str] = None):
+    def generate(
+        self,
+        prompt: Union[str, list[str], None] = None,
+        sampling_params: Any = None,
+        input_ids: Union[list[int], list[list[int]], None] = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        stream: bool = False,
+        rid: Optional[str] = None,
+    ):
         """Generate for one prompt (dict), a batch (list of dicts) or stream chunks (iterator)."""
-        reqs, is_batch = self._build_reqs(prompt, sampling_params, input_ids, return_logprob,
-                                          top_logprobs_num, logprob_start_len, stream, rid)
+        reqs, is_batch = self._build_reqs(
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, logprob_start_len, stream, rid
+        )
         if stream:
             if len(reqs) != 1:
                 raise ValueError("streaming takes exactly one prompt (and n = 1)")
@@ -184,11 +224,21 @@ class Engine:
         results = self._run(self._collect(reqs))
         return results if is_batch else results[0]
 
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             top_logprobs_num=0, logprob_start_len=-1, stream=False, rid=None):
+    async def async_generate(
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        return_logprob=False,
+        top_logprobs_num=0,
+        logprob_start_len=-1,
+        stream=False,
+        rid=None,
+    ):
         """Like `generate`, awaitable from any event loop; an async iterator when streaming."""
-        reqs, is_batch = self._build_reqs(prompt, sampling_params, input_ids, return_logprob,
-                                          top_logprobs_num, logprob_start_len, stream, rid)
+        reqs, is_batch = self._build_reqs(
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, logprob_start_len, stream, rid
+        )
         if stream:
             if len(reqs) != 1:
                 raise ValueError("streaming takes exactly one prompt (and n = 1)")
@@ -199,8 +249,9 @@ class Engine:
             results = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._collect(reqs), self.loop))
         return results if is_batch else results[0]
 
-    def _build_reqs(self, prompt, sampling_params, input_ids, return_logprob, top_logprobs_num,
-                    logprob_start_len, stream, rid) -> tuple[list[GenerateReqInput], bool]:
+    def _build_reqs(
+        self, prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, logprob_start_len, stream, rid
+    ) -> tuple[list[GenerateReqInput], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
         if prompt is not None:
@@ -225,9 +276,18 @@ class Engine:
             for j in range(n):
                 sp_j = msgspec.structs.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
                 req_rid = None if rid is None else (rid if len(items) * n == 1 else f"{rid}-{i}-{j}")
-                reqs.append(GenerateReqInput(text=text, input_ids=ids, sampling_params=sp_j,
-                                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                                             logprob_start_len=logprob_start_len, stream=stream, rid=req_rid))
+                reqs.append(
+                    GenerateReqInput(
+                        text=text,
+                        input_ids=ids,
+                        sampling_params=sp_j,
+                        return_logprob=return_logprob,
+                        top_logprobs_num=top_logprobs_num,
+                        logprob_start_len=logprob_start_len,
+                        stream=stream,
+                        rid=req_rid,
+                    )
+                )
             is_batch = is_batch or n > 1
         return reqs, is_batch
 
@@ -236,6 +296,7 @@ class Engine:
             async for out in self.tokenizer_manager.generate_request(r):
                 last = out
             return last
+
         return list(await asyncio.gather(*(one(r) for r in reqs)))
 
     def _stream_sync(self, req: GenerateReqInput) -> Iterator[dict]:
@@ -264,7 +325,7 @@ class Engine:
                 yield item
         finally:
             if not task_fut.done():
-                task_fut.cancel()     # the consumer stopped early: abort the request
+                task_fut.cancel()  # the consumer stopped early: abort the request
 
     async def _stream_async(self, req: GenerateReqInput) -> AsyncIterator[dict]:
         agen = self.tokenizer_manager.generate_request(req)
@@ -283,8 +344,7 @@ class Engine:
             asyncio.run_coroutine_threadsafe(agen.aclose(), self.loop)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         return list(ids["input_ids"] if not isinstance(ids, list) else ids)
 
     # ==== control ====================================================================
@@ -299,12 +359,17 @@ class Engine:
 
     def get_server_info(self) -> dict:
         info = {k: v for k, v in dataclasses.asdict(self.server_args).items() if k != "api_key"}
-        info.update(model_path=self.model_path, served_model_name=self.served_model_name,
-                    context_len=self.context_len, max_total_num_tokens=self.max_total_num_tokens,
-                    dtype=self.scheduler_info.get("dtype"), is_healthy=self.is_healthy,
-                    num_inflight_requests=len(self.tokenizer_manager.rid_to_state),
-                    ready_time_s=self.ready_time_s,
-                    pids={role: p.pid for role, p in self.procs.items()})
+        info.update(
+            model_path=self.model_path,
+            served_model_name=self.served_model_name,
+            context_len=self.context_len,
+            max_total_num_tokens=self.max_total_num_tokens,
+            dtype=self.scheduler_info.get("dtype"),
+            is_healthy=self.is_healthy,
+            num_inflight_requests=len(self.tokenizer_manager.rid_to_state),
+            ready_time_s=self.ready_time_s,
+            pids={role: p.pid for role, p in self.procs.items()},
+        )
         if self.is_healthy:
             info["internal_state"] = self.get_internal_state()
         return info
@@ -328,24 +393,38 @@ class Engine:
     # ones are held, flushes the prefix cache and emits `weights.updated`. A rejected update
     # raises ValueError with the reason and leaves the old weights in place.
     # `flush_cache=False` keeps the radix cache, whose KV was computed with the old weights (SGLang's flag).
-    def update_weights_from_disk(self, model_path: str, abort_all_requests: bool = False,
-                                 flush_cache: bool = True) -> dict:
+    def update_weights_from_disk(
+        self, model_path: str, abort_all_requests: bool = False, flush_cache: bool = True
+    ) -> dict:
         """Load a checkpoint (HF dir or .gguf) of the same architecture in place."""
-        return _update_reply(self._run(self.tokenizer_manager.update_weights_from_disk(
-            str(model_path), abort_all_requests, bool(flush_cache))))
+        return _update_reply(
+            self._run(
+                self.tokenizer_manager.update_weights_from_disk(str(model_path), abort_all_requests, bool(flush_cache))
+            )
+        )
 
-    def update_weights_from_tensor(self, named_tensors, abort_all_requests: bool = False,
-                                   flush_cache: bool = True) -> dict:
+    def update_weights_from_tensor(
+        self, named_tensors, abort_all_requests: bool = False, flush_cache: bool = True
+    ) -> dict:
         """Load `[(hf_name, tensor), ...]` (any subset of the weights) from this process."""
         from workbench.core.io_struct import UpdateWeightsFromTensorReq
         from workbench.core.managers.weight_updater import encode_named_tensors
-        req = UpdateWeightsFromTensorReq(tensors=encode_named_tensors(list(named_tensors)),
-                                         flush_cache=bool(flush_cache))
+
+        req = UpdateWeightsFromTensorReq(
+            tensors=encode_named_tensors(list(named_tensors)), flush_cache=bool(flush_cache)
+        )
         return _update_reply(self._run(self.tokenizer_manager.update_weights_from_tensor(req, abort_all_requests)))
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str = "gloo",
-                                  timeout_s: float = 600.0) -> dict:
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+        timeout_s: float = 600.0,
+    ) -> dict:
         """Join a trainer's process group (trainer = rank 0; this server's TP ranks from `rank_offset`).
 
         Blocks until every rank has joined, so the trainer must join at the same time
@@ -353,25 +432,42 @@ class Engine:
         each later broadcast fail after `timeout_s`.
         """
         from workbench.core.io_struct import InitWeightsUpdateGroupReq
-        req = InitWeightsUpdateGroupReq(master_address=master_address, master_port=int(master_port),
-                                        rank_offset=int(rank_offset), world_size=int(world_size),
-                                        group_name=group_name, backend=backend, timeout_s=float(timeout_s))
+
+        req = InitWeightsUpdateGroupReq(
+            master_address=master_address,
+            master_port=int(master_port),
+            rank_offset=int(rank_offset),
+            world_size=int(world_size),
+            group_name=group_name,
+            backend=backend,
+            timeout_s=float(timeout_s),
+        )
         return _update_reply(self._run(self.tokenizer_manager.init_weights_update_group(req)))
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
-                                        group_name: str = "weight_update_group",
-                                        flush_cache: bool = True, abort_all_requests: bool = False) -> dict:
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list,
+        shapes: list,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict:
         """Receive `names` (HF names) by broadcast from rank 0 of the group, in order, and load them.
 
         The trainer broadcasts the same tensors, in the same order, from rank 0 with
         `dist.broadcast(t, src=0, group=pg)` while this call runs.
         """
         from workbench.core.io_struct import UpdateWeightsFromDistributedReq
+
         req = UpdateWeightsFromDistributedReq(
-            names=list(names), dtypes=[str(d).replace("torch.", "") for d in dtypes],
-            shapes=[[int(x) for x in s] for s in shapes], group_name=group_name, flush_cache=bool(flush_cache))
-        return _update_reply(self._run(self.tokenizer_manager.update_weights_from_distributed(
-            req, abort_all_requests)))
+            names=list(names),
+            dtypes=[str(d).replace("torch.", "") for d in dtypes],
+            shapes=[[int(x) for x in s] for s in shapes],
+            group_name=group_name,
+            flush_cache=bool(flush_cache),
+        )
+        return _update_reply(self._run(self.tokenizer_manager.update_weights_from_distributed(req, abort_all_requests)))
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return _update_reply(self._run(self.tokenizer_manager.destroy_weights_update_group(group_name)))
@@ -403,12 +499,24 @@ class Engine:
                 continue
             role = sentinels[ready[0]]
             proc = self.procs[role]
-            reason = (f"the {role} process died (exit code {proc.exitcode}); the engine cannot serve "
-                      f"requests any more — restart it")
+            reason = (
+                f"the {role} process died (exit code {proc.exitcode}); the engine cannot serve "
+                f"requests any more — restart it"
+            )
             logger.error(reason)
             self.is_healthy = False
-            self.bus.publish_batch([ev.ProcExited(ts=time.monotonic_ns(), proc="engine", pid=proc.pid or 0,
-                                                  role=role, exitcode=proc.exitcode, reason=reason)])
+            self.bus.publish_batch(
+                [
+                    ev.ProcExited(
+                        ts=time.monotonic_ns(),
+                        proc="engine",
+                        pid=proc.pid or 0,
+                        role=role,
+                        exitcode=proc.exitcode,
+                        reason=reason,
+                    )
+                ]
+            )
             self.loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason)
             return
 
@@ -472,8 +580,9 @@ def _to_sampling_params(sp: Any) -> SamplingParams:
         raise ValueError("sampling_params must be a dict")
     unknown = set(sp) - _SAMPLING_KEYS
     if unknown:
-        raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}; "
-                         f"valid: {', '.join(sorted(_SAMPLING_KEYS))}")
+        raise ValueError(
+            f"unknown sampling parameter(s): {', '.join(sorted(unknown))}; valid: {', '.join(sorted(_SAMPLING_KEYS))}"
+        )
     try:
         return msgspec.convert(sp, SamplingParams, strict=False)
     except msgspec.ValidationError as exc:

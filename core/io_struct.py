@@ -3,6 +3,7 @@
 Every message is a msgspec Struct tagged with its class name and travels as
 msgpack over ZMQ (see ipc.py): typed on both ends, and never pickle.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -18,6 +19,7 @@ class Msg(msgspec.Struct, tag=True, kw_only=True):
 
 # ---- tokenizer manager -> scheduler -----------------------------------------
 
+
 class TokenizedGenerateReqInput(Msg):
     rid: str
     input_text: str
@@ -25,13 +27,13 @@ class TokenizedGenerateReqInput(Msg):
     sampling_params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    logprob_start_len: int = -1   # -1: no prompt logprobs
+    logprob_start_len: int = -1  # -1: no prompt logprobs
     stream: bool = False
-    arrival_ts: int = 0           # monotonic ns at the tokenizer manager
+    arrival_ts: int = 0  # monotonic ns at the tokenizer manager
 
 
 class AbortReq(Msg):
-    rid: str                      # "" aborts everything
+    rid: str  # "" aborts everything
 
 
 class FlushCacheReq(Msg):
@@ -61,23 +63,25 @@ class GetInternalStateReqOutput(Msg):
     max_running_requests: int
     max_req_input_len: int
     last_gen_throughput: float = 0.0
-    trace_ms: float = 0.0         # wall time the scheduler has spent in its own tracing code (bench trace)
-    num_threads: int = 0          # compute threads now (the adaptive policy may change it; see cpu_threads.py)
-    others_load: float = -1.0     # cores other processes kept busy in the last window (-1: not measured)
-    thread_probes: int = 0        # times the adaptive policy tried the other thread count
-    kv_check_error: str = ""      # --enable-kv-invariant-check: the last violation seen ("" = none)
+    trace_ms: float = 0.0  # wall time the scheduler has spent in its own tracing code (bench trace)
+    num_threads: int = 0  # compute threads now (the adaptive policy may change it; see cpu_threads.py)
+    others_load: float = -1.0  # cores other processes kept busy in the last window (-1: not measured)
+    thread_probes: int = 0  # times the adaptive policy tried the other thread count
+    kv_check_error: str = ""  # --enable-kv-invariant-check: the last violation seen ("" = none)
     # Data parallel: the fields above are summed over replicas; here each replica's own figures.
     per_replica: Optional[list[dict[str, Union[int, float]]]] = None
 
 
 class SetTraceReq(Msg):
     """Turn the scheduler's tracer on/off; on enable it emits a full snapshot."""
+
     enabled: bool
 
 
 class StepGateReq(Msg):
     """Pause the scheduler loop, resume it, or run exactly `steps` iterations while paused."""
-    action: str                   # "pause" | "resume" | "step"
+
+    action: str  # "pause" | "resume" | "step"
     steps: int = 1
 
 
@@ -88,7 +92,7 @@ class StepGateReqOutput(Msg):
 
 class UpdateWeightsFromDiskReq(Msg):
     model_path: str
-    flush_cache: bool = True      # False keeps the radix cache (KV computed with the old weights)
+    flush_cache: bool = True  # False keeps the radix cache (KV computed with the old weights)
 
 
 class UpdateWeightsReqOutput(Msg):
@@ -99,31 +103,35 @@ class UpdateWeightsReqOutput(Msg):
 
 class NamedTensorPayload(msgspec.Struct, kw_only=True):
     """One tensor on the wire: raw little-endian bytes (C order) plus dtype name and shape."""
+
     name: str
-    dtype: str                    # torch dtype name without "torch.", e.g. "float32", "bfloat16"
+    dtype: str  # torch dtype name without "torch.", e.g. "float32", "bfloat16"
     shape: list[int]
     data: bytes
 
 
 class UpdateWeightsFromTensorReq(Msg):
     """In-process weight push (a notebook): the tensors travel as bytes, never pickled."""
+
     tensors: list[NamedTensorPayload]
     flush_cache: bool = True
 
 
 class InitWeightsUpdateGroupReq(Msg):
     """Join a trainer's process group (the trainer is rank 0) to receive broadcast weights."""
+
     master_address: str
     master_port: int
     rank_offset: int
     world_size: int
     group_name: str = "weight_update_group"
     backend: str = "gloo"
-    timeout_s: float = 600.0      # joining, and each broadcast later, fails after this long
+    timeout_s: float = 600.0  # joining, and each broadcast later, fails after this long
 
 
 class UpdateWeightsFromDistributedReq(Msg):
     """Receive `names` by broadcast from rank 0 of `group_name`, in order, and load them."""
+
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -147,15 +155,17 @@ class GetWeightsByNameReqOutput(Msg):
 
 # ---- scheduler -> detokenizer -> tokenizer manager --------------------------
 
+
 class BatchTokenIDOut(Msg):
     """New tokens of the requests that produced output in one scheduler step.
 
     Per-request lists are aligned with `rids`. `new_token_ids` holds only the
     tokens produced since the previous message for that request.
     """
+
     rids: list[str]
     new_token_ids: list[list[int]]
-    finished_reasons: list[Optional[str]]     # None while running; "stop" | "length" | "abort"
+    finished_reasons: list[Optional[str]]  # None while running; "stop" | "length" | "abort"
     matched_stops: list[Optional[Union[int, str]]]
     prompt_tokens: list[int]
     completion_tokens: list[int]
@@ -172,6 +182,7 @@ class BatchTokenIDOut(Msg):
 
 class BatchStrOut(Msg):
     """BatchTokenIDOut with the incremental text of each request added."""
+
     rids: list[str]
     text_deltas: list[str]
     new_token_ids: list[list[int]]
@@ -187,11 +198,24 @@ class BatchStrOut(Msg):
 
 
 AnyMsg = Union[
-    TokenizedGenerateReqInput, AbortReq, FlushCacheReq, FlushCacheReqOutput,
-    GetInternalStateReq, GetInternalStateReqOutput, SetTraceReq, StepGateReq,
-    StepGateReqOutput, UpdateWeightsFromDiskReq, UpdateWeightsReqOutput,
-    GetWeightsByNameReq, GetWeightsByNameReqOutput, BatchTokenIDOut, BatchStrOut,
-    UpdateWeightsFromTensorReq, InitWeightsUpdateGroupReq, UpdateWeightsFromDistributedReq,
+    TokenizedGenerateReqInput,
+    AbortReq,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    SetTraceReq,
+    StepGateReq,
+    StepGateReqOutput,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsReqOutput,
+    GetWeightsByNameReq,
+    GetWeightsByNameReqOutput,
+    BatchTokenIDOut,
+    BatchStrOut,
+    UpdateWeightsFromTensorReq,
+    InitWeightsUpdateGroupReq,
+    UpdateWeightsFromDistributedReq,
     DestroyWeightsUpdateGroupReq,
 ]
 

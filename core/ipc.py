@@ -1,4 +1,5 @@
 """ZMQ plumbing: a private ipc:// directory, typed send/recv of io_struct messages."""
+
 from __future__ import annotations
 
 import os
@@ -15,11 +16,12 @@ from workbench.core.io_struct import Msg, decode_msg, encode_msg
 @dataclass
 class PortArgs:
     """The ipc:// endpoints that join the processes (one private directory per engine)."""
+
     ipc_dir: str
-    tokenizer_ipc_name: str        # detokenizer -> tokenizer manager (BatchStrOut) and control replies
+    tokenizer_ipc_name: str  # detokenizer -> tokenizer manager (BatchStrOut) and control replies
     scheduler_input_ipc_name: str  # tokenizer manager -> scheduler
-    detokenizer_ipc_name: str      # scheduler -> detokenizer
-    trace_ipc_name: str            # every child's Tracer -> the bus in the main process
+    detokenizer_ipc_name: str  # scheduler -> detokenizer
+    trace_ipc_name: str  # every child's Tracer -> the bus in the main process
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -28,9 +30,13 @@ class PortArgs:
         d = tempfile.mkdtemp(prefix="workbench-ipc-")
         os.chmod(d, 0o700)
         ep = lambda name: f"ipc://{os.path.join(d, name)}"  # noqa: E731
-        return cls(ipc_dir=d, tokenizer_ipc_name=ep("tokenizer"),
-                   scheduler_input_ipc_name=ep("scheduler"),
-                   detokenizer_ipc_name=ep("detokenizer"), trace_ipc_name=ep("trace"))
+        return cls(
+            ipc_dir=d,
+            tokenizer_ipc_name=ep("tokenizer"),
+            scheduler_input_ipc_name=ep("scheduler"),
+            detokenizer_ipc_name=ep("detokenizer"),
+            trace_ipc_name=ep("trace"),
+        )
 
     def endpoint(self, name: str) -> str:
         """Another ipc:// endpoint in this engine's private directory (e.g. per-replica sockets)."""
@@ -44,7 +50,7 @@ def get_zmq_socket(context: zmq.Context, socket_type: int, endpoint: str, bind: 
     sock = context.socket(socket_type)
     sock.setsockopt(zmq.LINGER, 0)
     if socket_type == zmq.PUSH:
-        sock.setsockopt(zmq.SNDHWM, 0)   # serving messages are never dropped
+        sock.setsockopt(zmq.SNDHWM, 0)  # serving messages are never dropped
     if socket_type == zmq.PULL:
         sock.setsockopt(zmq.RCVHWM, 0)
     if bind:

@@ -15,6 +15,7 @@ The host lives in the core (the scheduler looks policies up here) and imports no
 view: built-ins are named by module path and imported only when registering.
 Plugin authors import it as `workbench.plugins`, which re-exports this module.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -32,6 +33,7 @@ GROUP = "workbench.plugins"
 @dataclass
 class PanelSpec:
     """A TUI panel: `factory()` returns a Textual widget that renders a TraceState."""
+
     name: str
     title: str
     factory: Callable[[], Any]
@@ -42,6 +44,7 @@ class PanelSpec:
 @dataclass
 class ViewSpec:
     """A Jupyter view: `factory(source)` returns an ipywidget bound to a TraceState source."""
+
     name: str
     title: str
     factory: Callable[..., Any]
@@ -52,6 +55,7 @@ class ViewSpec:
 @dataclass
 class WorkloadSpec:
     """A workload generator: `factory(**options)` returns an object with `requests()`."""
+
     name: str
     factory: Callable[..., Any]
     help: str = ""
@@ -61,6 +65,7 @@ class WorkloadSpec:
 @dataclass
 class PolicySpec:
     """A scheduling policy: `factory(tree_cache)` returns an object with `calc_priority(waiting_queue)`."""
+
     name: str
     factory: Callable[..., Any]
     help: str = ""
@@ -82,7 +87,7 @@ class PluginRegistry:
         self.views: dict[str, ViewSpec] = {}
         self.workloads: dict[str, WorkloadSpec] = {}
         self.policies: dict[str, PolicySpec] = {}
-        self.missing: list[tuple[str, str]] = []     # (module, why) of built-in parts not loaded
+        self.missing: list[tuple[str, str]] = []  # (module, why) of built-in parts not loaded
         self.plugins: list[PluginInfo] = []
         self._current: Optional[PluginInfo] = None
 
@@ -109,8 +114,9 @@ class PluginRegistry:
         """A built-in part that could not be imported (an optional extra not installed)."""
         self.missing.append((module, why))
 
-    def load(self, register: Callable[["PluginRegistry"], None], name: str, module: str,
-             distribution: str = "") -> PluginInfo:
+    def load(
+        self, register: Callable[["PluginRegistry"], None], name: str, module: str, distribution: str = ""
+    ) -> PluginInfo:
         """Run one plugin's register function, recording (not raising) its failure."""
         info = PluginInfo(name=name, module=module, distribution=distribution)
         self._current = info

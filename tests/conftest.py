@@ -1,4 +1,5 @@
 """Shared fixtures: the real default model, loaded once per test session."""
+
 from __future__ import annotations
 
 import inspect
@@ -19,12 +20,14 @@ os.environ.setdefault("WORKBENCH_KV_INVARIANT_CHECK", "1")
 @pytest.fixture(scope="session")
 def default_prepared():
     from workbench.core.model_loader import prepare_model
+
     return prepare_model(None, progress=False)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(default_prepared):
     from workbench.core.model_loader import load_tokenizer
+
     return load_tokenizer(default_prepared.model_dir)
 
 
@@ -32,23 +35,25 @@ def tokenizer(default_prepared):
 def runner_fp32(default_prepared):
     from workbench.core.args import ServerArgs
     from workbench.core.model_executor.model_runner import ModelRunner
-    return ModelRunner(ServerArgs(dtype="float32", max_total_tokens=16384, show_progress=False),
-                       prepared=default_prepared)
+
+    return ModelRunner(
+        ServerArgs(dtype="float32", max_total_tokens=16384, show_progress=False), prepared=default_prepared
+    )
 
 
 @pytest.fixture(scope="session")
 def hf_model(default_prepared):
     """transformers' own Llama on the same (converted) weights: the reference."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(default_prepared.model_dir, dtype=torch.float32)
-    model.generation_config.eos_token_id = None   # generate exactly max_new_tokens
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
     model.generation_config.pad_token_id = 0
     return model.eval()
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if not isinstance(ids, list) else ids)
 
 
@@ -64,7 +69,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
             if mid == id(model) and p == key[1] and n >= max_new_tokens:
                 return toks[:max_new_tokens]
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
-        _HF_MEMO[key] = out[0, len(prompt):].tolist()
+        _HF_MEMO[key] = out[0, len(prompt) :].tolist()
     return _HF_MEMO[key]
 
 
@@ -75,9 +80,15 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 # `@pytest.mark.e2e` marks one by hand; `@pytest.mark.fast` keeps a quick subprocess test (ruff) in the
 # fast tier. The rest (unit tests, the in-process scheduler tests, kernels, tiny models) is the fast tier.
 E2E_FILES = {
-    "test_browser_dashboard.py", "test_notebooks.py", "test_tui_tmux.py",                 # browser, kernels, tmux
-    "test_reliability_load.py", "test_reliability_faults.py", "test_fuzz_http.py",        # load, faults, fuzz
-    "test_tensor_parallel.py", "test_served_peer.py", "test_llamacpp_peer.py",             # TP, peers
+    "test_browser_dashboard.py",
+    "test_notebooks.py",
+    "test_tui_tmux.py",  # browser, kernels, tmux
+    "test_reliability_load.py",
+    "test_reliability_faults.py",
+    "test_fuzz_http.py",  # load, faults, fuzz
+    "test_tensor_parallel.py",
+    "test_served_peer.py",
+    "test_llamacpp_peer.py",  # TP, peers
 }
 # Fixtures that load the real model beside transformers' reference (minutes on a busy 2-core machine).
 E2E_FIXTURES = {"hf_model", "runner_fp32"}
@@ -124,23 +135,29 @@ def _starts_processes(obj, cache: dict) -> bool:
 
 def pytest_configure(config):
     # Registered here rather than in pyproject.toml: editing that file makes `make` reinstall the venv.
-    config.addinivalue_line("markers", "e2e: end to end (engines, servers, processes, notebooks, browser, "
-                                       "tmux): only in the full tier (make test-full); tests/conftest.py marks them")
+    config.addinivalue_line(
+        "markers",
+        "e2e: end to end (engines, servers, processes, notebooks, browser, "
+        "tmux): only in the full tier (make test-full); tests/conftest.py marks them",
+    )
     config.addinivalue_line("markers", "fast: in the fast tier although it runs a subprocess (a quick tool, e.g. ruff)")
 
 
-@pytest.hookimpl(tryfirst=True)          # before -m deselects by marker
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     cache: dict = {}
     for item in items:
         if item.get_closest_marker("e2e") is not None or item.get_closest_marker("fast") is not None:
             continue
-        e2e = (item.path.name in E2E_FILES or f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in E2E_TESTS
-               or bool(E2E_FIXTURES & set(getattr(item, "fixturenames", ()))))
+        e2e = (
+            item.path.name in E2E_FILES
+            or f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in E2E_TESTS
+            or bool(E2E_FIXTURES & set(getattr(item, "fixturenames", ())))
+        )
         if not e2e and getattr(item, "function", None) is not None:
             e2e = _starts_processes(item.function, cache)
             infos = getattr(item, "_fixtureinfo", None)
-            for defs in (infos.name2fixturedefs.values() if infos else ()):
+            for defs in infos.name2fixturedefs.values() if infos else ():
                 if e2e:
                     break
                 e2e = any(_starts_processes(d.func, cache) for d in defs if d.baseid)
@@ -161,18 +178,27 @@ def _tier(config) -> str:
 def pytest_terminal_summary(terminalreporter):
     """The run's wall time and tier (and the load beside it), then the reliability figures."""
     import sys
+
     wall = time.time() - _process_start()
     n = sum(len(terminalreporter.stats.get(k, [])) for k in ("passed", "failed", "error", "skipped"))
     load = "?" if _LOAD0 is None else f"{_LOAD0[0]:.1f} at start, {os.getloadavg()[0]:.1f} at the end"
-    terminalreporter.write_sep("=", f"{_tier(terminalreporter.config)}: {n} tests in {wall / 60:.1f} min "
-                               f"({wall:.0f} s wall); load average {load}; {os.cpu_count()} cores")
+    terminalreporter.write_sep(
+        "=",
+        f"{_tier(terminalreporter.config)}: {n} tests in {wall / 60:.1f} min "
+        f"({wall:.0f} s wall); load average {load}; {os.cpu_count()} cores",
+    )
     rel = sys.modules.get("reliability_helpers")
     if rel is None or not any(rel.STATS.values()):
         return
-    failed = [r for key in ("failed", "error") for r in terminalreporter.stats.get(key, [])
-              if any(f in r.nodeid for f in rel.RELIABILITY_FILES)]
+    failed = [
+        r
+        for key in ("failed", "error")
+        for r in terminalreporter.stats.get(key, [])
+        if any(f in r.nodeid for f in rel.RELIABILITY_FILES)
+    ]
     s = rel.STATS
     terminalreporter.write_sep("=", "Reliability")
     terminalreporter.write_line(
         f"requests {s['requests']} | faults injected {s['faults']} | fuzz cases {s['fuzz_cases']} | "
-        f"unexpected outcomes {s['unexpected']} | failures {len(failed)}")
+        f"unexpected outcomes {s['unexpected']} | failures {len(failed)}"
+    )

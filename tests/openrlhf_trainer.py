@@ -6,14 +6,14 @@ engine meets a trainer that never heard of this project. The recipe (OpenRLHF's
 URL, prefix the store with the group name, let torch's process-group helper build and
 register the group, then `dist.broadcast(t, src=0, group=pg)` for every tensor.
 """
+
 from __future__ import annotations
 
 import datetime
 from pathlib import Path
 
 
-def init_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                       timeout_s: float):
+def init_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float):
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
@@ -21,14 +21,16 @@ def init_process_group(backend: str, init_method: str, world_size: int, rank: in
     store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
-                                      group_name=group_name, timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], dist.Backend(backend), store, group_name=group_name, timeout=timeout
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
 
-def trainer_main(model_dir: str, port: int, world_size: int, group_name: str, perturb: str, timeout_s: float,
-                 result_q, done) -> None:
+def trainer_main(
+    model_dir: str, port: int, world_size: int, group_name: str, perturb: str, timeout_s: float, result_q, done
+) -> None:
     """Rank 0: build the group, broadcast every weight of `model_dir` (some perturbed), report.
 
     `perturb` names a function `module:function(state) -> {name: tensor}` giving the new

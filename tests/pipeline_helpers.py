@@ -1,4 +1,5 @@
 """Helpers shared by the pipeline tests: the KV leak check, trace collection, an in-process server."""
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,9 @@ def drain_events(sub, settle: float = 0.3, until=None, timeout: float = 30.0) ->
     out = []
     deadline = time.monotonic() + timeout
     quiet_since = time.monotonic()
-    while (time.monotonic() - quiet_since < settle
-           or (until is not None and not until(out) and time.monotonic() < deadline)):
+    while time.monotonic() - quiet_since < settle or (
+        until is not None and not until(out) and time.monotonic() < deadline
+    ):
         got = sub.drain()
         if got:
             out.extend(got)
@@ -56,6 +58,7 @@ def served_engine(**engine_kwargs):
     (engine, base_url) and stops both afterwards."""
     from workbench.core.engine import Engine
     from workbench.core.entrypoints.http_server import bind_socket, start_server
+
     engine = Engine(show_progress=False, **engine_kwargs)
     try:
         running = start_server(engine, engine.server_args, bind_socket("127.0.0.1", 0))

@@ -9,6 +9,7 @@
   free, no request state is left in the TokenizerManager, and a cache flush
   empties the pool.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,7 @@ import httpx
 # Figures for the end-of-run summary; every reliability test adds to them.
 STATS: dict[str, int] = {"requests": 0, "faults": 0, "fuzz_cases": 0, "unexpected": 0}
 
-RELIABILITY_FILES = ("test_reliability_load.py", "test_reliability_faults.py", "test_fuzz_http.py",
-                     "test_security.py")
+RELIABILITY_FILES = ("test_reliability_load.py", "test_reliability_faults.py", "test_fuzz_http.py", "test_security.py")
 
 
 def count(key: str, n: int = 1) -> None:
@@ -33,11 +33,13 @@ def count(key: str, n: int = 1) -> None:
 
 # ---------------------------------------------------------------- references
 
+
 @dataclass(frozen=True)
 class Reference:
     """A request's full continuation at `max_new_tokens` (token ids and how it ended)."""
+
     output_ids: tuple[int, ...]
-    finish: str                     # "stop" or "length"
+    finish: str  # "stop" or "length"
     max_new_tokens: int
 
     def expect(self, k: int) -> tuple[list[int], str]:
@@ -51,11 +53,13 @@ class Reference:
         return list(self.output_ids[:k]), "length"
 
 
-def fetch_reference(client: httpx.Client, input_ids: list[int], sampling: dict[str, Any],
-                    headers: Optional[dict] = None) -> Reference:
+def fetch_reference(
+    client: httpx.Client, input_ids: list[int], sampling: dict[str, Any], headers: Optional[dict] = None
+) -> Reference:
     """The server's own /generate answer for `input_ids` (non-streaming)."""
-    r = client.post("/generate", json={"input_ids": input_ids, "sampling_params": sampling}, headers=headers,
-                    timeout=300)
+    r = client.post(
+        "/generate", json={"input_ids": input_ids, "sampling_params": sampling}, headers=headers, timeout=300
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     finish = body["meta_info"]["finish_reason"]["type"]
@@ -65,14 +69,16 @@ def fetch_reference(client: httpx.Client, input_ids: list[int], sampling: dict[s
 
 # ---------------------------------------------------------------- HTTP
 
+
 @dataclass
 class Outcome:
     """One HTTP exchange as plain data."""
+
     status: int
-    body: Any = None                        # parsed JSON (non-streaming)
-    events: list[Any] = field(default_factory=list)   # parsed SSE events (streaming), [DONE] excluded
-    done: bool = False                      # the stream ended with [DONE]
-    error: Optional[str] = None             # transport error, if any
+    body: Any = None  # parsed JSON (non-streaming)
+    events: list[Any] = field(default_factory=list)  # parsed SSE events (streaming), [DONE] excluded
+    done: bool = False  # the stream ended with [DONE]
+    error: Optional[str] = None  # transport error, if any
 
 
 async def post(client: httpx.AsyncClient, path: str, body: Any, stream: bool, **kw) -> Outcome:
@@ -94,7 +100,7 @@ async def post(client: httpx.AsyncClient, path: str, body: Any, stream: bool, **
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     out.done = True
                 else:
@@ -135,6 +141,7 @@ def generate_result(out: Outcome) -> tuple[list[int], Optional[str]]:
 
 # ---------------------------------------------------------------- server state
 
+
 def server_info(url: str, headers: Optional[dict] = None) -> dict:
     r = httpx.get(url + "/get_server_info", headers=headers, timeout=60)
     assert r.status_code == 200, r.text
@@ -156,11 +163,14 @@ def wait_for(cond, timeout: float = 60.0, what: str = "condition", interval: flo
 def assert_server_clean(url: str, headers: Optional[dict] = None, timeout: float = 60.0) -> dict:
     """Idle: no request state left, every request row free, every KV slot free or cached;
     after /flush_cache every KV slot is free."""
+
     def idle():
         info = server_info(url, headers)
         st = info["internal_state"]
-        return (info if info["num_inflight_requests"] == 0 and st["num_running"] == 0
-                and st["num_waiting"] == 0 else None)
+        return (
+            info if info["num_inflight_requests"] == 0 and st["num_running"] == 0 and st["num_waiting"] == 0 else None
+        )
+
     info = wait_for(idle, timeout, "the server to go idle")
     st = info["internal_state"]
     assert st["kv_free"] + st["kv_evictable"] == st["kv_total"], f"KV slots leaked: {st}"
@@ -179,6 +189,7 @@ def gather_bounded(coros, limit: int):
     async def one(c):
         async with sem:
             return await c
+
     return asyncio.gather(*(one(c) for c in coros))
 
 
@@ -196,6 +207,7 @@ class BackgroundLoad:
 
         def run():
             self._outs = asyncio.run(send_all())
+
         self._thread = threading.Thread(target=run, name="background-load")
         self._thread.start()
 

@@ -18,6 +18,7 @@ wrong slots or a slot reused while still referenced changes the tokens, and `exp
 (the same rule over a plain list) is the reference. Slots given back to the allocator are
 poisoned; reading one yields POISON, which the rule never produces.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -39,8 +40,8 @@ from workbench.core.trace.tracer import Tracer
 
 VOCAB = 1000
 EOS = 2
-POISON = 1                 # what a pass "samples" after reading a freed or never-written KV slot
-_FIRST = 3                 # the rule's tokens are in [_FIRST, VOCAB): never EOS, never POISON
+POISON = 1  # what a pass "samples" after reading a freed or never-written KV slot
+_FIRST = 3  # the rule's tokens are in [_FIRST, VOCAB): never EOS, never POISON
 
 
 def next_token(seq: list[int]) -> int:
@@ -83,7 +84,7 @@ class StandInRunner:
         self.max_total_num_tokens = tokens
         self.max_running_requests = server_args.max_running_requests
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, context_len + 8)
-        self.kv_tokens = torch.full((tokens + 1,), -1, dtype=torch.int64)     # slot -> token id written
+        self.kv_tokens = torch.full((tokens + 1,), -1, dtype=torch.int64)  # slot -> token id written
         self.token_to_kv_pool_allocator = PoisoningAllocator(tokens, self.kv_tokens)
         self.device = "cpu"
         self.dtype = torch.float32
@@ -102,26 +103,28 @@ class StandInWorker:
     def __init__(self, runner: StandInRunner):
         self.model_runner = runner
         self.tp_rank = 0
-        self.passes: list[tuple[str, list[int]]] = []     # (mode, extend lengths) of every pass
+        self.passes: list[tuple[str, list[int]]] = []  # (mode, extend lengths) of every pass
 
     def forward_batch(self, mwb) -> ForwardOutput:
         r = self.model_runner
-        r.kv_tokens[mwb.out_cache_loc] = mwb.input_ids          # "write K/V" of this pass's tokens
+        r.kv_tokens[mwb.out_cache_loc] = mwb.input_ids  # "write K/V" of this pass's tokens
         table = r.req_to_token_pool.req_to_token
         ids = []
         for row, seq_len in zip(mwb.req_pool_indices.tolist(), mwb.seq_lens_cpu):
-            seq = r.kv_tokens[table[row, :seq_len]].tolist()    # "attend" over the row's KV
+            seq = r.kv_tokens[table[row, :seq_len]].tolist()  # "attend" over the row's KV
             ids.append(POISON if min(seq, default=0) < 0 else next_token(seq))
-        self.passes.append(("decode" if mwb.forward_mode == ForwardMode.DECODE else "extend",
-                            list(mwb.extend_seq_lens_cpu)))
+        self.passes.append(
+            ("decode" if mwb.forward_mode == ForwardMode.DECODE else "extend", list(mwb.extend_seq_lens_cpu))
+        )
         next_ids = torch.tensor(ids, dtype=torch.int64)
         logits = LogitsOutput(next_token_logits=torch.zeros((len(ids), 1)))
         return ForwardOutput(logits, SamplerOutput(next_token_ids=next_ids), None)
 
     def forward_batch_generation(self, mwb) -> GenerationBatchResult:
         out = self.forward_batch(mwb)
-        return GenerationBatchResult(out.logits_output, out.sampler_output,
-                                     out.sampler_output.next_token_ids.tolist(), 0.0, None)
+        return GenerationBatchResult(
+            out.logits_output, out.sampler_output, out.sampler_output.next_token_ids.tolist(), 0.0, None
+        )
 
 
 class ListIO:
@@ -161,7 +164,7 @@ class SchedulerHarness:
         if overlap:
             self.s.init_overlap_worker()
         self.check = check
-        self.batches: list[tuple[str, list[tuple[str, int]]]] = []    # (mode, [(rid, extend_len)])
+        self.batches: list[tuple[str, list[tuple[str, int]]]] = []  # (mode, [(rid, extend_len)])
         self.out: dict[str, list[int]] = {}
         self.finish: dict[str, Optional[str]] = {}
         self.cached: dict[str, int] = {}
@@ -171,8 +174,9 @@ class SchedulerHarness:
     # ---- input ---------------------------------------------------------------------
     def submit(self, rid: str, prompt: list[int], max_new_tokens: int = 4, **sp) -> None:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, **sp)
-        self.io.inbox.append(TokenizedGenerateReqInput(rid=rid, input_text="", input_ids=list(prompt),
-                                                       sampling_params=params))
+        self.io.inbox.append(
+            TokenizedGenerateReqInput(rid=rid, input_text="", input_ids=list(prompt), sampling_params=params)
+        )
 
     def send(self, msg) -> None:
         self.io.inbox.append(msg)
@@ -184,7 +188,7 @@ class SchedulerHarness:
         step = s.forward_ct
         (s.step_overlap if self.overlap else s.step_normal)()
         self._collect()
-        b = s.last_batch if s.forward_ct != step else None     # a paused iteration leaves last_batch as is
+        b = s.last_batch if s.forward_ct != step else None  # a paused iteration leaves last_batch as is
         desc = None
         if b is not None:
             mode = "decode" if b.forward_mode == ForwardMode.DECODE else "extend"
@@ -198,7 +202,7 @@ class SchedulerHarness:
         for _ in range(limit):
             self.step()
             if not self.s.has_work() and not self.io.inbox:
-                self.step()          # the idle iteration (runs the idle-time check when enabled)
+                self.step()  # the idle iteration (runs the idle-time check when enabled)
                 return
         raise AssertionError(f"the scheduler did not drain in {limit} steps")
 
@@ -234,5 +238,15 @@ class SchedulerHarness:
         assert counts["free"] + counts["evictable"] == counts["total"], counts
 
 
-__all__ = ["SchedulerHarness", "StandInWorker", "StandInRunner", "ListIO", "expected_tokens", "next_token",
-           "POISON", "EOS", "VOCAB", "ev"]
+__all__ = [
+    "SchedulerHarness",
+    "StandInWorker",
+    "StandInRunner",
+    "ListIO",
+    "expected_tokens",
+    "next_token",
+    "POISON",
+    "EOS",
+    "VOCAB",
+    "ev",
+]

@@ -8,6 +8,7 @@ batched decode), queue.state, kv.usage, cache.match/insert/evict and periodic
 cache.tree snapshots. With `reorder=True` the tokenizer's req.finished is
 delivered before the scheduler's batch for the same step, as happens live.
 """
+
 from __future__ import annotations
 
 import random
@@ -33,14 +34,24 @@ class _SimReq:
     steps: list = field(default_factory=list)
 
 
-def synthetic_trace(n_requests: int = 6, seed: int = 0, chunk_size: int = 32, max_running: int = 3,
-                    shared_prefix: int = 16, kv_total: int = 400, t0: int = 10**12,
-                    step_ms: float = 20.0, reorder: bool = True) -> list[ev.Event]:
+def synthetic_trace(
+    n_requests: int = 6,
+    seed: int = 0,
+    chunk_size: int = 32,
+    max_running: int = 3,
+    shared_prefix: int = 16,
+    kv_total: int = 400,
+    t0: int = 10**12,
+    step_ms: float = 20.0,
+    reorder: bool = True,
+) -> list[ev.Event]:
     """Events of a simulated run in delivery order. Every request finishes with
     exactly its max_new_tokens ("length"), so totals are easy to check."""
     rng = random.Random(seed)
-    reqs = [_SimReq(f"r{i}", arrive_step=i * 2 // 3, prompt=rng.randint(24, 90), max_new=rng.randint(2, 6))
-            for i in range(n_requests)]
+    reqs = [
+        _SimReq(f"r{i}", arrive_step=i * 2 // 3, prompt=rng.randint(24, 90), max_new=rng.randint(2, 6))
+        for i in range(n_requests)
+    ]
     out: list[ev.Event] = []
     ns = lambda ms: int(ms * 1e6)  # noqa: E731
     t = t0
@@ -59,30 +70,63 @@ def synthetic_trace(n_requests: int = 6, seed: int = 0, chunk_size: int = 32, ma
         for r in reqs:
             if r.arrive_step == step:
                 r.arrival_ts = t - ns(step_ms * 0.98)
-                out.append(ev.ReqArrived(ts=r.arrival_ts, proc="tokenizer", rid=r.rid,
-                                         prompt_preview=f"prompt of {r.rid}"))
-                out.append(ev.ReqTokenized(ts=r.arrival_ts + ns(0.1), proc="tokenizer", rid=r.rid,
-                                           prompt_tokens=r.prompt, max_new_tokens=r.max_new))
+                out.append(
+                    ev.ReqArrived(ts=r.arrival_ts, proc="tokenizer", rid=r.rid, prompt_preview=f"prompt of {r.rid}")
+                )
+                out.append(
+                    ev.ReqTokenized(
+                        ts=r.arrival_ts + ns(0.1),
+                        proc="tokenizer",
+                        rid=r.rid,
+                        prompt_tokens=r.prompt,
+                        max_new_tokens=r.max_new,
+                    )
+                )
                 waiting.append(r)
-                out.append(ev.ReqQueued(ts=t - ns(step_ms * 0.95), proc="scheduler", step=step, rid=r.rid,
-                                        prompt_tokens=r.prompt, queue_len=len(waiting)))
+                out.append(
+                    ev.ReqQueued(
+                        ts=t - ns(step_ms * 0.95),
+                        proc="scheduler",
+                        step=step,
+                        rid=r.rid,
+                        prompt_tokens=r.prompt,
+                        queue_len=len(waiting),
+                    )
+                )
         sched: list[ev.Event] = []
         tok: list[ev.Event] = []
         if chunked is None and waiting and len(running) < max_running:
             chunked = waiting.pop(0)
             chunked.hit = shared_prefix if prefix_node is not None else 0
             chunked.num_chunks = -(-(chunked.prompt - chunked.hit) // chunk_size)
-            sched.append(ev.CacheMatch(ts=t - ns(step_ms * 0.9), proc="scheduler", step=step, rid=chunked.rid,
-                                       matched=chunked.hit, prompt_tokens=chunked.prompt))
+            sched.append(
+                ev.CacheMatch(
+                    ts=t - ns(step_ms * 0.9),
+                    proc="scheduler",
+                    step=step,
+                    rid=chunked.rid,
+                    matched=chunked.hit,
+                    prompt_tokens=chunked.prompt,
+                )
+            )
         step_reqs: list[ev.StepReq] = []
         sampled: list[_SimReq] = []
         if chunked is not None:
             r = chunked
             n = min(chunk_size, r.prompt - r.hit - r.done_prefill)
             cached = r.hit + r.done_prefill
-            sched.append(ev.ReqScheduled(ts=t - ns(step_ms * 0.85), proc="scheduler", step=step, rid=r.rid,
-                                         prefix_hit=r.hit, extend_len=n, chunk_index=r.chunk,
-                                         num_chunks=r.num_chunks))
+            sched.append(
+                ev.ReqScheduled(
+                    ts=t - ns(step_ms * 0.85),
+                    proc="scheduler",
+                    step=step,
+                    rid=r.rid,
+                    prefix_hit=r.hit,
+                    extend_len=n,
+                    chunk_index=r.chunk,
+                    num_chunks=r.num_chunks,
+                )
+            )
             step_reqs.append(ev.StepReq(r.rid, cached, n, 0, r.chunk, r.num_chunks))
             r.done_prefill += n
             r.chunk += 1
@@ -109,46 +153,106 @@ def synthetic_trace(n_requests: int = 6, seed: int = 0, chunk_size: int = 32, ma
             if prefix_node is None:
                 prefix_node = next_node
                 tree[prefix_node] = ev.TreeNode(prefix_node, 0, shared_prefix, "System:", 0, 0, t)
-                sched.append(ev.CacheInsert(ts=t, proc="scheduler", step=step, node_id=prefix_node,
-                                            parent_id=0, tokens=shared_prefix, text="System:"))
+                sched.append(
+                    ev.CacheInsert(
+                        ts=t,
+                        proc="scheduler",
+                        step=step,
+                        node_id=prefix_node,
+                        parent_id=0,
+                        tokens=shared_prefix,
+                        text="System:",
+                    )
+                )
                 next_node += 1
             parent = prefix_node
             r.node = next_node
             toks = r.prompt + r.out - 1 - shared_prefix
             tree[r.node] = ev.TreeNode(r.node, parent, toks, r.rid, 0, 0, t)
-            sched.append(ev.CacheInsert(ts=t, proc="scheduler", step=step, node_id=r.node,
-                                        parent_id=parent, tokens=toks, text=r.rid))
+            sched.append(
+                ev.CacheInsert(
+                    ts=t, proc="scheduler", step=step, node_id=r.node, parent_id=parent, tokens=toks, text=r.rid
+                )
+            )
             next_node += 1
             e2e = (t + ns(3) - r.arrival_ts) / 1e9
             ttft = (r.first_ts - r.arrival_ts) / 1e9
-            tok.append(ev.ReqFinished(ts=t + ns(3), proc="tokenizer", rid=r.rid, reason="length",
-                                      prompt_tokens=r.prompt, completion_tokens=r.out,
-                                      cached_tokens=r.hit, ttft=ttft,
-                                      tpot=(e2e - ttft) / max(r.out - 1, 1), e2e=e2e))
+            tok.append(
+                ev.ReqFinished(
+                    ts=t + ns(3),
+                    proc="tokenizer",
+                    rid=r.rid,
+                    reason="length",
+                    prompt_tokens=r.prompt,
+                    completion_tokens=r.out,
+                    cached_tokens=r.hit,
+                    ttft=ttft,
+                    tpot=(e2e - ttft) / max(r.out - 1, 1),
+                    e2e=e2e,
+                )
+            )
         cached_total = sum(n.tokens for n in tree.values())
         if cached_total > kv_total // 2:
-            leaves = [n for n in tree.values() if n.node_id not in (0, prefix_node)
-                      and not any(c.parent_id == n.node_id for c in tree.values())]
+            leaves = [
+                n
+                for n in tree.values()
+                if n.node_id not in (0, prefix_node) and not any(c.parent_id == n.node_id for c in tree.values())
+            ]
             victim = min(leaves, key=lambda n: n.node_id) if leaves else None
         else:
             victim = None
         if victim is not None:
             del tree[victim.node_id]
-            sched.append(ev.CacheEvict(ts=t, proc="scheduler", step=step, node_ids=[victim.node_id],
-                                       tokens=victim.tokens))
-        sched.append(ev.BatchStep(ts=t, proc="scheduler", step=step, mode=mode, reqs=step_reqs,
-                                  batch_size=len(step_reqs), padded_size=len(step_reqs),
-                                  schedule_ms=0.5, forward_ms=step_ms * 0.8))
-        sched.append(ev.QueueState(ts=t, proc="scheduler", step=step, waiting=[r.rid for r in waiting],
-                                   running=[r.rid for r in running],
-                                   chunked=[chunked.rid] if chunked else []))
+            sched.append(
+                ev.CacheEvict(ts=t, proc="scheduler", step=step, node_ids=[victim.node_id], tokens=victim.tokens)
+            )
+        sched.append(
+            ev.BatchStep(
+                ts=t,
+                proc="scheduler",
+                step=step,
+                mode=mode,
+                reqs=step_reqs,
+                batch_size=len(step_reqs),
+                padded_size=len(step_reqs),
+                schedule_ms=0.5,
+                forward_ms=step_ms * 0.8,
+            )
+        )
+        sched.append(
+            ev.QueueState(
+                ts=t,
+                proc="scheduler",
+                step=step,
+                waiting=[r.rid for r in waiting],
+                running=[r.rid for r in running],
+                chunked=[chunked.rid] if chunked else [],
+            )
+        )
         used = sum(r.prompt + r.out for r in running) + (chunked.done_prefill if chunked else 0)
         cached_total = sum(n.tokens for n in tree.values())
-        sched.append(ev.KVUsage(ts=t, proc="scheduler", step=step, used=used, evictable=cached_total,
-                                free=kv_total - used - cached_total, total=kv_total))
+        sched.append(
+            ev.KVUsage(
+                ts=t,
+                proc="scheduler",
+                step=step,
+                used=used,
+                evictable=cached_total,
+                free=kv_total - used - cached_total,
+                total=kv_total,
+            )
+        )
         if step % 5 == 4:
-            sched.append(ev.CacheTree(ts=t, proc="scheduler", step=step, nodes=list(tree.values()),
-                                      evictable_size=cached_total, protected_size=0))
+            sched.append(
+                ev.CacheTree(
+                    ts=t,
+                    proc="scheduler",
+                    step=step,
+                    nodes=list(tree.values()),
+                    evictable_size=cached_total,
+                    protected_size=0,
+                )
+            )
         finishes = [e for e in tok if isinstance(e, ev.ReqFinished)]
         others = [e for e in tok if not isinstance(e, ev.ReqFinished)]
         # Live, the tokenizer's req.finished can reach the bus before the scheduler's batch.

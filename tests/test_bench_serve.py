@@ -2,6 +2,7 @@
 the load generator's accounting (completions, failures, token counts, ITL samples),
 its concurrency cap, the shared-prefix dataset, Poisson arrivals, JSON output and
 the CLI wiring. The stub's fixed sleeps only give lower bounds, never timings."""
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,9 @@ class Stub:
             n = self.posts
             self.bodies.append(body)
             if n % 4 == 0:
-                return JSONResponse({"error": {"message": "boom", "type": "x", "param": None, "code": None}},
-                                    status_code=500)
+                return JSONResponse(
+                    {"error": {"message": "boom", "type": "x", "param": None, "code": None}}, status_code=500
+                )
             prompt = body["messages"][-1]["content"] if chat else body["prompt"]
 
             async def gen():
@@ -56,15 +58,22 @@ class Stub:
                     for i in range(body["max_tokens"]):
                         if i:
                             await asyncio.sleep(0.002)
-                        choice = ({"index": 0, "delta": {"content": "x"}, "finish_reason": None} if chat
-                                  else {"index": 0, "text": "x", "finish_reason": None})
+                        choice = (
+                            {"index": 0, "delta": {"content": "x"}, "finish_reason": None}
+                            if chat
+                            else {"index": 0, "text": "x", "finish_reason": None}
+                        )
                         yield f"data: {json.dumps({'choices': [choice]})}\n\n"
-                    usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": body["max_tokens"],
-                             "total_tokens": 0}
+                    usage = {
+                        "prompt_tokens": len(prompt.split()),
+                        "completion_tokens": body["max_tokens"],
+                        "total_tokens": 0,
+                    }
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
                     self.inflight -= 1
+
             return StreamingResponse(gen(), media_type="text/event-stream")
 
         @app.post("/v1/completions")
@@ -79,8 +88,7 @@ class Stub:
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
-                                       daemon=True)
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])), daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started and time.monotonic() < deadline:
@@ -114,8 +122,16 @@ def bench_args(**kw) -> argparse.Namespace:
 def test_concurrency_failures_and_token_accounting(stub, tmp_path):
     stub.reset()
     out = tmp_path / "res.json"
-    args = bench_args(base_url=stub.url, num_prompts=12, max_concurrency=3, tokenizer="none",
-                      random_input_len=20, random_output_len=5, output_json=str(out), disable_tqdm=True)
+    args = bench_args(
+        base_url=stub.url,
+        num_prompts=12,
+        max_concurrency=3,
+        tokenizer="none",
+        random_input_len=20,
+        random_output_len=5,
+        output_json=str(out),
+        disable_tqdm=True,
+    )
     res = sb.run_serve_bench(args)
     # 1 warm-up + 12 requests; POSTs 4, 8, 12 fail
     assert stub.posts == 13
@@ -127,18 +143,19 @@ def test_concurrency_failures_and_token_accounting(stub, tmp_path):
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         d = res[key]
         assert d["p50"] <= d["p90"] <= d["p99"]
-    assert res["ttft_ms"]["p50"] >= FIRST_TOKEN_DELAY * 1000      # a lower bound from the stub's sleep
+    assert res["ttft_ms"]["p50"] >= FIRST_TOKEN_DELAY * 1000  # a lower bound from the stub's sleep
     assert res["e2e_ms"]["p50"] >= res["ttft_ms"]["p50"] * 0.99
     assert res["output_throughput"] > 0 and res["request_throughput"] > 0
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
-    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["ignore_eos"]
-               for b in stub.bodies)
+    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["ignore_eos"] for b in stub.bodies)
 
 
 def test_itl_samples_and_summary_from_results():
-    rs = [sb.RequestResult(ok=True, ttft=0.1, e2e=0.5, itl=[0.1] * 4, input_tokens=10, output_tokens=5, chunks=5),
-          sb.RequestResult(ok=True, ttft=0.3, e2e=0.7, itl=[0.2] * 2, input_tokens=10, output_tokens=3, chunks=3),
-          sb.RequestResult(ok=False, error="HTTP 503: x")]
+    rs = [
+        sb.RequestResult(ok=True, ttft=0.1, e2e=0.5, itl=[0.1] * 4, input_tokens=10, output_tokens=5, chunks=5),
+        sb.RequestResult(ok=True, ttft=0.3, e2e=0.7, itl=[0.2] * 2, input_tokens=10, output_tokens=3, chunks=3),
+        sb.RequestResult(ok=False, error="HTTP 503: x"),
+    ]
     s = sb.summarize(rs, duration=2.0)
     assert s["completed"] == 2 and s["failed"] == 1
     assert s["request_throughput"] == 1.0 and s["output_throughput"] == 4.0 and s["input_throughput"] == 10.0
@@ -150,12 +167,40 @@ def test_itl_samples_and_summary_from_results():
 
 def test_shared_prefix_chat_via_the_cli(stub, tmp_path):
     from workbench.cli import main
+
     stub.reset()
     out = tmp_path / "gsp.json"
-    rc = main(["bench", "serve", "--base-url", stub.url, "--endpoint", "chat", "--dataset", "shared-prefix",
-               "--num-prompts", "8", "--gsp-num-groups", "2", "--gsp-system-prompt-len", "30",
-               "--gsp-question-len", "5", "--random-output-len", "3", "--request-rate", "200",
-               "--tokenizer", "none", "--warmup-requests", "0", "--disable-tqdm", "--output-json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            stub.url,
+            "--endpoint",
+            "chat",
+            "--dataset",
+            "shared-prefix",
+            "--num-prompts",
+            "8",
+            "--gsp-num-groups",
+            "2",
+            "--gsp-system-prompt-len",
+            "30",
+            "--gsp-question-len",
+            "5",
+            "--random-output-len",
+            "3",
+            "--request-rate",
+            "200",
+            "--tokenizer",
+            "none",
+            "--warmup-requests",
+            "0",
+            "--disable-tqdm",
+            "--output-json",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["dataset"] == "shared-prefix" and res["request_rate"] == 200

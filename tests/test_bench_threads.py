@@ -3,6 +3,7 @@
 A smoke run (tiny workloads, one policy): the busy-loop and TUI neighbours start and stop,
 every cell is measured, and each neighbour's figure is printed as a ratio of quiet.
 """
+
 from __future__ import annotations
 
 import re
@@ -13,8 +14,12 @@ from pathlib import Path
 
 def test_bench_threads_quick_prints_every_neighbour(default_prepared):
     exe = Path(sys.executable).with_name("workbench")
-    proc = subprocess.run([str(exe), "bench", "threads", "--quick", "--policies", "1", "--cell-timeout", "120"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [str(exe), "bench", "threads", "--quick", "--policies", "1", "--cell-timeout", "120"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "--num-threads 1: 1 compute thread(s), fixed: set by --num-threads" in out

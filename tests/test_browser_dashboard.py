@@ -10,6 +10,7 @@ header shows the finished requests. The screenshot is kept as an artifact
 Needs: `apt-get install chromium` and the `test` extra (jupyterlab, playwright,
 ipywidgets, plotly, anywidget). Never `playwright install`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,15 +35,28 @@ sync_api = pytest.importorskip("playwright.sync_api")
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = Path(os.environ.get("WORKBENCH_ARTIFACTS", ROOT / "out" / "test-artifacts"))
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--no-first-run", "--disable-quic"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 # Quiet, deterministic Lab: no news toast, every cell in the DOM (no windowing), no kernel dialog, no autosave.
 LAB_SETTINGS = {
-    "@jupyterlab/apputils-extension/notification.jupyterlab-settings":
-        {"fetchNews": "false", "checkForUpdates": False, "doNotDisturbMode": True},
-    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings":
-        {"windowingMode": "none", "autoStartDefaultKernel": True},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
+        "fetchNews": "false",
+        "checkForUpdates": False,
+        "doNotDisturbMode": True,
+    },
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {
+        "windowingMode": "none",
+        "autoStartDefaultKernel": True,
+    },
     "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
 }
 NOTEBOOK_CELLS = [
@@ -91,8 +105,11 @@ def write_notebook(path: Path, cells: list[str]) -> None:
 @contextlib.contextmanager
 def jupyter_lab(root: Path):
     """A JupyterLab server on a free loopback port, rooted at `root`; yields (base_url, token)."""
-    env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(root / "lab-settings"),
-               JUPYTERLAB_WORKSPACES_DIR=str(root / "lab-workspaces"))
+    env = dict(
+        os.environ,
+        JUPYTERLAB_SETTINGS_DIR=str(root / "lab-settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(root / "lab-workspaces"),
+    )
     for rel, content in LAB_SETTINGS.items():
         f = root / "lab-settings" / rel
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -100,10 +117,24 @@ def jupyter_lab(root: Path):
     port, token = _free_port(), secrets.token_hex(16)
     log = open(root / "lab.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--LabApp.expose_app_in_browser=True", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--allow-root",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=root,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -133,8 +164,7 @@ def jupyter_lab(root: Path):
 def run_all_cells(page, base: str, token: str, name: str, timeout_s: float = 420) -> None:
     """Open notebook `name` in Lab, run every cell, and wait until all ran; raise on a cell error."""
     page.goto(f"{base}/lab/tree/{name}?token={token}", timeout=120_000)
-    page.wait_for_function(f"({LAB_STATE_JS})() !== null && ({LAB_STATE_JS})().status === 'idle'",
-                           timeout=120_000)
+    page.wait_for_function(f"({LAB_STATE_JS})() !== null && ({LAB_STATE_JS})().status === 'idle'", timeout=120_000)
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
     deadline = time.monotonic() + timeout_s
     while True:
@@ -170,7 +200,7 @@ def test_live_dashboard_renders_with_data_in_jupyterlab(lab):
             run_all_cells(page, base, token, "dashboard.ipynb")
             dash = page.locator(".workbench-dashboard")
             dash.wait_for(state="visible", timeout=60_000)
-            page.get_by_text("finished 5").first.wait_for(timeout=30_000)   # the header, from the trace
+            page.get_by_text("finished 5").first.wait_for(timeout=30_000)  # the header, from the trace
             deadline = time.monotonic() + 60
             while True:
                 points = page.evaluate(PLOT_POINTS_JS)
@@ -178,8 +208,9 @@ def test_live_dashboard_renders_with_data_in_jupyterlab(lab):
                     break
                 if time.monotonic() > deadline:
                     page.screenshot(path=str(ARTIFACTS / "dashboard-failed.png"))
-                    raise AssertionError(f"plots without data in the browser: {points} "
-                                         f"(see {ARTIFACTS / 'dashboard-failed.png'})")
+                    raise AssertionError(
+                        f"plots without data in the browser: {points} (see {ARTIFACTS / 'dashboard-failed.png'})"
+                    )
                 page.wait_for_timeout(500)
             drawn = {
                 "gantt bars": page.locator(".workbench-view-gantt .barlayer .point").count(),
@@ -188,7 +219,7 @@ def test_live_dashboard_renders_with_data_in_jupyterlab(lab):
                 "kv lines": page.locator(".workbench-view-kv .scatterlayer .trace").count(),
                 "latency lines": page.locator(".workbench-view-latency .scatterlayer .trace").count(),
             }
-            page.wait_for_timeout(800)            # let plotly finish its transitions
+            page.wait_for_timeout(800)  # let plotly finish its transitions
             dash.screenshot(path=str(shot))
             print("points per plot:", points, "drawn:", drawn, "screenshot:", shot)
             # 5 requests: a queued + prefill + decode bar each at least; the tree: root + shared prefix + leaves
@@ -202,16 +233,18 @@ def test_live_dashboard_renders_with_data_in_jupyterlab(lab):
 
 # ---- walkthrough 03 after Run All ------------------------------------------------------------------
 
+
 def png_pixels(png: bytes) -> tuple[int, int, list[bytes]]:
     """Decode an 8-bit RGB/RGBA, non-interlaced PNG (what Chromium writes) into rows of raw pixels.
     (No imaging library in the test extra; the format is simple enough.)"""
     import struct
     import zlib
+
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat, ihdr = 8, b"", None
     while pos < len(png):
-        n, kind = struct.unpack(">I4s", png[pos:pos + 8])
-        body = png[pos + 8:pos + 8 + n]
+        n, kind = struct.unpack(">I4s", png[pos : pos + 8])
+        body = png[pos + 8 : pos + 8 + n]
         if kind == b"IHDR":
             ihdr = struct.unpack(">IIBBBBB", body)
         elif kind == b"IDAT":
@@ -222,7 +255,7 @@ def png_pixels(png: bytes) -> tuple[int, int, list[bytes]]:
     bpp = 3 if colour == 2 else 4
     raw, stride, rows, prev = zlib.decompress(idat), w * bpp, [], bytearray(w * bpp)
     for y in range(h):
-        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
         for i in range(stride):
             a = line[i - bpp] if i >= bpp else 0
             b, c = prev[i], prev[i - bpp] if i >= bpp else 0
@@ -236,7 +269,7 @@ def png_pixels(png: bytes) -> tuple[int, int, list[bytes]]:
                 p = a + b - c
                 pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
                 line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
-        rows.append(bytes(line if bpp == 3 else b"".join(line[j:j + 3] for j in range(0, stride, 4))))
+        rows.append(bytes(line if bpp == 3 else b"".join(line[j : j + 3] for j in range(0, stride, 4))))
         prev = line
     return w, h, rows
 
@@ -245,7 +278,7 @@ def count_colour(png: bytes, hex_colour: str) -> int:
     """Pixels of exactly this colour in a screenshot."""
     rgb = bytes.fromhex(hex_colour.lstrip("#"))
     _, _, rows = png_pixels(png)
-    return sum(sum(1 for j in range(0, len(r), 3) if r[j:j + 3] == rgb) for r in rows)
+    return sum(sum(1 for j in range(0, len(r), 3) if r[j : j + 3] == rgb) for r in rows)
 
 
 @pytest.fixture
@@ -264,6 +297,7 @@ def test_walkthrough_03_keeps_its_gantt_after_run_all(lab_03):
     stall as two decode bars), and the live Dashboard at the top is still there with its bars and
     the narrated last step in its header."""
     from workbench.core.trace.palette import PALETTE
+
     base, token = lab_03
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / "walkthrough03-gantt.png"
@@ -287,8 +321,20 @@ def test_walkthrough_03_keeps_its_gantt_after_run_all(lab_03):
             while live.count() == 0 and time.monotonic() < deadline:
                 page.wait_for_timeout(500)
             last_step = page.locator(".workbench-dashboard .workbench-laststep").first.inner_text()
-            print("snapshot bars:", len(boxes), "A decode bars:", a_decode, "pixels:", drawn,
-                  "live bars:", live.count(), "last step:", last_step, "screenshot:", shot)
+            print(
+                "snapshot bars:",
+                len(boxes),
+                "A decode bars:",
+                a_decode,
+                "pixels:",
+                drawn,
+                "live bars:",
+                live.count(),
+                "last step:",
+                last_step,
+                "screenshot:",
+                shot,
+            )
             assert len(boxes) >= 8 and all(b["width"] >= 1 and b["height"] >= 5 for b in boxes), boxes
             assert a_decode >= 2, "A's decode bar has a gap while B's chunks run"
             assert all(n > 50 for n in drawn.values()), drawn

@@ -1,5 +1,6 @@
 """The command line explains itself: every engine flag has help text (with its default and choices),
 and a mistyped flag gets the usage of the command it was given to and a guess."""
+
 from __future__ import annotations
 
 import dataclasses

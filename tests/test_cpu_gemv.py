@@ -3,6 +3,7 @@
 It sums each dot product in its own order (8-float lanes, reduced at the end), so it matches
 F.linear within float32 rounding, not bit for bit.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,9 +31,12 @@ def test_gemv_matches_linear_on_odd_shapes(threads, m, n, k):
     g = torch.Generator().manual_seed(n * 1000 + k + m)
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g)
-    for bias, residual in [(None, None), (torch.randn(n, generator=g), None),
-                           (None, torch.randn(m, n, generator=g)),
-                           (torch.randn(n, generator=g), torch.randn(m, n, generator=g))]:
+    for bias, residual in [
+        (None, None),
+        (torch.randn(n, generator=g), None),
+        (None, torch.randn(m, n, generator=g)),
+        (torch.randn(n, generator=g), torch.randn(m, n, generator=g)),
+    ]:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -42,21 +46,22 @@ def test_gemv_matches_linear_on_odd_shapes(threads, m, n, k):
         exact = _reference(x, w, bias, residual)
         # A float32 sum of k + 2 terms in any order is within (k + 2) * 2^-24 of the sum of their
         # magnitudes (the classic bound); F.linear's own error sits far inside it.
-        mags = _reference(x.abs(), w.abs(), None if bias is None else bias.abs(),
-                          None if residual is None else residual.abs())
-        bound = (k + 2) * 2.0 ** -24 * mags
+        mags = _reference(
+            x.abs(), w.abs(), None if bias is None else bias.abs(), None if residual is None else residual.abs()
+        )
+        bound = (k + 2) * 2.0**-24 * mags
         assert ours.shape == (m, n) and ours.dtype == torch.float32
         assert bool(((ours.double() - exact).abs() <= bound).all())
         typical = (ours.double() - exact).abs().mean() / mags.mean()
-        assert typical < 1e-6     # and far inside it on average, as F.linear is
+        assert typical < 1e-6  # and far inside it on average, as F.linear is
 
 
 def test_gemv_reads_strided_rows_and_a_weight_prefix():
     g = torch.Generator().manual_seed(5)
     wide = torch.randn(64, 200, generator=g)
-    x = wide[:3, :99]                                       # rows at a stride of 200
-    head = torch.randn(50, 99, generator=g)[:41]            # the LM head's [: vocab_size] view
-    residual = torch.randn(3, 82, generator=g)[:, ::2]      # strided elements: copied first
+    x = wide[:3, :99]  # rows at a stride of 200
+    head = torch.randn(50, 99, generator=g)[:41]  # the LM head's [: vocab_size] view
+    residual = torch.randn(3, 82, generator=g)[:, ::2]  # strided elements: copied first
     ours = cpu_ops.gemv(x, head, None, residual)
     assert torch.allclose(ours, F.linear(x, head) + residual, atol=1e-4, rtol=1e-5)
 
@@ -69,7 +74,7 @@ def test_gemv_ready_only_for_one_float32_row(monkeypatch):
     assert not cpu_ops.gemv_ready(torch.randn(cpu_ops.GEMV_MAX_ROWS + 1, 16), w)
     assert not cpu_ops.gemv_ready(torch.randn(1, 16, dtype=torch.bfloat16), w.bfloat16())
     assert not cpu_ops.gemv_ready(torch.randn(1, 1, 16), w)
-    monkeypatch.setattr(cpu_ops, "_gemv_ok", False)         # what WORKBENCH_CPU_GEMV=0 sets at load
+    monkeypatch.setattr(cpu_ops, "_gemv_ok", False)  # what WORKBENCH_CPU_GEMV=0 sets at load
     assert not cpu_ops.gemv_ready(torch.randn(1, 16), w)
 
 
@@ -77,6 +82,7 @@ def test_linear_layers_dispatch_one_row_to_the_gemv(monkeypatch):
     if cpu_ops.unavailable_reason() or not cpu_ops._gemv_ok:
         pytest.skip("the GEMV's AVX2 + FMA path is not built on this CPU")
     from workbench.core.layers.linear import RowParallelLinear
+
     layer = RowParallelLinear(37, 29, bias=True)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
@@ -90,6 +96,6 @@ def test_linear_layers_dispatch_one_row_to_the_gemv(monkeypatch):
     expected = F.linear(x, layer.weight, layer.bias) + res
     assert torch.allclose(layer(x, res), expected, atol=1e-4)
     assert calls == [(1, 37)]
-    x2, res2 = torch.randn(2, 37), torch.randn(2, 29)       # two rows: oneDNN
+    x2, res2 = torch.randn(2, 37), torch.randn(2, 29)  # two rows: oneDNN
     assert torch.allclose(layer(x2, res2), F.linear(x2, layer.weight, layer.bias) + res2, atol=1e-4)
     assert calls == [(1, 37)]

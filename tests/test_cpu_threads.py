@@ -4,6 +4,7 @@ The decision rule and the load meter are checked on their own (fake /proc/stat, 
 then a real Engine beside a real busy-loop process shows the scheduler giving the neighbour
 its core, and the flags that fix the count or pin the cores.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -13,12 +14,23 @@ import time
 import pytest
 
 from workbench.core.args import ServerArgs
-from workbench.core.model_executor.cpu_threads import (OMP_SPINCOUNT, AdaptiveThreads, CpuLoadMeter, StepTimePolicy,
-                                                       ThreadPlan, cores_for_rank, omp_wait_env, omp_wait_text,
-                                                       omp_wait_values, parse_core_list, plan_threads)
+from workbench.core.model_executor.cpu_threads import (
+    OMP_SPINCOUNT,
+    AdaptiveThreads,
+    CpuLoadMeter,
+    StepTimePolicy,
+    ThreadPlan,
+    cores_for_rank,
+    omp_wait_env,
+    omp_wait_text,
+    omp_wait_values,
+    parse_core_list,
+    plan_threads,
+)
 
 
 # ---- the pure parts ------------------------------------------------------------------------------
+
 
 def test_core_lists_parse_and_bad_ones_say_what_a_list_looks_like():
     assert parse_core_list("0-3,6") == [0, 1, 2, 3, 6]
@@ -43,17 +55,17 @@ def _run(policy: StepTimePolicy, bs: int, ms_at: dict, steps: int) -> list[int]:
 
 def test_policy_keeps_the_faster_count_after_a_probe():
     p = StepTimePolicy(2, period=8, probe_steps=4)
-    used = _run(p, 32, {2: 100.0, 1: 60.0}, 12)      # one thread is faster (a busy neighbour)
+    used = _run(p, 32, {2: 100.0, 1: 60.0}, 12)  # one thread is faster (a busy neighbour)
     assert used[:8] == [2] * 8 and used[8:12] == [1] * 4
     assert p.threads == 1 and p.probes == 1
-    used = _run(p, 32, {2: 100.0, 1: 60.0}, 12)      # it tries 2 again and stays with 1
+    used = _run(p, 32, {2: 100.0, 1: 60.0}, 12)  # it tries 2 again and stays with 1
     assert 2 in used and p.threads == 1 and p.current == 1
 
 
 def test_first_probe_comes_early_then_every_period():
-    p = StepTimePolicy(2)                              # defaults: first after 8 steps, then every 48
+    p = StepTimePolicy(2)  # defaults: first after 8 steps, then every 48
     used = _run(p, 4, {2: 50.0, 1: 80.0}, 8 + 4 + 48 + 4)
-    assert used[:8] == [2] * 8 and used[8] == 1        # the early probe: a collapsing start is short
+    assert used[:8] == [2] * 8 and used[8] == 1  # the early probe: a collapsing start is short
     assert used[12:60] == [2] * 48 and used[60] == 1 and p.probes == 2 and p.threads == 2
 
 
@@ -62,15 +74,15 @@ def test_policy_keeps_two_threads_when_they_are_faster_and_ignores_small_gains()
     _run(p, 8, {2: 50.0, 1: 80.0}, 40)
     assert p.threads == 2 and p.probes >= 3
     q = StepTimePolicy(2, period=8, probe_steps=4, margin=0.08)
-    _run(q, 8, {2: 50.0, 1: 48.0}, 12)                 # 4% faster: inside the margin, no switch
+    _run(q, 8, {2: 50.0, 1: 48.0}, 12)  # 4% faster: inside the margin, no switch
     assert q.threads == 2
 
 
 def test_a_collapsing_probe_costs_one_slow_step():
     p = StepTimePolicy(1, period=8, probe_steps=4, threads=1)
     p.max_threads = 2
-    used = _run(p, 1, {1: 20.0, 2: 200.0}, 11)      # two threads collapse (a spinning team)
-    assert used[8:10] == [2, 2] and used[10] == 1   # the untimed first step and the one that showed it
+    used = _run(p, 1, {1: 20.0, 2: 200.0}, 11)  # two threads collapse (a spinning team)
+    assert used[8:10] == [2, 2] and used[10] == 1  # the untimed first step and the one that showed it
     assert p.threads == 1 and p.probing is None
 
 
@@ -78,9 +90,9 @@ def test_a_probe_ends_when_the_batch_changes_and_retries_soon():
     p = StepTimePolicy(2, period=8, probe_steps=4)
     _run(p, 32, {2: 100.0, 1: 60.0}, 9)
     assert p.probing == 1
-    p.observe_decode(31, 60.0)                      # a request finished: not comparable
+    p.observe_decode(31, 60.0)  # a request finished: not comparable
     assert p.probing is None and p.threads == 2
-    _run(p, 31, {2: 100.0, 1: 60.0}, 8)             # half a period later it tries again
+    _run(p, 31, {2: 100.0, 1: 60.0}, 8)  # half a period later it tries again
     assert p.threads == 1
 
 
@@ -95,8 +107,10 @@ def test_more_cores_try_one_step_either_way():
 
 def _stat(cpu0: list[int], cpu1: list[int]) -> str:
     total = [a + b for a, b in zip(cpu0, cpu1)]
-    return "\n".join(f"{name} " + " ".join(map(str, v)) for name, v in
-                     (("cpu", total), ("cpu0", cpu0), ("cpu1", cpu1))) + "\nintr 1 2 3\n"
+    return (
+        "\n".join(f"{name} " + " ".join(map(str, v)) for name, v in (("cpu", total), ("cpu0", cpu0), ("cpu1", cpu1)))
+        + "\nintr 1 2 3\n"
+    )
 
 
 def test_meter_reads_other_processes_busy_time_steal_included(tmp_path):
@@ -129,9 +143,14 @@ def test_adaptive_threads_applies_probes_and_reports_the_neighbours():
             return 0.8
 
     applied = []
-    at = AdaptiveThreads(ThreadPlan(2, True, None, "test"), apply=applied.append, interval_s=0.5,
-                         meter=FakeMeter(), clock=lambda: clock[0],
-                         policy=StepTimePolicy(2, period=4, probe_steps=3))
+    at = AdaptiveThreads(
+        ThreadPlan(2, True, None, "test"),
+        apply=applied.append,
+        interval_s=0.5,
+        meter=FakeMeter(),
+        clock=lambda: clock[0],
+        policy=StepTimePolicy(2, period=4, probe_steps=3),
+    )
     for i in range(7):
         clock[0] = i * 0.3
         at.on_decode_step(4, 60.0 if at.policy.current == 1 else 100.0)
@@ -171,6 +190,7 @@ def test_server_args_refuse_bad_thread_flags():
 
 # ---- a real engine beside a real neighbour ------------------------------------------------------
 
+
 def _busy_loop(stop) -> None:
     while not stop.is_set():
         pass
@@ -182,7 +202,7 @@ def test_omp_wait_env_bounds_the_spin_unless_the_user_chose(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     assert omp_wait_values({}) == {"GOMP_SPINCOUNT": OMP_SPINCOUNT}
     assert omp_wait_values({"OMP_WAIT_POLICY": "ACTIVE"}) == {} and omp_wait_values({"GOMP_SPINCOUNT": "5"}) == {}
-    with omp_wait_env("cpu") as added:               # set for children started inside, restored after
+    with omp_wait_env("cpu") as added:  # set for children started inside, restored after
         assert added == {"GOMP_SPINCOUNT": OMP_SPINCOUNT} and os.environ["GOMP_SPINCOUNT"] == OMP_SPINCOUNT
     assert "GOMP_SPINCOUNT" not in os.environ
     with omp_wait_env("cuda") as added:
@@ -205,6 +225,7 @@ def test_engine_probes_thread_counts_beside_a_busy_neighbour_and_keeps_serving(d
     """Real scheduler, real neighbours: it measures (probes) and its tokens stay transformers' tokens."""
     from conftest import hf_greedy
     from workbench import Engine
+
     prompt = [1, 504, 3003, 2380, 281, 260]
     with Engine(dtype="float32", max_total_tokens=2048, show_progress=False) as engine:
         assert "adaptive" in engine.scheduler_info["threads"]
@@ -219,8 +240,9 @@ def test_engine_probes_thread_counts_beside_a_busy_neighbour_and_keeps_serving(d
         for h in hogs:
             h.start()
         try:
-            out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 120, "temperature": 0.0,
-                                                                     "ignore_eos": True})
+            out = engine.generate(
+                input_ids=prompt, sampling_params={"max_new_tokens": 120, "temperature": 0.0, "ignore_eos": True}
+            )
             time.sleep(0.6)
             state = engine.get_internal_state()
         finally:
@@ -229,12 +251,13 @@ def test_engine_probes_thread_counts_beside_a_busy_neighbour_and_keeps_serving(d
                 h.join(10)
     assert state["thread_probes"] >= 1, state
     assert 1 <= state["num_threads"] <= cores
-    assert state["others_load"] > 0.3, state          # the neighbour is seen
+    assert state["others_load"] > 0.3, state  # the neighbour is seen
     assert out["output_ids"] == hf_greedy(hf_model, prompt, 120)
 
 
 def test_fixed_threads_stay_fixed(default_prepared):
     from workbench import Engine
+
     with Engine(dtype="float32", max_total_tokens=2048, num_threads=1, show_progress=False) as engine:
         assert "fixed" in engine.scheduler_info["threads"] and "--num-threads" in engine.scheduler_info["threads"]
         time.sleep(1.2)

@@ -6,14 +6,19 @@ bucket choice, static input buffers, padding rows that touch only the scratch
 KV slot, the attention backend's capture/replay hooks, output slicing, and the
 eager fallback. Greedy tokens on the default model must equal eager decoding.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from workbench.core.model_executor.cuda_graph_runner import (
-    CudaGraphRunner, StandInGraphMechanism, StaticDecodeBuffers, get_cuda_graph_batch_sizes,
-    maybe_create_cuda_graph_runner)
+    CudaGraphRunner,
+    StandInGraphMechanism,
+    StaticDecodeBuffers,
+    get_cuda_graph_batch_sizes,
+    maybe_create_cuda_graph_runner,
+)
 from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from workbench.core.layers.attention.registry import default_attention_backend
 from workbench.core.sampling.sampling_params import SamplingParams
@@ -25,7 +30,7 @@ def test_default_cuda_graph_batch_sizes():
     assert get_cuda_graph_batch_sizes(50) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 50]
     assert get_cuda_graph_batch_sizes(3) == [1, 2, 3]
     assert get_cuda_graph_batch_sizes(1) == [1]
-    assert get_cuda_graph_batch_sizes(16, [12, 3, 3, 40]) == [3, 12]       # --cuda-graph-bs, capped
+    assert get_cuda_graph_batch_sizes(16, [12, 3, 3, 40]) == [3, 12]  # --cuda-graph-bs, capped
     with pytest.raises(ValueError, match="cuda-graph-max-bs"):
         get_cuda_graph_batch_sizes(0)
     with pytest.raises(ValueError, match="exceeds"):
@@ -36,6 +41,7 @@ def test_default_cuda_graph_batch_sizes():
 
 def test_server_args_validate_graph_flags():
     from workbench.core.args import ServerArgs
+
     with pytest.raises(ValueError, match="cuda-graph-max-bs"):
         ServerArgs(cuda_graph_max_bs=0)
     with pytest.raises(ValueError, match="cuda-graph-bs"):
@@ -44,10 +50,18 @@ def test_server_args_validate_graph_flags():
 
 def _decode_fb(ids, pos, rows, lens, locs):
     bs = len(ids)
-    return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=torch.tensor(ids),
-                        positions=torch.tensor(pos), req_pool_indices=torch.tensor(rows),
-                        seq_lens=torch.tensor(lens), out_cache_loc=torch.tensor(locs), seq_lens_cpu=list(lens),
-                        extend_seq_lens_cpu=[1] * bs, extend_prefix_lens_cpu=[ln - 1 for ln in lens])
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=bs,
+        input_ids=torch.tensor(ids),
+        positions=torch.tensor(pos),
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(lens),
+        out_cache_loc=torch.tensor(locs),
+        seq_lens_cpu=list(lens),
+        extend_seq_lens_cpu=[1] * bs,
+        extend_prefix_lens_cpu=[ln - 1 for ln in lens],
+    )
 
 
 def test_static_buffers_load_and_pad():
@@ -57,8 +71,8 @@ def test_static_buffers_load_and_pad():
     assert lens == [5, 8, 3, 1]
     assert buf.input_ids[:4].tolist() == [11, 12, 13, 0]
     assert buf.positions[:4].tolist() == [4, 7, 2, 0]
-    assert buf.req_pool_indices[:4].tolist() == [0, 3, 5, 9]        # the padding row
-    assert buf.out_cache_loc[:4].tolist() == [21, 22, 23, 0]         # padding writes the scratch slot
+    assert buf.req_pool_indices[:4].tolist() == [0, 3, 5, 9]  # the padding row
+    assert buf.out_cache_loc[:4].tolist() == [21, 22, 23, 0]  # padding writes the scratch slot
     # a smaller batch next: stale rows from the previous one become padding again
     buf.load(_decode_fb([30], [1], [2], [2], [40]), bucket=2)
     assert buf.input_ids[:2].tolist() == [30, 0] and buf.out_cache_loc[:2].tolist() == [40, 0]
@@ -70,9 +84,12 @@ def test_static_buffers_load_and_pad():
 def runner(default_prepared):
     from workbench.core.args import ServerArgs
     from workbench.core.model_executor.model_runner import ModelRunner
-    r = ModelRunner(ServerArgs(dtype="float32", max_total_tokens=2048, max_running_requests=8, show_progress=False),
-                    prepared=default_prepared)
-    assert r.graph_runner is None                       # CPU: no CUDA graphs unless a test attaches one
+
+    r = ModelRunner(
+        ServerArgs(dtype="float32", max_total_tokens=2048, max_running_requests=8, show_progress=False),
+        prepared=default_prepared,
+    )
+    assert r.graph_runner is None  # CPU: no CUDA graphs unless a test attaches one
     return r
 
 
@@ -94,14 +111,22 @@ def test_eager_or_graph_decision(graph_runner, runner):
     dec = _decode_fb([1, 2, 3], [1, 1, 1], [0, 1, 2], [2, 2, 2], [5, 6, 7])
     assert graph_runner.can_run(dec)
     dec.return_all_logits = True
-    assert not graph_runner.can_run(dec)                   # all-position logits: eager
+    assert not graph_runner.can_run(dec)  # all-position logits: eager
     big = _decode_fb([1] * 5, [1] * 5, [0] * 5, [2] * 5, [5] * 5)
-    assert not graph_runner.can_run(big)                   # above the largest bucket: eager
-    ext = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=torch.tensor([1, 2]),
-                       positions=torch.tensor([0, 1]), req_pool_indices=torch.tensor([0]),
-                       seq_lens=torch.tensor([2]), out_cache_loc=torch.tensor([5, 6]), seq_lens_cpu=[2],
-                       extend_seq_lens_cpu=[2], extend_prefix_lens_cpu=[0])
-    assert not graph_runner.can_run(ext)                   # extend: eager
+    assert not graph_runner.can_run(big)  # above the largest bucket: eager
+    ext = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=torch.tensor([1, 2]),
+        positions=torch.tensor([0, 1]),
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([2]),
+        out_cache_loc=torch.tensor([5, 6]),
+        seq_lens_cpu=[2],
+        extend_seq_lens_cpu=[2],
+        extend_prefix_lens_cpu=[0],
+    )
+    assert not graph_runner.can_run(ext)  # extend: eager
     with pytest.raises(ValueError, match="eagerly"):
         graph_runner.replay(big)
     # what the trace reports (batch.step's cuda_graph / padded_size)
@@ -141,7 +166,7 @@ def test_padding_rows_write_only_the_scratch_slot(graph_runner, runner):
             changed = (pool.k_buffer[layer] != old).flatten(1).any(1).nonzero().flatten().tolist()
             assert set(changed) <= {0, *locs}, (layer, changed)
             assert set(locs) <= set(changed)
-        assert table[graph_runner.buffers.pad_row].abs().sum() == 0     # the padding row is all slot 0
+        assert table[graph_runner.buffers.pad_row].abs().sum() == 0  # the padding row is all slot 0
     finally:
         runner.req_to_token_pool.free(rows)
 
@@ -150,6 +175,7 @@ def test_greedy_tokens_with_graphs_equal_eager(graph_runner, runner):
     """Default model: three requests of different lengths shrink the batch 3 -> 2 -> 1 (buckets 4, 2, 1);
     a larger batch (5 rows) runs eagerly (above the largest bucket)."""
     from workbench.core.model_executor.offline_harness import OfflineHarness
+
     prompts = [[1, 504, 3458, 314, 260, 3458, 28, 2], [1, 1066, 1745, 253, 17212], [1, 2436, 30, 2830, 282, 2]]
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 4, 2)]
     harness = OfflineHarness(runner)
@@ -174,9 +200,9 @@ def test_greedy_tokens_with_graphs_equal_eager(graph_runner, runner):
 
 
 def test_no_graphs_on_cpu_and_real_graphs_refuse_torch_native(runner):
-    assert maybe_create_cuda_graph_runner(runner) is None         # CPU never captures real graphs
+    assert maybe_create_cuda_graph_runner(runner) is None  # CPU never captures real graphs
 
-    class _RealGraphsName:               # only the name matters: the check happens before any capture
+    class _RealGraphsName:  # only the name matters: the check happens before any capture
         name = "cuda"
 
     with pytest.raises(ValueError, match="cannot be captured"):
@@ -190,10 +216,22 @@ def test_dashboard_hover_names_graph_or_eager_and_the_backend():
     from workbench.core.trace import events as ev
     from workbench.core.trace.state import TraceState
     from workbench.widgets import BatchView
-    evs = [ev.BatchStep(ts=10**9 + i * 10**7, proc="scheduler", step=i, mode="decode",
-                        reqs=[ev.StepReq("a", 0, 0, 1), ev.StepReq("b", 0, 0, 1), ev.StepReq("c", 0, 0, 1)],
-                        batch_size=3, padded_size=4 if i else 3, cuda_graph=bool(i), backend="triton",
-                        forward_ms=2.0) for i in range(2)]
+
+    evs = [
+        ev.BatchStep(
+            ts=10**9 + i * 10**7,
+            proc="scheduler",
+            step=i,
+            mode="decode",
+            reqs=[ev.StepReq("a", 0, 0, 1), ev.StepReq("b", 0, 0, 1), ev.StepReq("c", 0, 0, 1)],
+            batch_size=3,
+            padded_size=4 if i else 3,
+            cuda_graph=bool(i),
+            backend="triton",
+            forward_ms=2.0,
+        )
+        for i in range(2)
+    ]
     st = TraceState()
     st.apply_many(evs)
     hover = BatchView(st).figure.data[0].customdata
@@ -209,22 +247,32 @@ def test_engine_decodes_through_stand_in_graphs_and_traces_them(tokenizer, hf_mo
     from pipeline_helpers import assert_no_kv_leak, drain_events
     from workbench.core.engine import Engine
     from workbench.core.trace import events as ev
+
     prompts = [chat_ids(tokenizer, t) for t in ("Name a color.", "What is two plus two?", "Say hi.")]
     lens = (7, 4, 2)
-    with Engine(dtype="float32", show_progress=False, num_threads=1, max_total_tokens=4096,
-                cuda_graph_stand_in=True, cuda_graph_max_bs=4) as e:
+    with Engine(
+        dtype="float32",
+        show_progress=False,
+        num_threads=1,
+        max_total_tokens=4096,
+        cuda_graph_stand_in=True,
+        cuda_graph_max_bs=4,
+    ) as e:
         sub = e.subscribe(with_snapshot=False)
         try:
-            outs = e.generate(input_ids=prompts, sampling_params=[
-                {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in lens])
+            outs = e.generate(
+                input_ids=prompts,
+                sampling_params=[{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in lens],
+            )
 
-            def every_decode_traced(got):     # the last steps' events may still be on their way
+            def every_decode_traced(got):  # the last steps' events may still be on their way
                 decoded: dict = {}
                 for x in got:
                     if isinstance(x, ev.BatchStep):
                         for r in x.reqs:
                             decoded[r.rid] = decoded.get(r.rid, 0) + r.decode
                 return all(decoded.get(o["meta_info"]["id"], 0) >= n - 1 for o, n in zip(outs, lens))
+
             events = drain_events(sub, until=every_decode_traced)
         finally:
             sub.close()
@@ -244,15 +292,29 @@ def test_bench_compare_compile_runs_end_to_end(tmp_path):
     import argparse
     import json
     import shutil
+
     if not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("torch.compile needs a C++ compiler")
     from tiny_models import make_tiny_llama
     from workbench.bench.model_bench import add_parser, format_compile_table, run_compile_bench
+
     model_dir = make_tiny_llama(tmp_path / "tiny", seed=2, num_hidden_layers=1)
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="cmd"))
-    args = parser.parse_args(["model", "--compare-compile", "--quick", "--quiet", "--batches", "2",
-                              "--model", str(model_dir), "--json", str(tmp_path / "c.json")])
+    args = parser.parse_args(
+        [
+            "model",
+            "--compare-compile",
+            "--quick",
+            "--quiet",
+            "--batches",
+            "2",
+            "--model",
+            str(model_dir),
+            "--json",
+            str(tmp_path / "c.json"),
+        ]
+    )
     rows = run_compile_bench(args)
     assert [(r.batch, r.dtype) for r in rows] == [(2, "float32")]
     assert rows[0].eager_tok_s > 0 and rows[0].compiled_tok_s > 0 and rows[0].compile_s > 0
@@ -267,8 +329,10 @@ def test_bench_compare_compile_runs_end_to_end(tmp_path):
 async def test_tui_batch_panel_shows_graph_badge_and_backend(tmp_path):
     """The recorded TUI fixture replayed as if from a GPU run: decode steps replayed graphs on flashinfer."""
     import json
+
     pytest.importorskip("textual")
     from tui_helpers import FIXTURE, replay_app, show_at
+
     lines = []
     for line in open(FIXTURE):
         e = json.loads(line)
@@ -284,8 +348,9 @@ async def test_tui_batch_panel_shows_graph_badge_and_backend(tmp_path):
         await show_at(app, pilot, replay, last)
         from textual.widgets import DataTable
         from workbench.tui.panels.batch import BatchPanel
+
         panel = app.query_one(BatchPanel)
         assert panel.border_title.endswith("· flashinfer")
         table = panel.query_one(DataTable)
         badges = [str(table.get_row_at(i)[3]) for i in range(table.row_count)]
-        assert "CG" in badges and "–" in badges          # decode replayed a graph; extend ran eagerly
+        assert "CG" in badges and "–" in badges  # decode replayed a graph; extend ran eagerly

@@ -6,6 +6,7 @@ replicas serve (the trace says which), shortest_queue steers around a long reque
 prefix-aware method keeps a shared prefix on one replica, and abort / flush / step gate /
 internal state reach every replica.
 """
+
 from __future__ import annotations
 
 import threading
@@ -16,18 +17,30 @@ import torch
 from pipeline_helpers import assert_no_kv_leak, drain_events
 from workbench.core.engine import Engine
 from workbench.core.io_struct import (
-    FlushCacheReqOutput, GetInternalStateReqOutput, GetWeightsByNameReqOutput, StepGateReqOutput)
+    FlushCacheReqOutput,
+    GetInternalStateReqOutput,
+    GetWeightsByNameReqOutput,
+    StepGateReqOutput,
+)
 from workbench.core.managers.data_parallel_controller import (
-    BALANCE_ABS_THRESHOLD, PREFIX_BLOCK, ApproxPrefixIndex, LoadBalancer, merge_replies)
+    BALANCE_ABS_THRESHOLD,
+    PREFIX_BLOCK,
+    ApproxPrefixIndex,
+    LoadBalancer,
+    merge_replies,
+)
 from workbench.core.trace import events as ev
 from workbench.core.trace.state import TraceState
 
 NEW = 8
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
-WORDS = ("ocean volcano robot tea chess winter bees moon library trains jazz mountain bread lighthouse "
-         "maps clocks").split()
-SYSTEM = ("You are a careful assistant for a course on computer systems. Answer briefly and plainly. "
-          "The course covers operating systems, caches, schedulers, networking and compilers. ") * 3
+WORDS = (
+    "ocean volcano robot tea chess winter bees moon library trains jazz mountain bread lighthouse maps clocks"
+).split()
+SYSTEM = (
+    "You are a careful assistant for a course on computer systems. Answer briefly and plainly. "
+    "The course covers operating systems, caches, schedulers, networking and compilers. "
+) * 3
 
 
 def _engine(**kw) -> Engine:
@@ -37,11 +50,15 @@ def _engine(**kw) -> Engine:
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     # 32 distinct short prompts of varied length.
-    return [tokenizer.encode(f"Tell me about {WORDS[i % 16]} " + "and more " * (i % 5), add_special_tokens=False)
-            + [i + 100] for i in range(32)]
+    return [
+        tokenizer.encode(f"Tell me about {WORDS[i % 16]} " + "and more " * (i % 5), add_special_tokens=False)
+        + [i + 100]
+        for i in range(32)
+    ]
 
 
 # ==== in-process: the controller's bookkeeping ==============================================
+
 
 def test_round_robin_cycles_and_counts_in_flight():
     lb = LoadBalancer(3, "round_robin")
@@ -51,7 +68,7 @@ def test_round_robin_cycles_and_counts_in_flight():
     lb.on_output("r0", [5], finished=False)
     assert lb.load == [3, 2, 2]
     lb.on_output("r0", [6], finished=True)
-    lb.on_output("r0", [6], finished=True)      # a duplicate finish must not count twice
+    lb.on_output("r0", [6], finished=True)  # a duplicate finish must not count twice
     assert lb.load == [2, 2, 2] and lb.rank_of("r0") is None and lb.rank_of("r1") == 1
 
 
@@ -72,10 +89,10 @@ def test_prefix_index_matches_whole_blocks_and_is_bounded():
     seq = list(range(3 * PREFIX_BLOCK + 5))
     idx.insert(idx.block_keys(seq))
     assert idx.match(idx.block_keys(seq)) == 3 * PREFIX_BLOCK
-    other = seq[:PREFIX_BLOCK] + [999] + seq[PREFIX_BLOCK + 1:]
-    assert idx.match(idx.block_keys(other)) == PREFIX_BLOCK     # diverges in the second block
-    assert idx.match(idx.block_keys(seq[:PREFIX_BLOCK - 1])) == 0
-    idx.insert(idx.block_keys([7] * (3 * PREFIX_BLOCK)))        # LRU: the oldest blocks go
+    other = seq[:PREFIX_BLOCK] + [999] + seq[PREFIX_BLOCK + 1 :]
+    assert idx.match(idx.block_keys(other)) == PREFIX_BLOCK  # diverges in the second block
+    assert idx.match(idx.block_keys(seq[: PREFIX_BLOCK - 1])) == 0
+    idx.insert(idx.block_keys([7] * (3 * PREFIX_BLOCK)))  # LRU: the oldest blocks go
     assert len(idx) == 4 and idx.match(idx.block_keys(seq)) == 0
     idx.clear()
     assert len(idx) == 0
@@ -87,8 +104,8 @@ def test_prefix_aware_prefers_the_replica_that_saw_the_prefix():
     b = [3] * 64 + [4]
     first = lb.choose("a0", a + [10])
     assert first.dp_rank == 0 and first.matched_tokens == 0
-    assert lb.choose("b0", b + [10]).dp_rank == 1            # no match anywhere: least loaded
-    for i in range(1, 4):                                     # the families stick to their replicas
+    assert lb.choose("b0", b + [10]).dp_rank == 1  # no match anywhere: least loaded
+    for i in range(1, 4):  # the families stick to their replicas
         da, db = lb.choose(f"a{i}", a + [10 + i]), lb.choose(f"b{i}", b + [10 + i])
         assert (da.dp_rank, db.dp_rank) == (0, 1) and da.matched_tokens == 64
     # A finished request teaches the index its output too (the radix cache keeps both).
@@ -103,16 +120,29 @@ def test_prefix_aware_prefers_the_replica_that_saw_the_prefix():
 
 def test_replies_merge_over_replicas():
     def state(**kw):
-        base = dict(num_waiting=1, num_running=2, kv_total=100, kv_free=60, kv_evictable=30, kv_used=10,
-                    req_slots_free=7, req_slots_total=8, step=5, max_total_num_tokens=100,
-                    max_running_requests=8, max_req_input_len=50)
+        base = dict(
+            num_waiting=1,
+            num_running=2,
+            kv_total=100,
+            kv_free=60,
+            kv_evictable=30,
+            kv_used=10,
+            req_slots_free=7,
+            req_slots_total=8,
+            step=5,
+            max_total_num_tokens=100,
+            max_running_requests=8,
+            max_req_input_len=50,
+        )
         return GetInternalStateReqOutput(**{**base, **kw})
+
     m = merge_replies([state(), state(step=9, kv_free=70, kv_used=0, max_req_input_len=40)])
     assert (m.num_running, m.kv_total, m.kv_free, m.kv_used, m.step, m.max_req_input_len) == (4, 200, 130, 10, 9, 40)
     assert [r["kv_free"] for r in m.per_replica] == [60, 70]
     assert not merge_replies([FlushCacheReqOutput(success=True), FlushCacheReqOutput(success=False)]).success
-    assert merge_replies([StepGateReqOutput(paused=True, step=3), StepGateReqOutput(paused=True, step=4)]) \
-        == StepGateReqOutput(paused=True, step=4)
+    assert merge_replies(
+        [StepGateReqOutput(paused=True, step=3), StepGateReqOutput(paused=True, step=4)]
+    ) == StepGateReqOutput(paused=True, step=4)
     same = [GetWeightsByNameReqOutput(values=[1.0, 2.0]), GetWeightsByNameReqOutput(values=[1.0, 2.0])]
     assert merge_replies(same).values == [1.0, 2.0]
     split = merge_replies([GetWeightsByNameReqOutput(values=[1.0]), GetWeightsByNameReqOutput(values=[3.0])])
@@ -121,7 +151,8 @@ def test_replies_merge_over_replicas():
 
 def test_trace_state_keeps_replicas_side_by_side():
     evs = [
-        ev.ReqArrived(ts=1, proc="tokenizer", rid="a"), ev.ReqArrived(ts=2, proc="tokenizer", rid="b"),
+        ev.ReqArrived(ts=1, proc="tokenizer", rid="a"),
+        ev.ReqArrived(ts=2, proc="tokenizer", rid="b"),
         ev.ReqDispatched(ts=3, proc="dp_controller", rid="a", dp_rank=0, method="round_robin", loads=[1, 0]),
         ev.ReqDispatched(ts=4, proc="dp_controller", rid="b", dp_rank=1, method="round_robin", loads=[1, 1]),
         ev.ReqQueued(ts=5, proc="scheduler.dp0", rid="a", prompt_tokens=4, queue_len=1),
@@ -129,15 +160,24 @@ def test_trace_state_keeps_replicas_side_by_side():
         ev.QueueState(ts=7, proc="scheduler.dp0", waiting=["a"], running=[], chunked=[]),
         ev.QueueState(ts=8, proc="scheduler.dp1", waiting=[], running=["b"], chunked=[]),
         ev.KVUsage(ts=9, proc="scheduler.dp1", used=4, evictable=0, free=96, total=100),
-        ev.BatchStep(ts=10, proc="scheduler.dp1", step=1, mode="extend", batch_size=1, padded_size=1,
-                     reqs=[ev.StepReq("b", 0, 4, 0)]),
+        ev.BatchStep(
+            ts=10,
+            proc="scheduler.dp1",
+            step=1,
+            mode="extend",
+            batch_size=1,
+            padded_size=1,
+            reqs=[ev.StepReq("b", 0, 4, 0)],
+        ),
     ]
     st = TraceState()
     st.apply_many(evs)
     assert st.req_replica == {"a": "scheduler.dp0", "b": "scheduler.dp1"}
     reps = st.replicas()
     assert [(r.dp_rank, r.waiting, r.running, r.requests, r.steps) for r in reps] == [
-        (0, ["a"], [], 1, 0), (1, [], ["b"], 1, 1)]
+        (0, ["a"], [], 1, 0),
+        (1, [], ["b"], 1, 1),
+    ]
     assert reps[1].kv.used == 4 and reps[0].kv is None
     assert any(t.kind == "dispatched" and "dp1" in t.detail for t in st.requests["b"].timeline)
     rebuilt = TraceState()
@@ -152,6 +192,7 @@ def test_dp_with_tp_is_refused_with_a_clear_error(default_prepared):
 
 
 # ==== the real model: DP 2 against DP 1 ==========================================================
+
 
 @pytest.fixture(scope="module")
 def dp1_outputs(prompts, default_prepared):
@@ -179,7 +220,7 @@ class TestShortestQueue:
         per_replica = {p: sum(1 for v in queued_on.values() if v == p) for p in set(queued_on.values())}
         assert set(per_replica) == {"scheduler.dp0", "scheduler.dp1"} and min(per_replica.values()) >= 8
         dispatched = {e.rid: f"scheduler.dp{e.dp_rank}" for e in events if isinstance(e, ev.ReqDispatched)}
-        assert {r: dispatched[r] for r in rids} == queued_on      # the controller's word = where it ran
+        assert {r: dispatched[r] for r in rids} == queued_on  # the controller's word = where it ran
         st = TraceState()
         st.apply_many(events)
         assert [r.proc for r in st.replicas()] == ["scheduler.dp0", "scheduler.dp1"]
@@ -193,17 +234,25 @@ class TestShortestQueue:
         started, last = threading.Event(), {}
 
         def run_long():
-            for chunk in engine.generate(input_ids=prompts[0], stream=True, rid="long-1",
-                                         sampling_params={"max_new_tokens": 3000, "temperature": 0.0,
-                                                          "ignore_eos": True}):
+            for chunk in engine.generate(
+                input_ids=prompts[0],
+                stream=True,
+                rid="long-1",
+                sampling_params={"max_new_tokens": 3000, "temperature": 0.0, "ignore_eos": True},
+            ):
                 last.update(chunk)
                 started.set()
+
         t = threading.Thread(target=run_long)
         t.start()
         try:
             assert started.wait(120), "the long request produced no token"
-            shorts = [engine.generate(input_ids=p, sampling_params={"max_new_tokens": 4, "temperature": 0.0},
-                                      rid=f"short-{i}") for i, p in enumerate(prompts[1:5])]
+            shorts = [
+                engine.generate(
+                    input_ids=p, sampling_params={"max_new_tokens": 4, "temperature": 0.0}, rid=f"short-{i}"
+                )
+                for i, p in enumerate(prompts[1:5])
+            ]
             engine.abort_request("long-1")
             t.join(60)
             events = drain_events(sub)
@@ -223,27 +272,30 @@ class TestShortestQueue:
         sp = {"max_new_tokens": 3000, "temperature": 0.0, "ignore_eos": True}
         assert engine.step_gate("pause")["paused"]
         results = {}
-        threads = [threading.Thread(target=lambda i=i: results.update(
-            {i: engine.generate(input_ids=prompts[i], sampling_params=sp)})) for i in range(2)]
+        threads = [
+            threading.Thread(
+                target=lambda i=i: results.update({i: engine.generate(input_ids=prompts[i], sampling_params=sp)})
+            )
+            for i in range(2)
+        ]
         for th in threads:
             th.start()
         try:
             state = _wait_for(engine, lambda s: s["num_waiting"] == 2)
             # Paused: each replica holds one request in its queue, neither has run a step for it.
             assert sorted(r["num_waiting"] for r in state["per_replica"]) == [1, 1]
-            stepped = engine.step_gate("step", 1)          # one iteration on every replica
+            stepped = engine.step_gate("step", 1)  # one iteration on every replica
             assert stepped["paused"]
             state = engine.get_internal_state()
             assert [r["num_running"] for r in state["per_replica"]] == [1, 1]
         finally:
             engine.step_gate("resume")
         _wait_for(engine, lambda s: s["num_running"] == 2)
-        engine.abort_request("")                           # "" = every request, on every replica
+        engine.abort_request("")  # "" = every request, on every replica
         for th in threads:
             th.join(60)
         assert [results[i]["meta_info"]["finish_reason"]["type"] for i in range(2)] == ["abort", "abort"]
         assert_no_kv_leak(engine)
-
 
     def test_weight_update_reaches_every_replica(self, engine):
         name = "model.norm.weight"
@@ -258,23 +310,24 @@ class TestShortestQueue:
             engine.update_weights_from_tensor([(name, torch.tensor(full, dtype=torch.float32))])
         assert engine.get_weights_by_name(name, truncate_size=8) == pytest.approx(full[:8])
 
-
     def test_distributed_weight_update_gives_each_replica_its_own_rank(self, engine):
         from workbench.core.distributed.launch import free_loopback_addr
         from workbench.core.managers.weight_updater import TrainerWeightSync
+
         name, group = "model.norm.weight", "dp-test-group"
         full = engine.get_weights_by_name(name, truncate_size=10_000)
         new = torch.tensor(full, dtype=torch.float32) * 0.25
         port = int(free_loopback_addr().rsplit(":", 1)[1])
         done, errors = threading.Event(), []
 
-        def trainer():   # rank 0 of a group of 1 trainer + 2 replicas
+        def trainer():  # rank 0 of a group of 1 trainer + 2 replicas
             try:
                 with TrainerWeightSync("127.0.0.1", port, world_size=3, group_name=group, timeout_s=60) as sync:
                     sync.broadcast([(name, new)])
                     done.wait(60)
-            except Exception as exc:   # surfaced by the assertion below
+            except Exception as exc:  # surfaced by the assertion below
                 errors.append(exc)
+
         t = threading.Thread(target=trainer)
         t.start()
         try:
@@ -299,15 +352,18 @@ class TestPrefixAware:
 
     def test_shared_prefix_requests_stay_on_one_replica_and_flush_reaches_all(self, engine, tokenizer):
         system = tokenizer.encode(SYSTEM, add_special_tokens=False)
-        asks = [tokenizer.encode(f" Question {i}: what is a {w}?", add_special_tokens=False)
-                for i, w in enumerate(("cache", "queue", "thread", "socket"))]
+        asks = [
+            tokenizer.encode(f" Question {i}: what is a {w}?", add_special_tokens=False)
+            for i, w in enumerate(("cache", "queue", "thread", "socket"))
+        ]
         sp = {"max_new_tokens": 4, "temperature": 0.0}
         sub = engine.subscribe(with_snapshot=False)
         try:
             # Sequential, so both replicas are idle at each choice: round robin would alternate.
             outs = [engine.generate(input_ids=system + q, sampling_params=sp) for q in asks]
-            other = engine.generate(input_ids=tokenizer.encode("Name three colours.", add_special_tokens=False),
-                                    sampling_params=sp)
+            other = engine.generate(
+                input_ids=tokenizer.encode("Name three colours.", add_special_tokens=False), sampling_params=sp
+            )
             events = drain_events(sub)
         finally:
             sub.close()
@@ -323,13 +379,14 @@ class TestPrefixAware:
 
         assert engine.flush_cache()
         again = [engine.generate(input_ids=system + q, sampling_params=sp) for q in asks[:2]]
-        assert again[0]["meta_info"]["cached_tokens"] == 0           # the cache really was emptied
+        assert again[0]["meta_info"]["cached_tokens"] == 0  # the cache really was emptied
         assert again[1]["meta_info"]["cached_tokens"] >= len(system)  # ... and the index relearned
         assert_no_kv_leak(engine)
 
 
 def _wait_for(engine, cond, timeout: float = 60.0) -> dict:
     import time
+
     deadline = time.monotonic() + timeout
     while True:
         state = engine.get_internal_state()

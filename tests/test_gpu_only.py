@@ -4,6 +4,7 @@ Without CUDA every test here except the device-neutral helper check skips, sayin
 why. With a GPU: `pytest -m gpu tests/test_gpu_only.py` (and `workbench selftest
 --device cuda` for the whole table on the default model).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,10 +16,12 @@ from workbench.core.layers.attention.flashinfer_backend import kv_indices_from_r
 from workbench.core.sampling.sampling_params import SamplingParams
 
 HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (none on this machine); "
-                                                      "the CPU stand-in covers the device-neutral flow")
-needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
-                                      reason="needs flashinfer-python (pip install -e '.[gpu]') and CUDA")
+needs_cuda = pytest.mark.skipif(
+    not HAS_CUDA, reason="needs a CUDA GPU (none on this machine); the CPU stand-in covers the device-neutral flow"
+)
+needs_flashinfer = pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python (pip install -e '.[gpu]') and CUDA"
+)
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 PROMPTS = [[1, 504, 3458, 314, 260, 3458, 28, 2], [1, 1066, 1745, 253, 17212], [1, 2436, 30, 2830, 282, 2]]
@@ -38,8 +41,18 @@ def _greedy(default_prepared, **server_args):
     from workbench.core.args import ServerArgs
     from workbench.core.model_executor.model_runner import ModelRunner
     from workbench.core.model_executor.offline_harness import OfflineHarness
-    runner = ModelRunner(ServerArgs(device="cuda", dtype="float32", max_total_tokens=4096, max_running_requests=8,
-                                    show_progress=False, **server_args), prepared=default_prepared)
+
+    runner = ModelRunner(
+        ServerArgs(
+            device="cuda",
+            dtype="float32",
+            max_total_tokens=4096,
+            max_running_requests=8,
+            show_progress=False,
+            **server_args,
+        ),
+        prepared=default_prepared,
+    )
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 8, 4)]
     halves = [len(p) // 2 for p in PROMPTS]
     out = [r.output_ids for r in OfflineHarness(runner).generate(PROMPTS, params, prefix_lens=halves)]
@@ -66,12 +79,21 @@ def _greedy_bf16(default_prepared, prompts=PROMPTS, **server_args):
     from workbench.selftest import Greedy
     from workbench.core.args import ServerArgs
     from workbench.core.model_executor.model_runner import ModelRunner
-    runner = ModelRunner(ServerArgs(device="cuda", dtype="bfloat16", max_total_tokens=4096, max_running_requests=8,
-                                    show_progress=False, **server_args), prepared=default_prepared)
+
+    runner = ModelRunner(
+        ServerArgs(
+            device="cuda",
+            dtype="bfloat16",
+            max_total_tokens=4096,
+            max_running_requests=8,
+            show_progress=False,
+            **server_args,
+        ),
+        prepared=default_prepared,
+    )
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 8, 4)]
     halves = [len(p) // 2 for p in prompts]
-    res = OfflineHarness(runner).generate(prompts, params, prefix_lens=halves, return_logprob=True,
-                                          top_logprobs_num=2)
+    res = OfflineHarness(runner).generate(prompts, params, prefix_lens=halves, return_logprob=True, top_logprobs_num=2)
     return runner, Greedy([r.output_ids for r in res], [r.top_logprobs for r in res])
 
 
@@ -86,8 +108,10 @@ def reference_bf16(default_prepared):
 @pytest.mark.parametrize("graphs", [False, True])
 def test_flashinfer_backend_matches_torch_native(default_prepared, reference_bf16, graphs):
     from workbench.selftest import compare_greedy
-    runner, out = _greedy_bf16(default_prepared, attention_backend="flashinfer", disable_cuda_graph=not graphs,
-                               cuda_graph_max_bs=4)
+
+    runner, out = _greedy_bf16(
+        default_prepared, attention_backend="flashinfer", disable_cuda_graph=not graphs, cuda_graph_max_bs=4
+    )
     ok, detail = compare_greedy(reference_bf16, out)
     assert ok, detail
     if graphs:
@@ -106,12 +130,21 @@ def test_flashinfer_tensor_core_decode_on_a_gqa4_model(tmp_path, graphs):
     from tiny_models import make_tiny_llama
     from workbench.core.model_loader import prepare_model
     from workbench.selftest import compare_greedy
-    model_dir = make_tiny_llama(tmp_path / "gqa4", seed=3, hidden_size=512, intermediate_size=512,
-                                num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2)
+
+    model_dir = make_tiny_llama(
+        tmp_path / "gqa4",
+        seed=3,
+        hidden_size=512,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+    )
     prepared = prepare_model(str(model_dir), progress=False)
     prompts = [[1, 5, 9, 12, 7, 3, 22, 14], [1, 30, 8, 8, 41], [1, 17, 26, 2, 33, 9]]
-    runner, out = _greedy_bf16(prepared, prompts, attention_backend="flashinfer", disable_cuda_graph=not graphs,
-                               cuda_graph_max_bs=4)
+    runner, out = _greedy_bf16(
+        prepared, prompts, attention_backend="flashinfer", disable_cuda_graph=not graphs, cuda_graph_max_bs=4
+    )
     assert runner.attn_backend.use_tensor_cores
     reference = _greedy_bf16(prepared, prompts, attention_backend="torch_native", disable_cuda_graph=True)[1]
     ok, detail = compare_greedy(reference, out)
@@ -120,6 +153,7 @@ def test_flashinfer_tensor_core_decode_on_a_gqa4_model(tmp_path, graphs):
 
 def test_flashinfer_refuses_float32_with_what_to_do():
     from workbench.core.layers.attention.registry import default_attention_backend, unavailable_reason
+
     msg = unavailable_reason("flashinfer", "cuda", "float32")
     assert msg and "--dtype bfloat16" in msg and "triton" in msg
     assert default_attention_backend("cuda", "float32") != "flashinfer"
@@ -142,8 +176,10 @@ def test_overlap_worker_uses_a_forward_stream(default_prepared):
     from workbench.core.args import ServerArgs
     from workbench.core.managers.tp_worker import TpModelWorker
     from workbench.core.managers.tp_worker_overlap_thread import TpModelWorkerClient
-    worker = TpModelWorker(ServerArgs(device="cuda", max_total_tokens=1024, show_progress=False),
-                           prepared=default_prepared)
+
+    worker = TpModelWorker(
+        ServerArgs(device="cuda", max_total_tokens=1024, show_progress=False), prepared=default_prepared
+    )
     client = TpModelWorkerClient(worker, 8)
     try:
         assert client.is_cuda and client.forward_stream is not None
@@ -158,22 +194,26 @@ def test_overlap_worker_uses_a_forward_stream(default_prepared):
 # ---- workbench selftest -------------------------------------------------------------------------
 def test_compare_greedy_passes_equal_tokens_and_near_ties_only():
     from workbench.selftest import Greedy, compare_greedy
-    top2 = [[[(1, -0.1), (9, -2.0)], [(2, -0.50), (7, -0.52)], [(3, -0.1), (8, -3.0)]],
-            [[(4, -0.1), (6, -3.0)], [(5, -0.2), (6, -4.0)]]]
+
+    top2 = [
+        [[(1, -0.1), (9, -2.0)], [(2, -0.50), (7, -0.52)], [(3, -0.1), (8, -3.0)]],
+        [[(4, -0.1), (6, -3.0)], [(5, -0.2), (6, -4.0)]],
+    ]
     ref = Greedy([[1, 2, 3], [4, 5]], top2)
     assert compare_greedy(ref, Greedy([[1, 2, 3], [4, 5]])) == (True, "tokens equal")
-    ok, detail = compare_greedy(ref, Greedy([[1, 7, 0], [4, 5]]))      # 2 vs 7: 0.02 nats apart
+    ok, detail = compare_greedy(ref, Greedy([[1, 7, 0], [4, 5]]))  # 2 vs 7: 0.02 nats apart
     assert ok and "1 near-tie" in detail
-    ok, detail = compare_greedy(ref, Greedy([[9, 2, 3], [4, 5]]))      # 1 vs 9: a real difference
+    ok, detail = compare_greedy(ref, Greedy([[9, 2, 3], [4, 5]]))  # 1 vs 9: a real difference
     assert not ok and "request 0 diverges at token 0" in detail
-    assert not compare_greedy(ref, Greedy([[1, 2], [4, 5]]))[0]        # wrong length
-    assert not compare_greedy(ref, Greedy([[1, 2, 3]]))[0]             # missing request
+    assert not compare_greedy(ref, Greedy([[1, 2], [4, 5]]))[0]  # wrong length
+    assert not compare_greedy(ref, Greedy([[1, 2, 3]]))[0]  # missing request
 
 
 def test_selftest_cuda_without_a_gpu_says_what_to_run(capsys):
     if HAS_CUDA:
         pytest.skip("this machine has a GPU")
     from workbench.cli import main
+
     assert main(["selftest", "--device", "cuda"]) == 2
     assert "selftest --device cpu" in capsys.readouterr().err
 
@@ -184,6 +224,7 @@ def test_selftest_cpu_dry_run(capsys):
     (--quick, and without the overlap row, which starts two Engines: tests/test_overlap.py
     checks the overlap loop against the normal loop far more thoroughly.)"""
     from workbench.cli import main
+
     rc = main(["selftest", "--device", "cpu", "--quiet", "--quick", "--checks", "cuda_graph,triton,flashinfer"])
     out = capsys.readouterr().out
     lines = {line.split("  ")[0].strip(): line for line in out.splitlines()}
@@ -196,6 +237,7 @@ def test_selftest_cpu_dry_run(capsys):
     assert "SKIP" in flash and "CUDA only" in flash
     triton = lines["triton kernels (TRITON_INTERPRET=1, model head shapes)"]
     from workbench.core.layers.attention.triton_backend import triton_interpreter_unsupported_reason
+
     if importlib.util.find_spec("triton") is None or triton_interpreter_unsupported_reason():
         assert "SKIP" in triton
     else:
@@ -207,12 +249,23 @@ def test_forward_batch_moves_host_tensors_to_the_runner_device():
     """Device-neutral half of the GPU fix: host-built batch tensors move, device ones are kept as they are
     ("meta" stands in for the GPU)."""
     from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
     ids = torch.tensor([3, 4])
-    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=2, input_ids=ids,
-                      positions=torch.tensor([5, 6]), req_pool_indices=torch.tensor([1, 2]),
-                      seq_lens=torch.tensor([6, 7]), out_cache_loc=torch.tensor([9, 10]),
-                      seq_lens_cpu=[6, 7], extend_seq_lens_cpu=[1, 1], extend_prefix_lens_cpu=[5, 6])
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=2,
+        input_ids=ids,
+        positions=torch.tensor([5, 6]),
+        req_pool_indices=torch.tensor([1, 2]),
+        seq_lens=torch.tensor([6, 7]),
+        out_cache_loc=torch.tensor([9, 10]),
+        seq_lens_cpu=[6, 7],
+        extend_seq_lens_cpu=[1, 1],
+        extend_prefix_lens_cpu=[5, 6],
+    )
     assert fb.to("cpu").input_ids is ids
     fb.to(torch.device("meta"))
-    assert all(getattr(fb, n).device.type == "meta"
-               for n in ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc"))
+    assert all(
+        getattr(fb, n).device.type == "meta"
+        for n in ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc")
+    )

@@ -5,6 +5,7 @@ good streaming request runs alongside and still finishes; a client that goes awa
 (streaming or not) has its request aborted and its KV freed; /metrics parses with
 prometheus_client and its counters move as requests complete.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,7 +60,7 @@ def scrape(url) -> dict[str, float]:
 
 
 CHAT, CMPL, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
-LONG_TEXT = "hello " * 9000           # ~9000 tokens: longer than the 8192-token context
+LONG_TEXT = "hello " * 9000  # ~9000 tokens: longer than the 8192-token context
 
 # (case, method, path, json body or raw bytes, status, param expected in the error or None)
 ERROR_CASES = [
@@ -73,16 +74,34 @@ ERROR_CASES = [
     ("missing messages", "POST", CHAT, {"model": "smollm2-135m"}, 422, "messages"),
     ("unknown role", "POST", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 422, None),
     ("empty messages", "POST", CHAT, {"messages": []}, 400, "messages"),
-    ("image content part", "POST", CHAT,
-     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, None),
+    (
+        "image content part",
+        "POST",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        None,
+    ),
     ("negative max_tokens", "POST", CHAT, {"messages": M, "max_tokens": -1}, 400, "max_tokens"),
     ("absurd max_tokens", "POST", CHAT, {"messages": M, "max_tokens": 10**9}, 400, "max_tokens"),
-    ("prompt longer than the context (chat)", "POST", CHAT, {"messages": [{"role": "user", "content": LONG_TEXT}],
-                                                             "max_tokens": 4}, 400, None),
+    (
+        "prompt longer than the context (chat)",
+        "POST",
+        CHAT,
+        {"messages": [{"role": "user", "content": LONG_TEXT}], "max_tokens": 4},
+        400,
+        None,
+    ),
     ("prompt longer than the context (text)", "POST", CMPL, {"prompt": LONG_TEXT, "max_tokens": 4}, 400, None),
     ("n too large", "POST", CHAT, {"messages": M, "n": 1000}, 400, "n"),
-    ("top_logprobs too large", "POST", CHAT, {"messages": M, "logprobs": True, "top_logprobs": 99}, 400,
-     "top_logprobs"),
+    (
+        "top_logprobs too large",
+        "POST",
+        CHAT,
+        {"messages": M, "logprobs": True, "top_logprobs": 99},
+        400,
+        "top_logprobs",
+    ),
     ("negative temperature", "POST", CHAT, {"messages": M, "temperature": -1.0}, 400, "temperature"),
     ("top_p zero, streaming", "POST", CHAT, {"messages": M, "top_p": 0.0, "stream": True}, 400, "top_p"),
     ("unknown model", "POST", CHAT, {"messages": M, "model": "gpt-17"}, 404, "model"),
@@ -90,15 +109,20 @@ ERROR_CASES = [
     ("empty prompt list", "POST", CMPL, {"prompt": []}, 400, "prompt"),
     ("token id outside the vocabulary", "POST", CMPL, {"prompt": [1, 2, 10**7]}, 400, "prompt"),
     ("logit_bias", "POST", CMPL, {"prompt": "x", "logit_bias": {"1": 5.0}}, 400, "logit_bias"),
-    ("native: unknown sampling parameter", "POST", GEN, {"text": "x", "sampling_params": {"max_tokens": 3}}, 400,
-     "sampling_params"),
+    (
+        "native: unknown sampling parameter",
+        "POST",
+        GEN,
+        {"text": "x", "sampling_params": {"max_tokens": 3}},
+        400,
+        "sampling_params",
+    ),
     ("native: text and input_ids", "POST", GEN, {"text": "x", "input_ids": [1]}, 400, None),
     ("native: unknown field", "POST", GEN, {"text": "x", "sampling": {}}, 422, "sampling"),
     ("abort without rid", "POST", "/abort_request", {}, 400, "rid"),
     ("unknown route", "GET", "/v1/nothing-here", None, 404, None),
     ("wrong method", "GET", CHAT, None, 405, None),
-    ("body too large", "POST", CHAT, {"messages": [{"role": "user", "content": "x" * (BODY_LIMIT + 10)}]}, 413,
-     None),
+    ("body too large", "POST", CHAT, {"messages": [{"role": "user", "content": "x" * (BODY_LIMIT + 10)}]}, 413, None),
 ]
 
 
@@ -116,8 +140,14 @@ def test_every_error_case_is_openai_shaped_while_a_good_request_streams(url):
 
         async def good():
             stream = await aclient.chat.completions.create(
-                model="smollm2-135m", messages=M, max_tokens=6, temperature=0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                model="smollm2-135m",
+                messages=M,
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             chunks = [c async for c in stream]
             return chunks
 
@@ -165,8 +195,13 @@ def test_official_client_raises_typed_errors(url):
 
 def test_disconnecting_a_stream_aborts_it_and_frees_its_kv(url):
     before = scrape(url)
-    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 400,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", url + CHAT, json=body, timeout=120) as resp:
         assert resp.status_code == 200
         # Keep the line iterator referenced: a generator abandoned by `break` is closed, and closing
@@ -180,8 +215,10 @@ def test_disconnecting_a_stream_aborts_it_and_frees_its_kv(url):
     wait_for(lambda: internal_state(url)["num_running"] == 0, what="the aborted request to leave the batch")
     st = internal_state(url)
     assert st["kv_used"] == 0 and st["num_waiting"] == 0
-    wait_for(lambda: scrape(url)["sglang:num_aborted_requests_total"]
-             > before.get("sglang:num_aborted_requests_total", 0), what="the abort in /metrics")
+    wait_for(
+        lambda: scrape(url)["sglang:num_aborted_requests_total"] > before.get("sglang:num_aborted_requests_total", 0),
+        what="the abort in /metrics",
+    )
     assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
     st = internal_state(url)
     assert st["kv_used"] == 0 and st["kv_evictable"] == 0 and st["kv_free"] == st["kv_total"]
@@ -192,18 +229,33 @@ def test_a_nonstreaming_client_that_times_out_is_aborted_too(url):
     body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + CMPL, json=body, timeout=httpx.Timeout(30, read=1.5))
+
     def idle():
         st = internal_state(url)
         return st["num_running"] == 0 and st["num_waiting"] == 0 and st["kv_used"] == 0
+
     wait_for(idle, what="the abandoned request to be aborted and its KV freed")
     key = "sglang:num_aborted_requests_total"
     wait_for(lambda: scrape(url)[key] > before[key], what="the abort in /metrics")
 
 
-REQUIRED = ["num_running_reqs", "num_queue_reqs", "token_usage", "num_used_tokens", "gen_throughput",
-            "cache_hit_rate", "prompt_tokens_total", "generation_tokens_total", "cached_tokens_total",
-            "num_requests_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
-            "e2e_request_latency_seconds", "num_retracted_reqs", "evicted_tokens_total"]
+REQUIRED = [
+    "num_running_reqs",
+    "num_queue_reqs",
+    "token_usage",
+    "num_used_tokens",
+    "gen_throughput",
+    "cache_hit_rate",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "cached_tokens_total",
+    "num_requests_total",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "num_retracted_reqs",
+    "evicted_tokens_total",
+]
 
 
 def test_metrics_parse_and_counters_move(url):
@@ -217,15 +269,17 @@ def test_metrics_parse_and_counters_move(url):
     assert families["sglang:time_to_first_token_seconds"].type == "histogram"
     before = scrape(url)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    r = client.chat.completions.create(model="smollm2-135m", messages=M, max_tokens=3, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=M, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     key = "sglang:num_requests_total"
     after = wait_for(lambda: (s := scrape(url))[key] > before[key] and s, what="the request in /metrics")
     assert after[key] == before[key] + 1
     assert after["sglang:prompt_tokens_total"] == before["sglang:prompt_tokens_total"] + r.usage.prompt_tokens
     assert after["sglang:generation_tokens_total"] == before["sglang:generation_tokens_total"] + 3
-    assert after["sglang:cached_tokens_total"] == (before["sglang:cached_tokens_total"]
-                                                  + r.usage.prompt_tokens_details.cached_tokens)
+    assert after["sglang:cached_tokens_total"] == (
+        before["sglang:cached_tokens_total"] + r.usage.prompt_tokens_details.cached_tokens
+    )
     assert after["sglang:time_to_first_token_seconds_count"] == before["sglang:time_to_first_token_seconds_count"] + 1
     assert after["sglang:inter_token_latency_seconds_count"] == before["sglang:inter_token_latency_seconds_count"] + 2
     hit = after["sglang:cached_tokens_total"] / after["sglang:prompt_tokens_total"]

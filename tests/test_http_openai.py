@@ -4,6 +4,7 @@ One Engine per module, served over loopback from its own loop (`start_server`, t
 same path `workbench serve` takes), driven with the official `openai` client; the
 Engine object itself is the reference for greedy outputs.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,10 +52,11 @@ def greedy_chat(engine):
 
 
 def sse_events(resp: httpx.Response) -> list[str]:
-    return [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in resp.iter_lines() if line.startswith("data: ")]
 
 
 # ---------------------------------------------------------------- chat
+
 
 def test_chat_greedy_equals_engine_and_usage_is_exact(client, greedy_chat):
     ids, ref = greedy_chat
@@ -73,8 +75,14 @@ def test_chat_greedy_equals_engine_and_usage_is_exact(client, greedy_chat):
 
 def test_chat_stream_concatenates_to_the_nonstreamed_text(client, url, greedy_chat):
     _, ref = greedy_chat
-    stream = client.chat.completions.create(model="smollm2-135m", messages=MSGS, max_tokens=N, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=MSGS,
+        max_tokens=N,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -95,8 +103,9 @@ def test_chat_stream_concatenates_to_the_nonstreamed_text(client, url, greedy_ch
 
 def test_chat_n2_seed_and_extra_body_top_k(client, greedy_chat):
     ids, ref = greedy_chat
-    a = client.chat.completions.create(model="smollm2-135m", messages=MSGS, max_tokens=4, temperature=1.0, n=2,
-                                       logprobs=True)
+    a = client.chat.completions.create(
+        model="smollm2-135m", messages=MSGS, max_tokens=4, temperature=1.0, n=2, logprobs=True
+    )
     assert [c.index for c in a.choices] == [0, 1]
     # usage: the prompt counts once, every choice's tokens count
     assert a.usage.prompt_tokens == len(ids)
@@ -107,8 +116,9 @@ def test_chat_n2_seed_and_extra_body_top_k(client, greedy_chat):
     s1, s2 = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
     assert s1.choices[0].message.content == s2.choices[0].message.content
     # top_k=1 through extra_body makes temperature 1.0 greedy: the engine's greedy text.
-    g = client.chat.completions.create(model="smollm2-135m", messages=MSGS, max_tokens=N, temperature=1.0,
-                                       extra_body={"top_k": 1})
+    g = client.chat.completions.create(
+        model="smollm2-135m", messages=MSGS, max_tokens=N, temperature=1.0, extra_body={"top_k": 1}
+    )
     assert g.choices[0].message.content == ref["text"]
 
 
@@ -118,19 +128,20 @@ def test_chat_stop_string_and_max_completion_tokens(client, greedy_chat):
     words = full.split()
     assert len(words) >= 2, full
     stop = words[1]
-    r = client.chat.completions.create(model="smollm2-135m", messages=MSGS, max_completion_tokens=N,
-                                       temperature=0, stop=[stop, "zzzz-never"])
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=MSGS, max_completion_tokens=N, temperature=0, stop=[stop, "zzzz-never"]
+    )
     assert r.choices[0].finish_reason == "stop"
-    assert r.choices[0].message.content == full[:full.index(stop)]
-    r = client.chat.completions.create(model="smollm2-135m", messages=MSGS, max_completion_tokens=3,
-                                       temperature=0)
+    assert r.choices[0].message.content == full[: full.index(stop)]
+    r = client.chat.completions.create(model="smollm2-135m", messages=MSGS, max_completion_tokens=3, temperature=0)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
 
 
 def test_chat_logprobs_and_top_logprobs(client, greedy_chat):
     _, ref = greedy_chat
-    r = client.chat.completions.create(model="smollm2-135m", messages=MSGS, max_tokens=N, temperature=0,
-                                       logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=MSGS, max_tokens=N, temperature=0, logprobs=True, top_logprobs=3
+    )
     ch = r.choices[0]
     content = ch.logprobs.content
     assert len(content) == r.usage.completion_tokens
@@ -147,6 +158,7 @@ def test_chat_logprobs_and_top_logprobs(client, greedy_chat):
 
 # ---------------------------------------------------------------- completions
 
+
 def test_completions_greedy_equals_engine_echo_and_logprobs(client, engine):
     prompt = "The capital of France is"
     ref = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 5, "temperature": 0.0})
@@ -155,8 +167,9 @@ def test_completions_greedy_equals_engine_echo_and_logprobs(client, engine):
     assert r.choices[0].text == ref["text"]
     assert r.usage.prompt_tokens == ref["meta_info"]["prompt_tokens"]
     assert r.usage.completion_tokens == len(ref["output_ids"])
-    e = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=5, temperature=0,
-                                  echo=True, logprobs=2)
+    e = client.completions.create(
+        model="smollm2-135m", prompt=prompt, max_tokens=5, temperature=0, echo=True, logprobs=2
+    )
     ch = e.choices[0]
     assert ch.text == prompt + ref["text"]
     lp = ch.logprobs
@@ -177,8 +190,15 @@ def test_completions_stream_batch_and_token_ids(client, engine):
     assert [c.index for c in r.choices] == [0, 1]
     assert [c.text for c in r.choices] == [x["text"] for x in refs]
     assert r.usage.prompt_tokens == sum(x["meta_info"]["prompt_tokens"] for x in refs)
-    s = client.completions.create(model="smollm2-135m", prompt=prompts, max_tokens=4, temperature=0,
-                                  stream=True, logprobs=1, stream_options={"include_usage": True})
+    s = client.completions.create(
+        model="smollm2-135m",
+        prompt=prompts,
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        logprobs=1,
+        stream_options={"include_usage": True},
+    )
     texts, toks = {0: "", 1: ""}, {0: "", 1: ""}
     usage = None
     for c in s:
@@ -196,6 +216,7 @@ def test_completions_stream_batch_and_token_ids(client, engine):
 
 # ---------------------------------------------------------------- native routes
 
+
 def test_native_generate_health_and_info(url, engine):
     with httpx.Client(base_url=url, timeout=120) as h:
         assert h.get("/health").status_code == 200
@@ -212,13 +233,18 @@ def test_native_generate_health_and_info(url, engine):
         got = h.post("/generate", json={"text": "Roses are", "sampling_params": sp}).json()
         assert got["text"] == ref["text"] and got["output_ids"] == ref["output_ids"]
         assert got["meta_info"]["finish_reason"]["type"] == "length"
-        batch = h.post("/generate", json={"input_ids": [ref["output_ids"][:2], [1, 2, 3]],
-                                          "sampling_params": {"max_new_tokens": 2, "temperature": 0.0},
-                                          "return_logprob": True, "top_logprobs_num": 2}).json()
+        batch = h.post(
+            "/generate",
+            json={
+                "input_ids": [ref["output_ids"][:2], [1, 2, 3]],
+                "sampling_params": {"max_new_tokens": 2, "temperature": 0.0},
+                "return_logprob": True,
+                "top_logprobs_num": 2,
+            },
+        ).json()
         assert isinstance(batch, list) and len(batch) == 2
         assert all(len(b["meta_info"]["output_token_logprobs"]) == 2 for b in batch)
-        with h.stream("POST", "/generate", json={"text": "Roses are", "sampling_params": sp,
-                                                 "stream": True}) as resp:
+        with h.stream("POST", "/generate", json={"text": "Roses are", "sampling_params": sp, "stream": True}) as resp:
             events = sse_events(resp)
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]

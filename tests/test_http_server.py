@@ -1,5 +1,6 @@
 """`python -m workbench.core.entrypoints.http_server` as a real process: start-up, --api-key, a busy
 port, and SIGTERM draining in-flight requests and exiting 0 with no process left behind."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,12 @@ def test_port_in_use_is_a_one_line_error():
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "workbench.core.entrypoints.http_server", "--port", str(port)],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "workbench.core.entrypoints.http_server", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert r.returncode != 0
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert len(lines) == 1 and "already in use" in lines[0] and str(port) in lines[0], lines
@@ -53,8 +58,14 @@ def test_api_key_guards_every_route_but_health(server):
     url = server.base_url
     assert httpx.get(url + "/health").status_code == 200
     assert httpx.get(url + "/health_generate", timeout=120).status_code == 200
-    for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/generate"),
-                         ("GET", "/metrics"), ("GET", "/get_server_info"), ("POST", "/flush_cache")]:
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/generate"),
+        ("GET", "/metrics"),
+        ("GET", "/get_server_info"),
+        ("POST", "/flush_cache"),
+    ]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = httpx.request(method, url + path, headers=headers, json={} if method == "POST" else None)
             assert r.status_code == 401, (path, headers, r.text)
@@ -64,8 +75,9 @@ def test_api_key_guards_every_route_but_health(server):
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     good = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    r = good.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
-                                     max_tokens=2, temperature=0)
+    r = good.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0
+    )
     assert r.usage.completion_tokens == 2
 
 
@@ -77,8 +89,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(server):
     got: dict = {"events": [], "first": threading.Event()}
 
     def stream():
-        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, headers=headers,
-                          timeout=120) as resp:
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, headers=headers, timeout=120) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: "):
                     got["events"].append(line[6:])
@@ -87,7 +98,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(server):
     t = threading.Thread(target=stream)
     t.start()
     assert got["first"].wait(120), "no first chunk"
-    server.proc.send_signal(15)                          # SIGTERM
+    server.proc.send_signal(15)  # SIGTERM
     t.join(120)
     assert server.proc.wait(90) == 0, server.log()
     # The in-flight stream finished normally.
@@ -109,15 +120,17 @@ def test_shutdown_stops_unfinished_requests_with_an_error_event_and_says_so():
     """(After the header-read timeout's check.) A stream and a plain request longer than the drain window: SIGTERM announces the drain, then the
     stream ends with an in-band `server_shutdown` error event before [DONE], the plain request gets a
     503 with the same code, no traceback is printed, and the exit code (3) says requests were stopped."""
-    srv = ServerProcess(["--max-total-tokens", "4096", "--dtype", "float32"],
-                        env={"WORKBENCH_DRAIN_S": "1", "WORKBENCH_HEADER_TIMEOUT_S": "1"})
+    srv = ServerProcess(
+        ["--max-total-tokens", "4096", "--dtype", "float32"],
+        env={"WORKBENCH_DRAIN_S": "1", "WORKBENCH_HEADER_TIMEOUT_S": "1"},
+    )
     try:
         # first, the header-read timeout: a client that never finishes its headers is cut off after ~1 s,
         # and one that sends a whole request in time is answered
         with socket.create_connection((srv.host, srv.port), timeout=10) as slow:
-            slow.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")      # no blank line: headers unfinished
+            slow.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")  # no blank line: headers unfinished
             t0 = time.monotonic()
-            assert slow.recv(100) == b"" and time.monotonic() - t0 < 5     # closed by the server
+            assert slow.recv(100) == b"" and time.monotonic() - t0 < 5  # closed by the server
         with socket.create_connection((srv.host, srv.port), timeout=10) as ok:
             ok.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert ok.recv(100).startswith(b"HTTP/1.1 200")
@@ -125,8 +138,9 @@ def test_shutdown_stops_unfinished_requests_with_an_error_event_and_says_so():
         got: dict = {"events": [], "first": threading.Event(), "plain": None}
 
         def stream():
-            with httpx.stream("POST", srv.base_url + "/v1/completions", json={**body, "stream": True},
-                              timeout=120) as resp:
+            with httpx.stream(
+                "POST", srv.base_url + "/v1/completions", json={**body, "stream": True}, timeout=120
+            ) as resp:
                 for line in resp.iter_lines():
                     if line.startswith("data: "):
                         got["events"].append(line[6:])
@@ -140,7 +154,7 @@ def test_shutdown_stops_unfinished_requests_with_an_error_event_and_says_so():
             t.start()
         assert got["first"].wait(120), "no first chunk"
         time.sleep(0.5)
-        srv.proc.send_signal(15)                          # SIGTERM
+        srv.proc.send_signal(15)  # SIGTERM
         for t in threads:
             t.join(120)
         code = srv.proc.wait(90)

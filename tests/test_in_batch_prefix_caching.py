@@ -4,6 +4,7 @@ No processes and no model: the real Scheduler (its admission, result processing 
 runs over real KV pools and a real RadixCache, with a stand-in model worker that "samples" a
 fixed token. One `step()` below is one iteration of `event_loop_normal`.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -14,7 +15,10 @@ from workbench.core.args import ServerArgs
 from workbench.core.managers import scheduler as scheduler_mod
 from workbench.core.managers.schedule_batch import Req
 from workbench.core.managers.schedule_policy import (
-    IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD as THRESHOLD, AddReqResult, PrefillAdder)
+    IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD as THRESHOLD,
+    AddReqResult,
+    PrefillAdder,
+)
 from workbench.core.managers.tp_worker import GenerationBatchResult
 from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from workbench.core.mem_cache.radix_cache import RadixCache
@@ -23,8 +27,8 @@ from workbench.core.trace import events as ev
 from workbench.core.trace.state import TraceState
 
 VOCAB = 1000
-SAMPLED = 7                      # the token the stand-in model always "samples" (not EOS)
-PREFIX = list(range(100, 612))   # 512 shared tokens
+SAMPLED = 7  # the token the stand-in model always "samples" (not EOS)
+PREFIX = list(range(100, 612))  # 512 shared tokens
 
 
 class _FakeRunner:
@@ -36,7 +40,7 @@ class _FakeRunner:
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(pool)
         self.prepared = SimpleNamespace(model_dir=None)
         self.attn_backend = SimpleNamespace(name="fake")
-        self.forwarded: list[list[int]] = []      # extend lengths of every extend pass
+        self.forwarded: list[list[int]] = []  # extend lengths of every extend pass
 
     def graph_plan(self, forward_mode, batch_size, return_all_logits=False):
         return False, batch_size
@@ -54,14 +58,13 @@ class _FakeWorker:
         return GenerationBatchResult(None, None, [SAMPLED] * len(mwb.seq_lens_cpu), 0.0)
 
 
-def make_scheduler(monkeypatch, *, pool=8192, rows=32, ctx=2048, chunk=None, policy="fcfs",
-                   disable_radix_cache=False):
+def make_scheduler(monkeypatch, *, pool=8192, rows=32, ctx=2048, chunk=None, policy="fcfs", disable_radix_cache=False):
     runner = _FakeRunner(pool, rows, ctx)
     monkeypatch.setattr(scheduler_mod, "TpModelWorker", lambda *a, **k: _FakeWorker(runner))
-    monkeypatch.setattr(scheduler_mod, "_load_fast_tokenizer",
-                        lambda _d: SimpleNamespace(decode=lambda ids, **kw: ""))
-    args = ServerArgs(chunked_prefill_size=chunk or -1, schedule_policy=policy,
-                      disable_radix_cache=disable_radix_cache, device="cpu")
+    monkeypatch.setattr(scheduler_mod, "_load_fast_tokenizer", lambda _d: SimpleNamespace(decode=lambda ids, **kw: ""))
+    args = ServerArgs(
+        chunked_prefill_size=chunk or -1, schedule_policy=policy, disable_radix_cache=disable_radix_cache, device="cpu"
+    )
     # tp_rank 1: no sockets (rank 0 alone talks to the other processes); the tracer is ours.
     s = scheduler_mod.Scheduler(args, None, tp_rank=1, tp_size=1)
     s.trace_events = []
@@ -70,8 +73,14 @@ def make_scheduler(monkeypatch, *, pool=8192, rows=32, ctx=2048, chunk=None, pol
 
 
 def req(rid: str, ids: list[int], max_new: int = 2, **kw) -> Req:
-    return Req(rid, "", list(ids), SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True),
-               eos_token_ids=[2], **kw)
+    return Req(
+        rid,
+        "",
+        list(ids),
+        SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True),
+        eos_token_ids=[2],
+        **kw,
+    )
 
 
 def shared(rid: str, i: int, prefix=PREFIX, own: int = 32) -> Req:
@@ -116,9 +125,12 @@ def test_shared_uncached_prefix_admits_one_and_holds_the_rest(monkeypatch, polic
     s.waiting_queue = list(reqs)
     batch = step(s)
     assert [r.rid for r in batch.reqs] == ["r0"]
-    assert [r.rid for r in s.waiting_queue] == ["r1", "r2", "r3"]        # still queued, in order
+    assert [r.rid for r in s.waiting_queue] == ["r1", "r2", "r3"]  # still queued, in order
     assert [(h.rid, h.waits_for, h.shared_tokens) for h in s.held_back] == [
-        ("r1", "r0", 512), ("r2", "r0", 512), ("r3", "r0", 512)]
+        ("r1", "r0", 512),
+        ("r2", "r0", 512),
+        ("r3", "r0", 512),
+    ]
     # The trace says who waits for whom, and the reducer keeps it for views.
     q = queue_states(s)[-1]
     assert [h.rid for h in q.held] == ["r1", "r2", "r3"] and q.waiting == ["r1", "r2", "r3"]
@@ -133,13 +145,13 @@ def test_held_requests_are_admitted_next_step_and_hit_the_cache(monkeypatch):
     s = make_scheduler(monkeypatch)
     reqs = [shared(f"r{i}", i) for i in range(4)]
     s.waiting_queue = list(reqs)
-    step(s)                                        # r0 computes the prefix; after it, it is cached
+    step(s)  # r0 computes the prefix; after it, it is cached
     assert s.tree_cache.match_prefix(PREFIX).device_indices.numel() == 512
     batch = step(s)
     assert [r.rid for r in batch.reqs] == ["r1", "r2", "r3"]
     assert s.held_back == [] and queue_states(s)[-1].held == []
     assert [r.cached_tokens for r in reqs] == [0, 512, 512, 512]
-    assert s.tp_worker.model_runner.forwarded == [[544], [32, 32, 32]]   # the prefix computed once
+    assert s.tp_worker.model_runner.forwarded == [[544], [32, 32, 32]]  # the prefix computed once
     run_until_idle(s)
     assert all(r.output_ids == [SAMPLED, SAMPLED] for r in reqs)
     assert_no_leak(s)
@@ -147,7 +159,7 @@ def test_held_requests_are_admitted_next_step_and_hit_the_cache(monkeypatch):
 
 def test_without_sharing_nothing_is_held(monkeypatch):
     s = make_scheduler(monkeypatch)
-    reqs = [req(f"r{i}", [100 + i] + list(range(200, 300))) for i in range(4)]   # differ at token 0
+    reqs = [req(f"r{i}", [100 + i] + list(range(200, 300))) for i in range(4)]  # differ at token 0
     s.waiting_queue = list(reqs)
     batch = step(s)
     assert [r.rid for r in batch.reqs] == ["r0", "r1", "r2", "r3"] and s.held_back == []
@@ -173,8 +185,8 @@ def test_only_the_uncached_shared_part_counts(monkeypatch):
     """A prefix already in the cache is no reason to wait: only tokens beyond it are."""
     s = make_scheduler(monkeypatch)
     s.waiting_queue = [req("warm", PREFIX[:500] + [999])]
-    run_until_idle(s)                                         # 500 tokens of PREFIX now cached
-    s.waiting_queue = [shared("a", 0), shared("b", 1)]        # they share 12 more: below threshold
+    run_until_idle(s)  # 500 tokens of PREFIX now cached
+    s.waiting_queue = [shared("a", 0), shared("b", 1)]  # they share 12 more: below threshold
     batch = step(s)
     assert [r.rid for r in batch.reqs] == ["a", "b"] and s.held_back == []
     assert [r.cached_tokens for r in batch.reqs] == [500, 500]
@@ -192,14 +204,13 @@ def test_requests_sharing_nothing_with_the_first_still_run_beside_it(monkeypatch
 
 def test_a_chunked_first_request_holds_the_others_until_its_chunks_cover_the_shared_part(monkeypatch):
     s = make_scheduler(monkeypatch, chunk=400)
-    reqs = [shared(f"r{i}", i) for i in range(3)]             # 544 tokens each
+    reqs = [shared(f"r{i}", i) for i in range(3)]  # 544 tokens each
     s.waiting_queue = list(reqs)
-    batch = step(s)                      # r0's first chunk fills the step's budget: nobody else fits
+    batch = step(s)  # r0's first chunk fills the step's budget: nobody else fits
     assert [r.rid for r in batch.reqs] == ["r0"] and s.chunked_req is reqs[0]
-    batch = step(s)                      # its first 400 tokens are cached; 112 shared ones are not
+    batch = step(s)  # its first 400 tokens are cached; 112 shared ones are not
     assert [r.rid for r in batch.reqs] == ["r0"]
-    assert [(h.rid, h.waits_for, h.shared_tokens) for h in s.held_back] == [("r1", "r0", 112),
-                                                                            ("r2", "r0", 112)]
+    assert [(h.rid, h.waits_for, h.shared_tokens) for h in s.held_back] == [("r1", "r0", 112), ("r2", "r0", 112)]
     batch = step(s)
     assert [r.rid for r in batch.reqs] == ["r1", "r2"]
     assert [r.cached_tokens for r in reqs] == [0, 512, 512]
@@ -214,14 +225,14 @@ def test_overlap_in_flight_prefill_holds_sharers_until_its_result_is_processed(m
     reqs = [shared(f"r{i}", i) for i in range(2)]
     s.waiting_queue = [reqs[0]]
     first = s.get_next_batch_to_run()
-    s.prepare_launch(first)                                # launched, result not processed yet
+    s.prepare_launch(first)  # launched, result not processed yet
     s.inflight = scheduler_mod.InflightBatch(first.copy(), None, s.forward_ct, 0.0)
     s.last_batch = first
-    s.waiting_queue.append(reqs[1])                        # arrives meanwhile
+    s.waiting_queue.append(reqs[1])  # arrives meanwhile
     nxt = s.get_next_batch_to_run()
-    assert nxt is s.running_batch and [r.rid for r in nxt.reqs] == ["r0"]    # no prefill for r1 yet
+    assert nxt is s.running_batch and [r.rid for r in nxt.reqs] == ["r0"]  # no prefill for r1 yet
     assert [(h.rid, h.waits_for, h.shared_tokens) for h in s.held_back] == [("r1", "r0", 512)]
-    inflight, s.inflight = s.inflight, None                # what process_inflight does, minus the thread
+    inflight, s.inflight = s.inflight, None  # what process_inflight does, minus the thread
     s.process_batch_result(inflight.batch, GenerationBatchResult(None, None, [SAMPLED], 0.0))
     s.last_batch = None
     batch = step(s)
@@ -262,8 +273,9 @@ def test_old_recordings_without_held_still_decode():
     line = b'{"kind":"queue.state","ts":5,"proc":"scheduler","step":1,"waiting":["a"],"running":[],"chunked":[]}'
     e = ev.decode_json(line)
     assert isinstance(e, ev.QueueState) and e.held == []
-    again = ev.decode_json(ev.encode_json(ev.QueueState(waiting=["a"], running=[], chunked=[],
-                                                        held=[ev.HeldReq("a", "b", 64)])))
+    again = ev.decode_json(
+        ev.encode_json(ev.QueueState(waiting=["a"], running=[], chunked=[], held=[ev.HeldReq("a", "b", 64)]))
+    )
     assert again.held == [ev.HeldReq("a", "b", 64)]
     st = TraceState()
     st.apply(again)

@@ -7,6 +7,7 @@ trace package (events, bus, reducer) knows nothing of the engine side, and the k
 never import a runner, a manager or the engine; they may use the batch description
 (`model_executor.forward_batch_info`), as SGLang's attention backends do. Imports inside functions count too.
 """
+
 from __future__ import annotations
 
 import ast
@@ -14,10 +15,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"core": "workbench.core", "tui": "workbench.tui", "widgets": "workbench.widgets", "workbench": "workbench"}
-ENGINE_SIDE = ("engine", "managers", "model_executor", "entrypoints", "models", "layers", "distributed",
-               "model_loader", "mem_cache", "sampling", "bench")
-RUNNERS = ("model_executor.model_runner", "model_executor.cuda_graph_runner", "model_executor.offline_harness",
-           "managers", "engine", "entrypoints", "bench")
+ENGINE_SIDE = (
+    "engine",
+    "managers",
+    "model_executor",
+    "entrypoints",
+    "models",
+    "layers",
+    "distributed",
+    "model_loader",
+    "mem_cache",
+    "sampling",
+    "bench",
+)
+RUNNERS = (
+    "model_executor.model_runner",
+    "model_executor.cuda_graph_runner",
+    "model_executor.offline_harness",
+    "managers",
+    "engine",
+    "entrypoints",
+    "bench",
+)
 
 
 def module_name(path: Path) -> str:
@@ -78,8 +97,10 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
     (fake / "leaky.py").write_text("def f():\n    from workbench.cli import main\n")
     kernel = tmp_path / "core" / "layers"
     kernel.mkdir(parents=True)
-    (kernel / "k.py").write_text("from workbench.core.model_executor.model_runner import ModelRunner\n"
-                                 "from workbench.core.model_executor.forward_batch_info import ForwardBatch\n")
+    (kernel / "k.py").write_text(
+        "from workbench.core.model_executor.model_runner import ModelRunner\n"
+        "from workbench.core.model_executor.forward_batch_info import ForwardBatch\n"
+    )
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     found = violations([fake / "leaky.py", kernel / "k.py"])
     assert len(found) == 2

@@ -1,6 +1,7 @@
 """`workbench bench engine --peer llamacpp`: the driver's protocol, the bench's helpers and table, and the
 path without a usable peer (recipe, exit status 1), all without llama.cpp. The real comparison runs only when
 WORKBENCH_LLAMACPP_PYTHON names a python that can import llama_cpp."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,9 @@ LLAMACPP_PYTHON = os.environ.get("WORKBENCH_LLAMACPP_PYTHON")
 
 
 def test_modules_never_import_llama_cpp():
-    code = ("import sys, workbench.bench.llamacpp_bench, workbench.bench.llamacpp_peer; "
-            "print('llama_cpp' in sys.modules)")
+    code = (
+        "import sys, workbench.bench.llamacpp_bench, workbench.bench.llamacpp_peer; print('llama_cpp' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
@@ -31,8 +33,7 @@ def test_modules_never_import_llama_cpp():
 
 def test_protocol_messages_round_trip():
     load = lp.load_request("/m/x-f32.gguf", 2, n_ctx=256, seed=3, kv_type="f32")
-    assert load == {"op": "load", "gguf": "/m/x-f32.gguf", "n_threads": 2, "n_ctx": 256, "seed": 3,
-                    "kv_type": "f32"}
+    assert load == {"op": "load", "gguf": "/m/x-f32.gguf", "n_threads": 2, "n_ctx": 256, "seed": 3, "kv_type": "f32"}
     run = lp.run_request([1, 2, 3], 128)
     assert run == {"op": "run", "prompt": [1, 2, 3], "max_new_tokens": 128, "greedy": True}
     for msg in (load, run, lp.quit_request()):
@@ -41,18 +42,21 @@ def test_protocol_messages_round_trip():
         assert lp.check_request(lp.decode_message(line)) == msg
 
 
-@pytest.mark.parametrize("msg, why", [
-    ({"op": "eval"}, "unknown op"),
-    ({"op": "load", "gguf": "", "n_threads": 1, "n_ctx": 256}, "'gguf'"),
-    ({"op": "load", "gguf": "a.gguf", "n_threads": 0, "n_ctx": 256}, "'n_threads'"),
-    ({"op": "load", "gguf": "a.gguf", "n_threads": True, "n_ctx": 256}, "'n_threads'"),
-    ({"op": "load", "gguf": "a.gguf", "n_threads": 1, "n_ctx": 8}, "'n_ctx'"),
-    ({"op": "load", "gguf": "a.gguf", "n_threads": 1, "n_ctx": 256, "kv_type": "q8_0"}, "'kv_type'"),
-    ({"op": "run", "prompt": [], "max_new_tokens": 4}, "'prompt'"),
-    ({"op": "run", "prompt": [1, "2"], "max_new_tokens": 4}, "'prompt'"),
-    ({"op": "run", "prompt": [1, -2], "max_new_tokens": 4}, "'prompt'"),
-    ({"op": "run", "prompt": [1], "max_new_tokens": 0}, "'max_new_tokens'"),
-])
+@pytest.mark.parametrize(
+    "msg, why",
+    [
+        ({"op": "eval"}, "unknown op"),
+        ({"op": "load", "gguf": "", "n_threads": 1, "n_ctx": 256}, "'gguf'"),
+        ({"op": "load", "gguf": "a.gguf", "n_threads": 0, "n_ctx": 256}, "'n_threads'"),
+        ({"op": "load", "gguf": "a.gguf", "n_threads": True, "n_ctx": 256}, "'n_threads'"),
+        ({"op": "load", "gguf": "a.gguf", "n_threads": 1, "n_ctx": 8}, "'n_ctx'"),
+        ({"op": "load", "gguf": "a.gguf", "n_threads": 1, "n_ctx": 256, "kv_type": "q8_0"}, "'kv_type'"),
+        ({"op": "run", "prompt": [], "max_new_tokens": 4}, "'prompt'"),
+        ({"op": "run", "prompt": [1, "2"], "max_new_tokens": 4}, "'prompt'"),
+        ({"op": "run", "prompt": [1, -2], "max_new_tokens": 4}, "'prompt'"),
+        ({"op": "run", "prompt": [1], "max_new_tokens": 0}, "'max_new_tokens'"),
+    ],
+)
 def test_protocol_rejects_bad_requests(msg, why):
     with pytest.raises(ProtocolError, match=why):
         lp.check_request(msg)
@@ -75,8 +79,10 @@ def test_protocol_lines_and_replies():
 
 
 def test_cpu_features_from_system_info():
-    new = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
-           "LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")
+    new = (
+        "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
+        "LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
+    )
     assert lp.missing_cpu_features(new) == []
     old = "AVX = 1 | AVX2 = 0 | AVX512 = 0 | FMA = 1 | F16C = 0 | SSE3 = 1 |"
     assert lp.missing_cpu_features(old) == ["AVX2", "F16C"]
@@ -84,21 +90,30 @@ def test_cpu_features_from_system_info():
 
 
 def test_driver_speaks_the_protocol_without_llama_cpp():
-    lines = [lp.encode_message({"op": "run", "prompt": [1], "max_new_tokens": 2}),          # before load
-             "garbage\n",
-             lp.encode_message({"op": "load", "gguf": "/nonexistent.gguf", "n_threads": 1, "n_ctx": 64}),
-             lp.encode_message(lp.quit_request())]
+    lines = [
+        lp.encode_message({"op": "run", "prompt": [1], "max_new_tokens": 2}),  # before load
+        "garbage\n",
+        lp.encode_message({"op": "load", "gguf": "/nonexistent.gguf", "n_threads": 1, "n_ctx": 64}),
+        lp.encode_message(lp.quit_request()),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-S", str(lb.DRIVER)], input="".join(lines), capture_output=True,
-                          text=True, timeout=60, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-S", str(lb.DRIVER)],
+        input="".join(lines),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     replies = [lp.parse_reply(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0 and len(replies) == 4, proc.stdout + proc.stderr
     assert "send 'load' before 'run'" in replies[0]["error"]
     assert "ProtocolError" in replies[1]["error"]
-    assert replies[2]["ok"] is False and "llama_cpp" in replies[2]["error"]     # -S: no site-packages here
+    assert replies[2]["ok"] is False and "llama_cpp" in replies[2]["error"]  # -S: no site-packages here
     assert replies[3] == {"ok": True}
-    check = subprocess.run([sys.executable, "-S", str(lb.DRIVER), "--check"], capture_output=True, text=True,
-                           timeout=60, env=env)
+    check = subprocess.run(
+        [sys.executable, "-S", str(lb.DRIVER), "--check"], capture_output=True, text=True, timeout=60, env=env
+    )
     assert check.returncode == 1 and lp.parse_reply(check.stdout.splitlines()[-1])["ok"] is False
 
 
@@ -111,7 +126,7 @@ def test_check_peer_and_recipe(tmp_path):
     assert "-DGGML_NATIVE=ON" in recipe and f"llama-cpp-python=={lb.PEER_VERSION}" in recipe
     assert "--no-binary llama-cpp-python" in recipe
     assert "~/llama-venv" in lb.install_recipe(None)
-    assert "python3 -m venv ~/llama-venv" in lb.install_recipe("/usr/bin/python3")   # no venv: never /usr
+    assert "python3 -m venv ~/llama-venv" in lb.install_recipe("/usr/bin/python3")  # no venv: never /usr
 
 
 def test_thread_counts():
@@ -165,6 +180,7 @@ def test_measure_interleaves_and_subtracts_the_prefill(capsys):
         def run(prompts, new):
             calls.append(("workbench", new))
             return 0.3 + (new - 1) * 0.02, new, [[(7 * i) % 50 for i in range(min(new, 16))]]
+
         return run
 
     peer = _FakePeer(prefill_s=0.5, per_token_s=0.04)
@@ -177,7 +193,7 @@ def test_measure_interleaves_and_subtracts_the_prefill(capsys):
     assert all(m["prompt"] == [5] * 64 and m["greedy"] for m in peer.requests)
     out = capsys.readouterr().out
     sides = re.findall(r"\[\d/2\] (\S+) .* tok/s", out)
-    assert sides == ["workbench", "llama.cpp", "llama.cpp", "workbench"] * 2             # A B B A per round
+    assert sides == ["workbench", "llama.cpp", "llama.cpp", "workbench"] * 2  # A B B A per round
     assert "(load 1m " in out
 
 
@@ -194,54 +210,85 @@ def test_gguf_cache_paths_and_reuse(tmp_path, monkeypatch):
 
     def no_subprocess(*a, **k):
         raise AssertionError("a cached GGUF is reused, never converted again")
+
     monkeypatch.setattr(lb.subprocess, "run", no_subprocess)
     assert lb.ensure_gguf(hf, "float32", "0.3.36", sys.executable, cache=tmp_path) == cached
 
 
 def test_converter_members_of_the_sdist():
-    names = ["llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py",
-             "llama_cpp_python-0.3.36/vendor/llama.cpp/convert_lora_to_gguf.py",
-             "llama_cpp_python-0.3.36/vendor/llama.cpp/conversion/__init__.py",
-             "llama_cpp_python-0.3.36/vendor/llama.cpp/conversion/llama.py",
-             "llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py/gguf/__init__.py",
-             "llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py/tests/test_x.py",
-             "llama_cpp_python-0.3.36/vendor/llama.cpp/ggml/src/ggml.c",
-             "llama_cpp_python-0.3.36/llama_cpp/llama.py"]
+    names = [
+        "llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py",
+        "llama_cpp_python-0.3.36/vendor/llama.cpp/convert_lora_to_gguf.py",
+        "llama_cpp_python-0.3.36/vendor/llama.cpp/conversion/__init__.py",
+        "llama_cpp_python-0.3.36/vendor/llama.cpp/conversion/llama.py",
+        "llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py/gguf/__init__.py",
+        "llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py/tests/test_x.py",
+        "llama_cpp_python-0.3.36/vendor/llama.cpp/ggml/src/ggml.c",
+        "llama_cpp_python-0.3.36/llama_cpp/llama.py",
+    ]
     assert lb._converter_members(names) == {
-        names[0]: "convert_hf_to_gguf.py", names[2]: "conversion/__init__.py", names[3]: "conversion/llama.py",
-        names[4]: "gguf-py/gguf/__init__.py"}
+        names[0]: "convert_hf_to_gguf.py",
+        names[2]: "conversion/__init__.py",
+        names[3]: "conversion/llama.py",
+        names[4]: "gguf-py/gguf/__init__.py",
+    }
 
 
 def test_sentencepiece_stub_fails_like_a_missing_model(tmp_path, monkeypatch):
     monkeypatch.setattr(lb.importlib.util, "find_spec", lambda name: None)
     stub = lb._sentencepiece_stub(tmp_path)
-    code = ("import sentencepiece\n"
-            "try:\n    sentencepiece.SentencePieceProcessor()\nexcept FileNotFoundError:\n    print('ok')")
-    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(stub)})
+    code = (
+        "import sentencepiece\n"
+        "try:\n    sentencepiece.SentencePieceProcessor()\nexcept FileNotFoundError:\n    print('ok')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(stub)},
+    )
     assert out.stdout.strip() == "ok", out.stderr
     monkeypatch.setattr(lb.importlib.util, "find_spec", lambda name: object())
-    assert lb._sentencepiece_stub(tmp_path) is None          # the real package: nothing to stand in for
+    assert lb._sentencepiece_stub(tmp_path) is None  # the real package: nothing to stand in for
 
 
 def test_cli_without_a_peer_prints_the_recipe_and_fails(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WORKBENCH_LLAMACPP_PYTHON", "WORKBENCH_VLLM_PYTHON")}
-    proc = subprocess.run([WORKBENCH, "bench", "engine", "--peer", "llamacpp", "--peer-python", sys.executable,
-                           "--json", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            WORKBENCH,
+            "bench",
+            "engine",
+            "--peer",
+            "llamacpp",
+            "--peer-python",
+            sys.executable,
+            "--json",
+            str(tmp_path / "x.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "llama.cpp peer unavailable" in proc.stdout and "cannot import llama_cpp" in proc.stdout
     assert "-DGGML_NATIVE=ON" in proc.stdout and "llama-cpp-python==0.3.36" in proc.stdout
     assert "no usable llama.cpp peer" in proc.stderr
-    assert not (tmp_path / "x.json").exists()                 # nothing measured, nothing written
-    proc = subprocess.run([WORKBENCH, "bench", "engine", "--peer", "llamacpp"], capture_output=True, text=True,
-                          timeout=300, env=env)
+    assert not (tmp_path / "x.json").exists()  # nothing measured, nothing written
+    proc = subprocess.run(
+        [WORKBENCH, "bench", "engine", "--peer", "llamacpp"], capture_output=True, text=True, timeout=300, env=env
+    )
     assert proc.returncode == 1 and "no --peer-python given" in proc.stdout
 
 
 def _usable_peer() -> tuple[bool, str]:
     if not LLAMACPP_PYTHON:
-        return False, ("needs a venv with llama-cpp-python: set WORKBENCH_LLAMACPP_PYTHON to its python "
-                       "(CI has none; the recipe is in README's Benchmarks section)")
+        return False, (
+            "needs a venv with llama-cpp-python: set WORKBENCH_LLAMACPP_PYTHON to its python "
+            "(CI has none; the recipe is in README's Benchmarks section)"
+        )
     ok, detail = lb.check_peer(LLAMACPP_PYTHON)
     return (True, "") if ok else (False, f"WORKBENCH_LLAMACPP_PYTHON={LLAMACPP_PYTHON} is not usable: {detail}")
 
@@ -252,13 +299,35 @@ _USABLE, _WHY = _usable_peer()
 @pytest.mark.skipif(not _USABLE, reason=_WHY)
 def test_real_llamacpp_peer_quick(tmp_path):
     out = tmp_path / "peer.json"
-    proc = subprocess.run([WORKBENCH, "bench", "engine", "--peer", "llamacpp", "--peer-python", LLAMACPP_PYTHON,
-                           "--quick", "--repeats", "1", "--dtype", "float32", "--threads", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            WORKBENCH,
+            "bench",
+            "engine",
+            "--peer",
+            "llamacpp",
+            "--peer-python",
+            LLAMACPP_PYTHON,
+            "--quick",
+            "--repeats",
+            "1",
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
     [row] = data["rows"]
     assert row["dtype"] == "float32" and row["threads"] == 1
     assert row["workbench_tok_s"] > 0 and row["llamacpp_tok_s"] > 0 and len(row["llamacpp_samples"]) == 2
-    assert row["first_equal"] is True                      # same float32 weights, greedy: the same tokens
-    assert "| dtype | threads | workbench tok/s | llama.cpp tok/s |" in proc.stdout and "goal: stay ahead" in proc.stdout
+    assert row["first_equal"] is True  # same float32 weights, greedy: the same tokens
+    assert (
+        "| dtype | threads | workbench tok/s | llama.cpp tok/s |" in proc.stdout and "goal: stay ahead" in proc.stdout
+    )

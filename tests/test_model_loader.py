@@ -4,6 +4,7 @@ The expensive pieces (converting the default SmolLM2 GGUF, loading
 transformers' reference model and tokenizer from the same file) run once per
 module; everything else uses tiny random models from tiny_models.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -138,9 +139,20 @@ def test_converted_weights_equal_transformers_gguf_loader(converted, reference_s
 def test_converted_config_matches_transformers(converted, reference_state_dict):
     _, ref = reference_state_dict
     ours = converted.config
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-                "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert getattr(ours, key) == getattr(ref, key), key
     assert ours.rope_parameters["rope_theta"] == ref.rope_parameters["rope_theta"] == 100000.0
 

@@ -5,6 +5,7 @@ rotary embedding, both decode-attention kernels, tiny real models (Llama with an
 untied head, Qwen2 with Q/K/V biases) against transformers, the compiled decode
 step against eager, and a smoke run of `bench model`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,10 @@ import torch.nn.functional as F
 
 from tiny_models import make_tiny_llama, make_tiny_qwen2
 from workbench.core.layers.attention.torch_native_backend import (
-    SMALL_DECODE_KV_ELEMENTS, decode_attention, decode_metadata_from_slots)
+    SMALL_DECODE_KV_ELEMENTS,
+    decode_attention,
+    decode_metadata_from_slots,
+)
 from workbench.core.layers.linear import RowParallelLinear, can_pack_for_cpu, pack_linear_weight, packed_linear
 from workbench.core.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from workbench.core.model_executor.cuda_graph_runner import get_batch_size_buckets, pad_decode_batch, pick_bucket
@@ -42,9 +46,19 @@ def test_batch_size_buckets():
 
 def test_pick_bucket():
     buckets = get_batch_size_buckets(32)
-    assert [pick_bucket(bs, buckets) for bs in (1, 2, 3, 5, 8, 9, 17, 24, 25, 32)] == \
-        [1, 2, 4, 8, 8, 16, 24, 24, 32, 32]
-    assert pick_bucket(33, buckets) is None       # too big: the caller runs eagerly
+    assert [pick_bucket(bs, buckets) for bs in (1, 2, 3, 5, 8, 9, 17, 24, 25, 32)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        24,
+        24,
+        32,
+        32,
+    ]
+    assert pick_bucket(33, buckets) is None  # too big: the caller runs eagerly
     with pytest.raises(ValueError):
         pick_bucket(0, buckets)
 
@@ -55,7 +69,7 @@ def test_pad_decode_batch_pads_to_scratch_slot():
     assert (p.bucket, p.real_bs) == (4, 2)
     assert p.input_ids.tolist() == [11, 12, 0, 0]
     assert p.positions.tolist() == [2, 1, 0, 0]
-    assert p.out_cache_loc.tolist() == [5, 7, 0, 0]           # padding writes to slot 0 only
+    assert p.out_cache_loc.tolist() == [5, 7, 0, 0]  # padding writes to slot 0 only
     assert p.seq_lens.tolist() == p.seq_lens_cpu == [3, 2, 1, 1]
     assert p.slot_table.tolist() == [[3, 4, 5], [6, 7, 0], [0, 0, 0], [0, 0, 0]]
     same = pad_decode_batch(2, torch.tensor([11, 12]), torch.tensor([2, 1]), torch.tensor([5, 7]), [3, 2], slots)
@@ -73,7 +87,7 @@ def test_bf16_packs_only_where_onednn_has_bf16_kernels():
     layer = RowParallelLinear(16, 32, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(32, 16) / 4)
-    layer.process_weights_after_loading(pack=True)      # never raises: packs where it can
+    layer.process_weights_after_loading(pack=True)  # never raises: packs where it can
     assert (layer.packed_weight is not None) == can_pack_for_cpu(layer.weight)
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     assert torch.allclose(layer(x).float(), F.linear(x.float(), layer.weight.float()), atol=5e-2)
@@ -113,7 +127,7 @@ def test_row_parallel_linear_fuses_the_residual():
 def test_apply_rotary_matches_rotate_half_bit_for_bit():
     rope = RotaryEmbedding(head_dim=16, max_position=64, base=10000.0)
     positions = torch.tensor([0, 5, 63])
-    qkv = torch.randn(3, 7 * 16)            # 4 q heads + 3 k heads, rotated together, as the model does
+    qkv = torch.randn(3, 7 * 16)  # 4 q heads + 3 k heads, rotated together, as the model does
     qk = qkv.view(3, 7, 16)
     cos, sin = rope.get_cos_sin(positions, torch.float32)
     out = apply_rotary(qk, cos, sin)
@@ -130,7 +144,7 @@ def _reference_attention(q, k_buf, v_buf, slot_rows, scaling):
     out = []
     group = q.shape[1] // k_buf.shape[1]
     for i, slots in enumerate(slot_rows):
-        k = k_buf[slots].double().repeat_interleave(group, dim=1)          # [L, Hq, D]
+        k = k_buf[slots].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v_buf[slots].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[i].double(), k) * scaling
         out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v))
@@ -146,21 +160,21 @@ def test_decode_attention_matches_reference(dtype, tol, lens):
     k_buf = torch.randn(slots_total, hk, d, generator=g).to(dtype)
     v_buf = torch.randn(slots_total, hk, d, generator=g).to(dtype)
     q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
-    perm = (torch.randperm(slots_total - 1, generator=g) + 1).tolist()   # scattered slots, never 0
+    perm = (torch.randperm(slots_total - 1, generator=g) + 1).tolist()  # scattered slots, never 0
     rows, start = [], 0
     for n in lens:
-        rows.append(perm[start:start + n])
+        rows.append(perm[start : start + n])
         start += n
     table = torch.zeros(len(lens), max(lens), dtype=torch.int64)
     for i, r in enumerate(rows):
-        table[i, :len(r)] = torch.tensor(r)
+        table[i, : len(r)] = torch.tensor(r)
     meta = decode_metadata_from_slots(table, torch.tensor(lens), lens, hk)
-    if dtype == torch.bfloat16:   # both low-precision kernels are covered
+    if dtype == torch.bfloat16:  # both low-precision kernels are covered
         large = len(lens) * hk * max(lens) * d > SMALL_DECODE_KV_ELEMENTS
         assert large == (max(lens) > 100)
-    out = decode_attention(q, k_buf, v_buf, meta, d ** -0.5)
+    out = decode_attention(q, k_buf, v_buf, meta, d**-0.5)
     assert out.shape == q.shape and out.dtype == dtype
-    ref = _reference_attention(q, k_buf, v_buf, rows, d ** -0.5)
+    ref = _reference_attention(q, k_buf, v_buf, rows, d**-0.5)
     assert torch.allclose(out.double(), ref, atol=tol, rtol=tol)
 
 
@@ -171,36 +185,43 @@ TINY_PROMPTS = [[5, 6, 7, 8, 9, 60, 61], [10, 11, 12], [40, 41, 42, 43, 44, 45, 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("perf_paths")
-    return {"llama": make_tiny_llama(root / "llama", tie_word_embeddings=False, seed=3),
-            "qwen2": make_tiny_qwen2(root / "qwen2", seed=4)}
+    return {
+        "llama": make_tiny_llama(root / "llama", tie_word_embeddings=False, seed=3),
+        "qwen2": make_tiny_qwen2(root / "qwen2", seed=4),
+    }
 
 
 def _runner(model_dir, dtype="float32", **kw):
     from workbench.core.args import ServerArgs
     from workbench.core.model_executor.model_runner import ModelRunner
-    return ModelRunner(ServerArgs(model_path=str(model_dir), dtype=dtype, max_total_tokens=2048,
-                                  show_progress=False, **kw))
+
+    return ModelRunner(
+        ServerArgs(model_path=str(model_dir), dtype=dtype, max_total_tokens=2048, show_progress=False, **kw)
+    )
 
 
 def _hf_greedy(model_dir, prompts, n):
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]
+        return [
+            model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p) :].tolist() for p in prompts
+        ]
 
 
 @needs_onednn
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_model_greedy_matches_transformers(tiny_dirs, arch):
     from workbench.core.model_executor.offline_harness import OfflineHarness
+
     n = 12
     ref = _hf_greedy(tiny_dirs[arch], TINY_PROMPTS, n)
-    assert len({tuple(r) for r in ref}) > 1 and any(len(set(r)) > 2 for r in ref)   # not degenerate
+    assert len({tuple(r) for r in ref}) > 1 and any(len(set(r)) > 2 for r in ref)  # not degenerate
     runner = _runner(tiny_dirs[arch])
-    assert runner.model.model.layers[0].mlp.down_proj.packed_weight is not None   # the packed path ran
+    assert runner.model.model.layers[0].mlp.down_proj.packed_weight is not None  # the packed path ran
     h = OfflineHarness(runner)
     greedy = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
     assert [h.generate([p], greedy)[0].output_ids for p in TINY_PROMPTS] == ref
@@ -212,12 +233,13 @@ def test_tiny_model_greedy_matches_transformers(tiny_dirs, arch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_and_plain_weights_agree(tiny_dirs, dtype):
     from workbench.core.model_executor.offline_harness import OfflineHarness
+
     runner = _runner(tiny_dirs["qwen2"], dtype)
     sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     packed = OfflineHarness(runner).generate(TINY_PROMPTS, sp, return_logprob=True)
     runner.model.process_weights_after_loading(pack=False)
     plain = OfflineHarness(runner).generate(TINY_PROMPTS, sp, return_logprob=True)
-    tol = 1e-4 if dtype == "float32" else 0.25    # bf16: one rounding per GEMM output either way
+    tol = 1e-4 if dtype == "float32" else 0.25  # bf16: one rounding per GEMM output either way
     for a, b in zip(packed, plain):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < tol
         if dtype == "float32":
@@ -236,13 +258,14 @@ def _compile_available() -> bool:
 def test_compiled_decode_matches_eager(tmp_path):
     """One bucket (4) for three ragged requests: the padded row must not disturb the real ones."""
     from workbench.core.model_executor.offline_harness import OfflineHarness
+
     model_dir = make_tiny_llama(tmp_path / "one_layer", tie_word_embeddings=False, seed=5, num_hidden_layers=1)
     prompts = TINY_PROMPTS[:3]
     sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     eager = OfflineHarness(_runner(model_dir)).generate(prompts, sp, return_logprob=True)
     runner = _runner(model_dir, enable_torch_compile=True, torch_compile_max_bs=4)
     assert runner.decode_runner is not None and runner.decode_runner.buckets == [1, 2, 4]
-    runner.decode_runner.buckets = [4]      # one compile keeps the test fast
+    runner.decode_runner.buckets = [4]  # one compile keeps the test fast
     compiled = OfflineHarness(runner).generate(prompts, sp, return_logprob=True)
     assert list(runner.decode_runner.compile_time_s) == [4]
     for a, b in zip(eager, compiled):
@@ -253,12 +276,14 @@ def test_compiled_decode_matches_eager(tmp_path):
 # ---- the benchmark -----------------------------------------------------------------------
 def test_bench_model_quick_runs_end_to_end(tiny_dirs, tmp_path):
     from workbench.bench.model_bench import _cli_main, add_parser, format_table, run_model_bench
+
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd")
     add_parser(sub)
     out = tmp_path / "bench.json"
-    args = parser.parse_args(["model", "--quick", "--quiet", "--dtype", "float32",
-                              "--model", str(tiny_dirs["llama"]), "--json", str(out)])
+    args = parser.parse_args(
+        ["model", "--quick", "--quiet", "--dtype", "float32", "--model", str(tiny_dirs["llama"]), "--json", str(out)]
+    )
     rows = run_model_bench(args)
     assert [r.metric for r in rows] == ["decode bs=1", "decode bs=4", "prefill 32"]
     for r in rows:
@@ -282,12 +307,15 @@ def test_bench_model_cuda_flags(tiny_dirs):
     """`--device cuda` without a GPU, or with the CPU clock, is a clear error (the GPU run itself is in
     the README's H100 table; it needs a GPU)."""
     from workbench.bench.model_bench import add_parser, run_model_bench
+
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="cmd"))
-    args = parser.parse_args(["model", "--quick", "--quiet", "--device", "cuda", "--clock", "cpu",
-                              "--model", str(tiny_dirs["llama"])])
+    args = parser.parse_args(
+        ["model", "--quick", "--quiet", "--device", "cuda", "--clock", "cpu", "--model", str(tiny_dirs["llama"])]
+    )
     assert args.device == "cuda" and args.disable_cuda_graph is False
     import torch
+
     with pytest.raises(ValueError, match="no CUDA GPU" if not torch.cuda.is_available() else "wall clock"):
         run_model_bench(args)
 
@@ -297,12 +325,15 @@ def test_glibc_malloc_tuning_applies_once_and_can_be_turned_off():
     import platform
     import subprocess
     import sys
-    code = ("from workbench.core.model_executor.cpu_allocator import tune_glibc_malloc as t; "
-            "print(t(), t())")
+
+    code = "from workbench.core.model_executor.cpu_allocator import tune_glibc_malloc as t; print(t(), t())"
+
     def run(env_value):
         env = dict(os.environ, WORKBENCH_MALLOC_TUNING=env_value)
-        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                              timeout=60).stdout.split()
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        ).stdout.split()
+
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert run("1") == ([str(glibc)] * 2)
     assert run("0") == ["False", "False"]

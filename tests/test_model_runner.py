@@ -1,4 +1,5 @@
 """The model executor against transformers on the same weights (float32, greedy)."""
+
 from __future__ import annotations
 
 import os
@@ -14,15 +15,17 @@ from workbench.core.sampling.sampling_params import SamplingParams
 NEW_TOKENS = 64
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
-STORY = ("The lighthouse keeper climbed the spiral stairs every evening, counting the steps as his "
-         "father had taught him, and at the top he wound the great clockwork that turned the lamp. ")
+STORY = (
+    "The lighthouse keeper climbed the spiral stairs every evening, counting the steps as his "
+    "father had taught him, and at the top he wound the great clockwork that turned the lamp. "
+)
 
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     """Eight prompts from 1 to ~1000 tokens."""
     out = [
-        tokenizer.encode("Once", add_special_tokens=False)[:1],                     # 1 token
+        tokenizer.encode("Once", add_special_tokens=False)[:1],  # 1 token
         tokenizer.encode("def fibonacci(n):", add_special_tokens=False),
         chat_ids(tokenizer, "What is the capital of France?"),
         chat_ids(tokenizer, "Write a haiku about autumn leaves."),
@@ -48,7 +51,7 @@ def test_one_at_a_time_matches_transformers(runner_fp32, prompts, reference):
 
 def test_mixed_length_batch_matches_transformers(runner_fp32, prompts, reference):
     if shutil.which(os.environ.get("CC", "cc")):
-        assert runner_fp32.attn_backend.name == "cpu_paged"     # the CPU default, when its kernel builds
+        assert runner_fp32.attn_backend.name == "cpu_paged"  # the CPU default, when its kernel builds
     results = OfflineHarness(runner_fp32).generate(prompts, GREEDY)
     assert [r.output_ids for r in results] == reference
 
@@ -58,8 +61,11 @@ def test_torch_native_backend_matches_transformers(default_prepared, prompts, re
     # backend the others are checked against, so it must match transformers too.
     from workbench.core.args import ServerArgs
     from workbench.core.model_executor.model_runner import ModelRunner
-    runner = ModelRunner(ServerArgs(dtype="float32", max_total_tokens=16384, show_progress=False,
-                                    attention_backend="torch_native"), prepared=default_prepared)
+
+    runner = ModelRunner(
+        ServerArgs(dtype="float32", max_total_tokens=16384, show_progress=False, attention_backend="torch_native"),
+        prepared=default_prepared,
+    )
     assert runner.attn_backend.name == "torch_native"
     results = OfflineHarness(runner).generate(prompts, GREEDY, prefix_lens=[len(p) // 3 for p in prompts])
     assert [r.output_ids for r in results] == reference
@@ -75,8 +81,12 @@ def test_prefix_then_extension_matches_transformers(runner_fp32, prompts, refere
 def test_logprobs_match_transformers(runner_fp32, prompts, hf_model):
     h = OfflineHarness(runner_fp32)
     prompt = prompts[2]
-    res = h.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
-                     return_logprob=True, top_logprobs_num=5)[0]
+    res = h.generate(
+        [prompt],
+        SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
+        return_logprob=True,
+        top_logprobs_num=5,
+    )[0]
     full = torch.tensor([prompt + res.output_ids])
     with torch.no_grad():
         logits = hf_model(full).logits[0].float()
@@ -100,7 +110,8 @@ def test_seeded_sampling_is_reproducible(runner_fp32, prompts):
     h = OfflineHarness(runner_fp32)
     sp = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     alone = h.generate([prompts[3]], sp)[0].output_ids
-    with_company = h.generate([prompts[2], prompts[3], prompts[4]],
-                              [SamplingParams(max_new_tokens=16, temperature=1.0), sp,
-                               SamplingParams(max_new_tokens=16, temperature=0.7)])[1].output_ids
+    with_company = h.generate(
+        [prompts[2], prompts[3], prompts[4]],
+        [SamplingParams(max_new_tokens=16, temperature=1.0), sp, SamplingParams(max_new_tokens=16, temperature=0.7)],
+    )[1].output_ids
     assert alone == with_company

@@ -6,6 +6,7 @@ Cells tagged `skip-ci` (GPU-only) are left out. Executed copies (with outputs)
 are written to $WORKBENCH_ARTIFACTS/notebooks (default: out/test-artifacts/notebooks)
 for inspection; the notebooks in git stay without outputs (checked below).
 """
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,9 @@ def test_outputs_are_stripped_in_git(path):
 def test_walkthrough_runs(path):
     nb = nbformat.read(path, as_version=4)
     nb.cells = [c for c in nb.cells if "skip-ci" not in c.get("metadata", {}).get("tags", [])]
-    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
     t0 = time.monotonic()
     try:
         client.execute()
@@ -55,8 +57,12 @@ def test_walkthrough_runs(path):
         nbformat.write(nb, ARTIFACTS / path.name)
     print(f"{path.name}: {time.monotonic() - t0:.1f} s")
     # Start-up progress is ordinary output in a kernel: a front end draws stderr as an error box.
-    pink = [i for i, c in enumerate(nb.cells) for o in c.get("outputs", [])
-            if o.get("name") == "stderr" and "[workbench]" in o.get("text", "")]
+    pink = [
+        i
+        for i, c in enumerate(nb.cells)
+        for o in c.get("outputs", [])
+        if o.get("name") == "stderr" and "[workbench]" in o.get("text", "")
+    ]
     assert not pink, f"{path.name}: engine start-up lines on stderr in cells {pink}"
     check = PICTURE_CHECKS.get(path.stem)
     if check is not None:
@@ -77,7 +83,7 @@ def snapshots(nb) -> dict[str, ET.Element]:
         for o in c.get("outputs", []):
             html = (o.get("data") or {}).get("text/html", "")
             if "workbench-snapshot" in html:
-                root = ET.fromstring(html)          # well-formed: inline SVG in a div
+                root = ET.fromstring(html)  # well-formed: inline SVG in a div
                 found[root.get("data-name")] = root
     return found
 
@@ -87,8 +93,11 @@ def view(root: ET.Element, name: str) -> ET.Element:
 
 
 def spans(root: ET.Element, rid: str, kind: str) -> list[ET.Element]:
-    return [e for e in view(root, "gantt").iter(f"{SVG}rect")
-            if e.get("class") == "span" and e.get("data-rid") == rid and e.get("data-kind") == kind]
+    return [
+        e
+        for e in view(root, "gantt").iter(f"{SVG}rect")
+        if e.get("class") == "span" and e.get("data-rid") == rid and e.get("data-kind") == kind
+    ]
 
 
 def nodes(root: ET.Element) -> list[ET.Element]:
@@ -96,14 +105,14 @@ def nodes(root: ET.Element) -> list[ET.Element]:
 
 
 def check_03(snaps: dict) -> None:
-    moment = snaps["after-15-steps"]         # A stalls behind B's chunks: the picture must show it
+    moment = snaps["after-15-steps"]  # A stalls behind B's chunks: the picture must show it
     assert len(spans(moment, "A", "decode")) >= 2, "A's decode bar has a gap"
     assert len(spans(moment, "B", "prefill")) >= 2, "B is prefilled in chunks"
     assert spans(moment, "C", "prefill") and spans(moment, "C", "queued")
     assert int(view(moment, "batch").get("data-steps")) >= 15
     segs = [e for e in view(moment, "batch").iter(f"{SVG}rect") if e.get("class") == "seg"]
     assert {"computed", "decode"} <= {e.get("data-kind") for e in segs}
-    assert "last step:" in "".join(moment.itertext())                    # the narrated step line
+    assert "last step:" in "".join(moment.itertext())  # the narrated step line
     marks = [(e.get("data-rid"), e.get("data-mark")) for e in moment.iter() if e.get("class") == "mark"]
     assert {("A", "first_token"), ("B", "first_token"), ("C", "first_token")} <= set(marks)
     assert view(moment, "kv").get("data-capacity") == "4096"

@@ -4,6 +4,7 @@ Same greedy tokens for mixed concurrent requests, for chunked prefill of long pr
 KV pressure (retraction); no KV leak afterwards; abort (also of a half-prefilled prompt); the step
 gate; and the trace's batch.step events.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -17,12 +18,30 @@ from reliability_helpers import wait_for
 from workbench.core.engine import Engine
 from workbench.core.trace import events as ev
 
-TOPICS = ["the ocean", "volcanoes", "a robot", "tea", "chess", "winter", "bees", "the moon",
-          "a library", "trains", "jazz", "mountains", "bread", "a lighthouse", "maps", "clocks"]
-LONG = ("The river carried the boats past the old mill, where the miller counted sacks of grain "
-        "and sang to the turning wheel. ") * 12
+TOPICS = [
+    "the ocean",
+    "volcanoes",
+    "a robot",
+    "tea",
+    "chess",
+    "winter",
+    "bees",
+    "the moon",
+    "a library",
+    "trains",
+    "jazz",
+    "mountains",
+    "bread",
+    "a lighthouse",
+    "maps",
+    "clocks",
+]
+LONG = (
+    "The river carried the boats past the old mill, where the miller counted sacks of grain "
+    "and sang to the turning wheel. "
+) * 12
 PRESSURE_NEW = 40
-BEE = 11426             # " bee" in SmolLM2's vocabulary
+BEE = 11426  # " bee" in SmolLM2's vocabulary
 # One intra-op thread in every engine: both loops then run the same kernels (same numerics), and
 # a 2-thread OpenMP team on a busy 2-core machine can be many times slower than one thread.
 ENGINE = {"dtype": "float32", "show_progress": False, "num_threads": 1}
@@ -61,7 +80,7 @@ def _mixed_calls(prompts: list[list[int]]) -> list[dict]:
             sp["ignore_eos"] = True
         if i == 4:
             call.update(return_logprob=True, top_logprobs_num=2)
-        if i == 5:    # seeded: the same draws whatever else shares the batch
+        if i == 5:  # seeded: the same draws whatever else shares the batch
             sp.update(temperature=0.8, top_k=20, seed=11, max_new_tokens=12)
         if i == 6:
             call["input_ids"] = prompts[16]
@@ -104,7 +123,8 @@ def _summary(out: dict) -> tuple:
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     return [chat_ids(tokenizer, f"Write two sentences about {t}.") for t in TOPICS] + [
-        chat_ids(tokenizer, "Write the word 'bee' twenty times: bee bee bee bee")]
+        chat_ids(tokenizer, "Write the word 'bee' twenty times: bee bee bee bee")
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +142,11 @@ def normal_results(default_prepared, prompts, long_prompts, pressure_prompts):
     """Every workload of this file through the normal loop (plenty of KV, default chunking)."""
     sp = {"max_new_tokens": PRESSURE_NEW, "temperature": 0.0, "ignore_eos": True}
     with Engine(max_total_tokens=8192, **ENGINE) as e:
-        assert e.server_args.disable_overlap_schedule        # the default stays the normal loop
+        assert e.server_args.disable_overlap_schedule  # the default stays the normal loop
         mixed = _run_concurrently(e, _mixed_calls(prompts))
-        long = e.generate(input_ids=long_prompts, sampling_params={"max_new_tokens": 12, "temperature": 0.0,
-                                                                   "ignore_eos": True})
+        long = e.generate(
+            input_ids=long_prompts, sampling_params={"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        )
         pressure = _run_concurrently(e, [{"input_ids": p, "sampling_params": sp} for p in pressure_prompts])
         _assert_no_leak(e)
     return {"mixed": mixed, "long": long, "pressure": pressure}
@@ -174,8 +195,9 @@ def test_mixed_requests_match_normal_loop(overlap_engine, prompts, normal_result
 
 def test_abort_mid_generation(overlap_engine, prompts):
     e = overlap_engine
-    stream = e.generate(input_ids=prompts[1], sampling_params={"max_new_tokens": 400, "temperature": 0,
-                                                               "ignore_eos": True}, stream=True)
+    stream = e.generate(
+        input_ids=prompts[1], sampling_params={"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}, stream=True
+    )
     got = []
     for chunk in stream:
         got.append(chunk)
@@ -190,8 +212,9 @@ def test_step_gate_runs_one_iteration_per_step(overlap_engine, prompts):
     e = overlap_engine
     e.step_gate("pause")
     try:
-        fut = cf.ThreadPoolExecutor(1).submit(e.generate, input_ids=prompts[2],
-                                              sampling_params={"max_new_tokens": 5, "temperature": 0})
+        fut = cf.ThreadPoolExecutor(1).submit(
+            e.generate, input_ids=prompts[2], sampling_params={"max_new_tokens": 5, "temperature": 0}
+        )
         # Step only once the request is queued: a step with nothing to run is answered at once.
         wait_for(lambda: e.get_internal_state()["num_waiting"] == 1, 30, "the request to reach the scheduler")
         first = e.step_gate("step")
@@ -208,8 +231,7 @@ def test_step_gate_runs_one_iteration_per_step(overlap_engine, prompts):
 @pytest.fixture(scope="module")
 def pressure_engine(default_prepared):
     # ~16 * (35 + 40) tokens wanted at peak; the pool holds far fewer. Prompts are cut in 64s.
-    with Engine(max_total_tokens=640, chunked_prefill_size=64, disable_overlap_schedule=False,
-                **ENGINE) as e:
+    with Engine(max_total_tokens=640, chunked_prefill_size=64, disable_overlap_schedule=False, **ENGINE) as e:
         yield e
 
 
@@ -218,15 +240,16 @@ def test_chunked_prefill_matches_normal_loop(pressure_engine, long_prompts, norm
     assert all(len(p) > 200 for p in long_prompts)
     sub = e.subscribe(with_snapshot=False)
     try:
-        outs = e.generate(input_ids=long_prompts, sampling_params={"max_new_tokens": 12, "temperature": 0.0,
-                                                                   "ignore_eos": True})
+        outs = e.generate(
+            input_ids=long_prompts, sampling_params={"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        )
         events = drain_events(sub)
     finally:
         sub.close()
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in normal_results["long"]]
     chunks = [x for x in events if isinstance(x, ev.ReqScheduled)]
     assert max(c.extend_len for c in chunks) <= 64
-    assert max(c.chunk_index for c in chunks) >= 3      # the prompts really were cut
+    assert max(c.chunk_index for c in chunks) >= 3  # the prompts really were cut
     _assert_no_leak(e)
 
 
@@ -249,13 +272,17 @@ def test_abort_half_prefilled_prompt(pressure_engine, long_prompts):
     e = pressure_engine
     e.step_gate("pause")
     try:
-        fut = cf.ThreadPoolExecutor(1).submit(e.generate, input_ids=long_prompts[0], rid="half-prefilled",
-                                              sampling_params={"max_new_tokens": 4, "temperature": 0})
+        fut = cf.ThreadPoolExecutor(1).submit(
+            e.generate,
+            input_ids=long_prompts[0],
+            rid="half-prefilled",
+            sampling_params={"max_new_tokens": 4, "temperature": 0},
+        )
         deadline = time.monotonic() + 30
         while e.get_internal_state()["num_waiting"] == 0:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        e.step_gate("step", steps=2)                      # two 64-token chunks of a ~300-token prompt
+        e.step_gate("step", steps=2)  # two 64-token chunks of a ~300-token prompt
         e.abort_request("half-prefilled")
     finally:
         e.step_gate("resume")

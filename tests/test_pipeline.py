@@ -1,4 +1,5 @@
 """The serving pipeline end to end: Engine -> TokenizerManager -> Scheduler -> Detokenizer, real model."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -13,11 +14,29 @@ from workbench.core.trace import events as ev
 
 NEW = 16
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
-TOPICS = ["the ocean", "volcanoes", "a robot", "tea", "chess", "winter", "bees", "the moon",
-          "a library", "trains", "jazz", "mountains", "bread", "a lighthouse", "maps", "clocks"]
-SYSTEM = ("You are a careful assistant for a course on computer systems. Answer briefly and plainly. "
-          "The course covers operating systems, memory hierarchies, caches, schedulers, networking, "
-          "compilers, databases and the serving of large language models on many machines. ") * 3
+TOPICS = [
+    "the ocean",
+    "volcanoes",
+    "a robot",
+    "tea",
+    "chess",
+    "winter",
+    "bees",
+    "the moon",
+    "a library",
+    "trains",
+    "jazz",
+    "mountains",
+    "bread",
+    "a lighthouse",
+    "maps",
+    "clocks",
+]
+SYSTEM = (
+    "You are a careful assistant for a course on computer systems. Answer briefly and plainly. "
+    "The course covers operating systems, memory hierarchies, caches, schedulers, networking, "
+    "compilers, databases and the serving of large language models on many machines. "
+) * 3
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +97,18 @@ def test_shared_prefix_hits_the_radix_cache(engine, tokenizer):
     rid = b["meta_info"]["id"]
     scheduled = [e for e in events if isinstance(e, ev.ReqScheduled) and e.rid == rid]
     assert scheduled and scheduled[0].prefix_hit == cached
-    assert sum(e.extend_len for e in scheduled) == len(b_ids) - cached   # only the rest is computed
+    assert sum(e.extend_len for e in scheduled) == len(b_ids) - cached  # only the rest is computed
     match = [e for e in events if isinstance(e, ev.CacheMatch) and e.rid == rid]
     assert match and match[0].matched == cached
     assert_no_kv_leak(engine)
 
 
 def chat_ids_sys(tokenizer, question: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM},
-                                         {"role": "user", "content": question}],
-                                        add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
     return list(ids["input_ids"] if not isinstance(ids, list) else ids)
 
 
@@ -104,19 +125,22 @@ def test_stop_string_and_stop_token(engine, tokenizer):
     text = base["text"]
     assert len(text) > 4
     stop = text[2:4]
-    out = engine.generate(prompt="1, 2, 3, 4,", sampling_params={"max_new_tokens": 12, "temperature": 0,
-                                                                 "stop": [stop]})
+    out = engine.generate(
+        prompt="1, 2, 3, 4,", sampling_params={"max_new_tokens": 12, "temperature": 0, "stop": [stop]}
+    )
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    assert out["text"] == text[:text.index(stop)]
+    assert out["text"] == text[: text.index(stop)]
     tok = base["output_ids"][2]
-    out2 = engine.generate(prompt="1, 2, 3, 4,", sampling_params={"max_new_tokens": 12, "temperature": 0,
-                                                                  "stop_token_ids": [tok]})
+    out2 = engine.generate(
+        prompt="1, 2, 3, 4,", sampling_params={"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [tok]}
+    )
     assert out2["output_ids"][-1] == tok and out2["meta_info"]["finish_reason"]["matched"] == tok
 
 
 def test_abort_frees_kv(engine, prompts):
-    stream = engine.generate(input_ids=prompts[1], sampling_params={"max_new_tokens": 400, "temperature": 0,
-                                                                    "ignore_eos": True}, stream=True)
+    stream = engine.generate(
+        input_ids=prompts[1], sampling_params={"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}, stream=True
+    )
     got = []
     for chunk in stream:
         got.append(chunk)
@@ -138,12 +162,17 @@ def test_bad_input_is_rejected_and_others_unaffected(engine, prompts, reference)
 
 
 def test_logprobs_through_the_engine(engine, prompts):
-    out = engine.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 4, "temperature": 0},
-                          return_logprob=True, top_logprobs_num=3, logprob_start_len=0)
+    out = engine.generate(
+        input_ids=prompts[0],
+        sampling_params={"max_new_tokens": 4, "temperature": 0},
+        return_logprob=True,
+        top_logprobs_num=3,
+        logprob_start_len=0,
+    )
     m = out["meta_info"]
     assert len(m["output_token_logprobs"]) == len(out["output_ids"])
     for (lp, tid, _), top in zip(m["output_token_logprobs"], m["output_top_logprobs"]):
-        assert top[0][1] == tid and abs(top[0][0] - lp) < 1e-5   # greedy: the chosen token is the top one
+        assert top[0][1] == tid and abs(top[0][0] - lp) < 1e-5  # greedy: the chosen token is the top one
     assert len(m["input_token_logprobs"]) == len(prompts[0]) and m["input_token_logprobs"][0][0] is None
 
 
@@ -164,8 +193,9 @@ def test_max_new_tokens_zero_is_prefill_only_with_the_same_prompt_logprobs(engin
 def test_step_gate_runs_exactly_one_iteration(engine, prompts):
     engine.step_gate("pause")
     try:
-        fut = cf.ThreadPoolExecutor(1).submit(engine.generate, input_ids=prompts[2],
-                                              sampling_params={"max_new_tokens": 5, "temperature": 0})
+        fut = cf.ThreadPoolExecutor(1).submit(
+            engine.generate, input_ids=prompts[2], sampling_params={"max_new_tokens": 5, "temperature": 0}
+        )
         # Step only once the request is queued: a step with nothing to run is answered at once.
         wait_for(lambda: engine.get_internal_state()["num_waiting"] == 1, 30, "the request to reach the scheduler")
         first = engine.step_gate("step")
@@ -186,9 +216,13 @@ def test_final_cache_tree_is_published_once_idle(engine, prompts):
         engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 3, "temperature": 0})
         # While running, the prompt's nodes are locked (protected); only a snapshot taken after
         # the request finished shows them unlocked.
-        events = drain_events(sub, until=lambda evs: any(
-            isinstance(e, ev.CacheTree) and e.protected_size == 0 and e.evictable_size >= len(prompt)
-            for e in evs), timeout=15)
+        events = drain_events(
+            sub,
+            until=lambda evs: any(
+                isinstance(e, ev.CacheTree) and e.protected_size == 0 and e.evictable_size >= len(prompt) for e in evs
+            ),
+            timeout=15,
+        )
     finally:
         sub.close()
     final = [e for e in events if isinstance(e, ev.CacheTree)]
@@ -200,16 +234,22 @@ def test_requests_sharing_an_uncached_prefix_compute_it_once(engine, tokenizer):
     together; one computes the prefix, the other 7 wait a step and read it from the radix cache."""
     prefix = tokenizer.encode(SYSTEM * 4, add_special_tokens=False)[:512]
     assert len(prefix) == 512
-    suffixes = [tokenizer.encode(f"{t.split()[-1].capitalize()}! Write two sentences about {t}, plainly and "
-                                 f"briefly, for a curious reader who is new to the subject and wants the main "
-                                 f"idea first, then one detail.", add_special_tokens=False)[:32] for t in TOPICS[:8]]
+    suffixes = [
+        tokenizer.encode(
+            f"{t.split()[-1].capitalize()}! Write two sentences about {t}, plainly and "
+            f"briefly, for a curious reader who is new to the subject and wants the main "
+            f"idea first, then one detail.",
+            add_special_tokens=False,
+        )[:32]
+        for t in TOPICS[:8]
+    ]
     assert all(len(s) == 32 for s in suffixes) and len({s[0] for s in suffixes}) == 8
     prompts = [prefix + s for s in suffixes]
     engine.flush_cache()
     alone = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
     engine.flush_cache()
     sub = engine.subscribe(with_snapshot=False)
-    engine.step_gate("pause")            # queue all 8 before the scheduler admits any of them
+    engine.step_gate("pause")  # queue all 8 before the scheduler admits any of them
     try:
         fut = cf.ThreadPoolExecutor(1).submit(engine.generate, input_ids=prompts, sampling_params=GREEDY)
         wait_for(lambda: engine.get_internal_state()["num_waiting"] == 8, 30, "the 8 requests to be queued")

@@ -1,4 +1,5 @@
 """Chunked prefill, no radix cache, and KV pressure (retraction) give transformers' tokens (real model, one engine)."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -12,8 +13,10 @@ from workbench.core.trace import events as ev
 
 NEW = 12
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
-LONG = ("The river carried the boats past the old mill, where the miller counted sacks of grain "
-        "and sang to the turning wheel. ") * 12
+LONG = (
+    "The river carried the boats past the old mill, where the miller counted sacks of grain "
+    "and sang to the turning wheel. "
+) * 12
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +29,9 @@ def small_engine(default_prepared):
     """One engine for both areas: prompts cut in 64s, no radix cache, and a pool far too small
     for the pressure workload. (The scheduling rules themselves are tested in-process, in
     test_scheduler_inprocess.py; here the real model must give transformers' tokens through them.)"""
-    with Engine(dtype="float32", max_total_tokens=640, chunked_prefill_size=64, disable_radix_cache=True,
-                show_progress=False) as e:
+    with Engine(
+        dtype="float32", max_total_tokens=640, chunked_prefill_size=64, disable_radix_cache=True, show_progress=False
+    ) as e:
         yield e
 
 
@@ -45,7 +49,7 @@ def test_chunked_prefill_without_radix_cache(small_engine, long_prompts, hf_mode
     assert again["meta_info"]["cached_tokens"] == 0 and again["output_ids"] == reference[0]
     chunks = [x for x in events if isinstance(x, ev.ReqScheduled)]
     assert max(c.extend_len for c in chunks) <= 64
-    assert max(c.chunk_index for c in chunks) >= 3      # long prompts really were cut
+    assert max(c.chunk_index for c in chunks) >= 3  # long prompts really were cut
     assert_no_kv_leak(e)
 
 

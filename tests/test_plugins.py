@@ -6,6 +6,7 @@ sys.path, which is all `importlib.metadata` needs to find it. The plugin adds a
 TUI panel, a Jupyter view and a workload; two more entry points are broken (one
 raises inside `register`, one names a module that does not exist).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -82,11 +83,11 @@ def register(registry):
     registry.add_workload("countdown", Countdown, help="three numbered prompts")
 '''
 
-BROKEN_SRC = '''
+BROKEN_SRC = """
 def register(registry):
     registry.add_view("half-done", "never finished", lambda source=None: None)
     raise RuntimeError("boom: this plugin is broken")
-'''
+"""
 
 
 def _dist(root: Path, name: str, entry_points: str) -> None:
@@ -107,7 +108,7 @@ def plugin_dir(tmp_path, monkeypatch):
     monkeypatch.undo()
     for mod in ("wb_reqcount", "wb_broken"):
         sys.modules.pop(mod, None)
-    load_plugins(reload=True)          # leave the process-wide registry as it was
+    load_plugins(reload=True)  # leave the process-wide registry as it was
 
 
 def test_plugin_contributions_show_up_and_broken_ones_are_skipped(plugin_dir):
@@ -115,8 +116,7 @@ def test_plugin_contributions_show_up_and_broken_ones_are_skipped(plugin_dir):
     info = {p.name: p for p in reg.plugins}
     ok = info["reqcount"]
     assert ok.error is None and ok.distribution == "wb-reqcount" and ok.module == "wb_reqcount:register"
-    assert sorted(ok.contributed) == ["panel:reqcount", "policy:shortest-first", "view:reqcount",
-                                      "workload:countdown"]
+    assert sorted(ok.contributed) == ["panel:reqcount", "policy:shortest-first", "view:reqcount", "workload:countdown"]
     assert reg.panels["reqcount"].plugin == reg.views["reqcount"].plugin == "reqcount"
     assert reg.workloads["countdown"].factory().requests()[0] == "count down from 3"
     assert "RuntimeError: boom" in info["broken"].error
@@ -128,8 +128,10 @@ def test_plugin_contributions_show_up_and_broken_ones_are_skipped(plugin_dir):
 
 
 def test_builtin_views_register_without_importing_plotly():
-    code = ("import sys; from workbench.plugins import load_plugins; r = load_plugins(); "
-            "print(sorted(r.views)); print('plotly' in sys.modules, 'ipywidgets' in sys.modules)")
+    code = (
+        "import sys; from workbench.plugins import load_plugins; r = load_plugins(); "
+        "print(sorted(r.views)); print('plotly' in sys.modules, 'ipywidgets' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     views, loaded = out.stdout.strip().splitlines()
@@ -141,10 +143,11 @@ def test_plugin_view_joins_the_dashboard(plugin_dir):
     pytest.importorskip("plotly")
     load_plugins(reload=True)
     from workbench.widgets import Dashboard
+
     d = Dashboard(EVENTS, views=["gantt", "reqcount"])
     try:
         assert d["reqcount"].value == "<b>5</b> requests seen"
-        d.slider.value = 0                          # replay back to the first step
+        d.slider.value = 0  # replay back to the first step
         assert d["reqcount"].value == f"<b>{len(d.state.requests)}</b> requests seen"
         assert len(d.state.requests) < 5
     finally:
@@ -158,7 +161,8 @@ def test_plugin_view_joins_the_dashboard(plugin_dir):
 def test_plugin_workload_is_accepted_by_the_runner(plugin_dir):
     load_plugins(reload=True)
     from workbench.tui.workload import WorkloadRunner
-    runner = WorkloadRunner(None, kind="countdown")      # unknown kinds raise ValueError
+
+    runner = WorkloadRunner(None, kind="countdown")  # unknown kinds raise ValueError
     assert next(runner._prompts) == "count down from 3"
     with pytest.raises(ValueError):
         WorkloadRunner(None, kind="no-such-workload")
@@ -169,8 +173,9 @@ async def test_plugin_panel_is_mounted_and_fed_in_the_tui(plugin_dir):
     reg = load_plugins(reload=True)
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import ReplayController
+
     ctl = ReplayController(Replay(EVENTS), autoplay=False)
-    ctl.seek_end()                                      # every event released up front
+    ctl.seek_end()  # every event released up front
     app = WorkbenchApp(ctl, panels=["queues", "reqcount"], registry=reg, layout="grid")
     async with app.run_test(size=(120, 40)) as pilot:
         panel = app.panels["reqcount"]
@@ -200,6 +205,7 @@ def test_a_plugin_policy_is_selectable_and_unknown_names_say_where_to_look(plugi
 
     from workbench.core.args import ServerArgs
     from workbench.core.managers.schedule_policy import SchedulePolicy
+
     load_plugins(reload=True)
     assert ServerArgs(schedule_policy="shortest-first").schedule_policy == "shortest-first"
     with pytest.raises(ValueError, match="registered by a plugin.*workbench plugins"):
@@ -214,14 +220,17 @@ def test_the_scheduler_runs_a_plugin_policy(plugin_dir, monkeypatch, tmp_path):
     """A real engine started with the plugin's policy: its scheduler process calls it (the log it
     writes), and the requests are answered."""
     from workbench import Engine
+
     log = tmp_path / "policy.log"
     monkeypatch.setenv("WB_POLICY_LOG", str(log))
     load_plugins(reload=True)
     prompts = [[1, 504, 3003] * k for k in (6, 1, 3)]
-    with Engine(schedule_policy="shortest-first", dtype="float32", max_total_tokens=2048,
-                show_progress=False) as engine:
-        outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 2, "temperature": 0,
-                                                                         "ignore_eos": True})
+    with Engine(
+        schedule_policy="shortest-first", dtype="float32", max_total_tokens=2048, show_progress=False
+    ) as engine:
+        outs = engine.generate(
+            input_ids=prompts, sampling_params={"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+        )
     assert [o["meta_info"]["completion_tokens"] for o in outs] == [2, 2, 2]
     orders = [line.split() for line in log.read_text().splitlines()]
     assert orders and all(o == sorted(o, key=int) for o in orders), orders
@@ -230,12 +239,14 @@ def test_the_scheduler_runs_a_plugin_policy(plugin_dir, monkeypatch, tmp_path):
 def test_cli_says_which_builtin_parts_did_not_load(monkeypatch):
     from workbench.plugins import PluginRegistry
     import workbench.builtin_plugins as builtin
+
     real_import = __import__
 
     def fake_import(name, *a, **kw):
         if name == "workbench.widgets.registration":
             raise ImportError("No module named 'ipywidgets'")
         return real_import(name, *a, **kw)
+
     reg = PluginRegistry()
     monkeypatch.setattr("builtins.__import__", fake_import)
     builtin.register(reg)

@@ -1,4 +1,5 @@
 """PrefillAdder's KV budget when a request's matched prefix is the only evictable memory."""
+
 from __future__ import annotations
 
 from workbench.core.managers.schedule_batch import Req
@@ -8,13 +9,13 @@ from workbench.core.mem_cache.radix_cache import RadixCache
 from workbench.core.sampling.sampling_params import SamplingParams
 
 POOL = 64
-PREFIX = list(range(100, 140))          # 40 cached tokens
+PREFIX = list(range(100, 140))  # 40 cached tokens
 
 
 def _setup():
     alloc = TokenToKVPoolAllocator(POOL)
     cache = RadixCache(ReqToTokenPool(4, 128), alloc)
-    cache.insert(PREFIX, alloc.alloc(len(PREFIX)))   # cached and unlocked: all evictable
+    cache.insert(PREFIX, alloc.alloc(len(PREFIX)))  # cached and unlocked: all evictable
     assert alloc.available_size() == POOL - 40 and cache.evictable_size() == 40
     return alloc, cache
 
@@ -38,12 +39,12 @@ def test_a_request_that_fits_only_if_its_own_prefix_were_free_is_refused_and_unl
     adder = _adder(alloc, cache)
     assert adder.add_one_req(req) == AddReqResult.NO_TOKEN
     assert adder.can_run_list == []
-    assert cache.evictable_size() == 40 and cache.protected_size() == 0      # the lock was undone
+    assert cache.evictable_size() == 40 and cache.protected_size() == 0  # the lock was undone
 
 
 def test_a_request_that_fits_beside_its_locked_prefix_is_admitted_with_the_prefix_locked():
     alloc, cache = _setup()
-    req = _req("r", extend=14, max_new=10)          # 24 <= 24 free
+    req = _req("r", extend=14, max_new=10)  # 24 <= 24 free
     req.init_next_round_input(cache)
     adder = _adder(alloc, cache)
     assert adder.add_one_req(req) == AddReqResult.CONTINUE

@@ -1,5 +1,6 @@
 """`workbench bench model --profile` on a tiny model: every component row, percentages that add up,
 positive times, the engine split, and a model left exactly as it was (no cost once profiling ends)."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,19 @@ def _args(*argv):
 
 def test_profile_quick_prints_every_component_and_the_engine_split(tiny_llama, tmp_path, capsys):
     out = tmp_path / "profile.json"
-    args = _args("--profile", "--quick", "--quiet", "--dtype", "float32", "--threads", "1",
-                 "--model", str(tiny_llama), "--json", str(out))
+    args = _args(
+        "--profile",
+        "--quick",
+        "--quiet",
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+        "--model",
+        str(tiny_llama),
+        "--json",
+        str(out),
+    )
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
@@ -50,11 +62,14 @@ def test_profile_quick_prints_every_component_and_the_engine_split(tiny_llama, t
     for _, label in profile_bench.COMPONENTS:
         assert printed.count(label) == 3
     assert printed.count("step, profiled (sum)") == 3 and printed.count("profiler overhead") == 3
-    pcts = [float(line.rsplit(None, 1)[1].rstrip("%")) for line in printed.splitlines()
-            if any(line.startswith(label) for _, label in profile_bench.COMPONENTS)]
+    pcts = [
+        float(line.rsplit(None, 1)[1].rstrip("%"))
+        for line in printed.splitlines()
+        if any(line.startswith(label) for _, label in profile_bench.COMPONENTS)
+    ]
     assert len(pcts) == 3 * len(keys)
     for i in range(3):
-        assert sum(pcts[i * len(keys):(i + 1) * len(keys)]) == pytest.approx(100.0, abs=0.6)
+        assert sum(pcts[i * len(keys) : (i + 1) * len(keys)]) == pytest.approx(100.0, abs=0.6)
 
     split = data["engine_split"]
     assert split["batch"] == 4 and split["decode_steps"] >= 1
@@ -89,12 +104,11 @@ def test_profiling_leaves_the_model_untouched(tiny_llama):
     assert "init_forward_metadata" not in wb.runner.attn_backend.__dict__
     assert "_decode" not in wb.harness.__dict__ and "_extend" not in wb.harness.__dict__
     assert {name: getattr(model_mod, name) for name in before} == before and cpu_ops.rope_inplace is rope
-    assert len(wb.generate(prompts, 2)) == 3      # start stamp + two token steps: still works
+    assert len(wb.generate(prompts, 2)) == 3  # start stamp + two token steps: still works
 
 
 def test_profile_refuses_cuda_and_compiled_steps(tiny_llama):
     with pytest.raises(ValueError, match="CPU only"):
         profile_bench.run_profile(_args("--profile", "--quick", "--device", "cuda", "--model", str(tiny_llama)))
     with pytest.raises(ValueError, match="compiled"):
-        profile_bench.run_profile(_args("--profile", "--quick", "--enable-torch-compile",
-                                        "--model", str(tiny_llama)))
+        profile_bench.run_profile(_args("--profile", "--quick", "--enable-torch-compile", "--model", str(tiny_llama)))

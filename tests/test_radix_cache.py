@@ -4,6 +4,7 @@ The reference model for the tree is a dict {prefix tuple: slot of its last token
 because stored prefixes are prefix-closed, it answers match / insert / evict
 questions without any tree logic. All tests use the real KV pools.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,8 +22,9 @@ from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAl
 from workbench.core.mem_cache.radix_cache import RadixCache, _common_len
 from workbench.core.trace.events import CacheEvict, CacheInsert, CacheTree, decode_json, encode_json
 
-SM_SETTINGS = settings(max_examples=200, stateful_step_count=30, deadline=None,
-                       suppress_health_check=[HealthCheck.too_slow])
+SM_SETTINGS = settings(
+    max_examples=200, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def make_cache(pool_size=64, rows=8, ctx=64, cls=RadixCache, **kw):
@@ -91,14 +93,15 @@ class TreeMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.events: list = []
-        self.cache, _, self.alloc = make_cache(self.POOL, on_event=self.events.append,
-                                               decode_text=lambda ids: ",".join(map(str, ids)))
+        self.cache, _, self.alloc = make_cache(
+            self.POOL, on_event=self.events.append, decode_text=lambda ids: ",".join(map(str, ids))
+        )
         self.ref: dict[tuple, int] = {}
         self.locks: list[tuple[Any, tuple]] = []
 
     def _longest(self, seq) -> int:
         n = 0
-        while n < len(seq) and tuple(seq[:n + 1]) in self.ref:
+        while n < len(seq) and tuple(seq[: n + 1]) in self.ref:
             n += 1
         return n
 
@@ -119,7 +122,7 @@ class TreeMachine(RuleBasedStateMachine):
         assert got == expected
         self.alloc.free(slots[:got])
         for i in range(got, len(seq)):
-            self.ref[tuple(seq[:i + 1])] = int(slots[i])
+            self.ref[tuple(seq[: i + 1])] = int(slots[i])
 
     @rule(seq=tokens)
     def match(self, seq):
@@ -127,7 +130,7 @@ class TreeMachine(RuleBasedStateMachine):
         r = self.cache.match_prefix(seq)
         assert isinstance(r, MatchResult)
         assert r.device_indices.dtype == torch.int64
-        assert r.device_indices.tolist() == [self.ref[tuple(seq[:i + 1])] for i in range(n)]
+        assert r.device_indices.tolist() == [self.ref[tuple(seq[: i + 1])] for i in range(n)]
         # The split guarantees the match ends exactly at a node boundary.
         assert node_path(r.last_node) == tuple(seq[:n])
 
@@ -174,7 +177,7 @@ class TreeMachine(RuleBasedStateMachine):
         assert_slots_partition(self.alloc, list(self.ref.values()))
         for node in all_nodes(self.cache):
             p = node_path(node)
-            want = sum(1 for _, lp in self.locks if lp[:len(p)] == p)
+            want = sum(1 for _, lp in self.locks if lp[: len(p)] == p)
             assert node.lock_ref == want
 
 
@@ -184,9 +187,11 @@ TestTreeMachine.settings = SM_SETTINGS
 
 # ---- property tests: request lifecycle (what the scheduler does) ---------------
 
+
 @dataclass
 class FakeReq:
     """The attributes of the scheduler's Req that the caches use, plus test bookkeeping."""
+
     rid: int
     req_pool_idx: int
     origin_input_ids: list[int]
@@ -194,7 +199,7 @@ class FakeReq:
     fill_ids: list[int] = field(default_factory=list)
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Optional[Any] = None
-    written: int = 0          # row entries holding valid slots
+    written: int = 0  # row entries holding valid slots
     chunk: int = 4
     max_new: int = 1
 
@@ -209,8 +214,9 @@ class ReqLifecycle(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.cache, self.req_pool, self.alloc = make_cache(self.POOL, self.ROWS, self.CTX,
-                                                           cls=self.CACHE_CLS, **self.CACHE_KW)
+        self.cache, self.req_pool, self.alloc = make_cache(
+            self.POOL, self.ROWS, self.CTX, cls=self.CACHE_CLS, **self.CACHE_KW
+        )
         self.table = self.req_pool.req_to_token
         self.reqs: list[FakeReq] = []
         self.next_rid = 0
@@ -223,8 +229,9 @@ class ReqLifecycle(RuleBasedStateMachine):
             slots = self.alloc.alloc(n)
         return slots
 
-    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=10),
-          chunk=st.integers(1, 4), max_new=st.integers(1, 4))
+    @rule(
+        prompt=st.lists(st.integers(0, 2), min_size=1, max_size=10), chunk=st.integers(1, 4), max_new=st.integers(1, 4)
+    )
     def admit(self, prompt, chunk, max_new):
         if self.req_pool.available_size() == 0:
             return
@@ -234,9 +241,17 @@ class ReqLifecycle(RuleBasedStateMachine):
         self.cache.inc_lock_ref(m.last_node)
         n = len(m.device_indices)
         self.table[row, :n] = m.device_indices
-        req = FakeReq(self.next_rid, row, list(prompt), fill_ids=list(prompt[:n]),
-                      prefix_indices=m.device_indices, last_node=m.last_node, written=n,
-                      chunk=chunk, max_new=max_new)
+        req = FakeReq(
+            self.next_rid,
+            row,
+            list(prompt),
+            fill_ids=list(prompt[:n]),
+            prefix_indices=m.device_indices,
+            last_node=m.last_node,
+            written=n,
+            chunk=chunk,
+            max_new=max_new,
+        )
         self.next_rid += 1
         self.reqs.append(req)
 
@@ -254,9 +269,9 @@ class ReqLifecycle(RuleBasedStateMachine):
             slots = self._alloc(n)
             if slots is None:
                 return
-            self.table[row, req.written:req.written + n] = slots
+            self.table[row, req.written : req.written + n] = slots
             req.written += n
-            req.fill_ids = prompt[:req.written]
+            req.fill_ids = prompt[: req.written]
             if req.written < len(prompt):
                 self.cache.cache_unfinished_req(req)
                 assert len(req.prefix_indices) == req.written
@@ -287,11 +302,11 @@ class ReqLifecycle(RuleBasedStateMachine):
         held = [self.cache.all_values().tolist()]
         for r in self.reqs:
             own_from = len(r.prefix_indices) if self.shares else 0
-            held.append(self.table[r.req_pool_idx, own_from:r.written].tolist())
-            assert self.table[r.req_pool_idx, :len(r.prefix_indices)].tolist() == r.prefix_indices.tolist()
+            held.append(self.table[r.req_pool_idx, own_from : r.written].tolist())
+            assert self.table[r.req_pool_idx, : len(r.prefix_indices)].tolist() == r.prefix_indices.tolist()
             if self.shares:
                 assert path_values(r.last_node) == r.prefix_indices.tolist()
-                assert node_path(r.last_node) == tuple(r.origin_input_ids[:len(r.prefix_indices)])
+                assert node_path(r.last_node) == tuple(r.origin_input_ids[: len(r.prefix_indices)])
         assert_slots_partition(self.alloc, *held)
         assert self.req_pool.available_size() + len(self.reqs) == self.ROWS
         assert self.cache.evictable_size() + self.cache.protected_size() == self.cache.total_size()
@@ -302,12 +317,12 @@ class ReqLifecycle(RuleBasedStateMachine):
                 while node is not self.cache.root_node:
                     locked.add(node.id)
                     node = node.parent
-            assert self.cache.protected_size() == sum(
-                len(n.key) for n in all_nodes(self.cache) if n.id in locked)
+            assert self.cache.protected_size() == sum(len(n.key) for n in all_nodes(self.cache) if n.id in locked)
 
 
-LIFE_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                         suppress_health_check=[HealthCheck.too_slow])
+LIFE_SETTINGS = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 TestRadixLifecycle = ReqLifecycle.TestCase
 TestRadixLifecycle.settings = LIFE_SETTINGS
@@ -328,8 +343,9 @@ TestDisabledRadixLifecycle.settings = settings(LIFE_SETTINGS, max_examples=40)
 
 
 @settings(max_examples=200, deadline=None)
-@given(a=st.lists(st.integers(0, 1), max_size=300), b=st.lists(st.integers(0, 1), max_size=300),
-       start=st.integers(0, 5))
+@given(
+    a=st.lists(st.integers(0, 1), max_size=300), b=st.lists(st.integers(0, 1), max_size=300), start=st.integers(0, 5)
+)
 def test_common_len_matches_naive(a, b, start):
     start = min(start, len(b))
     naive = 0
@@ -339,6 +355,7 @@ def test_common_len_matches_naive(a, b, start):
 
 
 # ---- unit tests ---------------------------------------------------------------
+
 
 def test_split_on_partial_match_keeps_original_id():
     events = []
@@ -356,7 +373,10 @@ def test_split_on_partial_match_keeps_original_id():
     # Two upserts describe the split: new parent, then the original under it.
     ins = [e for e in events if isinstance(e, CacheInsert)]
     assert [(e.node_id, e.parent_id, e.tokens) for e in ins] == [
-        (leaf_id, 0, 5), (head.id, 0, 3), (leaf_id, head.id, 2)]
+        (leaf_id, 0, 5),
+        (head.id, 0, 3),
+        (leaf_id, head.id, 2),
+    ]
     assert cache.total_size() == 5 and cache.evictable_size() == 5
     # A full match through the split returns every slot again.
     assert cache.match_prefix([1, 2, 3, 4, 5, 6]).device_indices.tolist() == slots.tolist()
@@ -367,7 +387,7 @@ def test_split_of_locked_node_keeps_lock_on_both_parts():
     cache.insert([1, 2, 3, 4], alloc.alloc(4))
     r = cache.match_prefix([1, 2, 3, 4])
     assert cache.inc_lock_ref(r.last_node) == -4
-    cache.match_prefix([1, 2, 7])                  # splits the locked edge
+    cache.match_prefix([1, 2, 7])  # splits the locked edge
     assert cache.protected_size() == 4 and cache.evictable_size() == 0
     assert cache.evict(10) == 0
     assert cache.dec_lock_ref(r.last_node) == 4
@@ -404,18 +424,17 @@ def test_cache_finished_req_frees_duplicates_and_row():
     table = req_pool.req_to_token
     prompt, out = [3, 1, 4, 1, 5], [9, 2]
     reqs = []
-    for _ in range(2):     # two identical requests computed concurrently: no sharing at admission
+    for _ in range(2):  # two identical requests computed concurrently: no sharing at admission
         m = cache.match_prefix(prompt[:-1])
         assert len(m.device_indices) == 0
         row = req_pool.alloc(1)[0]
         n = len(prompt) + len(out) - 1
         table[row, :n] = alloc.alloc(n)
-        reqs.append(FakeReq(0, row, prompt, list(out), prefix_indices=m.device_indices,
-                            last_node=m.last_node))
+        reqs.append(FakeReq(0, row, prompt, list(out), prefix_indices=m.device_indices, last_node=m.last_node))
     first_kv = table[reqs[0].req_pool_idx, :6].tolist()
     cache.cache_finished_req(reqs[0])
     assert alloc.available_size() == 32 - 12 and req_pool.available_size() == 3
-    cache.cache_finished_req(reqs[1])           # all 6 of its slots duplicate the first's
+    cache.cache_finished_req(reqs[1])  # all 6 of its slots duplicate the first's
     assert alloc.available_size() == 32 - 6 and req_pool.available_size() == 4
     assert cache.match_prefix(prompt + out).device_indices.tolist() == first_kv
     assert cache.evictable_size() == 6 and cache.protected_size() == 0
@@ -439,10 +458,10 @@ def test_cache_unfinished_req_chunked_and_duplicate():
     cache.cache_unfinished_req(req)
     want = theirs.tolist() + mine[3:].tolist()
     assert req.prefix_indices.tolist() == want
-    assert table[row, :4].tolist() == want        # row now points at the tree's slots
+    assert table[row, :4].tolist() == want  # row now points at the tree's slots
     assert node_path(req.last_node) == tuple(prompt[:4]) and req.last_node.lock_ref == 1
     assert cache.protected_size() == 4 and cache.evictable_size() == 0
-    assert_slots_partition(alloc, cache.all_values().tolist())   # mine[:3] were freed
+    assert_slots_partition(alloc, cache.all_values().tolist())  # mine[:3] were freed
     # Second (last) chunk, one output token, finish.
     rest = alloc.alloc(2)
     table[row, 4:6] = rest
@@ -462,7 +481,7 @@ def test_evict_is_lru_and_frees_through_allocator():
     for seq in ([1, 1], [2, 2], [3, 3]):
         cache.insert(seq, alloc.alloc(2))
         ids[seq[0]] = cache.root_node.children[seq[0]].id
-    cache.match_prefix([1, 1])                       # 1 is now the most recent
+    cache.match_prefix([1, 1])  # 1 is now the most recent
     assert cache.evict(1) == 2
     assert events[-1] == CacheEvict(node_ids=[ids[2]], tokens=2)
     assert alloc.available_size() == 12
@@ -475,12 +494,12 @@ def test_evict_makes_parent_a_leaf_and_respects_locks():
     cache, _, alloc = make_cache(pool_size=16)
     cache.insert([1, 2, 3], alloc.alloc(3))
     second = alloc.alloc(3)
-    assert cache.insert([1, 2, 4], second) == 2      # [1,2] -> {[3], [4]}
+    assert cache.insert([1, 2, 4], second) == 2  # [1,2] -> {[3], [4]}
     alloc.free(second[:2])
     cache.insert([5, 6], alloc.alloc(2))
     lock = cache.match_prefix([5, 6]).last_node
     cache.inc_lock_ref(lock)
-    assert cache.evict(100) == 4                    # both leaves, then their parent
+    assert cache.evict(100) == 4  # both leaves, then their parent
     assert cache.total_size() == 2 and cache.protected_size() == 2
     assert list(cache.root_node.children) == [5]
     assert alloc.available_size() == 14
@@ -497,25 +516,23 @@ def test_snapshot_and_pretty_print_with_real_text():
     for p in prompts:
         cache.insert(p, alloc.alloc(len(p)))
     assert cache.match_prefix(prompts[1]).device_indices.numel() == len(prompts[1])
-    assert cache.total_size() == len(prompts[0]) + len(prompts[1]) - len(
-        (system + "What is the ").encode())
+    assert cache.total_size() == len(prompts[0]) + len(prompts[1]) - len((system + "What is the ").encode())
     snap = cache.snapshot()
     assert snap[0].parent_id == -1 and snap[0].node_id == 0
     seen = {0}
     for n in snap[1:]:
-        assert n.parent_id in seen                  # parents come first
+        assert n.parent_id in seen  # parents come first
         seen.add(n.node_id)
     assert len(seen) == len(snap) == 4
     assert sum(n.tokens for n in snap) == cache.total_size()
     shared = next(n for n in snap if n.parent_id == 0)
     assert shared.text.startswith("You are a helpful") and len(shared.text) <= 41
     assert shared.hits == 1
-    tree = CacheTree(nodes=snap, evictable_size=cache.evictable_size(),
-                     protected_size=cache.protected_size())
+    tree = CacheTree(nodes=snap, evictable_size=cache.evictable_size(), protected_size=cache.protected_size())
     assert decode_json(encode_json(tree)) == tree
     text = cache.pretty_print()
     lines = text.splitlines()
-    assert len(lines) == 1 + len(snap)              # header + one line per node
+    assert len(lines) == 1 + len(snap)  # header + one line per node
     assert "capital of France" in text and lines[2].startswith("  #")
     assert any(isinstance(e, CacheInsert) and e.text.startswith("You are") for e in events)
 
@@ -529,10 +546,13 @@ def test_long_prompt_match():
     assert r.device_indices.numel() == 5000 and len(r.last_node.key) == 5000
 
 
-@pytest.mark.parametrize("make", [
-    lambda rp, al: ChunkCache(rp, al),
-    lambda rp, al: RadixCache(rp, al, disable=True),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda rp, al: ChunkCache(rp, al),
+        lambda rp, al: RadixCache(rp, al, disable=True),
+    ],
+)
 def test_no_reuse_caches_free_everything(make):
     req_pool, alloc = ReqToTokenPool(4, 32), TokenToKVPoolAllocator(32)
     cache = make(req_pool, alloc)
@@ -568,24 +588,25 @@ def test_lock_and_hit_changes_are_reported_once_per_snapshot():
     """Views republish the tree when locks or hits change, not only on insert/evict: the cache says
     so through `on_event` with one CacheTouch, then stays silent until the next snapshot()."""
     from workbench.core.trace.events import CacheTouch
+
     events = []
     cache, _, alloc = make_cache(pool_size=32, on_event=events.append)
     cache.insert([1, 2, 3], alloc.alloc(3))
     cache.snapshot()
     del events[:]
-    node = cache.match_prefix([1, 2, 3]).last_node        # a hit
+    node = cache.match_prefix([1, 2, 3]).last_node  # a hit
     assert events == [CacheTouch(what="hit", node_id=node.id)]
-    cache.inc_lock_ref(node)                               # silent: already reported
-    cache.match_prefix([1, 2])                             # (a split: an insert, reported as such)
+    cache.inc_lock_ref(node)  # silent: already reported
+    cache.match_prefix([1, 2])  # (a split: an insert, reported as such)
     assert [type(e) for e in events].count(CacheTouch) == 1
     snap = cache.snapshot()
     assert {n.node_id: n.lock_ref for n in snap}[node.id] == 1
     del events[:]
-    cache.dec_lock_ref(node)                               # a lock change after the snapshot
+    cache.dec_lock_ref(node)  # a lock change after the snapshot
     assert events == [CacheTouch(what="lock", node_id=node.id)]
     cache.inc_lock_ref(node)
     assert len(events) == 1
     cache.snapshot()
-    cache.inc_lock_ref(cache.root_node)                    # the root's permanent lock is not news
+    cache.inc_lock_ref(cache.root_node)  # the root's permanent lock is not news
     assert len(events) == 1
     assert decode_json(encode_json(events[0])) == events[0]

@@ -1,6 +1,7 @@
 """The README's snippets run as written: each ```python block saved as a script and run, and every
 `workbench` command line in a ```sh block accepted by the CLI's own parser (parsed in-process, so nothing
 starts; an unknown subcommand or flag fails, as it would on the command line)."""
+
 from __future__ import annotations
 
 import re
@@ -25,7 +26,7 @@ def _commands() -> list[str]:
         for line in body.splitlines():
             line = line.split("  #", 1)[0].strip().rstrip("&").strip()
             if line.startswith(".venv/bin/workbench "):
-                out.append(line[len(".venv/bin/workbench "):])
+                out.append(line[len(".venv/bin/workbench ") :])
     return out
 
 
@@ -44,10 +45,11 @@ def test_readme_python_snippet_runs_as_a_script(tmp_path, i):
 @pytest.mark.parametrize("cmd", _commands())
 def test_readme_workbench_command_parses(cmd):
     from workbench.cli import build_parser
+
     args = shlex.split(cmd.replace("~", str(Path.home())))
     try:
         parsed, extras = build_parser().parse_known_args(args)
-    except SystemExit as exc:   # argparse: an unknown subcommand or a bad value
+    except SystemExit as exc:  # argparse: an unknown subcommand or a bad value
         pytest.fail(f"`workbench {cmd}` is not accepted by the CLI (exit {exc.code})")
     assert not extras, f"`workbench {cmd}`: unknown arguments {extras}"
     assert getattr(parsed, "func", None), f"`workbench {cmd}` names no command"
@@ -55,5 +57,6 @@ def test_readme_workbench_command_parses(cmd):
 
 def test_the_command_check_fails_on_a_mistyped_flag():
     from workbench.cli import build_parser
+
     _, extras = build_parser().parse_known_args(["serve", "--prot", "3"])
     assert extras == ["--prot", "3"]

@@ -10,6 +10,7 @@
 - kill -9 of the scheduler or the detokenizer: in-flight requests get an error, /health
   answers 503, the server exits non-zero instead of hanging, nothing left behind.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,18 @@ import httpx
 import pytest
 
 from reliability_helpers import (
-    BackgroundLoad, Outcome, assert_server_clean, count, fetch_reference, gather_bounded, generate_result,
-    openai_text, post, server_info, stream_errors, wait_for,
+    BackgroundLoad,
+    Outcome,
+    assert_server_clean,
+    count,
+    fetch_reference,
+    gather_bounded,
+    generate_result,
+    openai_text,
+    post,
+    server_info,
+    stream_errors,
+    wait_for,
 )
 from workbench.core.entrypoints.server_process import ServerProcess, free_port
 
@@ -66,10 +77,22 @@ def good_request(j: int, ids: list[list[int]]) -> tuple[str, dict, bool, int]:
     """(path, body, stream, prompt index) of the j-th good request: every route, streamed or not."""
     p, stream, route = j % len(PROMPTS), j % 2 == 0, (j // 2) % 2
     if route == 0:
-        return "/generate", {"input_ids": ids[p], "stream": stream,
-                             "sampling_params": {"max_new_tokens": K, "temperature": 0, "ignore_eos": True}}, stream, p
-    return "/v1/completions", {"prompt": PROMPTS[p], "max_tokens": K, "temperature": 0, "ignore_eos": True,
-                               "stream": stream}, stream, p
+        return (
+            "/generate",
+            {
+                "input_ids": ids[p],
+                "stream": stream,
+                "sampling_params": {"max_new_tokens": K, "temperature": 0, "ignore_eos": True},
+            },
+            stream,
+            p,
+        )
+    return (
+        "/v1/completions",
+        {"prompt": PROMPTS[p], "max_tokens": K, "temperature": 0, "ignore_eos": True, "stream": stream},
+        stream,
+        p,
+    )
 
 
 def good_ok(path: str, out: Outcome, ref, tokenizer) -> str:
@@ -98,12 +121,13 @@ def ipc_dir_of(pid: int) -> str:
 
 def wait_no_orphans(pids: list[int], timeout: float = 20.0) -> None:
     def gone():
-        return not [p for p in pids if psutil.pid_exists(p)
-                    and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        return not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
     wait_for(gone, timeout, f"the server's children {pids} to exit")
 
 
 # ---------------------------------------------------------------- disconnects and slow readers
+
 
 async def _disconnect_mid_stream(client: httpx.AsyncClient, j: int) -> bool:
     """Start a long streaming request, read its first event, then hang up. True if it streamed."""
@@ -111,13 +135,21 @@ async def _disconnect_mid_stream(client: httpx.AsyncClient, j: int) -> bool:
     route = j % 3
     long = {"temperature": 0, "ignore_eos": True, "stream": True}
     if route == 0:
-        path, body = "/v1/chat/completions", dict(long, messages=[{"role": "user", "content": f"Story {j}"}],
-                                                  max_tokens=256)
+        path, body = (
+            "/v1/chat/completions",
+            dict(long, messages=[{"role": "user", "content": f"Story {j}"}], max_tokens=256),
+        )
     elif route == 1:
         path, body = "/v1/completions", dict(long, prompt=f"Chapter {j}.", max_tokens=256)
     else:
-        path, body = "/generate", {"text": f"Item {j}:", "stream": True,
-                                   "sampling_params": {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True}}
+        path, body = (
+            "/generate",
+            {
+                "text": f"Item {j}:",
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True},
+            },
+        )
     async with client.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             return False
@@ -138,7 +170,7 @@ def test_100_disconnects_mid_stream_interleaved_with_good_requests(server, refs,
             jobs = []
             good_specs = []
             for j in range(150):
-                if j % 3 == 1:        # one good request after every two disconnects
+                if j % 3 == 1:  # one good request after every two disconnects
                     spec = good_request(len(good_specs), ids)
                     good_specs.append(spec)
                     jobs.append(post(client, spec[0], spec[1], spec[2]))
@@ -152,8 +184,9 @@ def test_100_disconnects_mid_stream_interleaved_with_good_requests(server, refs,
     goods = [r for j, r in enumerate(results) if j % 3 == 1]
     assert len(hangups) == 100 and all(hangups), "every disconnecting request should have streamed first"
     count("faults", 100)
-    failures = [why for spec, out in zip(good_specs, goods) if (why := good_ok(spec[0], out, references[spec[3]],
-                                                                                tokenizer))]
+    failures = [
+        why for spec, out in zip(good_specs, goods) if (why := good_ok(spec[0], out, references[spec[3]], tokenizer))
+    ]
     count("unexpected", len(failures))
     assert not failures, "\n".join(failures[:10])
     # Each hang-up aborted its request: none of them ran its 256 tokens to the end.
@@ -170,7 +203,7 @@ def _dechunk(raw: bytes) -> bytes:
         size = int(raw[pos:eol].split(b";")[0], 16)
         if size == 0:
             return bytes(out)
-        out += raw[eol + 2:eol + 2 + size]
+        out += raw[eol + 2 : eol + 2 + size]
         pos = eol + 2 + size + 2
 
 
@@ -178,14 +211,22 @@ def test_a_slow_reader_holds_nobody_up_and_gets_everything(server, refs, tokeniz
     ids, references = refs
     url = server.base_url
     # Large chunks (20 top logprobs per token), read through a tiny receive window.
-    body = {"prompt": PROMPTS[0], "max_tokens": 96, "temperature": 0, "ignore_eos": True, "logprobs": 20,
-            "stream": True}
+    body = {
+        "prompt": PROMPTS[0],
+        "max_tokens": 96,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 20,
+        "stream": True,
+    }
     payload = json.dumps(body).encode()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", server.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+    )
     count("requests")
     count("faults")
     try:
@@ -196,6 +237,7 @@ def test_a_slow_reader_holds_nobody_up_and_gets_everything(server, refs, tokeniz
                 same = post(client, "/v1/completions", dict(body, stream=False), False)
                 outs = await asyncio.gather(same, *(post(client, s[0], s[1], s[2]) for s in specs))
                 return specs, outs
+
         specs, outs = asyncio.run(others())
         failures = [why for s, o in zip(specs, outs[1:]) if (why := good_ok(s[0], o, references[s[3]], tokenizer))]
         assert not failures, failures
@@ -244,6 +286,7 @@ while True:
 def test_a_trace_subscriber_dying_mid_run_does_not_disturb_serving(server, refs, trace_addr, tokenizer):
     from workbench.core.trace import events as ev
     from workbench.core.trace.bus import RemoteSubscription
+
     ids, references = refs
     url = server.base_url
     sub = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, trace_addr], stdout=subprocess.PIPE, text=True)
@@ -253,7 +296,7 @@ def test_a_trace_subscriber_dying_mid_run_does_not_disturb_serving(server, refs,
         specs = [good_request(j, ids) for j in range(8)]
         load = BackgroundLoad(url, specs)
         wait_for(lambda: server_info(url)["internal_state"]["num_running"] > 0, 60, "requests to run")
-        sub.kill()                                        # SIGKILL: no goodbye to the publisher
+        sub.kill()  # SIGKILL: no goodbye to the publisher
         count("faults")
         outs = load.join(600)
         assert outs is not None, "the good requests hung after the subscriber died"
@@ -265,8 +308,11 @@ def test_a_trace_subscriber_dying_mid_run_does_not_disturb_serving(server, refs,
     # The publisher lives on: a new subscriber attaches and sees the next request finish.
     with RemoteSubscription(trace_addr) as fresh:
         wait_for(lambda: fresh.get(timeout=0.5) is not None and fresh.header is not None, 60, "the header")
-        r = httpx.post(url + "/generate", json={"text": "Hello", "rid": "after-subscriber-died",
-                                                "sampling_params": {"max_new_tokens": 2}}, timeout=120)
+        r = httpx.post(
+            url + "/generate",
+            json={"text": "Hello", "rid": "after-subscriber-died", "sampling_params": {"max_new_tokens": 2}},
+            timeout=120,
+        )
         count("requests")
         assert r.status_code == 200, r.text
         seen: list = []
@@ -274,14 +320,19 @@ def test_a_trace_subscriber_dying_mid_run_does_not_disturb_serving(server, refs,
         def finished():
             seen.extend(fresh.drain())
             return any(isinstance(e, ev.ReqFinished) and e.rid == "after-subscriber-died" for e in seen)
+
         wait_for(finished, 60, "req.finished of the new request")
     assert httpx.get(url + "/health", timeout=30).status_code == 200
     assert_server_clean(url)
 
 
 def test_a_second_server_on_a_port_in_use_fails_clearly(server):
-    r = subprocess.run([sys.executable, "-m", "workbench.core.entrypoints.http_server", "--port", str(server.port)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "workbench.core.entrypoints.http_server", "--port", str(server.port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     count("faults")
     assert r.returncode != 0
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
@@ -292,6 +343,7 @@ def test_a_second_server_on_a_port_in_use_fails_clearly(server):
 
 
 # ---------------------------------------------------------------- SIGTERM while busy (last: it stops the server)
+
 
 def test_sigterm_while_busy_drains_in_flight_requests_and_exits_0(server, refs, tokenizer):
     ids, references = refs
@@ -306,6 +358,7 @@ def test_sigterm_while_busy_drains_in_flight_requests_and_exits_0(server, refs, 
         # In flight now, or already finished: either way the server has every request.
         info = server_info(url)
         return info["num_inflight_requests"] + info["metrics"]["num_requests_total"] - finished_before == len(specs)
+
     wait_for(all_admitted, 120, "every request to reach the engine", interval=0.02)
     server.proc.send_signal(signal.SIGTERM)
     count("faults")
@@ -322,6 +375,7 @@ def test_sigterm_while_busy_drains_in_flight_requests_and_exits_0(server, refs, 
 
 # ---------------------------------------------------------------- kill -9 of a child
 
+
 @pytest.mark.parametrize("role", ["scheduler", "detokenizer"])
 def test_kill_9_of_a_child_fails_in_flight_requests_and_exits_nonzero(role):
     srv = ServerProcess(["--max-total-tokens", "8192"])
@@ -333,14 +387,24 @@ def test_kill_9_of_a_child_fails_in_flight_requests_and_exits_nonzero(role):
         ipc_dir = ipc_dir_of(srv.proc.pid)
         # Long enough that none finishes before the kill; short enough that all six are admitted.
         long = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}
-        specs = [("/generate", {"text": f"Story {j}:", "stream": j % 2 == 0, "sampling_params": long}, j % 2 == 0)
-                 for j in range(4)] + [
+        specs = [
+            ("/generate", {"text": f"Story {j}:", "stream": j % 2 == 0, "sampling_params": long}, j % 2 == 0)
+            for j in range(4)
+        ] + [
             ("/v1/completions", {"prompt": "Once", "max_tokens": 1000, "ignore_eos": True, "stream": True}, True),
-            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1000,
-                                      "ignore_eos": True}, False)]
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1000, "ignore_eos": True},
+                False,
+            ),
+        ]
         load = BackgroundLoad(url, specs)
-        wait_for(lambda: server_info(url)["internal_state"]["num_running"] == len(specs), 120,
-                 "every request to run", interval=0.05)
+        wait_for(
+            lambda: server_info(url)["internal_state"]["num_running"] == len(specs),
+            120,
+            "every request to run",
+            interval=0.05,
+        )
         health: list = []
         stop_polling = threading.Event()
 

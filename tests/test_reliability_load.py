@@ -11,6 +11,7 @@
 - `-m soak`: the same load for longer (WORKBENCH_SOAK_REQUESTS, default 10,000);
   deselected by default (pyproject addopts).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,18 @@ import pytest
 
 from conftest import chat_ids
 from reliability_helpers import (
-    Outcome, Reference, assert_server_clean, count, fetch_reference, gather_bounded, generate_result, openai_text,
-    post, server_info, stream_errors, wait_for,
+    Outcome,
+    Reference,
+    assert_server_clean,
+    count,
+    fetch_reference,
+    gather_bounded,
+    generate_result,
+    openai_text,
+    post,
+    server_info,
+    stream_errors,
+    wait_for,
 )
 from workbench.core.entrypoints.server_process import ServerProcess
 
@@ -51,6 +62,7 @@ def load_server():
 
 # ---------------------------------------------------------------- the workload
 
+
 def plan_requests(n: int, seed: int) -> list[dict]:
     """A reproducible mix: which prompt, which route, streamed or not, how many tokens, which seed."""
     rng = random.Random(seed)
@@ -59,8 +71,16 @@ def plan_requests(n: int, seed: int) -> list[dict]:
         kind = rng.choice(("chat", "completions", "generate"))
         # /generate takes either form of the prompt; chat always goes through the template.
         form = "chat" if kind == "chat" else ("text" if kind == "completions" else rng.choice(("chat", "text")))
-        plan.append(dict(kind=kind, form=form, p=rng.randrange(len(PROMPTS)), stream=rng.random() < 0.5,
-                         k=rng.randint(1, MAX_K), seed=rng.choice(SEEDS) if rng.random() < 0.3 else None))
+        plan.append(
+            dict(
+                kind=kind,
+                form=form,
+                p=rng.randrange(len(PROMPTS)),
+                stream=rng.random() < 0.5,
+                k=rng.randint(1, MAX_K),
+                seed=rng.choice(SEEDS) if rng.random() < 0.3 else None,
+            )
+        )
     return plan
 
 
@@ -96,15 +116,19 @@ def check(item: dict, out: Outcome, ref: Reference, tokenizer) -> str:
     text, finish, n_tokens = openai_text("chat" if item["kind"] == "chat" else "completions", out)
     want_text = tokenizer.decode(want_ids, skip_special_tokens=True)
     if text != want_text or finish != want_finish or n_tokens != len(want_ids):
-        return (f"{item['kind']} gave {text!r} ({finish}, {n_tokens} tokens), expected {want_text!r} "
-                f"({want_finish}, {len(want_ids)} tokens)")
+        return (
+            f"{item['kind']} gave {text!r} ({finish}, {n_tokens} tokens), expected {want_text!r} "
+            f"({want_finish}, {len(want_ids)} tokens)"
+        )
     return ""
 
 
 def run_load(url: str, tokenizer, n: int, concurrency: int, seed: int) -> dict:
     """Send the planned requests; return figures and the list of failures."""
-    forms = {"chat": [chat_ids(tokenizer, p) for p in PROMPTS],
-             "text": [list(tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS]}
+    forms = {
+        "chat": [chat_ids(tokenizer, p) for p in PROMPTS],
+        "text": [list(tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS],
+    }
     plan = plan_requests(n, seed)
     # Greedy references: each distinct prompt sent alone, before the load.
     greedy: dict[tuple, Reference] = {}
@@ -119,13 +143,22 @@ def run_load(url: str, tokenizer, n: int, concurrency: int, seed: int) -> dict:
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
             outs = await gather_bounded(
                 [post(client, *request_body(it, forms[it["form"]][it["p"]]), stream=it["stream"]) for it in plan],
-                concurrency)
+                concurrency,
+            )
             # Seeded references: a rerun of every seeded request at the longest length.
             keys = sorted({(it["form"], it["p"], it["seed"]) for it in plan if it["seed"] is not None})
             reruns = await gather_bounded(
-                [post(client, "/generate", {"input_ids": forms[f][p],
-                                            "sampling_params": dict(SAMPLED, seed=s, max_new_tokens=MAX_K)},
-                      stream=False) for f, p, s in keys], concurrency)
+                [
+                    post(
+                        client,
+                        "/generate",
+                        {"input_ids": forms[f][p], "sampling_params": dict(SAMPLED, seed=s, max_new_tokens=MAX_K)},
+                        stream=False,
+                    )
+                    for f, p, s in keys
+                ],
+                concurrency,
+            )
             return outs, dict(zip(keys, reruns))
 
     outs, reruns = asyncio.run(main())
@@ -142,15 +175,20 @@ def run_load(url: str, tokenizer, n: int, concurrency: int, seed: int) -> dict:
         if why:
             failures.append(f"request {i} {item}: {why}")
     count("unexpected", len(failures))
-    return {"requests": len(plan), "failures": failures,
-            "streamed": sum(it["stream"] for it in plan), "seeded": sum(it["seed"] is not None for it in plan)}
+    return {
+        "requests": len(plan),
+        "failures": failures,
+        "streamed": sum(it["stream"] for it in plan),
+        "seeded": sum(it["seed"] is not None for it in plan),
+    }
 
 
 def assert_load_ok(srv: ServerProcess, tokenizer, n: int, concurrency: int, seed: int) -> None:
     children = sorted(srv.descendants())
     figures = run_load(srv.base_url, tokenizer, n, concurrency, seed)
-    assert not figures["failures"], (f"{len(figures['failures'])} of {n} requests failed:\n"
-                                     + "\n".join(figures["failures"][:10]))
+    assert not figures["failures"], f"{len(figures['failures'])} of {n} requests failed:\n" + "\n".join(
+        figures["failures"][:10]
+    )
     assert 0 < figures["streamed"] < n and 0 < figures["seeded"] < n
     assert_server_clean(srv.base_url)
     # Nothing died or was replaced along the way.
@@ -171,8 +209,13 @@ def test_soak(load_server, tokenizer):
 # ---------------------------------------------------------------- KV pressure
 
 POOL = 256
-PRESSURE_PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):",
-                    "Three facts about owls:", "Dear diary, today"]
+PRESSURE_PROMPTS = [
+    "Once upon a time",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Three facts about owls:",
+    "Dear diary, today",
+]
 PRESSURE_K = 24
 
 
@@ -180,6 +223,7 @@ PRESSURE_K = 24
 def tiny_pool_url():
     from workbench.core.engine import Engine
     from workbench.core.entrypoints.http_server import bind_socket, start_server
+
     engine = Engine(show_progress=False, dtype="float32", max_total_tokens=POOL)
     running = start_server(engine, engine.server_args, bind_socket("127.0.0.1", 0))
     try:
@@ -198,7 +242,7 @@ def test_burst_far_beyond_a_tiny_kv_pool_completes_or_is_refused_up_front(tiny_p
     count("requests", len(refs))
     burst = 40
     demand = sum(len(ids[j % len(ids)]) + PRESSURE_K for j in range(burst))
-    assert demand > 4 * POOL         # the burst needs several times the pool
+    assert demand > 4 * POOL  # the burst needs several times the pool
 
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
@@ -209,8 +253,13 @@ def test_burst_far_beyond_a_tiny_kv_pool_completes_or_is_refused_up_front(tiny_p
                     body = {"input_ids": ids[p], "sampling_params": sampling, "stream": stream}
                     reqs.append(post(client, "/generate", body, stream))
                 else:
-                    body = {"prompt": PRESSURE_PROMPTS[p], "max_tokens": PRESSURE_K, "temperature": 0,
-                            "ignore_eos": True, "stream": stream}
+                    body = {
+                        "prompt": PRESSURE_PROMPTS[p],
+                        "max_tokens": PRESSURE_K,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "stream": stream,
+                    }
                     if stream:
                         body["stream_options"] = {"include_usage": True}
                     reqs.append(post(client, "/v1/completions", body, stream))
@@ -226,13 +275,18 @@ def test_burst_far_beyond_a_tiny_kv_pool_completes_or_is_refused_up_front(tiny_p
     count("unexpected", len(failures))
     assert not failures, "\n".join(failures[:10])
     # The metric is folded from the scheduler's trace events, which travel their own socket.
-    wait_for(lambda: server_info(url)["metrics"]["num_retracted_reqs"] > 0, 30,
-             "the retractions the burst should have forced (num_retracted_reqs)")
+    wait_for(
+        lambda: server_info(url)["metrics"]["num_retracted_reqs"] > 0,
+        30,
+        "the retractions the burst should have forced (num_retracted_reqs)",
+    )
 
     # A request that can never fit in the pool is refused before it is queued, saying why.
-    never = [("/v1/completions", {"prompt": "hello " * (POOL + 20), "max_tokens": 4}),
-             ("/v1/completions", {"prompt": PRESSURE_PROMPTS[0], "max_tokens": POOL}),
-             ("/generate", {"input_ids": [1] * (POOL + 1), "sampling_params": {"max_new_tokens": 1}})]
+    never = [
+        ("/v1/completions", {"prompt": "hello " * (POOL + 20), "max_tokens": 4}),
+        ("/v1/completions", {"prompt": PRESSURE_PROMPTS[0], "max_tokens": POOL}),
+        ("/generate", {"input_ids": [1] * (POOL + 1), "sampling_params": {"max_new_tokens": 1}}),
+    ]
     for path, body in never:
         r = httpx.post(url + path, json=body, timeout=60)
         count("requests")

@@ -1,4 +1,5 @@
 """Sampler, SamplingBatchInfo, SamplingParams.verify and LogitsProcessor on synthetic tensors."""
+
 from __future__ import annotations
 
 import math
@@ -8,8 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workbench.core.layers.logits_processor import (
-    LogitsProcessor, compute_prompt_logprobs, token_logprobs)
+from workbench.core.layers.logits_processor import LogitsProcessor, compute_prompt_logprobs, token_logprobs
 from unittest import mock
 
 from workbench.core.layers import sampler as sampler_mod
@@ -59,8 +59,7 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy():
 def test_mixed_batch_greedy_rows_stay_argmax():
     torch.manual_seed(1)
     logits = torch.randn(8, V)
-    params = [SamplingParams(temperature=0.0) if i % 2 == 0 else SamplingParams(temperature=2.0)
-              for i in range(8)]
+    params = [SamplingParams(temperature=0.0) if i % 2 == 0 else SamplingParams(temperature=2.0) for i in range(8)]
     info = _info(params)
     assert not info.is_all_greedy
     sampler = Sampler(make_generator(3))
@@ -75,8 +74,12 @@ def test_mixed_batch_greedy_rows_stay_argmax():
 def test_input_logits_are_not_modified():
     logits = torch.randn(2, V)
     before = logits.clone()
-    info = _info([SamplingParams(repetition_penalty=1.5, frequency_penalty=1.0, min_new_tokens=3)] * 2,
-                 output_ids=[[1, 2], [3]], prompt_ids=[[4], [5]], eos_ids=[[0], [0]])
+    info = _info(
+        [SamplingParams(repetition_penalty=1.5, frequency_penalty=1.0, min_new_tokens=3)] * 2,
+        output_ids=[[1, 2], [3]],
+        prompt_ids=[[4], [5]],
+        eos_ids=[[0], [0]],
+    )
     Sampler(make_generator(0)).forward(logits, info)
     assert torch.equal(logits, before)
 
@@ -100,8 +103,8 @@ def test_top_k_keeps_k_most_likely():
 
 def test_min_p_drops_tokens_below_fraction_of_max():
     probs = [0.4, 0.3, 0.2, 0.08, 0.02]
-    assert _support(probs, min_p=0.3) == {0, 1, 2}     # threshold 0.12
-    assert _support(probs, min_p=0.6) == {0, 1}        # threshold 0.24
+    assert _support(probs, min_p=0.3) == {0, 1, 2}  # threshold 0.12
+    assert _support(probs, min_p=0.6) == {0, 1}  # threshold 0.24
     assert _support(probs, min_p=1.0) == {0}
 
 
@@ -164,8 +167,9 @@ def test_sampled_token_is_always_in_reference_support(seed, temperature, top_p, 
 
 
 @pytest.mark.parametrize("widths", [(256, 4096), (2, 4)])
-@pytest.mark.parametrize("kw", [dict(top_k=3), dict(top_p=0.8), dict(top_k=5, top_p=0.7, min_p=0.2),
-                                dict(min_p=0.1), dict()])
+@pytest.mark.parametrize(
+    "kw", [dict(top_k=3), dict(top_p=0.8), dict(top_k=5, top_p=0.7, min_p=0.2), dict(min_p=0.1), dict()]
+)
 def test_sampling_frequencies_match_filtered_distribution(widths, kw):
     probs = torch.tensor([0.3, 0.2, 0.15, 0.12, 0.08, 0.06, 0.05, 0.04])
     logits = torch.log(probs)
@@ -218,7 +222,7 @@ def _run_steps(sampler, logits_seq, params, gens):
 def test_same_seed_same_tokens_regardless_of_companions_and_order():
     torch.manual_seed(5)
     steps = 6
-    target = torch.randn(steps, 1, 500)          # the seeded row's logits over several steps
+    target = torch.randn(steps, 1, 500)  # the seeded row's logits over several steps
     others = torch.randn(steps, 3, 500)
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
 
@@ -227,12 +231,10 @@ def test_same_seed_same_tokens_regardless_of_companions_and_order():
     alone = [ids[0].item() for ids in _run_steps(Sampler(), list(target), [seeded], [g])]
 
     # Last of four, companions unseeded and seeded, different shared-generator state.
-    comps = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, seed=99),
-             SamplingParams(temperature=0.0)]
+    comps = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, seed=99), SamplingParams(temperature=0.0)]
     g = make_generator(1234)
     seq = [torch.cat([others[s], target[s]], 0) for s in range(steps)]
-    mixed = _run_steps(Sampler(make_generator(7)), seq, comps + [seeded],
-                       [None, make_generator(99), None, g])
+    mixed = _run_steps(Sampler(make_generator(7)), seq, comps + [seeded], [None, make_generator(99), None, g])
     assert [ids[3].item() for ids in mixed] == alone
 
     # First of two, reversed companions.
@@ -243,8 +245,10 @@ def test_same_seed_same_tokens_regardless_of_companions_and_order():
 
     # A different seed gives a different sequence (500-way choices over 6 steps).
     g = make_generator(4321)
-    other_seed = [ids[0].item() for ids in _run_steps(
-        Sampler(), list(target), [SamplingParams(temperature=1.0, top_p=0.95, seed=4321)], [g])]
+    other_seed = [
+        ids[0].item()
+        for ids in _run_steps(Sampler(), list(target), [SamplingParams(temperature=1.0, top_p=0.95, seed=4321)], [g])
+    ]
     assert other_seed != alone
 
 
@@ -285,40 +289,43 @@ def test_from_reqs_makes_generators_from_seeds():
 
 
 def test_penalties_change_logits_exactly_as_defined():
-    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0],
-                           [2.0, -1.0, 0.5, -3.0, 1.0, 0.0]])
-    params = [SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
-              SamplingParams()]
-    info = SamplingBatchInfo.from_reqs(
-        params, output_ids=[[1, 1, 4], [0, 0]], prompt_ids=[[0, 3], [1]], vocab_size=6)
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0], [2.0, -1.0, 0.5, -3.0, 1.0, 0.0]])
+    params = [SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25), SamplingParams()]
+    info = SamplingBatchInfo.from_reqs(params, output_ids=[[1, 1, 4], [0, 0]], prompt_ids=[[0, 3], [1]], vocab_size=6)
     out = info.apply_penalties(logits.clone())
     # Row 0: seen = {0, 3} (prompt) + {1, 4} (output); output counts: 1 -> 2, 4 -> 1.
-    expected0 = torch.tensor([
-        2.0 / 2,                        # seen, positive: divided
-        -1.0 * 2 - 0.5 * 2 - 0.25,      # seen, negative: multiplied; freq 2x; present
-        0.5,                            # never seen
-        -3.0 * 2,                       # seen in prompt only: no frequency/presence
-        1.0 / 2 - 0.5 * 1 - 0.25,
-        0.0,
-    ])
+    expected0 = torch.tensor(
+        [
+            2.0 / 2,  # seen, positive: divided
+            -1.0 * 2 - 0.5 * 2 - 0.25,  # seen, negative: multiplied; freq 2x; present
+            0.5,  # never seen
+            -3.0 * 2,  # seen in prompt only: no frequency/presence
+            1.0 / 2 - 0.5 * 1 - 0.25,
+            0.0,
+        ]
+    )
     assert torch.allclose(out[0], expected0, atol=0, rtol=0)
     assert torch.equal(out[1], logits[1])  # neutral row untouched, bit for bit
 
 
 def test_greedy_takes_argmax_of_penalized_logits():
     logits = torch.tensor([[3.0, 2.9, 0.0, 0.0]])
-    info = SamplingBatchInfo.from_reqs([SamplingParams(temperature=0, presence_penalty=0.5)],
-                                       output_ids=[[0]], vocab_size=4)
+    info = SamplingBatchInfo.from_reqs(
+        [SamplingParams(temperature=0, presence_penalty=0.5)], output_ids=[[0]], vocab_size=4
+    )
     assert Sampler().forward(logits, info).next_token_ids.item() == 1
-    info = SamplingBatchInfo.from_reqs([SamplingParams(temperature=0, repetition_penalty=1.2)],
-                                       prompt_ids=[[0]], vocab_size=4)
+    info = SamplingBatchInfo.from_reqs(
+        [SamplingParams(temperature=0, repetition_penalty=1.2)], prompt_ids=[[0]], vocab_size=4
+    )
     assert Sampler().forward(logits, info).next_token_ids.item() == 1
 
 
 def test_cumulate_output_tokens_updates_counts():
     info = SamplingBatchInfo.from_reqs(
         [SamplingParams(frequency_penalty=1.0, repetition_penalty=1.5), SamplingParams()],
-        output_ids=[[2], []], vocab_size=5)
+        output_ids=[[2], []],
+        vocab_size=5,
+    )
     info.cumulate_output_tokens(torch.tensor([2, 3]))
     assert info.output_counts[0].tolist() == [0, 0, 2, 0, 0]
     assert info.seen_tokens[0].tolist() == [False, False, True, False, False]
@@ -338,7 +345,7 @@ def test_min_new_tokens_suppresses_eos_until_reached():
     info = SamplingBatchInfo.from_reqs([p], output_ids=[[1]], vocab_size=10, eos_ids=[ids])
     sampler = Sampler()
     assert sampler.forward(logits, info).next_token_ids.item() == 3
-    info.cumulate_output_tokens(torch.tensor([3]))    # 2 tokens out: eos allowed again
+    info.cumulate_output_tokens(torch.tensor([3]))  # 2 tokens out: eos allowed again
     assert sampler.forward(logits, info).next_token_ids.item() == eos
 
     # Sampled rows never draw a suppressed id either, and stop_token_ids count too.
@@ -358,8 +365,9 @@ def test_min_new_tokens_suppresses_eos_until_reached():
 def test_logprobs_are_raw_and_top_logprobs_match_topk():
     torch.manual_seed(2)
     logits = torch.randn(5, V) * 2
-    params = [SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4, seed=i)
-              for i in range(4)] + [SamplingParams(temperature=0)]
+    params = [
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4, seed=i) for i in range(4)
+    ] + [SamplingParams(temperature=0)]
     info = _info(params, output_ids=[[1, 2]] * 5, prompt_ids=[[3]] * 5)
     out = Sampler().forward(logits, info, return_logprob=True, top_logprobs_num=5)
     raw = torch.log_softmax(logits, -1)
@@ -379,9 +387,10 @@ def test_logprobs_are_raw_and_top_logprobs_match_topk():
 def test_filter_and_merge_keep_rows_consistent():
     a = SamplingBatchInfo.from_reqs(
         [SamplingParams(temperature=0), SamplingParams(top_p=0.5, presence_penalty=1.0)],
-        output_ids=[[], [4]], vocab_size=8)
-    b = SamplingBatchInfo.from_reqs(
-        [SamplingParams(min_new_tokens=3, seed=1)], vocab_size=8, eos_ids=[[0]])
+        output_ids=[[], [4]],
+        vocab_size=8,
+    )
+    b = SamplingBatchInfo.from_reqs([SamplingParams(min_new_tokens=3, seed=1)], vocab_size=8, eos_ids=[[0]])
     a.merge_batch(b)
     assert len(a) == 3 and a.need_top_p and a.need_min_new_tokens and a.has_seeded
     assert a.output_counts.shape == (3, 8) and a.min_new_tokens.tolist() == [0, 0, 3]
@@ -395,20 +404,37 @@ def test_filter_and_merge_keep_rows_consistent():
 # ---------------------------------------------------------------- verify
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")),
-    ("top_k", 0), ("top_k", -2),
-    ("min_p", -0.1), ("min_p", 1.1),
-    ("frequency_penalty", 2.5), ("frequency_penalty", -2.1),
-    ("presence_penalty", 3.0), ("presence_penalty", float("-inf")),
-    ("repetition_penalty", 0.0), ("repetition_penalty", 2.5), ("repetition_penalty", float("nan")),
-    ("temperature", 1e39), ("repetition_penalty", 1e-45), ("top_p", 1e-40),   # beyond float32
-    ("max_new_tokens", -1), ("max_new_tokens", 10_000),
-    ("n", 0),
-    ("stop_token_ids", [5, 1000]), ("stop_token_ids", [-1]),
-    ("seed", 1 << 70),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", float("nan")),
+        ("top_k", 0),
+        ("top_k", -2),
+        ("min_p", -0.1),
+        ("min_p", 1.1),
+        ("frequency_penalty", 2.5),
+        ("frequency_penalty", -2.1),
+        ("presence_penalty", 3.0),
+        ("presence_penalty", float("-inf")),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 2.5),
+        ("repetition_penalty", float("nan")),
+        ("temperature", 1e39),
+        ("repetition_penalty", 1e-45),
+        ("top_p", 1e-40),  # beyond float32
+        ("max_new_tokens", -1),
+        ("max_new_tokens", 10_000),
+        ("n", 0),
+        ("stop_token_ids", [5, 1000]),
+        ("stop_token_ids", [-1]),
+        ("seed", 1 << 70),
+    ],
+)
 def test_verify_rejects_invalid_values(field, value):
     p = SamplingParams(**{field: value})
     with pytest.raises(ValueError, match=field):
@@ -419,9 +445,18 @@ def test_verify_rejects_min_above_max_and_accepts_valid():
     with pytest.raises(ValueError, match="min_new_tokens"):
         SamplingParams(min_new_tokens=10, max_new_tokens=5).verify(V, 2048)
     SamplingParams().verify(V, 2048)
-    SamplingParams(temperature=0, top_p=1.0, top_k=-1, min_p=1.0, frequency_penalty=-2,
-                   presence_penalty=2, repetition_penalty=2.0, max_new_tokens=0,
-                   stop_token_ids=[V - 1], seed=-5).verify(V, 2048)
+    SamplingParams(
+        temperature=0,
+        top_p=1.0,
+        top_k=-1,
+        min_p=1.0,
+        frequency_penalty=-2,
+        presence_penalty=2,
+        repetition_penalty=2.0,
+        max_new_tokens=0,
+        stop_token_ids=[V - 1],
+        seed=-5,
+    ).verify(V, 2048)
 
 
 def test_normalize():
@@ -436,7 +471,7 @@ def test_normalize():
 def test_logits_processor_last_positions_and_padded_vocab():
     torch.manual_seed(4)
     hidden = torch.randn(10, 16)
-    weight = torch.randn(40, 16)      # padded head: only 32 real tokens
+    weight = torch.randn(40, 16)  # padded head: only 32 real tokens
     last = torch.tensor([3, 9])
     proc = LogitsProcessor(vocab_size=32)
     out = proc(hidden, weight, last)

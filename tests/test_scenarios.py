@@ -4,6 +4,7 @@ scenario table and how its engine settings meet the user's flags, and a runner's
 
 The real engine runs the scenarios in tests/test_scenarios_e2e.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,7 +34,7 @@ def test_a_pile_up_slows_arrivals_below_throughput_and_room_speeds_them_up():
 
 def test_before_any_completion_the_rate_ramps_from_where_it_is():
     assert adapt_rate(1.0, done_per_s=0.0, in_flight=0, target_in_flight=12) == pytest.approx(2.0)
-    assert adapt_rate(1.0, done_per_s=0.0, in_flight=6, target_in_flight=12) == pytest.approx(2 ** 0.5)
+    assert adapt_rate(1.0, done_per_s=0.0, in_flight=6, target_in_flight=12) == pytest.approx(2**0.5)
     # nothing completed yet (a slow machine's first long requests): at most the gap to the target per
     # second, so the ramp-up never overshoots it blind; at the target, wait for the machine's speed
     assert adapt_rate(6.0, done_per_s=0.0, in_flight=10, target_in_flight=12) == pytest.approx(2.0)
@@ -47,7 +48,7 @@ def test_one_update_moves_the_rate_at_most_max_change_and_stays_in_bounds():
     assert adapt_rate(MAX_RATE, 1000.0, 0, 4) == MAX_RATE
 
 
-@pytest.mark.parametrize("capacity", [0.3, 3.0, 30.0])          # requests/s: a busy laptop .. a GPU box
+@pytest.mark.parametrize("capacity", [0.3, 3.0, 30.0])  # requests/s: a busy laptop .. a GPU box
 def test_on_a_toy_server_of_any_speed_the_load_settles_at_the_target(capacity):
     """A server that completes `capacity` requests per second while it has work, driven once a second
     by the rule with its measured completions: the in-flight count converges to the target and the
@@ -58,8 +59,8 @@ def test_on_a_toy_server_of_any_speed_the_load_settles_at_the_target(capacity):
     for start_rate, start_in_flight in ((0.05, 0.0), (2.0, 0.0), (4 * capacity, 2 * target)):
         rate, n, seen = start_rate, start_in_flight, []
         for _ in range(400):
-            n += rate                               # arrivals in the last second
-            done = min(n, capacity)                 # completions in the last second
+            n += rate  # arrivals in the last second
+            done = min(n, capacity)  # completions in the last second
             n -= done
             rate = adapt_rate(rate, done, round(n), target)
             seen.append(n)
@@ -70,7 +71,7 @@ def test_on_a_toy_server_of_any_speed_the_load_settles_at_the_target(capacity):
 
 
 def test_rates_read_like_rates():
-    assert fmt_rate(1 / 1.5) == "0.67"        # `+ - -` once showed '0.666667/s'
+    assert fmt_rate(1 / 1.5) == "0.67"  # `+ - -` once showed '0.666667/s'
     assert fmt_rate(2.25 * 1.5) == "3.4"
     assert fmt_rate(12.7) == "13"
     assert fmt_rate(0.05) == "0.05"
@@ -87,15 +88,16 @@ def test_the_promised_scenarios_exist_and_unknown_names_say_the_choices():
 
 def test_kv_pressure_asks_for_more_kv_than_its_pool_holds():
     from workbench.core.managers.scheduler import INIT_NEW_TOKEN_RATIO
+
     s = get_scenario("kv-pressure")
-    pool, prompt = s.engine["max_total_tokens"], 40          # its chat prompts: 35-40 tokens
+    pool, prompt = s.engine["max_total_tokens"], 40  # its chat prompts: 35-40 tokens
     # The requests kept in flight need more than the pool: some wait for KV room.
     assert s.target_in_flight * (prompt + s.max_new_tokens) > 2 * pool
     # Admission reserves only INIT_NEW_TOKEN_RATIO of a request's future tokens, and every request
     # decodes all of max_new_tokens (ignore_eos): those admitted outgrow the pool, so some are retracted.
     admitted = pool // (prompt + INIT_NEW_TOKEN_RATIO * s.max_new_tokens)
     assert s.ignore_eos and admitted * (prompt + s.max_new_tokens) > pool
-    assert admitted < s.engine["max_running_requests"]       # KV, not the running limit, decides
+    assert admitted < s.engine["max_running_requests"]  # KV, not the running limit, decides
     # ... while each one alone fits (the engine refuses a request that never could).
     assert prompt + s.max_new_tokens < pool // 2
 
@@ -108,6 +110,7 @@ def test_burst_queues_at_the_running_limit_and_sends_the_next_burst_only_once_dr
 
 def test_engine_settings_apply_where_the_user_kept_the_default():
     from workbench.core.args import ServerArgs
+
     s = get_scenario("kv-pressure")
     sa = s.server_args(ServerArgs())
     assert sa.max_total_tokens == s.engine["max_total_tokens"]
@@ -131,6 +134,7 @@ def test_chunked_prefill_sends_a_long_prompt_every_fifth_request():
 
 def test_the_cli_offers_the_scenarios_to_tui_and_record():
     from workbench.cli import build_parser
+
     parser = build_parser()
     args = parser.parse_args(["tui", "--scenario", "kv-pressure"])
     assert args.scenario == "kv-pressure" and args.rate is None
@@ -142,11 +146,17 @@ def test_the_cli_offers_the_scenarios_to_tui_and_record():
 
 def test_sightings_count_the_hard_cases():
     from workbench.core.trace import events as ev
+
     s = Sightings()
     s([ev.QueueState(waiting=["a", "b"], running=[], chunked=[])])
     assert not s.hard_cases_seen()
-    s([ev.CacheEvict(node_ids=[3], tokens=40), ev.ReqRetracted(rid="a", output_tokens=5),
-       ev.StepDecision(mode="decode")])
+    s(
+        [
+            ev.CacheEvict(node_ids=[3], tokens=40),
+            ev.ReqRetracted(rid="a", output_tokens=5),
+            ev.StepDecision(mode="decode"),
+        ]
+    )
     assert s.hard_cases_seen() and s.max_waiting == 2 and s.evicted_tokens == 40 and s.decisions == 1
 
 
@@ -183,8 +193,16 @@ def _wait(pred, timeout=10.0):
 
 
 def test_a_paused_runner_sends_nothing_until_resumed_and_counts_no_paused_time():
-    runner = WorkloadRunner(_StubServer(), "chat", rate=20, prompts=iter(["hi"] * 1000), paused=True,
-                            adaptive=True, target_in_flight=2, label="t")
+    runner = WorkloadRunner(
+        _StubServer(),
+        "chat",
+        rate=20,
+        prompts=iter(["hi"] * 1000),
+        paused=True,
+        adaptive=True,
+        target_in_flight=2,
+        label="t",
+    )
     runner.start()
     try:
         time.sleep(0.5)
@@ -192,7 +210,7 @@ def test_a_paused_runner_sends_nothing_until_resumed_and_counts_no_paused_time()
         runner.resume()
         assert _wait(lambda: runner.completed >= 3)
         runner.pause()
-        time.sleep(0.2)                     # let a send already decided go out
+        time.sleep(0.2)  # let a send already decided go out
         sent = runner.sent
         time.sleep(0.5)
         assert runner.sent == sent
@@ -201,14 +219,13 @@ def test_a_paused_runner_sends_nothing_until_resumed_and_counts_no_paused_time()
 
 
 def test_a_burst_goes_whole_or_waits_and_stop_reports_what_it_aborted():
-    server = _StubServer(delay=30.0)        # nothing completes while the test looks
-    runner = WorkloadRunner(server, "burst", rate=50, burst_size=4, max_in_flight=6,
-                            prompts=iter(["hi"] * 100))
+    server = _StubServer(delay=30.0)  # nothing completes while the test looks
+    runner = WorkloadRunner(server, "burst", rate=50, burst_size=4, max_in_flight=6, prompts=iter(["hi"] * 100))
     runner.start()
     try:
         assert _wait(lambda: runner.sent >= 4)
         time.sleep(0.3)
-        assert runner.sent == 4 and runner.in_flight == 4    # a second burst of 4 would pass 6
+        assert runner.sent == 4 and runner.in_flight == 4  # a second burst of 4 would pass 6
     finally:
         assert runner.stop() == 4
     assert sorted(server.aborted) == sorted(f"burst-{i}" for i in range(1, 5))

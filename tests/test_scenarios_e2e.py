@@ -7,6 +7,7 @@
   eviction within its first minute, the adaptive rate in the status line, and `p` pausing the
   workload's arrivals with the scheduler.
 """
+
 from __future__ import annotations
 
 import time
@@ -25,10 +26,17 @@ def test_a_kv_pressure_recording_holds_waiting_evictions_and_retractions(tmp_pat
     from workbench.core.args import ServerArgs
     from workbench.core.trace.recorder import load_trace
     from workbench.core.trace.state import TraceState
+
     scn = get_scenario("kv-pressure")
     out = tmp_path / "kv-pressure.jsonl"
-    result = record_run(scn.server_args(ServerArgs(show_progress=False)), str(out), scn.runner,
-                        duration_s=120, stop_when=lambda s: s.hard_cases_seen(), progress=lambda line: None)
+    result = record_run(
+        scn.server_args(ServerArgs(show_progress=False)),
+        str(out),
+        scn.runner,
+        duration_s=120,
+        stop_when=lambda s: s.hard_cases_seen(),
+        progress=lambda line: None,
+    )
     assert result.failed == 0, result.summary()
 
     # Judged from the file, not from what the run counted on the way.
@@ -54,8 +62,9 @@ def test_a_kv_pressure_recording_holds_waiting_evictions_and_retractions(tmp_pat
     extends = [d for d in decisions.values() if d.mode == "extend"]
     assert extends and all(d.budget > 0 and d.kv_alloc > 0 for d in extends)
     assert any(d.admitted for d in extends)
-    assert any(d.stop_reason == "kv" and d.stop_rid for d in decisions.values()), \
+    assert any(d.stop_reason == "kv" and d.stop_rid for d in decisions.values()), (
         "no step said requests waited for KV room"
+    )
 
     # ... and TraceState tells a retraction step in words.
     st = TraceState()
@@ -68,10 +77,11 @@ def test_a_kv_pressure_recording_holds_waiting_evictions_and_retractions(tmp_pat
 
     # The TTFT parts of every finished request sum to its TTFT exactly.
     from tests.test_ttft_parts import _check_sums
+
     whole = TraceState()
     whole.apply_many(events)
     finished = [rid for rid, r in whole.requests.items() if r.state == "finished"]
-    assert finished   # (the run stops once the hard cases are seen: a retracted request may not be done)
+    assert finished  # (the run stops once the hard cases are seen: a retracted request may not be done)
     for rid in finished:
         _check_sums(whole, rid)
 
@@ -80,6 +90,7 @@ async def test_make_run_scenario_shows_a_queue_and_an_eviction_and_p_pauses_its_
     from workbench.core.args import ServerArgs
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import EngineController
+
     scn = get_scenario("shared-prefix")
     controller = EngineController(server_args=scn.server_args(ServerArgs(show_progress=False)), scenario=scn)
     app = WorkbenchApp(controller, layout="grid")
@@ -94,19 +105,22 @@ async def test_make_run_scenario_shows_a_queue_and_an_eviction_and_p_pauses_its_
         def queue_and_eviction():
             seen["waiting"] = max(seen["waiting"], st.queue_counts()["waiting"])
             return seen["waiting"] > 0 and st.counters.evicted_tokens_total > 0
+
         await wait_for(queue_and_eviction, 120, interval=0.1)
         assert time.monotonic() - t0 < 60, "a waiting queue and an eviction took over a minute"
         runner = controller.runner
         assert runner.adaptive and runner.in_flight <= scn.max_in_flight
+
         # the status line shows the adaptive rate and the measured throughput it follows
         def status():
             return str(app.query_one("#status").render())
+
         await wait_for(lambda: "done/s" in status(), 20)
         assert "scenario shared-prefix" in status() and "req/s (auto: " in status(), status()
 
         await pilot.press("p")
         await wait_for(lambda: controller.paused and runner.paused, 30)
-        await pilot.pause(0.5)               # a send already decided may still go out
+        await pilot.pause(0.5)  # a send already decided may still go out
         sent = runner.sent
         await pilot.pause(2.0)
         assert runner.sent == sent, "the workload kept sending while the scheduler was paused"

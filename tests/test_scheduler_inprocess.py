@@ -7,6 +7,7 @@ harness runs `Scheduler.check_kv_invariants()` after every step. Each test state
 small expected model: the order requests are admitted in, the extend lengths of each step, who is
 running, who is held back, what is locked.
 """
+
 from __future__ import annotations
 
 import random
@@ -130,7 +131,7 @@ def test_max_prefill_tokens_limits_each_step():
     for rid, p in prompts.items():
         h.submit(rid, p, max_new_tokens=2)
     h.step()
-    assert h.extend_batches() == [[("r0", 10), ("r1", 10), ("r2", 10)]]    # a 4th would make 40 > 32
+    assert h.extend_batches() == [[("r0", 10), ("r1", 10), ("r2", 10)]]  # a 4th would make 40 > 32
     h.run_until_idle()
     assert_reference(h, prompts, 2)
 
@@ -151,7 +152,7 @@ def test_max_running_requests_caps_the_running_batch():
     prompts = {rid: prompt(i, 12) for i, rid in enumerate(news)}
     for rid, p in prompts.items():
         h.submit(rid, p, max_new_tokens=news[rid])
-    assert h.runner.req_to_token_pool.size == 3          # ModelRunner's rows: the cap + 1
+    assert h.runner.req_to_token_pool.size == 3  # ModelRunner's rows: the cap + 1
     peak = 0
     while h.s.has_work() or h.io.inbox:
         h.step()
@@ -206,9 +207,9 @@ def test_retraction_picks_the_request_that_decoded_least_and_requeues_it_first()
         if new:
             # Fewest output tokens first (cheapest to redo), longest prompt among equals; back at the
             # head of the queue, in that order, marked retracted.
-            assert new == sorted(before, key=before.get)[:len(new)]
-            assert [r.rid for r in h.s.waiting_queue[:len(new)]] == new
-            assert all(r.is_retracted and r.req_pool_idx is None for r in h.s.waiting_queue[:len(new)])
+            assert new == sorted(before, key=before.get)[: len(new)]
+            assert [r.rid for r in h.s.waiting_queue[: len(new)]] == new
+            assert all(r.is_retracted and r.req_pool_idx is None for r in h.s.waiting_queue[: len(new)])
             checked += 1
     assert checked > 0
     assert_reference(h, prompts, 40)
@@ -248,7 +249,7 @@ def test_abort_a_chunked_request_mid_prefill(radix, overlap):
     assert [n for reqs in h.extend_batches() for rid, n in reqs if rid == "long"] in ([16, 16], [16, 16, 16])
     assert h.tokens("other") == expected_tokens(prompt(2, 10), 2)
     h.assert_idle_and_clean()
-    if radix:   # the computed chunks stay cached (evictable), so a retry reuses them
+    if radix:  # the computed chunks stay cached (evictable), so a retry reuses them
         h.submit("retry", p, max_new_tokens=2)
         h.run_until_idle()
         assert h.cached["retry"] >= 32 and h.tokens("retry") == expected_tokens(p, 2)
@@ -311,7 +312,7 @@ def test_step_gate_runs_exactly_the_steps_asked(overlap):
         h.step()
     assert [mode for mode, _ in h.batches] == ["extend", "decode"]
     assert h.replies[-1] == StepGateReqOutput(paused=True, step=2)
-    assert h.tokens("a") == expected_tokens(prompt(1, 20), 2)     # each gated step ends processed
+    assert h.tokens("a") == expected_tokens(prompt(1, 20), 2)  # each gated step ends processed
     h.send(StepGateReq(action="resume"))
     h.run_until_idle()
     assert h.replies[-1] == StepGateReqOutput(paused=False, step=2)
@@ -335,7 +336,7 @@ def test_requests_sharing_an_uncached_prefix_wait_for_the_first(overlap):
     for rid, p in prompts.items():
         h.submit(rid, p, max_new_tokens=3)
     h.step()
-    assert h.extend_batches()[0] == [("r0", 80), ("solo", 40)]       # solo shares nothing: not held
+    assert h.extend_batches()[0] == [("r0", 80), ("solo", 40)]  # solo shares nothing: not held
     assert [(x.rid, x.waits_for, x.shared_tokens) for x in h.s.held_back] == [("r1", "r0", 64), ("r2", "r0", 64)]
     h.run_until_idle()
     assert h.extend_batches()[1] == [("r1", 16), ("r2", 16)]
@@ -360,8 +361,12 @@ def test_held_requests_wait_for_every_chunk_of_the_prefix():
     h.submit("second", prompt(2, 100, shared), max_new_tokens=2)
     h.run_until_idle()
     # first's 100 tokens in chunks of 32; second waits for all of them, then computes only its own 4.
-    assert [reqs for reqs in h.extend_batches()] == [[("first", 32)], [("first", 32)], [("first", 32)],
-                                                    [("first", 4), ("second", 4)]]
+    assert [reqs for reqs in h.extend_batches()] == [
+        [("first", 32)],
+        [("first", 32)],
+        [("first", 32)],
+        [("first", 4), ("second", 4)],
+    ]
     assert h.cached["second"] == 96
 
 
@@ -395,9 +400,13 @@ def _random_workload(seed: int):
         n = rng.randrange(8, 120)
         start = rng.choice(shared + [[]])[: n - 1]
         reqs.append((f"r{i}", prompt(seed * 100 + i, n, start), rng.randrange(1, 24), rng.randrange(0, 4)))
-    cfg = dict(max_total_tokens=rng.choice([160, 256, 1024]), chunked_prefill_size=rng.choice([-1, 16, 48]),
-               max_running_requests=rng.choice([2, 4, 16]), schedule_policy=rng.choice(["fcfs", "lpm", "dfs-weight"]),
-               disable_radix_cache=rng.random() < 0.2)
+    cfg = dict(
+        max_total_tokens=rng.choice([160, 256, 1024]),
+        chunked_prefill_size=rng.choice([-1, 16, 48]),
+        max_running_requests=rng.choice([2, 4, 16]),
+        schedule_policy=rng.choice(["fcfs", "lpm", "dfs-weight"]),
+        disable_radix_cache=rng.random() < 0.2,
+    )
     return reqs, cfg
 
 
@@ -427,7 +436,7 @@ def test_random_workloads_match_the_reference_in_both_loops(seed):
         if cfg["chunked_prefill_size"] > 0:
             assert all(sum(n for _, n in reqs_) <= cfg["chunked_prefill_size"] for reqs_ in h.extend_batches())
         h.assert_idle_and_clean()
-    assert runs[0].out == runs[1].out and runs[0].finish == runs[1].finish     # overlap == normal
+    assert runs[0].out == runs[1].out and runs[0].finish == runs[1].finish  # overlap == normal
 
 
 # ==== the KV integrity check itself ====================================================================
@@ -435,7 +444,7 @@ def test_kv_check_catches_a_leaked_slot_and_names_the_numbers():
     h = SchedulerHarness(max_total_tokens=128)
     h.submit("a", prompt(1, 20), max_new_tokens=3)
     h.run_until_idle()
-    h.s.token_to_kv_pool_allocator.alloc(2)              # two slots nobody owns
+    h.s.token_to_kv_pool_allocator.alloc(2)  # two slots nobody owns
     with pytest.raises(KVInvariantError, match=r"free 105 \+ cached 22 .* = 127 != total 128|slots nowhere"):
         h.s.check_kv_invariants()
     with pytest.raises(KVInvariantError, match="2 slots nowhere"):
@@ -448,7 +457,7 @@ def test_kv_check_catches_a_double_free_a_lost_lock_and_a_lost_row():
     h.run_until_idle()
     tree = h.s.tree_cache
     node = next(iter(tree.root_node.children.values()))
-    h.s.token_to_kv_pool_allocator.free(node.value[:1].clone())      # freed while still cached
+    h.s.token_to_kv_pool_allocator.free(node.value[:1].clone())  # freed while still cached
     with pytest.raises(KVInvariantError, match="1 slots counted twice .*free, cache"):
         h.s.check_kv_invariants()
 
@@ -456,27 +465,28 @@ def test_kv_check_catches_a_double_free_a_lost_lock_and_a_lost_row():
     h.submit("a", prompt(1, 20), max_new_tokens=3)
     h.run_until_idle()
     node = next(iter(h.s.tree_cache.root_node.children.values()))
-    h.s.tree_cache.inc_lock_ref(node)                                # a lock nobody will release
+    h.s.tree_cache.inc_lock_ref(node)  # a lock nobody will release
     with pytest.raises(KVInvariantError, match=r"lock_ref 1, 0 live requests use it"):
         h.s.check_kv_invariants()
 
     h = SchedulerHarness(max_total_tokens=128)
-    h.s.req_to_token_pool.alloc(1)                                   # a row nobody holds
+    h.s.req_to_token_pool.alloc(1)  # a row nobody holds
     with pytest.raises(KVInvariantError, match=r"request rows in use 1 != 0 live requests"):
         h.s.check_kv_invariants()
 
 
 def test_idle_check_runs_with_the_flag_and_reports_through_internal_state(monkeypatch):
     from workbench.core.io_struct import GetInternalStateReq
+
     monkeypatch.delenv(KV_CHECK_ENV, raising=False)
     h = SchedulerHarness(max_total_tokens=128, enable_kv_invariant_check=True, check=False)
     assert h.s.kv_check_enabled
     h.submit("a", prompt(1, 20), max_new_tokens=3)
     h.run_until_idle()
     assert h.s.kv_check_error == ""
-    h.s.token_to_kv_pool_allocator.alloc(1)             # leak one slot, then run one more request
+    h.s.token_to_kv_pool_allocator.alloc(1)  # leak one slot, then run one more request
     h.submit("b", prompt(2, 20), max_new_tokens=3)
-    h.run_until_idle()                                   # going idle runs the check once
+    h.run_until_idle()  # going idle runs the check once
     assert "1 slots nowhere (leaked)" in h.s.kv_check_error
     h.send(GetInternalStateReq())
     h.step()

@@ -10,6 +10,7 @@
   (while the same bytes do create it when unpickled, so the check can fail);
 - the ipc:// directory is private (0700, owned by us) and removed on shutdown.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,10 @@ REPO = Path(__file__).resolve().parent.parent
 def served():
     from workbench.core.engine import Engine
     from workbench.core.entrypoints.http_server import bind_socket, start_server
-    engine = Engine(show_progress=False, max_total_tokens=2048, api_key=KEY,
-                    trace_publish=f"tcp://127.0.0.1:{free_port()}")
+
+    engine = Engine(
+        show_progress=False, max_total_tokens=2048, api_key=KEY, trace_publish=f"tcp://127.0.0.1:{free_port()}"
+    )
     running = start_server(engine, engine.server_args, bind_socket(engine.server_args.host, 0))
     try:
         yield engine, running
@@ -68,15 +71,30 @@ def test_api_key_is_required_on_every_route_but_health(served):
     table = routes(running.app)
     paths = {p for _, p in table}
     # Not vacuous: the OpenAI, native, weight, metrics and docs routes are all there.
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/generate", "/get_server_info",
-            "/flush_cache", "/update_weights_from_disk", "/metrics", "/openapi.json", "/docs"} <= paths
+    assert {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/generate",
+        "/get_server_info",
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/metrics",
+        "/openapi.json",
+        "/docs",
+    } <= paths
     failures = []
     with httpx.Client(base_url=url, timeout=120) as c:
         for method, path in table + [("GET", "/no/such/route"), ("POST", "/v1/no-such-route")]:
             body = b"{}" if method in ("POST", "PUT", "PATCH") else None
-            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
-                            {"Authorization": f"bearer {KEY}"}, {"Authorization": f"Bearer {KEY}x"},
-                            {"X-API-Key": KEY}):
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": KEY},
+                {"Authorization": f"bearer {KEY}"},
+                {"Authorization": f"Bearer {KEY}x"},
+                {"X-API-Key": KEY},
+            ):
                 r = c.request(method, path, content=body, headers=dict(headers, **{"content-type": "application/json"}))
                 count("requests")
                 if path in HEALTH:
@@ -87,7 +105,7 @@ def test_api_key_is_required_on_every_route_but_health(served):
                 elif method != "HEAD" and set(r.json()["error"]) != {"message", "type", "param", "code"}:
                     failures.append(f"{method} {path}: 401 without an OpenAI error body")
             if path == "/update_weights_from_disk" or path.startswith("/init_weights"):
-                continue      # with the key these would act; an empty body is refused anyway (checked below)
+                continue  # with the key these would act; an empty body is refused anyway (checked below)
             r = c.request(method, path, content=body, headers=dict(AUTH, **{"content-type": "application/json"}))
             count("requests")
             if r.status_code == 401:
@@ -103,12 +121,16 @@ def test_api_key_is_required_on_every_route_but_health(served):
 
 
 def _listeners(pid: int) -> list[tuple[str, int]]:
-    return [(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN]
+    return [
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
 
 
 def test_server_and_trace_publisher_listen_on_loopback_only(served):
     from workbench.core.args import ServerArgs
+
     engine, running = served
     assert ServerArgs().host == "127.0.0.1"
     http_port = int(running.url.rsplit(":", 1)[1])
@@ -119,6 +141,7 @@ def test_server_and_trace_publisher_listen_on_loopback_only(served):
     assert all(ip in LOOPBACK for ip, _ in everyone), f"something listens beyond loopback: {everyone}"
     # The CLI's default is loopback too (what `workbench serve` binds without --host).
     import argparse
+
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     assert ServerArgs.from_cli_args(parser.parse_args([])).host == "127.0.0.1"
@@ -141,8 +164,12 @@ def test_a_malicious_pickle_is_never_executed(served, tmp_path):
     # The payload is live: unpickled (in a throwaway process), it creates its marker.
     probe = tmp_path / "probe"
     live = pickle.dumps(_Evil(str(probe)))
-    subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
-                   input=live, check=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
+        input=live,
+        check=True,
+        timeout=60,
+    )
     assert probe.exists()
 
     malformed_before = engine.bus.malformed
@@ -154,7 +181,7 @@ def test_a_malicious_pickle_is_never_executed(served, tmp_path):
         xsub.connect(engine.bus.publish_endpoint)
         xsub.send(payload)
         xsub.send(b"\x01" + payload)
-        xsub.send(b"\x01")                      # then a real subscription: the header comes back
+        xsub.send(b"\x01")  # then a real subscription: the header comes back
         assert xsub.poll(30_000, zmq.POLLIN), "the publisher did not answer a subscription"
         xsub.recv()
         host, port = engine.bus.publish_endpoint.removeprefix("tcp://").rsplit(":", 1)
@@ -162,10 +189,14 @@ def test_a_malicious_pickle_is_never_executed(served, tmp_path):
             s.sendall(payload)
         # 2. Every ipc:// socket of the engine, from a local PUSH peer.
         pa = engine.port_args
-        for endpoint in (pa.trace_ipc_name, pa.scheduler_input_ipc_name, pa.detokenizer_ipc_name,
-                         pa.tokenizer_ipc_name):
+        for endpoint in (
+            pa.trace_ipc_name,
+            pa.scheduler_input_ipc_name,
+            pa.detokenizer_ipc_name,
+            pa.tokenizer_ipc_name,
+        ):
             push = ctx.socket(zmq.PUSH)
-            push.setsockopt(zmq.LINGER, 2000)      # bounded: close() delivers, then gives up
+            push.setsockopt(zmq.LINGER, 2000)  # bounded: close() delivers, then gives up
             push.connect(endpoint)
             push.send(payload)
             push.close()
@@ -174,9 +205,12 @@ def test_a_malicious_pickle_is_never_executed(served, tmp_path):
         xsub.close(linger=0)
         ctx.term()
     # 3. The HTTP server: as a body to every POST route, and as raw bytes on the port.
-    posts = [p for m, p in routes(running.app) if m == "POST"
-             and p not in ("/update_weights_from_disk", "/init_weights_update_group",
-                           "/update_weights_from_distributed")]
+    posts = [
+        p
+        for m, p in routes(running.app)
+        if m == "POST"
+        and p not in ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed")
+    ]
     with httpx.Client(base_url=running.url, timeout=60, headers=AUTH) as c:
         for path in posts:
             for ctype in ("application/python-pickle", "application/octet-stream", "application/json"):
@@ -198,11 +232,15 @@ def test_a_malicious_pickle_is_never_executed(served, tmp_path):
 
     # The bus saw the pickle on its ipc socket and counted it as malformed; the engine serves on.
     wait_for(lambda: engine.bus.malformed > malformed_before, 30, "the bus to reject the pickle")
-    r = httpx.post(running.url + "/generate", headers=AUTH, timeout=120,
-                   json={"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    r = httpx.post(
+        running.url + "/generate",
+        headers=AUTH,
+        timeout=120,
+        json={"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
+    )
     count("requests")
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 2, r.text
-    time.sleep(0.5)         # let anything that might still act on the bytes do so
+    time.sleep(0.5)  # let anything that might still act on the bytes do so
     assert not marker.exists(), "a pickle from a socket was executed"
     assert engine.is_healthy and all(p.is_alive() for p in engine.procs.values())
 
@@ -228,5 +266,5 @@ def test_ipc_dir_is_private_and_removed_on_shutdown(served):
     names = set(os.listdir(d))
     assert {"tokenizer", "scheduler", "detokenizer", "trace"} <= names, names
     running.stop(timeout_s=5)
-    engine.shutdown()                      # the fixture's own shutdown is then a no-op
+    engine.shutdown()  # the fixture's own shutdown is then a no-op
     assert not os.path.exists(d)

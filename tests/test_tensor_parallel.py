@@ -8,6 +8,7 @@
   from the project's own `TrainerWeightSync`: a trainer process broadcasts to every rank, `get_weights_by_name`
   returns the gathered full tensor, `update_weights_from_disk` loads every rank's shard.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -34,11 +35,16 @@ GROUP = "tp_weight_sync"
 def hf_tokens(model_dir, prompts, new_weights: dict | None = None) -> list[list[int]]:
     """transformers' greedy continuations of `prompts` (optionally with some weights replaced)."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for name, t in (new_weights or {}).items():
         model.get_parameter(name).copy_(t)
-    return [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    return [
+        model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
+        for p in prompts
+    ]
 
 
 def greedy(engine, prompts) -> list[list[int]]:
@@ -46,6 +52,7 @@ def greedy(engine, prompts) -> list[list[int]]:
 
 
 # ---- the default model at TP 3 ------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def default_tp3(default_prepared):
@@ -72,14 +79,16 @@ def test_tp3_default_model_equals_reference(default_tp3, tp3_prompts, hf_model):
     assert again["output_ids"] == out[0]["output_ids"] and again["meta_info"]["cached_tokens"] > 0
 
 
-def test_tp3_a_trainer_written_the_openrlhf_way_updates_every_rank(default_tp3, tp3_prompts, default_prepared,
-                                                                   hf_model):
+def test_tp3_a_trainer_written_the_openrlhf_way_updates_every_rank(
+    default_tp3, tp3_prompts, default_prepared, hf_model
+):
     """World of 4: the trainer (rank 0, torch only) and TP ranks 1-3, each keeping its shard."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     from openrlhf_trainer import trainer_main
     from test_weight_updates import hf_greedy_with, perturbed
+
     engine, prompts, model_dir = default_tp3, tp3_prompts, Path(default_prepared.model_dir)
     original = load_file(str(model_dir / "model.safetensors"))
     new = perturbed(original)
@@ -97,7 +106,7 @@ def test_tp3_a_trainer_written_the_openrlhf_way_updates_every_rank(default_tp3, 
         assert status == "ok", message
         engine.destroy_weights_update_group(GROUP)
     assert out["success"]
-    for name, t in new.items():      # gathered across the three ranks' shards
+    for name, t in new.items():  # gathered across the three ranks' shards
         got = torch.tensor(engine.get_weights_by_name(name, t.numel()))
         assert torch.equal(got, t.flatten()), name
     now = greedy(engine, prompts)
@@ -108,9 +117,13 @@ def test_tp3_a_trainer_written_the_openrlhf_way_updates_every_rank(default_tp3, 
 
 # ---- bad sizes and flags ------------------------------------------------------------------------
 
+
 def test_bad_tp_sizes_and_node_flags_are_rejected(default_prepared):
-    with pytest.raises(ValueError, match=r"--tp-size 2 does not divide this model's 9 attention heads and 3 "
-                                         r"key/value heads.*one of \[1, 3\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"--tp-size 2 does not divide this model's 9 attention heads and 3 "
+        r"key/value heads.*one of \[1, 3\]",
+    ):
         Engine(tp_size=2, show_progress=False)
     with pytest.raises(ValueError, match="multiple of --nnodes"):
         ServerArgs(tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:29500")
@@ -124,6 +137,7 @@ def test_bad_tp_sizes_and_node_flags_are_rejected(default_prepared):
 
 # ---- tiny Llama at TP 2, with weight updates ----------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
     # Untied: a tiny random *tied* Llama mostly repeats its input token, which would test little
@@ -133,18 +147,24 @@ def llama_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def llama_tp2(llama_dir):
-    with Engine(model_path=str(llama_dir), dtype="float32", tp_size=2, max_total_tokens=1024,
-                show_progress=False) as engine:
+    with Engine(
+        model_path=str(llama_dir), dtype="float32", tp_size=2, max_total_tokens=1024, show_progress=False
+    ) as engine:
         yield engine
 
 
 def test_tp2_tiny_llama_equals_transformers(llama_dir, llama_tp2):
-    assert llama_tp2.scheduler_info["kv_head_num"] == 1          # 2 KV heads over 2 ranks
+    assert llama_tp2.scheduler_info["kv_head_num"] == 1  # 2 KV heads over 2 ranks
     assert greedy(llama_tp2, TINY_PROMPTS) == hf_tokens(llama_dir, TINY_PROMPTS)
     # Prompt logprobs need the vocab-sharded head gathered over every position.
-    out = llama_tp2.generate(input_ids=TINY_PROMPTS[1], sampling_params=dict(GREEDY, max_new_tokens=1),
-                             return_logprob=True, logprob_start_len=0)
+    out = llama_tp2.generate(
+        input_ids=TINY_PROMPTS[1],
+        sampling_params=dict(GREEDY, max_new_tokens=1),
+        return_logprob=True,
+        logprob_start_len=0,
+    )
     from transformers import AutoModelForCausalLM
+
     ref = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = ref(torch.tensor([TINY_PROMPTS[1]])).logits[0].float()
@@ -155,9 +175,13 @@ def test_tp2_tiny_llama_equals_transformers(llama_dir, llama_tp2):
 
 def _perturbed_tiny(state: dict) -> dict:
     g = torch.Generator().manual_seed(7)
-    names = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-             "model.layers.1.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.weight",
-             "model.embed_tokens.weight")
+    names = (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+        "model.layers.1.self_attn.o_proj.weight",
+        "model.embed_tokens.weight",
+    )
     return {n: state[n] + 0.5 * state[n].std() * torch.randn(state[n].shape, generator=g) for n in names}
 
 
@@ -166,6 +190,7 @@ def _tiny_trainer(model_dir: str, port: int, world_size: int, result_q, done) ->
     from safetensors.torch import load_file
 
     from workbench.core.managers.weight_updater import TrainerWeightSync
+
     torch.set_num_threads(1)
     state = load_file(str(Path(model_dir) / "model.safetensors"))
     state.update(_perturbed_tiny(state))
@@ -177,6 +202,7 @@ def _tiny_trainer(model_dir: str, port: int, world_size: int, result_q, done) ->
 def test_tp2_weight_update_from_trainer_reaches_every_rank(llama_dir, llama_tp2):
     from safetensors import safe_open
     from safetensors.torch import load_file
+
     original = load_file(str(llama_dir / "model.safetensors"))
     new = _perturbed_tiny(original)
     with safe_open(str(llama_dir / "model.safetensors"), framework="pt") as f:
@@ -206,14 +232,17 @@ def test_tp2_weight_update_from_trainer_reaches_every_rank(llama_dir, llama_tp2)
 
 def test_tp2_update_from_disk_and_rejects_mismatch(llama_dir, llama_tp2, tmp_path):
     from safetensors.torch import load_file, save_file
+
     original = load_file(str(llama_dir / "model.safetensors"))
     ckpt = tmp_path / "ckpt2"
     ckpt.mkdir()
     for f in llama_dir.iterdir():
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy(f, ckpt / f.name)
-    scaled = {"model.layers.1.self_attn.v_proj.weight": -original["model.layers.1.self_attn.v_proj.weight"],
-              "model.layers.0.mlp.down_proj.weight": 1.7 * original["model.layers.0.mlp.down_proj.weight"]}
+    scaled = {
+        "model.layers.1.self_attn.v_proj.weight": -original["model.layers.1.self_attn.v_proj.weight"],
+        "model.layers.0.mlp.down_proj.weight": 1.7 * original["model.layers.0.mlp.down_proj.weight"],
+    }
     save_file({**original, **scaled}, str(ckpt / "model.safetensors"))
     out = llama_tp2.update_weights_from_disk(str(ckpt))
     assert out["success"]
@@ -225,7 +254,7 @@ def test_tp2_update_from_disk_and_rejects_mismatch(llama_dir, llama_tp2, tmp_pat
     with pytest.raises(ValueError, match=r"shape mismatch.*expects \[64, 64\]"):
         llama_tp2.update_weights_from_tensor([("model.layers.0.self_attn.q_proj.weight", torch.zeros(32, 64))])
     assert greedy(llama_tp2, TINY_PROMPTS) == now
-    llama_tp2.update_weights_from_disk(str(llama_dir))            # back to the original for later tests
+    llama_tp2.update_weights_from_disk(str(llama_dir))  # back to the original for later tests
     assert greedy(llama_tp2, TINY_PROMPTS) == hf_tokens(llama_dir, TINY_PROMPTS)
 
 
@@ -235,6 +264,7 @@ def test_dead_tp_rank_fails_the_engine_instead_of_hanging(llama_tp2):
     import signal
 
     from workbench.core.engine import EngineDeadError
+
     os.kill(llama_tp2.get_server_info()["pids"]["scheduler-tp1"], signal.SIGKILL)
     deadline = time.monotonic() + 60
     while llama_tp2.is_healthy and time.monotonic() < deadline:
@@ -246,6 +276,7 @@ def test_dead_tp_rank_fails_the_engine_instead_of_hanging(llama_tp2):
 
 # ---- two "nodes" on loopback --------------------------------------------------------------------
 
+
 def test_two_node_loopback_launch_serves(tmp_path):
     """`workbench serve` as node 0 (front end + rank 0) and node 1 (rank 1 only), TP 2 over both.
 
@@ -253,15 +284,30 @@ def test_two_node_loopback_launch_serves(tmp_path):
     collectives (forward thread) use their two groups at the same time.
     """
     from workbench.core.entrypoints.server_process import ServerProcess
+
     model_dir = make_tiny_qwen2(tmp_path / "qwen")
     addr = f"127.0.0.1:{free_port()}"
-    common = ["--model", str(model_dir), "--dtype", "float32", "--tp-size", "2", "--nnodes", "2",
-              "--dist-init-addr", addr, "--max-total-tokens", "1024", "--no-disable-overlap-schedule"]
+    common = [
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--tp-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--dist-init-addr",
+        addr,
+        "--max-total-tokens",
+        "1024",
+        "--no-disable-overlap-schedule",
+    ]
     node1 = ServerProcess([*common, "--node-rank", "1"], wait=False)
     try:
         with ServerProcess([*common, "--node-rank", "0"], start_timeout_s=300) as node0:
-            r = httpx.post(node0.base_url + "/generate", timeout=120,
-                           json={"input_ids": TINY_PROMPTS, "sampling_params": GREEDY})
+            r = httpx.post(
+                node0.base_url + "/generate", timeout=120, json={"input_ids": TINY_PROMPTS, "sampling_params": GREEDY}
+            )
             assert r.status_code == 200, r.text
             assert [o["output_ids"] for o in r.json()] == hf_tokens(model_dir, TINY_PROMPTS)
             info = httpx.get(node0.base_url + "/get_server_info", timeout=30).json()

@@ -1,4 +1,5 @@
 """Tracer -> TraceBus -> subscribers over real ZMQ sockets (ipc in a temp dir, tcp on 127.0.0.1)."""
+
 from __future__ import annotations
 
 import pathlib
@@ -41,7 +42,7 @@ def collect(sub, n, timeout=10.0):
 
 @pytest.fixture
 def ipc_dir():
-    d = tempfile.mkdtemp(prefix="wbt-", dir="/tmp")   # short: ipc paths are limited to ~100 chars
+    d = tempfile.mkdtemp(prefix="wbt-", dir="/tmp")  # short: ipc paths are limited to ~100 chars
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
@@ -86,7 +87,7 @@ def test_tracer_over_ipc_delivers_in_order_and_stamped(bus):
 
 def test_disabled_tracer_is_silent_and_emit_keeps_explicit_stamps(bus):
     sub = bus.subscribe()
-    tr = Tracer("detokenizer", endpoint=bus.pull_endpoint)       # off until enabled
+    tr = Tracer("detokenizer", endpoint=bus.pull_endpoint)  # off until enabled
     assert tr.enabled is False
     tr.emit(ev.ReqText(rid="x", delta="a"))
     tr.flush()
@@ -128,19 +129,18 @@ def zctx():
 
 
 def test_tracer_drops_when_bus_is_not_reading_and_reports_it(ipc_dir, zctx):
-    pull = zctx.socket(zmq.PULL)                # a "bus" that is not reading
+    pull = zctx.socket(zmq.PULL)  # a "bus" that is not reading
     pull.setsockopt(zmq.LINGER, 0)
     pull.setsockopt(zmq.RCVHWM, 1)
     pull.setsockopt(zmq.RCVBUF, 4096)
     pull.bind(f"ipc://{ipc_dir}/stuck")
-    tr = Tracer("scheduler", endpoint=f"ipc://{ipc_dir}/stuck", enabled=True, sndhwm=1,
-                flush_interval_s=None)
+    tr = Tracer("scheduler", endpoint=f"ipc://{ipc_dir}/stuck", enabled=True, sndhwm=1, flush_interval_s=None)
     try:
         emitted = 0
-        for _ in range(2000):                   # 64 KiB batches fill every buffer quickly
+        for _ in range(2000):  # 64 KiB batches fill every buffer quickly
             tr.emit(ev.ReqText(rid="r", delta="x" * 65536))
             emitted += 1
-            tr.flush()                          # returns at once: a blocking send would hang here
+            tr.flush()  # returns at once: a blocking send would hang here
             if tr.dropped_total >= 3:
                 break
         dropped = tr.dropped_total
@@ -182,7 +182,7 @@ def test_tracer_never_raises():
 
     tr = Tracer("tokenizer", sink=bad_sink, enabled=True)
     tr.emit(ev.ReqArrived(rid="a"))
-    tr.flush()                                  # swallowed, counted
+    tr.flush()  # swallowed, counted
     assert tr.dropped_total == 1
     got = []
     tr._sink = got.extend
@@ -193,7 +193,7 @@ def test_tracer_never_raises():
     broken.emit(ev.ReqArrived(rid="c"))
     broken.flush()
     assert broken.dropped_total == 1
-    broken.emit(None)                           # garbage in: still no exception
+    broken.emit(None)  # garbage in: still no exception
     broken.close()
 
 
@@ -240,7 +240,7 @@ def test_failing_callback_is_removed_and_listeners_hook(bus):
 
 
 def test_late_subscriber_gets_a_snapshot(bus):
-    keep = bus.subscribe()                      # a listener, so the bus keeps state
+    keep = bus.subscribe()  # a listener, so the bus keeps state
     evs = synthetic_trace(n_requests=6, seed=2)
     half = len(evs) // 2
     bus.publish_batch(evs[:half])
@@ -263,7 +263,7 @@ def test_late_subscriber_gets_a_snapshot(bus):
 def test_malicious_pickle_to_the_pull_endpoint_is_not_executed(bus, tmp_path, zctx):
     marker = tmp_path / "pwned"
     payload = pickle.dumps(Evil(str(marker)))
-    probe = tmp_path / "probe"                  # prove the payload is live when unpickled
+    probe = tmp_path / "probe"  # prove the payload is live when unpickled
     pickle.loads(pickle.dumps(Evil(str(probe))))
     assert probe.exists()
     sub = bus.subscribe()
@@ -271,10 +271,10 @@ def test_malicious_pickle_to_the_pull_endpoint_is_not_executed(bus, tmp_path, zc
     push.setsockopt(zmq.LINGER, 0)
     push.connect(bus.pull_endpoint)
     push.send(payload)
-    push.send(b"\x92\xc1")                      # truncated/invalid msgpack too
+    push.send(b"\x92\xc1")  # truncated/invalid msgpack too
     push.send(ev.encode_batch([ev.ReqArrived(ts=5, proc="x", rid="ok")]))
     got = collect(sub, 1)
-    assert [e.rid for e in got] == ["ok"]       # the bus survived and kept going
+    assert [e.rid for e in got] == ["ok"]  # the bus survived and kept going
     assert bus.malformed == 2
     assert not marker.exists()
 
@@ -321,7 +321,7 @@ def test_remote_subscription_ignores_malicious_pickle(tmp_path, zctx):
     good = ev.encode_batch([ev.ReqArrived(ts=1, rid="hello")])
     with RemoteSubscription(f"tcp://127.0.0.1:{port}") as remote:
 
-        def joined():                           # PUB/SUB: wait until the subscription took effect
+        def joined():  # PUB/SUB: wait until the subscription took effect
             pub.send(good)
             return remote.get(timeout=0.02)
 
@@ -345,5 +345,5 @@ def test_close_is_clean_and_wakes_waiters(ipc_dir):
     t.join(timeout=5)
     assert not t.is_alive() and results == [None]
     assert not b._thread.is_alive() and sub.closed
-    b.close()                                   # idempotent
-    b.publish_batch([ev.ReqArrived(rid="x")])   # ignored after close
+    b.close()  # idempotent
+    b.publish_batch([ev.ReqArrived(rid="x")])  # ignored after close

@@ -1,4 +1,5 @@
 """OpenTelemetry export: spans per request stage, from hand-written events and from the real pipeline."""
+
 from __future__ import annotations
 
 import http.server
@@ -18,17 +19,40 @@ MS = 1_000_000
 
 
 def _request_events(rid: str, t0: int, chunks: int = 2, aborted: bool = False) -> list[ev.Event]:
-    out = [ev.ReqArrived(ts=t0, proc="tokenizer", rid=rid, prompt_preview="hi"),
-           ev.ReqTokenized(ts=t0 + 1 * MS, proc="tokenizer", rid=rid, prompt_tokens=100, max_new_tokens=8),
-           ev.ReqQueued(ts=t0 + 2 * MS, proc="scheduler", rid=rid, prompt_tokens=100, queue_len=1)]
+    out = [
+        ev.ReqArrived(ts=t0, proc="tokenizer", rid=rid, prompt_preview="hi"),
+        ev.ReqTokenized(ts=t0 + 1 * MS, proc="tokenizer", rid=rid, prompt_tokens=100, max_new_tokens=8),
+        ev.ReqQueued(ts=t0 + 2 * MS, proc="scheduler", rid=rid, prompt_tokens=100, queue_len=1),
+    ]
     for k in range(chunks):
-        out.append(ev.ReqScheduled(ts=t0 + (10 + 10 * k) * MS, proc="scheduler", rid=rid, prefix_hit=0,
-                                   extend_len=50, chunk_index=k, num_chunks=chunks))
+        out.append(
+            ev.ReqScheduled(
+                ts=t0 + (10 + 10 * k) * MS,
+                proc="scheduler",
+                rid=rid,
+                prefix_hit=0,
+                extend_len=50,
+                chunk_index=k,
+                num_chunks=chunks,
+            )
+        )
     if aborted:
         return out + [ev.ReqAborted(ts=t0 + 40 * MS, proc="scheduler", rid=rid, reason="client went away")]
-    return out + [ev.ReqFirstToken(ts=t0 + 40 * MS, proc="scheduler", rid=rid),
-                  ev.ReqFinished(ts=t0 + 110 * MS, proc="scheduler", rid=rid, reason="length", prompt_tokens=100,
-                                 completion_tokens=8, cached_tokens=0, ttft=0.040, tpot=0.010, e2e=0.110)]
+    return out + [
+        ev.ReqFirstToken(ts=t0 + 40 * MS, proc="scheduler", rid=rid),
+        ev.ReqFinished(
+            ts=t0 + 110 * MS,
+            proc="scheduler",
+            rid=rid,
+            reason="length",
+            prompt_tokens=100,
+            completion_tokens=8,
+            cached_tokens=0,
+            ttft=0.040,
+            tpot=0.010,
+            e2e=0.110,
+        ),
+    ]
 
 
 def _by_name(spans):
@@ -39,8 +63,8 @@ def test_a_finished_request_becomes_a_root_span_with_three_stages():
     mem = InMemorySpanExporter()
     exp = OtelExporter(mem, model="m", batch=False)
     t0 = 5_000 * MS
-    exp(_request_events("r1", t0)[:4])          # delivered in two batches, as the bus does
-    assert mem.get_finished_spans() == ()       # nothing until the request ends
+    exp(_request_events("r1", t0)[:4])  # delivered in two batches, as the bus does
+    assert mem.get_finished_spans() == ()  # nothing until the request ends
     exp(_request_events("r1", t0)[4:])
     spans = _by_name(mem.get_finished_spans())
     assert set(spans) == {"request r1", "queue", "prefill", "decode"}
@@ -71,13 +95,13 @@ def test_an_aborted_request_is_an_error_span_without_a_decode_stage():
 
 def test_the_real_pipeline_exports_one_trace_per_request_with_traced_ttft():
     from workbench.core.engine import Engine
+
     mem = InMemorySpanExporter()
     with Engine(show_progress=False, max_total_tokens=2048) as engine:
         exp = OtelExporter(mem, model=engine.served_model_name, batch=False)
         handle = engine.subscribe_callback(exp, name="otel")
-        outs = engine.generate(["The radix tree", "Continuous batching"],
-                               {"max_new_tokens": 4, "temperature": 0.0})
-        deadline = time.monotonic() + 30          # the last events are still on their way to the bus
+        outs = engine.generate(["The radix tree", "Continuous batching"], {"max_new_tokens": 4, "temperature": 0.0})
+        deadline = time.monotonic() + 30  # the last events are still on their way to the bus
         while exp.exported < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         handle.close()
@@ -110,6 +134,7 @@ class _Collector(http.server.BaseHTTPRequestHandler):
 def test_otlp_traces_endpoint_posts_protobuf_spans_to_a_collector():
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
     from workbench.core.engine import Engine
+
     server = http.server.HTTPServer(("127.0.0.1", 0), _Collector)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     _Collector.posts.clear()
@@ -117,7 +142,7 @@ def test_otlp_traces_endpoint_posts_protobuf_spans_to_a_collector():
         endpoint = f"http://127.0.0.1:{server.server_port}/v1/traces"
         with Engine(show_progress=False, max_total_tokens=2048, otlp_traces_endpoint=endpoint) as engine:
             rid = engine.generate("The radix tree", {"max_new_tokens": 2})["meta_info"]["id"]
-            deadline = time.monotonic() + 30      # the request's last events are still on their way
+            deadline = time.monotonic() + 30  # the request's last events are still on their way
             while engine._otel.exported < 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
         # shutdown flushed the batch processor
@@ -131,12 +156,14 @@ def test_missing_exporter_package_is_a_clear_error(monkeypatch):
     import builtins
 
     from workbench.core.trace import otel
+
     real_import = builtins.__import__
 
     def no_otlp(name, *a, **k):
         if name.startswith("opentelemetry.exporter.otlp"):
             raise ImportError(name)
         return real_import(name, *a, **k)
+
     monkeypatch.setattr(builtins, "__import__", no_otlp)
     with pytest.raises(ValueError, match="pip install"):
         otel.otlp_span_exporter("http://127.0.0.1:4318/v1/traces")

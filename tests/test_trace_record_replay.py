@@ -1,4 +1,5 @@
 """Recorder -> load_trace -> TraceState, Replay's clock, and the Perfetto exporter."""
+
 from __future__ import annotations
 
 import json
@@ -40,7 +41,7 @@ def test_recorder_on_a_live_bus_matches_the_live_state(tmp_path, trace_events):
         tr = Tracer("scheduler", endpoint=bus.pull_endpoint, enabled=True)
         live = TraceState()
         n = 0
-        for e in trace_events:                  # re-emit through a real tracer, step by step
+        for e in trace_events:  # re-emit through a real tracer, step by step
             tr.begin_step(e.step)
             tr.emit(msgspec_copy(e))
             if isinstance(e, ev.BatchStep):
@@ -81,7 +82,7 @@ def test_gzip_roundtrip_and_truncated_last_line(tmp_path, trace_events):
     with Recorder(p) as rec:
         rec.write_batch(trace_events[:20])
     data = p.read_bytes()
-    p.write_bytes(data[:-15])                   # the recorder died mid-line
+    p.write_bytes(data[:-15])  # the recorder died mid-line
     assert len(load_trace(p)) == 19
 
 
@@ -110,7 +111,7 @@ def test_load_trace_refuses_non_traces_and_newer_schemas(tmp_path):
 def test_replay_step_releases_through_each_batch_step(trace_events):
     r = Replay(trace_events)
     n_steps = sum(isinstance(e, ev.BatchStep) for e in trace_events)
-    assert r.drain() == [] and not r.done            # nothing before the consumer moves the clock
+    assert r.drain() == [] and not r.done  # nothing before the consumer moves the clock
     chunks = []
     while not r.done:
         released = r.step()
@@ -118,7 +119,7 @@ def test_replay_step_releases_through_each_batch_step(trace_events):
         chunks.append(released)
     assert all(isinstance(c[-1], ev.BatchStep) for c in chunks[:n_steps])
     assert sum(len(c) for c in chunks) == len(trace_events)
-    assert len(chunks) in (n_steps, n_steps + 1)       # + the tail after the last step
+    assert len(chunks) in (n_steps, n_steps + 1)  # + the tail after the last step
     assert [e for c in chunks for e in c] == trace_events
     assert r.step() == [] and r.position_ns == r.end_ns
 
@@ -130,7 +131,7 @@ def test_replay_advance_to_and_backward_seek(trace_events):
     released = r.advance_to(mid)
     assert released and max(e.ts for e in released) <= mid
     nxt = trace_events[len(released)]
-    assert nxt.ts > mid or any(e.ts > nxt.ts for e in released)   # the next one is not due yet
+    assert nxt.ts > mid or any(e.ts > nxt.ts for e in released)  # the next one is not due yet
     assert r.advance_to(mid) == [] and r.advance_to(mid - 10) == []  # forward only
     consumer = TraceState()
     consumer.apply_many(r.drain())
@@ -140,7 +141,7 @@ def test_replay_advance_to_and_backward_seek(trace_events):
     assert r.done and consumer.dump() == fold(trace_events).dump()
     quarter = r.start_ns + r.duration_ns // 4
     epoch = r.epoch
-    r.seek(quarter)                                   # backward: reset + replay up to quarter
+    r.seek(quarter)  # backward: reset + replay up to quarter
     assert r.epoch == epoch + 1 and not r.done
     consumer.apply_many(r.drain())
     assert consumer.dump() == r.state_at(quarter).dump()
@@ -163,23 +164,23 @@ def test_replay_follows_a_consumer_wall_clock_at_speed(tmp_path, trace_events):
     r = Replay(p, speed=2.0, max_idle_s=None, clock=clock)
     assert r.header.model == "m"
     clock.now += 10**9
-    assert r.advance() == [] and r.drain() == []       # paused: the clock does not move
+    assert r.advance() == [] and r.drain() == []  # paused: the clock does not move
     r.play()
-    clock.now += 50_000_000                            # 50 ms of wall time at 2x = 100 ms of trace
+    clock.now += 50_000_000  # 50 ms of wall time at 2x = 100 ms of trace
     r.advance()
     assert r.position_ns == r.start_ns + 100_000_000
     clock.now += 50_000_000
-    r.set_speed(1.0)                                   # +100 ms of trace at the old speed
+    r.set_speed(1.0)  # +100 ms of trace at the old speed
     assert r.position_ns == r.start_ns + 200_000_000
     clock.now += 50_000_000
-    got = r.drain()                                    # drain moves a playing clock too
+    got = r.drain()  # drain moves a playing clock too
     assert r.position_ns == r.start_ns + 250_000_000
     r.pause()
     clock.now += 10**12
     assert r.drain() == [] and r.position_ns == r.start_ns + 250_000_000
-    assert got[0] is r.header                          # a recording plays its header first
-    assert got[1:] == trace_events[:len(got) - 1] and max(e.ts for e in got[1:]) <= r.position_ns
-    assert r.get(timeout=None) is None                 # paused and nothing due: no waiting
+    assert got[0] is r.header  # a recording plays its header first
+    assert got[1:] == trace_events[: len(got) - 1] and max(e.ts for e in got[1:]) <= r.position_ns
+    assert r.get(timeout=None) is None  # paused and nothing due: no waiting
 
 
 def test_replay_skips_idle_gaps_while_playing():
@@ -190,7 +191,7 @@ def test_replay_skips_idle_gaps_while_playing():
     clock.now += 1
     assert [e.rid for e in r.drain()] == ["a"]
     clock.now += 1
-    assert [e.rid for e in r.drain()] == ["b"]         # 60 s of nothing skipped
+    assert [e.rid for e in r.drain()] == ["b"]  # 60 s of nothing skipped
     assert r.done
 
 
@@ -245,12 +246,15 @@ def test_perfetto_export_is_valid_trace_event_json(tmp_path, trace_events):
 
 def test_perfetto_empty_and_unfinished(tmp_path):
     assert export_perfetto([], tmp_path / "empty.json") == {"traceEvents": [], "displayTimeUnit": "ms"}
-    doc = export_perfetto([ev.ReqArrived(ts=10, proc="tokenizer", rid="x"),
-                           ev.ReqQueued(ts=20, proc="scheduler", rid="x", prompt_tokens=3, queue_len=1)],
-                          tmp_path / "one.json")
+    doc = export_perfetto(
+        [
+            ev.ReqArrived(ts=10, proc="tokenizer", rid="x"),
+            ev.ReqQueued(ts=20, proc="scheduler", rid="x", prompt_tokens=3, queue_len=1),
+        ],
+        tmp_path / "one.json",
+    )
     slices = [(e["ph"], e["name"], e["ts"]) for e in doc["traceEvents"] if e["ph"] in "be"]
-    assert slices == [("b", "request", 0.0), ("b", "queued", 0.01), ("e", "queued", 0.01),
-                      ("e", "request", 0.01)]
+    assert slices == [("b", "request", 0.0), ("b", "queued", 0.01), ("e", "queued", 0.01), ("e", "request", 0.01)]
 
 
 def test_replay_of_a_recording_keeps_its_header_across_seeks(tmp_path, trace_events):
@@ -270,11 +274,12 @@ def test_replay_of_a_recording_keeps_its_header_across_seeks(tmp_path, trace_eve
 def test_trace_export_reports_events_read_and_trace_events_written(tmp_path, capsys):
     from tests.tui_helpers import FIXTURE
     from workbench.cli import main
+
     out = tmp_path / "t.json"
     assert main(["trace", "export", FIXTURE, "--perfetto", str(out)]) == 0
     said = capsys.readouterr().out
     read, written = len(load_trace(FIXTURE)), len(json.loads(out.read_text())["traceEvents"])
-    assert read != written            # two different counts, each named for what it counts
+    assert read != written  # two different counts, each named for what it counts
     assert f"read {read} workbench events from {FIXTURE}" in said
     assert f"wrote {written} Perfetto trace events to {out}" in said
 
@@ -284,17 +289,37 @@ def _with_startup(gap_s: float = 40.0) -> list:
     request served in one step."""
     t, s, ms = 10**12, 10**9, 10**6
     a = t + int(gap_s * s)
-    return [ev.ProcStarted(ts=t, proc="scheduler", pid=1, role="scheduler"),
-            ev.KVUsage(ts=t + 1, proc="scheduler", used=0, evictable=0, free=100, total=100),
-            ev.ReqArrived(ts=a, proc="tokenizer", rid="x"),
-            ev.BatchStep(ts=a + 100 * ms, proc="scheduler", step=0, mode="extend", batch_size=1,
-                         padded_size=1, reqs=[ev.StepReq("x", 0, 4, 1)]),
-            ev.ReqFinished(ts=a + 1000 * ms, proc="tokenizer", rid="x", reason="length", prompt_tokens=4,
-                           completion_tokens=1, cached_tokens=0, ttft=0.1, tpot=0.0, e2e=1.0)]
+    return [
+        ev.ProcStarted(ts=t, proc="scheduler", pid=1, role="scheduler"),
+        ev.KVUsage(ts=t + 1, proc="scheduler", used=0, evictable=0, free=100, total=100),
+        ev.ReqArrived(ts=a, proc="tokenizer", rid="x"),
+        ev.BatchStep(
+            ts=a + 100 * ms,
+            proc="scheduler",
+            step=0,
+            mode="extend",
+            batch_size=1,
+            padded_size=1,
+            reqs=[ev.StepReq("x", 0, 4, 1)],
+        ),
+        ev.ReqFinished(
+            ts=a + 1000 * ms,
+            proc="tokenizer",
+            rid="x",
+            reason="length",
+            prompt_tokens=4,
+            completion_tokens=1,
+            cached_tokens=0,
+            ttft=0.1,
+            tpot=0.0,
+            e2e=1.0,
+        ),
+    ]
 
 
 def test_replay_clock_starts_at_the_first_request_not_at_engine_start_up():
     from workbench.tui.controller import ReplayController
+
     events = _with_startup()
     r = Replay(events)
     assert r.start_ns == events[0].ts and r.origin_ns == events[2].ts
@@ -309,7 +334,7 @@ def test_replay_clock_starts_at_the_first_request_not_at_engine_start_up():
     ctl.seek_end()
     assert " · 1.00/1.00 s · " in ctl.status()
     r.drain()
-    ctl.restart()                     # back to just before the first request
+    ctl.restart()  # back to just before the first request
     assert [type(e) for e in r.drain()] == [ev.TraceReset, ev.ProcStarted, ev.KVUsage]
     assert " · 0.00/1.00 s · " in ctl.status()
     # a recording with no start-up keeps its first event as the zero
@@ -319,14 +344,15 @@ def test_replay_clock_starts_at_the_first_request_not_at_engine_start_up():
 
 def test_replay_clock_skips_start_up_while_playing():
     from workbench.tui.controller import ReplayController
+
     clock = FakeClock(0)
-    r = Replay(_with_startup(gap_s=1.5), clock=clock)     # a gap too short for max_idle_s to skip
+    r = Replay(_with_startup(gap_s=1.5), clock=clock)  # a gap too short for max_idle_s to skip
     ctl = ReplayController(r, autoplay=True)
     ctl.start(lambda msg: None)
     r.drain()
     clock.now += 50 * 10**6
     got = r.drain()
-    assert [type(e) for e in got] == [ev.ReqArrived]       # 50 ms in: the request, not more start-up
+    assert [type(e) for e in got] == [ev.ReqArrived]  # 50 ms in: the request, not more start-up
     assert " · 0.05/1.00 s · " in ctl.status()
 
 
@@ -334,10 +360,10 @@ def test_the_tui_counts_a_replays_event_times_from_its_first_request():
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import ReplayController
     from workbench.tui.panels.events import format_line
+
     events = _with_startup()
     app = WorkbenchApp(ReplayController(Replay(events), autoplay=False))
     assert app.model.t0_ns == events[2].ts
     app.model.apply(events)
-    times = {ln.category: format_line(ln, app.model).plain.split("s ", 1)[0].strip()
-             for ln in app.model.log.lines}
+    times = {ln.category: format_line(ln, app.model).plain.split("s ", 1)[0].strip() for ln in app.model.log.lines}
     assert times == {"proc": "-40.000", "arrive": "0.000", "finish": "1.000"}

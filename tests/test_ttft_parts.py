@@ -10,6 +10,7 @@ to the TTFT exactly.
 - the request detail panel and the Gantt show the parts;
 - (e2e) a real engine on the default model: every finished request's parts sum to its TTFT.
 """
+
 from __future__ import annotations
 
 import threading
@@ -32,10 +33,20 @@ MS = 10**6
 def _step(step, start, end, reqs, decision_end=None, **d):
     """A step's batch.step (stamped at `end`) and batch.decision (at `decision_end`, began at `start`)."""
     mode = d.pop("mode", "extend")
-    return [ev.BatchStep(ts=end, proc="scheduler", step=step, mode=mode, reqs=reqs, batch_size=len(reqs),
-                         padded_size=len(reqs), schedule_ms=1.0, forward_ms=(end - start) / MS - 1.0),
-            ev.StepDecision(ts=decision_end or end + MS, proc="scheduler", step=step, mode=mode,
-                            start_ts=start, **d)]
+    return [
+        ev.BatchStep(
+            ts=end,
+            proc="scheduler",
+            step=step,
+            mode=mode,
+            reqs=reqs,
+            batch_size=len(reqs),
+            padded_size=len(reqs),
+            schedule_ms=1.0,
+            forward_ms=(end - start) / MS - 1.0,
+        ),
+        ev.StepDecision(ts=decision_end or end + MS, proc="scheduler", step=step, mode=mode, start_ts=start, **d),
+    ]
 
 
 def _seen_cases() -> list[ev.Event]:
@@ -45,37 +56,117 @@ def _seen_cases() -> list[ev.Event]:
         ev.ReqArrived(ts=T - 5 * MS, proc="tokenizer", rid="long-1"),
         ev.ReqQueued(ts=T - 4 * MS, proc="scheduler", rid="long-1", prompt_tokens=192, queue_len=1),
         # the scheduler's estimate n changes (2, then 3): the timeline ends up saying 3 for all
-        ev.ReqScheduled(ts=T + MS, proc="scheduler", step=1, rid="long-1", prefix_hit=0, extend_len=64,
-                        chunk_index=0, num_chunks=2),
+        ev.ReqScheduled(
+            ts=T + MS, proc="scheduler", step=1, rid="long-1", prefix_hit=0, extend_len=64, chunk_index=0, num_chunks=2
+        ),
         ev.ReqArrived(ts=T + 10 * MS, proc="tokenizer", rid="a"),
     ]
-    out += _step(1, T, T + 6600 * MS, [ev.StepReq("long-1", 0, 64, 0, 0, 2)], T + 6650 * MS,
-                 admitted=["long-1"], budget=64, budget_used=64)
-    out += [ev.ReqQueued(ts=T + 6660 * MS, proc="scheduler", step=2, rid="a", prompt_tokens=56, queue_len=1),
-            ev.ReqArrived(ts=T + 6665 * MS, proc="tokenizer", rid="c"),
-            ev.ReqQueued(ts=T + 6668 * MS, proc="scheduler", step=2, rid="c", prompt_tokens=20, queue_len=2),
-            ev.ReqScheduled(ts=T + 6671 * MS, proc="scheduler", step=2, rid="long-1", prefix_hit=0,
-                            extend_len=64, chunk_index=1, num_chunks=3)]
-    out += _step(2, T + 6670 * MS, T + 7670 * MS, [ev.StepReq("long-1", 0, 64, 0, 1, 3)],
-                 chunk_continued="long-1", waiting=2, stop_reason="budget", stop_rid="a", budget=64, budget_used=64)
-    out += [ev.ReqScheduled(ts=T + 7691 * MS, proc="scheduler", step=3, rid="long-1", prefix_hit=0,
-                            extend_len=64, chunk_index=2, num_chunks=3)]
-    out += _step(3, T + 7690 * MS, T + 8690 * MS, [ev.StepReq("long-1", 0, 64, 0, 2, 3)],
-                 chunk_continued="long-1", waiting=2, stop_reason="budget", stop_rid="a", budget=64, budget_used=64)
-    out += [ev.ReqFirstToken(ts=T + 8695 * MS, proc="tokenizer", rid="long-1"),
-            ev.ReqScheduled(ts=T + 8701 * MS, proc="scheduler", step=4, rid="a", prefix_hit=16, extend_len=40),
-            ev.ReqScheduled(ts=T + 8701 * MS, proc="scheduler", step=4, rid="c", prefix_hit=0, extend_len=20)]
-    out += _step(4, T + 8700 * MS, T + 8900 * MS, [ev.StepReq("a", 16, 40), ev.StepReq("c", 0, 20)],
-                 admitted=["a", "c"], budget=64, budget_used=60)
-    out += [ev.ReqFirstToken(ts=T + 8950 * MS, proc="tokenizer", rid="a"),
-            ev.ReqFirstToken(ts=T + 8951 * MS, proc="tokenizer", rid="c")]
-    out += _step(5, T + 8910 * MS, T + 8990 * MS, [ev.StepReq("long-1", decode=1), ev.StepReq("a", decode=1),
-                                                   ev.StepReq("c", decode=1)], mode="decode")
-    for rid, arrived, first in (("long-1", T - 5 * MS, T + 8695 * MS), ("a", T + 10 * MS, T + 8950 * MS),
-                                ("c", T + 6665 * MS, T + 8951 * MS)):
+    out += _step(
+        1,
+        T,
+        T + 6600 * MS,
+        [ev.StepReq("long-1", 0, 64, 0, 0, 2)],
+        T + 6650 * MS,
+        admitted=["long-1"],
+        budget=64,
+        budget_used=64,
+    )
+    out += [
+        ev.ReqQueued(ts=T + 6660 * MS, proc="scheduler", step=2, rid="a", prompt_tokens=56, queue_len=1),
+        ev.ReqArrived(ts=T + 6665 * MS, proc="tokenizer", rid="c"),
+        ev.ReqQueued(ts=T + 6668 * MS, proc="scheduler", step=2, rid="c", prompt_tokens=20, queue_len=2),
+        ev.ReqScheduled(
+            ts=T + 6671 * MS,
+            proc="scheduler",
+            step=2,
+            rid="long-1",
+            prefix_hit=0,
+            extend_len=64,
+            chunk_index=1,
+            num_chunks=3,
+        ),
+    ]
+    out += _step(
+        2,
+        T + 6670 * MS,
+        T + 7670 * MS,
+        [ev.StepReq("long-1", 0, 64, 0, 1, 3)],
+        chunk_continued="long-1",
+        waiting=2,
+        stop_reason="budget",
+        stop_rid="a",
+        budget=64,
+        budget_used=64,
+    )
+    out += [
+        ev.ReqScheduled(
+            ts=T + 7691 * MS,
+            proc="scheduler",
+            step=3,
+            rid="long-1",
+            prefix_hit=0,
+            extend_len=64,
+            chunk_index=2,
+            num_chunks=3,
+        )
+    ]
+    out += _step(
+        3,
+        T + 7690 * MS,
+        T + 8690 * MS,
+        [ev.StepReq("long-1", 0, 64, 0, 2, 3)],
+        chunk_continued="long-1",
+        waiting=2,
+        stop_reason="budget",
+        stop_rid="a",
+        budget=64,
+        budget_used=64,
+    )
+    out += [
+        ev.ReqFirstToken(ts=T + 8695 * MS, proc="tokenizer", rid="long-1"),
+        ev.ReqScheduled(ts=T + 8701 * MS, proc="scheduler", step=4, rid="a", prefix_hit=16, extend_len=40),
+        ev.ReqScheduled(ts=T + 8701 * MS, proc="scheduler", step=4, rid="c", prefix_hit=0, extend_len=20),
+    ]
+    out += _step(
+        4,
+        T + 8700 * MS,
+        T + 8900 * MS,
+        [ev.StepReq("a", 16, 40), ev.StepReq("c", 0, 20)],
+        admitted=["a", "c"],
+        budget=64,
+        budget_used=60,
+    )
+    out += [
+        ev.ReqFirstToken(ts=T + 8950 * MS, proc="tokenizer", rid="a"),
+        ev.ReqFirstToken(ts=T + 8951 * MS, proc="tokenizer", rid="c"),
+    ]
+    out += _step(
+        5,
+        T + 8910 * MS,
+        T + 8990 * MS,
+        [ev.StepReq("long-1", decode=1), ev.StepReq("a", decode=1), ev.StepReq("c", decode=1)],
+        mode="decode",
+    )
+    for rid, arrived, first in (
+        ("long-1", T - 5 * MS, T + 8695 * MS),
+        ("a", T + 10 * MS, T + 8950 * MS),
+        ("c", T + 6665 * MS, T + 8951 * MS),
+    ):
         ttft = (first - arrived) / 1e9
-        out.append(ev.ReqFinished(ts=T + 9000 * MS, proc="tokenizer", rid=rid, reason="length", prompt_tokens=1,
-                                  completion_tokens=2, cached_tokens=0, ttft=ttft, tpot=0.01, e2e=ttft + 0.01))
+        out.append(
+            ev.ReqFinished(
+                ts=T + 9000 * MS,
+                proc="tokenizer",
+                rid=rid,
+                reason="length",
+                prompt_tokens=1,
+                completion_tokens=2,
+                cached_tokens=0,
+                ttft=ttft,
+                tpot=0.01,
+                e2e=ttft + 0.01,
+            )
+        )
     return out
 
 
@@ -124,11 +215,14 @@ def test_chunks_are_counted_k_of_n_after_the_fact():
     assert [p.label for p in chunks] == ["chunk 1/3", "chunk 2/3", "chunk 3/3"]
     assert [p.steps for p in chunks] == [(1,), (2,), (3,)]
     assert "0 cached + 64 computed, alone" in chunks[0].detail
-    assert "cached" not in chunks[1].detail               # its own chunk 1 is not a cache hit
+    assert "cached" not in chunks[1].detail  # its own chunk 1 is not a cache hit
     assert "prefill (3 chunks)" in b.summary()
     # the timeline's labels follow the last estimate too: never 1/2 then 2/3
     assert [t.detail for t in st.requests["long-1"].timeline if t.kind == "prefill"] == [
-        "chunk 1/3: 0 cached + 64 computed", "chunk 2/3: 64 computed", "chunk 3/3: 64 computed"]
+        "chunk 1/3: 0 cached + 64 computed",
+        "chunk 2/3: 64 computed",
+        "chunk 3/3: 64 computed",
+    ]
 
 
 def test_parts_so_far_while_waiting():
@@ -152,7 +246,7 @@ def test_every_synthetic_request_sums_exactly(reorder):
     assert len(done) == 12
     for r in done:
         b = _check_sums(st, r.rid)
-        assert b == st.ttft_parts(r.rid, idx)          # a shared index gives the same answer
+        assert b == st.ttft_parts(r.rid, idx)  # a shared index gives the same answer
         pre = [t for t in r.timeline if t.kind == "prefill"]
         chunks = [p for p in b.parts if p.kind == "prefill"]
         assert len(chunks) == len(pre)
@@ -187,8 +281,8 @@ def test_the_scheduler_stamps_when_each_step_began(overlap):
     steps = {e.step: e for e in h.trace(ev.BatchStep)}
     assert dec and all(d.start_ts > 0 for d in dec)
     for d, nxt in zip(dec, dec[1:]):
-        assert d.start_ts <= d.ts <= nxt.start_ts          # one step after the other
-    if not overlap:                                         # the batch.step comes within its own step
+        assert d.start_ts <= d.ts <= nxt.start_ts  # one step after the other
+    if not overlap:  # the batch.step comes within its own step
         assert all(d.start_ts <= steps[d.step].ts <= d.ts for d in dec)
 
 
@@ -196,12 +290,16 @@ def test_request_detail_and_gantt_show_the_parts():
     from workbench.tui.model import TuiModel
     from workbench.tui.panels.detail import render_detail
     from workbench.widgets import data as D
+
     model = TuiModel()
     model.apply(_seen_cases())
     text = render_detail(model, "a").plain
     assert "TTFT 8.94 s = the parts below" in text
-    for line in ("6.65 s arrived → queued the scheduler was inside step 1",
-                 "2.04 s queued           passed over by 2 steps", "50.0 ms first token"):
+    for line in (
+        "6.65 s arrived → queued the scheduler was inside step 1",
+        "2.04 s queued           passed over by 2 steps",
+        "50.0 ms first token",
+    ):
         assert " ".join(line.split()) in " ".join(text.split())
     assert "1 step (step 5)" in text and "1 steps" not in text
     st = model.state
@@ -215,6 +313,7 @@ def test_request_detail_and_gantt_show_the_parts():
 def test_real_engine_every_ttft_sums_exactly():
     """A real engine on the default model: a long prompt cut into chunks while short ones arrive."""
     from workbench.core.engine import Engine
+
     long_text = " ".join(f"Step {i}: the scheduler admits, chunks and decodes requests." for i in range(30))
     events: list[ev.Event] = []
     lock = threading.Lock()
@@ -226,18 +325,19 @@ def test_real_engine_every_ttft_sums_exactly():
     engine = Engine(show_progress=False, chunked_prefill_size=64, max_running_requests=8, random_seed=0)
     try:
         handle = engine.subscribe_callback(keep, name="ttft-test")
-        time.sleep(0.5)             # tracing switches on in the engine's processes
+        time.sleep(0.5)  # tracing switches on in the engine's processes
         sp = {"max_new_tokens": 3, "temperature": 0.0}
-        prompts = [("long-1", long_text)] + [(f"short-{i}", f"Question {i}: what is {i} + {i}?")
-                                                  for i in range(4)]
-        threads = [threading.Thread(target=engine.generate, kwargs=dict(prompt=p, sampling_params=sp, rid=rid))
-                   for rid, p in prompts]
+        prompts = [("long-1", long_text)] + [(f"short-{i}", f"Question {i}: what is {i} + {i}?") for i in range(4)]
+        threads = [
+            threading.Thread(target=engine.generate, kwargs=dict(prompt=p, sampling_params=sp, rid=rid))
+            for rid, p in prompts
+        ]
         for t in threads:
             t.start()
         for t in threads:
             t.join(240)
         deadline = time.monotonic() + 30
-        while True:                 # the last req.finished may still be on its way to the bus
+        while True:  # the last req.finished may still be on its way to the bus
             st = TraceState()
             with lock:
                 st.apply_many(list(events))

@@ -1,4 +1,5 @@
 """TUI tests without an engine: replay of the recorded fixture, synthetic traces, the CLI."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,13 +22,16 @@ PANELS = ("queues", "batch", "tree", "kv", "latency", "events", "detail")
 
 
 def test_builtin_panels_register_lazily():
-    code = ("import sys; from workbench.plugins import load_plugins; r = load_plugins(); "
-            "print(sorted(r.panels)); print('textual' in sys.modules)")
+    code = (
+        "import sys; from workbench.plugins import load_plugins; r = load_plugins(); "
+        "print(sorted(r.panels)); print('textual' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[0] == str(sorted(PANELS))
     assert out[1] == "False", "registering the panels must not import Textual"
     from workbench.plugins import load_plugins
     from workbench.tui.panels.base import TracePanel
+
     for name in PANELS:
         widget = load_plugins().panels[name].factory()
         assert isinstance(widget, TracePanel) and widget.PANEL_NAME == name and widget.HELP
@@ -56,8 +60,9 @@ def _big_tree(n_shared: int = 50, per: int = 80, now: int = 10**12) -> dict[int,
         nid += 1
         for j in range(per):
             hot = i == 0 and j == 0
-            tree[nid] = TreeNodeView(nid, p, 8, f"q{i}.{j}", lock_ref=1 if hot else 0,
-                                     last_access=now if hot else now - 100 * 10**9)
+            tree[nid] = TreeNodeView(
+                nid, p, 8, f"q{i}.{j}", lock_ref=1 if hot else 0, last_access=now if hot else now - 100 * 10**9
+            )
             tree[p].children.append(nid)
             nid += 1
     return tree
@@ -65,6 +70,7 @@ def _big_tree(n_shared: int = 50, per: int = 80, now: int = 10**12) -> dict[int,
 
 def test_tree_render_stays_bounded_and_folds_cold_subtrees():
     from workbench.tui.panels.tree import render_tree
+
     now = 10**12
     tree = _big_tree(now=now)
     assert len(tree) == 1 + 50 * 81
@@ -84,6 +90,7 @@ def test_tree_render_stays_bounded_and_folds_cold_subtrees():
 
 def test_tree_shared_prefix_from_fixture():
     from workbench.tui.panels.tree import render_tree
+
     st = TraceState()
     st.apply_many(Replay(FIXTURE).events)
     shared = [n for n in st.tree.values() if len(n.children) >= 3]
@@ -101,7 +108,7 @@ async def test_replay_step_key_releases_exactly_one_step():
             await pilot.press("s")
             await wait_for(lambda: app.control_results == k + 1)
             await pilot.pause()
-            assert [s.step for s in app.model.state.steps] == ids[:k + 1]
+            assert [s.step for s in app.model.state.steps] == ids[: k + 1]
             assert app.last_step_result == ids[k]
             table = app.query_one("#batch-table", DataTable)
             assert table.row_count == k + 1
@@ -117,15 +124,23 @@ async def test_queue_table_matches_trace_state():
         table = app.query_one("#queues-table", DataTable)
         # waiting (and new) first, so a long running list cannot push them off-screen
         extra = st.unlisted()
-        in_queues = (st.waiting + [r.rid for r in extra if r.state == "queued"]
-                     + [r.rid for r in extra if r.state == "arrived"] + st.chunked
-                     + [r for r in st.running if r not in st.chunked])
+        in_queues = (
+            st.waiting
+            + [r.rid for r in extra if r.state == "queued"]
+            + [r.rid for r in extra if r.state == "arrived"]
+            + st.chunked
+            + [r for r in st.running if r not in st.chunked]
+        )
         rows = [table.get_row_at(i) for i in range(table.row_count)]
-        assert [str(r[1]) for r in rows][:len(in_queues)] == in_queues
+        assert [str(r[1]) for r in rows][: len(in_queues)] == in_queues
         for row in rows:
             r = st.requests[str(row[1])]
             assert (str(row[3]), str(row[4]), str(row[5]), str(row[6])) == (
-                str(r.prompt_tokens), str(r.cached_tokens), str(r.computed_tokens), str(r.output_tokens))
+                str(r.prompt_tokens),
+                str(r.cached_tokens),
+                str(r.computed_tokens),
+                str(r.output_tokens),
+            )
 
 
 async def test_selection_keys_detail_and_events_filter():
@@ -158,6 +173,7 @@ async def test_help_layout_and_tabs():
         await pilot.press("question_mark")
         await pilot.pause()
         from workbench.tui.help import HelpScreen
+
         assert isinstance(app.screen, HelpScreen)
         body = plain_text(app.screen.query_one("#help-body", Static).content, 120)
         for title in ("Queues", "Batch composition", "Radix tree", "KV pool", "Latency", "Events", "Request detail"):
@@ -179,6 +195,7 @@ async def test_256_in_flight_and_a_big_tree_stay_bounded():
     replay = Replay(events)
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import ReplayController
+
     app = WorkbenchApp(ReplayController(replay, autoplay=False), layout="grid")
     peak = max((len(e.running) for e in events if type(e) is ev.QueueState), default=0)
     assert peak >= 200
@@ -189,13 +206,13 @@ async def test_256_in_flight_and_a_big_tree_stay_bounded():
         assert len(st.running) == peak
         table = app.query_one("#queues-table", DataTable)
         assert table.row_count == len(st.chunked) + len(st.running) + len(st.waiting) + min(
-            8, sum(r.done for r in st.requests.values()))
+            8, sum(r.done for r in st.requests.values())
+        )
         # one tick after more events only updates what changed
         replay.advance_to(at + 10**9)
         app._tick()
         await pilot.pause()
         assert table.row_count <= 300 + 8
-
 
 
 async def test_startup_error_is_a_message_not_a_traceback():
@@ -214,6 +231,7 @@ async def test_startup_error_is_a_message_not_a_traceback():
 
         def startup_log() -> str:
             return plain_text(app.query_one("#startup-log", Static).content, 110)
+
         # The error is drawn on the app's next tick, which a busy machine can delay.
         await wait_for(lambda: "no model at" in startup_log(), 30)
         body = startup_log()
@@ -239,8 +257,12 @@ async def test_a_broken_plugin_panel_does_not_take_the_app_down():
     register_builtin(reg)
     reg.add_panel("boom", "Boom", Exploding)
     reg.add_panel("broken", "Broken", lambda: 1 / 0)
-    app = WorkbenchApp(ReplayController(Replay(FIXTURE), autoplay=False), registry=reg,
-                       panels=["queues", "boom", "broken"], layout="grid")
+    app = WorkbenchApp(
+        ReplayController(Replay(FIXTURE), autoplay=False),
+        registry=reg,
+        panels=["queues", "boom", "broken"],
+        layout="grid",
+    )
     async with app.run_test(size=(120, 30)) as pilot:
         await show_at(app, pilot, app.controller.replay, app.controller.replay.end_ns)
         assert "boom" in app._broken_panels
@@ -266,6 +288,7 @@ async def test_attach_to_a_remote_trace_stream():
     from workbench.core.trace.bus import TraceBus
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import AttachController
+
     bus = TraceBus("tcp://127.0.0.1:*", publish_addr="tcp://127.0.0.1:*", model="smol")
     events = synthetic_trace(n_requests=5)
     app = WorkbenchApp(AttachController(bus.publish_endpoint), panels=["queues", "events"], layout="grid")
@@ -280,7 +303,7 @@ async def test_attach_to_a_remote_trace_stream():
             table = app.query_one("#queues-table", DataTable)
             # the finished requests, once the panel's next refresh has drawn them
             await wait_for(lambda: table.row_count == 5)
-            await pilot.press("p")           # no controls when attached: a warning, nothing else
+            await pilot.press("p")  # no controls when attached: a warning, nothing else
             await pilot.press("q")
         await wait_for(lambda: bus.listener_count == 0)
     finally:
@@ -289,6 +312,7 @@ async def test_attach_to_a_remote_trace_stream():
 
 def test_cli_replay_of_a_missing_file_is_a_clear_error(capsys):
     from workbench.tui.cli import add_tui_args, run_tui
+
     p = argparse.ArgumentParser()
     add_tui_args(p)
     assert run_tui(p.parse_args(["--replay", "/nonexistent/run.jsonl"])) == 2
@@ -298,6 +322,7 @@ def test_cli_replay_of_a_missing_file_is_a_clear_error(capsys):
 def test_unknown_panel_is_rejected():
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import ReplayController
+
     with pytest.raises(ValueError, match="unknown panel"):
         WorkbenchApp(ReplayController(Replay(FIXTURE)), panels=["nope"])
 
@@ -308,6 +333,7 @@ async def test_tabs_layout_mounts_every_panel():
 
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import ReplayController
+
     app = WorkbenchApp(ReplayController(Replay(FIXTURE), autoplay=False), layout="tabs")
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.pause()
@@ -323,14 +349,20 @@ async def test_tabs_layout_mounts_every_panel():
 def _dp_events():
     """Two data-parallel replicas: the controller's dispatches and each replica's own queue."""
     from workbench.core.trace import events as ev
+
     t = 1_000_000_000
     out = []
     for i, (rid, rank) in enumerate((("a", 0), ("b", 1), ("c", 1))):
-        out += [ev.ReqArrived(ts=t + i, proc="tokenizer", rid=rid),
-                ev.ReqDispatched(ts=t + 10 + i, proc="dp_controller", rid=rid, dp_rank=rank,
-                                 method="round_robin", loads=[1, 2])]
-    out += [ev.QueueState(ts=t + 100, proc="scheduler.dp0", waiting=[], running=["a"], chunked=[]),
-            ev.QueueState(ts=t + 101, proc="scheduler.dp1", waiting=["c"], running=["b"], chunked=[])]
+        out += [
+            ev.ReqArrived(ts=t + i, proc="tokenizer", rid=rid),
+            ev.ReqDispatched(
+                ts=t + 10 + i, proc="dp_controller", rid=rid, dp_rank=rank, method="round_robin", loads=[1, 2]
+            ),
+        ]
+    out += [
+        ev.QueueState(ts=t + 100, proc="scheduler.dp0", waiting=[], running=["a"], chunked=[]),
+        ev.QueueState(ts=t + 101, proc="scheduler.dp1", waiting=["c"], running=["b"], chunked=[]),
+    ]
     return out
 
 
@@ -339,6 +371,7 @@ async def test_queues_panel_names_each_requests_replica_under_data_parallelism()
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import ReplayController
     from workbench.tui.panels.queues import QueuesPanel
+
     replay = Replay(_dp_events())
     app = WorkbenchApp(ReplayController(replay, autoplay=False, title="dp"), panels=["queues"])
     async with app.run_test(size=(140, 30)) as pilot:

@@ -5,6 +5,7 @@ The TUI is checked on what it really draws (the SVG Textual exports, help screen
 swatches must be the palette's), the widgets on their plotly figures, and the sources of both on
 not keeping a colour of their own for any of those meanings.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -23,8 +24,11 @@ NAMED = ("green", "yellow", "blue", "magenta", "orange", "purple", "cyan")
 
 
 def test_every_meaning_has_one_distinct_colour():
-    assert set(PALETTE) == {"cached", "computed", "decode", "waiting", "locked", "evictable", "free",
-                            "evicted", "retracted"} == set(MEANINGS)
+    assert (
+        set(PALETTE)
+        == {"cached", "computed", "decode", "waiting", "locked", "evictable", "free", "evicted", "retracted"}
+        == set(MEANINGS)
+    )
     assert all(re.fullmatch(r"#[0-9a-f]{6}", c) for c in PALETTE.values())
     assert len(set(PALETTE.values())) == len(PALETTE), "two meanings share a colour"
 
@@ -35,8 +39,17 @@ async def test_tui_draws_every_meaning_in_its_palette_colour():
         await show_at(app, pilot, replay, step_ts(replay, 21))
         screen = app.export_screenshot().lower()
         # the batch bars, the KV pool, the tree's locks, the queues and the events, on the real screen
-        for meaning in ("cached", "computed", "decode", "waiting", "locked", "evictable", "free",
-                        "evicted", "retracted"):
+        for meaning in (
+            "cached",
+            "computed",
+            "decode",
+            "waiting",
+            "locked",
+            "evictable",
+            "free",
+            "evicted",
+            "retracted",
+        ):
             assert PALETTE[meaning] in screen, f"{meaning} ({PALETTE[meaning]}) is not drawn"
         # the theme speaks the language too: $wb-<meaning> for CSS (a plugin panel's included)
         css = app.get_css_variables()
@@ -58,21 +71,32 @@ def test_widgets_take_their_colours_from_the_palette():
     from synthetic import synthetic_trace
     from workbench.widgets import BatchView, GanttView, KVPoolView, QueueView, RadixTreeView
     from workbench.widgets.views import NODE_COLORS
+
     events = synthetic_trace(n_requests=8, seed=3, chunk_size=24, max_running=3, kv_total=300)
     batch = BatchView(events)
-    assert [t.marker.color for t in batch.figure.data[:3]] == [PALETTE["cached"], PALETTE["computed"],
-                                                              PALETTE["decode"]]
+    assert [t.marker.color for t in batch.figure.data[:3]] == [
+        PALETTE["cached"],
+        PALETTE["computed"],
+        PALETTE["decode"],
+    ]
     gantt = GanttView(events)
-    assert [t.marker.color for t in gantt.figure.data[:3]] == [PALETTE["waiting"], PALETTE["computed"],
-                                                              PALETTE["decode"]]
+    assert [t.marker.color for t in gantt.figure.data[:3]] == [
+        PALETTE["waiting"],
+        PALETTE["computed"],
+        PALETTE["decode"],
+    ]
     kv = KVPoolView(events)
     assert [t.line.color for t in kv.figure.data] == [PALETTE["locked"], PALETTE["evictable"], PALETTE["free"]]
     q = QueueView(events)
     assert [t.line.color for t in q.figure.data] == [PALETTE["waiting"], PALETTE["decode"], PALETTE["waiting"]]
     tree = RadixTreeView(events)
     assert {k: v for k, v in NODE_COLORS.items() if k != "root"} == {
-        "evicted": PALETTE["evicted"], "locked": PALETTE["locked"], "new": PALETTE["computed"],
-        "hit": PALETTE["cached"], "cached": PALETTE["evictable"]}
+        "evicted": PALETTE["evicted"],
+        "locked": PALETTE["locked"],
+        "new": PALETTE["computed"],
+        "hit": PALETTE["cached"],
+        "cached": PALETTE["evictable"],
+    }
     assert set(tree.figure.data[0].marker.colors) <= set(NODE_COLORS.values())
     legend = tree.caption.value.lower()
     for meaning in ("evicted", "locked", "computed", "cached", "evictable"):
@@ -101,7 +125,8 @@ def test_no_front_end_keeps_a_colour_of_its_own():
         for hex_ in re.findall(r"""["'\s:(]#([0-9a-fA-F]{6}|[0-9a-fA-F]{3})\b""", src):
             h = f"#{hex_.lower()}"
             assert h in NEUTRAL, f"{path.relative_to(ROOT)}: hard-coded {h}" + (
-                " (a palette colour: import it from workbench.core.trace.palette)" if h in palette else "")
+                " (a palette colour: import it from workbench.core.trace.palette)" if h in palette else ""
+            )
         for lit in re.findall(r"""(?:style=|: )f?["']([^"'\n]*)["']""", src):
             words = set(re.findall(r"[a-z]+", lit.lower()))
             named = words & set(NAMED)

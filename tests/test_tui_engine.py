@@ -4,6 +4,7 @@ Checks that what the panels show is what TraceState holds after a shared-prefix
 workload, that stepping runs exactly one scheduler iteration per keypress, and
 that the prompt box returns the model's answer.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def engine():
     from workbench.core.engine import Engine
+
     eng = Engine(show_progress=False, chunked_prefill_size=64, max_running_requests=8, random_seed=0)
     yield eng
     eng.shutdown()
@@ -26,6 +28,7 @@ def engine():
 def _app(engine, **kw):
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import EngineController
+
     return WorkbenchApp(EngineController(engine=engine, max_new_tokens=4), **kw)
 
 
@@ -39,6 +42,7 @@ def _path_tokens(tree, nid):
 
 async def test_shared_prefix_workload_stepping_and_panels(engine):
     from workbench.tui.workload import SHARED_SYSTEM, chat_text, make_prompts
+
     app = _app(engine, layout="grid")
     c = app.controller
     async with app.run_test(size=(160, 48)) as pilot:
@@ -48,8 +52,10 @@ async def test_shared_prefix_workload_stepping_and_panels(engine):
         await pilot.press("p")
         await wait_for(lambda: app.control_results == 1 and c.paused, 30)
         c.start_workload("shared-prefix", rate=50, max_requests=4, temperature=0.0)
+
         def sp_rids():
             return sorted((r for r in st.requests if r.startswith("sp-")), key=lambda r: int(r[3:]))
+
         await wait_for(lambda: len(sp_rids()) == 4 and all(st.requests[r].state == "queued" for r in sp_rids()), 60)
         sp = sp_rids()
         await pilot.pause(0.3)
@@ -71,11 +77,11 @@ async def test_shared_prefix_workload_stepping_and_panels(engine):
             await pilot.press("s")
             await wait_for(lambda: app.control_results == results + 1, 60)
             await wait_for(lambda: st.steps and st.steps[-1].step == app.last_step_result, 30)
-            await pilot.pause(0.3)       # let any (wrong) extra step show up
-            app.refresh_panels(force=True)    # the tables below, drawn from the state just checked
+            await pilot.pause(0.3)  # let any (wrong) extra step show up
+            app.refresh_panels(force=True)  # the tables below, drawn from the state just checked
             await pilot.pause()
-            new = [s.step for s in st.steps][len(before):]
-            if k == 0:   # after the first step the scheduler lists its queues again
+            new = [s.step for s in st.steps][len(before) :]
+            if k == 0:  # after the first step the scheduler lists its queues again
                 queued = set(st.waiting) | set(st.running) | set(st.chunked)
                 assert queued & set(sp)
                 rows = {str(table.get_row_at(i)[1]): table.get_row_at(i) for i in range(table.row_count)}
@@ -89,7 +95,7 @@ async def test_shared_prefix_workload_stepping_and_panels(engine):
             assert str(batch.get_row_at(batch.row_count - 1)[0]) == str(new[0])
         assert c.paused
 
-        await pilot.press("p")                      # resume and let the workload finish
+        await pilot.press("p")  # resume and let the workload finish
         await wait_for(lambda: c.runner.completed + c.runner.failed == 4, 120)
         await wait_for(lambda: all(st.requests[r].done for r in sp), 30)
         await pilot.pause(0.3)
@@ -100,14 +106,16 @@ async def test_shared_prefix_workload_stepping_and_panels(engine):
         # batch composition: one row per step in TraceState, same ids, newest last
         batch = app.query_one("#batch-table", DataTable)
         shown = [str(batch.get_row_at(i)[0]) for i in range(batch.row_count)]
-        assert shown == [str(s.step) for s in list(st.steps)[-len(shown):]]
+        assert shown == [str(s.step) for s in list(st.steps)[-len(shown) :]]
         assert any(s.mode == "extend" and s.cached_tokens > 0 for s in st.steps), "later requests reuse the prefix"
 
         # the radix tree: the shared prefix ends at one node with several children
         prompts = [next(make_prompts("shared-prefix")) for _ in range(1)]
         assert prompts[0][0]["content"] == SHARED_SYSTEM
-        ids = [engine.tokenizer.encode(chat_text(engine, m), add_special_tokens=False)
-               for m in [p for p, _ in zip(make_prompts("shared-prefix"), range(4))]]
+        ids = [
+            engine.tokenizer.encode(chat_text(engine, m), add_special_tokens=False)
+            for m in [p for p, _ in zip(make_prompts("shared-prefix"), range(4))]
+        ]
         lcp = 0
         while all(len(x) > lcp for x in ids) and len({x[lcp] for x in ids}) == 1:
             lcp += 1
@@ -135,6 +143,7 @@ async def test_shared_prefix_workload_stepping_and_panels(engine):
 
 async def test_prompt_box_returns_the_models_answer(engine):
     from workbench.tui.workload import chat_text
+
     question = "What is the capital of France?"
     app = _app(engine, layout="grid", chat_max_new_tokens=12)
     async with app.run_test(size=(160, 48)) as pilot:
@@ -149,9 +158,10 @@ async def test_prompt_box_returns_the_models_answer(engine):
         await pilot.pause(0.3)
         rid = app.model.selected
         assert rid and rid.startswith("chat-")
-        expected = engine.generate(prompt=chat_text(engine, [{"role": "user", "content": question}]),
-                                   sampling_params={"max_new_tokens": app.chat_max_new_tokens,
-                                                    "temperature": 0.0})["text"]
+        expected = engine.generate(
+            prompt=chat_text(engine, [{"role": "user", "content": question}]),
+            sampling_params={"max_new_tokens": app.chat_max_new_tokens, "temperature": 0.0},
+        )["text"]
         assert app.last_answer == expected and expected.strip()
         answer = plain_text(app.query_one("#answer", Static).content, 200)
         assert expected.strip()[:30] in " ".join(answer.split())
@@ -171,6 +181,7 @@ async def test_prompt_box_returns_the_models_answer(engine):
 
 def _lock_counts(tree_text: str) -> list[int]:
     import re
+
     return [int(m) for m in re.findall(r" lock (\d+)", tree_text)]
 
 
@@ -184,6 +195,7 @@ async def test_tree_is_never_stale_and_one_evictable_figure(engine):
     import threading
     from workbench.core.trace import events as ev
     from workbench.tui.workload import chat_text, make_prompts
+
     app = _app(engine, layout="grid")
     c = app.controller
     trees_per_step: dict[int, int] = {}
@@ -195,27 +207,35 @@ async def test_tree_is_never_stale_and_one_evictable_figure(engine):
             if type(e) is ev.CacheTree and e.step >= 0:
                 trees_per_step[e.step] = trees_per_step.get(e.step, 0) + 1
         return out
+
     c.drain = drain
     prompt = chat_text(engine, next(make_prompts("shared-prefix")))
     rids = [f"nostale-{i}" for i in range(2)]
-    threads = [threading.Thread(target=engine.generate, daemon=True, kwargs=dict(
-        prompt=prompt, rid=rid, sampling_params={"max_new_tokens": 3, "temperature": 0.0})) for rid in rids]
+    threads = [
+        threading.Thread(
+            target=engine.generate,
+            daemon=True,
+            kwargs=dict(prompt=prompt, rid=rid, sampling_params={"max_new_tokens": 3, "temperature": 0.0}),
+        )
+        for rid in rids
+    ]
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_for(app.ready.is_set, 30)
         st = app.model.state
         await pilot.press("p")
         await wait_for(lambda: app.control_results == 1 and c.paused, 30)
 
-        seen = []      # per step: (step, finished rids, lock counts drawn, tree evictable, KV evictable)
+        seen = []  # per step: (step, finished rids, lock counts drawn, tree evictable, KV evictable)
 
         async def step_and_look():
             results = app.control_results
             await pilot.press("s")
             await wait_for(lambda: app.control_results == results + 1, 60)
             step = app.last_step_result
-            await wait_for(lambda: st.steps and st.steps[-1].step == step and st.kv is not None
-                           and st.kv.step == step, 30)
-            await pilot.pause(0.3)           # the finished events come from the tokenizer, a hop later
+            await wait_for(
+                lambda: st.steps and st.steps[-1].step == step and st.kv is not None and st.kv.step == step, 30
+            )
+            await pilot.pause(0.3)  # the finished events come from the tokenizer, a hop later
             app.refresh_panels(force=True)
             await pilot.pause()
             tree_text = plain_text(app.query_one("#tree-body", Static).content, 200)
@@ -224,9 +244,17 @@ async def test_tree_is_never_stale_and_one_evictable_figure(engine):
             tree_ev = re.search(r"evictable (\S+)", title).group(1)
             kv_ev = re.search(r"evictable\s+(\S+) \(", kv_text).group(1)
             kv_used = re.search(r"used\s+(\S+) \(", kv_text).group(1)
-            assert kv_used == fmt_count(st.kv.used), (kv_text, st.kv)       # KV follows every step
-            seen.append((step, {r for r in rids if r in st.requests and st.requests[r].done},
-                         _lock_counts(tree_text), tree_ev, kv_ev, st.steps[-1].mode))
+            assert kv_used == fmt_count(st.kv.used), (kv_text, st.kv)  # KV follows every step
+            seen.append(
+                (
+                    step,
+                    {r for r in rids if r in st.requests and st.requests[r].done},
+                    _lock_counts(tree_text),
+                    tree_ev,
+                    kv_ev,
+                    st.steps[-1].mode,
+                )
+            )
 
         # A starts; once it has decoded, B (same prompt, same length) enters: A finishes one step
         # before B, and B's finish inserts nothing (A cached the very same tokens): only locks move.
@@ -263,7 +291,7 @@ async def test_tree_is_never_stale_and_one_evictable_figure(engine):
         assert pairs, seen
         for i, j in pairs:
             assert seen[i][2] != seen[j][2], (seen[i], seen[j])
-        assert seen[-1][2] == []                   # everyone finished: no lock left on screen
+        assert seen[-1][2] == []  # everyone finished: no lock left on screen
         await pilot.press("p")
         await pilot.press("q")
     for t in threads:
@@ -277,20 +305,31 @@ async def test_last_step_line_names_what_one_step_did(engine):
     import threading
     from rich.text import Text
     from workbench.tui.workload import chat_text
+
     app = _app(engine, layout="grid")
     c = app.controller
     rids = ["narrate-a", "narrate-b"]
     words = {"narrate-a": "alpha", "narrate-b": "omega"}
-    threads = [threading.Thread(target=engine.generate, daemon=True, kwargs=dict(
-        prompt=chat_text(engine, [{"role": "user", "content": " ".join(
-            f"{words[rid]} {i}" for i in range(50))}]),
-        rid=rid, sampling_params={"max_new_tokens": 3, "temperature": 0.0})) for rid in rids]
+    threads = [
+        threading.Thread(
+            target=engine.generate,
+            daemon=True,
+            kwargs=dict(
+                prompt=chat_text(
+                    engine, [{"role": "user", "content": " ".join(f"{words[rid]} {i}" for i in range(50))}]
+                ),
+                rid=rid,
+                sampling_params={"max_new_tokens": 3, "temperature": 0.0},
+            ),
+        )
+        for rid in rids
+    ]
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_for(app.ready.is_set, 30)
         st = app.model.state
         await pilot.press("p")
         await wait_for(lambda: app.control_results == 1 and c.paused, 30)
-        for rid, t in zip(rids, threads):       # in this order: a is first in the queue
+        for rid, t in zip(rids, threads):  # in this order: a is first in the queue
             t.start()
             await wait_for(lambda: rid in st.requests and st.requests[rid].state == "queued", 60)
         assert st.requests[rids[0]].prompt_tokens > 100
@@ -307,7 +346,7 @@ async def test_last_step_line_names_what_one_step_did(engine):
         line = " ".join(plain_text(app.query_one("#laststep", Static).content, 200).split())
         assert line.startswith(f"last step step {step} extend: admitted 1 from waiting ({rids[0]})"), line
         n = -(-(st.requests[rids[0]].prompt_tokens - sv.reqs[0].cached) // 64)
-        assert n > 1 and f"{rids[0]} chunk 1/{n}" in line, line       # a's prompt is cut at the budget
+        assert n > 1 and f"{rids[0]} chunk 1/{n}" in line, line  # a's prompt is cut at the budget
         assert "budget 64/64" in line, line
         assert f"KV +{d.kv_alloc}" in line and d.kv_alloc == sv.prefill_tokens == 64, (line, d)
         assert f"1 waiting: token budget ({rids[1]} next)" in line, line
@@ -316,7 +355,7 @@ async def test_last_step_line_names_what_one_step_did(engine):
         assert isinstance(cells[rids[0]], Text) and "reverse" in str(cells[rids[0]].style)
         assert "reverse" not in str(cells[rids[1]].style)
         states = {str(table.get_row_at(i)[1]): str(table.get_row_at(i)[2]) for i in range(table.row_count)}
-        assert states[rids[1]] == "queued: budget", states                 # why b still waits
+        assert states[rids[1]] == "queued: budget", states  # why b still waits
         await pilot.press("p")
         await wait_for(lambda: all(st.requests[r].done for r in rids), 120)
         await pilot.press("q")

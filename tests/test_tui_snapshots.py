@@ -4,6 +4,7 @@ The clock is frozen: in replay mode the app's clock is the replay position,
 which the test sets, so ages and latency windows come out the same every run.
 Update after an intended change: `pytest tests/test_tui_snapshots.py --snapshot-update`.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -21,6 +22,7 @@ def _run_before(step: int = AT_STEP):
     async def run_before(pilot):
         app = pilot.app
         await show_at(app, pilot, app.controller.replay, step_ts(app.controller.replay, step))
+
     return run_before
 
 

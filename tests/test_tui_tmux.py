@@ -4,6 +4,7 @@ Needs tmux (skipped without it). The small driver below starts the app in a deta
 sends keys, polls the screen, and reads the command's exit status from a marker line printed
 after it ends.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,23 @@ class Tmux:
     def start(self, cols: int, rows: int, *cmd: str) -> None:
         # After the command ends, print its status and keep the pane, so the test can read both.
         script = '"$@"; s=$?; printf "\\n%s %s\\n" "$0" "$s"; exec sleep 86400'
-        self._tmux("new-session", "-d", "-s", self.name, "-x", str(cols), "-y", str(rows), "-c", ROOT,
-                   "sh", "-c", script, EXIT_MARK, *cmd)
+        self._tmux(
+            "new-session",
+            "-d",
+            "-s",
+            self.name,
+            "-x",
+            str(cols),
+            "-y",
+            str(rows),
+            "-c",
+            ROOT,
+            "sh",
+            "-c",
+            script,
+            EXIT_MARK,
+            *cmd,
+        )
 
     def keys(self, *keys: str) -> None:
         for k in keys:
@@ -84,8 +100,24 @@ def test_replay_in_tmux_keys_panels_and_clean_exit():
     exe = os.path.join(os.path.dirname(sys.executable), "workbench")
     # Under pytest the session's environment carries COLUMNS=80 LINES=24, which Textual would
     # believe over the real pane size.
-    tm.start(160, 48, "env", "-u", "COLUMNS", "-u", "LINES", exe, "tui", "--replay", FIXTURE, "--paused",
-             "--layout", "grid", "--speed", "8")
+    tm.start(
+        160,
+        48,
+        "env",
+        "-u",
+        "COLUMNS",
+        "-u",
+        "LINES",
+        exe,
+        "tui",
+        "--replay",
+        FIXTURE,
+        "--paused",
+        "--layout",
+        "grid",
+        "--speed",
+        "8",
+    )
     try:
         titles = ("Queues", "Batch composition", "Radix tree", "KV pool", "Latency", "Events", "Request detail")
         # One screen showing all of it: a frame can be caught half drawn, so wait, do not capture once.
@@ -106,7 +138,7 @@ def test_replay_in_tmux_keys_panels_and_clean_exit():
         # help, then quit
         tm.keys("?")
         tm.wait("what you are looking at", 20)
-        tm.keys("?")            # (Escape then q too fast would read as Alt+q)
+        tm.keys("?")  # (Escape then q too fast would read as Alt+q)
         # q while the help is still up would only close it: wait until it is gone
         tm.wait(r"\A(?![\s\S]*what you are looking at)", 20)
         tm.keys("q")

@@ -5,6 +5,7 @@ a second checkpoint is loaded from disk; tensors are pushed in process. After ea
 `get_weights_by_name` returns the new values (HF names, fused parts included) and greedy output
 equals transformers run with the same weights. Rejected updates leave the old weights serving.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -31,18 +32,29 @@ K = "model.layers.0.self_attn.k_proj.weight"
 UP = "model.layers.1.mlp.up_proj.weight"
 EMBED = "model.embed_tokens.weight"
 # The trainer's "training step": noise on a few weights, fused parts and the tied embedding included.
-PERTURBED = {Q: 0.6, K: 0.6, UP: 0.6, "model.layers.0.self_attn.o_proj.weight": 0.6,
-             "model.layers.2.post_attention_layernorm.weight": 0.3, EMBED: 0.05}
+PERTURBED = {
+    Q: 0.6,
+    K: 0.6,
+    UP: 0.6,
+    "model.layers.0.self_attn.o_proj.weight": 0.6,
+    "model.layers.2.post_attention_layernorm.weight": 0.3,
+    EMBED: 0.05,
+}
 # The second checkpoint on disk: a few tensors scaled.
-DISK_SCALES = {"model.layers.3.self_attn.v_proj.weight": -1.0, "model.layers.4.mlp.gate_proj.weight": 1.7,
-               "model.norm.weight": 1.2}
+DISK_SCALES = {
+    "model.layers.3.self_attn.v_proj.weight": -1.0,
+    "model.layers.4.mlp.gate_proj.weight": 1.7,
+    "model.norm.weight": 1.2,
+}
 
 
 def perturbed(state: dict) -> dict:
     """Deterministic, so the trainer process and this one compute the same new weights."""
     g = torch.Generator().manual_seed(1234)
-    return {n: state[n] + scale * state[n].std() * torch.randn(state[n].shape, generator=g)
-            for n, scale in sorted(PERTURBED.items())}
+    return {
+        n: state[n] + scale * state[n].std() * torch.randn(state[n].shape, generator=g)
+        for n, scale in sorted(PERTURBED.items())
+    }
 
 
 def _trainer(model_dir: str, port: int, result_q, done) -> None:
@@ -50,15 +62,17 @@ def _trainer(model_dir: str, port: int, result_q, done) -> None:
     from safetensors.torch import load_file
 
     from workbench.core.managers.weight_updater import TrainerWeightSync
+
     torch.set_num_threads(1)
     state = load_file(str(Path(model_dir) / "model.safetensors"))
     state.update(perturbed(state))
     with TrainerWeightSync("127.0.0.1", port, world_size=2, group_name=GROUP, timeout_s=60) as sync:
         result_q.put(sync.broadcast(sorted(state.items())))
-        done.wait(60)      # keep the store up until the server has left the group
+        done.wait(60)  # keep the store up until the server has left the group
 
 
 # ---- fixtures -------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def engine(default_prepared):
@@ -74,6 +88,7 @@ def model_dir(default_prepared) -> Path:
 @pytest.fixture(scope="module")
 def original(model_dir) -> dict:
     from safetensors.torch import load_file
+
     return load_file(str(model_dir / "model.safetensors"))
 
 
@@ -81,6 +96,7 @@ def original(model_dir) -> dict:
 def ref_model(model_dir):
     """transformers on the same weights; this module's own copy, since the tests swap its weights."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -108,8 +124,10 @@ def hf_greedy_with(model, prompts, new_weights: dict, max_new_tokens: int = NEW)
     try:
         for n, t in new_weights.items():
             model.get_parameter(n).copy_(t)
-        return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens,
-                               do_sample=False)[0, len(p):].tolist() for p in prompts]
+        return [
+            model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
     finally:
         for n, t in saved.items():
             model.get_parameter(n).copy_(t)
@@ -153,9 +171,11 @@ def _close(a: list[float], b: torch.Tensor) -> bool:
 
 # ---- tests ----------------------------------------------------------------------------------
 
+
 def test_trainer_broadcasts_weights_over_gloo(engine, model_dir, original, ref_model, prompts, baseline):
     new = perturbed(original)
     from safetensors import safe_open
+
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         names = sorted(f.keys())
         shapes = [f.get_slice(n).get_shape() for n in names]
@@ -174,8 +194,10 @@ def test_trainer_broadcasts_weights_over_gloo(engine, model_dir, original, ref_m
             trainer_s = result_q.get(timeout=60)
             engine.destroy_weights_update_group(GROUP)
         mb = sum(t.numel() * t.element_size() for t in original.values()) / 2**20
-        print(f"\npushed all {len(names)} tensors ({mb:.0f} MiB float32) through update_weights_from_distributed "
-              f"in {seconds:.2f} s (trainer broadcast {trainer_s:.2f} s; {out['message']})")
+        print(
+            f"\npushed all {len(names)} tensors ({mb:.0f} MiB float32) through update_weights_from_distributed "
+            f"in {seconds:.2f} s (trainer broadcast {trainer_s:.2f} s; {out['message']})"
+        )
         assert out["version"] >= 1
         for name in (Q, K, UP, EMBED, "lm_head.weight"):
             expect = new[EMBED if name == "lm_head.weight" else name]
@@ -194,15 +216,20 @@ def test_trainer_broadcasts_weights_over_gloo(engine, model_dir, original, ref_m
 
 
 def test_trainer_with_the_wrong_world_size_times_out_clearly_and_the_engine_keeps_serving(
-        engine, model_dir, prompts, baseline):
+    engine, model_dir, prompts, baseline
+):
     """The trainer counts 3 ranks, the engine 2: both give up after the timeout, saying what to check."""
     from openrlhf_trainer import trainer_main
+
     port = free_port()
     t0 = time.monotonic()
     args = (str(model_dir), port, 3, GROUP, "test_weight_updates:perturbed", 8.0)
     with trainer_group_process(trainer_main, args) as result_q:
-        with pytest.raises(ValueError, match=r"did not form within 8 s at tcp://127\.0\.0\.1:\d+ "
-                                             r"\(this side: rank 1 of world_size 2, gloo\).*world_size"):
+        with pytest.raises(
+            ValueError,
+            match=r"did not form within 8 s at tcp://127\.0\.0\.1:\d+ "
+            r"\(this side: rank 1 of world_size 2, gloo\).*world_size",
+        ):
             engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "gloo", timeout_s=8)
         status, message = result_q.get(timeout=60)
     assert time.monotonic() - t0 < 60
@@ -211,8 +238,9 @@ def test_trainer_with_the_wrong_world_size_times_out_clearly_and_the_engine_keep
     assert greedy(engine, prompts) == baseline
 
 
-def test_a_trainer_written_the_openrlhf_way_updates_the_engine(engine, model_dir, original, ref_model, prompts,
-                                                               baseline):
+def test_a_trainer_written_the_openrlhf_way_updates_the_engine(
+    engine, model_dir, original, ref_model, prompts, baseline
+):
     """rendezvous -> PrefixStore(group_name) -> torch's group helper -> dist.broadcast, no workbench import.
 
     Runs after the failed attempt above with the same group name: a failure leaves nothing behind.
@@ -220,6 +248,7 @@ def test_a_trainer_written_the_openrlhf_way_updates_the_engine(engine, model_dir
     from safetensors import safe_open
 
     from openrlhf_trainer import trainer_main
+
     new = perturbed(original)
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         names = sorted(f.keys())
@@ -230,8 +259,9 @@ def test_a_trainer_written_the_openrlhf_way_updates_the_engine(engine, model_dir
         with trainer_group_process(trainer_main, args) as result_q:
             out = engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "gloo", timeout_s=60)
             assert "rank 1 of 2" in out["message"]
-            out = engine.update_weights_from_distributed(names=names, dtypes=["float32"] * len(names),
-                                                         shapes=shapes, group_name=GROUP, flush_cache=True)
+            out = engine.update_weights_from_distributed(
+                names=names, dtypes=["float32"] * len(names), shapes=shapes, group_name=GROUP, flush_cache=True
+            )
             status, message = result_q.get(timeout=60)
             assert status == "ok", message
             engine.destroy_weights_update_group(GROUP)
@@ -248,7 +278,7 @@ def test_a_trainer_written_the_openrlhf_way_updates_the_engine(engine, model_dir
 
 def test_flush_cache_false_keeps_the_radix_cache(engine, original, prompts):
     """SGLang's `flush_cache`: True (the default) empties the prefix cache after an update, False keeps it."""
-    engine.generate(input_ids=prompts[0], sampling_params=GREEDY)       # cache the prompt
+    engine.generate(input_ids=prompts[0], sampling_params=GREEDY)  # cache the prompt
     same = [(Q, original[Q])]
     engine.update_weights_from_tensor(same, flush_cache=False)
     kept = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)["meta_info"]["cached_tokens"]
@@ -259,6 +289,7 @@ def test_flush_cache_false_keeps_the_radix_cache(engine, original, prompts):
 
 def test_update_from_disk(engine, model_dir, original, ref_model, prompts, baseline, tmp_path):
     from safetensors.torch import save_file
+
     ckpt = tmp_path / "ckpt2"
     ckpt.mkdir()
     for f in model_dir.iterdir():
@@ -285,14 +316,17 @@ def test_update_from_disk(engine, model_dir, original, ref_model, prompts, basel
         restore(engine, original, DISK_SCALES)
 
 
-def test_mismatches_are_rejected_and_old_weights_serve(engine, model_dir, original, prompts, baseline,
-                                                      tmp_path):
+def test_mismatches_are_rejected_and_old_weights_serve(engine, model_dir, original, prompts, baseline, tmp_path):
     from safetensors.torch import save_file
     from tiny_models import make_tiny_llama, make_tiny_qwen2
+
     before = engine.get_weights_by_name(Q, 32)
     # One bad tensor rejects the whole batch: the good one before it is not applied either.
-    with pytest.raises(ValueError, match=r"old weights are unchanged.*k_proj.weight has shape \[10, 576\], "
-                                         r"the model expects \[192, 576\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"old weights are unchanged.*k_proj.weight has shape \[10, 576\], "
+        r"the model expects \[192, 576\]",
+    ):
         engine.update_weights_from_tensor([(Q, original[Q] * 2), (K, torch.zeros(10, 576))])
     with pytest.raises(ValueError, match="does not have: model.layers.0.self_attn.qkv_proj.weight"):
         engine.update_weights_from_tensor([("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(960, 576))])
@@ -338,12 +372,12 @@ def test_update_waits_for_inflight_holds_new_and_can_abort(engine, original, pro
         stream = engine.generate(input_ids=prompts[1], sampling_params=long_sp, stream=True)
         first = pool.submit(next, stream)
         wait_for(lambda: engine.get_internal_state()["num_waiting"] == 1)
-        engine.step_gate("step")                                  # its prefill (one chunk): the first token
+        engine.step_gate("step")  # its prefill (one chunk): the first token
         first.result(timeout=60)
         update = pool.submit(engine.update_weights_from_tensor, new)
-        wait_for(lambda: not tm._weights_gate.is_set())           # the update waits for it...
+        wait_for(lambda: not tm._weights_gate.is_set())  # the update waits for it...
         held = pool.submit(greedy, engine, prompts[:1])
-        wait_for(lambda: tm.num_held_requests == 1)               # ...and holds a new request
+        wait_for(lambda: tm.num_held_requests == 1)  # ...and holds a new request
         assert not update.done()
         engine.step_gate("resume")
         chunks = list(stream)
@@ -371,6 +405,7 @@ def test_hf_names_map_to_tp_shards(tmp_path, rank):
     from workbench.core.distributed.parallel_state import set_tp_group
     from workbench.core.managers.weight_updater import check_weights, weight_specs
     from workbench.core.models.registry import get_model_class
+
     model_dir = make_tiny_qwen2(tmp_path / "qwen")
     config = AutoConfig.from_pretrained(model_dir)
     set_tp_group(rank, 2)
@@ -383,8 +418,11 @@ def test_hf_names_map_to_tp_shards(tmp_path, rank):
     assert set(state) <= set(specs)
     check_weights(model, [(n, t.shape, t.dtype) for n, t in state.items()], specs)
     model.load_weights(state.items())
-    for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.bias",
-                 "model.layers.0.mlp.up_proj.weight"):
+    for name in (
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.1.self_attn.v_proj.bias",
+        "model.layers.0.mlp.up_proj.weight",
+    ):
         spec = specs[name]
         part = model.get_parameter(spec.param_name).narrow(0, spec.local_offset, spec.local_size)
         assert torch.equal(part, state[name].chunk(2)[rank]), name
@@ -395,13 +433,17 @@ def test_http_weight_routes(engine, model_dir, original):
     import httpx
 
     from workbench.core.entrypoints.http_server import bind_socket, start_server
+
     running = start_server(engine, engine.server_args, bind_socket("127.0.0.1", 0))
     try:
         url = running.url
         r = httpx.post(url + "/get_weights_by_name", json={"name": K, "truncate_size": 6}, timeout=60)
         assert r.status_code == 200 and _close(r.json(), original[K])
-        r = httpx.post(url + "/update_weights_from_distributed", timeout=60,
-                       json={"names": [Q], "dtypes": ["float32"], "shapes": [[576, 576]], "group_name": "g"})
+        r = httpx.post(
+            url + "/update_weights_from_distributed",
+            timeout=60,
+            json={"names": [Q], "dtypes": ["float32"], "shapes": [[576, 576]], "group_name": "g"},
+        )
         assert r.status_code == 400 and not r.json()["success"]
         assert "init_weights_update_group" in r.json()["message"]
         r = httpx.post(url + "/update_weights_from_disk", json={"model_pth": "x"}, timeout=60)

@@ -4,6 +4,7 @@ The trace is the deterministic synthetic run (chunked prefill, batched decode,
 a shared prefix in the radix cache, an eviction), written through the real
 Recorder and read back, so the recorded-trace path is the one under test.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -22,7 +23,14 @@ from workbench.core.trace.state import TraceState  # noqa: E402
 from synthetic import synthetic_trace  # noqa: E402
 from workbench.core.trace.views import percentile  # noqa: E402
 from workbench.widgets import (  # noqa: E402
-    BatchView, Dashboard, GanttView, KVPoolView, LatencyView, QueueView, RadixTreeView, TraceFeed,
+    BatchView,
+    Dashboard,
+    GanttView,
+    KVPoolView,
+    LatencyView,
+    QueueView,
+    RadixTreeView,
+    TraceFeed,
 )
 from workbench.widgets import data as D  # noqa: E402
 from workbench.widgets.views import NODE_COLORS  # noqa: E402
@@ -68,24 +76,29 @@ def test_gantt_bars_are_the_timeline(dash, full_state):
     for rid, r in st.requests.items():
         pre = [e for e in r.timeline if e.kind == "prefill"]
         dec = [e for e in r.timeline if e.kind == "decode"]
-        got_pre = [(b, w, c[1]) for y, b, w, c in zip(bars["prefill"].y, bars["prefill"].base,
-                                                      bars["prefill"].x, bars["prefill"].customdata)
-                   if c[0] == rid]
+        got_pre = [
+            (b, w, c[1])
+            for y, b, w, c in zip(
+                bars["prefill"].y, bars["prefill"].base, bars["prefill"].x, bars["prefill"].customdata
+            )
+            if c[0] == rid
+        ]
         assert [c for _, _, c in got_pre] == [e.detail for e in pre]
         for (b, w, _), e in zip(got_pre, pre):
             s, t = bounds[e.step]
             assert b == pytest.approx(sec(s)) and b + w == pytest.approx(sec(t))
-        got_dec = [(b, w, c[1]) for b, w, c in zip(bars["decode"].base, bars["decode"].x,
-                                                   bars["decode"].customdata) if c[0] == rid]
+        got_dec = [
+            (b, w, c[1])
+            for b, w, c in zip(bars["decode"].base, bars["decode"].x, bars["decode"].customdata)
+            if c[0] == rid
+        ]
         assert [c for _, _, c in got_dec] == [e.detail for e in dec]
         for (b, w, _), e in zip(got_dec, dec):
             assert b == pytest.approx(sec(bounds[e.step - e.count + 1][0]))
             assert b + w == pytest.approx(sec(bounds[e.step][1]))
         # decode steps in the bars = decode steps TraceState counted for this request
-        assert sum(e.count for e in dec) == sum(
-            sr.decode for s in st.steps for sr in s.reqs if sr.rid == rid)
-        q = [(b, w) for b, w, c in zip(bars["queued"].base, bars["queued"].x, bars["queued"].customdata)
-             if c[0] == rid]
+        assert sum(e.count for e in dec) == sum(sr.decode for s in st.steps for sr in s.reqs if sr.rid == rid)
+        q = [(b, w) for b, w, c in zip(bars["queued"].base, bars["queued"].x, bars["queued"].customdata) if c[0] == rid]
         assert len(q) == 1 and q[0][0] == pytest.approx(sec(r.arrival_ts))
         assert q[0][0] + q[0][1] == pytest.approx(max(sec(bounds[pre[0].step][0]), sec(r.arrival_ts)))
         n_prefill += len(pre)
@@ -93,8 +106,9 @@ def test_gantt_bars_are_the_timeline(dash, full_state):
     assert len(bars["prefill"].x) == n_prefill and len(bars["decode"].x) == n_decode
     # chunked prefill really happened and one request's decode was interrupted by it
     assert n_prefill > len(st.requests) and n_decode > len(st.requests)
-    assert list(fig.layout.yaxis.categoryarray) == [D.short_rid(r) for r in
-                                                   sorted(st.requests, key=lambda k: st.requests[k].arrival_ts)]
+    assert list(fig.layout.yaxis.categoryarray) == [
+        D.short_rid(r) for r in sorted(st.requests, key=lambda k: st.requests[k].arrival_ts)
+    ]
 
 
 def test_gantt_click_shows_request_details(dash, full_state):
@@ -102,8 +116,9 @@ def test_gantt_click_shows_request_details(dash, full_state):
     tr = next(t for t in g.figure.data if t.name == "decode")
     rid = tr.customdata[0][0]
 
-    class _Points:          # what plotly hands an on_click callback
+    class _Points:  # what plotly hands an on_click callback
         point_inds = [0]
+
     g._on_click(tr, _Points(), None)
     r = full_state.requests[rid]
     assert g.selected == rid
@@ -128,10 +143,20 @@ def test_batch_bars_equal_steps(dash, full_state):
 
 
 def test_batch_marks_cuda_graph_steps():
-    evs = [ev.BatchStep(ts=10**9 + i * 10**7, proc="scheduler", step=i, mode="decode",
-                        reqs=[ev.StepReq("a", 0, 0, 1), ev.StepReq("b", 0, 0, 1)], batch_size=2,
-                        padded_size=4 if i % 2 else 2, cuda_graph=bool(i % 2), forward_ms=3.0)
-           for i in range(6)]
+    evs = [
+        ev.BatchStep(
+            ts=10**9 + i * 10**7,
+            proc="scheduler",
+            step=i,
+            mode="decode",
+            reqs=[ev.StepReq("a", 0, 0, 1), ev.StepReq("b", 0, 0, 1)],
+            batch_size=2,
+            padded_size=4 if i % 2 else 2,
+            cuda_graph=bool(i % 2),
+            forward_ms=3.0,
+        )
+        for i in range(6)
+    ]
     st = TraceState()
     st.apply_many(evs)
     v = BatchView(st)
@@ -157,10 +182,20 @@ def test_radix_tree_ids_parents_values(dash, full_state):
 
 def test_radix_tree_colours_locks_hits_and_orphans():
     st = TraceState()
-    st.apply(ev.CacheTree(ts=1, proc="scheduler", nodes=[
-        ev.TreeNode(0, -1, 0, "", 1, 0, 1), ev.TreeNode(1, 0, 10, "System: be brief", 2, 3, 1),
-        ev.TreeNode(2, 1, 4, "Hi", 0, 1, 1), ev.TreeNode(3, 1, 5, "Bye", 0, 0, 1)],
-        evictable_size=9, protected_size=10))
+    st.apply(
+        ev.CacheTree(
+            ts=1,
+            proc="scheduler",
+            nodes=[
+                ev.TreeNode(0, -1, 0, "", 1, 0, 1),
+                ev.TreeNode(1, 0, 10, "System: be brief", 2, 3, 1),
+                ev.TreeNode(2, 1, 4, "Hi", 0, 1, 1),
+                ev.TreeNode(3, 1, 5, "Bye", 0, 0, 1),
+            ],
+            evictable_size=9,
+            protected_size=10,
+        )
+    )
     st.apply(ev.CacheInsert(ts=2, proc="scheduler", node_id=4, parent_id=3, tokens=6, text="new"))
     st.apply(ev.CacheInsert(ts=2, proc="scheduler", node_id=9, parent_id=77, tokens=2, text="orphan"))
     st.apply(ev.CacheEvict(ts=3, proc="scheduler", node_ids=[2], tokens=4))
@@ -169,7 +204,7 @@ def test_radix_tree_colours_locks_hits_and_orphans():
     assert tr.type == "treemap"
     state = dict(zip(tr.ids, (D.tree_data(st).states)))
     assert state == {"0": "root", "1": "locked", "2": "evicted", "3": "cached", "4": "new", "9": "new"}
-    assert dict(zip(tr.ids, tr.parents))["9"] == "0"      # unknown parent: hung off the root
+    assert dict(zip(tr.ids, tr.parents))["9"] == "0"  # unknown parent: hung off the root
     assert "evictable 9, protected 10" in v.figure.layout.title.text
 
 
@@ -179,7 +214,10 @@ def test_kv_and_queue_series(dash, full_state):
     hist = list(full_state.kv_history)
     assert list(used.x) == pytest.approx([(p.ts - t0) / 1e9 for p in hist])
     assert (list(used.y), list(evictable.y), list(free.y)) == (
-        [p.used for p in hist], [p.evictable for p in hist], [p.free for p in hist])
+        [p.used for p in hist],
+        [p.evictable for p in hist],
+        [p.free for p in hist],
+    )
     assert used.stackgroup == evictable.stackgroup == free.stackgroup
     waiting, running, new = dash["queues"].figure.data
     qh = list(full_state.queue_history)
@@ -211,7 +249,7 @@ def test_replay_slider_rebuilds_state_forward_and_back(trace_path):
         release = [e for e in r.events if type(e) is ev.BatchStep]
         n = d.feed.num_steps
         assert n == len(release) and d.slider.max == n - 1 and d.slider.value == n - 1
-        for k in (n // 2, 2, n - 3, 0):           # forward and backward seeks
+        for k in (n // 2, 2, n - 3, 0):  # forward and backward seeks
             d.slider.value = k
             want = r.state_at(d.feed.replay.position_ns)
             assert d.state.dump() == want.dump()
@@ -256,11 +294,12 @@ def test_live_updates_are_throttled_and_batched():
         def counting(orig=orig):
             batches.append(1)
             return orig()
+
         v.figure.batch_update = counting
     events = synthetic_trace(n_requests=12, seed=1)
     per = -(-len(events) // 100)
     for i in range(100):
-        sub.q.extend(events[i * per:(i + 1) * per])
+        sub.q.extend(events[i * per : (i + 1) * per])
         now[0] += 0.03
         feed.pump()
     assert feed.events_applied == len(events)
@@ -277,10 +316,11 @@ def test_live_feed_from_a_real_bus_with_late_subscription():
     """A Dashboard attached to a TraceBus halfway through a run starts from the bus's
     snapshot and ends with the same requests, tree and latencies as a full fold."""
     from workbench.core.trace.bus import TraceBus
+
     d = tempfile.mkdtemp(prefix="wbw-", dir="/tmp")
     bus = TraceBus(f"ipc://{d}/trace")
     try:
-        keep = bus.subscribe()            # the bus keeps its state only while someone listens
+        keep = bus.subscribe()  # the bus keeps its state only while someone listens
         half = len(EVENTS) // 2
         bus.publish_batch(EVENTS[:half])
         deadline = 200
@@ -290,16 +330,20 @@ def test_live_feed_from_a_real_bus_with_late_subscription():
         dash = Dashboard(bus, max_hz=20)
         assert dash.feed.live and dash.controls is None
         for i in range(half, len(EVENTS), 7):
-            bus.publish_batch(EVENTS[i:i + 7])
+            bus.publish_batch(EVENTS[i : i + 7])
         # The bus thread delivers and the feed thread folds on their own time: wait until both
         # are through (flush's quiet period alone can end early on a busy machine).
-        wait_for(lambda: bus.received_events >= len(EVENTS) and len(dash.feed.subscription) == 0, 30,
-                 "the bus and the feed to take every event")
+        wait_for(
+            lambda: bus.received_events >= len(EVENTS) and len(dash.feed.subscription) == 0,
+            30,
+            "the bus and the feed to take every event",
+        )
         dash.flush(timeout=10, quiet=0.3)
         full = TraceState()
         full.apply_many(EVENTS)
-        assert {k: (r.state, r.output_tokens, r.ttft) for k, r in dash.state.requests.items()} == \
-               {k: (r.state, r.output_tokens, r.ttft) for k, r in full.requests.items()}
+        assert {k: (r.state, r.output_tokens, r.ttft) for k, r in dash.state.requests.items()} == {
+            k: (r.state, r.output_tokens, r.ttft) for k, r in full.requests.items()
+        }
         assert list(dash["radix"].figure.data[0].ids) == D.tree_data(full).ids
         assert list(dash["latency"].figure.data[0].x) == list(D.latency_data(full, 0).ecdf["ttft"][0])
         assert dash.feed.last_error is None
@@ -333,17 +377,19 @@ def test_figure_updates_survive_a_concurrent_browser_message(monkeypatch):
     import time
 
     import plotly.graph_objects as go
+
     view = BatchView(height=200)
     fig = view.figure
     sent = []
     fig.comm.send = lambda data=None, metadata=None, buffers=None: sent.append(data)
-    fig.comm.kernel = object()             # a "connected" comm, so state is sent
+    fig.comm.kernel = object()  # a "connected" comm, so state is sent
     entered, release = threading.Event(), threading.Event()
 
     def browser_message(self, sync_data):  # what ipywidgets does around applying one
         with self.hold_trait_notifications():
             entered.set()
             release.wait(5)
+
     monkeypatch.setattr(go.FigureWidget, "set_state", browser_message, raising=False)
     applying = threading.Thread(target=fig.set_state, args=({"_js2py_traceDeltas": None},))
     applying.start()
@@ -352,7 +398,7 @@ def test_figure_updates_survive_a_concurrent_browser_message(monkeypatch):
     st.apply_many(EVENTS)
     render = threading.Thread(target=view.update, args=(st,))
     render.start()
-    time.sleep(0.3)                        # room for an unguarded render to land inside the hold
+    time.sleep(0.3)  # room for an unguarded render to land inside the hold
     release.set()
     applying.join()
     render.join()
@@ -363,19 +409,28 @@ def test_figure_updates_survive_a_concurrent_browser_message(monkeypatch):
 def test_sequence_figure_draws_the_requests_real_hand_overs():
     from workbench.widgets import sequence_figure
     from workbench.widgets.sequence import LANES, request_events
+
     evs = request_events(EVENTS, "r1")
     steps = [e for e in evs if type(e) is ev.BatchStep]
     assert steps and all(any(sr.rid == "r1" for sr in e.reqs) for e in steps)
     fig = sequence_figure(EVENTS, "r1", max_text_events=100)
     dots = fig.data[0]
     assert len(dots.y) == len(evs)
-    assert [LANES[int(x)] for x in dots.x] == [e.proc for e in evs]      # each event in its process' lane
+    assert [LANES[int(x)] for x in dots.x] == [e.proc for e in evs]  # each event in its process' lane
     arrows = [a for a in fig.layout.annotations if a.showarrow]
     labels = [a.text for a in fig.layout.annotations if not a.showarrow]
-    assert sorted(labels) == sorted(["<i>generate()</i>", "<i>TokenizedGenerateReqInput</i>",
-                                     "<i>BatchTokenIDOut</i>", "<i>BatchStrOut</i>", "<i>result</i>"])
-    followed = sum(1 for i, e in enumerate(evs) if type(e) is ev.BatchStep
-                   and any(x.proc == "tokenizer" for x in evs[i + 1:]))
+    assert sorted(labels) == sorted(
+        [
+            "<i>generate()</i>",
+            "<i>TokenizedGenerateReqInput</i>",
+            "<i>BatchTokenIDOut</i>",
+            "<i>BatchStrOut</i>",
+            "<i>result</i>",
+        ]
+    )
+    followed = sum(
+        1 for i, e in enumerate(evs) if type(e) is ev.BatchStep and any(x.proc == "tokenizer" for x in evs[i + 1 :])
+    )
     assert len(arrows) == 1 + 1 + 2 * followed + 1
     with pytest.raises(ValueError):
         sequence_figure(EVENTS, "nope")
@@ -393,11 +448,11 @@ def test_live_feed_resends_whole_figures_now_and_then():
     view.figure.comm.kernel = object()
     events = synthetic_trace(n_requests=6, seed=4)
     for i in range(0, len(events), 10):
-        sub.q.extend(events[i:i + 10])
+        sub.q.extend(events[i : i + 10])
         now[0] += 0.25
         feed.pump()
     active_until = now[0]
-    for _ in range(40):                    # 10 quiet seconds
+    for _ in range(40):  # 10 quiet seconds
         now[0] += 0.25
         feed.pump()
     full = [d["state"]["_py2js_update"] for d in sent if (d.get("state") or {}).get("_py2js_update")]
@@ -407,7 +462,7 @@ def test_live_feed_resends_whole_figures_now_and_then():
     assert last["y"][1] == [p.running for p in feed.state.queue_history]
     assert full[-1]["layout_data"]["title.text"] == "Queue lengths"
     before = len(sent)
-    for _ in range(40):                    # and then it stays quiet
+    for _ in range(40):  # and then it stays quiet
         now[0] += 0.25
         feed.pump()
     assert len(sent) == before

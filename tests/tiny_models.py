@@ -13,6 +13,7 @@ incremental detokenization tests want.
 
 Model vocab size equals the tokenizer's length, so any sampled id decodes.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -119,7 +120,11 @@ def make_tiny_mistral(
 ) -> Path:
     """A tiny MistralForCausalLM (no sliding window by default) saved as an HF directory; returns the path."""
     model = _build(
-        "MistralConfig", "MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}, seed, dtype,
+        "MistralConfig",
+        "MistralForCausalLM",
+        {"tie_word_embeddings": False, "sliding_window": None},
+        seed,
+        dtype,
         overrides,
     )
     return _save(model, path, max_shard_size)
@@ -178,7 +183,9 @@ def make_tiny_gguf(path: str | Path, *, arch: str = "llama", seed: int = 0, **ov
     if arch == "llama":
         model = _build("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}, seed, torch.float32, overrides)
     elif arch == "qwen2":
-        model = _build("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}, seed, torch.float32, overrides)
+        model = _build(
+            "Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}, seed, torch.float32, overrides
+        )
     else:
         raise ValueError(f"make_tiny_gguf supports arch 'llama' or 'qwen2', not {arch!r}")
     cfg = model.config

@@ -1,4 +1,5 @@
 """Shared helpers for the TUI tests (replay fixture, polling)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +26,7 @@ def replay_app(path: str = FIXTURE, **kw):
     from workbench.core.trace.replay import Replay
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import ReplayController
+
     replay = Replay(path)
     ctl = ReplayController(replay, autoplay=False, title=os.path.basename(path))
     return WorkbenchApp(ctl, **kw), replay

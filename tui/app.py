@@ -6,6 +6,7 @@ panel to redraw from it. Panels never see the engine; interaction (pause,
 step, chat, workloads) goes through the controller, on a worker thread when
 the call can block.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,6 +34,7 @@ from workbench.tui.panels.base import RequestSelected
 from workbench.tui.status import status_line
 from workbench.tui.workload import KINDS
 
+
 class WorkbenchApp(App):
     """The workbench TUI. `controller` is where events come from (live engine, replay, attach).
 
@@ -45,7 +47,7 @@ class WorkbenchApp(App):
     """
 
     TITLE = "Serving Workbench"
-    AUTO_FOCUS = None     # never start in the prompt box: single-key bindings must work at once
+    AUTO_FOCUS = None  # never start in the prompt box: single-key bindings must work at once
     CSS = """
     #status { height: auto; max-height: 2; background: $boost; padding: 0 1; }
     #laststep { height: auto; max-height: 2; padding: 0 1; }
@@ -78,13 +80,23 @@ class WorkbenchApp(App):
         *[Binding(str(i), f"panel({i})", show=False) for i in range(1, 10)],
     ]
 
-    def __init__(self, controller: Controller, *, panels: Optional[list[str]] = None, registry=None,
-                 layout: str = "auto", refresh_hz: float = 10.0, select: Optional[str] = None,
-                 chat_max_new_tokens: int = 128, max_events_per_tick: int = 50_000,
-                 log_path: Optional[str] = None):
+    def __init__(
+        self,
+        controller: Controller,
+        *,
+        panels: Optional[list[str]] = None,
+        registry=None,
+        layout: str = "auto",
+        refresh_hz: float = 10.0,
+        select: Optional[str] = None,
+        chat_max_new_tokens: int = 128,
+        max_events_per_tick: int = 50_000,
+        log_path: Optional[str] = None,
+    ):
         super().__init__()
         if registry is None:
             from workbench.plugins import load_plugins
+
             registry = load_plugins()
         self.registry = registry
         self.controller = controller
@@ -95,8 +107,7 @@ class WorkbenchApp(App):
         names = list(panels) if panels else list(registry.panels)
         unknown = [n for n in names if n not in registry.panels]
         if unknown:
-            raise ValueError(f"unknown panel(s): {', '.join(unknown)}; "
-                             f"available: {', '.join(registry.panels)}")
+            raise ValueError(f"unknown panel(s): {', '.join(unknown)}; available: {', '.join(registry.panels)}")
         self.panel_names = names
         self.layout_mode = layout
         self.refresh_hz = refresh_hz
@@ -104,20 +115,20 @@ class WorkbenchApp(App):
         self.max_events_per_tick = max_events_per_tick
         self.log_path = log_path
         self.panels: dict[str, Widget] = {}
-        self.ready = threading.Event()          # the controller has started
+        self.ready = threading.Event()  # the controller has started
         self.startup_error: Optional[str] = None
         self.startup_traceback = ""
         self.chat_done = threading.Event()
         self.last_answer = ""
         self.last_step_result: Optional[int] = None
-        self.control_results = 0                # control commands completed (tests wait on it)
+        self.control_results = 0  # control commands completed (tests wait on it)
         self._progress: queue.SimpleQueue = queue.SimpleQueue()
         self._chat_q: queue.SimpleQueue = queue.SimpleQueue()
         self._control_q: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._progress_lines: list[str] = []
         self._started_at = time.monotonic()
-        self._last_tail: Optional[str] = None     # None: the start-up box is not drawn yet
+        self._last_tail: Optional[str] = None  # None: the start-up box is not drawn yet
         self._chat_prompt = ""
         self._broken_panels: set[str] = set()
         self._quitting = False
@@ -162,7 +173,7 @@ class WorkbenchApp(App):
         spec = self.registry.panels[name]
         try:
             widget = spec.factory()
-        except Exception as exc:      # a broken plugin panel must not take the app down
+        except Exception as exc:  # a broken plugin panel must not take the app down
             widget = Static(Text(f"panel {name!r} failed: {type(exc).__name__}: {exc}", style="red"))
         widget.id = f"panel-{name}"
         if not getattr(widget, "border_title", None):
@@ -182,7 +193,7 @@ class WorkbenchApp(App):
                 active = self.query_one("#tabs", TabbedContent).active
             except Exception:
                 return {}
-            name = active[len("tab-"):] if active else ""
+            name = active[len("tab-") :] if active else ""
             return {name: self.panels[name]} if name in self.panels else {}
         return dict(self.panels)
 
@@ -191,9 +202,10 @@ class WorkbenchApp(App):
         # A plain daemon thread: loading a model cannot be interrupted, and q must not wait for it.
         try:
             self.controller.start(self._progress.put)
-        except BaseException as exc:    # SystemExit from a child helper must not look like success
+        except BaseException as exc:  # SystemExit from a child helper must not look like success
             self.startup_error = friendly(exc) or type(exc).__name__
             import traceback
+
             self.startup_traceback = traceback.format_exc()
         finally:
             self._progress.put(None)
@@ -257,7 +269,7 @@ class WorkbenchApp(App):
         self.query_one("#main").display = True
         self.ready.set()
         scenario = getattr(self.controller, "scenario", None)
-        if scenario is not None:      # what this demo sets up and what to look for, in the events log
+        if scenario is not None:  # what this demo sets up and what to look for, in the events log
             self.model.note("info", scenario.describe())
             self.notify(scenario.describe(), title=f"scenario {scenario.name}", timeout=15)
         self._tick()
@@ -269,7 +281,7 @@ class WorkbenchApp(App):
         try:
             self._tick_body()
         except NoMatches:
-            pass       # the screen is being torn down (exit in progress)
+            pass  # the screen is being torn down (exit in progress)
 
     def _tick_body(self) -> None:
         self._drain_progress()
@@ -297,7 +309,7 @@ class WorkbenchApp(App):
                     widget.refresh_view(self.model, force)
                 elif hasattr(widget, "update_view"):
                     widget.update_view(self.model)
-            except Exception as exc:   # one bad panel is reported, the others keep going
+            except Exception as exc:  # one bad panel is reported, the others keep going
                 self._broken_panels.add(name)
                 self._error(f"panel {name} failed: {type(exc).__name__}: {exc}")
 
@@ -305,8 +317,16 @@ class WorkbenchApp(App):
         st = self.model.state
         status = self.query_one("#status", Static)
         width = status.content_size.width or max(20, self.size.width - 2)
-        status.update(status_line(self.controller.status(), st, self.model.now_ns, ready=self.ready.is_set(),
-                                  paused=self.controller.paused, width=width))
+        status.update(
+            status_line(
+                self.controller.status(),
+                st,
+                self.model.now_ns,
+                ready=self.ready.is_set(),
+                paused=self.controller.paused,
+                width=width,
+            )
+        )
         line = st.last_step_line if self.ready.is_set() else ""
         last = self.query_one("#laststep", Static)
         last.display = bool(line)
@@ -394,6 +414,7 @@ class WorkbenchApp(App):
             if not c.paused:
                 c.set_paused(True)
             return c.step()
+
         self._control("step", step)
 
     def action_toggle_workload(self) -> None:
@@ -403,8 +424,9 @@ class WorkbenchApp(App):
             return
         if getattr(c, "workload_running", False):
             # stopping aborts the workload's requests still in flight: say how many
-            self._control("workload stopped",
-                          lambda: f"workload stopped; {c.stop_workload()} of its requests in flight aborted")
+            self._control(
+                "workload stopped", lambda: f"workload stopped; {c.stop_workload()} of its requests in flight aborted"
+            )
         else:
             self._control("workload started", lambda: c.start_workload() or f"workload started: {c.status()}")
 
@@ -462,16 +484,19 @@ class WorkbenchApp(App):
         self._chat_prompt = text
         ans = self.query_one("#answer", Static)
         ans.display = True
-        ans.update(Text.assemble(("you: ", "bold"), shorten(text, 200), ("\nmodel: ", "bold"),
-                                 ("…", "dim")))
+        ans.update(Text.assemble(("you: ", "bold"), shorten(text, 200), ("\nmodel: ", "bold"), ("…", "dim")))
         self._chat_worker(text)
 
     @work(thread=True, group="chat", exclusive=True, exit_on_error=False)
     def _chat_worker(self, text: str) -> None:
         worker = get_current_worker()
         try:
-            self.controller.chat(text, lambda rid, d: self._chat_q.put(("delta", rid, d)),
-                                 lambda: worker.is_cancelled, self.chat_max_new_tokens)
+            self.controller.chat(
+                text,
+                lambda rid, d: self._chat_q.put(("delta", rid, d)),
+                lambda: worker.is_cancelled,
+                self.chat_max_new_tokens,
+            )
             self._chat_q.put(("done", None, None))
         except Exception as exc:
             self._chat_q.put(("error", None, friendly(exc)))
@@ -486,7 +511,7 @@ class WorkbenchApp(App):
             changed = True
             if kind == "delta":
                 if not self.last_answer and rid and self.model.selected != rid:
-                    self.model.selected = rid       # follow the chat in Request detail
+                    self.model.selected = rid  # follow the chat in Request detail
                 self.last_answer += data
             elif kind == "error":
                 self._error(f"chat: {data}")
@@ -494,9 +519,14 @@ class WorkbenchApp(App):
             else:
                 self.chat_done.set()
         if changed:
-            self.query_one("#answer", Static).update(Text.assemble(
-                ("you: ", "bold"), shorten(self._chat_prompt, 200), ("\nmodel: ", "bold"),
-                self.last_answer[-400:] or "…"))
+            self.query_one("#answer", Static).update(
+                Text.assemble(
+                    ("you: ", "bold"),
+                    shorten(self._chat_prompt, 200),
+                    ("\nmodel: ", "bold"),
+                    self.last_answer[-400:] or "…",
+                )
+            )
 
     # ---- selection, focus, layout -----------------------------------------------------------
     def on_request_selected(self, message: RequestSelected) -> None:
@@ -508,6 +538,7 @@ class WorkbenchApp(App):
 
     def action_select(self, delta: int) -> None:
         from workbench.tui.panels.queues import queue_rows
+
         order = [rid for rid, _ in queue_rows(self.model)]
         if not order:
             order = list(self.model.state.requests)
@@ -556,6 +587,7 @@ class WorkbenchApp(App):
 
     def action_help(self) -> None:
         from workbench.tui.help import HelpScreen
+
         rows = []
         for name in self.panel_names:
             spec = self.registry.panels[name]
@@ -577,7 +609,7 @@ class WorkbenchApp(App):
         try:
             await asyncio.wait_for(asyncio.to_thread(self.controller.close), timeout=30)
         except Exception:
-            pass     # run_tui closes again after exit; never hang here
+            pass  # run_tui closes again after exit; never hang here
 
     async def on_unmount(self) -> None:
         # However the app ends (q, ctrl+c, a test harness), the workload stops and an owned

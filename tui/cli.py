@@ -1,10 +1,11 @@
 """`workbench tui`: argument parsing and the entry point (the main CLI wires these in).
 
-    workbench tui [--model PATH] [--scenario kv-pressure]              # live engine, a demo running
-    workbench tui [--workload shared-prefix --rate 2]                   # ... or a fixed-rate workload
-    workbench tui --attach tcp://127.0.0.1:5557                         # watch `serve --trace-publish`
-    workbench tui --replay run.jsonl [--speed 4]                        # play a recording
+workbench tui [--model PATH] [--scenario kv-pressure]              # live engine, a demo running
+workbench tui [--workload shared-prefix --rate 2]                   # ... or a fixed-rate workload
+workbench tui --attach tcp://127.0.0.1:5557                         # watch `serve --trace-publish`
+workbench tui --replay run.jsonl [--speed 4]                        # play a recording
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,46 +21,74 @@ LAYOUTS = ("auto", "grid", "tabs")
 def add_tui_args(parser: argparse.ArgumentParser) -> None:
     """The TUI's own flags (engine flags come from ServerArgs.add_cli_args)."""
     from workbench.tui.workload import KINDS
+
     g = parser.add_argument_group("TUI")
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--attach", metavar="ADDR", default=None,
-                     help="watch a running `workbench serve --trace-publish ADDR` instead of starting an engine")
+    src.add_argument(
+        "--attach",
+        metavar="ADDR",
+        default=None,
+        help="watch a running `workbench serve --trace-publish ADDR` instead of starting an engine",
+    )
     src.add_argument("--replay", metavar="FILE", default=None, help="play a recorded trace (.jsonl[.gz])")
     from workbench.scenarios import SCENARIOS
+
     demo = g.add_mutually_exclusive_group()
-    demo.add_argument("--scenario", choices=list(SCENARIOS), default=None,
-                      help="start a demo scenario at once: its engine settings (where you did not set the flag) "
-                           "and a workload whose rate adapts to this machine (docs/scenarios.md); "
-                           + "; ".join(f"{s.name}: {s.summary}" for s in SCENARIOS.values()))
-    demo.add_argument("--workload", choices=KINDS, default=None,
-                      help="start this workload at a fixed rate at once (w toggles it, W cycles the kind)")
-    g.add_argument("--rate", type=float, default=None,
-                   help="workload requests per second (default 1; with --scenario the starting rate, which "
-                        "then adapts; + and - change it)")
+    demo.add_argument(
+        "--scenario",
+        choices=list(SCENARIOS),
+        default=None,
+        help="start a demo scenario at once: its engine settings (where you did not set the flag) "
+        "and a workload whose rate adapts to this machine (docs/scenarios.md); "
+        + "; ".join(f"{s.name}: {s.summary}" for s in SCENARIOS.values()),
+    )
+    demo.add_argument(
+        "--workload",
+        choices=KINDS,
+        default=None,
+        help="start this workload at a fixed rate at once (w toggles it, W cycles the kind)",
+    )
+    g.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="workload requests per second (default 1; with --scenario the starting rate, which "
+        "then adapts; + and - change it)",
+    )
     g.add_argument("--workload-max-new-tokens", type=int, default=32, help="max_new_tokens of workload requests")
     g.add_argument("--speed", type=float, default=1.0, help="replay speed")
     g.add_argument("--paused", action="store_true", help="start with the scheduler (or replay) paused")
-    g.add_argument("--layout", choices=LAYOUTS, default="auto",
-                   help="grid: every panel on one screen; tabs: one per tab (auto: by terminal size)")
+    g.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="auto",
+        help="grid: every panel on one screen; tabs: one per tab (auto: by terminal size)",
+    )
     g.add_argument("--panels", default=None, help="comma-separated panel names and order (default: all)")
-    g.add_argument("--tui-log", default=None,
-                   help="where the engine's own output goes while the TUI owns the terminal")
+    g.add_argument("--tui-log", default=None, help="where the engine's own output goes while the TUI owns the terminal")
 
 
 def make_controller(args: argparse.Namespace):
     """The controller for the parsed flags (raises ValueError/OSError with a clear message)."""
     from workbench.tui.controller import AttachController, EngineController, ReplayController
+
     replay = getattr(args, "replay", None)
     attach = getattr(args, "attach", None)
     if replay:
         from workbench.core.trace.replay import Replay
+
         if not os.path.exists(replay):
             raise FileNotFoundError(f"no such trace file: {replay}")
-        return ReplayController(Replay(replay), autoplay=not getattr(args, "paused", False),
-                                speed=getattr(args, "speed", 1.0), title=os.path.basename(replay))
+        return ReplayController(
+            Replay(replay),
+            autoplay=not getattr(args, "paused", False),
+            speed=getattr(args, "speed", 1.0),
+            title=os.path.basename(replay),
+        )
     if attach:
         return AttachController(attach)
     from workbench.core.args import ServerArgs
+
     try:
         sa = ServerArgs.from_cli_args(args)
     except TypeError:
@@ -67,12 +96,17 @@ def make_controller(args: argparse.Namespace):
     scenario = getattr(args, "scenario", None)
     if scenario:
         from workbench.scenarios import get_scenario
+
         scenario = get_scenario(scenario)
         sa = scenario.server_args(sa)
-    return EngineController(server_args=sa, workload=getattr(args, "workload", None), scenario=scenario,
-                            rate=getattr(args, "rate", None),
-                            max_new_tokens=getattr(args, "workload_max_new_tokens", 32),
-                            start_paused=getattr(args, "paused", False))
+    return EngineController(
+        server_args=sa,
+        workload=getattr(args, "workload", None),
+        scenario=scenario,
+        rate=getattr(args, "rate", None),
+        max_new_tokens=getattr(args, "workload_max_new_tokens", 32),
+        start_paused=getattr(args, "paused", False),
+    )
 
 
 @contextlib.contextmanager
@@ -92,7 +126,7 @@ def isolate_child_output(log_path: str) -> Iterator[None]:
         sys.stderr.flush()
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
-        sys.stdout = sys.__stdout__ = tty_out        # Textual reads these when the App is created
+        sys.stdout = sys.__stdout__ = tty_out  # Textual reads these when the App is created
         sys.stderr = sys.__stderr__ = tty_err
         yield
     finally:
@@ -113,6 +147,7 @@ def run_tui(args: argparse.Namespace) -> int:
     """Run the TUI for parsed arguments; returns the exit status."""
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import friendly
+
     try:
         controller = make_controller(args)
     except Exception as exc:
@@ -127,8 +162,12 @@ def run_tui(args: argparse.Namespace) -> int:
         isolate = live and os.isatty(1) and os.isatty(2)
         with isolate_child_output(log_path) if isolate else contextlib.nullcontext():
             try:
-                app = WorkbenchApp(controller, panels=panels, layout=getattr(args, "layout", "auto"),
-                                   log_path=log_path if live else None)
+                app = WorkbenchApp(
+                    controller,
+                    panels=panels,
+                    layout=getattr(args, "layout", "auto"),
+                    log_path=log_path if live else None,
+                )
             except ValueError as exc:
                 controller.close()
                 print(f"workbench tui: {exc}", file=sys.stderr)
@@ -141,8 +180,7 @@ def run_tui(args: argparse.Namespace) -> int:
         controller.close()
         return 130
     if app.startup_error:
-        print(f"workbench tui: {app.startup_error}" + (f" (details: {log_path})" if log_path else ""),
-              file=sys.stderr)
+        print(f"workbench tui: {app.startup_error}" + (f" (details: {log_path})" if log_path else ""), file=sys.stderr)
         return 1
     return int(app.return_code or 0)
 
@@ -150,6 +188,7 @@ def run_tui(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     """`python -m workbench.tui` (the same flags as `workbench tui`)."""
     from workbench.core.args import ServerArgs
+
     parser = argparse.ArgumentParser(prog="workbench tui", description="watch the scheduler live")
     ServerArgs.add_cli_args(parser)
     add_tui_args(parser)

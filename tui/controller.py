@@ -11,6 +11,7 @@ resume, to send a chat prompt and to run a workload. Three kinds:
 Every method that may block (start, step, chat, close) is called from a
 thread worker, never from the UI thread.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -76,8 +77,13 @@ class Controller:
         raise ControlUnavailable(f"stepping is not available in {self.mode} mode")
 
     # ---- chat and workloads ---------------------------------------------------
-    def chat(self, prompt: str, on_delta: Callable[[str, str], None],
-             cancelled: Callable[[], bool], max_new_tokens: int = 128) -> dict:
+    def chat(
+        self,
+        prompt: str,
+        on_delta: Callable[[str, str], None],
+        cancelled: Callable[[], bool],
+        max_new_tokens: int = 128,
+    ) -> dict:
         raise ControlUnavailable(f"chat needs a live engine (this is {self.mode} mode)")
 
     def start_workload(self, kind: Optional[str] = None, rate: Optional[float] = None, **options) -> None:
@@ -100,9 +106,17 @@ class EngineController(Controller):
     can_workload = True
     threaded = True
 
-    def __init__(self, engine: Any = None, *, server_args: Any = None, workload: Optional[str] = None,
-                 rate: Optional[float] = None, max_new_tokens: int = 32, start_paused: bool = False,
-                 scenario: Any = None):
+    def __init__(
+        self,
+        engine: Any = None,
+        *,
+        server_args: Any = None,
+        workload: Optional[str] = None,
+        rate: Optional[float] = None,
+        max_new_tokens: int = 32,
+        start_paused: bool = False,
+        scenario: Any = None,
+    ):
         """`scenario`: a workbench.scenarios.Scenario started once the engine is up (its engine
         settings are the caller's business: `scenario.server_args(...)`); `workload`: a workload
         kind started at `rate` instead."""
@@ -126,6 +140,7 @@ class EngineController(Controller):
         if self.engine is None:
             from workbench.core.args import ServerArgs
             from workbench.core.engine import Engine
+
             sa = self._server_args
             if isinstance(sa, dict) or sa is None:
                 sa = ServerArgs(**(sa or {}))
@@ -133,7 +148,7 @@ class EngineController(Controller):
             _ensure_resource_tracker()
             engine = Engine(server_args=sa, on_progress=progress)
             with self._lock:
-                if self._closed:      # q was pressed while the model loaded
+                if self._closed:  # q was pressed while the model loaded
                     engine.shutdown()
                     raise ControlUnavailable("closed during start-up")
                 self.engine = engine
@@ -154,6 +169,7 @@ class EngineController(Controller):
         if runner is None:
             return f"LIVE {self.title}"
         from workbench.scenarios import runner_status
+
         what = "scenario" if runner.adaptive else "workload"
         return f"LIVE {self.title} · {what} {runner_status(runner)}"
 
@@ -172,17 +188,26 @@ class EngineController(Controller):
     def step(self) -> int:
         return int(self.engine.step_gate("step", 1)["step"])
 
-    def chat(self, prompt: str, on_delta: Callable[[str, str], None],
-             cancelled: Callable[[], bool], max_new_tokens: int = 128) -> dict:
+    def chat(
+        self,
+        prompt: str,
+        on_delta: Callable[[str, str], None],
+        cancelled: Callable[[], bool],
+        max_new_tokens: int = 128,
+    ) -> dict:
         rid = f"chat-{next(_CHAT_IDS)}"
         from workbench.tui.workload import chat_text
+
         text = chat_text(self.engine, [{"role": "user", "content": prompt}])
         self._chat_rids.add(rid)
         last: dict = {}
         try:
-            for chunk in self.engine.generate(prompt=text, stream=True, rid=rid,
-                                              sampling_params={"max_new_tokens": max_new_tokens,
-                                                               "temperature": 0.0}):
+            for chunk in self.engine.generate(
+                prompt=text,
+                stream=True,
+                rid=rid,
+                sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0},
+            ):
                 if cancelled():
                     self.engine.abort_request(rid)
                     break
@@ -197,9 +222,10 @@ class EngineController(Controller):
         kind the scenario (adaptive) or the last kind. `options` go to WorkloadRunner
         (max_requests, temperature, paused...)."""
         from workbench.tui.workload import WorkloadRunner
+
         self.stop_workload()
         if kind is not None and (self.scenario is None or kind != self.scenario.name):
-            self.scenario = None           # W picked a plain workload kind
+            self.scenario = None  # W picked a plain workload kind
         self.workload = kind or self.workload or "chat"
         if rate is not None:
             self.rate = max(0.05, float(rate))
@@ -217,13 +243,14 @@ class EngineController(Controller):
         runner, self._runner = self._runner, None
         if runner is None:
             return 0
-        self.rate = runner.rate         # a restart continues from where the adaptive rate got to
+        self.rate = runner.rate  # a restart continues from where the adaptive rate got to
         return runner.stop()
 
     def change_load(self, factor: float) -> str:
         """`+` / `-`: a fixed-rate workload's rate, or an adaptive one's target in flight, × factor;
         returns what it is now, for a note."""
         from workbench.workloads import fmt_rate
+
         runner = self._runner
         if runner is not None and runner.adaptive:
             runner.set_target(runner.target_in_flight * factor)
@@ -284,6 +311,7 @@ class ReplayController(Controller):
     @classmethod
     def from_file(cls, path: str, **kw) -> "ReplayController":
         from workbench.core.trace.replay import Replay
+
         return cls(Replay(path), title=kw.pop("title", str(path)), **kw)
 
     def _before_first_request(self) -> int:
@@ -304,7 +332,7 @@ class ReplayController(Controller):
         return self.replay.drain(max_items)
 
     def now_ns(self) -> int:
-        return self.replay.position_ns     # trace time: deterministic, frozen while paused
+        return self.replay.position_ns  # trace time: deterministic, frozen while paused
 
     def status(self) -> str:
         r = self.replay
@@ -347,10 +375,11 @@ class AttachController(Controller):
         self.addr = addr
         self.title = addr
         self._sub = None
-        self._offset: Optional[int] = None   # remote clock - local clock
+        self._offset: Optional[int] = None  # remote clock - local clock
 
     def start(self, progress: Progress) -> None:
         from workbench.core.trace.bus import RemoteSubscription
+
         progress(f"connecting to {self.addr}")
         self._sub = RemoteSubscription(self.addr)
 
@@ -392,6 +421,7 @@ def _ensure_resource_tracker() -> None:
     import os
     import sys
     from multiprocessing import resource_tracker
+
     saved = sys.stderr
     try:
         try:
@@ -407,8 +437,14 @@ def friendly(exc: BaseException) -> str:
     """One line for people: the message of errors meant for them, type + message otherwise."""
     name = type(exc).__name__
     msg = " ".join(str(exc).split())
-    if name in ("ModelLoadError", "ValueError", "ControlUnavailable", "EngineDeadError", "FileNotFoundError",
-                "TraceFormatError"):
+    if name in (
+        "ModelLoadError",
+        "ValueError",
+        "ControlUnavailable",
+        "EngineDeadError",
+        "FileNotFoundError",
+        "TraceFormatError",
+    ):
         return msg or name
     if "address" in msg.lower() and ("in use" in msg.lower() or isinstance(exc, OSError)):
         return f"address already in use or unavailable ({msg}): pick another port / --trace-publish address"

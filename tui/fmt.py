@@ -1,4 +1,5 @@
 """Small, pure formatting helpers shared by the panels (no Textual import)."""
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -77,8 +78,16 @@ def shorten(text: str, n: int) -> str:
 def plain_text(renderable, width: int = 120) -> str:
     """What a Rich renderable looks like as plain text (tests, and panels that export text)."""
     from rich.console import Console
-    console = Console(width=width, no_color=True, color_system=None, record=False, file=None,
-                      legacy_windows=False, force_terminal=False)
+
+    console = Console(
+        width=width,
+        no_color=True,
+        color_system=None,
+        record=False,
+        file=None,
+        legacy_windows=False,
+        force_terminal=False,
+    )
     with console.capture() as cap:
         console.print(renderable)
     return cap.get()

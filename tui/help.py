@@ -1,4 +1,5 @@
 """The `?` screen: key bindings, the colour key (real swatches) and an explanation of each panel."""
+
 from __future__ import annotations
 
 from rich.text import Text
@@ -15,10 +16,16 @@ KEYS = (
     ("?", "this help (Esc closes)"),
     ("p", "pause / resume the scheduler and the workload's arrivals with it (replay: pause / play)"),
     ("s", "single-step: run exactly one scheduler iteration (pauses first; nothing new arrives meanwhile)"),
-    ("w / W", "start or stop the workload (stopping aborts its requests still in flight) / switch to a "
-              "plain workload kind (chat, shared-prefix, long-prompt, burst)"),
-    ("+ / -", "workload rate ×1.5 / ÷1.5; a scenario's adaptive rate: requests kept in flight ×1.5 / ÷1.5 "
-              "(replay: speed ×2 / ÷2)"),
+    (
+        "w / W",
+        "start or stop the workload (stopping aborts its requests still in flight) / switch to a "
+        "plain workload kind (chat, shared-prefix, long-prompt, burst)",
+    ),
+    (
+        "+ / -",
+        "workload rate ×1.5 / ÷1.5; a scenario's adaptive rate: requests kept in flight ×1.5 / ÷1.5 "
+        "(replay: speed ×2 / ÷2)",
+    ),
     ("r", "replay: back to the start"),
     ("/", "type a chat prompt (Enter sends, Esc leaves the box)"),
     ("f", "filter the events log"),
@@ -66,6 +73,7 @@ class HelpScreen(ModalScreen):
             t.append(f"  {k:<8}", style="bold")
             t.append(what + "\n")
         from workbench.tui.status import STATUS_HELP
+
         t.append("\nStatus line (top)\n", style="bold")
         t.append(STATUS_HELP)
         t.append("\nColours (the same in every panel and in the Jupyter widgets)\n", style="bold")
@@ -75,7 +83,6 @@ class HelpScreen(ModalScreen):
             t.append(f"  {i}. {title}", style="bold underline")
             t.append(f"  ({name})\n", style="dim")
             t.append(f"     {help_text}\n")
-        t.append("\nEvery panel reads only the trace (TraceState); nothing here pokes into the engine.",
-                 style="dim")
+        t.append("\nEvery panel reads only the trace (TraceState); nothing here pokes into the engine.", style="dim")
         with VerticalScroll():
             yield Static(t, id="help-body")

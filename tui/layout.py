@@ -1,4 +1,5 @@
 """Arranging panels: all on one screen (grid) or one tab per panel."""
+
 from __future__ import annotations
 
 from textual.containers import Horizontal

@@ -5,6 +5,7 @@ model to each visible panel. Nothing in here knows about the engine or about
 Textual, so it is testable on its own and a third-party panel gets the same
 picture as the built-in ones.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -23,6 +24,7 @@ LOG_CATEGORIES = ("arrive", "finish", "abort", "retract", "evict", "drop", "proc
 class LogLine:
     """One line of the events log. `ts` is trace time (monotonic ns); `step` the scheduler step
     the event belongs to (-1: none, e.g. an arrival)."""
+
     seq: int
     ts: int
     category: str
@@ -36,7 +38,7 @@ class EventLog:
 
     def __init__(self, maxlen: int = 2000):
         self.lines: deque[LogLine] = deque(maxlen=maxlen)
-        self.seq = 0        # lines ever appended; panels remember the last one they showed
+        self.seq = 0  # lines ever appended; panels remember the last one they showed
 
     def clear(self) -> None:
         self.lines.clear()
@@ -59,15 +61,25 @@ class EventLog:
                 self.add(e.ts, "abort", f"{e.rid} aborted after {e.completion_tokens} tokens", e.rid, e.step)
             else:
                 # the latencies first: a narrow panel cuts the end of the line, not them
-                self.add(e.ts, "finish",
-                         f"{e.rid} finished: TTFT {fmt_s(e.ttft)} · E2E {fmt_s(e.e2e)} · "
-                         f"{e.prompt_tokens} prompt ({e.cached_tokens} cached) + {e.completion_tokens} "
-                         f"out · {e.reason}", e.rid, e.step)
+                self.add(
+                    e.ts,
+                    "finish",
+                    f"{e.rid} finished: TTFT {fmt_s(e.ttft)} · E2E {fmt_s(e.e2e)} · "
+                    f"{e.prompt_tokens} prompt ({e.cached_tokens} cached) + {e.completion_tokens} "
+                    f"out · {e.reason}",
+                    e.rid,
+                    e.step,
+                )
         elif t is ev.ReqAborted:
             self.add(e.ts, "abort", f"{e.rid} aborted{': ' + e.reason if e.reason else ''}", e.rid, e.step)
         elif t is ev.ReqRetracted:
-            self.add(e.ts, "retract", f"{e.rid} retracted after {e.output_tokens} output tokens "
-                                      f"(KV pool full; it will be prefilled again)", e.rid, e.step)
+            self.add(
+                e.ts,
+                "retract",
+                f"{e.rid} retracted after {e.output_tokens} output tokens (KV pool full; it will be prefilled again)",
+                e.rid,
+                e.step,
+            )
         elif t is ev.CacheEvict:
             self.add(e.ts, "evict", f"evicted {len(e.node_ids)} node(s), {e.tokens} tokens", step=e.step)
         elif t is ev.TraceDropped:
@@ -76,8 +88,11 @@ class EventLog:
             self.add(e.ts, "proc", f"{e.proc or e.role} started (pid {e.pid})")
         elif t is ev.ProcExited:
             cat = "error" if e.exitcode not in (0, None) or e.reason else "proc"
-            self.add(e.ts, cat, f"{e.proc or e.role} exited (pid {e.pid}, code {e.exitcode})"
-                                f"{': ' + e.reason if e.reason else ''}")
+            self.add(
+                e.ts,
+                cat,
+                f"{e.proc or e.role} exited (pid {e.pid}, code {e.exitcode}){': ' + e.reason if e.reason else ''}",
+            )
         elif t is ev.WeightsUpdated:
             self.add(e.ts, "weights", f"weights updated from {e.source} (version {e.version})")
 
@@ -94,7 +109,7 @@ class TuiModel:
         self.selected: Optional[str] = None
         self.version = 0
         self.epoch = 0
-        self.t0_ns: Optional[int] = None   # trace time shown as +0.000 s
+        self.t0_ns: Optional[int] = None  # trace time shown as +0.000 s
 
     def apply(self, events: Iterable[ev.Event]) -> int:
         """Fold events into the state and the log; returns how many were folded."""

@@ -3,6 +3,7 @@
 Factories import Textual lazily so that loading the registry stays cheap for
 processes that never show a TUI.
 """
+
 from __future__ import annotations
 
 #: (name, module, class) in the default order (tabs, `--panels`).
@@ -16,8 +17,15 @@ BUILTIN_PANELS = (
     ("detail", "workbench.tui.panels.detail", "DetailPanel"),
 )
 
-_TITLES = {"queues": "Queues", "batch": "Batch composition", "tree": "Radix tree", "kv": "KV pool",
-           "latency": "Latency", "events": "Events", "detail": "Request detail"}
+_TITLES = {
+    "queues": "Queues",
+    "batch": "Batch composition",
+    "tree": "Radix tree",
+    "kv": "KV pool",
+    "latency": "Latency",
+    "events": "Events",
+    "detail": "Request detail",
+}
 _SHORT_HELP = {
     "queues": "waiting / running / chunked requests with token counts, age and TTFT so far",
     "batch": "one row per scheduler step: cached / computed / decode tokens per request, mode, sizes, ms",
@@ -32,7 +40,9 @@ _SHORT_HELP = {
 def _factory(module: str, cls: str):
     def make(**kw):
         import importlib
+
         return getattr(importlib.import_module(module), cls)(**kw)
+
     make.__qualname__ = f"make_{cls}"
     return make
 
@@ -42,11 +52,11 @@ def panel_help(name: str) -> str:
     for n, module, cls in BUILTIN_PANELS:
         if n == name:
             import importlib
+
             return getattr(importlib.import_module(module), cls).HELP
     return ""
 
 
 def register_builtin(registry) -> None:
     for name, module, cls in BUILTIN_PANELS:
-        registry.add_panel(name, _TITLES[name], _factory(module, cls),
-                           help=_SHORT_HELP[name])
+        registry.add_panel(name, _TITLES[name], _factory(module, cls), help=_SHORT_HELP[name])

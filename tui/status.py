@@ -6,6 +6,7 @@ whole line does not fit the terminal it breaks into two lines at a segment bound
 source is doing / where the scheduler is, then the figures) instead of cutting figures off; only
 a terminal too narrow for either line cuts, and then the source's title shrinks first.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -25,9 +26,10 @@ STATUS_HELP = (
     "wait · new · run: requests queued for prefill, arrived but not queued yet, in the decode "
     "batch │ KV: share of the KV pool in use │ prefill · decode tok/s: tokens computed per second "
     "over the last 5 s │ done: finished requests · hit: share of prefilled prompt tokens served "
-    "from the radix cache. On a narrow terminal the figures move to a second line.\n")
+    "from the radix cache. On a narrow terminal the figures move to a second line.\n"
+)
 
-Segment = tuple[str, str, str]      # (separator before it, text, style)
+Segment = tuple[str, str, str]  # (separator before it, text, style)
 
 
 def status_segments(st: TraceState, now_ns: int, paused: bool) -> tuple[list[Segment], list[Segment]]:
@@ -35,7 +37,7 @@ def status_segments(st: TraceState, now_ns: int, paused: bool) -> tuple[list[Seg
     the labelled counts and rates."""
     last = st.steps[-1].step if st.steps else -1
     where = [(SEP, f"step {last}", "")]
-    if paused:     # glued to the step: "step 12 PAUSED" reads (and is searched for) as one unit
+    if paused:  # glued to the step: "step 12 PAUSED" reads (and is searched for) as one unit
         where.append(("", " PAUSED ", "bold reverse"))
     q = st.queue_counts()
     figures = [(SEP, f"wait {q['waiting']} · new {q['new']} · run {q['running']}", "")]
@@ -61,7 +63,7 @@ def _shrink_head(head: str, room: int) -> str:
     if title and cell_len(title) - over >= 4:
         keep = cell_len(title) - over - 1
         return f"{mode} {title[:keep]}…{dot}{tail}"
-    return head        # the Text's own ellipsis cuts it at the edge
+    return head  # the Text's own ellipsis cuts it at the edge
 
 
 def _length(segments: list[Segment]) -> int:
@@ -76,8 +78,7 @@ def _join(out: Text, segments: list[Segment], lead: bool = True) -> None:
         out.append(text, style=style)
 
 
-def status_line(head: str, st: Optional[TraceState], now_ns: int, *, ready: bool, paused: bool,
-                width: int) -> Text:
+def status_line(head: str, st: Optional[TraceState], now_ns: int, *, ready: bool, paused: bool, width: int) -> Text:
     """The status line for a terminal `width` cells wide (the widget's content width): one line
     when it fits, else two (head and step, then the figures)."""
     out = Text(no_wrap=True, overflow="ellipsis")

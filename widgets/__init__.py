@@ -9,6 +9,7 @@
 Names are imported lazily, so `import workbench.widgets.registration` (done by
 the plugin host on every start) never pulls in ipywidgets or plotly.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -7,6 +7,7 @@ Live, the header offers the engine's step gate (pause / step / resume), which
 is how the walkthroughs single-step the scheduler; over a recording it offers
 Play and a slider whose position is "after scheduler step k".
 """
+
 from __future__ import annotations
 
 import html
@@ -39,9 +40,17 @@ class Dashboard(W.VBox):
         feed_kw: passed to TraceFeed (e.g. `keep_events=10_000` to keep the raw events).
     """
 
-    def __init__(self, engine_or_source: Any, views: Optional[Sequence[str]] = None, *,
-                 max_hz: float = 5.0, columns: int = 2, height: int = 300, width: int = 1000,
-                 **feed_kw):
+    def __init__(
+        self,
+        engine_or_source: Any,
+        views: Optional[Sequence[str]] = None,
+        *,
+        max_hz: float = 5.0,
+        columns: int = 2,
+        height: int = 300,
+        width: int = 1000,
+        **feed_kw,
+    ):
         super().__init__()
         self.feed = TraceFeed.of(engine_or_source, max_hz=max_hz, **feed_kw)
         self.header = W.HTML()
@@ -51,11 +60,12 @@ class Dashboard(W.VBox):
         for name in views or DEFAULT_VIEWS:
             self.views[name] = self._make_view(name, height, cell)
         cells = list(self.views.values())
-        grid = W.GridBox(cells, layout=W.Layout(
-            grid_template_columns=f"repeat({columns}, {cell}px)", grid_gap=f"{gap}px"))
+        grid = W.GridBox(
+            cells, layout=W.Layout(grid_template_columns=f"repeat({columns}, {cell}px)", grid_gap=f"{gap}px")
+        )
         self.controls = self._controls()
         self.children = [self.header] + ([self.controls] if self.controls is not None else []) + [grid]
-        self.add_class("workbench-dashboard")     # a stable hook for browser tests and custom CSS
+        self.add_class("workbench-dashboard")  # a stable hook for browser tests and custom CSS
         self.feed.attach(self._update_header)
 
     @classmethod
@@ -70,6 +80,7 @@ class Dashboard(W.VBox):
         if cls is not None:
             return cls(self.feed, height=height, width=width)
         from workbench.plugins import load_plugins
+
         spec = load_plugins().views.get(name)
         if spec is None:
             known = sorted(set(VIEWS) | set(load_plugins().views))
@@ -106,15 +117,21 @@ class Dashboard(W.VBox):
         if self.feed.replay is not None:
             parts.append(f"replay step {self.feed.step_at(self.feed.replay.position_ns) + 1}/{self.feed.num_steps}")
         line = state.last_step_line
-        last = (f"<div class='workbench-laststep'><b>last step</b> {html.escape(line)}</div>" if line else "")
+        last = f"<div class='workbench-laststep'><b>last step</b> {html.escape(line)}</div>" if line else ""
         self.header.value = "<div class='workbench-header'>" + " &nbsp;|&nbsp; ".join(parts) + "</div>" + last
 
     def _controls(self):
         if self.feed.replay is not None and self.feed.num_steps:
             n = self.feed.num_steps
             self.play = W.Play(min=0, max=n - 1, value=n - 1, step=1, interval=150, description="Play")
-            self.slider = W.IntSlider(min=0, max=n - 1, value=n - 1, description="after step",
-                                      continuous_update=True, layout=W.Layout(width="60%"))
+            self.slider = W.IntSlider(
+                min=0,
+                max=n - 1,
+                value=n - 1,
+                description="after step",
+                continuous_update=True,
+                layout=W.Layout(width="60%"),
+            )
             W.jslink((self.play, "value"), (self.slider, "value"))
             self.slider.observe(lambda ch: self.feed.seek_step(ch["new"]), names="value")
             return W.HBox([self.play, self.slider])
@@ -146,6 +163,7 @@ class Dashboard(W.VBox):
         move on with the engine: show one wherever the text talks about a moment.
         kw: see `workbench.widgets.static.snapshot` (width, max_requests, max_steps, ...)."""
         from workbench.widgets.static import STATIC_VIEWS
+
         if views is None:
             views = [v for v in self.views if v in STATIC_VIEWS]
         return self.feed.snapshot(tuple(views), name=name, **kw)

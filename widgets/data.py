@@ -6,6 +6,7 @@ headless tests compare these (and the FigureWidget data built from them) with
 what TraceState says. Times are seconds relative to an origin `t0` (monotonic
 ns) that the caller keeps stable across renders.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -50,12 +51,14 @@ def short_rid(rid: str, n: int = 8) -> str:
 
 # ---- Gantt ---------------------------------------------------------------------
 
+
 @dataclass
 class Span:
     """One horizontal bar of the request Gantt chart."""
+
     rid: str
-    kind: str            # "queued" | "prefill" | "decode"
-    start: float         # s since t0
+    kind: str  # "queued" | "prefill" | "decode"
+    start: float  # s since t0
     end: float
     steps: tuple[int, ...] = ()
     detail: str = ""
@@ -63,10 +66,10 @@ class Span:
 
 @dataclass
 class GanttData:
-    rids: list[str]                      # requests shown, oldest first
+    rids: list[str]  # requests shown, oldest first
     spans: list[Span]
     marks: list[tuple[str, float, str]]  # (rid, time, "first_token" | "finished" | "aborted" | "retracted")
-    ttft: dict[str, list[str]] = field(default_factory=dict)   # rid -> its TTFT in parts, one line each
+    ttft: dict[str, list[str]] = field(default_factory=dict)  # rid -> its TTFT in parts, one line each
 
 
 def _step_index(state: TraceState, rids: set[str]) -> dict[tuple[int, str], StepView]:
@@ -87,8 +90,9 @@ def gantt_data(state: TraceState, t0: int, max_requests: int = 40) -> GanttData:
     timeline's timestamps). The "queued" span runs from arrival to the first
     prefill (or to now while the request still waits).
     """
-    reqs = sorted(state.requests.values(),
-                  key=lambda r: (r.arrival_ts if r.arrival_ts is not None else (r.queued_ts or 0), r.rid))
+    reqs = sorted(
+        state.requests.values(), key=lambda r: (r.arrival_ts if r.arrival_ts is not None else (r.queued_ts or 0), r.rid)
+    )
     reqs = reqs[-max_requests:] if max_requests else reqs
     idx = _step_index(state, {r.rid for r in reqs})
     steps = T.StepIndex(state)
@@ -110,8 +114,7 @@ def gantt_data(state: TraceState, t0: int, max_requests: int = 40) -> GanttData:
                 sv0, sv1 = idx.get((first, r.rid)), idx.get((e.step, r.rid))
                 s = step_start(sv0) if sv0 is not None else e.ts
                 t = sv1.ts if sv1 is not None else e.end_ts
-                own.append(Span(r.rid, "decode", _sec(s, t0), _sec(t, t0),
-                                tuple(range(first, e.step + 1)), e.detail))
+                own.append(Span(r.rid, "decode", _sec(s, t0), _sec(t, t0), tuple(range(first, e.step + 1)), e.detail))
             elif e.kind in ("first_token", "finished", "aborted", "retracted"):
                 marks.append((r.rid, _sec(e.ts, t0), e.kind))
         q0 = r.arrival_ts if r.arrival_ts is not None else r.queued_ts
@@ -121,20 +124,30 @@ def gantt_data(state: TraceState, t0: int, max_requests: int = 40) -> GanttData:
             elif r.finish_ts is not None:
                 q1 = _sec(r.finish_ts, t0)
             else:
-                q1 = _sec(state.last_ts, t0)      # still waiting: the bar grows
+                q1 = _sec(state.last_ts, t0)  # still waiting: the bar grows
             # The bar runs from arrival to the first chunk: the TTFT parts before the prefill say why.
-            waited = [ln for ln, p in zip(ttft[r.rid][1:], b.parts) if p.kind in ("arrived", "queued")] \
-                if b is not None else []
-            spans.append(Span(r.rid, "queued", _sec(q0, t0), max(q1, _sec(q0, t0)), (),
-                              "\n".join(waited) or f"queued {max(q1 - _sec(q0, t0), 0.0) * 1e3:.1f} ms"))
+            waited = (
+                [ln for ln, p in zip(ttft[r.rid][1:], b.parts) if p.kind in ("arrived", "queued")]
+                if b is not None
+                else []
+            )
+            spans.append(
+                Span(
+                    r.rid,
+                    "queued",
+                    _sec(q0, t0),
+                    max(q1, _sec(q0, t0)),
+                    (),
+                    "\n".join(waited) or f"queued {max(q1 - _sec(q0, t0), 0.0) * 1e3:.1f} ms",
+                )
+            )
         spans.extend(own)
     return GanttData([r.rid for r in reqs], spans, marks, ttft)
 
 
 def ttft_lines(b: T.TtftBreakdown) -> list[str]:
     """A TTFT breakdown as text lines: the sum first, then one line per part (duration, what, why)."""
-    return [b.summary()] + [f"{T.fmt_dur(p.ns)} {p.label}" + (f": {p.detail}" if p.detail else "")
-                            for p in b.parts]
+    return [b.summary()] + [f"{T.fmt_dur(p.ns)} {p.label}" + (f": {p.detail}" if p.detail else "") for p in b.parts]
 
 
 def request_details(state: TraceState, rid: str) -> dict:
@@ -143,11 +156,20 @@ def request_details(state: TraceState, rid: str) -> dict:
     if r is None:
         return {}
     return {
-        "rid": r.rid, "state": r.state, "prompt": r.prompt_preview, "prompt_tokens": r.prompt_tokens,
-        "cached_tokens": r.cached_tokens, "computed_tokens": r.computed_tokens,
-        "output_tokens": r.output_tokens, "max_new_tokens": r.max_new_tokens,
-        "finish_reason": r.finish_reason, "ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e,
-        "retractions": r.retractions, "text": r.text,
+        "rid": r.rid,
+        "state": r.state,
+        "prompt": r.prompt_preview,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "computed_tokens": r.computed_tokens,
+        "output_tokens": r.output_tokens,
+        "max_new_tokens": r.max_new_tokens,
+        "finish_reason": r.finish_reason,
+        "ttft": r.ttft,
+        "tpot": r.tpot,
+        "e2e": r.e2e,
+        "retractions": r.retractions,
+        "text": r.text,
         "timeline": [(e.ts, e.kind, e.detail) for e in r.timeline],
         "ttft_parts": ttft_lines(b) if (b := state.ttft_parts(rid)) is not None else [],
     }
@@ -155,18 +177,19 @@ def request_details(state: TraceState, rid: str) -> dict:
 
 # ---- batch composition ------------------------------------------------------------
 
+
 @dataclass
 class BatchData:
     steps: list[int] = field(default_factory=list)
-    cached: list[int] = field(default_factory=list)      # prefix tokens reused (first chunks)
-    computed: list[int] = field(default_factory=list)    # prompt tokens computed
-    decode: list[int] = field(default_factory=list)      # decode tokens
-    step_ms: list[float] = field(default_factory=list)   # schedule + forward
+    cached: list[int] = field(default_factory=list)  # prefix tokens reused (first chunks)
+    computed: list[int] = field(default_factory=list)  # prompt tokens computed
+    decode: list[int] = field(default_factory=list)  # decode tokens
+    step_ms: list[float] = field(default_factory=list)  # schedule + forward
     batch_size: list[int] = field(default_factory=list)
     padded_size: list[int] = field(default_factory=list)
     mode: list[str] = field(default_factory=list)
     cuda_graph: list[bool] = field(default_factory=list)
-    backend: list[str] = field(default_factory=list)     # attention backend of each step
+    backend: list[str] = field(default_factory=list)  # attention backend of each step
 
 
 def batch_data(state: TraceState, max_steps: int = 200) -> BatchData:
@@ -189,14 +212,16 @@ def batch_data(state: TraceState, max_steps: int = 200) -> BatchData:
 
 # ---- radix tree ------------------------------------------------------------------
 
+
 @dataclass
 class TreeData:
     """Icicle/treemap input: parallel lists, parent "" for the root."""
+
     ids: list[str] = field(default_factory=list)
     parents: list[str] = field(default_factory=list)
-    values: list[int] = field(default_factory=list)      # tokens on the node's own edge
+    values: list[int] = field(default_factory=list)  # tokens on the node's own edge
     labels: list[str] = field(default_factory=list)
-    states: list[str] = field(default_factory=list)      # one of NODE_STATES (or "root")
+    states: list[str] = field(default_factory=list)  # one of NODE_STATES (or "root")
     texts: list[str] = field(default_factory=list)
     lock_refs: list[int] = field(default_factory=list)
     hits: list[int] = field(default_factory=list)
@@ -253,6 +278,7 @@ def tree_data(state: TraceState, max_label: int = 18) -> TreeData:
 
 # ---- KV pool and queues over time -----------------------------------------------------
 
+
 @dataclass
 class KVData:
     t: list[float] = field(default_factory=list)
@@ -277,16 +303,17 @@ def kv_data(state: TraceState, t0: int) -> KVData:
 def kv_axis_range(k: KVData) -> tuple[int, int]:
     """The KV chart's y range: the whole pool (its largest capacity seen), so 126 used of 4096
     looks like 3 %, not like a full pool; (0, 1) before any kv.usage."""
-    return 0, max(k.total, default=0) or max((u + e + f for u, e, f in zip(k.used, k.evictable, k.free)),
-                                             default=0) or 1
+    return 0, max(k.total, default=0) or max(
+        (u + e + f for u, e, f in zip(k.used, k.evictable, k.free)), default=0
+    ) or 1
 
 
 @dataclass
 class QueueData:
     t: list[float] = field(default_factory=list)
-    waiting: list[int] = field(default_factory=list)     # queued for prefill, listed by a scheduler or not yet
+    waiting: list[int] = field(default_factory=list)  # queued for prefill, listed by a scheduler or not yet
     running: list[int] = field(default_factory=list)
-    new: list[int] = field(default_factory=list)         # arrived at the tokenizer, not yet queued
+    new: list[int] = field(default_factory=list)  # arrived at the tokenizer, not yet queued
 
 
 def queue_data(state: TraceState, t0: int) -> QueueData:
@@ -303,10 +330,11 @@ def queue_data(state: TraceState, t0: int) -> QueueData:
 
 # ---- latency ------------------------------------------------------------------------
 
+
 @dataclass
 class LatencyData:
-    ecdf: dict[str, tuple[list[float], list[float]]]     # metric -> (sorted values s, cumulative fraction)
-    arrival: list[float]                                 # s since t0
+    ecdf: dict[str, tuple[list[float], list[float]]]  # metric -> (sorted values s, cumulative fraction)
+    arrival: list[float]  # s since t0
     ttft: list[float]
     rids: list[str]
 
@@ -324,13 +352,21 @@ def latency_data(state: TraceState, t0: int) -> LatencyData:
     ttft = [r.ttft for r in done if r.ttft is not None]
     tpot = [r.tpot for r in done if r.tpot is not None and r.output_tokens > 1]
     e2e = [r.e2e for r in done if r.e2e is not None]
-    pts = sorted((r.arrival_ts, r.ttft, r.rid) for r in state.requests.values()
-                 if r.arrival_ts is not None and r.ttft is not None)
-    return LatencyData({"ttft": ecdf(ttft), "tpot": ecdf(tpot), "e2e": ecdf(e2e)},
-                       [_sec(a, t0) for a, _, _ in pts], [t for _, t, _ in pts], [rid for _, _, rid in pts])
+    pts = sorted(
+        (r.arrival_ts, r.ttft, r.rid)
+        for r in state.requests.values()
+        if r.arrival_ts is not None and r.ttft is not None
+    )
+    return LatencyData(
+        {"ttft": ecdf(ttft), "tpot": ecdf(tpot), "e2e": ecdf(e2e)},
+        [_sec(a, t0) for a, _, _ in pts],
+        [t for _, t, _ in pts],
+        [rid for _, _, rid in pts],
+    )
 
 
 # ---- the header line -------------------------------------------------------------------
+
 
 def summary(state: TraceState) -> dict:
     """Headline numbers for the dashboard's header."""
@@ -342,10 +378,19 @@ def summary(state: TraceState) -> dict:
     last_step = state.steps[-1].step if state.steps else None
     q = state.queue_counts()
     return {
-        "model": state.model, "step": last_step, "waiting": q["waiting"], "new": q["new"],
-        "running": q["running"], "finished": states.get("finished", 0),
-        "aborted": states.get("aborted", 0), "requests": len(state.requests),
-        "cache_hit_rate": state.cache_hit_rate, "prefill_tps": tp.prefill_tps, "decode_tps": tp.decode_tps,
-        "kv_used": kv.used if kv else 0, "kv_total": kv.total if kv else 0,
-        "kv_evictable": state.evictable if kv else 0, "dropped": state.counters.dropped_events,
+        "model": state.model,
+        "step": last_step,
+        "waiting": q["waiting"],
+        "new": q["new"],
+        "running": q["running"],
+        "finished": states.get("finished", 0),
+        "aborted": states.get("aborted", 0),
+        "requests": len(state.requests),
+        "cache_hit_rate": state.cache_hit_rate,
+        "prefill_tps": tp.prefill_tps,
+        "decode_tps": tp.decode_tps,
+        "kv_used": kv.used if kv else 0,
+        "kv_total": kv.total if kv else 0,
+        "kv_evictable": state.evictable if kv else 0,
+        "dropped": state.counters.dropped_events,
     }

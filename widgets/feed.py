@@ -11,6 +11,7 @@ cell may call `refresh()` or `flush()` at any time.
 Recordings (and lists of events) become a `Replay`: nothing moves on its own;
 `seek_step(k)` / `seek(ts)` position it (the Dashboard's Play/slider drive these).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -52,14 +53,21 @@ class TraceFeed:
         clock: seconds, monotonic (injectable for tests).
     """
 
-    def __init__(self, source: Any, max_hz: float = 5.0, start: bool = True, position: str = "end",
-                 keep_events: int = 0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        source: Any,
+        max_hz: float = 5.0,
+        start: bool = True,
+        position: str = "end",
+        keep_events: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.max_hz = max_hz
         self.min_interval = 1.0 / max_hz if max_hz > 0 else 0.0
         self.clock = clock
         self.state = TraceState()
         self.t0: Optional[int] = None
-        self.renders = 0              # how many times the views were rendered
+        self.renders = 0  # how many times the views were rendered
         self.events_applied = 0
         self.last_error: Optional[str] = None
         self.engine = None
@@ -92,8 +100,10 @@ class TraceFeed:
             self.engine = source if hasattr(source, "generate") else None
             self.subscription = source.subscribe(with_snapshot=True)
         else:
-            raise TypeError(f"cannot read trace events from {type(source).__name__}: give an Engine, "
-                            "a subscription, a Replay, a recording's path, a list of events or a TraceState")
+            raise TypeError(
+                f"cannot read trace events from {type(source).__name__}: give an Engine, "
+                "a subscription, a Replay, a recording's path, a list of events or a TraceState"
+            )
         if self.subscription is not None and start:
             self.start()
         if self.replay is not None and position == "end":
@@ -136,7 +146,7 @@ class TraceFeed:
                 fn(self.state, self._origin())
                 if keyframe and hasattr(view, "keyframe"):
                     view.keyframe()
-        except Exception as exc:   # a failing view must not stop the feed or the others
+        except Exception as exc:  # a failing view must not stop the feed or the others
             self.last_error = f"{type(view).__name__}: {type(exc).__name__}: {exc}"
             logger.exception("view %s failed to render", type(view).__name__)
 
@@ -163,7 +173,8 @@ class TraceFeed:
         `widgets.static.Snapshot` that shows in a notebook's outputs and stays there. Call
         `flush()` first after a generate call, so the last steps are in. kw: see `static.snapshot`."""
         from workbench.widgets.static import snapshot
-        with self._lock:        # the pump thread must not fold events into the state mid-drawing
+
+        with self._lock:  # the pump thread must not fold events into the state mid-drawing
             return snapshot(self.state, views, name=name, t0=self._origin(), **kw)
 
     # ---- folding -----------------------------------------------------------------------
@@ -200,7 +211,7 @@ class TraceFeed:
         if self._dirty and since >= self.min_interval:
             self.refresh()
         elif not self._dirty and self._idle_keyframes and self.live and since >= KEYFRAME_INTERVAL_S / 2:
-            self.refresh(keyframe=True)             # settle the browser once the run is over
+            self.refresh(keyframe=True)  # settle the browser once the run is over
         return n
 
     def start(self) -> None:
@@ -217,7 +228,7 @@ class TraceFeed:
                 logger.exception("trace feed failed")
                 time.sleep(0.2)
             if getattr(self.subscription, "closed", False):
-                self.apply(self.subscription.drain())   # what was queued before the close
+                self.apply(self.subscription.drain())  # what was queued before the close
                 break
         if self._dirty:
             self.refresh()
@@ -250,7 +261,7 @@ class TraceFeed:
         if self.subscription is not None and hasattr(self.subscription, "close"):
             try:
                 self.subscription.close()
-            except Exception:   # closing twice, or a bus that is already gone
+            except Exception:  # closing twice, or a bus that is already gone
                 pass
 
     # ---- replay ----------------------------------------------------------------------------
@@ -264,7 +275,7 @@ class TraceFeed:
             m = e.ts if m is None or e.ts > m else m
             if type(e) is BatchStep:
                 rel.append(m)
-        self._step_release = rel      # replay-clock time at which step k is shown
+        self._step_release = rel  # replay-clock time at which step k is shown
 
     @property
     def num_steps(self) -> int:

@@ -3,15 +3,28 @@
 Nothing heavy is imported here: each factory imports ipywidgets/plotly (via
 `workbench.widgets.views`) only when a view is actually built.
 """
+
 from __future__ import annotations
 
 _BUILTIN = (
-    ("gantt", "GanttView", "Requests (Gantt)",
-     "One row per request: queued, each prefill chunk, decode runs; click for details."),
-    ("batch", "BatchView", "Batch composition",
-     "Per step: cached / computed-prefill / decode tokens, step time, CUDA-graph marker."),
-    ("radix", "RadixTreeView", "Radix cache",
-     "The prefix tree as an icicle; colour by lock/hit/insert/evict state; hover for text."),
+    (
+        "gantt",
+        "GanttView",
+        "Requests (Gantt)",
+        "One row per request: queued, each prefill chunk, decode runs; click for details.",
+    ),
+    (
+        "batch",
+        "BatchView",
+        "Batch composition",
+        "Per step: cached / computed-prefill / decode tokens, step time, CUDA-graph marker.",
+    ),
+    (
+        "radix",
+        "RadixTreeView",
+        "Radix cache",
+        "The prefix tree as an icicle; colour by lock/hit/insert/evict state; hover for text.",
+    ),
     ("kv", "KVPoolView", "KV pool", "KV tokens used / evictable / free over time."),
     ("queues", "QueueView", "Queues", "Waiting and running queue lengths over time."),
     ("latency", "LatencyView", "Latency", "TTFT/TPOT/E2E ECDFs and arrival vs TTFT."),
@@ -21,7 +34,9 @@ _BUILTIN = (
 def _factory(class_name: str):
     def make(source=None, **kw):
         from workbench.widgets import views
+
         return getattr(views, class_name)(source, **kw)
+
     make.__name__ = f"make_{class_name}"
     make.__doc__ = f"Build a {class_name} over `source` (an Engine, a recording, a TraceFeed...)."
     return make
@@ -29,6 +44,7 @@ def _factory(class_name: str):
 
 def _dashboard(source=None, **kw):
     from workbench.widgets.dashboard import Dashboard
+
     return Dashboard(source, **kw)
 
 

@@ -8,6 +8,7 @@ an arrow labelled with the ZMQ message that carried it:
     tokenizer --TokenizedGenerateReqInput--> scheduler
     scheduler --BatchTokenIDOut--> detokenizer --BatchStrOut--> tokenizer
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -15,8 +16,12 @@ from typing import Iterable, Optional
 from workbench.core.trace import events as ev
 
 LANES = ("client", "tokenizer", "scheduler", "detokenizer")
-LANE_TITLES = {"client": "client", "tokenizer": "TokenizerManager<br>(main process)",
-               "scheduler": "Scheduler<br>(process)", "detokenizer": "Detokenizer<br>(process)"}
+LANE_TITLES = {
+    "client": "client",
+    "tokenizer": "TokenizerManager<br>(main process)",
+    "scheduler": "Scheduler<br>(process)",
+    "detokenizer": "Detokenizer<br>(process)",
+}
 
 
 def request_events(events: Iterable[ev.Event], rid: str) -> list[ev.Event]:
@@ -39,7 +44,7 @@ def _label(e: ev.Event, rid: str) -> str:
     kind = e.__struct_config__.tag
     if type(e) is ev.BatchStep:
         sr = next(s for s in e.reqs if s.rid == rid)
-        what = (f"prefill {sr.computed} tok (+{sr.cached} cached)" if sr.computed else "decode 1 tok")
+        what = f"prefill {sr.computed} tok (+{sr.cached} cached)" if sr.computed else "decode 1 tok"
         return f"step {e.step} {e.mode}: {what}, batch {e.batch_size}"
     if type(e) is ev.ReqText:
         return f"req.text {e.delta!r}"
@@ -73,30 +78,62 @@ def sequence_figure(events: Iterable[ev.Event], rid: str, max_text_events: int =
         shown.append(e)
     t0 = shown[0].ts
     x = {lane: i for i, lane in enumerate(LANES)}
-    rows = list(range(1, len(shown) + 1))          # row 0: the client's call
+    rows = list(range(1, len(shown) + 1))  # row 0: the client's call
     fig = go.Figure()
     last_row = len(shown) + 1
     for lane in LANES:
-        fig.add_shape(type="line", x0=x[lane], x1=x[lane], y0=-0.5, y1=last_row + 0.5,
-                      line=dict(color="#bbb", dash="dot"), layer="below")
-    fig.add_scatter(x=[x[_lane(e)] for e in shown], y=rows, mode="markers+text",
-                    text=[_label(e, rid) for e in shown],
-                    # scheduler labels on the left: the messages to the detokenizer leave to the right
-                    textposition=["middle left" if _lane(e) == "scheduler" else "middle right" for e in shown],
-                    textfont=dict(size=11),
-                    marker=dict(size=9, color=["#333333" if _lane(e) == "scheduler" else "#999999" for e in shown]),
-                    hoverinfo="skip", showlegend=False)
+        fig.add_shape(
+            type="line",
+            x0=x[lane],
+            x1=x[lane],
+            y0=-0.5,
+            y1=last_row + 0.5,
+            line=dict(color="#bbb", dash="dot"),
+            layer="below",
+        )
+    fig.add_scatter(
+        x=[x[_lane(e)] for e in shown],
+        y=rows,
+        mode="markers+text",
+        text=[_label(e, rid) for e in shown],
+        # scheduler labels on the left: the messages to the detokenizer leave to the right
+        textposition=["middle left" if _lane(e) == "scheduler" else "middle right" for e in shown],
+        textfont=dict(size=11),
+        marker=dict(size=9, color=["#333333" if _lane(e) == "scheduler" else "#999999" for e in shown]),
+        hoverinfo="skip",
+        showlegend=False,
+    )
 
     labelled: set[str] = set()
 
     def arrow(x0, y0, x1, y1, text):
-        fig.add_annotation(x=x1, y=y1, ax=x0, ay=y0, xref="x", yref="y", axref="x", ayref="y",
-                           showarrow=True, arrowhead=3, arrowsize=1.1, arrowwidth=1.2, arrowcolor="#666", text="")
-        if text in labelled:       # name each kind of message once; repeats are the same message
+        fig.add_annotation(
+            x=x1,
+            y=y1,
+            ax=x0,
+            ay=y0,
+            xref="x",
+            yref="y",
+            axref="x",
+            ayref="y",
+            showarrow=True,
+            arrowhead=3,
+            arrowsize=1.1,
+            arrowwidth=1.2,
+            arrowcolor="#666",
+            text="",
+        )
+        if text in labelled:  # name each kind of message once; repeats are the same message
             return
         labelled.add(text)
-        fig.add_annotation(x=(x0 + x1) / 2, y=(y0 + y1) / 2, text=f"<i>{text}</i>", showarrow=False,
-                           font=dict(size=10, color="#666"), yshift=9)
+        fig.add_annotation(
+            x=(x0 + x1) / 2,
+            y=(y0 + y1) / 2,
+            text=f"<i>{text}</i>",
+            showarrow=False,
+            font=dict(size=10, color="#666"),
+            yshift=9,
+        )
 
     arrow(x["client"], 0, x["tokenizer"], 1, "generate()")
     for i, e in enumerate(shown):
@@ -115,12 +152,29 @@ def sequence_figure(events: Iterable[ev.Event], rid: str, max_text_events: int =
         arrow(x["tokenizer"], rows[-1], x["client"], last_row, "result")
     omitted = len(evs) - len(shown)
     fig.update_layout(
-        height=height or 90 + 28 * (last_row + 1), template="plotly_white", showlegend=False,
-        title=dict(text=f"Request {rid[:8]}: {len(evs)} trace events"
-                        + (f" ({omitted} later token round trips not drawn)" if omitted else ""), x=0.01),
-        xaxis=dict(tickvals=list(range(len(LANES))), ticktext=[LANE_TITLES[ln] for ln in LANES],
-                   range=[-0.3, len(LANES) - 0.2], side="top", showgrid=False, zeroline=False),
-        yaxis=dict(tickvals=rows, ticktext=[f"+{(e.ts - t0) / 1e6:.1f} ms" for e in shown],
-                   range=[last_row + 0.7, -0.7], showgrid=False, zeroline=False),
-        margin=dict(l=80, r=20, t=90, b=10))
+        height=height or 90 + 28 * (last_row + 1),
+        template="plotly_white",
+        showlegend=False,
+        title=dict(
+            text=f"Request {rid[:8]}: {len(evs)} trace events"
+            + (f" ({omitted} later token round trips not drawn)" if omitted else ""),
+            x=0.01,
+        ),
+        xaxis=dict(
+            tickvals=list(range(len(LANES))),
+            ticktext=[LANE_TITLES[ln] for ln in LANES],
+            range=[-0.3, len(LANES) - 0.2],
+            side="top",
+            showgrid=False,
+            zeroline=False,
+        ),
+        yaxis=dict(
+            tickvals=rows,
+            ticktext=[f"+{(e.ts - t0) / 1e6:.1f} ms" for e in shown],
+            range=[last_row + 0.7, -0.7],
+            showgrid=False,
+            zeroline=False,
+        ),
+        margin=dict(l=80, r=20, t=90, b=10),
+    )
     return fig

@@ -6,6 +6,7 @@ or inside a `Dashboard`, which gives all of them one shared `TraceFeed`.
 refresh is a single message to the browser; the data come from
 `workbench.widgets.data`, which is where the tests look too.
 """
+
 from __future__ import annotations
 
 import html
@@ -19,15 +20,23 @@ from workbench.core.trace.palette import METRIC_COLORS, PALETTE as P
 from workbench.core.trace.state import TraceState
 from workbench.widgets import data as D
 from workbench.widgets.feed import RENDER_LOCK, TraceFeed
+
 # Radix node colours and legend words are shared with the static pictures.
 from workbench.widgets.static import NODE_COLORS, NODE_LABELS
 
 # Every colour with a meaning comes from the one palette the TUI uses too (core/trace/palette.py).
 COLORS = {
-    "queued": P["waiting"], "prefill": P["computed"], "decode": P["decode"],
-    "cached": P["cached"], "computed": P["computed"],
-    "used": P["locked"], "evictable": P["evictable"], "free": P["free"],
-    "waiting": P["waiting"], "running": P["decode"], "retracted": P["retracted"],
+    "queued": P["waiting"],
+    "prefill": P["computed"],
+    "decode": P["decode"],
+    "cached": P["cached"],
+    "computed": P["computed"],
+    "used": P["locked"],
+    "evictable": P["evictable"],
+    "free": P["free"],
+    "waiting": P["waiting"],
+    "running": P["decode"],
+    "retracted": P["retracted"],
     **METRIC_COLORS,
 }
 MARK_COLOR = "#333333"
@@ -52,9 +61,13 @@ class TraceFigure(go.FigureWidget):
 
 
 def _layout(title: str, height: int, width: Optional[int], **kw) -> dict:
-    lay = dict(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
-               margin=dict(l=60, r=20, t=36, b=72), template="plotly_white",
-               legend=dict(orientation="h", yanchor="top", y=-0.3, x=0))
+    lay = dict(
+        title=dict(text=title, x=0.01, font=dict(size=14)),
+        height=height,
+        margin=dict(l=60, r=20, t=36, b=72),
+        template="plotly_white",
+        legend=dict(orientation="h", yanchor="top", y=-0.3, x=0),
+    )
     if width:
         lay["width"] = width
     lay.update(kw)
@@ -69,6 +82,7 @@ class TraceView(W.VBox):
             path, a Replay, a list of events, a TraceState) or a TraceFeed to share.
         height, width: figure size in pixels (width None: fill the cell).
     """
+
     name = ""
     title = ""
 
@@ -129,11 +143,10 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def send_figure(fig: go.FigureWidget) -> None:
     """One update message carrying every trace property and the whole layout."""
-    send = getattr(fig, "_send_update_msg", None)   # plotly's own sender (plotly >= 4)
+    send = getattr(fig, "_send_update_msg", None)  # plotly's own sender (plotly >= 4)
     if send is None or not fig.data:
         return
-    traces = [{k: v for k, v in _flatten(t.to_plotly_json()).items() if k not in ("type", "uid")}
-              for t in fig.data]
+    traces = [{k: v for k, v in _flatten(t.to_plotly_json()).items() if k not in ("type", "uid")} for t in fig.data]
     style = {k: [t.get(k) for t in traces] for k in sorted(set().union(*traces))}
     with RENDER_LOCK:
         send(style, _flatten(fig.layout.to_plotly_json()), list(range(len(fig.data))))
@@ -141,9 +154,11 @@ def send_figure(fig: go.FigureWidget) -> None:
 
 # ---- Gantt ------------------------------------------------------------------------------
 
+
 class GanttView(TraceView):
     """Request timeline: one row per request; bars for queued, each prefill chunk, decode runs;
     markers for the first token and the finish. Click a bar for the request's details."""
+
     name = "gantt"
     title = "Requests"
 
@@ -152,14 +167,29 @@ class GanttView(TraceView):
         self._state: Optional[TraceState] = None
         self.selected: Optional[str] = None
         for kind in D.SPAN_KINDS:
-            self.figure.add_bar(name=kind, orientation="h", marker_color=COLORS[kind], x=[], y=[], base=[],
-                                customdata=[], hovertemplate="%{customdata[0]}<br>%{customdata[1]}"
-                                "<br>%{base:.3f}s + %{x:.3f}s<extra>" + kind + "</extra>")
-        self.figure.add_scatter(name="events", mode="markers", x=[], y=[], customdata=[],
-                                marker=dict(color=MARK_COLOR, size=9, symbol=[]),
-                                hovertemplate="%{customdata[0]}: %{customdata[1]} at %{x:.3f}s<extra></extra>")
-        self.figure.update_layout(**_layout(self.title, height, width, barmode="overlay",
-                                            xaxis_title="time (s)", clickmode="event"))
+            self.figure.add_bar(
+                name=kind,
+                orientation="h",
+                marker_color=COLORS[kind],
+                x=[],
+                y=[],
+                base=[],
+                customdata=[],
+                hovertemplate="%{customdata[0]}<br>%{customdata[1]}"
+                "<br>%{base:.3f}s + %{x:.3f}s<extra>" + kind + "</extra>",
+            )
+        self.figure.add_scatter(
+            name="events",
+            mode="markers",
+            x=[],
+            y=[],
+            customdata=[],
+            marker=dict(color=MARK_COLOR, size=9, symbol=[]),
+            hovertemplate="%{customdata[0]}: %{customdata[1]} at %{x:.3f}s<extra></extra>",
+        )
+        self.figure.update_layout(
+            **_layout(self.title, height, width, barmode="overlay", xaxis_title="time (s)", clickmode="event")
+        )
         self.figure.update_yaxes(autorange="reversed", type="category")
         for tr in self.figure.data:
             tr.on_click(self._on_click)
@@ -183,8 +213,10 @@ class GanttView(TraceView):
         m.x = [t for _, t, _ in g.marks]
         m.y = [label[rid] for rid, _, _ in g.marks]
         # The first-token marker's hover: the whole TTFT, part by part.
-        m.customdata = [[rid, kind + "<br>" + _hover("\n".join(g.ttft[rid]))
-                         if kind == "first_token" and rid in g.ttft else kind] for rid, _, kind in g.marks]
+        m.customdata = [
+            [rid, kind + "<br>" + _hover("\n".join(g.ttft[rid])) if kind == "first_token" and rid in g.ttft else kind]
+            for rid, _, kind in g.marks
+        ]
         m.marker.symbol = [MARK_SYMBOLS[k] for _, _, k in g.marks]
         m.marker.color = [COLORS["retracted"] if k == "retracted" else MARK_COLOR for _, _, k in g.marks]
         self.figure.layout.yaxis.categoryarray = [label[r] for r in g.rids]
@@ -213,48 +245,93 @@ def details_html(state: TraceState, rid: str) -> str:
     if not d:
         return f"<i>request {html.escape(rid)} is no longer in the trace</i>"
     fmt = lambda v: "–" if v is None else (f"{v * 1e3:.1f} ms" if isinstance(v, float) else str(v))  # noqa: E731
-    facts = " · ".join(f"<b>{k}</b> {html.escape(fmt(d[k]))}" for k in (
-        "state", "prompt_tokens", "cached_tokens", "computed_tokens", "output_tokens", "finish_reason",
-        "ttft", "tpot", "e2e"))
+    facts = " · ".join(
+        f"<b>{k}</b> {html.escape(fmt(d[k]))}"
+        for k in (
+            "state",
+            "prompt_tokens",
+            "cached_tokens",
+            "computed_tokens",
+            "output_tokens",
+            "finish_reason",
+            "ttft",
+            "tpot",
+            "e2e",
+        )
+    )
     t0 = d["timeline"][0][0] if d["timeline"] else 0
-    rows = "".join(f"<tr><td>+{(ts - t0) / 1e6:.1f} ms</td><td>{html.escape(k)}</td>"
-                   f"<td>{html.escape(det)}</td></tr>" for ts, k, det in d["timeline"])
+    rows = "".join(
+        f"<tr><td>+{(ts - t0) / 1e6:.1f} ms</td><td>{html.escape(k)}</td><td>{html.escape(det)}</td></tr>"
+        for ts, k, det in d["timeline"]
+    )
     parts = d["ttft_parts"]
-    ttft = (f"<div class='workbench-ttft'><b>{html.escape(parts[0])}</b>"
-            + "".join(f"<br>&nbsp;&nbsp;{html.escape(ln)}" for ln in parts[1:]) + "</div>") if parts else ""
-    return (f"<div><b>{html.escape(rid)}</b>: {html.escape(d['prompt'][:80])}<br>{facts}{ttft}"
-            f"<br>output: <code>{html.escape(d['text'][-200:])}</code>"
-            f"<table style='font-size:90%'>{rows}</table></div>")
+    ttft = (
+        (
+            f"<div class='workbench-ttft'><b>{html.escape(parts[0])}</b>"
+            + "".join(f"<br>&nbsp;&nbsp;{html.escape(ln)}" for ln in parts[1:])
+            + "</div>"
+        )
+        if parts
+        else ""
+    )
+    return (
+        f"<div><b>{html.escape(rid)}</b>: {html.escape(d['prompt'][:80])}<br>{facts}{ttft}"
+        f"<br>output: <code>{html.escape(d['text'][-200:])}</code>"
+        f"<table style='font-size:90%'>{rows}</table></div>"
+    )
 
 
 # ---- batch composition ------------------------------------------------------------------
 
+
 class BatchView(TraceView):
     """Per scheduler step: stacked cached / computed-prefill / decode tokens, the step time on a
     second axis, and a star where decode ran through a CUDA graph."""
+
     name = "batch"
     title = "Batch composition per step"
 
     def _build(self, height, width, max_steps: int = 200):
         self.max_steps = max_steps
-        for key, label in (("cached", "cached (prefix hit)"), ("computed", "prefill computed"),
-                           ("decode", "decode")):
-            self.figure.add_bar(name=label, x=[], y=[], marker_color=COLORS.get(key, COLORS["decode"]),
-                                customdata=[], hovertemplate="step %{x}: %{y} tokens<br>%{customdata}"
-                                "<extra>" + label + "</extra>")
-        self.figure.add_scatter(name="step time (ms)", x=[], y=[], yaxis="y2", mode="lines+markers",
-                                line=dict(color="#555", width=1), marker=dict(size=3))
-        self.figure.add_scatter(name="CUDA graph", x=[], y=[], mode="markers",
-                                marker=dict(symbol="star", size=9, color=MARK_COLOR))
-        self.figure.update_layout(**_layout(
-            self.title, height, width, barmode="stack", xaxis_title="scheduler step",
-            yaxis=dict(title="tokens"),
-            yaxis2=dict(title="ms", overlaying="y", side="right", showgrid=False, rangemode="tozero")))
+        for key, label in (("cached", "cached (prefix hit)"), ("computed", "prefill computed"), ("decode", "decode")):
+            self.figure.add_bar(
+                name=label,
+                x=[],
+                y=[],
+                marker_color=COLORS.get(key, COLORS["decode"]),
+                customdata=[],
+                hovertemplate="step %{x}: %{y} tokens<br>%{customdata}<extra>" + label + "</extra>",
+            )
+        self.figure.add_scatter(
+            name="step time (ms)",
+            x=[],
+            y=[],
+            yaxis="y2",
+            mode="lines+markers",
+            line=dict(color="#555", width=1),
+            marker=dict(size=3),
+        )
+        self.figure.add_scatter(
+            name="CUDA graph", x=[], y=[], mode="markers", marker=dict(symbol="star", size=9, color=MARK_COLOR)
+        )
+        self.figure.update_layout(
+            **_layout(
+                self.title,
+                height,
+                width,
+                barmode="stack",
+                xaxis_title="scheduler step",
+                yaxis=dict(title="tokens"),
+                yaxis2=dict(title="ms", overlaying="y", side="right", showgrid=False, rangemode="tozero"),
+            )
+        )
 
     def _draw(self, state, t0):
         b = D.batch_data(state, self.max_steps)
-        hover = [f"{m}, batch {bs} (padded {ps}), {'CUDA graph' if g else 'eager'}, {be}"
-                 for m, bs, ps, g, be in zip(b.mode, b.batch_size, b.padded_size, b.cuda_graph, b.backend)]
+        hover = [
+            f"{m}, batch {bs} (padded {ps}), {'CUDA graph' if g else 'eager'}, {be}"
+            for m, bs, ps, g, be in zip(b.mode, b.batch_size, b.padded_size, b.cuda_graph, b.backend)
+        ]
         for tr, ys in zip(self.figure.data[:3], (b.cached, b.computed, b.decode)):
             tr.x, tr.y, tr.customdata = b.steps, ys, hover
         self.figure.data[3].x, self.figure.data[3].y = b.steps, b.step_ms
@@ -265,22 +342,36 @@ class BatchView(TraceView):
 
 # ---- radix tree -------------------------------------------------------------------------------
 
+
 class RadixTreeView(TraceView):
     """The radix prefix cache as an icicle (or treemap): area = tokens on each edge,
     colour = state (locked by a running request, just inserted, hit, evicted)."""
+
     name = "radix"
     title = "Radix cache"
 
     def _build(self, height, width, kind: str = "icicle"):
         trace = go.Icicle if kind == "icicle" else go.Treemap
-        self.figure.add_trace(trace(
-            ids=[], parents=[], values=[], labels=[], branchvalues="remainder", customdata=[],
-            marker=dict(colors=[]), root=dict(color="#ffffff"),
-            hovertemplate="%{customdata[4]}<br>node %{customdata[0]}: %{customdata[1]} tokens"
-                          "<br>lock_ref %{customdata[2]}, hits %{customdata[3]}<br>%{customdata[5]}<extra></extra>"))
+        self.figure.add_trace(
+            trace(
+                ids=[],
+                parents=[],
+                values=[],
+                labels=[],
+                branchvalues="remainder",
+                customdata=[],
+                marker=dict(colors=[]),
+                root=dict(color="#ffffff"),
+                hovertemplate="%{customdata[4]}<br>node %{customdata[0]}: %{customdata[1]} tokens"
+                "<br>lock_ref %{customdata[2]}, hits %{customdata[3]}<br>%{customdata[5]}<extra></extra>",
+            )
+        )
         self.figure.update_layout(**_layout(self.title, height, width, margin=dict(l=10, r=10, t=36, b=10)))
-        legend = " ".join(f"<span style='background:{c};padding:0 6px;border:1px solid #999'>&nbsp;</span> "
-                          f"{NODE_LABELS[k]}" for k, c in NODE_COLORS.items() if k != "root")
+        legend = " ".join(
+            f"<span style='background:{c};padding:0 6px;border:1px solid #999'>&nbsp;</span> {NODE_LABELS[k]}"
+            for k, c in NODE_COLORS.items()
+            if k != "root"
+        )
         self.caption = W.HTML(value=f"<small>{legend}</small>")
 
     def _extras(self):
@@ -291,29 +382,40 @@ class RadixTreeView(TraceView):
         tr = self.figure.data[0]
         tr.ids, tr.parents, tr.values, tr.labels = d.ids, d.parents, d.values, d.labels
         tr.marker.colors = [NODE_COLORS[s] for s in d.states]
-        tr.customdata = [[i, v, lr, h, s, html.escape(t[:120])]
-                         for i, v, lr, h, s, t in zip(d.ids, d.values, d.lock_refs, d.hits, d.states, d.texts)]
-        self.figure.layout.title.text = (f"{self.title}: {len(d.ids) - 1} nodes, {sum(d.values)} tokens "
-                                         f"(evictable {state.evictable}, "
-                                         f"protected {state.tree_protected_size})")
+        tr.customdata = [
+            [i, v, lr, h, s, html.escape(t[:120])]
+            for i, v, lr, h, s, t in zip(d.ids, d.values, d.lock_refs, d.hits, d.states, d.texts)
+        ]
+        self.figure.layout.title.text = (
+            f"{self.title}: {len(d.ids) - 1} nodes, {sum(d.values)} tokens "
+            f"(evictable {state.evictable}, "
+            f"protected {state.tree_protected_size})"
+        )
 
 
 # ---- KV pool and queues over time ---------------------------------------------------------------
+
 
 class KVPoolView(TraceView):
     """KV pool over time, stacked: held by requests (used), kept by the radix cache (evictable),
     free (hidden until clicked in the legend). The y axis is the pool's capacity, so the height
     of used + evictable is the share of the pool they take."""
+
     name = "kv"
     title = "KV pool"
 
     def _build(self, height, width):
         for key in ("used", "evictable", "free"):
-            self.figure.add_scatter(name=key, x=[], y=[], mode="lines", stackgroup="kv",
-                                    line=dict(width=0.5, color=COLORS[key], shape="hv"),
-                                    visible="legendonly" if key == "free" else True)
-        self.figure.update_layout(**_layout(self.title, height, width, xaxis_title="time (s)",
-                                            yaxis_title="tokens"))
+            self.figure.add_scatter(
+                name=key,
+                x=[],
+                y=[],
+                mode="lines",
+                stackgroup="kv",
+                line=dict(width=0.5, color=COLORS[key], shape="hv"),
+                visible="legendonly" if key == "free" else True,
+            )
+        self.figure.update_layout(**_layout(self.title, height, width, xaxis_title="time (s)", yaxis_title="tokens"))
 
     def _draw(self, state, t0):
         k = D.kv_data(state, t0)
@@ -321,24 +423,26 @@ class KVPoolView(TraceView):
             tr.x, tr.y = k.t, ys
         self.figure.layout.yaxis.range = D.kv_axis_range(k)
         if k.total:
-            self.figure.layout.title.text = (f"{self.title}: {k.used[-1]} used, {k.evictable[-1]} evictable, "
-                                             f"{k.free[-1]} free of {k.total[-1]} tokens")
+            self.figure.layout.title.text = (
+                f"{self.title}: {k.used[-1]} used, {k.evictable[-1]} evictable, "
+                f"{k.free[-1]} free of {k.total[-1]} tokens"
+            )
 
 
 class QueueView(TraceView):
     """Queue lengths over time: waiting (queued for prefill), running, and new (arrived at the
     tokenizer, not yet queued by the scheduler; dotted)."""
+
     name = "queues"
     title = "Queue lengths"
 
     def _build(self, height, width):
         for key in ("waiting", "running"):
-            self.figure.add_scatter(name=key, x=[], y=[], mode="lines",
-                                    line=dict(color=COLORS[key], shape="hv"))
-        self.figure.add_scatter(name="new", x=[], y=[], mode="lines",
-                                line=dict(color=COLORS["waiting"], shape="hv", dash="dot"))
-        self.figure.update_layout(**_layout(self.title, height, width, xaxis_title="time (s)",
-                                            yaxis_title="requests"))
+            self.figure.add_scatter(name=key, x=[], y=[], mode="lines", line=dict(color=COLORS[key], shape="hv"))
+        self.figure.add_scatter(
+            name="new", x=[], y=[], mode="lines", line=dict(color=COLORS["waiting"], shape="hv", dash="dot")
+        )
+        self.figure.update_layout(**_layout(self.title, height, width, xaxis_title="time (s)", yaxis_title="requests"))
 
     def _draw(self, state, t0):
         q = D.queue_data(state, t0)
@@ -349,21 +453,30 @@ class QueueView(TraceView):
 
 # ---- latency ---------------------------------------------------------------------------------
 
+
 class LatencyView(TraceView):
     """TTFT / TPOT / E2E ECDFs of finished requests, and arrival time vs TTFT."""
+
     name = "latency"
     title = "Latency"
 
     def _build(self, height, width):
-        fig = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45],
-                            subplot_titles=("ECDF", "arrival vs TTFT"))
+        fig = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45], subplot_titles=("ECDF", "arrival vs TTFT"))
         for m in ("ttft", "tpot", "e2e"):
-            fig.add_scatter(name=m.upper(), x=[], y=[], mode="lines", line=dict(shape="hv", color=COLORS[m]),
-                            row=1, col=1)
-        fig.add_scatter(name="requests", x=[], y=[], mode="markers", customdata=[],
-                        marker=dict(color=COLORS["ttft"], size=7),
-                        hovertemplate="%{customdata}: arrived %{x:.3f}s, TTFT %{y:.3f}s<extra></extra>",
-                        row=1, col=2)
+            fig.add_scatter(
+                name=m.upper(), x=[], y=[], mode="lines", line=dict(shape="hv", color=COLORS[m]), row=1, col=1
+            )
+        fig.add_scatter(
+            name="requests",
+            x=[],
+            y=[],
+            mode="markers",
+            customdata=[],
+            marker=dict(color=COLORS["ttft"], size=7),
+            hovertemplate="%{customdata}: arrived %{x:.3f}s, TTFT %{y:.3f}s<extra></extra>",
+            row=1,
+            col=2,
+        )
         self.figure = TraceFigure(fig)
         self.figure.update_layout(**_layout(self.title, height, width))
         self.figure.update_xaxes(title_text="seconds", row=1, col=1)

@@ -3,5 +3,27 @@
 It lives in the core (`workbench.core.plugins`) because the scheduler looks registered policies up
 there; this module re-exports it.
 """
-from workbench.core.plugins import (GROUP, PanelSpec, PluginInfo, PluginRegistry, PolicySpec,  # noqa: F401
-                                    ViewSpec, WorkloadSpec, load_plugins, policy_factory)
+
+from workbench.core.plugins import (
+    GROUP,
+    PanelSpec,
+    PluginInfo,
+    PluginRegistry,
+    PolicySpec,
+    ViewSpec,
+    WorkloadSpec,
+    load_plugins,
+    policy_factory,
+)
+
+__all__ = [
+    "GROUP",
+    "PanelSpec",
+    "PluginInfo",
+    "PluginRegistry",
+    "PolicySpec",
+    "ViewSpec",
+    "WorkloadSpec",
+    "load_plugins",
+    "policy_factory",
+]

@@ -19,6 +19,7 @@ machine. The same names work everywhere:
 The engine settings apply only where the caller kept ServerArgs' default, so
 `workbench tui --scenario kv-pressure --max-total-tokens 2048` keeps the user's pool size.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,20 +37,20 @@ class Scenario:
     """One demo: what is sent, to an engine set up how, arriving how (see the module doc)."""
 
     name: str
-    summary: str                      # one line: what it is
-    watch: str                        # what to look for, in the TUI's words
-    workload: str                     # a workloads.KINDS name: the prompts
-    engine: dict = field(default_factory=dict)   # ServerArgs fields (max_total_tokens, ...)
+    summary: str  # one line: what it is
+    watch: str  # what to look for, in the TUI's words
+    workload: str  # a workloads.KINDS name: the prompts
+    engine: dict = field(default_factory=dict)  # ServerArgs fields (max_total_tokens, ...)
     rid_prefix: str = ""
     max_new_tokens: int = 32
-    ignore_eos: bool = False          # every request decodes max_new_tokens: KV demand is predictable
+    ignore_eos: bool = False  # every request decodes max_new_tokens: KV demand is predictable
     temperature: float = 0.7
-    long_every: int = 0               # every Nth request is a long prompt (prefilled in chunks)
+    long_every: int = 0  # every Nth request is a long prompt (prefilled in chunks)
     long_max_new_tokens: int = 16
-    burst_size: int = 1               # requests sent together (the "burst" workload)
-    initial_rate: float = 2.0         # requests/s until the first completions are measured
-    target_in_flight: float = 8.0     # what the adaptive rate keeps in the engine
-    max_in_flight: int = 32           # never more in the engine at once (a burst waits for room)
+    burst_size: int = 1  # requests sent together (the "burst" workload)
+    initial_rate: float = 2.0  # requests/s until the first completions are measured
+    target_in_flight: float = 8.0  # what the adaptive rate keeps in the engine
+    max_in_flight: int = 32  # never more in the engine at once (a burst waits for room)
 
     def engine_kwargs(self) -> dict:
         """The engine settings as `Engine(**kwargs)` keywords."""
@@ -59,6 +60,7 @@ class Scenario:
         """`base` (a ServerArgs; None: the defaults) with this scenario's engine settings, each
         applied only where `base` still has ServerArgs' default (a flag the user gave wins)."""
         from workbench.core.args import ServerArgs
+
         if base is None:
             return ServerArgs(**self.engine)
         defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
@@ -72,17 +74,27 @@ class Scenario:
         prefix = self.rid_prefix or self.workload
         for i in itertools.count(1):
             if long is not None and i % self.long_every == 0:
-                yield {"messages": next(long), "rid_prefix": "long",
-                       "sampling_params": {"max_new_tokens": self.long_max_new_tokens}}
+                yield {
+                    "messages": next(long),
+                    "rid_prefix": "long",
+                    "sampling_params": {"max_new_tokens": self.long_max_new_tokens},
+                }
             else:
                 yield {"messages": next(main), "rid_prefix": prefix}
 
     def runner(self, engine: Any, *, rate: Optional[float] = None, seed: int = 0, **overrides) -> WorkloadRunner:
         """A WorkloadRunner for this scenario on `engine` (not started). `rate`: the starting rate
         (it adapts from there); `overrides`: any other WorkloadRunner argument."""
-        kw = dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, ignore_eos=self.ignore_eos,
-                  burst_size=self.burst_size, max_in_flight=self.max_in_flight, adaptive=True,
-                  target_in_flight=self.target_in_flight, label=self.name)
+        kw = dict(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            ignore_eos=self.ignore_eos,
+            burst_size=self.burst_size,
+            max_in_flight=self.max_in_flight,
+            adaptive=True,
+            target_in_flight=self.target_in_flight,
+            label=self.name,
+        )
         kw.update(overrides)
         return WorkloadRunner(engine, self.workload, rate or self.initial_rate, prompts=self.prompts(seed), **kw)
 
@@ -95,41 +107,73 @@ class Scenario:
     def describe(self) -> str:
         """Settings and what to watch, in a few lines (the TUI's events log and `--help`)."""
         settings = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.engine.items())
-        return (f"{self.name}: {self.summary} ({settings}; adaptive arrivals keep ~{self.target_in_flight:g} "
-                f"requests in the engine). Watch: {self.watch}")
+        return (
+            f"{self.name}: {self.summary} ({settings}; adaptive arrivals keep ~{self.target_in_flight:g} "
+            f"requests in the engine). Watch: {self.watch}"
+        )
 
 
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
-    Scenario(
-        "shared-prefix", "one long system prompt, 16 different questions, a small KV pool",
-        "the system prompt is one radix node with many children, locked while its requests run; "
-        "requests wait at the running limit; once the pool fills with finished answers the coldest "
-        "leaves are evicted (KV pool: evicted; the tree loses its cold branches)",
-        "shared-prefix", dict(max_total_tokens=512, max_running_requests=8), rid_prefix="sp",
-        max_new_tokens=32, target_in_flight=14, max_in_flight=24),
-    Scenario(
-        "kv-pressure", "more requests than a tiny KV pool holds, each decoding 64 tokens",
-        "requests wait for KV room (queued: KV room); finished prefixes are evicted to admit new ones; "
-        "admission reserves only part of each request's future tokens, so when the pool runs dry the "
-        "scheduler retracts the requests that decoded least back to the queue (KV pool: retracted; "
-        "Events: retract)",
-        "chat", dict(max_total_tokens=640, max_running_requests=16), rid_prefix="kv",
-        max_new_tokens=64, ignore_eos=True, target_in_flight=14, max_in_flight=24),
-    Scenario(
-        "chunked-prefill", "short chats decoding while a long prompt arrives every fifth request",
-        "a long-N request is prefilled 64 tokens per step (chunk k/n in Batch composition); during "
-        "those steps the running requests wait (last step: N running waited), so their decode "
-        "stalls and their time per output token jumps",
-        "chat", dict(chunked_prefill_size=64, max_total_tokens=4096, max_running_requests=16),
-        rid_prefix="chat", max_new_tokens=64, ignore_eos=True, long_every=5, target_in_flight=8,
-        max_in_flight=16),
-    Scenario(
-        "burst", "12 requests at once, 4 may run",
-        "each burst forms a waiting queue (queued: run limit) that drains four at a time; the next "
-        "burst comes once it has drained",
-        "burst", dict(max_running_requests=4, max_total_tokens=4096), rid_prefix="burst",
-        max_new_tokens=24, burst_size=12, target_in_flight=6, max_in_flight=14),
-)}
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            "shared-prefix",
+            "one long system prompt, 16 different questions, a small KV pool",
+            "the system prompt is one radix node with many children, locked while its requests run; "
+            "requests wait at the running limit; once the pool fills with finished answers the coldest "
+            "leaves are evicted (KV pool: evicted; the tree loses its cold branches)",
+            "shared-prefix",
+            dict(max_total_tokens=512, max_running_requests=8),
+            rid_prefix="sp",
+            max_new_tokens=32,
+            target_in_flight=14,
+            max_in_flight=24,
+        ),
+        Scenario(
+            "kv-pressure",
+            "more requests than a tiny KV pool holds, each decoding 64 tokens",
+            "requests wait for KV room (queued: KV room); finished prefixes are evicted to admit new ones; "
+            "admission reserves only part of each request's future tokens, so when the pool runs dry the "
+            "scheduler retracts the requests that decoded least back to the queue (KV pool: retracted; "
+            "Events: retract)",
+            "chat",
+            dict(max_total_tokens=640, max_running_requests=16),
+            rid_prefix="kv",
+            max_new_tokens=64,
+            ignore_eos=True,
+            target_in_flight=14,
+            max_in_flight=24,
+        ),
+        Scenario(
+            "chunked-prefill",
+            "short chats decoding while a long prompt arrives every fifth request",
+            "a long-N request is prefilled 64 tokens per step (chunk k/n in Batch composition); during "
+            "those steps the running requests wait (last step: N running waited), so their decode "
+            "stalls and their time per output token jumps",
+            "chat",
+            dict(chunked_prefill_size=64, max_total_tokens=4096, max_running_requests=16),
+            rid_prefix="chat",
+            max_new_tokens=64,
+            ignore_eos=True,
+            long_every=5,
+            target_in_flight=8,
+            max_in_flight=16,
+        ),
+        Scenario(
+            "burst",
+            "12 requests at once, 4 may run",
+            "each burst forms a waiting queue (queued: run limit) that drains four at a time; the next "
+            "burst comes once it has drained",
+            "burst",
+            dict(max_running_requests=4, max_total_tokens=4096),
+            rid_prefix="burst",
+            max_new_tokens=24,
+            burst_size=12,
+            target_in_flight=6,
+            max_in_flight=14,
+        ),
+    )
+}
 assert all(s.workload in KINDS for s in SCENARIOS.values())
 
 
@@ -183,8 +227,7 @@ class Sightings:
         return self.evicted_tokens > 0 and self.retracted > 0 and self.max_waiting > 0
 
     def line(self) -> str:
-        return (f"waiting up to {self.max_waiting} · evicted {self.evicted_tokens} tokens · "
-                f"retracted {self.retracted}")
+        return f"waiting up to {self.max_waiting} · evicted {self.evicted_tokens} tokens · retracted {self.retracted}"
 
 
 @dataclass
@@ -192,13 +235,15 @@ class RecordResult:
     output: str
     seconds: float
     completed: int
-    failed: int            # failed while the run went on (not the requests aborted at its end)
-    aborted: int           # in flight when the run ended
+    failed: int  # failed while the run went on (not the requests aborted at its end)
+    aborted: int  # in flight when the run ended
     sightings: Sightings
 
     def summary(self) -> str:
-        return (f"wrote {self.output}: {self.completed} requests in {self.seconds:.1f} s ({self.failed} failed, "
-                f"{self.aborted} aborted at the end); {self.sightings.line()}")
+        return (
+            f"wrote {self.output}: {self.completed} requests in {self.seconds:.1f} s ({self.failed} failed, "
+            f"{self.aborted} aborted at the end); {self.sightings.line()}"
+        )
 
 
 def _progress_printer() -> Callable[[str], None]:
@@ -212,23 +257,31 @@ def _progress_printer() -> Callable[[str], None]:
             if tty:
                 print(file=sys.stderr, flush=True)
             return
-        body = line if tty else line.split(" · ", 1)[-1]     # into a log: what changed, not the clock
+        body = line if tty else line.split(" · ", 1)[-1]  # into a log: what changed, not the clock
         if body == last["line"] or (not tty and time.monotonic() - last["at"] < 5.0):
             return
         last["line"], last["at"] = body, time.monotonic()
         print(("\r" + line) if tty else line, end="" if tty else "\n", flush=True, file=sys.stderr)
+
     return show
 
 
-def record_run(server_args: Any, output: str, make_runner: Callable[[Any], WorkloadRunner], *,
-               num_requests: Optional[int] = None, duration_s: Optional[float] = None,
-               stop_when: Optional[Callable[[Sightings], bool]] = None,
-               progress: Optional[Callable[[str], None]] = None) -> RecordResult:
+def record_run(
+    server_args: Any,
+    output: str,
+    make_runner: Callable[[Any], WorkloadRunner],
+    *,
+    num_requests: Optional[int] = None,
+    duration_s: Optional[float] = None,
+    stop_when: Optional[Callable[[Sightings], bool]] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> RecordResult:
     """Start an engine, record its trace to `output` while `make_runner(engine)` runs, until
     `num_requests` completed or failed, `duration_s` passed, or `stop_when(sightings)` holds
     (whichever comes first; at least one of them must be given)."""
     from workbench.core.engine import Engine
     from workbench.core.trace.recorder import Recorder
+
     if num_requests is None and duration_s is None and stop_when is None:
         raise ValueError("record needs --num-requests or --duration (a scenario runs until stopped)")
     if progress is None:
@@ -246,14 +299,16 @@ def record_run(server_args: Any, output: str, make_runner: Callable[[Any], Workl
             elapsed = time.monotonic() - t0
             finished = runner.completed + runner.failed
             progress(f"[record] {elapsed:.0f} s · {finished} done · {sightings.line()}")
-            if ((num_requests is not None and finished >= num_requests)
-                    or (duration_s is not None and elapsed >= duration_s)
-                    or (stop_when is not None and stop_when(sightings))):
+            if (
+                (num_requests is not None and finished >= num_requests)
+                or (duration_s is not None and elapsed >= duration_s)
+                or (stop_when is not None and stop_when(sightings))
+            ):
                 break
         progress("\n")
-        completed, failed = runner.completed, runner.failed   # an aborted request may end "completed"
+        completed, failed = runner.completed, runner.failed  # an aborted request may end "completed"
         aborted = runner.stop()
-        time.sleep(0.5)             # let the last events reach the bus
+        time.sleep(0.5)  # let the last events reach the bus
         watch.close()
         handle.close()
         recorder.close()

@@ -17,6 +17,7 @@ different tokens where the top two candidates are within rounding; a divergence
 passes only at such a near-tie (the reference's own top-2 gap below
 `NEAR_TIE_NATS`) and is reported as such.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ from typing import Callable, Optional
 
 NEAR_TIE_NATS = 0.05
 PROMPT_TEXTS = ["What is a radix tree?", "Write a haiku about the sea.", "Name three prime numbers."]
-NEW_TOKENS = (16, 10, 5)          # different lengths: the decode batch shrinks 3 -> 2 -> 1
+NEW_TOKENS = (16, 10, 5)  # different lengths: the decode batch shrinks 3 -> 2 -> 1
 QUICK_NEW_TOKENS = (5, 3, 2)
 CHECKS = ("reference", "cuda_graph", "triton", "flashinfer", "overlap")
 
@@ -39,7 +40,7 @@ CHECKS = ("reference", "cuda_graph", "triton", "flashinfer", "overlap")
 @dataclass
 class CheckResult:
     name: str
-    status: str                    # PASS | FAIL | SKIP
+    status: str  # PASS | FAIL | SKIP
     seconds: float = 0.0
     detail: str = ""
 
@@ -47,6 +48,7 @@ class CheckResult:
 @dataclass
 class Greedy:
     """Greedy continuations with each step's top-2 logprobs (for the near-tie rule)."""
+
     tokens: list[list[int]]
     top2: list[list[list[tuple[int, float]]]] = field(default_factory=list)
 
@@ -81,6 +83,7 @@ class _Bench:
 
     def __init__(self, device: str, dtype: str, model: Optional[str], new_tokens: tuple[int, ...] = NEW_TOKENS):
         from workbench.core.model_loader import load_tokenizer, prepare_model
+
         self.device, self.dtype, self.model = device, dtype, model
         self.new_tokens = new_tokens
         self.reference_runner = None
@@ -88,25 +91,30 @@ class _Bench:
         tok = load_tokenizer(self.prepared.model_dir)
         self.prompts = []
         for text in PROMPT_TEXTS:
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          tokenize=True)
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
             self.prompts.append(list(ids["input_ids"] if not isinstance(ids, list) else ids))
 
     def runner(self, **server_args):
         from workbench.core.args import ServerArgs
         from workbench.core.model_executor.model_runner import ModelRunner
-        args = dict(device=self.device, dtype=self.dtype, max_total_tokens=4096, max_running_requests=8,
-                    show_progress=False)
+
+        args = dict(
+            device=self.device, dtype=self.dtype, max_total_tokens=4096, max_running_requests=8, show_progress=False
+        )
         args.update(server_args)
         return ModelRunner(ServerArgs(**args), prepared=self.prepared)
 
     def greedy(self, runner) -> Greedy:
         from workbench.core.model_executor.offline_harness import OfflineHarness
         from workbench.core.sampling.sampling_params import SamplingParams
+
         params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in self.new_tokens]
-        halves = [len(p) // 2 for p in self.prompts]        # a cached prefix, then the extension
-        res = OfflineHarness(runner).generate(self.prompts, params, prefix_lens=halves, return_logprob=True,
-                                              top_logprobs_num=2)
+        halves = [len(p) // 2 for p in self.prompts]  # a cached prefix, then the extension
+        res = OfflineHarness(runner).generate(
+            self.prompts, params, prefix_lens=halves, return_logprob=True, top_logprobs_num=2
+        )
         return Greedy([r.output_ids for r in res], [r.top_logprobs for r in res])
 
 
@@ -114,7 +122,7 @@ def _timed(name: str, fn: Callable[[], tuple[str, str]]) -> CheckResult:
     t0 = time.perf_counter()
     try:
         status, detail = fn()
-    except Exception as exc:       # a failing path is a FAIL row, never a crash of the whole table
+    except Exception as exc:  # a failing path is a FAIL row, never a crash of the whole table
         status, detail = "FAIL", f"{type(exc).__name__}: {exc}"
     return CheckResult(name, status, time.perf_counter() - t0, detail)
 
@@ -129,16 +137,24 @@ def _replays(graph_runner) -> str:
 
 
 # ---- the checks ---------------------------------------------------------------------------------
-def run_selftest(device: str, dtype: Optional[str] = None, model: Optional[str] = None,
-                 checks: Optional[list[str]] = None, progress: bool = True,
-                 quick: bool = False) -> list[CheckResult]:
+def run_selftest(
+    device: str,
+    dtype: Optional[str] = None,
+    model: Optional[str] = None,
+    checks: Optional[list[str]] = None,
+    progress: bool = True,
+    quick: bool = False,
+) -> list[CheckResult]:
     """Run the checks for `device` ("cpu" or "cuda"); returns one CheckResult per row.
 
     `quick` generates fewer tokens (the batch still shrinks through every bucket)."""
     import torch
+
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but torch sees no CUDA GPU (torch.cuda.is_available() is False); "
-                         "run `workbench selftest --device cpu` for the CPU dry run")
+        raise ValueError(
+            "--device cuda but torch sees no CUDA GPU (torch.cuda.is_available() is False); "
+            "run `workbench selftest --device cpu` for the CPU dry run"
+        )
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     wanted = list(checks or CHECKS)
     unknown = [c for c in wanted if c not in CHECKS]
@@ -181,15 +197,18 @@ def run_selftest(device: str, dtype: Optional[str] = None, model: Optional[str] 
 
 def _graph_check(bench: _Bench, ref: Greedy):
     if bench.device == "cpu":
+
         def run():
             from workbench.core.model_executor.cuda_graph_runner import CudaGraphRunner, StandInGraphMechanism
-            runner = bench.reference_runner             # the same weights: no second load on CPU
+
+            runner = bench.reference_runner  # the same weights: no second load on CPU
             runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4], StandInGraphMechanism())
             try:
                 runner.graph_runner.capture()
                 return _verdict(ref, bench.greedy(runner), _replays(runner.graph_runner))
             finally:
                 runner.graph_runner = None
+
         return "cuda graph runner, stand-in graph (torch_native)", run
 
     def run_cuda():
@@ -198,7 +217,9 @@ def _graph_check(bench: _Bench, ref: Greedy):
             return "FAIL", f"no graphs captured (backend {runner.attn_backend.name})"
         cap = sum(runner.graph_runner.capture_time_s.values())
         return _verdict(ref, bench.greedy(runner), f"{_replays(runner.graph_runner)}; capture {cap:.2f}s")
+
     from workbench.core.layers.attention.registry import default_attention_backend
+
     return f"cuda graphs ({default_attention_backend('cuda', bench.dtype)})", run_cuda
 
 
@@ -212,6 +233,7 @@ def _triton_checks(bench: _Bench, ref: Greedy) -> list[CheckResult]:
     if bench.device == "cuda":
         return _backend_checks(bench, ref, "triton")
     from workbench.core.layers.attention.triton_backend import triton_interpreter_unsupported_reason
+
     reason = triton_interpreter_unsupported_reason()
     if reason:
         return [CheckResult(INTERPRETED_TRITON_ROW, "SKIP", 0.0, reason)]
@@ -225,9 +247,13 @@ def _interpreted_kernels(bench: _Bench) -> tuple[str, str]:
     hk = getattr(cfg, "num_key_value_heads", None) or hq
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "workbench.triton_check",
-                           "--json", "--heads", f"{hq},{hk},{d}"], env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "workbench.triton_check", "--json", "--heads", f"{hq},{hk},{d}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode != 0:
         return "FAIL", proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -241,6 +267,7 @@ def _interpreted_kernels(bench: _Bench) -> tuple[str, str]:
 
 def _flashinfer_checks(bench: _Bench, ref: Greedy) -> list[CheckResult]:
     from workbench.core.layers.attention.flashinfer_backend import flashinfer_unavailable_reason
+
     reason = flashinfer_unavailable_reason(bench.device, bench.dtype)
     if reason:
         return [CheckResult("flashinfer backend", "SKIP", 0.0, reason)]
@@ -249,25 +276,36 @@ def _flashinfer_checks(bench: _Bench, ref: Greedy) -> list[CheckResult]:
 
 def _backend_checks(bench: _Bench, ref: Greedy, backend: str) -> list[CheckResult]:
     """`backend` on CUDA against the torch-native reference, eager and through CUDA graphs."""
+
     def eager():
         return _verdict(ref, bench.greedy(bench.runner(attention_backend=backend, disable_cuda_graph=True)))
 
     def graphed():
         runner = bench.runner(attention_backend=backend, cuda_graph_max_bs=4)
         return _verdict(ref, bench.greedy(runner), _replays(runner.graph_runner))
+
     return [_timed(f"{backend} backend (eager)", eager), _timed(f"{backend} backend + cuda graphs", graphed)]
 
 
 def _overlap_check(bench: _Bench) -> tuple[str, str]:
     from workbench.core.engine import Engine
+
     outs = {}
     for overlap in (False, True):
-        with Engine(model_path=bench.model, device=bench.device,
-                    dtype=bench.dtype, disable_overlap_schedule=not overlap, show_progress=False,
-                    num_threads=1 if bench.device == "cpu" else None) as engine:
-            res = [engine.generate(input_ids=p, sampling_params={"max_new_tokens": n, "temperature": 0.0,
-                                                                  "ignore_eos": True})
-                   for p, n in zip(bench.prompts, bench.new_tokens)]
+        with Engine(
+            model_path=bench.model,
+            device=bench.device,
+            dtype=bench.dtype,
+            disable_overlap_schedule=not overlap,
+            show_progress=False,
+            num_threads=1 if bench.device == "cpu" else None,
+        ) as engine:
+            res = [
+                engine.generate(
+                    input_ids=p, sampling_params={"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+                )
+                for p, n in zip(bench.prompts, bench.new_tokens)
+            ]
             outs[overlap] = [r["output_ids"] for r in res]
     if outs[True] != outs[False]:
         return "FAIL", f"overlap {outs[True]} != normal {outs[False]}"
@@ -282,24 +320,32 @@ def format_table(rows: list[CheckResult], device: str) -> str:
         t = f"{r.seconds:.1f}s" if r.status != "SKIP" else "-"
         lines.append(f"{r.name:<{width}}{r.status:<8}{t:>8}  {r.detail}")
     failed = sum(r.status == "FAIL" for r in rows)
-    lines.append(f"{device}: {sum(r.status == 'PASS' for r in rows)} passed, {failed} failed, "
-                 f"{sum(r.status == 'SKIP' for r in rows)} skipped")
+    lines.append(
+        f"{device}: {sum(r.status == 'PASS' for r in rows)} passed, {failed} failed, "
+        f"{sum(r.status == 'SKIP' for r in rows)} skipped"
+    )
     return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                   help="cuda: the real GPU paths; cpu: the dry run (default: cuda if available)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="cuda: the real GPU paths; cpu: the dry run (default: cuda if available)",
+    )
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--checks", default=None,
-                   help=f"comma-separated subset of {','.join(CHECKS)} (the reference always runs)")
+    p.add_argument(
+        "--checks", default=None, help=f"comma-separated subset of {','.join(CHECKS)} (the reference always runs)"
+    )
     p.add_argument("--quick", action="store_true", help="fewer new tokens per request (a faster smoke run)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def cli_main(args: argparse.Namespace) -> int:
     import torch
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     checks = [c.strip() for c in args.checks.split(",")] if args.checks else None
     rows = run_selftest(device, args.dtype, args.model, checks, progress=not args.quiet, quick=args.quick)

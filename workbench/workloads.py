@@ -15,6 +15,7 @@ rate is set from what this machine measurably completes (`adapt_rate`), so a
 demo neither starves a fast machine nor piles hundreds of requests onto a slow
 or busy one. Scenarios (workbench/scenarios.py) run adaptive workloads.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,11 +32,22 @@ _SHORT = {"chat": "chat", "shared-prefix": "sp", "long-prompt": "long", "burst":
 
 # The first few start with different words, so N shared-prefix requests branch N ways.
 _QUESTIONS = [
-    "What is a radix tree?", "Name three prime numbers.", "Why is the sky blue?",
-    "Explain batching in one sentence.", "How do bees make honey?", "Write a haiku about caches.",
-    "Give me a fun fact about octopuses.", "Describe the color green.", "Suggest a name for a cat.",
-    "What does a scheduler do?", "What is the capital of France?", "What is 12 times 12?",
-    "Why do we sleep?", "What is a token?", "How far is the Moon?", "What is recursion?",
+    "What is a radix tree?",
+    "Name three prime numbers.",
+    "Why is the sky blue?",
+    "Explain batching in one sentence.",
+    "How do bees make honey?",
+    "Write a haiku about caches.",
+    "Give me a fun fact about octopuses.",
+    "Describe the color green.",
+    "Suggest a name for a cat.",
+    "What does a scheduler do?",
+    "What is the capital of France?",
+    "What is 12 times 12?",
+    "Why do we sleep?",
+    "What is a token?",
+    "How far is the Moon?",
+    "What is recursion?",
 ]
 
 SHARED_SYSTEM = (
@@ -70,12 +82,20 @@ def make_prompts(kind: str, seed: int = 0) -> Iterator[Any]:
 
 # ---- the adaptive arrival rate ------------------------------------------------------
 MIN_RATE, MAX_RATE = 0.05, 50.0
-ADAPT_PERIOD_S = 1.0       # how often an adaptive runner recomputes its rate
-RATE_WINDOW_S = 10.0       # completions over this much unpaused time measure the machine
+ADAPT_PERIOD_S = 1.0  # how often an adaptive runner recomputes its rate
+RATE_WINDOW_S = 10.0  # completions over this much unpaused time measure the machine
 
 
-def adapt_rate(rate: float, done_per_s: float, in_flight: int, target_in_flight: float, *,
-               max_change: float = 2.0, min_rate: float = MIN_RATE, max_rate: float = MAX_RATE) -> float:
+def adapt_rate(
+    rate: float,
+    done_per_s: float,
+    in_flight: int,
+    target_in_flight: float,
+    *,
+    max_change: float = 2.0,
+    min_rate: float = MIN_RATE,
+    max_rate: float = MAX_RATE,
+) -> float:
     """The next arrival rate (requests/s) of an adaptive workload.
 
     By Little's law a steady state that holds `target_in_flight` requests in the engine has
@@ -118,6 +138,7 @@ def chat_text(engine: Any, messages: list[dict]) -> str:
 def _plugin_prompts(kind: str) -> Optional[Iterator[Any]]:
     try:
         from workbench.plugins import load_plugins
+
         spec = load_plugins().workloads.get(kind)
         if spec is None:
             return None
@@ -141,12 +162,27 @@ class WorkloadRunner:
     `ids` is the counter that numbers rids (share one to keep rids unique across runners).
     """
 
-    def __init__(self, engine: Any, kind: str = "chat", rate: float = 1.0, *, max_new_tokens: int = 32,
-                 seed: int = 0, burst_size: int = 8, max_in_flight: int = 256, use_plugins: bool = True,
-                 max_requests: Optional[int] = None, temperature: float = 0.7, ignore_eos: bool = False,
-                 prompts: Optional[Iterable[Any]] = None, ids: Optional[Iterator[int]] = None,
-                 label: Optional[str] = None, adaptive: bool = False, target_in_flight: float = 8.0,
-                 paused: bool = False):
+    def __init__(
+        self,
+        engine: Any,
+        kind: str = "chat",
+        rate: float = 1.0,
+        *,
+        max_new_tokens: int = 32,
+        seed: int = 0,
+        burst_size: int = 8,
+        max_in_flight: int = 256,
+        use_plugins: bool = True,
+        max_requests: Optional[int] = None,
+        temperature: float = 0.7,
+        ignore_eos: bool = False,
+        prompts: Optional[Iterable[Any]] = None,
+        ids: Optional[Iterator[int]] = None,
+        label: Optional[str] = None,
+        adaptive: bool = False,
+        target_in_flight: float = 8.0,
+        paused: bool = False,
+    ):
         if prompts is None and kind not in KINDS and (not use_plugins or _plugin_prompts(kind) is None):
             raise ValueError(f"unknown workload {kind!r}; choose one of {', '.join(KINDS)}")
         self.engine = engine
@@ -162,7 +198,7 @@ class WorkloadRunner:
         self.adaptive = adaptive
         self.target_in_flight = float(target_in_flight)
         self.sent = self.completed = self.failed = self.aborted = 0
-        self.measured_per_s = 0.0      # completions/s at the last adaptive update (0: none yet)
+        self.measured_per_s = 0.0  # completions/s at the last adaptive update (0: none yet)
         self.last_error = ""
         if prompts is not None:
             self._prompts = iter(prompts)
@@ -247,7 +283,7 @@ class WorkloadRunner:
             try:
                 self._loop.call_soon_threadsafe(self._wake.set)
             except RuntimeError:
-                pass       # the loop already closed
+                pass  # the loop already closed
 
     def _active_now(self) -> float:
         with self._clock_lock:
@@ -288,13 +324,13 @@ class WorkloadRunner:
             await self.engine.async_generate(rid=rid, **kwargs)
             self.completed += 1
             self._done_at.append(self._active_now())
-        except Exception as exc:          # aborted on stop, engine gone, bad input
+        except Exception as exc:  # aborted on stop, engine gone, bad input
             self.failed += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
         finally:
             self._rids.discard(rid)
             if self._wake is not None:
-                self._wake.set()          # room for a waiting burst
+                self._wake.set()  # room for a waiting burst
 
     def _how_many(self) -> int:
         """How many to send now: a whole burst (or one request) if the limits allow it, else 0."""
@@ -322,7 +358,7 @@ class WorkloadRunner:
     async def _run(self) -> None:
         self._wake = asyncio.Event()
         tasks: set[asyncio.Task] = set()
-        last_send = -math.inf              # active time of the last send: the first goes at once
+        last_send = -math.inf  # active time of the last send: the first goes at once
         last_adapt = self._active_now()
         while not self._stop.is_set():
             self._wake.clear()
@@ -343,7 +379,7 @@ class WorkloadRunner:
                     last_send = now
                     due = now + per
                 else:
-                    due = now + ADAPT_PERIOD_S     # at a limit: a completion (or stop) wakes us
+                    due = now + ADAPT_PERIOD_S  # at a limit: a completion (or stop) wakes us
             # Never sleep past an adaptive update (a rate of 0.05/s would otherwise wait 20 s).
             await self._sleep(min(due - now, ADAPT_PERIOD_S) if self.adaptive else due - now)
         if tasks:
@@ -393,15 +429,23 @@ def record_workload(args) -> int:
     if name:
         scenario = get_scenario(name)
         sa = scenario.server_args(sa)
-        make_runner = lambda engine: scenario.runner(engine, rate=args.rate,   # noqa: E731
-                                                     max_requests=args.num_requests)
+        make_runner = lambda engine: scenario.runner(
+            engine,
+            rate=args.rate,  # noqa: E731
+            max_requests=args.num_requests,
+        )
         num = args.num_requests
         duration = args.duration if args.duration is not None else (None if num else 60.0)
     else:
         num = args.num_requests or 16
-        make_runner = lambda engine: WorkloadRunner(   # noqa: E731
-            engine, args.workload, args.rate or 4.0, max_new_tokens=args.max_new_tokens,
-            max_requests=num, temperature=0.0)
+        make_runner = lambda engine: WorkloadRunner(  # noqa: E731
+            engine,
+            args.workload,
+            args.rate or 4.0,
+            max_new_tokens=args.max_new_tokens,
+            max_requests=num,
+            temperature=0.0,
+        )
         duration = args.duration
     result = record_run(sa, args.output, make_runner, num_requests=num, duration_s=duration)
     print(result.summary())

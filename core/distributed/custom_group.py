@@ -16,6 +16,7 @@ recipe byte for byte, because every step names keys in a shared TCPStore:
 `init_custom_process_group` does exactly that. It is the engine's side (every TP rank joins
 with `rank_offset + tp_rank`) and, through `TrainerWeightSync`, the project's trainer side.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -24,8 +25,14 @@ from typing import Any, Optional
 __all__ = ["init_custom_process_group", "destroy_custom_process_group"]
 
 
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout: Optional[datetime.timedelta] = None) -> Any:
+def init_custom_process_group(
+    backend: str,
+    init_method: str,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: Optional[datetime.timedelta] = None,
+) -> Any:
     """Join (rank > 0) or host (rank 0) the group `group_name`; returns the ProcessGroup.
 
     Blocks until all `world_size` ranks have joined; raises torch's error (DistStoreError,
@@ -39,8 +46,9 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
-                                      group_name=group_name, timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], dist.Backend(backend), store, group_name=group_name, timeout=timeout
+    )
     # The new group's ranks are its own (0..world_size-1), not a slice of the default group's.
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
@@ -49,4 +57,5 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
 def destroy_custom_process_group(pg: Any) -> None:
     """Leave a group made by `init_custom_process_group`; its name can then be used again."""
     import torch.distributed as dist
+
     dist.destroy_process_group(pg)

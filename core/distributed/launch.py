@@ -7,6 +7,7 @@ scheduler ranks (`run_worker_node`, which `workbench serve --node-rank N` calls)
 All ranks meet at `--dist-init-addr` (rank 0 hosts the torch.distributed store there);
 on one node without that flag a free loopback port is used.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,12 +52,17 @@ def spawn_scheduler_ranks(ctx, server_args, port_args, tp_ranks, procs: dict, re
     `server_args` must carry the model directory and (for tp_size > 1) the dist init address.
     """
     from workbench.core.managers.scheduler import run_scheduler_process
+
     for tp_rank in tp_ranks:
         role = scheduler_role(tp_rank)
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=run_scheduler_process, name=f"workbench-{role}", daemon=True,
-                           args=(server_args, port_args, writer),
-                           kwargs=dict(tp_rank=tp_rank, tp_size=server_args.tp_size, proc_name=role))
+        proc = ctx.Process(
+            target=run_scheduler_process,
+            name=f"workbench-{role}",
+            daemon=True,
+            args=(server_args, port_args, writer),
+            kwargs=dict(tp_rank=tp_rank, tp_size=server_args.tp_size, proc_name=role),
+        )
         proc.start()
         writer.close()
         procs[role] = proc
@@ -66,9 +72,11 @@ def spawn_scheduler_ranks(ctx, server_args, port_args, tp_ranks, procs: dict, re
 # A child exits with this code when it finds itself re-running the user's script while it starts
 # (an Engine created at a script's top level, without the `if __name__ == "__main__":` guard).
 MAIN_GUARD_EXIT = 86
-MAIN_GUARD_HINT = ("Engine() ran again inside one of its own child processes: multiprocessing starts each child by "
-                   "re-running your script, so create the Engine under `if __name__ == \"__main__\":` "
-                   "(see docs/engine_api.md)")
+MAIN_GUARD_HINT = (
+    "Engine() ran again inside one of its own child processes: multiprocessing starts each child by "
+    're-running your script, so create the Engine under `if __name__ == "__main__":` '
+    "(see docs/engine_api.md)"
+)
 
 
 class MainGuardError(RuntimeError):
@@ -81,16 +89,16 @@ def _exited(role: str, proc) -> RuntimeError:
     return RuntimeError(f"the {role} process exited during start-up (exit code {proc.exitcode})")
 
 
-def wait_ranks_ready(procs: dict, readers: dict, timeout_s: float = START_TIMEOUT_S,
-                     timeout_hint: str = "") -> dict:
+def wait_ranks_ready(procs: dict, readers: dict, timeout_s: float = START_TIMEOUT_S, timeout_hint: str = "") -> dict:
     """Wait for every child's ready message (`readers`: role -> pipe); returns role -> message and
     raises RuntimeError naming the child that failed, exited or timed out."""
     infos = {}
     deadline = time.monotonic() + timeout_s
     pending = dict(readers)
     while pending:
-        ready = mp_wait(list(pending.values()) + [procs[r].sentinel for r in pending],
-                        timeout=max(0.0, deadline - time.monotonic()))
+        ready = mp_wait(
+            list(pending.values()) + [procs[r].sentinel for r in pending], timeout=max(0.0, deadline - time.monotonic())
+        )
         if not ready:
             raise RuntimeError(f"start timed out waiting for {', '.join(pending)}{timeout_hint}")
         for role, reader in list(pending.items()):
@@ -98,7 +106,7 @@ def wait_ranks_ready(procs: dict, readers: dict, timeout_s: float = START_TIMEOU
                 try:
                     msg = reader.recv()
                 except EOFError:
-                    procs[role].join(5)          # its exit code says why
+                    procs[role].join(5)  # its exit code says why
                     raise _exited(role, procs[role]) from None
                 if msg.get("status") != "ready":
                     raise RuntimeError(f"the {role} process failed to start: {msg.get('error')}")
@@ -138,7 +146,7 @@ def run_worker_node(server_args, on_ready=None) -> int:
         raise ValueError("--dist-init-addr HOST:PORT (node 0's address) is required with --nnodes > 1")
     prepared = prepare_model(sa.model_path, progress=sa.show_progress)
     child_args = dataclasses.replace(sa, model_path=str(prepared.model_dir))
-    port_args = PortArgs.create()      # only for the process plumbing; ranks > 0 open no sockets
+    port_args = PortArgs.create()  # only for the process plumbing; ranks > 0 open no sockets
     ranks = tp_ranks_on_node(sa.tp_size, sa.nnodes, sa.node_rank)
     procs: dict = {}
     readers: dict = {}
@@ -149,12 +157,16 @@ def run_worker_node(server_args, on_ready=None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with omp_wait_env(sa.device):   # the ranks' OpenMP threads sleep soon when idle
+        with omp_wait_env(sa.device):  # the ranks' OpenMP threads sleep soon when idle
             spawn_scheduler_ranks(mp.get_context("spawn"), child_args, port_args, ranks, procs, readers)
-        wait_ranks_ready(procs, readers, timeout_hint=" (are all nodes started with the same --dist-init-addr "
-                                                      "and --nnodes?)")
-        print(f"node {sa.node_rank}/{sa.nnodes}: TP ranks {list(ranks)} of {sa.tp_size} ready "
-              f"(front end on node 0, {sa.dist_init_addr})", flush=True)
+        wait_ranks_ready(
+            procs, readers, timeout_hint=" (are all nodes started with the same --dist-init-addr and --nnodes?)"
+        )
+        print(
+            f"node {sa.node_rank}/{sa.nnodes}: TP ranks {list(ranks)} of {sa.tp_size} ready "
+            f"(front end on node 0, {sa.dist_init_addr})",
+            flush=True,
+        )
         if on_ready is not None:
             on_ready()
         sentinels = {p.sentinel: role for role, p in procs.items()}
@@ -163,8 +175,9 @@ def run_worker_node(server_args, on_ready=None) -> int:
             if done:
                 role = sentinels[done[0]]
                 code = procs[role].exitcode
-                print(f"node {sa.node_rank}: {role} exited (code {code}); stopping this node", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"node {sa.node_rank}: {role} exited (code {code}); stopping this node", file=sys.stderr, flush=True
+                )
                 return 1
         return 0
     except RuntimeError as exc:
@@ -182,6 +195,7 @@ def worker_node_main(argv: Optional[list[str]] = None) -> int:
     import argparse
 
     from workbench.core.args import ServerArgs
+
     parser = argparse.ArgumentParser(description="run the scheduler ranks of a node > 0")
     ServerArgs.add_cli_args(parser)
     sa = ServerArgs.from_cli_args(parser.parse_args(argv))

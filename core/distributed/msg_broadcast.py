@@ -5,6 +5,7 @@ list it read so that every rank processes the same messages in the same order an
 runs the same schedule. The list travels as msgpack (the io_struct message types, tagged),
 never pickle.
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -9,6 +9,7 @@ One torch.distributed world per TP group (a DP replica is a separate world). Two
 
 With tp_size 1 every collective is the identity, so the single-device path pays nothing.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -26,8 +27,8 @@ DEFAULT_TIMEOUT_S = 1800.0
 class TPGroup:
     rank: int = 0
     size: int = 1
-    group: Optional[object] = None       # torch.distributed ProcessGroup for the model's collectives
-    cpu_group: Optional[object] = None   # gloo ProcessGroup for message broadcast (None when size 1)
+    group: Optional[object] = None  # torch.distributed ProcessGroup for the model's collectives
+    cpu_group: Optional[object] = None  # gloo ProcessGroup for message broadcast (None when size 1)
 
 
 _TP = TPGroup()
@@ -51,8 +52,9 @@ def get_tp_group() -> TPGroup:
     return _TP
 
 
-def init_tp_group(tp_rank: int, tp_size: int, init_addr: str, backend: str = "gloo",
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def init_tp_group(
+    tp_rank: int, tp_size: int, init_addr: str, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> None:
     """Join the TP world at `init_addr` ("host:port"; rank 0 hosts the store) and set the groups.
 
     Blocks until all `tp_size` ranks have joined (or `timeout_s` passes).
@@ -66,9 +68,10 @@ def init_tp_group(tp_rank: int, tp_size: int, init_addr: str, backend: str = "gl
         raise RuntimeError("torch.distributed is already initialized in this process; one TP group per process")
     host, port = split_addr(init_addr)
     timeout = datetime.timedelta(seconds=timeout_s)
-    host = f"[{host}]" if ":" in host else host           # IPv6 literal
-    dist.init_process_group(backend=backend, init_method=f"tcp://{host}:{port}", world_size=tp_size,
-                            rank=tp_rank, timeout=timeout)
+    host = f"[{host}]" if ":" in host else host  # IPv6 literal
+    dist.init_process_group(
+        backend=backend, init_method=f"tcp://{host}:{port}", world_size=tp_size, rank=tp_rank, timeout=timeout
+    )
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     set_tp_group(tp_rank, tp_size, dist.group.WORLD, cpu_group)
 
@@ -84,11 +87,13 @@ def destroy_tp_group() -> None:
 
 # ---- the model's collectives (device group) ----------------------------------------------------
 
+
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the TP ranks, in place."""
     if _TP.size == 1:
         return x
     import torch.distributed as dist
+
     dist.all_reduce(x, group=_TP.group)
     return x
 
@@ -98,6 +103,7 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     if _TP.size == 1:
         return x
     import torch.distributed as dist
+
     parts = [torch.empty_like(x) for _ in range(_TP.size)]
     dist.all_gather(parts, x.contiguous(), group=_TP.group)
     return torch.cat(parts, dim=dim)
@@ -108,11 +114,13 @@ def tensor_model_parallel_broadcast_(x: torch.Tensor, src: int = 0) -> torch.Ten
     if _TP.size == 1:
         return x
     import torch.distributed as dist
+
     dist.broadcast(x, src=src, group=_TP.group)
     return x
 
 
 # ---- scheduler-level agreement (CPU group) ------------------------------------------------------
+
 
 def broadcast_bytes(data: Optional[bytes], src: int = 0) -> bytes:
     """Rank `src`'s `data` on every rank (others pass None). Two small broadcasts, one if empty.
@@ -123,6 +131,7 @@ def broadcast_bytes(data: Optional[bytes], src: int = 0) -> bytes:
     if _TP.size == 1:
         return data or b""
     import torch.distributed as dist
+
     is_src = _TP.rank == src
     payload = (data or b"") if is_src else b""
     size = torch.tensor([len(payload)], dtype=torch.int64)
@@ -140,6 +149,7 @@ def all_gather_bytes(data: bytes) -> list[bytes]:
     if _TP.size == 1:
         return [data]
     import torch.distributed as dist
+
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(_TP.size)]
     dist.all_gather(sizes, size, group=_TP.cpu_group)
@@ -159,6 +169,7 @@ def all_reduce_min_int(value: int) -> int:
     if _TP.size == 1:
         return int(value)
     import torch.distributed as dist
+
     t = torch.tensor([int(value)], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_TP.cpu_group)
     return int(t.item())

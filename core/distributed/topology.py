@@ -1,6 +1,7 @@
 """What a tensor-parallel layout must satisfy, as pure functions: used by the flags' validation, the
 model runner and the launcher alike (so neither of the first two imports the process launcher).
 """
+
 from __future__ import annotations
 
 
@@ -27,10 +28,13 @@ def validate_tp_for_model(hf_config, tp_size: int) -> None:
     if inter and inter % tp_size:
         problems.append(f"MLP width {inter}")
     if problems:
-        ok = [n for n in range(1, kv_heads + 1)
-              if heads % n == 0 and kv_heads % n == 0 and (not inter or inter % n == 0)]
-        raise ValueError(f"--tp-size {tp_size} does not divide this model's {' and '.join(problems)}; "
-                         f"each rank must hold whole heads. Use --tp-size one of {ok}")
+        ok = [
+            n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0 and (not inter or inter % n == 0)
+        ]
+        raise ValueError(
+            f"--tp-size {tp_size} does not divide this model's {' and '.join(problems)}; "
+            f"each rank must hold whole heads. Use --tp-size one of {ok}"
+        )
 
 
 def tp_ranks_on_node(tp_size: int, nnodes: int, node_rank: int) -> range:

@@ -18,6 +18,7 @@ with a status that says whose fault it is. The mapping (also in docs/http_server
 Anything else is a bug: the catch-all handler logs the traceback and answers a
 plain 500 JSON error without it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,18 +47,41 @@ _ERROR_TYPES = {
 
 # Engine messages start with the parameter they are about ("top_p must be in (0, 1] ...").
 _LEADING_NAME = re.compile(r"^([a-z_]+)\b")
-_KNOWN_PARAMS = frozenset((
-    "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-    "max_new_tokens", "min_new_tokens", "n", "seed", "stop", "stop_token_ids", "input_ids",
-    "top_logprobs_num", "sampling_params"))
+_KNOWN_PARAMS = frozenset(
+    (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "max_new_tokens",
+        "min_new_tokens",
+        "n",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "input_ids",
+        "top_logprobs_num",
+        "sampling_params",
+    )
+)
 _PARAM_ALIASES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 class APIError(Exception):
     """An error the server reports to the client as it is (status, message, param, code)."""
 
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None,
-                 code: Optional[str] = None, err_type: Optional[str] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        err_type: Optional[str] = None,
+    ):
         super().__init__(message)
         self.status = int(status)
         self.message = message
@@ -72,14 +96,14 @@ class APIError(Exception):
         return JSONResponse(self.to_dict(), status_code=self.status)
 
 
-def error_body(message: str, err_type: str, param: Optional[str] = None,
-               code: Optional[str] = None) -> dict[str, Any]:
+def error_body(message: str, err_type: str, param: Optional[str] = None, code: Optional[str] = None) -> dict[str, Any]:
     """The OpenAI error envelope."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, *, param: Optional[str] = None,
-                   code: Optional[str] = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None
+) -> JSONResponse:
     return APIError(status, message, param=param, code=code).response()
 
 

@@ -8,6 +8,7 @@ when it fires, if no new request cycle began (h11 makes one when the headers are
 transport is closed. A request whose headers arrived is never touched: its body and its response
 take as long as they take.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,7 +31,8 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
         def expire() -> None:
             if self.cycle is armed_for and not self.transport.is_closing():
-                self.transport.close()      # no complete request headers in time
+                self.transport.close()  # no complete request headers in time
+
         self._header_timer = self.loop.call_later(self.header_timeout_s, expire)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]

@@ -16,6 +16,7 @@ and the process exits 1.
 
 Run: `python -m workbench.core.entrypoints.http_server --port 30000 [--model PATH] [--api-key K]`
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,13 +40,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from workbench.core.args import ServerArgs
 from workbench.core.entrypoints.errors import (
-    APIError, bad_request, engine_error_to_api, error_response, http_status_error, validation_error,
+    APIError,
+    bad_request,
+    engine_error_to_api,
+    error_response,
+    http_status_error,
+    validation_error,
 )
 from workbench.core.entrypoints.metrics import ServerMetrics
 from workbench.core.entrypoints.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from workbench.core.entrypoints.native_api import finite_json, native_generate
 from workbench.core.entrypoints.openai.protocol import (
-    AbortReqInput, ChatCompletionRequest, CompletionRequest, GenerateReqInput, ModelCard, ModelList,
+    AbortReqInput,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateReqInput,
+    ModelCard,
+    ModelList,
 )
 from workbench.core.entrypoints.openai.serving_chat import create_chat_completion
 from workbench.core.entrypoints.openai.serving_common import ServingContext, new_rid
@@ -57,11 +68,12 @@ GRACEFUL_TIMEOUT_S = 30.0
 # How long a shutdown waits for in-flight requests before stopping them (WORKBENCH_DRAIN_S); below
 # uvicorn's own limit, so uvicorn never cancels a handler mid-stream.
 DRAIN_S = min(float(os.environ.get("WORKBENCH_DRAIN_S", "20")), GRACEFUL_TIMEOUT_S - 5)
-EXIT_REQUESTS_STOPPED = 3    # exit code when the drain window ended with requests unfinished
-ENGINE_DEAD_GRACE_S = 2.0    # after a child process dies: answer 503 this long, then exit 1
+EXIT_REQUESTS_STOPPED = 3  # exit code when the drain window ended with requests unfinished
+ENGINE_DEAD_GRACE_S = 2.0  # after a child process dies: answer 503 this long, then exit 1
 
 
 # ---------------------------------------------------------------- helpers
+
 
 def _parse(model: type[BaseModel], body: bytes) -> Any:
     try:
@@ -75,9 +87,13 @@ def _parse(model: type[BaseModel], body: bytes) -> Any:
 
 def _served_names(engine: Any, server_args: ServerArgs) -> tuple[str, frozenset]:
     from workbench.core.model_loader import DEFAULT_MODEL_NAME
+
     path = server_args.model_path
-    name = (server_args.served_model_name or getattr(engine, "served_model_name", None)
-            or (path if path else DEFAULT_MODEL_NAME))
+    name = (
+        server_args.served_model_name
+        or getattr(engine, "served_model_name", None)
+        or (path if path else DEFAULT_MODEL_NAME)
+    )
     aliases = {name}
     if path:
         aliases |= {path, os.path.basename(path.rstrip("/"))}
@@ -88,8 +104,9 @@ def _served_names(engine: Any, server_args: ServerArgs) -> tuple[str, frozenset]
 
 def _make_abort(engine: Any):
     """abort(rid) that is safe to call anywhere, the engine loop included: never blocks it."""
+
     def abort(rid: str) -> None:
-        if not rid:        # "" would abort every request in the engine
+        if not rid:  # "" would abort every request in the engine
             return
         loop = getattr(engine, "loop", None)
         tm = getattr(engine, "tokenizer_manager", None)
@@ -102,16 +119,23 @@ def _make_abort(engine: Any):
                 engine.abort_request(rid)
         except Exception:  # noqa: BLE001 - abort is best effort (engine may be gone)
             logger.debug("abort_request(%s) failed", rid, exc_info=True)
+
     return abort
 
 
 # SGLang's weight routes: path, Engine method, accepted JSON fields (see core/managers/weight_updater.py).
 _WEIGHT_ROUTES = (
     ("/update_weights_from_disk", "update_weights_from_disk", ("model_path", "abort_all_requests", "flush_cache")),
-    ("/init_weights_update_group", "init_weights_update_group",
-     ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s")),
-    ("/update_weights_from_distributed", "update_weights_from_distributed",
-     ("names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests")),
+    (
+        "/init_weights_update_group",
+        "init_weights_update_group",
+        ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s"),
+    ),
+    (
+        "/update_weights_from_distributed",
+        "update_weights_from_distributed",
+        ("names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests"),
+    ),
     ("/destroy_weights_update_group", "destroy_weights_update_group", ("group_name",)),
     ("/get_weights_by_name", "get_weights_by_name", ("name", "truncate_size")),
 )
@@ -120,11 +144,12 @@ _WEIGHT_ROUTES = (
 def _add_weights_route(app: FastAPI, engine: Any, path: str, method: str, fields: tuple) -> None:
     """JSON object of `fields` -> `engine.<method>(**body)`: 200 with its reply, or 400
     `{"success": false, "message": ...}` when the engine rejects it (old weights kept)."""
+
     async def route(request: Request):
         raw = await request.body()
         try:
             body = json.loads(raw) if raw else {}
-        except (ValueError, RecursionError) as e:   # RecursionError: absurdly deep nesting
+        except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
             raise bad_request(f"Request body is not valid JSON: {e}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
@@ -136,8 +161,9 @@ def _add_weights_route(app: FastAPI, engine: Any, path: str, method: str, fields
         except (ValueError, TypeError) as e:
             return JSONResponse({"success": False, "message": str(e)}, status_code=400)
         return JSONResponse(finite_json(out))
+
     methods = ["GET", "POST"] if method == "get_weights_by_name" else ["POST"]
-    for m in methods:     # one route per method: distinct OpenAPI operation ids
+    for m in methods:  # one route per method: distinct OpenAPI operation ids
         app.add_api_route(path, route, methods=[m], name=method, operation_id=f"{method}_{m.lower()}")
 
 
@@ -150,12 +176,13 @@ def _running_loop():
 
 # ---------------------------------------------------------------- the app
 
+
 def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI:
     """The FastAPI app over a started Engine (routes, errors, metrics; see the module
     docstring). `app.state.metrics.close()` unsubscribes the metrics from the trace bus."""
     server_args = server_args or getattr(engine, "server_args", None) or ServerArgs()
     context_len = getattr(engine, "context_len", None)
-    if context_len is None:      # an engine-like object without the attribute: ask it
+    if context_len is None:  # an engine-like object without the attribute: ask it
         context_len = engine.get_server_info().get("context_len") or 2048
     name, aliases = _served_names(engine, server_args)
     try:
@@ -163,10 +190,17 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
     except Exception:  # noqa: BLE001 - then token ids are checked by the engine only
         vocab = None
     model_path = str(getattr(engine, "model_path", None) or server_args.model_path or name)
-    ctx = ServingContext(engine=engine, model_name=name, model_path=model_path,
-                         context_len=int(context_len), vocab_size=vocab,
-                         max_n=server_args.max_n, max_top_logprobs=server_args.max_top_logprobs,
-                         aliases=aliases, abort=_make_abort(engine))
+    ctx = ServingContext(
+        engine=engine,
+        model_name=name,
+        model_path=model_path,
+        context_len=int(context_len),
+        vocab_size=vocab,
+        max_n=server_args.max_n,
+        max_top_logprobs=server_args.max_top_logprobs,
+        aliases=aliases,
+        abort=_make_abort(engine),
+    )
     metrics = ServerMetrics(name)
     metrics.attach(engine)
 
@@ -179,8 +213,10 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
         app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
     if server_args.enable_cors:
         from fastapi.middleware.cors import CORSMiddleware
-        app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"],
-                           allow_credentials=False)
+
+        app.add_middleware(
+            CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"], allow_credentials=False
+        )
     _install_error_handlers(app)
 
     def ensure_serving() -> None:
@@ -211,8 +247,9 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         ctx.check_model(model_id)
-        return JSONResponse(ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.context_len)
-                            .model_dump(mode="json"))
+        return JSONResponse(
+            ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.context_len).model_dump(mode="json")
+        )
 
     # ---- native ------------------------------------------------------------
 
@@ -225,20 +262,23 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
     @app.get("/health")
     async def health():
         if app.state.draining or not getattr(engine, "is_healthy", True):
-            return error_response(503, "unhealthy" if not app.state.draining else "shutting down",
-                                  code="engine_unavailable")
+            return error_response(
+                503, "unhealthy" if not app.state.draining else "shutting down", code="engine_unavailable"
+            )
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate():
         ensure_serving()
         try:
-            await asyncio.wait_for(engine.async_generate(
-                input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                rid=new_rid("health")), timeout=30.0)
+            await asyncio.wait_for(
+                engine.async_generate(
+                    input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=new_rid("health")
+                ),
+                timeout=30.0,
+            )
         except Exception as e:  # noqa: BLE001 - any failure means unhealthy
-            raise APIError(503, f"health generation failed: {type(e).__name__}: {e}",
-                           code="engine_unavailable") from e
+            raise APIError(503, f"health generation failed: {type(e).__name__}: {e}", code="engine_unavailable") from e
         return Response(status_code=200)
 
     @app.get("/get_server_info")
@@ -248,17 +288,23 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
 
     @app.get("/get_model_info")
     async def get_model_info():
-        return JSONResponse({"model_path": ctx.model_path, "tokenizer_path": ctx.model_path,
-                             "served_model_name": name, "is_generation": True,
-                             "context_len": ctx.context_len, "vocab_size": ctx.vocab_size})
+        return JSONResponse(
+            {
+                "model_path": ctx.model_path,
+                "tokenizer_path": ctx.model_path,
+                "served_model_name": name,
+                "is_generation": True,
+                "context_len": ctx.context_len,
+                "vocab_size": ctx.vocab_size,
+            }
+        )
 
     @app.post("/flush_cache", operation_id="flush_cache_post")
     @app.get("/flush_cache", operation_id="flush_cache_get")
     async def flush_cache():
         ok = await asyncio.to_thread(engine.flush_cache)
         if not ok:
-            return error_response(400, "Cache not flushed: requests are running; retry when idle.",
-                                  code="cache_busy")
+            return error_response(400, "Cache not flushed: requests are running; retry when idle.", code="cache_busy")
         return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/abort_request")
@@ -317,6 +363,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 # ---------------------------------------------------------------- launching
 
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind now, so a busy port fails before the model loads."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -340,12 +387,19 @@ class _StartupInterrupted(BaseException):
 class _StartupResponder:
     """Answers 503 on the bound socket while the engine loads (own loop, own thread)."""
 
-    BODY = json.dumps({"error": {"message": "The server is starting; the model is loading.",
-                                 "type": "service_unavailable", "param": None,
-                                 "code": "starting"}}).encode()
+    BODY = json.dumps(
+        {
+            "error": {
+                "message": "The server is starting; the model is loading.",
+                "type": "service_unavailable",
+                "param": None,
+                "code": "starting",
+            }
+        }
+    ).encode()
 
     def __init__(self, sock: socket.socket):
-        self._sock = socket.socket(fileno=os.dup(sock.fileno()))   # closing the dup keeps `sock` listening
+        self._sock = socket.socket(fileno=os.dup(sock.fileno()))  # closing the dup keeps `sock` listening
         self._loop = asyncio.new_event_loop()
         self._server = None
         self._thread = threading.Thread(target=self._run, name="startup-503", daemon=True)
@@ -359,9 +413,13 @@ class _StartupResponder:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
             try:
                 await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-                writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                             b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
-                             + str(len(self.BODY)).encode() + b"\r\n\r\n" + self.BODY)
+                writer.write(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+                    + str(len(self.BODY)).encode()
+                    + b"\r\n\r\n"
+                    + self.BODY
+                )
                 await writer.drain()
             except Exception:  # noqa: BLE001 - a broken probe is not our problem
                 pass
@@ -378,6 +436,7 @@ class _StartupResponder:
     def stop(self) -> None:
         async def close():
             self._server.close()
+
         if self._server is not None:
             asyncio.run_coroutine_threadsafe(close(), self._loop).result(5)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -408,8 +467,9 @@ class RunningServer:
         self.app.state.metrics.close()
 
 
-def start_server(engine: Any, server_args: Optional[ServerArgs] = None,
-                 sock: Optional[socket.socket] = None, timeout_s: float = 30.0) -> RunningServer:
+def start_server(
+    engine: Any, server_args: Optional[ServerArgs] = None, sock: Optional[socket.socket] = None, timeout_s: float = 30.0
+) -> RunningServer:
     """Serve an already started Engine over HTTP from its own loop, in the background.
 
     Works in any process that holds an Engine (a script, a notebook, a test); `sock`
@@ -423,15 +483,22 @@ def start_server(engine: Any, server_args: Optional[ServerArgs] = None,
     app = create_app(engine, server_args)
     level = server_args.log_level.lower()
     from workbench.core.entrypoints.header_timeout import HeaderTimeoutH11Protocol
-    config = uvicorn.Config(app, log_level=level, access_log=level in ("info", "debug", "trace"),
-                            lifespan="off", timeout_graceful_shutdown=int(GRACEFUL_TIMEOUT_S),
-                            timeout_keep_alive=5, http=HeaderTimeoutH11Protocol)
+
+    config = uvicorn.Config(
+        app,
+        log_level=level,
+        access_log=level in ("info", "debug", "trace"),
+        lifespan="off",
+        timeout_graceful_shutdown=int(GRACEFUL_TIMEOUT_S),
+        timeout_keep_alive=5,
+        http=HeaderTimeoutH11Protocol,
+    )
     server = uvicorn.Server(config)
     fut = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), engine.loop)
     deadline = time.monotonic() + timeout_s
     while not server.started:
         if fut.done():
-            fut.result()           # raises what stopped it
+            fut.result()  # raises what stopped it
             raise RuntimeError("the HTTP server stopped during start-up")
         if time.monotonic() > deadline:
             server.should_exit = True
@@ -450,11 +517,15 @@ def _in_flight(engine: Any) -> int:
 
 def _drain(engine: Any, running: "RunningServer", signals: dict, announce: bool) -> int:
     """The drain window of a shutdown; returns how many requests were stopped unfinished."""
-    running.app.state.draining = True             # new requests get 503 shutting_down
+    running.app.state.draining = True  # new requests get 503 shutting_down
     n = _in_flight(engine)
     if announce:
-        print(f"draining {n} request(s) for up to {DRAIN_S:g} s (Ctrl-C again to stop now)" if n
-              else "shutting down (no requests in flight)", flush=True)
+        print(
+            f"draining {n} request(s) for up to {DRAIN_S:g} s (Ctrl-C again to stop now)"
+            if n
+            else "shutting down (no requests in flight)",
+            flush=True,
+        )
     seen = signals["count"]
     deadline = time.monotonic() + DRAIN_S
     while _in_flight(engine) and time.monotonic() < deadline and signals["count"] == seen:
@@ -462,11 +533,14 @@ def _drain(engine: Any, running: "RunningServer", signals: dict, announce: bool)
     cut = _in_flight(engine)
     if cut:
         engine.loop.call_soon_threadsafe(running.app.state.ctx.stopping.set)
-        deadline = time.monotonic() + 5.0         # the handlers send their errors and abort
+        deadline = time.monotonic() + 5.0  # the handlers send their errors and abort
         while _in_flight(engine) and time.monotonic() < deadline:
             time.sleep(0.05)
-        print(f"stopped {cut} unfinished request(s): each client got an error (`server_shutdown`, "
-              f"in-band for streams); exit code {EXIT_REQUESTS_STOPPED}", flush=True)
+        print(
+            f"stopped {cut} unfinished request(s): each client got an error (`server_shutdown`, "
+            f"in-band for streams); exit code {EXIT_REQUESTS_STOPPED}",
+            flush=True,
+        )
     elif n and announce:
         print(f"all {n} request(s) finished", flush=True)
     return cut
@@ -476,12 +550,15 @@ def launch_server(server_args: ServerArgs) -> int:
     """`workbench serve`: start the engine, serve until SIGTERM/SIGINT, shut down. Returns the exit code."""
     from workbench.core.engine import Engine
 
-    if server_args.node_rank > 0:     # multi-node: this node serves only its TP ranks (no HTTP)
+    if server_args.node_rank > 0:  # multi-node: this node serves only its TP ranks (no HTTP)
         from workbench.core.distributed.launch import run_worker_node
+
         return run_worker_node(server_args)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID` dumps every thread's stack
-    logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.WARNING),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every thread's stack
+    logging.basicConfig(
+        level=getattr(logging, server_args.log_level.upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     sock = bind_socket(server_args.host, server_args.port)
     # The handler only counts: taking a lock in a signal handler (Event.set) can deadlock
     # against the main thread waiting on that same lock.
@@ -490,7 +567,7 @@ def launch_server(server_args: ServerArgs) -> int:
     def on_signal(signum, _frame):
         signals["count"] += 1
         if signals["starting"]:
-            raise _StartupInterrupted()     # Engine() cleans up its children on the way out
+            raise _StartupInterrupted()  # Engine() cleans up its children on the way out
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     starting = _StartupResponder(sock)
@@ -504,8 +581,10 @@ def launch_server(server_args: ServerArgs) -> int:
             signals["starting"] = False
             starting.stop()
         running = start_server(engine, server_args, sock)
-        print(f"Serving {running.app.state.ctx.model_name} on {running.url} "
-              f"(OpenAI API at /v1, metrics at /metrics)", flush=True)
+        print(
+            f"Serving {running.app.state.ctx.model_name} on {running.url} (OpenAI API at /v1, metrics at /metrics)",
+            flush=True,
+        )
         code = 0
         while not signals["count"]:
             time.sleep(0.2)
@@ -546,8 +625,9 @@ def launch_server(server_args: ServerArgs) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="workbench serve",
-                                     description="OpenAI-compatible server over the workbench engine")
+    parser = argparse.ArgumentParser(
+        prog="workbench serve", description="OpenAI-compatible server over the workbench engine"
+    )
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
     try:

@@ -19,6 +19,7 @@ it does not drop to 0 while the engine decodes. Exposed with a private
 `CollectorRegistry` (one per server, so several apps in one process never
 clash); `render()` gives the text format for `GET /metrics`.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -44,11 +45,11 @@ class _Histogram:
 
     def __init__(self, buckets: Iterable[float]):
         self.bounds = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.bounds) + 1)    # last slot: +Inf
+        self.counts = [0] * (len(self.bounds) + 1)  # last slot: +Inf
         self.sum = 0.0
 
     def observe(self, value: float, count: int = 1) -> None:
-        if count <= 0 or value != value:              # NaN never lands anywhere
+        if count <= 0 or value != value:  # NaN never lands anywhere
             return
         self.counts[bisect.bisect_left(self.bounds, value)] += count
         self.sum += value * count
@@ -70,7 +71,7 @@ class ServerMetrics:
         self.labels = {"model_name": model_name}
         self.window_ns = int(throughput_window_s * 1e9)
         self._lock = threading.Lock()
-        self._finished: OrderedDict[str, None] = OrderedDict()   # dedupe req.finished per rid
+        self._finished: OrderedDict[str, None] = OrderedDict()  # dedupe req.finished per rid
         self._max_rids = max_remembered_rids
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -82,7 +83,7 @@ class ServerMetrics:
         self.dropped_events = 0
         self._queues: dict[str, ev.QueueState] = {}
         self._kv: dict[str, ev.KVUsage] = {}
-        self._decode_steps: deque[tuple[int, int]] = deque(maxlen=100_000)   # (ts, decode tokens)
+        self._decode_steps: deque[tuple[int, int]] = deque(maxlen=100_000)  # (ts, decode tokens)
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.itl = _Histogram(ITL_BUCKETS)
         self.e2e = _Histogram(E2E_BUCKETS)
@@ -191,13 +192,20 @@ class ServerMetrics:
         used = sum(k.used for k in self._kv.values())
         total = sum(k.total for k in self._kv.values())
         return {
-            "num_running_reqs": running, "num_queue_reqs": waiting,
-            "num_used_tokens": used, "token_usage": used / total if total else 0.0,
-            "gen_throughput": self.gen_throughput(), "cache_hit_rate": self.cache_hit_rate,
-            "prompt_tokens_total": self.prompt_tokens, "generation_tokens_total": self.generation_tokens,
-            "cached_tokens_total": self.cached_tokens, "num_requests_total": self.num_requests,
-            "num_aborted_requests_total": self.num_aborted, "num_retracted_reqs": self.num_retracted,
-            "evicted_tokens_total": self.evicted_tokens, "trace_dropped_events_total": self.dropped_events,
+            "num_running_reqs": running,
+            "num_queue_reqs": waiting,
+            "num_used_tokens": used,
+            "token_usage": used / total if total else 0.0,
+            "gen_throughput": self.gen_throughput(),
+            "cache_hit_rate": self.cache_hit_rate,
+            "prompt_tokens_total": self.prompt_tokens,
+            "generation_tokens_total": self.generation_tokens,
+            "cached_tokens_total": self.cached_tokens,
+            "num_requests_total": self.num_requests,
+            "num_aborted_requests_total": self.num_aborted,
+            "num_retracted_reqs": self.num_retracted,
+            "evicted_tokens_total": self.evicted_tokens,
+            "trace_dropped_events_total": self.dropped_events,
         }
 
     # ---- prometheus -------------------------------------------------------------
@@ -211,10 +219,9 @@ class ServerMetrics:
             s = self._snapshot_locked()
             histograms = [
                 self.ttft.family(PREFIX + "time_to_first_token_seconds", "Time to first token.", self.labels),
-                self.itl.family(PREFIX + "inter_token_latency_seconds", "Time between output tokens.",
-                                self.labels),
-                self.e2e.family(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.",
-                                self.labels)]
+                self.itl.family(PREFIX + "inter_token_latency_seconds", "Time between output tokens.", self.labels),
+                self.e2e.family(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.", self.labels),
+            ]
         names, values = list(self.labels), list(self.labels.values())
 
         def gauge(short, doc):

@@ -1,4 +1,5 @@
 """ASGI middleware of the HTTP server: the request body size limit and the API key."""
+
 from __future__ import annotations
 
 import hmac
@@ -22,8 +23,9 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        too_big = error_response(413, f"Request body too large (limit {self.max_bytes} bytes)",
-                                 code="request_too_large")
+        too_big = error_response(
+            413, f"Request body too large (limit {self.max_bytes} bytes)", code="request_too_large"
+        )
         for k, v in scope.get("headers", ()):
             if k == b"content-length":
                 try:

@@ -1,4 +1,5 @@
 """SGLang's native /generate: the engine's own result dicts, or SSE chunks of them."""
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,17 @@ from fastapi.responses import JSONResponse
 from workbench.core.entrypoints.errors import bad_request, engine_error_to_api
 from workbench.core.entrypoints.openai.protocol import GenerateReqInput
 from workbench.core.entrypoints.openai.serving_common import (
-    MAX_CHOICES_PER_REQUEST, SSE_DONE, ChoiceSpec, ServingContext, SSEResponse, StreamGuard, generate_all, new_rid,
-    sse, sse_error, stop_aware,
+    MAX_CHOICES_PER_REQUEST,
+    SSE_DONE,
+    ChoiceSpec,
+    ServingContext,
+    SSEResponse,
+    StreamGuard,
+    generate_all,
+    new_rid,
+    sse,
+    sse_error,
+    stop_aware,
 )
 
 _SAMPLING_KEYS: Optional[frozenset] = None
@@ -34,6 +44,7 @@ def _sampling_keys() -> frozenset:
     global _SAMPLING_KEYS
     if _SAMPLING_KEYS is None:
         from workbench.core.sampling.sampling_params import SamplingParams
+
         _SAMPLING_KEYS = frozenset(SamplingParams.__struct_fields__)
     return _SAMPLING_KEYS
 
@@ -62,20 +73,29 @@ async def native_generate(ctx: ServingContext, request: Request, req: GenerateRe
     n = max(_choice_count(ctx, sp.get("n")) for sp in sps)
     num_prompts = len(req.text if isinstance(req.text, list) else req.input_ids) if is_batch else 1
     if num_prompts * n > MAX_CHOICES_PER_REQUEST:
-        raise bad_request(f"too many generations in one request ({num_prompts} prompts x n={n}; at most "
-                          f"{MAX_CHOICES_PER_REQUEST}): split the batch",
-                          "text" if req.text is not None else "input_ids")
+        raise bad_request(
+            f"too many generations in one request ({num_prompts} prompts x n={n}; at most "
+            f"{MAX_CHOICES_PER_REQUEST}): split the batch",
+            "text" if req.text is not None else "input_ids",
+        )
     if req.input_ids is not None:
         flat = req.input_ids if not is_batch else [t for ids in req.input_ids for t in ids]
         ctx.check_token_ids(flat, "input_ids")
     if req.top_logprobs_num and not 0 <= req.top_logprobs_num <= ctx.max_top_logprobs:
         raise bad_request(f"top_logprobs_num must be between 0 and {ctx.max_top_logprobs}", "top_logprobs_num")
     if req.logprob_start_len is not None and not -1 <= req.logprob_start_len <= ctx.context_len:
-        raise bad_request(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in "
-                          f"[0, {ctx.context_len}]", "logprob_start_len")
-    kwargs = dict(prompt=req.text, input_ids=req.input_ids, sampling_params=req.sampling_params,
-                  return_logprob=bool(req.return_logprob), top_logprobs_num=req.top_logprobs_num or 0,
-                  logprob_start_len=-1 if req.logprob_start_len is None else req.logprob_start_len)
+        raise bad_request(
+            f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in [0, {ctx.context_len}]",
+            "logprob_start_len",
+        )
+    kwargs = dict(
+        prompt=req.text,
+        input_ids=req.input_ids,
+        sampling_params=req.sampling_params,
+        return_logprob=bool(req.return_logprob),
+        top_logprobs_num=req.top_logprobs_num or 0,
+        logprob_start_len=-1 if req.logprob_start_len is None else req.logprob_start_len,
+    )
     if req.stream:
         if is_batch or n > 1:
             raise bad_request("streaming takes a single prompt with n=1", "stream")
@@ -101,6 +121,7 @@ async def native_generate(ctx: ServingContext, request: Request, req: GenerateRe
             except Exception as e:  # noqa: BLE001 - in-band: headers are already sent
                 yield sse_error(e)
             yield SSE_DONE
+
         return SSEResponse(body(), guard)
     rid = req.rid if (req.rid or is_batch or n > 1) else new_rid("gen")
     if rid is not None:

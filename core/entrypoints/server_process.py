@@ -7,6 +7,7 @@ The child runs in its own session so a terminal's Ctrl-C does not reach it;
 `stop()` sends SIGTERM (the graceful path) and falls back to SIGKILL of the
 whole group after a timeout, so no process outlives it.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,19 +31,37 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServerProcess:
     """A `python -m workbench.core.entrypoints.http_server` child on a free loopback port."""
 
-    def __init__(self, args: Sequence[str] = (), *, port: Optional[int] = None, host: str = "127.0.0.1",
-                 env: Optional[dict] = None, start_timeout_s: float = 300.0, wait: bool = True):
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        *,
+        port: Optional[int] = None,
+        host: str = "127.0.0.1",
+        env: Optional[dict] = None,
+        start_timeout_s: float = 300.0,
+        wait: bool = True,
+    ):
         self.host = host
         self.port = port or free_port(host)
         self.base_url = f"http://{host}:{self.port}"
         self.log_path = tempfile.NamedTemporaryFile(prefix="workbench-serve-", suffix=".log", delete=False).name
         self._log = open(self.log_path, "wb")
-        cmd = [sys.executable, "-m", "workbench.core.entrypoints.http_server", "--host", host,
-               "--port", str(self.port), "--no-show-progress", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "workbench.core.entrypoints.http_server",
+            "--host",
+            host,
+            "--port",
+            str(self.port),
+            "--no-show-progress",
+            *args,
+        ]
         child_env = dict(os.environ, **(env or {}))
         child_env.setdefault("PYTHONUNBUFFERED", "1")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=child_env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+        )
         self.health_statuses: list[int] = []
         if wait:
             self.wait_healthy(start_timeout_s)
@@ -77,6 +96,7 @@ class ServerProcess:
         """pids of the server's child processes (for orphan checks)."""
         try:
             import psutil
+
             return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
         except Exception:  # noqa: BLE001 - psutil missing or the process is gone
             return []

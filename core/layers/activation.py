@@ -1,4 +1,5 @@
 """SiLU(gate) * up over a fused [gate | up] tensor."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn

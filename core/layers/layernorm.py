@@ -1,4 +1,5 @@
 """RMSNorm, optionally with the residual add fused into the same call."""
+
 from __future__ import annotations
 
 from typing import Optional

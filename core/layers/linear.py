@@ -19,6 +19,7 @@ At one row of float32 input (decode at batch 1) the compiled GEMV (cpu_ops.gemv,
 the plain weight replaces oneDNN, which streams the weights well below the memory bandwidth at
 M=1 (docs/design.md); WORKBENCH_CPU_GEMV=0 turns it off.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -45,8 +46,12 @@ def can_pack_for_cpu(weight: torch.Tensor) -> bool:
     bfloat16 also needs oneDNN's bf16 kernels, which need AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT:
     on an AVX2-only CPU packing raises, so bf16 weights there stay unpacked (torch's own GEMM).
     """
-    if not (weight.device.type == "cpu" and weight.dtype in _PACKABLE_DTYPES
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if not (
+        weight.device.type == "cpu"
+        and weight.dtype in _PACKABLE_DTYPES
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
         return False
     return weight.dtype != torch.bfloat16 or _mkldnn_bf16_supported()
 
@@ -66,8 +71,9 @@ def pack_linear_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
-                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """x @ W.T (+ bias) (+ residual) on a weight from `pack_linear_weight`."""
     if residual is not None:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
@@ -88,13 +94,13 @@ class LinearBase(nn.Module):
         """Derive the packed copy (call again after any weight update)."""
         self.packed_weight = pack_linear_weight(self.weight) if pack else None
 
-    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor],
-                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _matmul(
+        self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         # Under torch.compile the plain weight is traced (inductor does its own packing).
         if self.packed_weight is not None and cpu_ops.gemv_ready(x, self.weight):
             return cpu_ops.gemv(x, self.weight, bias, residual)
-        if (self.packed_weight is not None and x.dtype == self.weight.dtype
-                and not torch.compiler.is_compiling()):
+        if self.packed_weight is not None and x.dtype == self.weight.dtype and not torch.compiler.is_compiling():
             return packed_linear(x, self.packed_weight, bias, residual)
         out = F.linear(x, self.weight, bias)
         return out if residual is None else out + residual
@@ -133,8 +139,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections fused; heads split across ranks (KV heads must divide too)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
-                 total_num_kv_heads: int, bias: bool = False):
+    def __init__(
+        self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False
+    ):
         tp = get_tp_size()
         self.num_heads = _divide(total_num_heads, tp, "number of attention heads")
         self.num_kv_heads = _divide(total_num_kv_heads, tp, "number of key/value heads")
@@ -159,7 +166,7 @@ class RowParallelLinear(LinearBase):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param.dim() == 1:   # the bias is not split; only rank 0 adds it (see forward)
+        if param.dim() == 1:  # the bias is not split; only rank 0 adds it (see forward)
             param.data.copy_(loaded)
             return
         n = param.shape[1]

@@ -5,6 +5,7 @@ The LM head is the most expensive matmul of a decode step for a small model
 needed to sample. So the head runs on the last positions only, unless the
 caller asks for every position (prompt logprobs), which costs T x V floats.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +19,8 @@ from torch import nn
 class LogitsOutput:
     """Logits of one forward pass."""
 
-    next_token_logits: torch.Tensor              # [B, V] float32, at each request's last position
-    all_logits: Optional[torch.Tensor] = None    # [T, V] float32, every position (when asked)
+    next_token_logits: torch.Tensor  # [B, V] float32, at each request's last position
+    all_logits: Optional[torch.Tensor] = None  # [T, V] float32, every position (when asked)
 
 
 @dataclass
@@ -30,8 +31,8 @@ class PromptLogprobs:
     first prompt token has no logprob: nothing predicts it).
     """
 
-    token_ids: torch.Tensor                      # [L - 1] int64, the tokens scored
-    token_logprobs: torch.Tensor                 # [L - 1] float32
+    token_ids: torch.Tensor  # [L - 1] int64, the tokens scored
+    token_logprobs: torch.Tensor  # [L - 1] float32
     top_logprobs: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (values, ids), [L - 1, k]
 
 
@@ -60,8 +61,7 @@ class LogitsProcessor(nn.Module):
         weight = lm_head_weight[: self.vocab_size]
         if return_all_positions:
             all_logits = self._head(hidden_states, weight)
-            return LogitsOutput(next_token_logits=all_logits.index_select(0, last_index),
-                                all_logits=all_logits)
+            return LogitsOutput(next_token_logits=all_logits.index_select(0, last_index), all_logits=all_logits)
         last_hidden = hidden_states.index_select(0, last_index)
         return LogitsOutput(next_token_logits=self._head(last_hidden, weight))
 
@@ -93,16 +93,17 @@ def compute_prompt_logprobs(
     `token_logprobs(next_token_logits, next_chunk_first_ids)` for that one.
     """
     if sum(extend_seq_lens) != all_logits.shape[0] or input_ids.numel() != all_logits.shape[0]:
-        raise ValueError(f"segments {list(extend_seq_lens)} do not cover {all_logits.shape[0]} positions "
-                         f"({input_ids.numel()} input ids)")
+        raise ValueError(
+            f"segments {list(extend_seq_lens)} do not cover {all_logits.shape[0]} positions "
+            f"({input_ids.numel()} input ids)"
+        )
     logprobs = torch.log_softmax(all_logits.float(), dim=-1)
     out: list[PromptLogprobs] = []
     start = 0
     for n in extend_seq_lens:
-        lp = logprobs[start:start + n - 1] if n > 1 else logprobs[start:start]
-        targets = input_ids[start + 1:start + n].long().to(lp.device)
-        item = PromptLogprobs(token_ids=targets,
-                              token_logprobs=lp.gather(1, targets.view(-1, 1)).squeeze(1))
+        lp = logprobs[start : start + n - 1] if n > 1 else logprobs[start:start]
+        targets = input_ids[start + 1 : start + n].long().to(lp.device)
+        item = PromptLogprobs(token_ids=targets, token_logprobs=lp.gather(1, targets.view(-1, 1)).squeeze(1))
         if top_logprobs_num > 0:
             k = min(int(top_logprobs_num), logprobs.shape[1])
             vals, ids = torch.topk(lp, k, dim=-1, sorted=True)

@@ -1,4 +1,5 @@
 """The attention layer models call: it only names the layer; the backend does the work."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ cos/sin are precomputed for every position once; a forward pass only indexes the
 Supports the default rope and Llama 3's frequency-dependent scaling ("llama3"),
 plus plain linear scaling.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,9 @@ def _inv_freq(head_dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
 
 
-def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
-                   high_freq_factor: float, original_max_pos: int) -> torch.Tensor:
+def _llama3_scaled(
+    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original_max_pos: int
+) -> torch.Tensor:
     # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
     low_freq_wavelen = original_max_pos / low_freq_factor
     high_freq_wavelen = original_max_pos / high_freq_factor
@@ -41,8 +43,7 @@ class RotaryEmbedding(nn.Module):
     each layer indexing the table and rotating q and k separately.
     """
 
-    def __init__(self, head_dim: int, max_position: int, base: float,
-                 rope_scaling: Optional[dict] = None):
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: Optional[dict] = None):
         super().__init__()
         self.head_dim = head_dim
         # Every model instance with this config uses the same table: compute it once per process.
@@ -58,9 +59,13 @@ class RotaryEmbedding(nn.Module):
         inv_freq = _inv_freq(head_dim, base)
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
         if rope_type == "llama3":
-            inv_freq = _llama3_scaled(inv_freq, rope_scaling["factor"], rope_scaling["low_freq_factor"],
-                                      rope_scaling["high_freq_factor"],
-                                      rope_scaling["original_max_position_embeddings"])
+            inv_freq = _llama3_scaled(
+                inv_freq,
+                rope_scaling["factor"],
+                rope_scaling["low_freq_factor"],
+                rope_scaling["high_freq_factor"],
+                rope_scaling["original_max_position_embeddings"],
+            )
         elif rope_type == "linear":
             inv_freq = inv_freq / rope_scaling["factor"]
         elif rope_type not in ("default", None):
@@ -98,7 +103,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     as the reference, so float32 results match it bit for bit (tested).
     """
     T, H, D = x.shape
-    swapped = x.reshape(T, H, 2, D // 2).flip(2).view(T, H, D)   # a fresh tensor: safe to scale in place
+    swapped = x.reshape(T, H, 2, D // 2).flip(2).view(T, H, D)  # a fresh tensor: safe to scale in place
     # Not addcmul: its fused multiply-add rounds differently from the reference.
     return (x * cos).add_(swapped.mul_(sin))
 

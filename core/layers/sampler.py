@@ -17,6 +17,7 @@ Logprobs are those of the RAW model distribution: log_softmax of the logits as
 they came in, before penalties, min_new_tokens and temperature (as SGLang does
 by default). They describe the model, not the sampling procedure.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ from workbench.core.sampling.sampling_batch_info import SamplingBatchInfo
 class SamplerOutput:
     """What one sampling step returns (all tensors on the logits' device)."""
 
-    next_token_ids: torch.Tensor                              # [B] int64
-    logprobs: Optional[torch.Tensor] = None                   # [B] float32, raw logprob of the chosen id
+    next_token_ids: torch.Tensor  # [B] int64
+    logprobs: Optional[torch.Tensor] = None  # [B] float32, raw logprob of the chosen id
     top_logprobs: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (values [B, k], ids [B, k]), sorted
 
 
@@ -109,8 +110,7 @@ class Sampler(nn.Module):
         next_ids[rows] = _sample_rows(_rows(logits, rows), info, rows, uniforms)
         return next_ids
 
-    def _uniforms(self, info: SamplingBatchInfo, rows: list[int],
-                  device: torch.device) -> torch.Tensor:
+    def _uniforms(self, info: SamplingBatchInfo, rows: list[int], device: torch.device) -> torch.Tensor:
         """One U[0, 1) draw per sampled row; seeded rows draw from their own generator."""
         u = torch.empty(len(rows), dtype=torch.float32, device=device)
         shared = [j for j, r in enumerate(rows) if info.generators[r] is None]
@@ -132,8 +132,9 @@ class Sampler(nn.Module):
 _PREFIX_WIDTHS = (256, 1024, 4096)
 
 
-def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tensor,
-                 uniforms: torch.Tensor) -> torch.Tensor:
+def _sample_rows(
+    logits: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
     """Token ids for the sampled rows: temperature, softmax, filters, inverse-CDF draw.
 
     Sampling is by inverse CDF with one uniform per row rather than torch.multinomial:

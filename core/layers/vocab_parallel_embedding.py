@@ -1,4 +1,5 @@
 """Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocab."""
+
 from __future__ import annotations
 
 import torch
@@ -6,7 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.core.distributed.parallel_state import (
-    get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
+    get_tp_rank,
+    get_tp_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,7 +26,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.per_partition, embedding_dim), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        rows = loaded[self.vocab_start:self.vocab_end]
+        rows = loaded[self.vocab_start : self.vocab_end]
         param.data[: rows.shape[0]].copy_(rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

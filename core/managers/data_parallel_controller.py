@@ -26,6 +26,7 @@ Load-balance methods (`--load-balance-method`):
                   prompt (`ApproxPrefixIndex`, a controller-side guess), unless that would
                   unbalance the replicas too much; otherwise shortest_queue.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,11 +43,27 @@ import zmq
 
 from workbench.core.args import ServerArgs
 from workbench.core.io_struct import (
-    AbortReq, BatchTokenIDOut, DestroyWeightsUpdateGroupReq, FlushCacheReq, FlushCacheReqOutput,
-    GetInternalStateReq, GetInternalStateReqOutput, GetWeightsByNameReq, GetWeightsByNameReqOutput,
-    InitWeightsUpdateGroupReq, Msg, SetTraceReq, StepGateReq, StepGateReqOutput, TokenizedGenerateReqInput,
-    UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq,
-    UpdateWeightsReqOutput, decode_msg)
+    AbortReq,
+    BatchTokenIDOut,
+    DestroyWeightsUpdateGroupReq,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    GetWeightsByNameReq,
+    GetWeightsByNameReqOutput,
+    InitWeightsUpdateGroupReq,
+    Msg,
+    SetTraceReq,
+    StepGateReq,
+    StepGateReqOutput,
+    TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDistributedReq,
+    UpdateWeightsFromTensorReq,
+    UpdateWeightsReqOutput,
+    decode_msg,
+)
 from workbench.core.ipc import PortArgs, get_zmq_socket, send_msg
 from workbench.core.trace import events as ev
 from workbench.core.trace.tracer import Tracer
@@ -54,8 +71,8 @@ from workbench.core.trace.tracer import Tracer
 logger = logging.getLogger(__name__)
 
 PROC_NAME = "dp_controller"
-PREFIX_BLOCK = 16                 # prefix-index granularity in tokens (a cheap page size)
-DEFAULT_INDEX_TOKENS = 65536      # per-replica index capacity when --max-total-tokens is unset
+PREFIX_BLOCK = 16  # prefix-index granularity in tokens (a cheap page size)
+DEFAULT_INDEX_TOKENS = 65536  # per-replica index capacity when --max-total-tokens is unset
 # prefix_aware gives up on cache affinity when the chosen replica would carry this many more
 # in-flight requests than the least loaded one, and this many times as many.
 BALANCE_ABS_THRESHOLD = 4
@@ -90,11 +107,15 @@ def replica_output_endpoint(port_args: PortArgs, dp_rank: int) -> str:
 
 def replica_port_args(port_args: PortArgs, dp_rank: int) -> PortArgs:
     """A replica's view of the sockets: its own input, and output to the controller."""
-    return dataclasses.replace(port_args, scheduler_input_ipc_name=replica_input_endpoint(port_args, dp_rank),
-                               detokenizer_ipc_name=replica_output_endpoint(port_args, dp_rank))
+    return dataclasses.replace(
+        port_args,
+        scheduler_input_ipc_name=replica_input_endpoint(port_args, dp_rank),
+        detokenizer_ipc_name=replica_output_endpoint(port_args, dp_rank),
+    )
 
 
 # ==== choosing a replica ==================================================================
+
 
 class ApproxPrefixIndex:
     """A cheap guess at which prompt prefixes one replica's radix cache holds.
@@ -117,7 +138,7 @@ class ApproxPrefixIndex:
         """Chained hashes of the prompt's full blocks (compute once, look up in every replica)."""
         keys, h, b = [], 0, self.block
         for i in range(0, len(ids) - b + 1, b):
-            h = hash((h, tuple(ids[i:i + b])))
+            h = hash((h, tuple(ids[i : i + b])))
             keys.append(h)
         return keys
 
@@ -147,7 +168,7 @@ class ApproxPrefixIndex:
 @dataclass
 class Decision:
     dp_rank: int
-    matched_tokens: int = 0       # prefix_aware: the index's guess for the chosen replica
+    matched_tokens: int = 0  # prefix_aware: the index's guess for the chosen replica
 
 
 class LoadBalancer:
@@ -159,12 +180,11 @@ class LoadBalancer:
 
     def __init__(self, dp_size: int, method: str, index_capacity_tokens: int = DEFAULT_INDEX_TOKENS):
         if method not in ("round_robin", "shortest_queue", "prefix_aware"):
-            raise ValueError(f"unknown load-balance method {method!r}: use round_robin, shortest_queue "
-                             f"or prefix_aware")
+            raise ValueError(f"unknown load-balance method {method!r}: use round_robin, shortest_queue or prefix_aware")
         self.dp_size = dp_size
         self.method = method
         self.load = [0] * dp_size
-        self.dispatched = [0] * dp_size        # requests ever sent to each replica
+        self.dispatched = [0] * dp_size  # requests ever sent to each replica
         self.rid_to_rank: dict[str, int] = {}
         self._rr = 0
         self.indexes = [ApproxPrefixIndex(index_capacity_tokens) for _ in range(dp_size)]
@@ -229,6 +249,7 @@ class LoadBalancer:
 
 # ==== merging control replies ================================================================
 
+
 def merge_replies(replies: list[Msg]) -> Msg:
     """One reply from the N replicas' replies (in rank order) to a broadcast control request."""
     first = replies[0]
@@ -242,21 +263,38 @@ def merge_replies(replies: list[Msg]) -> Msg:
         return StepGateReqOutput(paused=all(r.paused for r in replies), step=max(r.step for r in replies))
     if isinstance(first, UpdateWeightsReqOutput):
         ok = all(r.success for r in replies)
-        message = first.message if ok else "; ".join(
-            f"dp{i}: {r.message}" for i, r in enumerate(replies) if not r.success)
+        message = (
+            first.message if ok else "; ".join(f"dp{i}: {r.message}" for i, r in enumerate(replies) if not r.success)
+        )
         return UpdateWeightsReqOutput(success=ok, message=message, version=max(r.version for r in replies))
     if isinstance(first, GetWeightsByNameReqOutput):
         # Every replica should hold the same weights; if not (a half-applied update), say so.
         if any(r.values != first.values for r in replies[1:]):
-            return GetWeightsByNameReqOutput(values=None, message=(
-                "the data-parallel replicas hold different values for this weight (a weight update reached "
-                "only some of them); update the weights again"))
+            return GetWeightsByNameReqOutput(
+                values=None,
+                message=(
+                    "the data-parallel replicas hold different values for this weight (a weight update reached "
+                    "only some of them); update the weights again"
+                ),
+            )
         return first
-    return first    # a reply type newer than this controller: replica 0 speaks for all
+    return first  # a reply type newer than this controller: replica 0 speaks for all
 
 
-_SUMMED = ("num_waiting", "num_running", "kv_total", "kv_free", "kv_evictable", "kv_used", "req_slots_free",
-           "req_slots_total", "max_total_num_tokens", "max_running_requests", "last_gen_throughput", "trace_ms")
+_SUMMED = (
+    "num_waiting",
+    "num_running",
+    "kv_total",
+    "kv_free",
+    "kv_evictable",
+    "kv_used",
+    "req_slots_free",
+    "req_slots_total",
+    "max_total_num_tokens",
+    "max_running_requests",
+    "last_gen_throughput",
+    "trace_ms",
+)
 
 
 def _merge_internal_state(replies: list[GetInternalStateReqOutput]) -> GetInternalStateReqOutput:
@@ -264,9 +302,12 @@ def _merge_internal_state(replies: list[GetInternalStateReqOutput]) -> GetIntern
     # replica); max_req_input_len is per request, so the smallest; per_replica keeps detail.
     merged = {name: sum(getattr(r, name) for r in replies) for name in _SUMMED}
     return GetInternalStateReqOutput(
-        **merged, step=max(r.step for r in replies), max_req_input_len=min(r.max_req_input_len for r in replies),
+        **merged,
+        step=max(r.step for r in replies),
+        max_req_input_len=min(r.max_req_input_len for r in replies),
         kv_check_error="; ".join(f"dp{i}: {r.kv_check_error}" for i, r in enumerate(replies) if r.kv_check_error),
-        per_replica=[{name: getattr(r, name) for name in _SUMMED + ("step",)} for r in replies])
+        per_replica=[{name: getattr(r, name) for name in _SUMMED + ("step",)} for r in replies],
+    )
 
 
 @dataclass
@@ -276,6 +317,7 @@ class _PendingReply:
 
 
 # ==== the process ================================================================================
+
 
 class DataParallelController:
     """Dispatches tokenized requests to N replicas and funnels their output to the detokenizer."""
@@ -290,10 +332,14 @@ class DataParallelController:
         self.ctx = zmq.Context(1)
         self.recv_from_tokenizer = get_zmq_socket(self.ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
         self.send_to_detokenizer = get_zmq_socket(self.ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
-        self.send_to_replica = [get_zmq_socket(self.ctx, zmq.PUSH, replica_input_endpoint(port_args, r), bind=False)
-                                for r in range(self.dp_size)]
-        self.recv_from_replica = [get_zmq_socket(self.ctx, zmq.PULL, replica_output_endpoint(port_args, r),
-                                                 bind=True) for r in range(self.dp_size)]
+        self.send_to_replica = [
+            get_zmq_socket(self.ctx, zmq.PUSH, replica_input_endpoint(port_args, r), bind=False)
+            for r in range(self.dp_size)
+        ]
+        self.recv_from_replica = [
+            get_zmq_socket(self.ctx, zmq.PULL, replica_output_endpoint(port_args, r), bind=True)
+            for r in range(self.dp_size)
+        ]
         self.poller = zmq.Poller()
         self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
         self._sock_rank: dict[zmq.Socket, int] = {}
@@ -334,7 +380,7 @@ class DataParallelController:
     def handle_tokenizer_message(self, data: bytes) -> None:
         try:
             msg = decode_msg(data)
-        except Exception:   # malformed frames are skipped, as the scheduler does; msgpack runs no code
+        except Exception:  # malformed frames are skipped, as the scheduler does; msgpack runs no code
             logger.warning("dp controller: dropped an undecodable message")
             return
         if isinstance(msg, TokenizedGenerateReqInput):
@@ -353,8 +399,10 @@ class DataParallelController:
             for r, sock in enumerate(self.send_to_replica):
                 send_msg(sock, msgspec.structs.replace(msg, rank_offset=msg.rank_offset + r * self.tp_size))
         elif type(msg) in _REPLY_TYPE:
-            if isinstance(msg, (FlushCacheReq, UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq,
-                                UpdateWeightsFromDistributedReq)):
+            if isinstance(
+                msg,
+                (FlushCacheReq, UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq, UpdateWeightsFromDistributedReq),
+            ):
                 # Replicas reset their caches (weight updates flush too): forget what they held.
                 # A refused flush leaves them full; the index then under-promises, which is harmless.
                 self.balancer.clear_prefix_indexes()
@@ -369,8 +417,15 @@ class DataParallelController:
         d = self.balancer.choose(req.rid, req.input_ids)
         self.send_to_replica[d.dp_rank].send(data, copy=False)
         if self.tracer.enabled:
-            self.tracer.emit(ev.ReqDispatched(rid=req.rid, dp_rank=d.dp_rank, method=self.balancer.method,
-                                              matched_tokens=d.matched_tokens, loads=list(self.balancer.load)))
+            self.tracer.emit(
+                ev.ReqDispatched(
+                    rid=req.rid,
+                    dp_rank=d.dp_rank,
+                    method=self.balancer.method,
+                    matched_tokens=d.matched_tokens,
+                    loads=list(self.balancer.load),
+                )
+            )
 
     def _broadcast(self, data: bytes) -> None:
         for sock in self.send_to_replica:
@@ -399,13 +454,18 @@ class DataParallelController:
 
     def close(self) -> None:
         self.tracer.close()
-        for sock in (self.recv_from_tokenizer, self.send_to_detokenizer, *self.send_to_replica,
-                     *self.recv_from_replica):
+        for sock in (
+            self.recv_from_tokenizer,
+            self.send_to_detokenizer,
+            *self.send_to_replica,
+            *self.recv_from_replica,
+        ):
             sock.close(linger=0)
         self.ctx.term()
 
 
 # ==== launching ================================================================================
+
 
 def replica_role(dp_rank: int) -> str:
     """The Engine's role name for a replica process. Replica 0 is "scheduler", so the Engine reads
@@ -440,15 +500,18 @@ def launch_data_parallel(ctx, server_args: ServerArgs, port_args: PortArgs, proc
 def run_dp_scheduler_process(server_args: ServerArgs, port_args: PortArgs, dp_rank: int, pipe_writer) -> None:
     """Spawn target of replica `dp_rank`: an ordinary Scheduler on the replica's sockets."""
     from workbench.core.managers.scheduler import run_scheduler_process
-    run_scheduler_process(server_args, replica_port_args(port_args, dp_rank), pipe_writer,
-                          proc_name=replica_proc_name(dp_rank))
+
+    run_scheduler_process(
+        server_args, replica_port_args(port_args, dp_rank), pipe_writer, proc_name=replica_proc_name(dp_rank)
+    )
 
 
 def run_data_parallel_controller_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer) -> None:
     """Spawn target: bind the sockets, report ready, dispatch until SIGTERM or the parent dies."""
     from workbench.core.managers.detokenizer_manager import parent_watch
+
     parent_alive = parent_watch()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)    # the parent decides when we stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     signal.signal(signal.SIGTERM, _raise_system_exit)
     controller = None
     try:

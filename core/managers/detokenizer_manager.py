@@ -6,6 +6,7 @@ It turns token ids into incremental text (see incremental_detokenize.py) and
 forwards every other message (control replies) unchanged. It never holds the
 model, so it imports neither torch nor transformers at module import time.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,10 +41,8 @@ class DetokenizerManager:
         self.tokenizer = tokenizer
         self.port_args = port_args
         self.context = zmq.Context(1)
-        self.recv_from_scheduler = get_zmq_socket(
-            self.context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)
-        self.send_to_tokenizer = get_zmq_socket(
-            self.context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
+        self.recv_from_scheduler = get_zmq_socket(self.context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)
+        self.send_to_tokenizer = get_zmq_socket(self.context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
         self.detokenizer = IncrementalDetokenizer(tokenizer, max_states=max_states)
         self._stopped = False
 
@@ -57,8 +56,7 @@ class DetokenizerManager:
         except Exception:
             # A bad request (e.g. an id the tokenizer rejects) must not take the
             # other requests of the batch down with it: redo them one by one.
-            logger.exception("batch decode failed; decoding its %d requests one by one",
-                             len(recv_obj.rids))
+            logger.exception("batch decode failed; decoding its %d requests one by one", len(recv_obj.rids))
             return self._handle_one_by_one(recv_obj)
 
     def _handle_one_by_one(self, recv_obj: BatchTokenIDOut) -> BatchStrOut:
@@ -90,8 +88,7 @@ class DetokenizerManager:
         """Make event_loop return after its current poll (at most poll_interval_s)."""
         self._stopped = True
 
-    def event_loop(self, poll_interval_s: float = 1.0,
-                   parent_alive: Optional[Callable[[], bool]] = None) -> None:
+    def event_loop(self, poll_interval_s: float = 1.0, parent_alive: Optional[Callable[[], bool]] = None) -> None:
         """Serve until stop(), or until `parent_alive()` (checked every poll_interval_s) is False."""
         poller = zmq.Poller()
         poller.register(self.recv_from_scheduler, zmq.POLLIN)
@@ -133,9 +130,19 @@ def _str_out(recv_obj: BatchTokenIDOut, text_deltas: list[str]) -> BatchStrOut:
     )
 
 
-_PER_REQ_FIELDS = ("rids", "new_token_ids", "finished_reasons", "matched_stops", "prompt_tokens",
-                   "completion_tokens", "cached_tokens", "skip_special_tokens",
-                   "spaces_between_special_tokens", "no_stop_trim", "stop_strs")
+_PER_REQ_FIELDS = (
+    "rids",
+    "new_token_ids",
+    "finished_reasons",
+    "matched_stops",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stop_strs",
+)
 
 
 def _select(recv_obj: BatchTokenIDOut, i: int) -> BatchTokenIDOut:
@@ -180,8 +187,7 @@ def run_detokenizer_process(model_dir: str, port_args: PortArgs, pipe_writer) ->
     # Ctrl-C in a terminal reaches the whole process group; the parent decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.WARNING,
-                            format="[detokenizer %(process)d] %(levelname)s %(message)s")
+        logging.basicConfig(level=logging.WARNING, format="[detokenizer %(process)d] %(levelname)s %(message)s")
     manager = None
     try:
         try:

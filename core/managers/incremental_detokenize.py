@@ -16,6 +16,7 @@ Two things make streaming text harder than `tokenizer.decode(ids)`:
   text that could still grow into a stop string is held back, so a client never
   sees text that a later token turns into (part of) a stop string.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,6 +50,7 @@ class DecodeStatus:
     `decoded_text` is the text of decode_ids[:read_offset] (only whole
     characters); `sent_offset` is how much of it has been sent downstream.
     """
+
     decode_ids: list[int] = field(default_factory=list)
     surr_offset: int = 0
     read_offset: int = 0
@@ -65,21 +67,23 @@ def make_batch_decoder(tokenizer, use_rust_batch: bool = True) -> BatchDecodeFn:
     """
     backend = _plain_rust_backend(tokenizer) if use_rust_batch else None
     if backend is not None:
+
         def decode_rust(seqs: list[list[int]], skip: bool, spaces: bool) -> list[str]:
             # spaces_between_special_tokens only exists for slow tokenizers.
             return backend.decode_batch(seqs, skip_special_tokens=skip)
+
         return decode_rust
 
     def decode_hf(seqs: list[list[int]], skip: bool, spaces: bool) -> list[str]:
-        return tokenizer.batch_decode(
-            seqs, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+        return tokenizer.batch_decode(seqs, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+
     return decode_hf
 
 
 def _plain_rust_backend(tokenizer):
     """The `tokenizers.Tokenizer` behind `tokenizer` if decoding it directly is exact."""
     if type(tokenizer).__module__.startswith("tokenizers") and hasattr(tokenizer, "decode_batch"):
-        return tokenizer            # already the Rust tokenizer (see load_decode_tokenizer)
+        return tokenizer  # already the Rust tokenizer (see load_decode_tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "decode_batch"):
         return None
@@ -130,8 +134,7 @@ class IncrementalDetokenizer:
     `max_states`.
     """
 
-    def __init__(self, tokenizer, max_states: int = DEFAULT_MAX_STATES,
-                 use_rust_batch: bool = True):
+    def __init__(self, tokenizer, max_states: int = DEFAULT_MAX_STATES, use_rust_batch: bool = True):
         self.tokenizer = tokenizer
         self.max_states = max_states
         self.decode_status: OrderedDict[str, DecodeStatus] = OrderedDict()
@@ -154,9 +157,12 @@ class IncrementalDetokenizer:
                 old_rid, _ = self.decode_status.popitem(last=False)
                 if not self._warned_eviction:
                     self._warned_eviction = True
-                    logger.warning("detokenizer holds more than %d requests; evicting the "
-                                   "least recently used (%s). Its text restarts from its next token.",
-                                   self.max_states, old_rid)
+                    logger.warning(
+                        "detokenizer holds more than %d requests; evicting the "
+                        "least recently used (%s). Its text restarts from its next token.",
+                        self.max_states,
+                        old_rid,
+                    )
         else:
             self.decode_status.move_to_end(rid)
         return st
@@ -176,8 +182,7 @@ class IncrementalDetokenizer:
             prev_lens.append(len(st.decode_ids))
             st.decode_ids.extend(batch.new_token_ids[i])
             statuses.append(st)
-            ends.append(self._read_end(st, batch.finished_reasons[i], batch.matched_stops[i],
-                                       batch.no_stop_trim[i]))
+            ends.append(self._read_end(st, batch.finished_reasons[i], batch.matched_stops[i], batch.no_stop_trim[i]))
 
         # One decode call per distinct pair of decoding options: surrogate
         # windows and read windows of every request in that group together.
@@ -189,9 +194,8 @@ class IncrementalDetokenizer:
         read_texts: list[str] = [""] * n
         try:
             for (skip, spaces), idxs in groups.items():
-                seqs = [statuses[i].decode_ids[statuses[i].surr_offset:statuses[i].read_offset]
-                        for i in idxs]
-                seqs += [statuses[i].decode_ids[statuses[i].surr_offset:ends[i]] for i in idxs]
+                seqs = [statuses[i].decode_ids[statuses[i].surr_offset : statuses[i].read_offset] for i in idxs]
+                seqs += [statuses[i].decode_ids[statuses[i].surr_offset : ends[i]] for i in idxs]
                 texts = self._batch_decode(seqs, skip, spaces)
                 m = len(idxs)
                 for j, i in enumerate(idxs):
@@ -205,30 +209,51 @@ class IncrementalDetokenizer:
 
         deltas = []
         for i in range(n):
-            deltas.append(self._advance(
-                statuses[i], ends[i], surr_texts[i], read_texts[i],
-                batch.finished_reasons[i], batch.matched_stops[i],
-                batch.no_stop_trim[i], batch.stop_strs[i]))
+            deltas.append(
+                self._advance(
+                    statuses[i],
+                    ends[i],
+                    surr_texts[i],
+                    read_texts[i],
+                    batch.finished_reasons[i],
+                    batch.matched_stops[i],
+                    batch.no_stop_trim[i],
+                    batch.stop_strs[i],
+                )
+            )
             if batch.finished_reasons[i] is not None:
                 self.decode_status.pop(batch.rids[i], None)
         return deltas
 
     @staticmethod
-    def _read_end(st: DecodeStatus, finished_reason: Optional[str],
-                  matched_stop: Optional[Union[int, str]], no_stop_trim: bool) -> int:
+    def _read_end(
+        st: DecodeStatus, finished_reason: Optional[str], matched_stop: Optional[Union[int, str]], no_stop_trim: bool
+    ) -> int:
         """End of the ids to decode this step: all of them, except a matched stop token."""
         end = len(st.decode_ids)
-        if (finished_reason is not None and not no_stop_trim and isinstance(matched_stop, int)
-                and not isinstance(matched_stop, bool) and end > st.read_offset
-                and st.decode_ids[-1] == matched_stop):
+        if (
+            finished_reason is not None
+            and not no_stop_trim
+            and isinstance(matched_stop, int)
+            and not isinstance(matched_stop, bool)
+            and end > st.read_offset
+            and st.decode_ids[-1] == matched_stop
+        ):
             end -= 1
         return end
 
     @staticmethod
-    def _advance(st: DecodeStatus, end: int, surr_text: str, read_text: str,
-                 finished_reason: Optional[str], matched_stop: Optional[Union[int, str]],
-                 no_stop_trim: bool, stop_strs: Sequence[str]) -> str:
-        new_text = read_text[len(surr_text):]
+    def _advance(
+        st: DecodeStatus,
+        end: int,
+        surr_text: str,
+        read_text: str,
+        finished_reason: Optional[str],
+        matched_stop: Optional[Union[int, str]],
+        no_stop_trim: bool,
+        stop_strs: Sequence[str],
+    ) -> str:
+        new_text = read_text[len(surr_text) :]
         finished = finished_reason is not None
         if finished:
             # Flush everything, even a dangling partial character.
@@ -245,11 +270,10 @@ class IncrementalDetokenizer:
                 st.read_offset = end
             text = st.decoded_text
             # With no_stop_trim the stop string is part of the output anyway.
-            out_end = len(text) if no_stop_trim or not stop_strs else stop_safe_end(
-                text, st.sent_offset, stop_strs)
+            out_end = len(text) if no_stop_trim or not stop_strs else stop_safe_end(text, st.sent_offset, stop_strs)
         if out_end <= st.sent_offset:
             return ""
-        delta = text[st.sent_offset:out_end]
+        delta = text[st.sent_offset : out_end]
         st.sent_offset = out_end
         return delta
 
@@ -270,9 +294,15 @@ def load_decode_tokenizer(model_dir):
         cfg = json.loads((d / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         cfg = None
-    if (cfg is not None and cfg.get("tokenizer_class") in _PLAIN_FAST_CLASSES
-            and not cfg.get("clean_up_tokenization_spaces", False) and (d / "tokenizer.json").is_file()):
+    if (
+        cfg is not None
+        and cfg.get("tokenizer_class") in _PLAIN_FAST_CLASSES
+        and not cfg.get("clean_up_tokenization_spaces", False)
+        and (d / "tokenizer.json").is_file()
+    ):
         from tokenizers import Tokenizer
+
         return Tokenizer.from_file(str(d / "tokenizer.json"))
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(d))

@@ -14,6 +14,7 @@ already write its KV after N's. A decode input whose token is not sampled yet is
 a negative "future token id" (`Req.future_token_id`) that the overlap worker
 replaces with the real id just before the forward pass.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,8 +29,8 @@ from workbench.core.sampling.sampling_params import SamplingParams
 
 @dataclass
 class FinishReason:
-    type: str                                   # "stop" | "length" | "abort"
-    matched: Optional[Union[int, str]] = None   # the stop token id or stop string
+    type: str  # "stop" | "length" | "abort"
+    matched: Optional[Union[int, str]] = None  # the stop token id or stop string
     message: str = ""
 
 
@@ -39,9 +40,18 @@ _EMPTY = torch.empty((0,), dtype=torch.int64)
 class Req:
     """One request inside the scheduler."""
 
-    def __init__(self, rid: str, origin_input_text: str, origin_input_ids: list[int],
-                 sampling_params: SamplingParams, eos_token_ids: list[int], return_logprob: bool = False,
-                 top_logprobs_num: int = 0, logprob_start_len: int = -1, arrival_ts: int = 0):
+    def __init__(
+        self,
+        rid: str,
+        origin_input_text: str,
+        origin_input_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: list[int],
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        arrival_ts: int = 0,
+    ):
         self.rid = rid
         self.origin_input_text = origin_input_text
         self.origin_input_ids = origin_input_ids
@@ -55,21 +65,21 @@ class Req:
         self.generator = make_generator(sampling_params.seed) if sampling_params.seed is not None else None
 
         self.output_ids: list[int] = []
-        self.fill_ids: list[int] = []            # tokens whose KV is wanted after this round
+        self.fill_ids: list[int] = []  # tokens whose KV is wanted after this round
         self.prefix_indices: torch.Tensor = _EMPTY
         self.last_node = None
         self.req_pool_idx: Optional[int] = None
-        self.kv_len = 0                          # tokens whose KV is in the pool (or being written)
+        self.kv_len = 0  # tokens whose KV is in the pool (or being written)
         # Overlap loop: the placeholder of this request's last token while the batch sampling it
         # is still in flight (None once the token is known, and always in the normal loop).
         self.future_token_id: Optional[int] = None
         self.extend_input_len = 0
-        self.cached_tokens = 0                   # prefix-cache hit of the first prefill
+        self.cached_tokens = 0  # prefix-cache hit of the first prefill
         self.is_retracted = False
-        self.num_chunks_done = 0                 # prefill chunks run in this round
+        self.num_chunks_done = 0  # prefill chunks run in this round
         self.finished_reason: Optional[FinishReason] = None
         self.to_abort: Optional[str] = None
-        self.sent_len = 0                        # output tokens already sent to the detokenizer
+        self.sent_len = 0  # output tokens already sent to the detokenizer
         self.output_token_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.input_token_logprobs: list[Optional[float]] = []
@@ -87,7 +97,7 @@ class Req:
         """
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None:
-            match = tree_cache.match_prefix(self.fill_ids[:self.prefix_match_limit()])
+            match = tree_cache.match_prefix(self.fill_ids[: self.prefix_match_limit()])
             self.prefix_indices, self.last_node = match.device_indices, match.last_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
@@ -120,7 +130,7 @@ class Req:
         if self.stop_strs and tail_decode is not None:
             longest = max(len(s) for s in self.stop_strs)
             # A token decodes to >= 1 char, so `longest + 1` tokens cover any match ending now.
-            tail = tail_decode(self.output_ids[-(longest + 1):])
+            tail = tail_decode(self.output_ids[-(longest + 1) :])
             for s in self.stop_strs:
                 if s in tail:
                     self.finished_reason = FinishReason("stop", matched=s)
@@ -143,6 +153,7 @@ class Req:
 @dataclass
 class ModelWorkerBatch:
     """Everything one forward + sample needs, and nothing about scheduling."""
+
     forward_mode: ForwardMode
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -162,6 +173,7 @@ class ModelWorkerBatch:
 @dataclass
 class ScheduleBatch:
     """A set of requests run together in one forward pass."""
+
     reqs: list[Req]
     req_to_token_pool: object
     token_to_kv_pool_allocator: object
@@ -169,16 +181,16 @@ class ScheduleBatch:
     vocab_size: int
     eos_token_ids: list[int]
     forward_mode: ForwardMode = ForwardMode.DECODE
-    chunked_req: Optional[Req] = None          # the request whose prefill is cut in this batch
+    chunked_req: Optional[Req] = None  # the request whose prefill is cut in this batch
     cuda_graph: bool = False
     padded_size: int = 0
     extend_logprob_reqs: list[int] = field(default_factory=list)
     # Recorded at launch (prepare_for_*), read when the result is processed: by then the
     # requests' own fields may already describe the next batch (overlap loop).
     out_cache_loc: Optional[torch.Tensor] = None
-    prefix_lens: list[int] = field(default_factory=list)     # per row: KV tokens before this pass
-    extend_lens: list[int] = field(default_factory=list)     # per row: tokens computed in this pass
-    future_ids: Optional[list[int]] = None                     # per row: placeholder of its sampled token
+    prefix_lens: list[int] = field(default_factory=list)  # per row: KV tokens before this pass
+    extend_lens: list[int] = field(default_factory=list)  # per row: tokens computed in this pass
+    future_ids: Optional[list[int]] = None  # per row: placeholder of its sampled token
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -194,9 +206,11 @@ class ScheduleBatch:
             self.tree_cache.evict(n - alloc.available_size())
         out = alloc.alloc(n)
         if out is None:
-            raise RuntimeError(f"KV pool out of memory: {n} slots wanted, "
-                               f"{alloc.available_size()} free, {self.tree_cache.evictable_size()} evictable; "
-                               f"the scheduler's budget is wrong")
+            raise RuntimeError(
+                f"KV pool out of memory: {n} slots wanted, "
+                f"{alloc.available_size()} free, {self.tree_cache.evictable_size()} evictable; "
+                f"the scheduler's budget is wrong"
+            )
         return out
 
     # ---- extend (prefill) -------------------------------------------------------
@@ -215,11 +229,11 @@ class ScheduleBatch:
         ids, pos, prefix_lens, seq_lens, offset = [], [], [], [], 0
         for r, n in zip(self.reqs, ext_lens):
             p = len(r.prefix_indices)
-            if p and r.kv_len < p:   # prefix slots from the cache go into this row
+            if p and r.kv_len < p:  # prefix slots from the cache go into this row
                 table[r.req_pool_idx, :p] = r.prefix_indices
-            table[r.req_pool_idx, p:p + n] = out_cache_loc[offset:offset + n]
+            table[r.req_pool_idx, p : p + n] = out_cache_loc[offset : offset + n]
             offset += n
-            ids += r.fill_ids[p:p + n]
+            ids += r.fill_ids[p : p + n]
             pos += range(p, p + n)
             prefix_lens.append(p)
             seq_lens.append(p + n)
@@ -229,13 +243,19 @@ class ScheduleBatch:
         return_logprob = any(r.return_logprob for r in self.reqs)
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
-            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(pos, dtype=torch.int64),
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
             req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64), out_cache_loc=out_cache_loc,
-            seq_lens_cpu=seq_lens, extend_seq_lens_cpu=ext_lens, extend_prefix_lens_cpu=prefix_lens,
-            sampling_info=self._sampling_info(), return_logprob=return_logprob,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            out_cache_loc=out_cache_loc,
+            seq_lens_cpu=seq_lens,
+            extend_seq_lens_cpu=ext_lens,
+            extend_prefix_lens_cpu=prefix_lens,
+            sampling_info=self._sampling_info(),
+            return_logprob=return_logprob,
             top_logprobs_num=max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0),
-            return_all_logits=any(r.return_logprob and r.logprob_start_len >= 0 for r in self.reqs))
+            return_all_logits=any(r.return_logprob and r.logprob_start_len >= 0 for r in self.reqs),
+        )
 
     # ---- decode -------------------------------------------------------------------
     def new_decode_tokens_needed(self) -> int:
@@ -260,18 +280,26 @@ class ScheduleBatch:
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(prefix_lens, dtype=torch.int64),
             req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64), out_cache_loc=out_cache_loc,
-            seq_lens_cpu=seq_lens, extend_seq_lens_cpu=[1] * len(self.reqs),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            out_cache_loc=out_cache_loc,
+            seq_lens_cpu=seq_lens,
+            extend_seq_lens_cpu=[1] * len(self.reqs),
             extend_prefix_lens_cpu=prefix_lens,
-            sampling_info=self._sampling_info(), return_logprob=return_logprob,
-            top_logprobs_num=max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0))
+            sampling_info=self._sampling_info(),
+            return_logprob=return_logprob,
+            top_logprobs_num=max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0),
+        )
 
     def _sampling_info(self) -> SamplingBatchInfo:
         return SamplingBatchInfo.from_reqs(
-            [r.sampling_params for r in self.reqs], output_ids=[r.output_ids for r in self.reqs],
-            prompt_ids=[r.origin_input_ids for r in self.reqs], vocab_size=self.vocab_size,
+            [r.sampling_params for r in self.reqs],
+            output_ids=[r.output_ids for r in self.reqs],
+            prompt_ids=[r.origin_input_ids for r in self.reqs],
+            vocab_size=self.vocab_size,
             eos_ids=[sorted(r.finish_token_ids) for r in self.reqs],
-            generators=[r.generator for r in self.reqs], device=self.req_to_token_pool.device)
+            generators=[r.generator for r in self.reqs],
+            device=self.req_to_token_pool.device,
+        )
 
     # ---- membership ----------------------------------------------------------------
     def filter_batch(self, keep: Optional[list[Req]] = None) -> None:
@@ -287,8 +315,20 @@ class ScheduleBatch:
         The running batch object is reused from step to step (filtered, merged, launched
         again), so the overlap loop keeps this copy to process the launch's result with.
         """
-        return ScheduleBatch(list(self.reqs), self.req_to_token_pool, self.token_to_kv_pool_allocator,
-                             self.tree_cache, self.vocab_size, self.eos_token_ids, self.forward_mode,
-                             self.chunked_req, self.cuda_graph, self.padded_size, list(self.extend_logprob_reqs),
-                             self.out_cache_loc, list(self.prefix_lens), list(self.extend_lens),
-                             list(self.future_ids) if self.future_ids is not None else None)
+        return ScheduleBatch(
+            list(self.reqs),
+            self.req_to_token_pool,
+            self.token_to_kv_pool_allocator,
+            self.tree_cache,
+            self.vocab_size,
+            self.eos_token_ids,
+            self.forward_mode,
+            self.chunked_req,
+            self.cuda_graph,
+            self.padded_size,
+            list(self.extend_logprob_reqs),
+            self.out_cache_loc,
+            list(self.prefix_lens),
+            list(self.extend_lens),
+            list(self.future_ids) if self.future_ids is not None else None,
+        )

@@ -16,6 +16,7 @@ still being prefilled: a chunked request, an in-flight launch) is held back, so 
 that prefix in the radix cache one step later instead of computing it a second time
 (`InBatchPrefixIndex`, `PrefillAdder.add_one_req` -> `AddReqResult.HELD`).
 """
+
 from __future__ import annotations
 
 import random
@@ -53,13 +54,16 @@ class SchedulePolicy:
         self.tree_cache = tree_cache
         self.enable_prefix_cache = enable_prefix_cache
         self.rng = random.Random(rng_seed)
-        self.plugin = None            # a plugin's policy object, when `policy` is not built in
+        self.plugin = None  # a plugin's policy object, when `policy` is not built in
         if policy not in BUILTIN_POLICIES:
             from workbench.core.plugins import policy_factory
+
             factory = policy_factory(policy)
             if factory is None:
-                raise ValueError(f"no scheduling policy {policy!r}: built in are {', '.join(BUILTIN_POLICIES)}; "
-                                 "`workbench plugins` lists the ones plugins registered")
+                raise ValueError(
+                    f"no scheduling policy {policy!r}: built in are {', '.join(BUILTIN_POLICIES)}; "
+                    "`workbench plugins` lists the ones plugins registered"
+                )
             self.plugin = factory(tree_cache, rng_seed=rng_seed)
 
     def calc_priority(self, waiting_queue: list[Req]) -> None:
@@ -68,8 +72,9 @@ class SchedulePolicy:
             self.plugin.calc_priority(waiting_queue)
             return
         policy = self.policy
-        if policy in ("lpm", "dfs-weight") and (not self.enable_prefix_cache
-                                                or len(waiting_queue) > PREFIX_POLICY_MAX_QUEUE):
+        if policy in ("lpm", "dfs-weight") and (
+            not self.enable_prefix_cache or len(waiting_queue) > PREFIX_POLICY_MAX_QUEUE
+        ):
             policy = "fcfs"
         if policy == "fcfs":
             return
@@ -92,7 +97,7 @@ class SchedulePolicy:
         weight: dict = defaultdict(int)
         for node, reqs in by_node.items():
             n = node
-            while n is not None:          # each request adds weight to its whole path
+            while n is not None:  # each request adds weight to its whole path
                 weight[n] += len(reqs)
                 n = n.parent
         order: list[Req] = []
@@ -101,23 +106,24 @@ class SchedulePolicy:
             node = stack.pop()
             order.extend(by_node.get(node, ()))
             kids = sorted((c for c in node.children.values() if weight[c] > 0), key=lambda c: weight[c])
-            stack.extend(kids)           # heaviest popped first
+            stack.extend(kids)  # heaviest popped first
         waiting_queue[:] = order
 
 
 class AddReqResult(Enum):
-    CONTINUE = auto()      # added; more may fit
-    NO_TOKEN = auto()      # the KV pool cannot hold it now
-    OTHER = auto()         # a per-batch limit (prefill tokens, chunk) is reached
-    HELD = auto()          # not added: it waits for a shared prefix being computed; try the next one
+    CONTINUE = auto()  # added; more may fit
+    NO_TOKEN = auto()  # the KV pool cannot hold it now
+    OTHER = auto()  # a per-batch limit (prefill tokens, chunk) is reached
+    HELD = auto()  # not added: it waits for a shared prefix being computed; try the next one
 
 
 @dataclass
 class HeldBack:
     """A waiting request held back this step, and why."""
+
     rid: str
-    waits_for: str         # the request computing the shared prefix
-    shared_tokens: int     # tokens it would otherwise compute a second time
+    waits_for: str  # the request computing the shared prefix
+    shared_tokens: int  # tokens it would otherwise compute a second time
 
 
 class InBatchPrefixIndex:
@@ -142,7 +148,7 @@ class InBatchPrefixIndex:
         """`req`'s whole sequence (prompt and, if retracted, its outputs) will be cached."""
         key = req.origin_input_ids + req.output_ids
         if len(key) < self.threshold:
-            return                  # nothing anyone could wait for
+            return  # nothing anyone could wait for
         self.tree.insert(key, torch.full((len(key),), len(self.rids), dtype=torch.int64))
         self.rids.append(req.rid)
 
@@ -179,15 +185,25 @@ class PrefillAdder:
     `add_pending`) is not added: `add_one_req` answers HELD and records it in `held`.
     """
 
-    def __init__(self, tree_cache, token_to_kv_pool_allocator, running_reqs: list[Req],
-                 new_token_ratio: float, max_prefill_tokens: int, chunked_prefill_size: Optional[int],
-                 in_batch_prefix_caching: bool = False):
+    def __init__(
+        self,
+        tree_cache,
+        token_to_kv_pool_allocator,
+        running_reqs: list[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunked_prefill_size: Optional[int],
+        in_batch_prefix_caching: bool = False,
+    ):
         self.tree_cache = tree_cache
         # In-batch prefix caching: prompts being prefilled, and whom this step held back for them.
         self.in_batch_prefix = InBatchPrefixIndex() if in_batch_prefix_caching else None
         self.held: list[HeldBack] = []
-        self.rem_total_tokens = (token_to_kv_pool_allocator.available_size() + tree_cache.evictable_size()
-                                 - sum(self._reserve(r, new_token_ratio) for r in running_reqs))
+        self.rem_total_tokens = (
+            token_to_kv_pool_allocator.available_size()
+            + tree_cache.evictable_size()
+            - sum(self._reserve(r, new_token_ratio) for r in running_reqs)
+        )
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunked_prefill_size
         self.new_token_ratio = new_token_ratio
@@ -296,9 +312,13 @@ class PrefillAdder:
 
 def register_builtin(registry) -> None:
     """Built-in policies, registered through the plugin host like any other."""
-    for name, help_text in (("fcfs", "first come, first served"),
-                            ("lpm", "longest cached prefix first"),
-                            ("dfs-weight", "depth-first over the radix tree, heaviest subtree first"),
-                            ("lof", "longest output first"), ("random", "shuffled")):
-        registry.add_policy(name, lambda tree_cache, _n=name, **kw: SchedulePolicy(_n, tree_cache, True, **kw),
-                            help=help_text)
+    for name, help_text in (
+        ("fcfs", "first come, first served"),
+        ("lpm", "longest cached prefix first"),
+        ("dfs-weight", "depth-first over the radix tree, heaviest subtree first"),
+        ("lof", "longest output first"),
+        ("random", "shuffled"),
+    ):
+        registry.add_policy(
+            name, lambda tree_cache, _n=name, **kw: SchedulePolicy(_n, tree_cache, True, **kw), help=help_text
+        )

@@ -23,6 +23,7 @@ io=, tokenizer=, tracer=)`); `run_scheduler_process` gives none, so the real one
 `step_overlap`), so the in-process tests (tests/test_scheduler_inprocess.py) drive the same code
 with a stand-in worker and a list-based I/O. The KV integrity check is scheduler_kv_check.py.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,10 +38,22 @@ import zmq
 from workbench.core.args import ServerArgs
 from workbench.core.distributed.msg_broadcast import broadcast_msgs
 from workbench.core.io_struct import (
-    AbortReq, FlushCacheReq, FlushCacheReqOutput, GetInternalStateReq, GetInternalStateReqOutput,
-    GetWeightsByNameReq, SetTraceReq, StepGateReq, StepGateReqOutput, TokenizedGenerateReqInput,
-    UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq, InitWeightsUpdateGroupReq,
-    UpdateWeightsFromDistributedReq, DestroyWeightsUpdateGroupReq)
+    AbortReq,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    GetWeightsByNameReq,
+    SetTraceReq,
+    StepGateReq,
+    StepGateReqOutput,
+    TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromTensorReq,
+    InitWeightsUpdateGroupReq,
+    UpdateWeightsFromDistributedReq,
+    DestroyWeightsUpdateGroupReq,
+)
 from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_msg
 from workbench.core.managers.schedule_batch import FinishReason, Req, ScheduleBatch
 from workbench.core.managers.schedule_policy import AddReqResult, HeldBack, PrefillAdder, SchedulePolicy
@@ -66,9 +79,20 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 
 
 class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMixin):
-    def __init__(self, server_args: ServerArgs, port_args: Optional[PortArgs], tp_rank: int = 0, tp_size: int = 1,
-                 prepared=None, proc_name: str = "scheduler", *, worker=None, io=None, tokenizer=None,
-                 tracer: Optional[Tracer] = None):
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        port_args: Optional[PortArgs],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        prepared=None,
+        proc_name: str = "scheduler",
+        *,
+        worker=None,
+        io=None,
+        tokenizer=None,
+        tracer: Optional[Tracer] = None,
+    ):
         """`worker` (a TpModelWorker or a stand-in with the same interface), `io` (recv/send, see
         ZmqSchedulerIO), `tokenizer` (`decode(ids, skip_special_tokens=)`) and `tracer`: built here
         when not given, as `run_scheduler_process` does."""
@@ -90,18 +114,23 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.tokenizer = tokenizer if tokenizer is not None else _load_fast_tokenizer(runner.prepared.model_dir)
 
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
-        self.tree_cache = cache_cls(self.req_to_token_pool, self.token_to_kv_pool_allocator,
-                                    on_event=self._on_cache_event, decode_text=self._decode_preview)
-        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache,
-                                     not server_args.disable_radix_cache, server_args.random_seed)
+        self.tree_cache = cache_cls(
+            self.req_to_token_pool,
+            self.token_to_kv_pool_allocator,
+            on_event=self._on_cache_event,
+            decode_text=self._decode_preview,
+        )
+        self.policy = SchedulePolicy(
+            server_args.schedule_policy, self.tree_cache, not server_args.disable_radix_cache, server_args.random_seed
+        )
         self.chunked_prefill_size = server_args.resolved_chunked_prefill_size()
         self.max_prefill_tokens = server_args.max_prefill_tokens
         self.max_req_input_len = self.model_config.context_len - 1
 
         self.waiting_queue: list[Req] = []
-        self.adaptive_threads = None            # set by init_adaptive_threads (CPU, one rank per node)
-        self.held_back: list[HeldBack] = []     # waiting requests the last prefill held back (trace)
-        self.narrator = StepNarrator(self.token_to_kv_pool_allocator)   # batch.decision (trace)
+        self.adaptive_threads = None  # set by init_adaptive_threads (CPU, one rank per node)
+        self.held_back: list[HeldBack] = []  # waiting requests the last prefill held back (trace)
+        self.narrator = StepNarrator(self.token_to_kv_pool_allocator)  # batch.decision (trace)
         self.running_batch: ScheduleBatch = self._new_batch([])
         self.chunked_req: Optional[Req] = None
         self.last_batch: Optional[ScheduleBatch] = None
@@ -112,7 +141,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.tree_dirty = True
         self.last_gen_throughput = 0.0
         self._step_start = 0.0
-        self.trace_ns = 0                       # time inside tracing code (see `trace_cost`)
+        self.trace_ns = 0  # time inside tracing code (see `trace_cost`)
         # Step gate: while paused the loop runs only when given step credits.
         self.paused = False
         self.step_credits = 0
@@ -132,8 +161,14 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.io = io
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
-        return ScheduleBatch(reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
-                             self.model_config.vocab_size, self.model_config.eos_token_ids)
+        return ScheduleBatch(
+            reqs,
+            self.req_to_token_pool,
+            self.token_to_kv_pool_allocator,
+            self.tree_cache,
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+        )
 
     # ==== the event loop ==========================================================
     def event_loop_normal(self) -> None:
@@ -145,7 +180,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         recv_reqs = self.recv_requests()
         self.process_input_requests(recv_reqs)
         if self.paused and self.step_credits == 0:
-            return                             # recv_requests blocks briefly: no busy spin
+            return  # recv_requests blocks briefly: no busy spin
         batch = self.get_next_batch_to_run()
         if batch is not None:
             result = self.run_batch(batch)
@@ -185,9 +220,17 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                     self.emit_snapshot()
             elif isinstance(msg, StepGateReq):
                 self.handle_step_gate(msg)
-            elif isinstance(msg, (UpdateWeightsFromDiskReq, GetWeightsByNameReq, UpdateWeightsFromTensorReq,
-                                  InitWeightsUpdateGroupReq, UpdateWeightsFromDistributedReq,
-                                  DestroyWeightsUpdateGroupReq)):
+            elif isinstance(
+                msg,
+                (
+                    UpdateWeightsFromDiskReq,
+                    GetWeightsByNameReq,
+                    UpdateWeightsFromTensorReq,
+                    InitWeightsUpdateGroupReq,
+                    UpdateWeightsFromDistributedReq,
+                    DestroyWeightsUpdateGroupReq,
+                ),
+            ):
                 self.handle_weights_request(msg)
             else:
                 logger.warning("scheduler: ignoring unexpected message %s", type(msg).__name__)
@@ -221,7 +264,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                 if batch is not None:
                     self.emit_state()
                 else:
-                    self.emit_tree_if_due()    # the last change of a burst, once the rate limit allows
+                    self.emit_tree_if_due()  # the last change of a burst, once the rate limit allows
                 self.tracer.flush()
         if batch is not None and self.paused and self.step_credits > 0:
             self.step_credits -= 1
@@ -231,18 +274,30 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
 
     # ==== requests in =================================================================
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
-        req = Req(recv.rid, recv.input_text, list(recv.input_ids), recv.sampling_params,
-                  self.model_config.eos_token_ids, recv.return_logprob, recv.top_logprobs_num,
-                  recv.logprob_start_len, recv.arrival_ts)
+        req = Req(
+            recv.rid,
+            recv.input_text,
+            list(recv.input_ids),
+            recv.sampling_params,
+            self.model_config.eos_token_ids,
+            recv.return_logprob,
+            recv.top_logprobs_num,
+            recv.logprob_start_len,
+            recv.arrival_ts,
+        )
         error = None
         if not req.origin_input_ids:
             error = "the prompt is empty"
         elif len(req.origin_input_ids) > self.max_req_input_len:
-            error = (f"the prompt has {len(req.origin_input_ids)} tokens; this model's context allows "
-                     f"{self.max_req_input_len}")
+            error = (
+                f"the prompt has {len(req.origin_input_ids)} tokens; this model's context allows "
+                f"{self.max_req_input_len}"
+            )
         elif len(req.origin_input_ids) + req.sampling_params.max_new_tokens > self.max_total_num_tokens:
-            error = (f"prompt ({len(req.origin_input_ids)}) + max_new_tokens ({req.sampling_params.max_new_tokens}) "
-                     f"can never fit in the KV pool of {self.max_total_num_tokens} tokens")
+            error = (
+                f"prompt ({len(req.origin_input_ids)}) + max_new_tokens ({req.sampling_params.max_new_tokens}) "
+                f"can never fit in the KV pool of {self.max_total_num_tokens} tokens"
+            )
         if error is not None:
             req.finished_reason = FinishReason("abort", message=error)
             self.stream_output([req])
@@ -250,8 +305,11 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.waiting_queue.append(req)
         if self.tracer.enabled:
             with self.trace_cost():
-                self.tracer.emit(ev.ReqQueued(rid=req.rid, prompt_tokens=len(req.origin_input_ids),
-                                              queue_len=len(self.waiting_queue)))
+                self.tracer.emit(
+                    ev.ReqQueued(
+                        rid=req.rid, prompt_tokens=len(req.origin_input_ids), queue_len=len(self.waiting_queue)
+                    )
+                )
 
     def abort_request(self, rid: str) -> None:
         """Abort one request ("" = all): dropped from the queue, or stopped at its next step."""
@@ -267,8 +325,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             else:
                 keep.append(req)
         self.waiting_queue = keep
-        for req in self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []) \
-                + self.just_prefilled_reqs():
+        for req in (
+            self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []) + self.just_prefilled_reqs()
+        ):
             if rid in ("", req.rid) and not req.finished():
                 req.to_abort = "aborted"
 
@@ -286,8 +345,13 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
 
     def has_work(self) -> bool:
         """Anything queued, running, half-prefilled, just prefilled, or launched and unprocessed."""
-        return bool(self.waiting_queue or any(not r.finished() for r in self.running_batch.reqs)
-                    or self.chunked_req is not None or self.inflight is not None or self.just_prefilled_reqs())
+        return bool(
+            self.waiting_queue
+            or any(not r.finished() for r in self.running_batch.reqs)
+            or self.chunked_req is not None
+            or self.inflight is not None
+            or self.just_prefilled_reqs()
+        )
 
     # ==== choosing the next batch ========================================================
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
@@ -299,7 +363,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         if not self.has_work():
             self.running_batch.filter_batch()
             self.check_kv_invariants_when_idle()
-            return None                  # idle: no step number is used up
+            return None  # idle: no step number is used up
         self.begin_step()
         batch = self.get_new_batch_prefill()
         if batch is not None:
@@ -320,31 +384,38 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             self.narrator.admission(None, None, "running")
             return None
         self.policy.calc_priority(self.waiting_queue)
-        adder = PrefillAdder(self.tree_cache, self.token_to_kv_pool_allocator, self.running_batch.reqs,
-                             self.new_token_ratio, self.max_prefill_tokens, self.chunked_prefill_size,
-                             in_batch_prefix_caching=not self.server_args.disable_radix_cache)
+        adder = PrefillAdder(
+            self.tree_cache,
+            self.token_to_kv_pool_allocator,
+            self.running_batch.reqs,
+            self.new_token_ratio,
+            self.max_prefill_tokens,
+            self.chunked_prefill_size,
+            in_batch_prefix_caching=not self.server_args.disable_radix_cache,
+        )
         # In-batch prefix caching: prompts launched but not processed yet (overlap loop) reach the
         # radix cache only when their result is processed; who shares them waits for that.
         if self.inflight is not None and self.inflight.batch.forward_mode == ForwardMode.EXTEND:
             for req in self.inflight.batch.reqs:
-                if req is not self.chunked_req:     # added below with its chunks still to come
+                if req is not self.chunked_req:  # added below with its chunks still to come
                     adder.add_pending(req)
         chunk_carry = None
         if self.chunked_req is not None:
-            self.chunked_req.init_next_round_input()   # keep its prefix: its computed part
+            self.chunked_req.init_next_round_input()  # keep its prefix: its computed part
             chunk_carry = adder.add_chunked_req(self.chunked_req)
         for req in self.waiting_queue:
             if running + len(adder.can_run_list) >= self.max_running_requests:
                 adder.note_stop("running")
                 break
-            if self.req_to_token_pool.available_size() <= len([r for r in adder.can_run_list
-                                                               if r.req_pool_idx is None]):
+            if self.req_to_token_pool.available_size() <= len(
+                [r for r in adder.can_run_list if r.req_pool_idx is None]
+            ):
                 adder.note_stop("running")
                 break
             req.init_next_round_input(self.tree_cache)
             result = adder.add_one_req(req)
             if result == AddReqResult.HELD:
-                continue        # stays queued, in order; the requests behind it may still fit
+                continue  # stays queued, in order; the requests behind it may still fit
             if result != AddReqResult.CONTINUE:
                 break
         self.held_back = adder.held
@@ -375,7 +446,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             req = can_run.pop()
             need -= req.extend_input_len
             room += self.tree_cache.dec_lock_ref(req.last_node)
-            adder.stop_reason = "kv"        # it goes back to the queue, first of those turned away
+            adder.stop_reason = "kv"  # it goes back to the queue, first of those turned away
             if req is adder.new_chunked_req:
                 adder.new_chunked_req = None
 
@@ -390,7 +461,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         if req.to_abort is None:
             self.tree_cache.cache_unfinished_req(req)
             return
-        self.sync_inflight()           # overlap: let its last chunk's result be processed first
+        self.sync_inflight()  # overlap: let its last chunk's result be processed first
         req.finished_reason = FinishReason("abort", message=req.to_abort)
         self.tree_cache.cache_finished_req(req, kv_len=req.kv_len)
         self.chunked_req = None
@@ -421,8 +492,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         # Retract the requests that have decoded least (cheapest to redo), longest prompt first.
         order = sorted(batch.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
         retracted = []
-        while order and (self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
-                         < len(order)):
+        while order and (
+            self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size() < len(order)
+        ):
             req = order.pop(0)
             self.release_req_kv(req)
             req.reset_for_retract()
@@ -443,7 +515,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         # (record_unfinished_req_without_caching): nothing is in a tree, all of them are freed.
         p = 0 if isinstance(self.tree_cache, ChunkCache) else len(req.prefix_indices)
         if req.kv_len > p:
-            self.token_to_kv_pool_allocator.free(table[req.req_pool_idx, p:req.kv_len].clone())
+            self.token_to_kv_pool_allocator.free(table[req.req_pool_idx, p : req.kv_len].clone())
         self.tree_cache.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
 
@@ -463,7 +535,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         mwb = batch.prepare_for_decode() if batch is self.running_batch else batch.prepare_for_extend()
         # For the trace: whether this pass replays a CUDA graph, and the bucket it pads to.
         batch.cuda_graph, batch.padded_size = self.tp_worker.model_runner.graph_plan(
-            batch.forward_mode, len(batch.reqs), mwb.return_all_logits)
+            batch.forward_mode, len(batch.reqs), mwb.return_all_logits
+        )
         step_reqs = None
         if self.tracer.enabled:
             with self.trace_cost():
@@ -498,6 +571,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
     def init_adaptive_threads(self, plan) -> None:
         """Let the thread count follow the neighbours' load, when the plan allows it."""
         from workbench.core.model_executor.cpu_threads import AdaptiveThreads
+
         self.thread_plan = plan
         if plan.adaptive:
             self.adaptive_threads = AdaptiveThreads(plan, apply=self.set_num_threads)
@@ -505,12 +579,14 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
     def set_num_threads(self, n: int) -> None:
         """Between steps: this thread now, the overlap loop's forward thread before its next batch."""
         import torch
+
         torch.set_num_threads(n)
         if self.overlap_worker is not None:
             self.overlap_worker.num_threads = n
 
     def _num_threads(self) -> int:
         import torch
+
         if self.overlap_worker is not None:
             return self.overlap_worker.num_threads
         return torch.get_num_threads()
@@ -521,23 +597,32 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         free = alloc.available_size()
         evictable = self.tree_cache.evictable_size()
         return GetInternalStateReqOutput(
-            num_waiting=len(self.waiting_queue), num_running=len(self.running_reqs()),
-            kv_total=self.max_total_num_tokens, kv_free=free, kv_evictable=evictable,
+            num_waiting=len(self.waiting_queue),
+            num_running=len(self.running_reqs()),
+            kv_total=self.max_total_num_tokens,
+            kv_free=free,
+            kv_evictable=evictable,
             kv_used=self.max_total_num_tokens - free - evictable,
             req_slots_free=self.req_to_token_pool.available_size(),
-            req_slots_total=self.req_to_token_pool.size, step=self.forward_ct,
-            max_total_num_tokens=self.max_total_num_tokens, max_running_requests=self.max_running_requests,
-            max_req_input_len=self.max_req_input_len, last_gen_throughput=self.last_gen_throughput,
-            trace_ms=self.trace_ns / 1e6, num_threads=self._num_threads(),
+            req_slots_total=self.req_to_token_pool.size,
+            step=self.forward_ct,
+            max_total_num_tokens=self.max_total_num_tokens,
+            max_running_requests=self.max_running_requests,
+            max_req_input_len=self.max_req_input_len,
+            last_gen_throughput=self.last_gen_throughput,
+            trace_ms=self.trace_ns / 1e6,
+            num_threads=self._num_threads(),
             others_load=-1.0 if at is None or at.others is None else round(at.others, 3),
-            thread_probes=0 if at is None else at.policy.probes, kv_check_error=self.kv_check_error_now())
+            thread_probes=0 if at is None else at.policy.probes,
+            kv_check_error=self.kv_check_error_now(),
+        )
 
     def kv_check_error_now(self) -> str:
         """For get_internal_state: with the check enabled and the scheduler idle, check now ("" = ok)."""
         if self.kv_check_enabled and not self.has_work():
             try:
                 self.check_kv_invariants()
-            except Exception as exc:       # KVInvariantError, or the check itself tripping on bad state
+            except Exception as exc:  # KVInvariantError, or the check itself tripping on bad state
                 self.kv_check_error = f"{type(exc).__name__}: {exc}"
         return self.kv_check_error
 
@@ -562,11 +647,12 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
     def handle_weights_request(self, msg) -> None:
         """Weight updates and reads (the work is in weight_updater.py); replies on the usual socket."""
         from workbench.core.managers import weight_updater
-        self.sync_inflight()            # overlap: nothing may still run on the old weights
+
+        self.sync_inflight()  # overlap: nothing may still run on the old weights
         reply, source = weight_updater.handle_request(self.tp_worker.model_runner, msg, busy=self.has_work())
         if source is not None:
             if getattr(msg, "flush_cache", True):
-                self.flush_cache()      # every cached KV entry was computed with the old weights
+                self.flush_cache()  # every cached KV entry was computed with the old weights
             self.weights_version = getattr(self, "weights_version", 0) + 1
             reply.version = self.weights_version
             if self.tracer.enabled:
@@ -623,13 +709,20 @@ def _load_fast_tokenizer(model_dir):
     from pathlib import Path
 
     from tokenizers import Tokenizer
+
     return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer, tp_rank: int = 0,
-                          tp_size: int = 1, proc_name: str = "scheduler") -> None:
+def run_scheduler_process(
+    server_args: ServerArgs,
+    port_args: PortArgs,
+    pipe_writer,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    proc_name: str = "scheduler",
+) -> None:
     """Spawn target: build the Scheduler, report ready (or the error), run the loop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent decides when we stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     try:
         # Threads and cores before anything starts torch's OpenMP team: its threads inherit the affinity.
         plan = _apply_thread_plan(server_args, tp_rank, tp_size)
@@ -641,18 +734,33 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
             scheduler.tracer.emit(ev.ProcStarted(pid=os.getpid(), role=proc_name))
             scheduler.tracer.flush()
             scheduler.tracer.set_enabled(False)
-        pipe_writer.send({"status": "ready", "role": proc_name, "pid": os.getpid(),
-                          "max_total_num_tokens": scheduler.max_total_num_tokens,
-                          "max_running_requests": scheduler.max_running_requests,
-                          "context_len": scheduler.model_config.context_len,
-                          "dtype": str(runner.dtype).replace("torch.", ""),
-                          "tp_rank": tp_rank, "tp_size": tp_size, "kv_head_num": runner.token_to_kv_pool.head_num,
-                          "threads": plan.describe(),
-                          "load_time_s": runner.load_time_s})
+        pipe_writer.send(
+            {
+                "status": "ready",
+                "role": proc_name,
+                "pid": os.getpid(),
+                "max_total_num_tokens": scheduler.max_total_num_tokens,
+                "max_running_requests": scheduler.max_running_requests,
+                "context_len": scheduler.model_config.context_len,
+                "dtype": str(runner.dtype).replace("torch.", ""),
+                "tp_rank": tp_rank,
+                "tp_size": tp_size,
+                "kv_head_num": runner.token_to_kv_pool.head_num,
+                "threads": plan.describe(),
+                "load_time_s": runner.load_time_s,
+            }
+        )
     except Exception as exc:
         import traceback
-        pipe_writer.send({"status": "error", "role": proc_name, "error": f"{type(exc).__name__}: {exc}",
-                          "traceback": traceback.format_exc()})
+
+        pipe_writer.send(
+            {
+                "status": "error",
+                "role": proc_name,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+        )
         raise SystemExit(1)
     _watch_parent()
     if scheduler.enable_overlap:
@@ -666,9 +774,15 @@ def _apply_thread_plan(server_args: ServerArgs, tp_rank: int, tp_size: int):
     import torch
 
     from workbench.core.model_executor.cpu_threads import plan_threads
-    ranks_here = max(1, tp_size // server_args.nnodes)         # TP ranks on one node share its cores
-    plan = plan_threads(server_args.num_threads, server_args.cpu_omp_threads_bind, tp_rank % ranks_here,
-                        ranks_here, server_args.resolved_device())
+
+    ranks_here = max(1, tp_size // server_args.nnodes)  # TP ranks on one node share its cores
+    plan = plan_threads(
+        server_args.num_threads,
+        server_args.cpu_omp_threads_bind,
+        tp_rank % ranks_here,
+        ranks_here,
+        server_args.resolved_device(),
+    )
     if plan.cores:
         os.sched_setaffinity(0, plan.cores)
     torch.set_num_threads(plan.threads)
@@ -680,6 +794,7 @@ def _watch_parent() -> None:
     """Exit when the parent dies, so no scheduler outlives its engine."""
     import multiprocessing
     import threading
+
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -690,4 +805,5 @@ def _watch_parent() -> None:
             time.sleep(1.0)
             if os.getppid() != ppid:
                 os._exit(0)
+
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()

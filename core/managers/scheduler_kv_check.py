@@ -19,6 +19,7 @@ It runs when the scheduler goes idle if `--enable-kv-invariant-check` (or the en
 WORKBENCH_KV_INVARIANT_CHECK=1) is set, its outcome is reported by `get_internal_state` (the tests'
 leak check reads it), and the in-process scheduler tests call it after every step.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,7 +54,7 @@ def kv_check_enabled(server_args) -> bool:
 
 
 class SchedulerKVCheckMixin:
-    kv_check_error: str = ""        # the last idle check's violation ("" = none seen)
+    kv_check_error: str = ""  # the last idle check's violation ("" = none seen)
 
     def live_kv_reqs(self) -> list["Req"]:
         """Requests that hold a request row (and so may hold KV slots and a cache lock) now."""
@@ -92,7 +93,7 @@ class SchedulerKVCheckMixin:
             if r.kv_len < start:
                 problems.append(f"request {r.rid}: kv_len {r.kv_len} < its cached prefix {start}")
                 continue
-            held_parts.append(table[r.req_pool_idx, start:r.kv_len])
+            held_parts.append(table[r.req_pool_idx, start : r.kv_len])
             held += r.kv_len - start
             if radix and start and not torch.equal(table[r.req_pool_idx, :start].cpu(), r.prefix_indices.cpu()):
                 problems.append(f"request {r.rid}: its row does not start with its cached prefix's slots")
@@ -100,15 +101,17 @@ class SchedulerKVCheckMixin:
         if self.inflight is not None and self.inflight.batch.forward_mode == ForwardMode.DECODE:
             b = self.inflight.batch
             for i, r in enumerate(b.reqs):
-                if r.finished():        # a row computed for nothing; its slot comes back with the result
-                    inflight_parts.append(b.out_cache_loc[i:i + 1])
+                if r.finished():  # a row computed for nothing; its slot comes back with the result
+                    inflight_parts.append(b.out_cache_loc[i : i + 1])
                     inflight += 1
         free, evictable, locked = alloc.available_size(), cache.evictable_size(), cache.protected_size()
         cached = int(cached_slots.numel())
         counted = free + cached + held + inflight
         if counted != total:
-            problems.append(f"free {free} + cached {cached} (evictable {evictable}, locked {locked}) + held by "
-                            f"{len(live)} requests {held} + in flight {inflight} = {counted} != total {total}")
+            problems.append(
+                f"free {free} + cached {cached} (evictable {evictable}, locked {locked}) + held by "
+                f"{len(live)} requests {held} + in flight {inflight} = {counted} != total {total}"
+            )
         allslots = torch.cat([free_slots.cpu(), cached_slots.cpu()] + [p.cpu() for p in held_parts + inflight_parts])
         if allslots.numel():
             lo, hi = int(allslots.min()), int(allslots.max())
@@ -118,8 +121,14 @@ class SchedulerKVCheckMixin:
                 counts = torch.bincount(allslots, minlength=total + 1)[1:]
                 dup, missing = int((counts > 1).sum()), int((counts == 0).sum())
                 if dup or missing:
-                    where = _where(int((counts > 1).nonzero()[0]) + 1 if dup else None, free_slots, cached_slots,
-                                   live, table, radix)
+                    where = _where(
+                        int((counts > 1).nonzero()[0]) + 1 if dup else None,
+                        free_slots,
+                        cached_slots,
+                        live,
+                        table,
+                        radix,
+                    )
                     problems.append(f"{dup} slots counted twice{where}, {missing} slots nowhere (leaked)")
         if cache.total_size() != cached or evictable + locked != cached:
             problems.append(f"cache counters: evictable {evictable} + locked {locked} != {cached} slots in the tree")
@@ -128,8 +137,10 @@ class SchedulerKVCheckMixin:
         rows_used = pool.size - pool.available_size()
         live_rows = [r.req_pool_idx for r in live]
         if rows_used != len(live_rows):
-            problems.append(f"request rows in use {rows_used} != {len(live_rows)} live requests holding one "
-                            f"({pool.available_size()} free of {pool.size})")
+            problems.append(
+                f"request rows in use {rows_used} != {len(live_rows)} live requests holding one "
+                f"({pool.available_size()} free of {pool.size})"
+            )
         if len(set(live_rows)) != len(live_rows):
             problems.append(f"two live requests share a request row: {sorted(live_rows)}")
         if set(live_rows) & set(pool.free_slots):
@@ -151,8 +162,10 @@ class SchedulerKVCheckMixin:
             ev = lk = 0
             for n in cache._iter_nodes():
                 if n.lock_ref != want.get(id(n), 0):
-                    problems.append(f"radix node #{n.id} ({len(n.key)} tokens) has lock_ref {n.lock_ref}, "
-                                    f"{want.get(id(n), 0)} live requests use it")
+                    problems.append(
+                        f"radix node #{n.id} ({len(n.key)} tokens) has lock_ref {n.lock_ref}, "
+                        f"{want.get(id(n), 0)} live requests use it"
+                    )
                     if len(problems) > 12:
                         break
                 if n.lock_ref > 0:
@@ -160,15 +173,26 @@ class SchedulerKVCheckMixin:
                 else:
                     ev += len(n.key)
             if (ev, lk) != (evictable, locked):
-                problems.append(f"cache counters say evictable {evictable}, locked {locked}; its nodes hold "
-                                f"{ev} unlocked, {lk} locked")
+                problems.append(
+                    f"cache counters say evictable {evictable}, locked {locked}; its nodes hold "
+                    f"{ev} unlocked, {lk} locked"
+                )
             if cache.root_node.lock_ref != 1:
                 problems.append(f"radix root lock_ref {cache.root_node.lock_ref} != 1")
 
         if problems:
             raise KVInvariantError("KV invariant violated at step %d: %s" % (self.forward_ct, "; ".join(problems)))
-        return {"total": total, "free": free, "cached": cached, "evictable": evictable, "locked": locked,
-                "held": held, "inflight": inflight, "live_reqs": len(live), "rows_used": rows_used}
+        return {
+            "total": total,
+            "free": free,
+            "cached": cached,
+            "evictable": evictable,
+            "locked": locked,
+            "held": held,
+            "inflight": inflight,
+            "live_reqs": len(live),
+            "rows_used": rows_used,
+        }
 
     def check_kv_invariants_when_idle(self) -> None:
         """The idle hook: run the check once per busy -> idle transition when enabled; log a violation."""
@@ -193,6 +217,6 @@ def _where(slot: Optional[int], free_slots, cached_slots, live, table, radix) ->
         places.append("cache")
     for r in live:
         start = len(r.prefix_indices) if radix else 0
-        if bool((table[r.req_pool_idx, start:r.kv_len] == slot).any()):
+        if bool((table[r.req_pool_idx, start : r.kv_len] == slot).any()):
             places.append(f"request {r.rid}")
     return f" (e.g. slot {slot}: {', '.join(places)})"

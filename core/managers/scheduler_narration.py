@@ -6,6 +6,7 @@ one `StepDecision` per step that ran a batch, at the end of the step (`Scheduler
 KV figures are the allocator's counters (`TokenToKVPoolAllocator.num_allocated / num_freed`)
 since the previous decision, so every slot handed out or taken back is counted in exactly one step.
 """
+
 from __future__ import annotations
 
 import time
@@ -42,11 +43,12 @@ class StepNarrator:
         self.held: list[str] = []
         self.budget = 0
         self.budget_used = 0
-        self.start_ts = time.monotonic_ns()     # the trace clock (events' ts), not perf_counter
+        self.start_ts = time.monotonic_ns()  # the trace clock (events' ts), not perf_counter
 
     # ---- what the scheduler reports ------------------------------------------------------
-    def admission(self, adder: Optional["PrefillAdder"], continued: Optional["Req"],
-                  stop_reason: Optional[str] = None) -> None:
+    def admission(
+        self, adder: Optional["PrefillAdder"], continued: Optional["Req"], stop_reason: Optional[str] = None
+    ) -> None:
         """The prefill admission of this step (adder None: not attempted, for `stop_reason`)."""
         if adder is None:
             self.stop_reason = stop_reason or ""
@@ -91,11 +93,19 @@ class StepNarrator:
             mode="decode" if decode else "extend",
             admitted=[] if decode else list(self.admitted),
             chunk_continued="" if decode else self.chunk_continued,
-            waiting=len(waiting), stop_reason=self.stop_reason if stop_rid else "", stop_rid=stop_rid,
+            waiting=len(waiting),
+            stop_reason=self.stop_reason if stop_rid else "",
+            stop_rid=stop_rid,
             held=[rid for rid in self.held if rid in queued],
-            budget=0 if decode else self.budget, budget_used=0 if decode else self.budget_used,
-            running_waited=0 if decode else sum(1 for r in running if not r.finished() and id(r) not in in_batch), kv_alloc=kv_alloc, kv_freed=kv_freed,
-            evicted=self.evicted, evicted_nodes=list(self.evicted_nodes), retracted=list(self.retracted),
-            start_ts=self.start_ts)
+            budget=0 if decode else self.budget,
+            budget_used=0 if decode else self.budget_used,
+            running_waited=0 if decode else sum(1 for r in running if not r.finished() and id(r) not in in_batch),
+            kv_alloc=kv_alloc,
+            kv_freed=kv_freed,
+            evicted=self.evicted,
+            evicted_nodes=list(self.evicted_nodes),
+            retracted=list(self.retracted),
+            start_ts=self.start_ts,
+        )
         self._reset()
         return out

@@ -4,6 +4,7 @@ Kept apart from scheduler.py so each file reads as one part of the loop: this on
 `process_batch_result` (tokens, stop checks, KV handed to the radix cache), the output
 stream to the detokenizer, and the trace events that describe the step.
 """
+
 from __future__ import annotations
 
 import time
@@ -38,9 +39,9 @@ class SchedulerOutputMixin:
             if req.return_logprob and req.logprob_start_len >= 0 and result.prompt_logprobs is not None:
                 self._add_input_logprobs(req, i, result, batch.prefix_lens[i], batch.extend_lens[i])
             if req is batch.chunked_req:
-                continue            # part of the prompt is still to come: nothing sampled yet
+                continue  # part of the prompt is still to come: nothing sampled yet
             if req.sampling_params.max_new_tokens == 0:
-                req.check_finished()    # prefill only (e.g. prompt logprobs): the sampled token is dropped
+                req.check_finished()  # prefill only (e.g. prompt logprobs): the sampled token is dropped
             else:
                 self._append_token(req, i, result, batch)
             req.is_retracted = False
@@ -59,7 +60,7 @@ class SchedulerOutputMixin:
                 # Overlap loop: it finished in the previous batch, which this one was built before
                 # knowing. The row was computed for nothing; its KV slot is given back here (the
                 # request's row and the rest of its KV went at cache_finished_req).
-                self.token_to_kv_pool_allocator.free(batch.out_cache_loc[i:i + 1])
+                self.token_to_kv_pool_allocator.free(batch.out_cache_loc[i : i + 1])
                 continue
             self._append_token(req, i, result, batch)
             if req.finished():
@@ -70,7 +71,7 @@ class SchedulerOutputMixin:
     def _append_token(self, req: "Req", i: int, result: "GenerationBatchResult", batch: "ScheduleBatch") -> None:
         req.output_ids.append(result.next_token_ids[i])
         if batch.future_ids is not None and req.future_token_id == batch.future_ids[i]:
-            req.future_token_id = None      # a later launch may have put its own placeholder there
+            req.future_token_id = None  # a later launch may have put its own placeholder there
         out = result.sampler_output
         if req.return_logprob and out is not None and out.logprobs is not None:
             req.output_token_logprobs.append(float(out.logprobs[i]))
@@ -83,17 +84,16 @@ class SchedulerOutputMixin:
     def _decode_tail(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _add_input_logprobs(self, req: "Req", i: int, result: "GenerationBatchResult", start: int,
-                            n: int) -> None:
+    def _add_input_logprobs(self, req: "Req", i: int, result: "GenerationBatchResult", start: int, n: int) -> None:
         """Prompt logprobs of the `n` tokens after `start` computed by row i (launch-time values)."""
         if not req.input_token_logprobs:
-            req.input_token_logprobs = [None] * (start + 1)    # nothing predicts the first / cached tokens
+            req.input_token_logprobs = [None] * (start + 1)  # nothing predicts the first / cached tokens
         lp = result.prompt_logprobs[i]
         req.input_token_logprobs.extend(float(x) for x in lp.token_logprobs)
         end = start + n
         if end < len(req.origin_input_ids):
             # The next chunk's first token is scored by this chunk's last position.
-            row = result.logits_output.next_token_logits[i:i + 1]
+            row = result.logits_output.next_token_logits[i : i + 1]
             nxt = torch.tensor([req.origin_input_ids[end]], device=row.device)
             req.input_token_logprobs.append(float(token_logprobs(row, nxt)[0]))
 
@@ -104,14 +104,16 @@ class SchedulerOutputMixin:
         skip, spaces, no_trim, stops, lps, tops, in_lps = [], [], [], [], [], [], []
         any_lp = False
         for req in reqs:
-            new = req.output_ids[req.sent_len:]
+            new = req.output_ids[req.sent_len :]
             if not new and not req.finished():
                 continue
             fr = req.finished_reason
             rids.append(req.rid)
             new_ids.append(new)
             reasons.append(fr.type if fr else None)
-            matched.append(fr.matched if fr and fr.type == "stop" else (fr.message if fr and fr.type == "abort" else None))
+            matched.append(
+                fr.matched if fr and fr.type == "stop" else (fr.message if fr and fr.type == "abort" else None)
+            )
             prompt.append(len(req.origin_input_ids))
             completion.append(len(req.output_ids))
             cached.append(req.cached_tokens)
@@ -120,11 +122,15 @@ class SchedulerOutputMixin:
             spaces.append(sp.spaces_between_special_tokens)
             no_trim.append(sp.no_stop_trim)
             stops.append(req.stop_strs)
-            lps.append(req.output_token_logprobs[req.sent_len:] if req.return_logprob else [])
-            tops.append(req.output_top_logprobs[req.sent_len:] if req.return_logprob else [])
-            if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs_sent \
-                    and (req.output_ids or req.finished()):
-                in_lps.append(req.input_token_logprobs[:len(req.origin_input_ids)])
+            lps.append(req.output_token_logprobs[req.sent_len :] if req.return_logprob else [])
+            tops.append(req.output_top_logprobs[req.sent_len :] if req.return_logprob else [])
+            if (
+                req.return_logprob
+                and req.logprob_start_len >= 0
+                and not req.input_logprobs_sent
+                and (req.output_ids or req.finished())
+            ):
+                in_lps.append(req.input_token_logprobs[: len(req.origin_input_ids)])
                 req.input_logprobs_sent = True
             else:
                 in_lps.append(None)
@@ -134,14 +140,27 @@ class SchedulerOutputMixin:
                 self.tracer.emit(ev.ReqAborted(rid=req.rid, reason=fr.message))
         if not rids:
             return
-        self.io.send(BatchTokenIDOut(
-            rids=rids, new_token_ids=new_ids, finished_reasons=reasons, matched_stops=matched,
-            prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
-            skip_special_tokens=skip, spaces_between_special_tokens=spaces, no_stop_trim=no_trim,
-            stop_strs=stops, output_token_logprobs=lps if any_lp else None,
-            output_top_logprobs=tops if any_lp else None, input_token_logprobs=in_lps if any_lp else None,
-            error_messages=[(fr_msg if r == "abort" else None) for r, fr_msg in zip(reasons, matched)]
-            if any(r == "abort" for r in reasons) else None))
+        self.io.send(
+            BatchTokenIDOut(
+                rids=rids,
+                new_token_ids=new_ids,
+                finished_reasons=reasons,
+                matched_stops=matched,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                cached_tokens=cached,
+                skip_special_tokens=skip,
+                spaces_between_special_tokens=spaces,
+                no_stop_trim=no_trim,
+                stop_strs=stops,
+                output_token_logprobs=lps if any_lp else None,
+                output_top_logprobs=tops if any_lp else None,
+                input_token_logprobs=in_lps if any_lp else None,
+                error_messages=[(fr_msg if r == "abort" else None) for r, fr_msg in zip(reasons, matched)]
+                if any(r == "abort" for r in reasons)
+                else None,
+            )
+        )
 
     # ==== trace ======================================================================
     def describe_batch_step(self, batch: "ScheduleBatch") -> list:
@@ -164,50 +183,85 @@ class SchedulerOutputMixin:
             if req.num_chunks_done == 0:
                 t.emit(ev.CacheMatch(rid=req.rid, matched=prefix, prompt_tokens=len(req.origin_input_ids)))
             # Only a first chunk reads a cached prefix; a later one's prefix is its own earlier chunks.
-            t.emit(ev.ReqScheduled(rid=req.rid, prefix_hit=prefix if k == 0 else 0,
-                                   extend_len=req.extend_input_len, chunk_index=k, num_chunks=n))
-            step_reqs.append(ev.StepReq(req.rid, cached=prefix if k == 0 else 0,
-                                        computed=req.extend_input_len, chunk_index=k, num_chunks=n))
+            t.emit(
+                ev.ReqScheduled(
+                    rid=req.rid,
+                    prefix_hit=prefix if k == 0 else 0,
+                    extend_len=req.extend_input_len,
+                    chunk_index=k,
+                    num_chunks=n,
+                )
+            )
+            step_reqs.append(
+                ev.StepReq(
+                    req.rid, cached=prefix if k == 0 else 0, computed=req.extend_input_len, chunk_index=k, num_chunks=n
+                )
+            )
         return step_reqs
 
-    def emit_batch_step(self, batch: "ScheduleBatch", schedule_ms: float, forward_ms: float,
-                        step_reqs: Optional[list] = None, step: int = -1) -> None:
+    def emit_batch_step(
+        self,
+        batch: "ScheduleBatch",
+        schedule_ms: float,
+        forward_ms: float,
+        step_reqs: Optional[list] = None,
+        step: int = -1,
+    ) -> None:
         """The `batch.step` event; `step_reqs` from `describe_batch_step` at launch (computed now if None)."""
         if step_reqs is None:
             step_reqs = self.describe_batch_step(batch)
         decode = batch.forward_mode == ForwardMode.DECODE
         bs = len(batch.reqs)
-        self.tracer.emit(ev.BatchStep(mode="decode" if decode else "extend", reqs=step_reqs, batch_size=bs,
-                                      padded_size=batch.padded_size or bs, cuda_graph=batch.cuda_graph,
-                                      backend=self.tp_worker.model_runner.attn_backend.name,
-                                      schedule_ms=schedule_ms, forward_ms=forward_ms, step=step))
+        self.tracer.emit(
+            ev.BatchStep(
+                mode="decode" if decode else "extend",
+                reqs=step_reqs,
+                batch_size=bs,
+                padded_size=batch.padded_size or bs,
+                cuda_graph=batch.cuda_graph,
+                backend=self.tp_worker.model_runner.attn_backend.name,
+                schedule_ms=schedule_ms,
+                forward_ms=forward_ms,
+                step=step,
+            )
+        )
 
     def emit_state(self) -> None:
         t = self.tracer
         chunked = [self.chunked_req.rid] if self.chunked_req is not None else []
         waiting = [r.rid for r in self.waiting_queue]
-        queued = set(waiting)           # a held request may have been aborted since
+        queued = set(waiting)  # a held request may have been aborted since
         held = [ev.HeldReq(h.rid, h.waits_for, h.shared_tokens) for h in self.held_back if h.rid in queued]
-        t.emit(ev.QueueState(waiting=waiting, running=[r.rid for r in self.running_reqs()],
-                             chunked=chunked, held=held))
+        t.emit(ev.QueueState(waiting=waiting, running=[r.rid for r in self.running_reqs()], chunked=chunked, held=held))
         free = self.token_to_kv_pool_allocator.available_size()
         evictable = self.tree_cache.evictable_size()
-        t.emit(ev.KVUsage(used=self.max_total_num_tokens - free - evictable, evictable=evictable, free=free,
-                          total=self.max_total_num_tokens))
+        t.emit(
+            ev.KVUsage(
+                used=self.max_total_num_tokens - free - evictable,
+                evictable=evictable,
+                free=free,
+                total=self.max_total_num_tokens,
+            )
+        )
         self.emit_tree_if_due()
 
     def emit_tree_if_due(self) -> None:
         """A CacheTree snapshot if the tree changed (inserts, evictions, locks, hits: the radix cache
         reports each through `_on_cache_event`) and the last one is old enough; while paused or
         stepping, at every step boundary (the rate limit is for a running engine)."""
-        if self.tree_dirty and (self.paused or
-                                time.monotonic_ns() - self.last_tree_snapshot_ns >= TREE_SNAPSHOT_INTERVAL_NS):
+        if self.tree_dirty and (
+            self.paused or time.monotonic_ns() - self.last_tree_snapshot_ns >= TREE_SNAPSHOT_INTERVAL_NS
+        ):
             self.emit_tree()
 
     def emit_tree(self) -> None:
-        self.tracer.emit(ev.CacheTree(nodes=self.tree_cache.snapshot(),
-                                      evictable_size=self.tree_cache.evictable_size(),
-                                      protected_size=self.tree_cache.protected_size()))
+        self.tracer.emit(
+            ev.CacheTree(
+                nodes=self.tree_cache.snapshot(),
+                evictable_size=self.tree_cache.evictable_size(),
+                protected_size=self.tree_cache.protected_size(),
+            )
+        )
         self.last_tree_snapshot_ns = time.monotonic_ns()
         self.tree_dirty = False
 

@@ -29,6 +29,7 @@ whole launch-and-process, as in the normal loop), and for batches whose sampling
 output history: penalties and min_new_tokens build their tensors from `output_ids`, which would
 miss the in-flight token.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -43,11 +44,12 @@ if TYPE_CHECKING:
 @dataclass
 class InflightBatch:
     """A launch whose result is not processed yet."""
-    batch: "ScheduleBatch"                  # snapshot of the launch (ScheduleBatch.copy)
-    handle: concurrent.futures.Future       # TpModelWorkerClient's handle
-    step: int                               # the scheduler step that launched it (for the trace)
+
+    batch: "ScheduleBatch"  # snapshot of the launch (ScheduleBatch.copy)
+    handle: concurrent.futures.Future  # TpModelWorkerClient's handle
+    step: int  # the scheduler step that launched it (for the trace)
     schedule_ms: float
-    step_reqs: Optional[list] = None        # trace: each request's share, taken at launch
+    step_reqs: Optional[list] = None  # trace: each request's share, taken at launch
 
 
 class SchedulerOverlapMixin:
@@ -63,7 +65,7 @@ class SchedulerOverlapMixin:
         recv_reqs = self.recv_requests()
         self.process_input_requests(recv_reqs)
         if self.paused:
-            self.sync_inflight()            # nothing half-done while paused or single-stepping
+            self.sync_inflight()  # nothing half-done while paused or single-stepping
             if self.step_credits == 0:
                 return
         batch = self.get_next_batch_to_run()
@@ -76,12 +78,13 @@ class SchedulerOverlapMixin:
         if previous is not None:
             self.process_inflight(previous)
         if self.paused:
-            self.sync_inflight()            # a gated step ends with its own result processed
+            self.sync_inflight()  # a gated step ends with its own result processed
         self.last_batch = batch
         self.finish_step(batch)
 
     def init_overlap_worker(self) -> None:
         from workbench.core.managers.tp_worker_overlap_thread import TpModelWorkerClient
+
         if self.overlap_worker is None:
             self.overlap_worker = TpModelWorkerClient(self.tp_worker, self.max_running_requests + 1)
 
@@ -93,7 +96,7 @@ class SchedulerOverlapMixin:
         future_ids, handle = self.overlap_worker.forward_batch_generation(mwb)
         batch.future_ids = future_ids
         for req, fid in zip(batch.reqs, future_ids):
-            if req is not batch.chunked_req:    # a cut prompt samples nothing anyone reads
+            if req is not batch.chunked_req:  # a cut prompt samples nothing anyone reads
                 req.future_token_id = fid
         return InflightBatch(batch.copy(), handle, self.forward_ct, schedule_ms, step_reqs)
 
@@ -109,8 +112,7 @@ class SchedulerOverlapMixin:
                 step_reqs = inflight.step_reqs
                 if step_reqs is not None and wasted:
                     step_reqs = [s for i, s in enumerate(step_reqs) if i not in wasted]
-                self.emit_batch_step(batch, inflight.schedule_ms, result.forward_ms, step_reqs,
-                                     step=inflight.step)
+                self.emit_batch_step(batch, inflight.schedule_ms, result.forward_ms, step_reqs, step=inflight.step)
         self.note_forward_time(batch, result.forward_ms)
 
     def sync_inflight(self) -> bool:

@@ -7,6 +7,7 @@ wakes the waiting coroutines. It also measures what a client feels: time to
 first token (TTFT), time per output token (TPOT) and end-to-end latency (E2E),
 with the same monotonic clock the trace uses.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,11 +22,28 @@ import zmq
 import zmq.asyncio
 
 from workbench.core.io_struct import (
-    AbortReq, BatchStrOut, DestroyWeightsUpdateGroupReq, FlushCacheReq, FlushCacheReqOutput,
-    GetInternalStateReq, GetInternalStateReqOutput, GetWeightsByNameReq, GetWeightsByNameReqOutput,
-    InitWeightsUpdateGroupReq, Msg, SetTraceReq, StepGateReq, StepGateReqOutput, TokenizedGenerateReqInput,
-    UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq,
-    UpdateWeightsReqOutput, decode_msg, encode_msg)
+    AbortReq,
+    BatchStrOut,
+    DestroyWeightsUpdateGroupReq,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    GetWeightsByNameReq,
+    GetWeightsByNameReqOutput,
+    InitWeightsUpdateGroupReq,
+    Msg,
+    SetTraceReq,
+    StepGateReq,
+    StepGateReqOutput,
+    TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDistributedReq,
+    UpdateWeightsFromTensorReq,
+    UpdateWeightsReqOutput,
+    decode_msg,
+    encode_msg,
+)
 from workbench.core.ipc import PortArgs
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.trace import events as ev
@@ -33,7 +51,7 @@ from workbench.core.trace import events as ev
 logger = logging.getLogger(__name__)
 
 
-WEIGHTS_UPDATE_TIMEOUT_S = 1800.0   # a distributed push or a big checkpoint can take long
+WEIGHTS_UPDATE_TIMEOUT_S = 1800.0  # a distributed push or a big checkpoint can take long
 
 
 class EngineDeadError(RuntimeError):
@@ -43,6 +61,7 @@ class EngineDeadError(RuntimeError):
 @dataclass
 class GenerateReqInput:
     """One request as the TokenizerManager receives it (after batch/n expansion)."""
+
     text: Optional[str] = None
     input_ids: Optional[list[int]] = None
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
@@ -56,6 +75,7 @@ class GenerateReqInput:
 @dataclass
 class ReqState:
     """What the main process knows about one in-flight request."""
+
     rid: str
     prompt_tokens: int
     stream: bool
@@ -77,8 +97,16 @@ class ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, server_args, port_args: PortArgs, tokenizer, context_len: int, max_total_tokens: int,
-                 tracer, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        server_args,
+        port_args: PortArgs,
+        tokenizer,
+        context_len: int,
+        max_total_tokens: int,
+        tracer,
+        loop: asyncio.AbstractEventLoop,
+    ):
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.context_len = context_len
@@ -103,7 +131,7 @@ class TokenizerManager:
         self._weights_update_lock = asyncio.Lock()
         self._weights_gate = asyncio.Event()
         self._weights_gate.set()
-        self.num_held_requests = 0     # new requests waiting for a weight update to end
+        self.num_held_requests = 0  # new requests waiting for a weight update to end
         self.num_requests_total = 0
         self.handle_loop_task = loop.create_task(self.handle_loop())
 
@@ -126,19 +154,28 @@ class TokenizerManager:
         self._validate(input_ids, sp, obj)
         try:
             # Encoded before the state exists: a value msgpack cannot carry is a bad request, not a leak.
-            wire = encode_msg(TokenizedGenerateReqInput(
-                rid=rid, input_text=(obj.text or "")[:200], input_ids=input_ids, sampling_params=sp,
-                return_logprob=obj.return_logprob, top_logprobs_num=obj.top_logprobs_num,
-                logprob_start_len=obj.logprob_start_len, stream=obj.stream, arrival_ts=created))
+            wire = encode_msg(
+                TokenizedGenerateReqInput(
+                    rid=rid,
+                    input_text=(obj.text or "")[:200],
+                    input_ids=input_ids,
+                    sampling_params=sp,
+                    return_logprob=obj.return_logprob,
+                    top_logprobs_num=obj.top_logprobs_num,
+                    logprob_start_len=obj.logprob_start_len,
+                    stream=obj.stream,
+                    arrival_ts=created,
+                )
+            )
         except (OverflowError, TypeError, msgspec.EncodeError) as e:
             raise ValueError(f"a request parameter cannot be represented: {e}") from None
-        state = ReqState(rid=rid, prompt_tokens=len(input_ids), stream=obj.stream, created_ns=created,
-                         event=asyncio.Event())
+        state = ReqState(
+            rid=rid, prompt_tokens=len(input_ids), stream=obj.stream, created_ns=created, event=asyncio.Event()
+        )
         self.rid_to_state[rid] = state
         self.num_requests_total += 1
         if self.tracer.enabled:
-            self.tracer.emit(ev.ReqTokenized(rid=rid, prompt_tokens=len(input_ids),
-                                             max_new_tokens=sp.max_new_tokens))
+            self.tracer.emit(ev.ReqTokenized(rid=rid, prompt_tokens=len(input_ids), max_new_tokens=sp.max_new_tokens))
             self.tracer.flush()
         try:
             await self.send_to_scheduler.send(wire)
@@ -170,11 +207,13 @@ class TokenizerManager:
             raise ValueError(
                 f"this model's maximum context length is {self.context_len} tokens; the prompt has "
                 f"{len(input_ids)} tokens and max_new_tokens is {sp.max_new_tokens}: shorten the prompt "
-                f"or lower max_new_tokens")
+                f"or lower max_new_tokens"
+            )
         if len(input_ids) + sp.max_new_tokens > self.max_total_tokens:
             raise ValueError(
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the KV pool "
-                f"({self.max_total_tokens} tokens); raise --max-total-tokens or shorten the request")
+                f"({self.max_total_tokens} tokens); raise --max-total-tokens or shorten the request"
+            )
         if obj.top_logprobs_num < 0 or obj.top_logprobs_num > self.server_args.max_top_logprobs:
             raise ValueError(f"top_logprobs_num must be in [0, {self.server_args.max_top_logprobs}]")
 
@@ -199,8 +238,10 @@ class TokenizerManager:
 
     def _result(self, state: ReqState, delta: Optional[str]) -> dict:
         meta: dict[str, Any] = {
-            "id": state.rid, "prompt_tokens": state.prompt_tokens,
-            "completion_tokens": state.completion_tokens, "cached_tokens": state.cached_tokens,
+            "id": state.rid,
+            "prompt_tokens": state.prompt_tokens,
+            "completion_tokens": state.completion_tokens,
+            "cached_tokens": state.cached_tokens,
             "finish_reason": state.finish_reason,
             "e2e_latency": ((state.finished_ns or time.monotonic_ns()) - state.created_ns) / 1e9,
             "ttft": (state.first_token_ns - state.created_ns) / 1e9 if state.first_token_ns else None,
@@ -244,7 +285,7 @@ class TokenizerManager:
         for i, rid in enumerate(out.rids):
             state = self.rid_to_state.get(rid)
             if state is None:
-                continue   # aborted and already released
+                continue  # aborted and already released
             new_ids = out.new_token_ids[i]
             if new_ids and not state.first_token_ns:
                 state.first_token_ns = now
@@ -287,9 +328,19 @@ class TokenizerManager:
         e2e = (now - state.created_ns) / 1e9
         n = state.completion_tokens
         tpot = (now - state.first_token_ns) / 1e9 / (n - 1) if n > 1 and state.first_token_ns else 0.0
-        self.tracer.emit(ev.ReqFinished(rid=state.rid, reason=reason, prompt_tokens=state.prompt_tokens,
-                                        completion_tokens=n, cached_tokens=state.cached_tokens,
-                                        ttft=ttft, tpot=tpot, e2e=e2e, ts=now))
+        self.tracer.emit(
+            ev.ReqFinished(
+                rid=state.rid,
+                reason=reason,
+                prompt_tokens=state.prompt_tokens,
+                completion_tokens=n,
+                cached_tokens=state.cached_tokens,
+                ttft=ttft,
+                tpot=tpot,
+                e2e=e2e,
+                ts=now,
+            )
+        )
 
     # ==== control =====================================================================
     async def _control(self, req: Msg, reply_type: type, timeout: float = 60.0):
@@ -314,21 +365,26 @@ class TokenizerManager:
         await self.send_to_scheduler.send(encode_msg(SetTraceReq(enabled=enabled)))
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> GetWeightsByNameReqOutput:
-        return await self._control(GetWeightsByNameReq(name=name, truncate_size=truncate_size),
-                                   GetWeightsByNameReqOutput)
+        return await self._control(
+            GetWeightsByNameReq(name=name, truncate_size=truncate_size), GetWeightsByNameReqOutput
+        )
 
     # ==== weight updates ===============================================================
-    async def update_weights_from_disk(self, model_path: str, abort_all_requests: bool = False,
-                                       flush_cache: bool = True) -> UpdateWeightsReqOutput:
-        return await self._update_weights(UpdateWeightsFromDiskReq(model_path=model_path, flush_cache=flush_cache),
-                                          abort_all_requests)
+    async def update_weights_from_disk(
+        self, model_path: str, abort_all_requests: bool = False, flush_cache: bool = True
+    ) -> UpdateWeightsReqOutput:
+        return await self._update_weights(
+            UpdateWeightsFromDiskReq(model_path=model_path, flush_cache=flush_cache), abort_all_requests
+        )
 
-    async def update_weights_from_tensor(self, req: UpdateWeightsFromTensorReq, abort_all_requests: bool = False
-                                         ) -> UpdateWeightsReqOutput:
+    async def update_weights_from_tensor(
+        self, req: UpdateWeightsFromTensorReq, abort_all_requests: bool = False
+    ) -> UpdateWeightsReqOutput:
         return await self._update_weights(req, abort_all_requests)
 
-    async def update_weights_from_distributed(self, req: UpdateWeightsFromDistributedReq,
-                                              abort_all_requests: bool = False) -> UpdateWeightsReqOutput:
+    async def update_weights_from_distributed(
+        self, req: UpdateWeightsFromDistributedReq, abort_all_requests: bool = False
+    ) -> UpdateWeightsReqOutput:
         return await self._update_weights(req, abort_all_requests)
 
     async def init_weights_update_group(self, req: InitWeightsUpdateGroupReq) -> UpdateWeightsReqOutput:

@@ -5,6 +5,7 @@ It turns a ModelWorkerBatch into a ForwardBatch, runs the forward pass and sampl
 the overlap loop drives `forward_batch` from a background thread instead
 (`tp_worker_overlap_thread.TpModelWorkerClient`).
 """
+
 from __future__ import annotations
 
 import time
@@ -26,12 +27,13 @@ class GenerationBatchResult:
     sampler_output: Optional[SamplerOutput]
     next_token_ids: list[int]
     forward_ms: float
-    prompt_logprobs: Optional[list] = None     # per request, from compute_prompt_logprobs
+    prompt_logprobs: Optional[list] = None  # per request, from compute_prompt_logprobs
 
 
 @dataclass
 class ForwardOutput:
     """One forward + sample with everything still on the device (nothing synchronized)."""
+
     logits_output: LogitsOutput
     sampler_output: SamplerOutput
     prompt_logprobs: Optional[list]
@@ -46,23 +48,34 @@ class TpModelWorker:
     def forward_batch(self, mwb: ModelWorkerBatch) -> ForwardOutput:
         """Forward + sample `mwb`; `mwb.input_ids` must hold real token ids (no placeholders)."""
         fb = ForwardBatch(
-            forward_mode=mwb.forward_mode, batch_size=len(mwb.seq_lens_cpu), input_ids=mwb.input_ids,
-            positions=mwb.positions, req_pool_indices=mwb.req_pool_indices, seq_lens=mwb.seq_lens,
-            out_cache_loc=mwb.out_cache_loc, seq_lens_cpu=mwb.seq_lens_cpu,
-            extend_seq_lens_cpu=mwb.extend_seq_lens_cpu, extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu,
-            return_all_logits=mwb.return_all_logits)
+            forward_mode=mwb.forward_mode,
+            batch_size=len(mwb.seq_lens_cpu),
+            input_ids=mwb.input_ids,
+            positions=mwb.positions,
+            req_pool_indices=mwb.req_pool_indices,
+            seq_lens=mwb.seq_lens,
+            out_cache_loc=mwb.out_cache_loc,
+            seq_lens_cpu=mwb.seq_lens_cpu,
+            extend_seq_lens_cpu=mwb.extend_seq_lens_cpu,
+            extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu,
+            return_all_logits=mwb.return_all_logits,
+        )
         logits = self.model_runner.forward(fb)
-        sampler_out = self.model_runner.sample(logits, mwb.sampling_info, mwb.return_logprob,
-                                               mwb.top_logprobs_num)
+        sampler_out = self.model_runner.sample(logits, mwb.sampling_info, mwb.return_logprob, mwb.top_logprobs_num)
         prompt_lp = None
         if mwb.return_all_logits and logits.all_logits is not None:
-            prompt_lp = compute_prompt_logprobs(logits.all_logits, fb.input_ids, mwb.extend_seq_lens_cpu,
-                                                mwb.top_logprobs_num)
+            prompt_lp = compute_prompt_logprobs(
+                logits.all_logits, fb.input_ids, mwb.extend_seq_lens_cpu, mwb.top_logprobs_num
+            )
         return ForwardOutput(logits, sampler_out, prompt_lp)
 
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         t0 = time.perf_counter()
         out = self.forward_batch(mwb)
-        return GenerationBatchResult(out.logits_output, out.sampler_output,
-                                     out.sampler_output.next_token_ids.tolist(),
-                                     (time.perf_counter() - t0) * 1000, out.prompt_logprobs)
+        return GenerationBatchResult(
+            out.logits_output,
+            out.sampler_output,
+            out.sampler_output.next_token_ids.tolist(),
+            (time.perf_counter() - t0) * 1000,
+            out.prompt_logprobs,
+        )

@@ -17,6 +17,7 @@ Devices:
   pinned memory plus an event; the scheduler waits on that event only when it
   processes the result, so the GPU never idles while the scheduler works.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -40,17 +41,17 @@ FUTURE_MAP_FACTOR = 4
 @dataclass
 class _Job:
     mwb: ModelWorkerBatch
-    future_start: int                      # first future-map slot of this launch
-    done: concurrent.futures.Future        # -> _Launched
-    launch_event: Any = None               # CUDA: the scheduler stream's work up to the launch
+    future_start: int  # first future-map slot of this launch
+    done: concurrent.futures.Future  # -> _Launched
+    launch_event: Any = None  # CUDA: the scheduler stream's work up to the launch
 
 
 @dataclass
 class _Launched:
     out: ForwardOutput
-    next_token_ids: Any                    # CPU: list[int]; CUDA: pinned CPU tensor being filled
+    next_token_ids: Any  # CPU: list[int]; CUDA: pinned CPU tensor being filled
     forward_ms: float = 0.0
-    copy_done: Any = None                  # CUDA event: outputs computed and copied back
+    copy_done: Any = None  # CUDA event: outputs computed and copied back
     start_event: Any = None
     end_event: Any = None
 
@@ -73,8 +74,7 @@ class TpModelWorkerClient:
         self.forward_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
         self.num_threads = torch.get_num_threads()
         self.input_queue: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
-        self.forward_thread = threading.Thread(target=self._forward_thread_func, daemon=True,
-                                               name="overlap-forward")
+        self.forward_thread = threading.Thread(target=self._forward_thread_func, daemon=True, name="overlap-forward")
         self.forward_thread.start()
 
     # ---- scheduler thread ---------------------------------------------------------
@@ -84,7 +84,7 @@ class TpModelWorkerClient:
         if bs > self.future_map_size:
             raise RuntimeError(f"batch of {bs} rows exceeds the future-token map ({self.future_map_size})")
         if self.future_token_ids_ct + bs > self.future_map_size:
-            self.future_token_ids_ct = 0           # a launch's slots never wrap around the end
+            self.future_token_ids_ct = 0  # a launch's slots never wrap around the end
         start = self.future_token_ids_ct
         self.future_token_ids_ct += bs
         launch_event = None
@@ -120,7 +120,7 @@ class TpModelWorkerClient:
             job = self.input_queue.get()
             if job is None:
                 return
-            if torch.get_num_threads() != self.num_threads:     # the adaptive policy changed it
+            if torch.get_num_threads() != self.num_threads:  # the adaptive policy changed it
                 torch.set_num_threads(self.num_threads)
             try:
                 with torch.inference_mode():
@@ -131,7 +131,7 @@ class TpModelWorkerClient:
                     else:
                         launched = self._run(job)
                 job.done.set_result(launched)
-            except BaseException as exc:   # surfaces in the scheduler thread via the future
+            except BaseException as exc:  # surfaces in the scheduler thread via the future
                 job.done.set_exception(exc)
 
     def _run(self, job: _Job) -> _Launched:
@@ -148,7 +148,7 @@ class TpModelWorkerClient:
         out = self.worker.forward_batch(mwb)
         next_ids = out.sampler_output.next_token_ids
         n = next_ids.shape[0]
-        self.future_token_ids_map[job.future_start:job.future_start + n] = next_ids
+        self.future_token_ids_map[job.future_start : job.future_start + n] = next_ids
         if not self.is_cuda:
             return _Launched(out, next_ids.tolist(), (time.perf_counter() - t0) * 1000)
         end_event.record()
@@ -165,8 +165,11 @@ class TpModelWorkerClient:
 
     def _to_device(self, mwb: ModelWorkerBatch) -> ModelWorkerBatch:
         dev = self.device
-        return replace(mwb, input_ids=mwb.input_ids.to(dev, non_blocking=True),
-                       positions=mwb.positions.to(dev, non_blocking=True),
-                       req_pool_indices=mwb.req_pool_indices.to(dev, non_blocking=True),
-                       seq_lens=mwb.seq_lens.to(dev, non_blocking=True),
-                       out_cache_loc=mwb.out_cache_loc.to(dev, non_blocking=True))
+        return replace(
+            mwb,
+            input_ids=mwb.input_ids.to(dev, non_blocking=True),
+            positions=mwb.positions.to(dev, non_blocking=True),
+            req_pool_indices=mwb.req_pool_indices.to(dev, non_blocking=True),
+            seq_lens=mwb.seq_lens.to(dev, non_blocking=True),
+            out_cache_loc=mwb.out_cache_loc.to(dev, non_blocking=True),
+        )

@@ -26,6 +26,7 @@ Dtypes: any floating dtype is accepted and cast to the model's dtype (checkpoint
 are often stored in another precision); integer, boolean or quantized tensors are
 rejected.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -40,32 +41,78 @@ import torch
 from workbench.core.distributed.custom_group import destroy_custom_process_group, init_custom_process_group
 from workbench.core.distributed.parallel_state import all_gather_bytes, tensor_model_parallel_all_gather
 from workbench.core.io_struct import (
-    DestroyWeightsUpdateGroupReq, GetWeightsByNameReq, GetWeightsByNameReqOutput, InitWeightsUpdateGroupReq, Msg,
-    NamedTensorPayload, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq,
-    UpdateWeightsReqOutput)
-from workbench.core.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
-                                          QKVParallelLinear, RowParallelLinear)
+    DestroyWeightsUpdateGroupReq,
+    GetWeightsByNameReq,
+    GetWeightsByNameReqOutput,
+    InitWeightsUpdateGroupReq,
+    Msg,
+    NamedTensorPayload,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDistributedReq,
+    UpdateWeightsFromTensorReq,
+    UpdateWeightsReqOutput,
+)
+from workbench.core.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from workbench.core.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "WeightUpdateError", "WeightSpec", "UpdateResult", "TrainerWeightSync", "weight_specs",
-    "update_weights_from_disk", "update_weights_from_tensor", "get_weights_by_name",
-    "init_weights_update_group", "update_weights_from_distributed", "destroy_weights_update_group",
-    "encode_named_tensors", "decode_named_tensors", "handle_request",
+    "WeightUpdateError",
+    "WeightSpec",
+    "UpdateResult",
+    "TrainerWeightSync",
+    "weight_specs",
+    "update_weights_from_disk",
+    "update_weights_from_tensor",
+    "get_weights_by_name",
+    "init_weights_update_group",
+    "update_weights_from_distributed",
+    "destroy_weights_update_group",
+    "encode_named_tensors",
+    "decode_named_tensors",
+    "handle_request",
 ]
 
 DEFAULT_GROUP_TIMEOUT_S = 600.0
-FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "float64": torch.float64}
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                       "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-                       "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-_IGNORED = ("rotary_emb.inv_freq",)     # derived buffers some checkpoints carry
+FLOAT_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+_IGNORED = ("rotary_emb.inv_freq",)  # derived buffers some checkpoints carry
 # Config fields that must agree for a checkpoint to fit the running model.
-_STRUCTURE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                   "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+_STRUCTURE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
 _MAX_LISTED = 5
 
 
@@ -83,6 +130,7 @@ class WeightSpec:
     along (None: every rank holds all of it). local_offset/local_size: this
     rank's slice of the fused parameter along dim 0 (fused parts only).
     """
+
     hf_name: str
     param_name: str
     shard_id: Any
@@ -95,6 +143,7 @@ class WeightSpec:
 @dataclass
 class UpdateResult:
     """What a successful update did; `source` goes into the `weights.updated` trace event."""
+
     source: str
     num_tensors: int
     seconds: float
@@ -105,6 +154,7 @@ class UpdateResult:
 
 
 # ==== the HF-name view of a model =========================================================
+
 
 def weight_specs(model: torch.nn.Module) -> dict[str, WeightSpec]:
     """HF name -> WeightSpec for every weight of `model` (tied `lm_head.weight` included)."""
@@ -159,8 +209,11 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def check_weights(model: torch.nn.Module, metas: Iterable[tuple[str, Sequence[int], Any]],
-                  specs: Optional[dict[str, WeightSpec]] = None) -> dict[str, WeightSpec]:
+def check_weights(
+    model: torch.nn.Module,
+    metas: Iterable[tuple[str, Sequence[int], Any]],
+    specs: Optional[dict[str, WeightSpec]] = None,
+) -> dict[str, WeightSpec]:
     """Check (name, shape, dtype) triples against `model`; raise WeightUpdateError listing the problems.
 
     Returns the specs of the accepted names. Nothing is read or written.
@@ -188,14 +241,17 @@ def check_weights(model: torch.nn.Module, metas: Iterable[tuple[str, Sequence[in
     problems = []
     if unknown:
         hint = difflib.get_close_matches(unknown[0], list(specs), n=1)
-        problems.append(f"{len(unknown)} name(s) the model does not have: {_listed(unknown)}"
-                        + (f" (did you mean {hint[0]}?)" if hint else
-                           f" (weights use HF names, e.g. {next(iter(specs))})"))
+        problems.append(
+            f"{len(unknown)} name(s) the model does not have: {_listed(unknown)}"
+            + (f" (did you mean {hint[0]}?)" if hint else f" (weights use HF names, e.g. {next(iter(specs))})")
+        )
     if bad_shape:
         problems.append(f"{len(bad_shape)} shape mismatch(es): {_listed(bad_shape)}")
     if bad_dtype:
-        problems.append(f"{len(bad_dtype)} unsupported dtype(s): {_listed(bad_dtype)}; the model is "
-                        f"{model_dtype} and takes floating-point tensors ({', '.join(FLOAT_DTYPES)})")
+        problems.append(
+            f"{len(bad_dtype)} unsupported dtype(s): {_listed(bad_dtype)}; the model is "
+            f"{model_dtype} and takes floating-point tensors ({', '.join(FLOAT_DTYPES)})"
+        )
     if dup:
         problems.append(f"name(s) sent twice: {_listed(dup)}")
     if problems:
@@ -209,6 +265,7 @@ def _listed(items: list[str]) -> str:
 
 
 # ==== loading =================================================================================
+
 
 @torch.no_grad()
 def _load(runner, named: Iterable[tuple[str, torch.Tensor]], source: str, t0: float) -> UpdateResult:
@@ -233,8 +290,10 @@ def _load(runner, named: Iterable[tuple[str, torch.Tensor]], source: str, t0: fl
         loaded = model.load_weights(renamed())
         _repack(model, loaded)
     except Exception as exc:
-        raise RuntimeError(f"loading from {source} failed after validation ({type(exc).__name__}: {exc}); "
-                           "the weights may be partially updated: load a full checkpoint again") from exc
+        raise RuntimeError(
+            f"loading from {source} failed after validation ({type(exc).__name__}: {exc}); "
+            "the weights may be partially updated: load a full checkpoint again"
+        ) from exc
     return UpdateResult(source=source, num_tensors=count, seconds=time.perf_counter() - t0)
 
 
@@ -245,7 +304,7 @@ def _repack(model: torch.nn.Module, loaded: set[str]) -> None:
     owners = {name.rsplit(".", 1)[0] for name in loaded}
     head_owner = next((n for n, m in model.named_modules() if m is model.lm_head), "lm_head")
     if head_owner in owners or "lm_head" in owners:
-        model.process_weights_after_loading(pack=pack)     # the head's packed copy lives on the model
+        model.process_weights_after_loading(pack=pack)  # the head's packed copy lives on the model
         return
     for owner_name in owners:
         owner = model.get_submodule(owner_name)
@@ -273,15 +332,17 @@ def update_weights_from_disk(runner, model_path: str) -> UpdateResult:
     specs = weight_specs(model)
     accepted = check_weights(model, metas, specs)
     covered = {s.param_name + f"#{s.shard_id}" for s in accepted.values()}
-    missing = sorted(n for n, s in specs.items() if s.param_name + f"#{s.shard_id}" not in covered
-                     and not _tied_alias(model, n))
+    missing = sorted(
+        n for n, s in specs.items() if s.param_name + f"#{s.shard_id}" not in covered and not _tied_alias(model, n)
+    )
     if missing:
-        raise WeightUpdateError(f"{model_path} lacks {len(missing)} weight(s) the model has: {_listed(missing)}; "
-                                "update_weights_from_disk loads complete checkpoints (use "
-                                "update_weights_from_tensor for a partial update); the old weights are unchanged")
+        raise WeightUpdateError(
+            f"{model_path} lacks {len(missing)} weight(s) the model has: {_listed(missing)}; "
+            "update_weights_from_disk loads complete checkpoints (use "
+            "update_weights_from_tensor for a partial update); the old weights are unchanged"
+        )
     # A tied checkpoint may still carry lm_head.weight; load_weights skips it as at start-up.
-    weights = ((n, t) for n, t in iter_weights(prepared.model_dir, progress=False)
-               if not _tied_alias(model, n))
+    weights = ((n, t) for n, t in iter_weights(prepared.model_dir, progress=False) if not _tied_alias(model, n))
     return _load(runner, weights, f"disk:{model_path}", t0)
 
 
@@ -291,9 +352,11 @@ def _check_same_model(runner, prepared, model_path: str) -> None:
     ours = runner.model_config.hf_config
     arch = runner.model_config.architecture
     if prepared.architecture != arch:
-        raise WeightUpdateError(f"{model_path} is a {prepared.architecture}; the running model is a {arch}. "
-                                "update_weights_from_disk loads checkpoints of the same architecture; "
-                                "restart the server to serve another model")
+        raise WeightUpdateError(
+            f"{model_path} is a {prepared.architecture}; the running model is a {arch}. "
+            "update_weights_from_disk loads checkpoints of the same architecture; "
+            "restart the server to serve another model"
+        )
     theirs = prepared.config
     diffs = []
     for key in _STRUCTURE_KEYS:
@@ -305,8 +368,10 @@ def _check_same_model(runner, prepared, model_path: str) -> None:
     if abs(float(ours.rms_norm_eps) - float(theirs.rms_norm_eps)) > 1e-12:
         diffs.append(f"rms_norm_eps {theirs.rms_norm_eps} (running: {ours.rms_norm_eps})")
     if diffs:
-        raise WeightUpdateError(f"{model_path} has a different shape of {arch}: {'; '.join(diffs)}. "
-                                "Only checkpoints of the same configuration can be loaded in place")
+        raise WeightUpdateError(
+            f"{model_path} has a different shape of {arch}: {'; '.join(diffs)}. "
+            "Only checkpoints of the same configuration can be loaded in place"
+        )
 
 
 def _config_value(config, key: str):
@@ -349,11 +414,12 @@ def get_weights_by_name(runner, name: str, truncate_size: int = 100) -> list[flo
     if spec.split_dim is not None and getattr(owner, "tp_size", 1) > 1:
         local = tensor_model_parallel_all_gather(local.contiguous(), dim=spec.split_dim)
     if isinstance(owner, VocabParallelEmbedding):
-        local = local[: owner.num_embeddings]       # drop the rows padding the vocab to the TP size
+        local = local[: owner.num_embeddings]  # drop the rows padding the vocab to the TP size
     return local.flatten()[:truncate_size].float().tolist()
 
 
 # ==== tensors as bytes (in-process push without pickle) =======================================
+
 
 def encode_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[NamedTensorPayload]:
     """Tensors -> msgspec payloads (raw bytes + dtype + shape)."""
@@ -380,8 +446,9 @@ def decode_named_tensors(payloads: Sequence[NamedTensorPayload]) -> list[tuple[s
             numel *= int(d)
         expected = numel * torch.empty((), dtype=dtype).element_size()
         if len(p.data) != expected:
-            raise WeightUpdateError(f"{p.name}: {len(p.data)} bytes for shape {p.shape} {p.dtype} "
-                                    f"(expected {expected})")
+            raise WeightUpdateError(
+                f"{p.name}: {len(p.data)} bytes for shape {p.shape} {p.dtype} (expected {expected})"
+            )
         flat = torch.frombuffer(bytearray(p.data), dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)
         out.append((p.name, flat.view(dtype).reshape(p.shape)))
     return out
@@ -389,9 +456,11 @@ def decode_named_tensors(payloads: Sequence[NamedTensorPayload]) -> list[tuple[s
 
 # ==== the distributed path ====================================================================
 
+
 @dataclass
 class WeightsUpdateGroup:
     """A process group private to weight sync (never torch.distributed's default group)."""
+
     name: str
     rank: int
     world_size: int
@@ -403,8 +472,9 @@ class WeightsUpdateGroup:
 _GROUPS: dict[str, WeightsUpdateGroup] = {}
 
 
-def _make_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                backend: str, timeout_s: float) -> WeightsUpdateGroup:
+def _make_group(
+    master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str, timeout_s: float
+) -> WeightsUpdateGroup:
     """Host (rank 0, the trainer) or join the group the way OpenRLHF's and SGLang's trainers build it."""
     if backend not in ("gloo", "nccl"):
         raise WeightUpdateError(f"backend must be gloo (CPU) or nccl (CUDA), not {backend!r}")
@@ -412,6 +482,7 @@ def _make_group(master_address: str, master_port: int, rank: int, world_size: in
         raise WeightUpdateError(f"rank {rank} is outside the world of {world_size} ranks")
     if backend == "nccl":
         import torch.distributed as dist
+
         if not torch.cuda.is_available() or not dist.is_nccl_available():
             raise WeightUpdateError("backend nccl needs CUDA and a torch built with NCCL; use gloo on CPU")
         device = torch.device("cuda", torch.cuda.current_device())
@@ -419,8 +490,9 @@ def _make_group(master_address: str, master_port: int, rank: int, world_size: in
         device = torch.device("cpu")
     init_method = f"tcp://{master_address}:{int(master_port)}"
     try:
-        pg = init_custom_process_group(backend, init_method, world_size, rank, group_name,
-                                       datetime.timedelta(seconds=timeout_s))
+        pg = init_custom_process_group(
+            backend, init_method, world_size, rank, group_name, datetime.timedelta(seconds=timeout_s)
+        )
     except Exception as exc:  # noqa: BLE001 - torch raises several types; the user needs one message
         who = "its ranks" if rank == 0 else "the trainer (rank 0) and the other ranks"
         raise WeightUpdateError(
@@ -428,19 +500,28 @@ def _make_group(master_address: str, master_port: int, rank: int, world_size: in
             f"(this side: rank {rank} of world_size {world_size}, {backend}): {type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}. Check that {who} join at the same time with the same "
             "master address and port, group_name, backend and world_size (the trainer's ranks plus one per TP "
-            "rank of every engine); nothing was changed") from exc
+            "rank of every engine); nothing was changed"
+        ) from exc
     return WeightsUpdateGroup(group_name, rank, world_size, backend, device, pg)
 
 
 def _broadcast(group: WeightsUpdateGroup, tensor: torch.Tensor) -> None:
     import torch.distributed as dist
+
     # `src` is a rank of this group: its rank map is the identity (see custom_group).
     dist.broadcast(tensor, src=0, group=group.pg)
 
 
-def init_weights_update_group(runner, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                              group_name: str = "weight_update_group", backend: str = "gloo",
-                              timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> str:
+def init_weights_update_group(
+    runner,
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str = "weight_update_group",
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+) -> str:
     """Join the trainer's group as rank `rank_offset + tp_rank`; blocks until every rank has joined."""
     if group_name in _GROUPS:
         raise WeightUpdateError(f"weight-update group {group_name!r} already exists; destroy it first")
@@ -449,17 +530,23 @@ def init_weights_update_group(runner, master_address: str, master_port: int, ran
     tp_size = getattr(runner, "tp_size", 1)
     if world_size < rank_offset + tp_size:
         # Checked on every rank alike, before any joins: no rank is left half-joined.
-        raise WeightUpdateError(f"world_size {world_size} cannot hold this server's {tp_size} TP rank(s) from "
-                                f"rank_offset {rank_offset}: use world_size >= {rank_offset + tp_size} "
-                                "(the trainer's ranks plus one per TP rank)")
+        raise WeightUpdateError(
+            f"world_size {world_size} cannot hold this server's {tp_size} TP rank(s) from "
+            f"rank_offset {rank_offset}: use world_size >= {rank_offset + tp_size} "
+            "(the trainer's ranks plus one per TP rank)"
+        )
     rank = rank_offset + runner.tp_rank
     _GROUPS[group_name] = _make_group(master_address, master_port, rank, world_size, group_name, backend, timeout_s)
     return f"joined weight-update group {group_name!r} as rank {rank} of {world_size} ({backend})"
 
 
-def update_weights_from_distributed(runner, names: Sequence[str], dtypes: Sequence[str],
-                                    shapes: Sequence[Sequence[int]],
-                                    group_name: str = "weight_update_group") -> UpdateResult:
+def update_weights_from_distributed(
+    runner,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    group_name: str = "weight_update_group",
+) -> UpdateResult:
     """Receive each tensor by broadcast from rank 0, in order, then load them all.
 
     Checked first (nothing is received if a name, shape or dtype is wrong: the trainer's
@@ -468,12 +555,15 @@ def update_weights_from_distributed(runner, names: Sequence[str], dtypes: Sequen
     """
     t0 = time.perf_counter()
     if not (len(names) == len(dtypes) == len(shapes)):
-        raise WeightUpdateError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, "
-                                f"{len(shapes)})")
+        raise WeightUpdateError(
+            f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})"
+        )
     group = _GROUPS.get(group_name)
     if group is None:
-        raise WeightUpdateError(f"no weight-update group named {group_name!r}: call init_weights_update_group "
-                                f"first (groups: {sorted(_GROUPS) or 'none'})")
+        raise WeightUpdateError(
+            f"no weight-update group named {group_name!r}: call init_weights_update_group "
+            f"first (groups: {sorted(_GROUPS) or 'none'})"
+        )
     check_weights(runner.model, zip(names, shapes, dtypes))
     received = []
     for name, dtype, shape in zip(names, dtypes, shapes):
@@ -509,17 +599,25 @@ class TrainerWeightSync:
     `TrainerWeightSync.describe(named_tensors)`.
     """
 
-    def __init__(self, master_address: str, master_port: int, world_size: int,
-                 group_name: str = "weight_update_group", backend: str = "gloo",
-                 timeout_s: float = DEFAULT_GROUP_TIMEOUT_S):
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+        timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+    ):
         self.group = _make_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
 
     @staticmethod
     def describe(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> dict:
         """`names`, `dtypes`, `shapes` for the server's `update_weights_from_distributed`."""
-        return {"names": [n for n, _ in named_tensors],
-                "dtypes": [_dtype_name(t.dtype) for _, t in named_tensors],
-                "shapes": [list(t.shape) for _, t in named_tensors]}
+        return {
+            "names": [n for n, _ in named_tensors],
+            "dtypes": [_dtype_name(t.dtype) for _, t in named_tensors],
+            "shapes": [list(t.shape) for _, t in named_tensors],
+        }
 
     def broadcast(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> float:
         """Send each tensor, in order, to every server rank; returns the seconds it took."""
@@ -543,8 +641,14 @@ class TrainerWeightSync:
 
 # ==== the scheduler's entry point ===============================================================
 
-WEIGHT_MESSAGES = (UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq, InitWeightsUpdateGroupReq,
-                   UpdateWeightsFromDistributedReq, DestroyWeightsUpdateGroupReq, GetWeightsByNameReq)
+WEIGHT_MESSAGES = (
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromTensorReq,
+    InitWeightsUpdateGroupReq,
+    UpdateWeightsFromDistributedReq,
+    DestroyWeightsUpdateGroupReq,
+    GetWeightsByNameReq,
+)
 _CHANGES_WEIGHTS = (UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq, UpdateWeightsFromDistributedReq)
 
 
@@ -578,7 +682,7 @@ def _agree_across_ranks(reply: UpdateWeightsReqOutput, source: Optional[str]) ->
         return reply, source
     messages = sorted({m for _, m in failed})
     if len(failed) == len(outcomes) and len(messages) == 1:
-        text = messages[0]                       # the usual case: every rank rejected it alike
+        text = messages[0]  # the usual case: every rank rejected it alike
     else:
         text = "; ".join(f"TP rank {r}: {m}" for r, m in failed)
     if changed_anywhere:
@@ -594,17 +698,29 @@ def _handle_on_this_rank(runner, msg: Msg, busy: bool) -> tuple[Msg, Optional[st
             return GetWeightsByNameReqOutput(message=_describe(exc)), None
     try:
         if isinstance(msg, InitWeightsUpdateGroupReq):
-            text = init_weights_update_group(runner, msg.master_address, msg.master_port, msg.rank_offset,
-                                             msg.world_size, msg.group_name, msg.backend, msg.timeout_s)
+            text = init_weights_update_group(
+                runner,
+                msg.master_address,
+                msg.master_port,
+                msg.rank_offset,
+                msg.world_size,
+                msg.group_name,
+                msg.backend,
+                msg.timeout_s,
+            )
             return UpdateWeightsReqOutput(success=True, message=text), None
         if isinstance(msg, DestroyWeightsUpdateGroupReq):
             return UpdateWeightsReqOutput(success=True, message=destroy_weights_update_group(msg.group_name)), None
         if not isinstance(msg, _CHANGES_WEIGHTS):
             return UpdateWeightsReqOutput(success=False, message=f"unexpected message {type(msg).__name__}"), None
         if busy:
-            return UpdateWeightsReqOutput(success=False, message=(
-                "requests are still running; update weights through the Engine / TokenizerManager, which "
-                "waits for them (or aborts them with abort_all_requests=True)")), None
+            return UpdateWeightsReqOutput(
+                success=False,
+                message=(
+                    "requests are still running; update weights through the Engine / TokenizerManager, which "
+                    "waits for them (or aborts them with abort_all_requests=True)"
+                ),
+            ), None
         if isinstance(msg, UpdateWeightsFromDiskReq):
             result = update_weights_from_disk(runner, msg.model_path)
         elif isinstance(msg, UpdateWeightsFromTensorReq):
@@ -621,6 +737,7 @@ def _handle_on_this_rank(runner, msg: Msg, busy: bool) -> tuple[Msg, Optional[st
 
 def _describe(exc: BaseException) -> str:
     from workbench.core.model_loader import ModelLoadError
-    if isinstance(exc, (ValueError, ModelLoadError)):   # messages written for the user already
+
+    if isinstance(exc, (ValueError, ModelLoadError)):  # messages written for the user already
         return str(exc)
     return f"{type(exc).__name__}: {exc}"

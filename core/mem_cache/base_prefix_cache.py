@@ -3,6 +3,7 @@
 The scheduler only talks to a cache through these methods, so
 `--disable-radix-cache` is a matter of constructing a different class.
 """
+
 from __future__ import annotations
 
 import abc
@@ -23,12 +24,14 @@ class MatchResult:
     last_node: the cache node where the match ended; lock it with
         `inc_lock_ref` while a request relies on `device_indices`.
     """
+
     device_indices: torch.Tensor
     last_node: Any
 
 
 class ReqLike(Protocol):
     """The attributes of the scheduler's `Req` that a prefix cache reads and writes."""
+
     req_pool_idx: int
     origin_input_ids: list[int]
     output_ids: list[int]
@@ -98,8 +101,7 @@ def default_kv_len(req: ReqLike) -> int:
     return max(len(req.origin_input_ids) + len(req.output_ids) - 1, 0)
 
 
-def free_req_without_caching(req_to_token_pool: Any, allocator: Any, req: ReqLike,
-                             kv_len: int | None = None) -> None:
+def free_req_without_caching(req_to_token_pool: Any, allocator: Any, req: ReqLike, kv_len: int | None = None) -> None:
     """Give back every KV slot and the row of a finished request (no reuse).
 
     Used by ChunkCache and by RadixCache(disable=True).
@@ -116,4 +118,4 @@ def free_req_without_caching(req_to_token_pool: Any, allocator: Any, req: ReqLik
 def record_unfinished_req_without_caching(req_to_token_pool: Any, req: ReqLike) -> None:
     """A chunked request keeps its own slots: the next chunk starts after them."""
     row = req.req_pool_idx
-    req.prefix_indices = req_to_token_pool.req_to_token[row, :len(req.fill_ids)].clone()
+    req.prefix_indices = req_to_token_pool.req_to_token[row, : len(req.fill_ids)].clone()

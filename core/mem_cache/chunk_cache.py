@@ -5,6 +5,7 @@ has: matches are always empty, a finished request gives all of its KV slots
 and its row back, and a chunked request simply remembers the slots of the
 chunks it has computed so the next chunk continues after them.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -28,9 +29,14 @@ __all__ = ["ChunkCache"]
 class ChunkCache(BasePrefixCache):
     """No-reuse prefix cache; constructor mirrors `RadixCache` so either can be built the same way."""
 
-    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, disable: bool = True,
-                 on_event: Optional[Callable[[Event], None]] = None,
-                 decode_text: Optional[Callable[[list[int]], str]] = None):
+    def __init__(
+        self,
+        req_to_token_pool,
+        token_to_kv_pool_allocator,
+        disable: bool = True,
+        on_event: Optional[Callable[[Event], None]] = None,
+        decode_text: Optional[Callable[[list[int]], str]] = None,
+    ):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.disable = True
@@ -89,5 +95,4 @@ class ChunkCache(BasePrefixCache):
 
     def snapshot(self) -> list[TreeNodeInfo]:
         """Just the root."""
-        return [TreeNodeInfo(node_id=0, parent_id=-1, tokens=0, text="", lock_ref=0, hits=0,
-                             last_access=0)]
+        return [TreeNodeInfo(node_id=0, parent_id=-1, tokens=0, text="", lock_ref=0, hits=0, last_access=0)]

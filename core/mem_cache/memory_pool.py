@@ -7,6 +7,7 @@ Three pieces, as in SGLang:
 
 Slot 0 is never handed out: it is the scratch slot padded (dummy) requests write to.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -88,8 +89,9 @@ class TokenToKVPoolAllocator:
 class MHATokenToKVPool:
     """Per-layer K and V buffers of shape [size + 1, num_kv_heads, head_dim]."""
 
-    def __init__(self, size: int, dtype: torch.dtype, head_num: int, head_dim: int,
-                 layer_num: int, device: str = "cpu"):
+    def __init__(
+        self, size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int, device: str = "cpu"
+    ):
         self.size = size
         self.dtype = dtype
         self.head_num = head_num

@@ -30,6 +30,7 @@ snapshot shows. The first such change after a `snapshot()` emits one
 snapshot), so an owner that re-publishes the tree when it hears from the cache
 never shows stale lock counts or hits, at no more than one event per snapshot.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -61,11 +62,15 @@ _CMP_CHUNK = 64
 class TreeNode:
     """One edge of the radix tree (internal; the trace form is events.TreeNode)."""
 
-    __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "hits",
-                 "last_access", "_text")
+    __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "hits", "last_access", "_text")
 
-    def __init__(self, node_id: int, parent: Optional["TreeNode"] = None,
-                 key: Optional[list[int]] = None, value: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        node_id: int,
+        parent: Optional["TreeNode"] = None,
+        key: Optional[list[int]] = None,
+        value: Optional[torch.Tensor] = None,
+    ):
         self.id = node_id
         self.parent = parent
         # Keyed by the first token id of the child's edge: edges of siblings
@@ -88,13 +93,13 @@ class TreeNode:
 def _common_len(edge: list[int], key: list[int], start: int) -> int:
     """Length of the common prefix of `edge` and `key[start:]`."""
     n = min(len(edge), len(key) - start)
-    if edge[:n] == key[start:start + n]:
+    if edge[:n] == key[start : start + n]:
         return n
     # Find the first differing chunk with slice compares, then scan inside it.
     i = 0
     while i < n:
         j = min(i + _CMP_CHUNK, n)
-        if edge[i:j] != key[start + i:start + j]:
+        if edge[i:j] != key[start + i : start + j]:
             break
         i = j
     while i < n and edge[i] == key[start + i]:
@@ -123,9 +128,14 @@ class RadixCache(BasePrefixCache):
             `snapshot` and `pretty_print`.
     """
 
-    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, disable: bool = False,
-                 on_event: Optional[Callable[[Event], None]] = None,
-                 decode_text: Optional[Callable[[list[int]], str]] = None):
+    def __init__(
+        self,
+        req_to_token_pool,
+        token_to_kv_pool_allocator,
+        disable: bool = False,
+        on_event: Optional[Callable[[Event], None]] = None,
+        decode_text: Optional[Callable[[list[int]], str]] = None,
+    ):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.disable = disable
@@ -147,7 +157,7 @@ class RadixCache(BasePrefixCache):
         self.root_node.lock_ref = 1
         self._evictable_size = 0
         self._protected_size = 0
-        self._touched = False       # a CacheTouch went out since the last snapshot()
+        self._touched = False  # a CacheTouch went out since the last snapshot()
 
     def _new_id(self) -> int:
         nid = self._next_id
@@ -184,8 +194,9 @@ class RadixCache(BasePrefixCache):
 
     def _emit_insert(self, node: TreeNode) -> None:
         if self.on_event is not None:
-            self._emit(CacheInsert(node_id=node.id, parent_id=node.parent.id,
-                                   tokens=len(node.key), text=self._text(node)))
+            self._emit(
+                CacheInsert(node_id=node.id, parent_id=node.parent.id, tokens=len(node.key), text=self._text(node))
+            )
 
     def _empty(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
@@ -266,8 +277,7 @@ class RadixCache(BasePrefixCache):
             child = node.children.get(key[pos])
             if child is None:
                 # Copy: `value` is usually a view of a req_to_token row that is reused later.
-                new = TreeNode(self._new_id(), node, key[pos:],
-                               value[pos:].to(torch.int64).clone())
+                new = TreeNode(self._new_id(), node, key[pos:], value[pos:].to(torch.int64).clone())
                 new.last_access = now
                 node.children[key[pos]] = new
                 self._evictable_size += len(new.key)
@@ -292,14 +302,13 @@ class RadixCache(BasePrefixCache):
         freed; the rest become cache entries.
         """
         if self.disable:
-            free_req_without_caching(self.req_to_token_pool, self.token_to_kv_pool_allocator,
-                                     req, kv_len)
+            free_req_without_caching(self.req_to_token_pool, self.token_to_kv_pool_allocator, req, kv_len)
             return
         if kv_len is None:
             kv_len = default_kv_len(req)
         token_ids = (list(req.origin_input_ids) + list(req.output_ids))[:kv_len]
         row = req.req_pool_idx
-        kv = self.req_to_token_pool.req_to_token[row, :len(token_ids)].clone()
+        kv = self.req_to_token_pool.req_to_token[row, : len(token_ids)].clone()
         already = len(req.prefix_indices)
         new_prefix_len = self.insert(token_ids, kv)
         if new_prefix_len > already:
@@ -320,7 +329,7 @@ class RadixCache(BasePrefixCache):
         token_ids = _as_key(req.fill_ids)
         row = req.req_pool_idx
         table = self.req_to_token_pool.req_to_token
-        kv = table[row, :len(token_ids)].clone()
+        kv = table[row, : len(token_ids)].clone()
         already = len(req.prefix_indices)
         new_prefix_len = self.insert(token_ids, kv)
         if new_prefix_len > already:
@@ -328,7 +337,7 @@ class RadixCache(BasePrefixCache):
         values, new_node = self._match(token_ids, count_hit=False)
         new_indices = torch.cat(values) if values else self._empty()
         # Freed duplicates above must no longer be referenced by the row.
-        table[row, already:len(new_indices)] = new_indices[already:]
+        table[row, already : len(new_indices)] = new_indices[already:]
         self.dec_lock_ref(req.last_node)
         self.inc_lock_ref(new_node)
         req.prefix_indices = new_indices
@@ -379,8 +388,7 @@ class RadixCache(BasePrefixCache):
         """
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._iter_nodes()
-                if not n.children and n.lock_ref == 0]
+        heap = [(n.last_access, n.id, n) for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         evicted = 0
         freed: list[torch.Tensor] = []
@@ -434,24 +442,47 @@ class RadixCache(BasePrefixCache):
         The next lock or hit change after it emits a `CacheTouch` again."""
         self._touched = False
         root = self.root_node
-        out = [TreeNodeInfo(node_id=root.id, parent_id=-1, tokens=0, text="", lock_ref=0,
-                            hits=root.hits, last_access=root.last_access)]
+        out = [
+            TreeNodeInfo(
+                node_id=root.id,
+                parent_id=-1,
+                tokens=0,
+                text="",
+                lock_ref=0,
+                hits=root.hits,
+                last_access=root.last_access,
+            )
+        ]
         for n in self._iter_nodes():
-            out.append(TreeNodeInfo(node_id=n.id, parent_id=n.parent.id, tokens=len(n.key),
-                                    text=self._text(n), lock_ref=n.lock_ref, hits=n.hits,
-                                    last_access=n.last_access))
+            out.append(
+                TreeNodeInfo(
+                    node_id=n.id,
+                    parent_id=n.parent.id,
+                    tokens=len(n.key),
+                    text=self._text(n),
+                    lock_ref=n.lock_ref,
+                    hits=n.hits,
+                    last_access=n.last_access,
+                )
+            )
         return out
 
     def pretty_print(self) -> str:
         """Indented dump: one line per node with id, tokens, locks, hits and a preview."""
-        lines = [f"RadixCache total={self.total_size()} evictable={self._evictable_size} "
-                 f"protected={self._protected_size}", "#0 root"]
+        lines = [
+            f"RadixCache total={self.total_size()} evictable={self._evictable_size} protected={self._protected_size}",
+            "#0 root",
+        ]
         stack = [(c, 1) for c in reversed(self.root_node.children.values())]
         while stack:
             node, depth = stack.pop()
-            preview = self._text(node) if self.decode_text is not None else (
-                str(node.key[:8])[:-1] + (", …]" if len(node.key) > 8 else "]"))
-            lines.append(f"{'  ' * depth}#{node.id} [{len(node.key)} tok] lock={node.lock_ref} "
-                         f"hits={node.hits} {preview!r}")
+            preview = (
+                self._text(node)
+                if self.decode_text is not None
+                else (str(node.key[:8])[:-1] + (", …]" if len(node.key) > 8 else "]"))
+            )
+            lines.append(
+                f"{'  ' * depth}#{node.id} [{len(node.key)} tok] lock={node.lock_ref} hits={node.hits} {preview!r}"
+            )
             stack.extend((c, depth + 1) for c in reversed(node.children.values()))
         return "\n".join(lines)

@@ -9,6 +9,7 @@ the default model: prefill of 512 tokens and bs-32 decode ~10-15% faster (README
 jemalloc or tcmalloc via LD_PRELOAD do the same, as CPU serving stacks recommend; this needs no
 extra library. The setting is per process, so the scheduler applies it to itself.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -18,10 +19,10 @@ import os
 
 logger = logging.getLogger(__name__)
 
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3     # from glibc's <malloc.h>
-MMAP_THRESHOLD_BYTES = 32 << 20      # the largest value glibc accepts
-TRIM_THRESHOLD_BYTES = 1 << 30       # keep up to 1 GiB of freed heap instead of returning it
-TOP_PAD_BYTES = 64 << 20             # grow the heap in 64 MiB steps
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # from glibc's <malloc.h>
+MMAP_THRESHOLD_BYTES = 32 << 20  # the largest value glibc accepts
+TRIM_THRESHOLD_BYTES = 1 << 30  # keep up to 1 GiB of freed heap instead of returning it
+TOP_PAD_BYTES = 64 << 20  # grow the heap in 64 MiB steps
 
 _applied: bool | None = None
 
@@ -41,10 +42,15 @@ def tune_glibc_malloc() -> bool:
         libc = ctypes.CDLL(name or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
-        return False                 # not glibc (musl, macOS): leave the allocator alone
-    ok = all(mallopt(opt, val) == 1 for opt, val in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
-                                                     (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
-                                                     (M_TOP_PAD, TOP_PAD_BYTES)))
+        return False  # not glibc (musl, macOS): leave the allocator alone
+    ok = all(
+        mallopt(opt, val) == 1
+        for opt, val in (
+            (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+            (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
+            (M_TOP_PAD, TOP_PAD_BYTES),
+        )
+    )
     if not ok:
         logger.info("glibc mallopt refused a setting; allocator left at its defaults")
     _applied = ok

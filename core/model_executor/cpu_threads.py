@@ -23,6 +23,7 @@ scheduler processes with a bounded spin (GOMP_SPINCOUNT, below) unless the user 
 SGLANG_CPU_OMP_THREADS_BIND, `|` between TP ranks) pins the scheduler to those cores and uses
 one thread per core. Both turn the adaptation off: the user chose.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,17 @@ from typing import Callable, Optional
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["parse_core_list", "cores_for_rank", "CpuLoadMeter", "StepTimePolicy", "AdaptiveThreads",
-           "ThreadPlan", "plan_threads", "omp_wait_env", "OMP_SPINCOUNT"]
+__all__ = [
+    "parse_core_list",
+    "cores_for_rank",
+    "CpuLoadMeter",
+    "StepTimePolicy",
+    "AdaptiveThreads",
+    "ThreadPlan",
+    "plan_threads",
+    "omp_wait_env",
+    "OMP_SPINCOUNT",
+]
 
 BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 # Spin rounds before an idle OpenMP thread sleeps (libgomp's GOMP_SPINCOUNT; default 300,000).
@@ -99,8 +109,10 @@ def parse_core_list(text: str) -> list[int]:
             else:
                 cores.append(int(part))
         except ValueError:
-            raise ValueError(f"bad core list {text!r}: use ranges and numbers like 0-3,6 "
-                             "(and | between tensor-parallel ranks: 0-1|2-3)") from None
+            raise ValueError(
+                f"bad core list {text!r}: use ranges and numbers like 0-3,6 "
+                "(and | between tensor-parallel ranks: 0-1|2-3)"
+            ) from None
     if not cores or min(cores) < 0:
         raise ValueError(f"bad core list {text!r}: use ranges and numbers like 0-3,6")
     return sorted(set(cores))
@@ -110,14 +122,17 @@ def cores_for_rank(spec: str, local_rank: int, local_ranks: int) -> list[int]:
     """The cores of `local_rank` in a bind spec '0-1|2-3' (one group per rank on this node)."""
     groups = spec.split("|")
     if len(groups) != local_ranks:
-        raise ValueError(f"--cpu-omp-threads-bind {spec!r} has {len(groups)} core group(s) for {local_ranks} "
-                         f"scheduler rank(s) on this node: give one group per rank, separated by |")
+        raise ValueError(
+            f"--cpu-omp-threads-bind {spec!r} has {len(groups)} core group(s) for {local_ranks} "
+            f"scheduler rank(s) on this node: give one group per rank, separated by |"
+        )
     cores = parse_core_list(groups[local_rank])
     allowed = _allowed_cores()
     outside = [c for c in cores if allowed is not None and c not in allowed]
     if outside:
-        raise ValueError(f"--cpu-omp-threads-bind names core(s) {outside} this process may not use "
-                         f"(allowed: {sorted(allowed)})")
+        raise ValueError(
+            f"--cpu-omp-threads-bind names core(s) {outside} this process may not use (allowed: {sorted(allowed)})"
+        )
     return cores
 
 
@@ -130,6 +145,7 @@ def _allowed_cores() -> Optional[set[int]]:
 
 # ==== measuring the neighbours ==============================================================
 
+
 class CpuLoadMeter:
     """Other processes' CPU use on `cores`, in cores, between two `read()` calls.
 
@@ -138,8 +154,13 @@ class CpuLoadMeter:
     minus this process's own user+system time. Returns None where /proc/stat is missing.
     """
 
-    def __init__(self, cores: Optional[list[int]] = None, stat_path: str = "/proc/stat",
-                 clock: Callable[[], float] = time.monotonic, own_cpu: Callable[[], float] = None):
+    def __init__(
+        self,
+        cores: Optional[list[int]] = None,
+        stat_path: str = "/proc/stat",
+        clock: Callable[[], float] = time.monotonic,
+        own_cpu: Callable[[], float] = None,
+    ):
         allowed = _allowed_cores()
         self.cores = sorted(cores if cores is not None else (allowed or range(os.cpu_count() or 1)))
         self.stat_path = stat_path
@@ -180,6 +201,7 @@ class CpuLoadMeter:
 
 # ==== the decision rule ========================================================================
 
+
 @dataclass
 class StepTimePolicy:
     """Keeps whichever thread count decodes the current batch faster; pure and deterministic.
@@ -195,19 +217,20 @@ class StepTimePolicy:
     if a step takes over twice as long (a collapsing team costs one slow step, not four),
     or if the batch size changes (not comparable).
     """
+
     max_threads: int
     period: int = 48
-    first_probe: int = 8                     # the first probe comes sooner: a collapsing start is short
+    first_probe: int = 8  # the first probe comes sooner: a collapsing start is short
     probe_steps: int = 4
     margin: float = 0.08
     threads: int = 0
-    probing: Optional[int] = None            # the count being tried, or None
-    probes: int = 0                          # probes started (reported in get_internal_state)
+    probing: Optional[int] = None  # the count being tried, or None
+    probes: int = 0  # probes started (reported in get_internal_state)
     _since: int = field(default=0, repr=False)
-    _recent: list = field(default_factory=list, repr=False)      # (bs, ms) at `threads`
-    _probe: list = field(default_factory=list, repr=False)       # ms at `probing`
+    _recent: list = field(default_factory=list, repr=False)  # (bs, ms) at `threads`
+    _probe: list = field(default_factory=list, repr=False)  # ms at `probing`
     _probe_bs: int = field(default=0, repr=False)
-    _next_try: int = field(default=0, repr=False)                # alternates down / up for N > 2
+    _next_try: int = field(default=0, repr=False)  # alternates down / up for N > 2
 
     def __post_init__(self):
         self.max_threads = max(1, int(self.max_threads))
@@ -262,10 +285,11 @@ class StepTimePolicy:
 @dataclass
 class ThreadPlan:
     """What the scheduler process runs with, decided once at start-up."""
-    threads: int                        # the starting thread count
-    adaptive: bool                      # whether AdaptiveThreads may change it
-    cores: Optional[list[int]]          # pinned cores (None: wherever the OS puts us)
-    reason: str                         # said in the start-up log and get_server_info
+
+    threads: int  # the starting thread count
+    adaptive: bool  # whether AdaptiveThreads may change it
+    cores: Optional[list[int]]  # pinned cores (None: wherever the OS puts us)
+    reason: str  # said in the start-up log and get_server_info
 
     def describe(self) -> str:
         where = f" on cores {_ranges(self.cores)}" if self.cores else ""
@@ -284,8 +308,9 @@ def _ranges(cores: list[int]) -> str:
     return ",".join(out)
 
 
-def plan_threads(num_threads: Optional[int], bind: Optional[str], local_rank: int, local_ranks: int,
-                 device: str = "cpu") -> ThreadPlan:
+def plan_threads(
+    num_threads: Optional[int], bind: Optional[str], local_rank: int, local_ranks: int, device: str = "cpu"
+) -> ThreadPlan:
     """The thread plan for one scheduler rank from the flags (pure but for the affinity lookup).
 
     Precedence: --num-threads fixes the count; --cpu-omp-threads-bind (or SGLANG_CPU_OMP_THREADS_BIND)
@@ -308,11 +333,17 @@ def plan_threads(num_threads: Optional[int], bind: Optional[str], local_rank: in
         return ThreadPlan(share, False, None, f"{n_cores} core(s) shared by {local_ranks} ranks on this node")
     if share == 1:
         return ThreadPlan(1, False, None, "one core available")
-    return ThreadPlan(share, True, None, f"up to {share} on {n_cores} cores, whichever count decodes faster "
-                      "beside the other processes (probed after 8 decode steps, then every 48)")
+    return ThreadPlan(
+        share,
+        True,
+        None,
+        f"up to {share} on {n_cores} cores, whichever count decodes faster "
+        "beside the other processes (probed after 8 decode steps, then every 48)",
+    )
 
 
 # ==== the scheduler's glue =====================================================================
+
 
 class AdaptiveThreads:
     """The scheduler's glue: decode step times in, `apply(n)` out, between steps.
@@ -322,9 +353,15 @@ class AdaptiveThreads:
     neighbours use, beside what the policy chose. `changes` records (time, threads, others).
     """
 
-    def __init__(self, plan: ThreadPlan, apply: Callable[[int], None], interval_s: float = 0.5,
-                 meter: Optional[CpuLoadMeter] = None, clock: Callable[[], float] = time.monotonic,
-                 policy: Optional[StepTimePolicy] = None):
+    def __init__(
+        self,
+        plan: ThreadPlan,
+        apply: Callable[[int], None],
+        interval_s: float = 0.5,
+        meter: Optional[CpuLoadMeter] = None,
+        clock: Callable[[], float] = time.monotonic,
+        policy: Optional[StepTimePolicy] = None,
+    ):
         self.plan = plan
         self.apply = apply
         self.interval_s = interval_s
@@ -352,9 +389,13 @@ class AdaptiveThreads:
         if self.policy.threads != before_threads:
             self.changes.append((now, self.policy.threads, self.others if self.others is not None else -1.0))
             del self.changes[:-32]
-            logger.info("compute threads %d -> %d (decode steps at batch %d ran faster; others use %s cores)",
-                        before_threads, self.policy.threads, bs,
-                        "?" if self.others is None else f"{self.others:.2f}")
+            logger.info(
+                "compute threads %d -> %d (decode steps at batch %d ran faster; others use %s cores)",
+                before_threads,
+                self.policy.threads,
+                bs,
+                "?" if self.others is None else f"{self.others:.2f}",
+            )
         if want == self.applied:
             return None
         self.applied = want

@@ -14,6 +14,7 @@ logits are dropped.
 - `TorchCompileDecodeRunner` (CPU, `--enable-torch-compile`): buckets 1, 2, 4, 8,
   16, 24, 32, then every 16.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -53,17 +54,22 @@ class PaddedDecodeInputs:
 
     bucket: int
     real_bs: int
-    input_ids: torch.Tensor        # [bucket]
-    positions: torch.Tensor        # [bucket]
-    out_cache_loc: torch.Tensor    # [bucket]; padding writes to scratch slot 0
-    seq_lens: torch.Tensor         # [bucket]; padding has length 1
+    input_ids: torch.Tensor  # [bucket]
+    positions: torch.Tensor  # [bucket]
+    out_cache_loc: torch.Tensor  # [bucket]; padding writes to scratch slot 0
+    seq_lens: torch.Tensor  # [bucket]; padding has length 1
     seq_lens_cpu: list[int]
-    slot_table: torch.Tensor       # [bucket, L] KV slots per row; padding rows are all slot 0
+    slot_table: torch.Tensor  # [bucket, L] KV slots per row; padding rows are all slot 0
 
 
-def pad_decode_batch(bucket: int, input_ids: torch.Tensor, positions: torch.Tensor,
-                     out_cache_loc: torch.Tensor, seq_lens_cpu: list[int],
-                     slot_table: torch.Tensor) -> PaddedDecodeInputs:
+def pad_decode_batch(
+    bucket: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    seq_lens_cpu: list[int],
+    slot_table: torch.Tensor,
+) -> PaddedDecodeInputs:
     """Pad a decode batch of len(seq_lens_cpu) rows up to `bucket` rows."""
     bs = len(seq_lens_cpu)
     if bucket < bs:
@@ -78,9 +84,15 @@ def pad_decode_batch(bucket: int, input_ids: torch.Tensor, positions: torch.Tens
 
     lens = list(seq_lens_cpu) + [1] * pad
     return PaddedDecodeInputs(
-        bucket=bucket, real_bs=bs, input_ids=padded(input_ids, 0), positions=padded(positions, 0),
-        out_cache_loc=padded(out_cache_loc, 0), seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
-        seq_lens_cpu=lens, slot_table=padded(slot_table, 0))
+        bucket=bucket,
+        real_bs=bs,
+        input_ids=padded(input_ids, 0),
+        positions=padded(positions, 0),
+        out_cache_loc=padded(out_cache_loc, 0),
+        seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
+        seq_lens_cpu=lens,
+        slot_table=padded(slot_table, 0),
+    )
 
 
 # ---- torch.compile'd decode on CPU ------------------------------------------------------
@@ -91,9 +103,11 @@ _DECODE_CONTEXT: dict = {}
 
 
 @torch.library.custom_op("workbench::decode_attention", mutates_args=())
-def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                         scaling: float) -> torch.Tensor:
+def _decode_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float
+) -> torch.Tensor:
     from workbench.core.layers.attention.torch_native_backend import decode_attention
+
     pool, loc, meta = _DECODE_CONTEXT["pool"], _DECODE_CONTEXT["out_cache_loc"], _DECODE_CONTEXT["meta"]
     pool.set_kv_buffer(layer_id, loc, k, v)
     out = decode_attention(q, pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id), meta, scaling)
@@ -136,6 +150,7 @@ class TorchCompileDecodeRunner:
 
     def __init__(self, model_runner, max_bs: int):
         import torch._dynamo
+
         self.model_runner = model_runner
         self.buckets = get_batch_size_buckets(max_bs)
         self.compile_time_s: dict[int, float] = {}
@@ -144,9 +159,10 @@ class TorchCompileDecodeRunner:
         limit = len(self.buckets) + 4
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
         torch._dynamo.config.accumulated_cache_size_limit = max(
-            torch._dynamo.config.accumulated_cache_size_limit, limit * 8)
+            torch._dynamo.config.accumulated_cache_size_limit, limit * 8
+        )
         model = model_runner.model
-        model.model.rotary_emb.table(model_runner.dtype)   # cast the RoPE table before tracing
+        model.model.rotary_emb.table(model_runner.dtype)  # cast the RoPE table before tracing
 
         def step(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             hidden = model.model(input_ids, positions, self._batch)
@@ -155,8 +171,7 @@ class TorchCompileDecodeRunner:
         self._step = torch.compile(step, dynamic=False, fullgraph=True)
 
     def can_run(self, fb) -> bool:
-        return (fb.forward_mode.is_decode() and not fb.return_all_logits
-                and fb.batch_size <= self.buckets[-1])
+        return fb.forward_mode.is_decode() and not fb.return_all_logits and fb.batch_size <= self.buckets[-1]
 
     def bucket_for(self, bs: int) -> Optional[int]:
         """The compiled batch size a bs-row decode pads to (None: too big, eager)."""
@@ -165,13 +180,16 @@ class TorchCompileDecodeRunner:
     def forward(self, fb) -> torch.Tensor:
         """Next-token logits [B, V] float32 of a decode batch."""
         import time
+
         mr = self.model_runner
         bucket = pick_bucket(fb.batch_size, self.buckets)
-        slots = mr.req_to_token_pool.req_to_token.index_select(0, fb.req_pool_indices)[:, :max(fb.seq_lens_cpu)]
+        slots = mr.req_to_token_pool.req_to_token.index_select(0, fb.req_pool_indices)[:, : max(fb.seq_lens_cpu)]
         padded = pad_decode_batch(bucket, fb.input_ids, fb.positions, fb.out_cache_loc, fb.seq_lens_cpu, slots)
         from workbench.core.layers.attention.torch_native_backend import decode_metadata_from_slots
-        meta = decode_metadata_from_slots(padded.slot_table, padded.seq_lens, padded.seq_lens_cpu,
-                                          mr.token_to_kv_pool.head_num)
+
+        meta = decode_metadata_from_slots(
+            padded.slot_table, padded.seq_lens, padded.seq_lens_cpu, mr.token_to_kv_pool.head_num
+        )
         _DECODE_CONTEXT.update(pool=mr.token_to_kv_pool, out_cache_loc=padded.out_cache_loc, meta=meta)
         try:
             first = bucket not in self.compile_time_s
@@ -186,6 +204,7 @@ class TorchCompileDecodeRunner:
     def capture(self, progress: bool = False) -> None:
         """Compile every bucket now, on dummy rows that only touch the scratch KV slot 0."""
         from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
         mr = self.model_runner
         row = mr.req_to_token_pool.alloc(1)
         if row is None:
@@ -197,12 +216,18 @@ class TorchCompileDecodeRunner:
                     continue
                 dev = mr.req_to_token_pool.device
                 zeros = torch.zeros(bs, dtype=torch.int64, device=dev)
-                fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=zeros,
-                                  positions=zeros,
-                                  req_pool_indices=torch.full((bs,), int(row[0]), dtype=torch.int64, device=dev),
-                                  seq_lens=torch.ones(bs, dtype=torch.int64, device=dev), out_cache_loc=zeros,
-                                  seq_lens_cpu=[1] * bs, extend_seq_lens_cpu=[1] * bs,
-                                  extend_prefix_lens_cpu=[0] * bs)
+                fb = ForwardBatch(
+                    forward_mode=ForwardMode.DECODE,
+                    batch_size=bs,
+                    input_ids=zeros,
+                    positions=zeros,
+                    req_pool_indices=torch.full((bs,), int(row[0]), dtype=torch.int64, device=dev),
+                    seq_lens=torch.ones(bs, dtype=torch.int64, device=dev),
+                    out_cache_loc=zeros,
+                    seq_lens_cpu=[1] * bs,
+                    extend_seq_lens_cpu=[1] * bs,
+                    extend_prefix_lens_cpu=[0] * bs,
+                )
                 with torch.inference_mode():
                     self.forward(fb)
                 if progress:
@@ -226,8 +251,10 @@ def get_cuda_graph_batch_sizes(max_bs: int, explicit: Optional[list[int]] = None
             raise ValueError(f"--cuda-graph-bs sizes must be at least 1, got {bad}")
         sizes = sorted({int(b) for b in explicit if int(b) <= max_bs})
         if not sizes:
-            raise ValueError(f"every --cuda-graph-bs size exceeds the largest batch ({max_bs}); "
-                             "lower them or raise --cuda-graph-max-bs / --max-running-requests")
+            raise ValueError(
+                f"every --cuda-graph-bs size exceeds the largest batch ({max_bs}); "
+                "lower them or raise --cuda-graph-max-bs / --max-running-requests"
+            )
         return sizes
     sizes = {b for b in (1, 2, 4) if b <= max_bs}
     sizes.update(range(CUDA_GRAPH_STEP, max_bs + 1, CUDA_GRAPH_STEP))
@@ -308,12 +335,13 @@ class StaticDecodeBuffers:
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     out_cache_loc: torch.Tensor
-    pad_row: int                      # the req_to_token row padded requests point at (all slot 0)
+    pad_row: int  # the req_to_token row padded requests point at (all slot 0)
 
     @classmethod
     def allocate(cls, max_bs: int, device, pad_row: int) -> "StaticDecodeBuffers":
         def z():
             return torch.zeros(max_bs, dtype=torch.int64, device=device)
+
         buf = cls(z(), z(), z(), z(), z(), pad_row)
         buf.fill_padding(0, max_bs)
         return buf
@@ -359,8 +387,10 @@ class CudaGraphRunner:
         self.mechanism = mechanism if mechanism is not None else TorchCudaGraphMechanism(self.device)
         self.attn_backend = model_runner.attn_backend
         if self.mechanism.name == "cuda" and not self.attn_backend.cuda_graph_capturable:
-            raise ValueError(f"the {self.attn_backend.name} attention backend cannot be captured in a CUDA "
-                             "graph; use --attention-backend flashinfer or triton, or --disable-cuda-graph")
+            raise ValueError(
+                f"the {self.attn_backend.name} attention backend cannot be captured in a CUDA "
+                "graph; use --attention-backend flashinfer or triton, or --disable-cuda-graph"
+            )
         pool = model_runner.token_to_kv_pool
         self.attn_backend.init_cuda_graph_state(self.max_bs, pool.size + 1 + self.max_bs)
         pad_row = model_runner.req_to_token_pool.reserve_padding_row()
@@ -369,13 +399,12 @@ class CudaGraphRunner:
         self.forward_batches: dict[int, object] = {}
         self.capture_time_s: dict[int, float] = {}
         self.replay_count: dict[int, int] = {}
-        self._pool = None                 # one memory pool for every bucket's graph
+        self._pool = None  # one memory pool for every bucket's graph
 
     # ---- decisions (device-neutral) ----------------------------------------------------------
     def can_run(self, fb) -> bool:
         """Graph or eager: graphs cover decode passes of up to max_bs rows, next-token logits only."""
-        return (fb.forward_mode.is_decode() and not fb.return_all_logits
-                and 1 <= fb.batch_size <= self.max_bs)
+        return fb.forward_mode.is_decode() and not fb.return_all_logits and 1 <= fb.batch_size <= self.max_bs
 
     def bucket_for(self, bs: int) -> Optional[int]:
         """The captured batch size a bs-row decode pads to (None: too big, eager)."""
@@ -384,19 +413,30 @@ class CudaGraphRunner:
     # ---- capture ---------------------------------------------------------------------------------
     def _static_batch(self, bs: int):
         from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
         b, mr = self.buffers, self.model_runner
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=b.input_ids[:bs],
-            positions=b.positions[:bs], req_pool_indices=b.req_pool_indices[:bs], seq_lens=b.seq_lens[:bs],
-            out_cache_loc=b.out_cache_loc[:bs], seq_lens_cpu=[1] * bs, extend_seq_lens_cpu=[1] * bs,
-            extend_prefix_lens_cpu=[0] * bs, req_to_token_pool=mr.req_to_token_pool,
-            token_to_kv_pool=mr.token_to_kv_pool, attn_backend=self.attn_backend)
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=b.input_ids[:bs],
+            positions=b.positions[:bs],
+            req_pool_indices=b.req_pool_indices[:bs],
+            seq_lens=b.seq_lens[:bs],
+            out_cache_loc=b.out_cache_loc[:bs],
+            seq_lens_cpu=[1] * bs,
+            extend_seq_lens_cpu=[1] * bs,
+            extend_prefix_lens_cpu=[0] * bs,
+            req_to_token_pool=mr.req_to_token_pool,
+            token_to_kv_pool=mr.token_to_kv_pool,
+            attn_backend=self.attn_backend,
+        )
 
     def capture(self, progress: bool = False) -> None:
         """Capture every bucket, largest first: the largest sizes the shared pool, the smaller
         ones reuse its memory (their graphs never run at the same time)."""
         import sys
         import time
+
         model = self.model_runner.model
         if self._pool is None:
             self._pool = self.mechanism.make_pool()
@@ -405,10 +445,11 @@ class CudaGraphRunner:
         todo = [bs for bs in reversed(self.batch_sizes) if bs not in self.graphs]
         for i, bs in enumerate(todo):
             t0 = time.perf_counter()
-            self.buffers.fill_padding(0, self.max_bs)           # capture runs on dummy rows only
+            self.buffers.fill_padding(0, self.max_bs)  # capture runs on dummy rows only
             fb = self._static_batch(bs)
             self.attn_backend.init_forward_metadata_capture_cuda_graph(
-                bs, self.buffers.req_pool_indices[:bs], self.buffers.seq_lens[:bs], fb)
+                bs, self.buffers.req_pool_indices[:bs], self.buffers.seq_lens[:bs], fb
+            )
 
             def step(fb=fb):
                 return model.compute_logits(model(fb.input_ids, fb.positions, fb))
@@ -419,27 +460,36 @@ class CudaGraphRunner:
             self.capture_time_s[bs] = time.perf_counter() - t0
             self.replay_count[bs] = 0
             if progress:
-                print(f"capture {self.mechanism.name} graph bs={bs:<4} [{i + 1}/{len(todo)}] "
-                      f"{self.capture_time_s[bs]:.2f}s", file=sys.stderr, flush=True)
+                print(
+                    f"capture {self.mechanism.name} graph bs={bs:<4} [{i + 1}/{len(todo)}] "
+                    f"{self.capture_time_s[bs]:.2f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if progress and todo:
-            print(f"captured {len(todo)} decode graphs ({self.mechanism.name}) in "
-                  f"{time.perf_counter() - t_all:.1f}s", file=sys.stderr, flush=True)
+            print(
+                f"captured {len(todo)} decode graphs ({self.mechanism.name}) in {time.perf_counter() - t_all:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # ---- replay ----------------------------------------------------------------------------------
     def replay(self, fb) -> torch.Tensor:
         """Next-token logits [bs, V] of decode batch `fb` through its bucket's graph."""
         bucket = self.bucket_for(fb.batch_size)
         if bucket is None or not self.can_run(fb):
-            raise ValueError(f"a {fb.forward_mode.name} batch of {fb.batch_size} rows has no graph; "
-                             "check can_run() first and run it eagerly")
+            raise ValueError(
+                f"a {fb.forward_mode.name} batch of {fb.batch_size} rows has no graph; "
+                "check can_run() first and run it eagerly"
+            )
         if bucket not in self.graphs:
             self.capture()
         static_fb = self.forward_batches[bucket]
         seq_lens_cpu = self.buffers.load(fb, bucket)
         static_fb.seq_lens_cpu = seq_lens_cpu
         self.attn_backend.init_forward_metadata_replay_cuda_graph(
-            bucket, self.buffers.req_pool_indices[:bucket], self.buffers.seq_lens[:bucket], seq_lens_cpu,
-            static_fb)
+            bucket, self.buffers.req_pool_indices[:bucket], self.buffers.seq_lens[:bucket], seq_lens_cpu, static_fb
+        )
         self.graphs[bucket].replay()
         self.replay_count[bucket] += 1
         # A copy: the next replay overwrites the static output while this batch's logits may
@@ -454,6 +504,7 @@ def maybe_create_cuda_graph_runner(model_runner) -> Optional[CudaGraphRunner]:
     graph bookkeeping (buckets, padding, trace) runs, replay re-runs the captured step.
     """
     import logging
+
     args = model_runner.server_args
     stand_in = bool(getattr(args, "cuda_graph_stand_in", False))
     if args.disable_cuda_graph or (torch.device(model_runner.device).type != "cuda" and not stand_in):
@@ -461,12 +512,16 @@ def maybe_create_cuda_graph_runner(model_runner) -> Optional[CudaGraphRunner]:
     if not stand_in and not model_runner.attn_backend.cuda_graph_capturable:
         logging.getLogger(__name__).warning(
             "CUDA graphs off: the %s attention backend cannot be captured (use flashinfer or triton)",
-            model_runner.attn_backend.name)
+            model_runner.attn_backend.name,
+        )
         return None
     max_bs = min(args.cuda_graph_max_bs, model_runner.max_running_requests)
     if args.cuda_graph_bs:
         max_bs = min(max(args.cuda_graph_bs), model_runner.max_running_requests)
-    runner = CudaGraphRunner(model_runner, get_cuda_graph_batch_sizes(max_bs, args.cuda_graph_bs),
-                             StandInGraphMechanism() if stand_in else None)
+    runner = CudaGraphRunner(
+        model_runner,
+        get_cuda_graph_batch_sizes(max_bs, args.cuda_graph_bs),
+        StandInGraphMechanism() if stand_in else None,
+    )
     runner.capture(progress=args.show_progress)
     return runner

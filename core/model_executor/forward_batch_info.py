@@ -5,6 +5,7 @@ side) and carries the flattened token layout plus the KV-slot bookkeeping the
 attention backend reads. Every request's new tokens are contiguous in
 `input_ids`; `extend_start_loc[i]` says where request i's tokens start.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,10 +19,10 @@ if TYPE_CHECKING:
 
 
 class ForwardMode(IntEnum):
-    EXTEND = auto()   # prefill: new prompt tokens (possibly on top of a cached prefix)
-    DECODE = auto()   # one new token per request
-    MIXED = auto()    # a chunk of prefill and decode requests in one pass
-    IDLE = auto()     # nothing to run (a data-parallel rank with no work)
+    EXTEND = auto()  # prefill: new prompt tokens (possibly on top of a cached prefix)
+    DECODE = auto()  # one new token per request
+    MIXED = auto()  # a chunk of prefill and decode requests in one pass
+    IDLE = auto()  # nothing to run (a data-parallel rank with no work)
 
     def is_extend(self) -> bool:
         """EXTEND and MIXED take the general (ragged, causal) attention path."""
@@ -38,13 +39,13 @@ class ForwardMode(IntEnum):
 class ForwardBatch:
     forward_mode: ForwardMode
     batch_size: int
-    input_ids: torch.Tensor          # [T] new tokens of all requests, concatenated
-    positions: torch.Tensor          # [T] absolute position of each new token
-    req_pool_indices: torch.Tensor   # [B] rows in ReqToTokenPool
-    seq_lens: torch.Tensor           # [B] length after this pass (prefix + new)
-    out_cache_loc: torch.Tensor      # [T] KV slot where each new token's K/V is written
+    input_ids: torch.Tensor  # [T] new tokens of all requests, concatenated
+    positions: torch.Tensor  # [T] absolute position of each new token
+    req_pool_indices: torch.Tensor  # [B] rows in ReqToTokenPool
+    seq_lens: torch.Tensor  # [B] length after this pass (prefix + new)
+    out_cache_loc: torch.Tensor  # [T] KV slot where each new token's K/V is written
     seq_lens_cpu: list[int]
-    extend_seq_lens_cpu: list[int]   # [B] new tokens per request (1 for decode)
+    extend_seq_lens_cpu: list[int]  # [B] new tokens per request (1 for decode)
     extend_prefix_lens_cpu: list[int]  # [B] tokens already in the pool per request
     return_all_logits: bool = False
     req_to_token_pool: Optional["ReqToTokenPool"] = None
@@ -68,12 +69,13 @@ class ForwardBatch:
         device = torch.device(device)
         for name in ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc"):
             t = getattr(self, name)
-            if t.device.type != device.type:     # each rank's process has one current GPU
+            if t.device.type != device.type:  # each rank's process has one current GPU
                 setattr(self, name, t.to(device, non_blocking=True))
         return self
 
     @property
     def last_token_index(self) -> torch.Tensor:
         """Index into the T new tokens of each request's last one (whose logits we sample)."""
-        return torch.tensor([s + n - 1 for s, n in zip(self.extend_start_loc_cpu, self.extend_seq_lens_cpu)],
-                            dtype=torch.int64)
+        return torch.tensor(
+            [s + n - 1 for s, n in zip(self.extend_start_loc_cpu, self.extend_seq_lens_cpu)], dtype=torch.int64
+        )

@@ -1,4 +1,5 @@
 """The few numbers about a model the engine needs, read from its HF config."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ class ModelConfig:
     hf_config: object
 
     @classmethod
-    def from_hf(cls, config, context_length: int | None = None,
-                generation_eos: list[int] | None = None) -> "ModelConfig":
+    def from_hf(
+        cls, config, context_length: int | None = None, generation_eos: list[int] | None = None
+    ) -> "ModelConfig":
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -28,9 +30,15 @@ class ModelConfig:
         for e in generation_eos or []:
             if e not in eos_ids:
                 eos_ids.append(e)
-        return cls(architecture=(config.architectures or ["LlamaForCausalLM"])[0],
-                   hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
-                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                   vocab_size=config.vocab_size,
-                   context_len=context_length or config.max_position_embeddings,
-                   eos_token_ids=eos_ids, hf_config=config)
+        return cls(
+            architecture=(config.architectures or ["LlamaForCausalLM"])[0],
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            context_len=context_length or config.max_position_embeddings,
+            eos_token_ids=eos_ids,
+            hf_config=config,
+        )

@@ -3,6 +3,7 @@
 It is the only place that touches the model: the scheduler hands it a
 ForwardBatch and gets logits back; the sampler turns those into tokens.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,8 +15,12 @@ import torch
 
 from workbench.core.args import ServerArgs, choose_cpu_dtype
 from workbench.core.distributed.topology import validate_tp_for_model
-from workbench.core.distributed.parallel_state import (all_reduce_min_int, init_tp_group, set_tp_group,
-                                                       tensor_model_parallel_broadcast_)
+from workbench.core.distributed.parallel_state import (
+    all_reduce_min_int,
+    init_tp_group,
+    set_tp_group,
+    tensor_model_parallel_broadcast_,
+)
 from workbench.core.layers.logits_processor import LogitsOutput, LogitsProcessor
 from workbench.core.layers.sampler import Sampler
 from workbench.core.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -39,8 +44,14 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
-                 prepared=None, max_req_rows: Optional[int] = None):
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        prepared=None,
+        max_req_rows: Optional[int] = None,
+    ):
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.device = server_args.resolved_device()
@@ -69,7 +80,8 @@ class ModelRunner:
         self.decode_runner: Optional[TorchCompileDecodeRunner] = None
         if server_args.enable_torch_compile and self.tp_size == 1:
             self.decode_runner = TorchCompileDecodeRunner(
-                self, min(server_args.torch_compile_max_bs, self.max_running_requests))
+                self, min(server_args.torch_compile_max_bs, self.max_running_requests)
+            )
         # Decode through CUDA graphs (CUDA only; captured here, before the first request).
         self.graph_runner = maybe_create_cuda_graph_runner(self)
 
@@ -85,6 +97,7 @@ class ModelRunner:
         backend = "gloo"
         if self.device == "cuda":
             import torch.distributed as dist
+
             per_node = self.tp_size // self.server_args.nnodes
             # "cuda" then means this rank's GPU everywhere (.to("cuda") uses the current device).
             torch.cuda.set_device(self.tp_rank % per_node)
@@ -106,7 +119,7 @@ class ModelRunner:
         pack = self.device == "cpu" and os.environ.get("WORKBENCH_CPU_PACK", "1") != "0"
         self.model.process_weights_after_loading(pack=pack)
         if self.device == "cpu":
-            tune_glibc_malloc()      # warm activation pages across passes (see cpu_allocator.py)
+            tune_glibc_malloc()  # warm activation pages across passes (see cpu_allocator.py)
 
     def init_memory_pool(self, max_req_rows: Optional[int]) -> None:
         mc = self.model_config
@@ -126,15 +139,23 @@ class ModelRunner:
         # One extra row beyond the running cap: a request being retracted/chunked never starves.
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, mc.context_len + 8, self.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, self.device)
-        self.token_to_kv_pool = MHATokenToKVPool(tokens, self.kv_dtype, kv_heads, mc.head_dim,
-                                                 mc.num_layers, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            tokens, self.kv_dtype, kv_heads, mc.head_dim, mc.num_layers, self.device
+        )
 
     def _make_attn_backend(self):
         from workbench.core.layers.attention.registry import choose_attention_backend, create_attn_backend
+
         mc = self.model_config
         q_heads, kv_heads = max(1, mc.num_attention_heads // self.tp_size), self.token_to_kv_pool.head_num
-        name = choose_attention_backend(self.server_args.attention_backend, torch.device(self.device).type,
-                                        self.dtype, q_heads, kv_heads, mc.head_dim)
+        name = choose_attention_backend(
+            self.server_args.attention_backend,
+            torch.device(self.device).type,
+            self.dtype,
+            q_heads,
+            kv_heads,
+            mc.head_dim,
+        )
         return create_attn_backend(name, self.device, q_heads, kv_heads, mc.head_dim, self.dtype, self.kv_dtype)
 
     # ---- execution ----------------------------------------------------------
@@ -154,12 +175,14 @@ class ModelRunner:
         is_decode = fb.forward_mode.is_decode()
         if fb.return_all_logits:
             last = torch.arange(fb.batch_size) if is_decode else fb.last_token_index
-            if self.tp_size > 1:      # the head is vocab-sharded: compute_logits gathers the shards
+            if self.tp_size > 1:  # the head is vocab-sharded: compute_logits gathers the shards
                 all_logits = self.model.compute_logits(hidden)
-                return LogitsOutput(next_token_logits=all_logits.index_select(0, last.to(hidden.device)),
-                                    all_logits=all_logits)
-            return self.logits_processor(hidden, self.model.lm_head.weight, last.to(hidden.device),
-                                         return_all_positions=True)
+                return LogitsOutput(
+                    next_token_logits=all_logits.index_select(0, last.to(hidden.device)), all_logits=all_logits
+                )
+            return self.logits_processor(
+                hidden, self.model.lm_head.weight, last.to(hidden.device), return_all_positions=True
+            )
         # Next-token logits only (the common case): the model's packed LM head on the last rows.
         if not is_decode:
             hidden = hidden.index_select(0, fb.last_token_index.to(hidden.device))
@@ -175,8 +198,9 @@ class ModelRunner:
         return False, batch_size
 
     @torch.inference_mode()
-    def sample(self, logits_output: LogitsOutput, sampling_info, return_logprob: bool = False,
-               top_logprobs_num: int = 0):
+    def sample(
+        self, logits_output: LogitsOutput, sampling_info, return_logprob: bool = False, top_logprobs_num: int = 0
+    ):
         out = self.sampler(logits_output.next_token_logits, sampling_info, return_logprob, top_logprobs_num)
         if self.tp_size > 1:
             # Every rank must append the same token; rank 0's choice is the one streamed out.
@@ -188,6 +212,7 @@ def _generation_eos(model_dir) -> list[int]:
     """EOS ids from generation_config.json (chat models often add <|im_end|> / <|eot_id|> there)."""
     import json
     from pathlib import Path
+
     path = Path(model_dir) / "generation_config.json"
     if not path.exists():
         return []

@@ -5,6 +5,7 @@ the model benchmark. It does by hand, simply, what the scheduler does for real:
 allocate a pool row and KV slots, run extend passes (optionally a prefix first,
 then the rest on top of it), then batched decode passes until every request stops.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ class _Seq:
     prompt: list[int]
     params: SamplingParams
     row: int
-    kv_len: int = 0                     # tokens whose K/V is in the pool
+    kv_len: int = 0  # tokens whose K/V is in the pool
     result: OfflineResult = field(default_factory=OfflineResult)
     generator: Optional[torch.Generator] = None
     done: bool = False
@@ -40,9 +41,14 @@ class OfflineHarness:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
-                 prefix_lens: Optional[Sequence[int]] = None, return_logprob: bool = False,
-                 top_logprobs_num: int = 0) -> list[OfflineResult]:
+    def generate(
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        prefix_lens: Optional[Sequence[int]] = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> list[OfflineResult]:
         """Generate for every prompt in one continuous batch; returns per-prompt results."""
         r = self.runner
         if isinstance(params, SamplingParams):
@@ -50,47 +56,64 @@ class OfflineHarness:
         rows = r.req_to_token_pool.alloc(len(prompts))
         if rows is None:
             raise RuntimeError("not enough request rows for this batch")
-        seqs = [_Seq(list(p), sp, row, generator=make_generator(sp.seed) if sp.seed is not None else None)
-                for p, sp, row in zip(prompts, params, rows)]
+        seqs = [
+            _Seq(list(p), sp, row, generator=make_generator(sp.seed) if sp.seed is not None else None)
+            for p, sp, row in zip(prompts, params, rows)
+        ]
         try:
             if prefix_lens is not None:
                 with_prefix = [(s, list(s.prompt[:n])) for s, n in zip(seqs, prefix_lens) if n > 0]
                 if with_prefix:
                     self._extend([s for s, _ in with_prefix], [t for _, t in with_prefix], sample=False)
-                self._extend(seqs, [list(s.prompt[n:]) for s, n in zip(seqs, prefix_lens)],
-                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+                self._extend(
+                    seqs,
+                    [list(s.prompt[n:]) for s, n in zip(seqs, prefix_lens)],
+                    return_logprob=return_logprob,
+                    top_logprobs_num=top_logprobs_num,
+                )
             else:
-                self._extend(seqs, [s.prompt for s in seqs], return_logprob=return_logprob,
-                             top_logprobs_num=top_logprobs_num)
+                self._extend(
+                    seqs, [s.prompt for s in seqs], return_logprob=return_logprob, top_logprobs_num=top_logprobs_num
+                )
             while any(not s.done for s in seqs):
                 self._decode([s for s in seqs if not s.done], return_logprob, top_logprobs_num)
         finally:
             for s in seqs:
-                r.token_to_kv_pool_allocator.free(r.req_to_token_pool.req_to_token[s.row, :s.kv_len].clone())
+                r.token_to_kv_pool_allocator.free(r.req_to_token_pool.req_to_token[s.row, : s.kv_len].clone())
             r.req_to_token_pool.free(rows)
         return [s.result for s in seqs]
 
     # ---- passes ---------------------------------------------------------------
-    def _extend(self, seqs: list[_Seq], new_tokens: list[list[int]], sample: bool = True,
-                return_logprob: bool = False, top_logprobs_num: int = 0) -> None:
+    def _extend(
+        self,
+        seqs: list[_Seq],
+        new_tokens: list[list[int]],
+        sample: bool = True,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> None:
         r = self.runner
         total = sum(len(t) for t in new_tokens)
         loc = self._alloc(total)
         ids, pos, offset = [], [], 0
         for s, toks in zip(seqs, new_tokens):
             n = len(toks)
-            r.req_to_token_pool.req_to_token[s.row, s.kv_len:s.kv_len + n] = loc[offset:offset + n]
+            r.req_to_token_pool.req_to_token[s.row, s.kv_len : s.kv_len + n] = loc[offset : offset + n]
             ids += toks
             pos += range(s.kv_len, s.kv_len + n)
             offset += n
         fb = ForwardBatch(
-            forward_mode=ForwardMode.EXTEND, batch_size=len(seqs),
-            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(pos, dtype=torch.int64),
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=len(seqs),
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
             req_pool_indices=torch.tensor([s.row for s in seqs], dtype=torch.int64),
             seq_lens=torch.tensor([s.kv_len + len(t) for s, t in zip(seqs, new_tokens)], dtype=torch.int64),
-            out_cache_loc=loc, seq_lens_cpu=[s.kv_len + len(t) for s, t in zip(seqs, new_tokens)],
+            out_cache_loc=loc,
+            seq_lens_cpu=[s.kv_len + len(t) for s, t in zip(seqs, new_tokens)],
             extend_seq_lens_cpu=[len(t) for t in new_tokens],
-            extend_prefix_lens_cpu=[s.kv_len for s in seqs])
+            extend_prefix_lens_cpu=[s.kv_len for s in seqs],
+        )
         logits = r.forward(fb)
         for s, t in zip(seqs, new_tokens):
             s.kv_len += len(t)
@@ -103,13 +126,17 @@ class OfflineHarness:
         for s, slot in zip(seqs, loc):
             r.req_to_token_pool.req_to_token[s.row, s.kv_len] = slot
         fb = ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=len(seqs),
+            forward_mode=ForwardMode.DECODE,
+            batch_size=len(seqs),
             input_ids=torch.tensor([s.result.output_ids[-1] for s in seqs], dtype=torch.int64),
             positions=torch.tensor([s.kv_len for s in seqs], dtype=torch.int64),
             req_pool_indices=torch.tensor([s.row for s in seqs], dtype=torch.int64),
-            seq_lens=torch.tensor([s.kv_len + 1 for s in seqs], dtype=torch.int64), out_cache_loc=loc,
-            seq_lens_cpu=[s.kv_len + 1 for s in seqs], extend_seq_lens_cpu=[1] * len(seqs),
-            extend_prefix_lens_cpu=[s.kv_len for s in seqs])
+            seq_lens=torch.tensor([s.kv_len + 1 for s in seqs], dtype=torch.int64),
+            out_cache_loc=loc,
+            seq_lens_cpu=[s.kv_len + 1 for s in seqs],
+            extend_seq_lens_cpu=[1] * len(seqs),
+            extend_prefix_lens_cpu=[s.kv_len for s in seqs],
+        )
         logits = r.forward(fb)
         for s in seqs:
             s.kv_len += 1
@@ -119,10 +146,14 @@ class OfflineHarness:
         r = self.runner
         eos = r.model_config.eos_token_ids
         info = SamplingBatchInfo.from_reqs(
-            [s.params for s in seqs], output_ids=[s.result.output_ids for s in seqs],
-            prompt_ids=[s.prompt for s in seqs], vocab_size=r.model_config.vocab_size,
+            [s.params for s in seqs],
+            output_ids=[s.result.output_ids for s in seqs],
+            prompt_ids=[s.prompt for s in seqs],
+            vocab_size=r.model_config.vocab_size,
             eos_ids=[s.params.finish_token_ids(eos) for s in seqs],
-            generators=[s.generator for s in seqs], device=r.device)
+            generators=[s.generator for s in seqs],
+            device=r.device,
+        )
         out = r.sample(logits, info, return_logprob, top_logprobs_num)
         ids = out.next_token_ids.tolist()
         for i, (s, tok) in enumerate(zip(seqs, ids)):

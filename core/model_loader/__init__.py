@@ -5,6 +5,7 @@ The model runner calls `prepare_model(path)` once, then `iter_weights` and
 (including the default SmolLM2-135M-Instruct) are converted to a cached HF
 directory first, so everything downstream reads one format.
 """
+
 from workbench.core.model_loader.errors import ModelLoadError
 from workbench.core.model_loader.gguf_loader import cache_root, convert_gguf, converted_dir_for
 from workbench.core.model_loader.hf_loader import iter_weights, load_tokenizer

@@ -5,6 +5,7 @@ file) surfaces as a `ModelLoadError` whose message is a single line naming the
 file involved and saying what to do next, so the CLI can print it as is
 instead of a traceback.
 """
+
 from __future__ import annotations
 
 

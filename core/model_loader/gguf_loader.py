@@ -19,6 +19,7 @@ are cached under `${WORKBENCH_CACHE_DIR:-~/.cache/workbench}/converted/`,
 keyed by the file's size, mtime and first MiB; a directory is published by an
 atomic rename only once complete, so a crash never leaves a half cache entry.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -227,7 +228,9 @@ def unpermute_qk(weights: np.ndarray, n_head: int) -> np.ndarray:
     """
     rows = weights.shape[0]
     if rows % (2 * n_head):
-        raise ModelLoadError(f"a Q/K tensor with {rows} rows cannot be split into {n_head} heads; the GGUF is inconsistent.")
+        raise ModelLoadError(
+            f"a Q/K tensor with {rows} rows cannot be split into {n_head} heads; the GGUF is inconsistent."
+        )
     half = rows // n_head // 2
     grouped = weights.reshape(n_head, half, 2, *weights.shape[1:])
     return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(weights.shape)
@@ -244,7 +247,9 @@ def _dequantize(tensor, gguf_path: Path) -> np.ndarray:
             "package cannot dequantize; use another quantization of the model."
         ) from None
     except Exception as exc:
-        raise ModelLoadError(f"{gguf_path}: tensor {tensor.name} is corrupt ({describe(exc)}); re-download the file.") from None
+        raise ModelLoadError(
+            f"{gguf_path}: tensor {tensor.name} is corrupt ({describe(exc)}); re-download the file."
+        ) from None
     # ggml lists dimensions fastest-first; numpy/torch want them slowest-first.
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     weights = weights.reshape(shape)
@@ -332,9 +337,8 @@ def convert_gguf(gguf_path: str | Path, progress: bool = True) -> tuple[Path, bo
         if _is_complete(target):  # another process finished it while we waited
             return target, True
         started = time.monotonic()
-        if progress:      # said only when it happens, so a bad model path is not preceded by it
-            print(f"converting {gguf_path.name} to a cached HF directory (once): {target}", file=sys.stderr,
-                  flush=True)
+        if progress:  # said only when it happens, so a bad model path is not preceded by it
+            print(f"converting {gguf_path.name} to a cached HF directory (once): {target}", file=sys.stderr, flush=True)
         reader = open_gguf(gguf_path)
         config = build_config(reader, gguf_path)
         tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -3,6 +3,7 @@
 Both the user's own HF directories and the directories the GGUF converter
 writes go through here, so the model runner has one way to read weights.
 """
+
 from __future__ import annotations
 
 import json

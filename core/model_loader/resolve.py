@@ -9,6 +9,7 @@ Accepted, in this order:
 - a hub id, only when it is already in the local Hugging Face cache: this
   project never downloads on the user's behalf.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -110,8 +111,10 @@ def validate_hf_dir(model_dir: Path):
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         ggufs = sorted(p.name for p in model_dir.glob("*.gguf"))
-        hint = f"; it holds {ggufs[0]}: pass that file's path instead" if ggufs else (
-            "; pass an HF model directory (config.json, *.safetensors, tokenizer files) or a .gguf file"
+        hint = (
+            f"; it holds {ggufs[0]}: pass that file's path instead"
+            if ggufs
+            else ("; pass an HF model directory (config.json, *.safetensors, tokenizer files) or a .gguf file")
         )
         raise ModelLoadError(f"{model_dir} has no config.json{hint}.")
     try:
@@ -129,8 +132,11 @@ def validate_hf_dir(model_dir: Path):
         has_bin = any(model_dir.glob("*.bin"))
         raise ModelLoadError(
             f"{model_dir} has no *.safetensors weights"
-            + ("; it has PyTorch .bin files: re-save with save_pretrained(safe_serialization=True)." if has_bin else
-               "; add the model's safetensors files.")
+            + (
+                "; it has PyTorch .bin files: re-save with save_pretrained(safe_serialization=True)."
+                if has_bin
+                else "; add the model's safetensors files."
+            )
         )
     for path in files:
         check_safetensors(path)
@@ -153,12 +159,14 @@ def _check_cached_conversion(model_dir: Path) -> str:
     try:
         architecture = (json.loads((model_dir / "config.json").read_text()).get("architectures") or [None])[0]
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"the converted model in {model_dir} is damaged ({describe(exc)}); "
-                             "delete that directory to convert again.") from None
+        raise ModelLoadError(
+            f"the converted model in {model_dir} is damaged ({describe(exc)}); delete that directory to convert again."
+        ) from None
     files = list_safetensors(model_dir)
     if architecture not in SUPPORTED_ARCHITECTURES or not files or not has_tokenizer_files(model_dir):
-        raise ModelLoadError(f"the converted model in {model_dir} is incomplete; delete that directory to "
-                             "convert again.")
+        raise ModelLoadError(
+            f"the converted model in {model_dir} is incomplete; delete that directory to convert again."
+        )
     for path in files:
         check_safetensors(path)
     return architecture
@@ -208,8 +216,12 @@ def prepare_model(model_path: str | None, progress: bool = True) -> PreparedMode
     if path.is_dir():
         if path.resolve().parent == cache_root().resolve() and _is_complete(path):
             # A conversion this project wrote (the Engine hands its children this path).
-            return PreparedModel(model_dir=path.resolve(), architecture=_check_cached_conversion(path.resolve()),
-                                 source="gguf", from_cache=True)
+            return PreparedModel(
+                model_dir=path.resolve(),
+                architecture=_check_cached_conversion(path.resolve()),
+                source="gguf",
+                from_cache=True,
+            )
         return _prepared_hf(path.resolve())
     if _HUB_ID_RE.match(text) and not text.lower().endswith(".gguf"):
         snapshot = _hub_snapshot(text)

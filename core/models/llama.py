@@ -6,6 +6,7 @@ the output projections (o_proj, down_proj), RoPE cos/sin are gathered once per
 pass and q and k rotate in one go, attention goes through RadixAttention (KV
 lives in the token-slot pool), and every linear is tensor-parallel-aware.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -18,8 +19,14 @@ from workbench.core.distributed.parallel_state import tensor_model_parallel_all_
 from workbench.core.layers import cpu_ops
 from workbench.core.layers.activation import SiluAndMul, silu_and_mul
 from workbench.core.layers.layernorm import RMSNorm
-from workbench.core.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
-                                          RowParallelLinear, pack_linear_weight, packed_linear)
+from workbench.core.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    pack_linear_weight,
+    packed_linear,
+)
 from workbench.core.layers.radix_attention import RadixAttention
 from workbench.core.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_config
 from workbench.core.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -44,18 +51,23 @@ class LlamaAttention(nn.Module):
         self.total_num_heads = config.num_attention_heads
         self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.total_num_heads
-        self.qkv_proj = QKVParallelLinear(self.hidden_size, self.head_dim, self.total_num_heads,
-                                          self.total_num_kv_heads, bias=qkv_bias)
+        self.qkv_proj = QKVParallelLinear(
+            self.hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads, bias=qkv_bias
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         o_bias = bool(getattr(config, "attention_bias", False)) and not qkv_bias_only(config)
         self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, self.hidden_size, bias=o_bias)
-        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                                   self.num_kv_heads, layer_id)
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
 
-    def forward(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], forward_batch,
-                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        forward_batch,
+        residual: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """rope: (cos, signed sin) from RotaryEmbedding.get_cos_sin, gathered once per pass."""
         T = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
@@ -64,7 +76,7 @@ class LlamaAttention(nn.Module):
         # compiled call rotates them in place (bit-identical to apply_rotary).
         qk = qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = cpu_ops.rope_inplace(qk, *rope) if cpu_ops.fused_ready(qkv) else apply_rotary(qk, *rope)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, forward_batch)
         return self.o_proj(out.reshape(T, self.q_size), residual)
@@ -79,8 +91,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, qkv_bias: bool):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, qkv_bias)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
-                            bias=bool(getattr(config, "mlp_bias", False)))
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -94,8 +105,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config, qkv_bias: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         base, scaling = rope_config(config)
@@ -115,8 +125,13 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     # HF checkpoint name -> (our parameter, shard id) for the fused projections.
-    stacked_params = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-                      ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+    stacked_params = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
 
     def __init__(self, config):
         super().__init__()
@@ -149,8 +164,7 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head
         if self._packed_head is not None and cpu_ops.gemv_ready(hidden, head.weight):
             return cpu_ops.gemv(hidden, head.weight[: self.vocab_size])
-        if (self._packed_head is not None and hidden.dtype == head.weight.dtype
-                and not torch.compiler.is_compiling()):
+        if self._packed_head is not None and hidden.dtype == head.weight.dtype and not torch.compiler.is_compiling():
             return packed_linear(hidden, self._packed_head, None).float()
         out = F.linear(hidden.to(head.weight.dtype), head.weight)
         if head.tp_size > 1:
@@ -165,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
-                continue   # tied: the embedding is the head
+                continue  # tied: the embedding is the head
             for fused, part, shard in self.stacked_params:
                 if f".{part}." in name:
                     target = name.replace(part, fused)

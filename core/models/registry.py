@@ -1,4 +1,5 @@
 """Model classes by `config.architectures[0]`."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -16,5 +17,6 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
-        raise ValueError(f"architecture {architecture!r} is not supported; supported: "
-                         f"{', '.join(sorted(MODEL_REGISTRY))}") from None
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        ) from None

@@ -12,6 +12,7 @@ generator's state must live as long as the request (it advances every step),
 so the owner of the request (the scheduler's `Req`) should keep the generator
 and pass it back in `generators`; `make_generator` creates one.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -42,26 +43,26 @@ class SamplingBatchInfo:
 
     vocab_size: int
     device: torch.device
-    temperatures: torch.Tensor            # [B, 1] float32; 1.0 on greedy rows (never divided)
-    top_ps: torch.Tensor                  # [B] float32
-    top_ks: torch.Tensor                  # [B] int64; vocab_size where disabled
-    min_ps: torch.Tensor                  # [B] float32
-    is_greedy: torch.Tensor               # [B] bool
-    output_lens: torch.Tensor             # [B] int64, tokens generated so far
+    temperatures: torch.Tensor  # [B, 1] float32; 1.0 on greedy rows (never divided)
+    top_ps: torch.Tensor  # [B] float32
+    top_ks: torch.Tensor  # [B] int64; vocab_size where disabled
+    min_ps: torch.Tensor  # [B] float32
+    is_greedy: torch.Tensor  # [B] bool
+    output_lens: torch.Tensor  # [B] int64, tokens generated so far
     generators: list[Optional[torch.Generator]]  # per row; None = the sampler's shared generator
     is_all_greedy: bool = False
     need_top_p: bool = False
     need_top_k: bool = False
     need_min_p: bool = False
     # Penalties (None when no row uses that penalty).
-    frequency_penalties: Optional[torch.Tensor] = None   # [B, 1] float32
-    presence_penalties: Optional[torch.Tensor] = None    # [B, 1] float32
+    frequency_penalties: Optional[torch.Tensor] = None  # [B, 1] float32
+    presence_penalties: Optional[torch.Tensor] = None  # [B, 1] float32
     repetition_penalties: Optional[torch.Tensor] = None  # [B, 1] float32
-    output_counts: Optional[torch.Tensor] = None         # [B, V] int32, counts in the OUTPUT
-    seen_tokens: Optional[torch.Tensor] = None           # [B, V] bool, in prompt + output
+    output_counts: Optional[torch.Tensor] = None  # [B, V] int32, counts in the OUTPUT
+    seen_tokens: Optional[torch.Tensor] = None  # [B, V] bool, in prompt + output
     # min_new_tokens (None when no row asks for it).
-    min_new_tokens: Optional[torch.Tensor] = None        # [B] int64
-    stop_token_mask: Optional[torch.Tensor] = None       # [B, V] bool, ids to hold back
+    min_new_tokens: Optional[torch.Tensor] = None  # [B] int64
+    stop_token_mask: Optional[torch.Tensor] = None  # [B, V] bool, ids to hold back
 
     # ------------------------------------------------------------------ build
 
@@ -95,8 +96,12 @@ class SamplingBatchInfo:
         bs = len(params)
         output_ids = output_ids if output_ids is not None else [[] for _ in range(bs)]
         prompt_ids = prompt_ids if prompt_ids is not None else [[] for _ in range(bs)]
-        for name, seq in (("output_ids", output_ids), ("prompt_ids", prompt_ids),
-                          ("eos_ids", eos_ids), ("generators", generators)):
+        for name, seq in (
+            ("output_ids", output_ids),
+            ("prompt_ids", prompt_ids),
+            ("eos_ids", eos_ids),
+            ("generators", generators),
+        ):
             if seq is not None and len(seq) != bs:
                 raise ValueError(f"{name} has {len(seq)} entries for {bs} requests")
 
@@ -109,7 +114,8 @@ class SamplingBatchInfo:
 
         if generators is None:
             gens: list[Optional[torch.Generator]] = [
-                make_generator(p.seed, device) if p.seed is not None else None for p in params]
+                make_generator(p.seed, device) if p.seed is not None else None for p in params
+            ]
         else:
             gens = list(generators)
 
@@ -156,8 +162,9 @@ class SamplingBatchInfo:
         mins = [int(p.min_new_tokens) for p in params]
         if any(m > 0 and m > len(o) for m, o in zip(mins, output_ids)):
             info.min_new_tokens = torch.tensor(mins, dtype=torch.int64, device=device)
-            stops = [list(eos_ids[i]) if eos_ids is not None else list(params[i].stop_token_ids or [])
-                     for i in range(bs)]
+            stops = [
+                list(eos_ids[i]) if eos_ids is not None else list(params[i].stop_token_ids or []) for i in range(bs)
+            ]
             rows = [stops[i] if mins[i] > 0 else [] for i in range(bs)]
             info.stop_token_mask = _scatter_rows(rows, bs, vocab_size, device, torch.bool)
         return info
@@ -170,8 +177,11 @@ class SamplingBatchInfo:
     @property
     def need_penalties(self) -> bool:
         """Whether any row has a frequency, presence or repetition penalty."""
-        return (self.frequency_penalties is not None or self.presence_penalties is not None
-                or self.repetition_penalties is not None)
+        return (
+            self.frequency_penalties is not None
+            or self.presence_penalties is not None
+            or self.repetition_penalties is not None
+        )
 
     @property
     def need_min_new_tokens(self) -> bool:
@@ -220,8 +230,7 @@ class SamplingBatchInfo:
         rows = torch.arange(ids.numel(), device=self.device)
         self.output_lens += 1
         if self.output_counts is not None:
-            self.output_counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.int32),
-                                          accumulate=True)
+            self.output_counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
         if self.seen_tokens is not None:
             self.seen_tokens[rows, ids] = True
 
@@ -276,27 +285,28 @@ class SamplingBatchInfo:
 
 # Row-indexed tensors that filter/merge must carry along (all but `generators`).
 _TENSOR_FIELDS = tuple(
-    f.name for f in fields(SamplingBatchInfo)
-    if f.name not in ("vocab_size", "device", "generators", "is_all_greedy",
-                      "need_top_p", "need_top_k", "need_min_p")
+    f.name
+    for f in fields(SamplingBatchInfo)
+    if f.name not in ("vocab_size", "device", "generators", "is_all_greedy", "need_top_p", "need_top_k", "need_min_p")
 )
 
 
-def _scatter_rows(rows: Sequence[Sequence[int]], bs: int, vocab_size: int,
-                  device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _scatter_rows(
+    rows: Sequence[Sequence[int]], bs: int, vocab_size: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """[B, V] tensor: counts (int dtype) or presence (bool) of each row's token ids."""
     lens = [len(r) for r in rows]
     flat = [int(t) for r in rows for t in r]
-    out = torch.zeros((bs, vocab_size), dtype=torch.int32 if dtype != torch.bool else torch.bool,
-                      device=device)
+    out = torch.zeros((bs, vocab_size), dtype=torch.int32 if dtype != torch.bool else torch.bool, device=device)
     if not flat:
         return out
     ids = torch.tensor(flat, dtype=torch.int64, device=device)
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         bad = next(t for t in flat if t < 0 or t >= vocab_size)
         raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")
-    row_idx = torch.repeat_interleave(torch.arange(bs, device=device),
-                                      torch.tensor(lens, dtype=torch.int64, device=device))
+    row_idx = torch.repeat_interleave(
+        torch.arange(bs, device=device), torch.tensor(lens, dtype=torch.int64, device=device)
+    )
     if dtype == torch.bool:
         out[row_idx, ids] = True
     else:

@@ -11,6 +11,7 @@ Conventions shared with the sampler:
   `stop_token_ids` plus the tokenizer's EOS ids unless `ignore_eos`
   (see `finish_token_ids`).
 """
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,7 @@ from typing import Iterable, Optional, Union
 import msgspec
 
 _F32_MAX = 3.4028234663852886e38
-_F32_TINY = 1.1754943508222875e-38     # smallest normal float32
+_F32_TINY = 1.1754943508222875e-38  # smallest normal float32
 
 # Temperatures below this are treated as greedy: dividing logits by a tiny
 # temperature overflows float32 and turns the softmax into NaNs.
@@ -37,7 +38,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1            # -1 = disabled
+    top_k: int = -1  # -1 = disabled
     min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -100,8 +101,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         `vocab_size` bounds `stop_token_ids`; `max_context` (the model's context
         length) bounds `max_new_tokens`. Either may be None to skip that check.
         """
-        for name in ("temperature", "top_p", "min_p", "frequency_penalty",
-                     "presence_penalty", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"{name} must be a number, got {v!r}")
@@ -134,12 +134,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if max_context is not None and self.max_new_tokens > max_context:
             raise ValueError(
-                f"max_new_tokens ({self.max_new_tokens}) exceeds the model's context length ({max_context})")
+                f"max_new_tokens ({self.max_new_tokens}) exceeds the model's context length ({max_context})"
+            )
         if self.min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
-                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})"
+            )
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
 

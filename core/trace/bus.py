@@ -18,6 +18,7 @@ the state is reset when the last listener leaves (tracers are switched off
 then, so it would only go stale). `on_listeners_changed(bool)` fires on the
 0->1 and 1->0 transitions of `listener_count`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,7 +31,12 @@ from typing import Callable, Optional
 import zmq
 
 from workbench.core.trace.events import (
-    SCHEMA_VERSION, Event, TraceDropped, TraceHeader, decode_batch, encode_batch,
+    SCHEMA_VERSION,
+    Event,
+    TraceDropped,
+    TraceHeader,
+    decode_batch,
+    encode_batch,
 )
 from workbench.core.trace.state import TraceState
 
@@ -48,7 +54,7 @@ class Subscription:
     def __init__(self, bus: Optional["TraceBus"], maxsize: int = 100_000, name: str = ""):
         self.name = name
         self.maxsize = max(1, maxsize)
-        self.dropped = 0               # events this subscriber lost
+        self.dropped = 0  # events this subscriber lost
         self.closed = False
         self._bus = bus
         self._q: deque[Event] = deque()
@@ -65,8 +71,7 @@ class Subscription:
                 return
             room = self.maxsize - len(self._q)
             if self._pending_dropped and room >= 1:
-                self._q.append(TraceDropped(ts=time.monotonic_ns(), proc="bus",
-                                            count=self._pending_dropped))
+                self._q.append(TraceDropped(ts=time.monotonic_ns(), proc="bus", count=self._pending_dropped))
                 self._pending_dropped = 0
                 room -= 1
             take = max(0, min(room, len(batch)))
@@ -130,17 +135,24 @@ class TraceBus:
         model: written into the header sent to remote subscribers.
     """
 
-    def __init__(self, pull_endpoint: str, publish_addr: Optional[str] = None, *,
-                 model: str = "", rcvhwm: int = 1000, pub_sndhwm: int = 1000,
-                 max_inproc_batches: int = 10_000):
+    def __init__(
+        self,
+        pull_endpoint: str,
+        publish_addr: Optional[str] = None,
+        *,
+        model: str = "",
+        rcvhwm: int = 1000,
+        pub_sndhwm: int = 1000,
+        max_inproc_batches: int = 10_000,
+    ):
         self.model = model
         self.on_listeners_changed: Optional[Callable[[bool], None]] = None
         self.state = TraceState()
-        self.malformed = 0             # undecodable messages received and ignored
+        self.malformed = 0  # undecodable messages received and ignored
         self.received_batches = 0
         self.received_events = 0
-        self.dropped_inproc = 0        # in-process events lost because the bus thread was behind
-        self.pub_dropped = 0           # batches the remote publisher could not send
+        self.dropped_inproc = 0  # in-process events lost because the bus thread was behind
+        self.pub_dropped = 0  # batches the remote publisher could not send
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -166,8 +178,8 @@ class TraceBus:
         self._inproc: deque[Batch] = deque()
         self._max_inproc = max_inproc_batches
         self._inproc_pending_dropped = 0
-        self._lock = threading.RLock()          # subscribers, callbacks, state
-        self._hook_lock = threading.Lock()      # serializes on_listeners_changed calls
+        self._lock = threading.RLock()  # subscribers, callbacks, state
+        self._hook_lock = threading.Lock()  # serializes on_listeners_changed calls
         self._subs: list[Subscription] = []
         self._callbacks: list[CallbackHandle] = []
         self._remote = 0
@@ -183,8 +195,7 @@ class TraceBus:
         """In-process subscriptions + callbacks, + 1 while any remote subscriber is attached."""
         return len(self._subs) + len(self._callbacks) + (1 if self._remote > 0 else 0)
 
-    def subscribe(self, maxsize: int = 100_000, name: str = "", with_snapshot: bool = False
-                  ) -> Subscription:
+    def subscribe(self, maxsize: int = 100_000, name: str = "", with_snapshot: bool = False) -> Subscription:
         """A new bounded subscription. With `with_snapshot`, it first receives synthetic
         events rebuilding the bus's current picture (TraceState.snapshot_events)."""
         sub = Subscription(self, maxsize, name)
@@ -195,8 +206,9 @@ class TraceBus:
         self._update_listeners()
         return sub
 
-    def subscribe_callback(self, fn: Callable[[Batch], None], name: str = "",
-                           with_snapshot: bool = False) -> CallbackHandle:
+    def subscribe_callback(
+        self, fn: Callable[[Batch], None], name: str = "", with_snapshot: bool = False
+    ) -> CallbackHandle:
         """Call fn(batch) on the bus thread for every batch. An exception in fn is
         logged and removes the callback. With `with_snapshot`, fn first gets the
         snapshot batch, synchronously on the calling thread."""
@@ -252,7 +264,7 @@ class TraceBus:
         self._inproc.append(list(events))
         try:
             self._wake_w.send(b"\0")
-        except OSError:      # the wake pipe is full: the thread is awake anyway
+        except OSError:  # the wake pipe is full: the thread is awake anyway
             pass
 
     # ---- the bus thread ---------------------------------------------------------
@@ -297,14 +309,14 @@ class TraceBus:
             self._deliver(self._inproc.popleft())
 
     def _pump_pull(self) -> None:
-        for _ in range(1000):      # bounded, so in-process batches and XPUB get a turn
+        for _ in range(1000):  # bounded, so in-process batches and XPUB get a turn
             try:
                 data = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
                 batch = decode_batch(data)
-            except Exception:      # msgspec decode/validation error: never pickle, just count
+            except Exception:  # msgspec decode/validation error: never pickle, just count
                 self.malformed += 1
                 continue
             self._deliver(batch, data)
@@ -321,8 +333,9 @@ class TraceBus:
                 self._remote += 1
                 self._update_listeners()
                 with self._lock:
-                    snap = [TraceHeader(ts=time.monotonic_ns(), proc="bus",
-                                        schema_version=SCHEMA_VERSION, model=self.model)]
+                    snap = [
+                        TraceHeader(ts=time.monotonic_ns(), proc="bus", schema_version=SCHEMA_VERSION, model=self.model)
+                    ]
                     snap += self.state.snapshot_events()
                 self._send_pub(snap, None)
             elif msg[0] == 0:
@@ -375,7 +388,7 @@ class TraceBus:
             s.close()
         self._remote = 0
         self._update_listeners()
-        if not self._thread.is_alive():    # else a callback is stuck; term() would hang
+        if not self._thread.is_alive():  # else a callback is stuck; term() would hang
             self._ctx.term()
         self._wake_r.close()
         self._wake_w.close()
@@ -430,8 +443,9 @@ class RemoteSubscription:
                 if type(e) is TraceHeader:
                     self.header = e
                     if e.schema_version > SCHEMA_VERSION:
-                        logger.warning("remote trace uses schema v%d, this client reads v%d",
-                                       e.schema_version, SCHEMA_VERSION)
+                        logger.warning(
+                            "remote trace uses schema v%d, this client reads v%d", e.schema_version, SCHEMA_VERSION
+                        )
             self._q.extend(batch)
 
     def get(self, timeout: Optional[float] = None) -> Optional[Event]:

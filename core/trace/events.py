@@ -9,6 +9,7 @@ e.g. "tokenizer", "scheduler", "scheduler.dp1", "detokenizer") and `step`
 One encoder (msgspec JSON or msgpack) serializes them; nothing here is pickled.
 Bump SCHEMA_VERSION when a field changes meaning or disappears.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -25,6 +26,7 @@ class Event(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=False)
 
 
 # ---- requests ---------------------------------------------------------------
+
 
 class ReqArrived(Event, tag="req.arrived"):
     rid: str
@@ -45,21 +47,23 @@ class ReqQueued(Event, tag="req.queued"):
 
 class ReqScheduled(Event, tag="req.scheduled"):
     """A request enters a prefill (extend) batch: one event per chunk."""
+
     rid: str
-    prefix_hit: int          # tokens reused from the radix cache (first chunk; 0 for later chunks,
-                             # whose prefix is the request's own earlier chunks)
-    extend_len: int          # tokens computed in this chunk
-    chunk_index: int = 0     # k (0-based) ...
-    num_chunks: int = 1      # ... of n (estimate at scheduling time)
+    prefix_hit: int  # tokens reused from the radix cache (first chunk; 0 for later chunks,
+    # whose prefix is the request's own earlier chunks)
+    extend_len: int  # tokens computed in this chunk
+    chunk_index: int = 0  # k (0-based) ...
+    num_chunks: int = 1  # ... of n (estimate at scheduling time)
 
 
 class ReqDispatched(Event, tag="req.dispatched"):
     """Data parallel: the controller sent a request to replica `dp_rank` (proc "scheduler.dp<rank>")."""
+
     rid: str
     dp_rank: int
-    method: str              # "round_robin" | "shortest_queue" | "prefix_aware"
+    method: str  # "round_robin" | "shortest_queue" | "prefix_aware"
     matched_tokens: int = 0  # prefix_aware: the controller's guess of the replica's cached prefix
-    loads: list[int] = []    # in-flight requests per replica, this one included
+    loads: list[int] = []  # in-flight requests per replica, this one included
 
 
 class ReqFirstToken(Event, tag="req.first_token"):
@@ -68,13 +72,13 @@ class ReqFirstToken(Event, tag="req.first_token"):
 
 class ReqFinished(Event, tag="req.finished"):
     rid: str
-    reason: str              # "stop" | "length" | "abort"
+    reason: str  # "stop" | "length" | "abort"
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    ttft: float              # seconds
-    tpot: float              # seconds per output token after the first
-    e2e: float               # seconds
+    ttft: float  # seconds
+    tpot: float  # seconds per output token after the first
+    e2e: float  # seconds
 
 
 class ReqAborted(Event, tag="req.aborted"):
@@ -89,24 +93,27 @@ class ReqRetracted(Event, tag="req.retracted"):
 
 class ReqText(Event, tag="req.text"):
     """Incremental decoded text of a request (emitted by the tokenizer manager)."""
+
     rid: str
     delta: str
 
 
 # ---- batches and queues -----------------------------------------------------
 
+
 class StepReq(msgspec.Struct, array_like=True):
     """One request's share of one scheduler step."""
+
     rid: str
-    cached: int = 0          # prefix tokens read from the cache (extend only)
-    computed: int = 0        # prompt tokens computed in this step (extend only)
-    decode: int = 0          # tokens decoded in this step (0 or 1)
+    cached: int = 0  # prefix tokens read from the cache (extend only)
+    computed: int = 0  # prompt tokens computed in this step (extend only)
+    decode: int = 0  # tokens decoded in this step (0 or 1)
     chunk_index: int = 0
     num_chunks: int = 1
 
 
 class BatchStep(Event, tag="batch.step"):
-    mode: str                # "extend" | "decode" | "mixed" | "idle"
+    mode: str  # "extend" | "decode" | "mixed" | "idle"
     reqs: list[StepReq]
     batch_size: int
     padded_size: int
@@ -123,33 +130,35 @@ class StepDecision(Event, tag="batch.decision"):
 
     A request left waiting was either held back (`held`; the reason is in queue.state's `held`)
     or queued behind `stop_rid`, the first one that did not fit, for `stop_reason`."""
-    mode: str = ""                    # "extend" | "decode": the batch this step ran
-    admitted: list[str] = []          # rids taken from the waiting queue into this step's prefill
-    chunk_continued: str = ""         # a chunked request whose next chunk ran in this step
-    waiting: int = 0                  # requests still waiting after this step
-    stop_reason: str = ""             # why admission stopped: "budget" (prefill token budget), "kv"
-                                      # (KV room), "running" (running-request limit), "held" (too many
-                                      # held this step), "" (nobody was turned away)
-    stop_rid: str = ""                # the first waiting request that did not fit
-    held: list[str] = []              # waiting requests held back for in-batch prefix caching
-    budget: int = 0                   # the step's prefill token budget (chunk size / max prefill tokens)
-    budget_used: int = 0              # prompt tokens computed in this step
-    running_waited: int = 0           # running requests that did not advance (an extend step)
-    kv_alloc: int = 0                 # KV slots allocated in this step
-    kv_freed: int = 0                 # KV slots freed in this step (finishes, evictions, retractions)
-    evicted: int = 0                  # tokens evicted from the radix cache in this step ...
-    evicted_nodes: list[int] = []     # ... from these nodes
-    retracted: list[str] = []         # requests sent back to the queue (KV pool full)
-    start_ts: int = 0                 # when the step began (monotonic ns; `ts` is when it ended): with
-                                      # it a view knows what the scheduler was busy with at any moment
-                                      # (0 in older recordings)
+
+    mode: str = ""  # "extend" | "decode": the batch this step ran
+    admitted: list[str] = []  # rids taken from the waiting queue into this step's prefill
+    chunk_continued: str = ""  # a chunked request whose next chunk ran in this step
+    waiting: int = 0  # requests still waiting after this step
+    stop_reason: str = ""  # why admission stopped: "budget" (prefill token budget), "kv"
+    # (KV room), "running" (running-request limit), "held" (too many
+    # held this step), "" (nobody was turned away)
+    stop_rid: str = ""  # the first waiting request that did not fit
+    held: list[str] = []  # waiting requests held back for in-batch prefix caching
+    budget: int = 0  # the step's prefill token budget (chunk size / max prefill tokens)
+    budget_used: int = 0  # prompt tokens computed in this step
+    running_waited: int = 0  # running requests that did not advance (an extend step)
+    kv_alloc: int = 0  # KV slots allocated in this step
+    kv_freed: int = 0  # KV slots freed in this step (finishes, evictions, retractions)
+    evicted: int = 0  # tokens evicted from the radix cache in this step ...
+    evicted_nodes: list[int] = []  # ... from these nodes
+    retracted: list[str] = []  # requests sent back to the queue (KV pool full)
+    start_ts: int = 0  # when the step began (monotonic ns; `ts` is when it ended): with
+    # it a view knows what the scheduler was busy with at any moment
+    # (0 in older recordings)
 
 
 class HeldReq(msgspec.Struct, array_like=True):
     """A waiting request the scheduler held back (in-batch prefix caching)."""
+
     rid: str
-    waits_for: str           # the request computing the prefix they share
-    shared_tokens: int       # shared tokens not cached yet: what holding saves it from computing
+    waits_for: str  # the request computing the prefix they share
+    shared_tokens: int  # shared tokens not cached yet: what holding saves it from computing
 
     def reason(self) -> str:
         return f"waits for {self.waits_for}'s shared prefix ({self.shared_tokens} tokens) to be cached"
@@ -171,6 +180,7 @@ class KVUsage(Event, tag="kv.usage"):
 
 
 # ---- radix cache ------------------------------------------------------------
+
 
 class CacheMatch(Event, tag="cache.match"):
     rid: str
@@ -194,18 +204,19 @@ class CacheTouch(Event, tag="cache.touch"):
     """The tree's locks or hit counts changed since its last `cache.tree` snapshot (no node was
     inserted or evicted). Sent once per snapshot at most: it tells the scheduler (and a reader of
     the trace) that a fresh `cache.tree` is due at the next step boundary."""
-    what: str                # "lock" | "hit": the first change seen since the last snapshot
-    node_id: int             # the node it touched
+
+    what: str  # "lock" | "hit": the first change seen since the last snapshot
+    node_id: int  # the node it touched
 
 
 class TreeNode(msgspec.Struct, array_like=True):
     node_id: int
-    parent_id: int           # -1 for the root
-    tokens: int              # tokens held by this node's edge
-    text: str                # decoded preview of the edge (may be empty)
+    parent_id: int  # -1 for the root
+    tokens: int  # tokens held by this node's edge
+    text: str  # decoded preview of the edge (may be empty)
     lock_ref: int
     hits: int
-    last_access: int         # monotonic ns
+    last_access: int  # monotonic ns
 
 
 class CacheTree(Event, tag="cache.tree"):
@@ -215,6 +226,7 @@ class CacheTree(Event, tag="cache.tree"):
 
 
 # ---- processes, weights, the trace itself -----------------------------------
+
 
 class WeightsUpdated(Event, tag="weights.updated"):
     source: str
@@ -239,6 +251,7 @@ class TraceDropped(Event, tag="trace.dropped"):
 
 class TraceHeader(Event, tag="trace.header"):
     """First record of every recording and every remote stream."""
+
     schema_version: int = SCHEMA_VERSION
     model: str = ""
 
@@ -248,8 +261,10 @@ class TraceHeader(Event, tag="trace.header"):
 # TraceState (TraceState.snapshot_events) and Replay emits TraceReset on a
 # backward seek. Views need no special handling: TraceState.apply folds them.
 
+
 class TimelineItem(msgspec.Struct, array_like=True):
     """One entry of a request's timeline (see state.TimelineEntry)."""
+
     ts: int
     kind: str
     detail: str = ""
@@ -260,6 +275,7 @@ class TimelineItem(msgspec.Struct, array_like=True):
 
 class ReqSnapshot(Event, tag="req.snapshot"):
     """The whole known picture of one request; replaces what a reducer had for it."""
+
     rid: str
     state: str
     prompt_preview: str = ""
@@ -283,12 +299,13 @@ class ReqSnapshot(Event, tag="req.snapshot"):
     timeline: list[TimelineItem] = []
     steps: list[int] = []
     round_chunks: list[int] = []  # computed tokens per prefill chunk of the current round
-    round_sampled: bool = False   # the current round's last chunk already sampled a token
-    replica: str = ""             # data parallel: the scheduler replica that holds it
+    round_sampled: bool = False  # the current round's last chunk already sampled a token
+    replica: str = ""  # data parallel: the scheduler replica that holds it
 
 
 class TraceCounters(Event, tag="trace.counters"):
     """Cumulative counters of a TraceState; a reducer takes them as-is."""
+
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     cached_tokens_total: int = 0
@@ -309,10 +326,33 @@ class TraceReset(Event, tag="trace.reset"):
 
 
 AnyEvent = Union[
-    ReqArrived, ReqTokenized, ReqQueued, ReqScheduled, ReqDispatched, ReqFirstToken, ReqFinished,
-    ReqAborted, ReqRetracted, ReqText, BatchStep, StepDecision, QueueState, KVUsage, CacheMatch,
-    CacheInsert, CacheEvict, CacheTouch, CacheTree, WeightsUpdated, ProcStarted, ProcExited,
-    TraceDropped, TraceHeader, ReqSnapshot, TraceCounters, TraceReset,
+    ReqArrived,
+    ReqTokenized,
+    ReqQueued,
+    ReqScheduled,
+    ReqDispatched,
+    ReqFirstToken,
+    ReqFinished,
+    ReqAborted,
+    ReqRetracted,
+    ReqText,
+    BatchStep,
+    StepDecision,
+    QueueState,
+    KVUsage,
+    CacheMatch,
+    CacheInsert,
+    CacheEvict,
+    CacheTouch,
+    CacheTree,
+    WeightsUpdated,
+    ProcStarted,
+    ProcExited,
+    TraceDropped,
+    TraceHeader,
+    ReqSnapshot,
+    TraceCounters,
+    TraceReset,
 ]
 
 _json_encoder = msgspec.json.Encoder()

@@ -15,6 +15,7 @@ Optional: needs `opentelemetry-sdk` (`pip install 'serving-workbench[otel]'`), a
 endpoint `opentelemetry-exporter-otlp-proto-http`. `workbench serve --otlp-traces-endpoint
 http://127.0.0.1:4318/v1/traces` turns it on; tests pass an in-memory exporter instead.
 """
+
 from __future__ import annotations
 
 import threading
@@ -55,10 +56,10 @@ class OtelExporter:
         batch: export through a BatchSpanProcessor (background thread); False exports synchronously.
     """
 
-    def __init__(self, span_exporter, service_name: str = "serving-workbench", model: str = "",
-                 batch: bool = True):
+    def __init__(self, span_exporter, service_name: str = "serving-workbench", model: str = "", batch: bool = True):
         TracerProvider, BatchSpanProcessor, SimpleSpanProcessor = _require_sdk()
         from opentelemetry.sdk.resources import Resource
+
         self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
         processor = BatchSpanProcessor(span_exporter) if batch else SimpleSpanProcessor(span_exporter)
         self.provider.add_span_processor(processor)
@@ -93,26 +94,43 @@ class OtelExporter:
             return
         prefill = [t for t in r.timeline if t.kind == "prefill"]
         attrs: dict[str, Any] = {
-            "workbench.rid": r.rid, "gen_ai.request.model": self.model,
-            "gen_ai.usage.input_tokens": r.prompt_tokens, "gen_ai.usage.output_tokens": r.output_tokens,
-            "workbench.cached_tokens": r.cached_tokens, "workbench.computed_tokens": r.computed_tokens,
-            "workbench.finish_reason": r.finish_reason or r.state, "workbench.retractions": r.retractions,
+            "workbench.rid": r.rid,
+            "gen_ai.request.model": self.model,
+            "gen_ai.usage.input_tokens": r.prompt_tokens,
+            "gen_ai.usage.output_tokens": r.output_tokens,
+            "workbench.cached_tokens": r.cached_tokens,
+            "workbench.computed_tokens": r.computed_tokens,
+            "workbench.finish_reason": r.finish_reason or r.state,
+            "workbench.retractions": r.retractions,
         }
-        attrs.update({k: v for k, v in (("workbench.ttft_s", r.ttft), ("workbench.tpot_s", r.tpot),
-                                        ("workbench.e2e_s", r.e2e)) if v is not None})
+        attrs.update(
+            {
+                k: v
+                for k, v in (("workbench.ttft_s", r.ttft), ("workbench.tpot_s", r.tpot), ("workbench.e2e_s", r.e2e))
+                if v is not None
+            }
+        )
         root = self.tracer.start_span(f"request {r.rid}", start_time=self._wall(start), attributes=attrs)
         ctx = trace.set_span_in_context(root)
         first_prefill = prefill[0].ts if prefill else None
         self._child("queue", ctx, r.queued_ts or start, first_prefill or end)
         if first_prefill is not None:
-            span = self.tracer.start_span("prefill", context=ctx, start_time=self._wall(first_prefill),
-                                          attributes={"workbench.chunks": len(prefill)})
+            span = self.tracer.start_span(
+                "prefill",
+                context=ctx,
+                start_time=self._wall(first_prefill),
+                attributes={"workbench.chunks": len(prefill)},
+            )
             for t in prefill:
                 span.add_event("chunk", {"detail": t.detail}, timestamp=self._wall(t.ts))
             span.end(end_time=self._wall(r.first_token_ts or end))
         if r.first_token_ts is not None:
-            span = self.tracer.start_span("decode", context=ctx, start_time=self._wall(r.first_token_ts),
-                                          attributes={"workbench.output_tokens": r.output_tokens})
+            span = self.tracer.start_span(
+                "decode",
+                context=ctx,
+                start_time=self._wall(r.first_token_ts),
+                attributes={"workbench.output_tokens": r.output_tokens},
+            )
             for t in r.timeline:
                 if t.kind == "retracted":
                     span.add_event("retracted", {"detail": t.detail}, timestamp=self._wall(t.ts))

@@ -17,19 +17,20 @@ A meaning is a noun a view can point at:
   evicted    KV dropped from the cache to make room
   retracted  a running request pushed back to waiting because the KV pool ran out
 """
+
 from __future__ import annotations
 
 #: meaning -> colour (#rrggbb). The only place these meanings get a colour.
 PALETTE: dict[str, str] = {
-    "cached": "#4e79a7",      # blue
-    "computed": "#59a14f",    # green
-    "decode": "#f28e2b",      # orange
-    "waiting": "#edc948",     # yellow
-    "locked": "#e15759",      # red
-    "evictable": "#a0cbe8",   # light blue: cached, and free to go
-    "free": "#bab0ac",        # grey
-    "evicted": "#b07aa1",     # purple
-    "retracted": "#ff9da7",   # pink
+    "cached": "#4e79a7",  # blue
+    "computed": "#59a14f",  # green
+    "decode": "#f28e2b",  # orange
+    "waiting": "#edc948",  # yellow
+    "locked": "#e15759",  # red
+    "evictable": "#a0cbe8",  # light blue: cached, and free to go
+    "free": "#bab0ac",  # grey
+    "evicted": "#b07aa1",  # purple
+    "retracted": "#ff9da7",  # pink
 }
 
 #: meaning -> what it means, in the words the TUI help and the widget legends use.

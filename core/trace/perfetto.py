@@ -12,6 +12,7 @@ Layout:
 
 Timestamps are microseconds relative to the first event.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,16 +61,20 @@ def build_trace_events(events: Iterable[ev.Event]) -> dict:
         proc = proc or "unknown"
         if proc not in pids:
             pids[proc] = len(pids) + REQUESTS_PID + 1
-            out.append({"name": "process_name", "ph": "M", "ts": 0, "pid": pids[proc], "tid": 0,
-                        "args": {"name": proc}})
-            out.append({"name": "thread_name", "ph": "M", "ts": 0, "pid": pids[proc], "tid": 1,
-                        "args": {"name": "main"}})
+            out.append(
+                {"name": "process_name", "ph": "M", "ts": 0, "pid": pids[proc], "tid": 0, "args": {"name": proc}}
+            )
+            out.append(
+                {"name": "thread_name", "ph": "M", "ts": 0, "pid": pids[proc], "tid": 1, "args": {"name": "main"}}
+            )
         return pids[proc]
 
-    out.append({"name": "process_name", "ph": "M", "ts": 0, "pid": REQUESTS_PID, "tid": 0,
-                "args": {"name": "requests"}})
-    out.append({"name": "process_sort_index", "ph": "M", "ts": 0, "pid": REQUESTS_PID, "tid": 0,
-                "args": {"sort_index": 0}})
+    out.append(
+        {"name": "process_name", "ph": "M", "ts": 0, "pid": REQUESTS_PID, "tid": 0, "args": {"name": "requests"}}
+    )
+    out.append(
+        {"name": "process_sort_index", "ph": "M", "ts": 0, "pid": REQUESTS_PID, "tid": 0, "args": {"sort_index": 0}}
+    )
     reqs: dict[str, _ReqSpan] = {}
     instants: list[dict] = []
 
@@ -89,18 +94,44 @@ def build_trace_events(events: Iterable[ev.Event]) -> dict:
             pre = sum(r.computed for r in e.reqs)
             cached = sum(r.cached for r in e.reqs if r.computed and r.chunk_index == 0)
             dec = sum(r.decode for r in e.reqs if not r.computed)
-            out.append({
-                "name": f"{e.mode} bs={e.batch_size}", "cat": "step", "ph": "X", "ts": us(start),
-                "dur": e.forward_ms * 1000.0, "pid": pid, "tid": 1,
-                "args": {"step": e.step, "mode": e.mode, "batch_size": e.batch_size,
-                         "padded_size": e.padded_size, "cuda_graph": e.cuda_graph,
-                         "backend": e.backend, "schedule_ms": e.schedule_ms,
-                         "forward_ms": e.forward_ms, "prefill_tokens": pre, "cached_tokens": cached,
-                         "decode_tokens": dec,
-                         "reqs": [[r.rid, r.cached, r.computed, r.decode, r.chunk_index, r.num_chunks]
-                                  for r in e.reqs[:_MAX_STEP_REQS_IN_ARGS]]}})
-            out.append({"name": "tokens", "ph": "C", "ts": us(e.ts), "pid": pid, "tid": 1,
-                        "args": {"prefill": pre, "cached": cached, "decode": dec}})
+            out.append(
+                {
+                    "name": f"{e.mode} bs={e.batch_size}",
+                    "cat": "step",
+                    "ph": "X",
+                    "ts": us(start),
+                    "dur": e.forward_ms * 1000.0,
+                    "pid": pid,
+                    "tid": 1,
+                    "args": {
+                        "step": e.step,
+                        "mode": e.mode,
+                        "batch_size": e.batch_size,
+                        "padded_size": e.padded_size,
+                        "cuda_graph": e.cuda_graph,
+                        "backend": e.backend,
+                        "schedule_ms": e.schedule_ms,
+                        "forward_ms": e.forward_ms,
+                        "prefill_tokens": pre,
+                        "cached_tokens": cached,
+                        "decode_tokens": dec,
+                        "reqs": [
+                            [r.rid, r.cached, r.computed, r.decode, r.chunk_index, r.num_chunks]
+                            for r in e.reqs[:_MAX_STEP_REQS_IN_ARGS]
+                        ],
+                    },
+                }
+            )
+            out.append(
+                {
+                    "name": "tokens",
+                    "ph": "C",
+                    "ts": us(e.ts),
+                    "pid": pid,
+                    "tid": 1,
+                    "args": {"prefill": pre, "cached": cached, "decode": dec},
+                }
+            )
             for sr in e.reqs:
                 r = span(sr.rid, start)
                 r.last_seen = max(r.last_seen, e.ts)
@@ -110,12 +141,27 @@ def build_trace_events(events: Iterable[ev.Event]) -> dict:
                 elif sr.decode:
                     r.decoded = True
         elif t is ev.QueueState:
-            out.append({"name": "queue", "ph": "C", "ts": us(e.ts), "pid": pid_of(e.proc), "tid": 1,
-                        "args": {"waiting": len(e.waiting), "running": len(e.running),
-                                 "chunked": len(e.chunked)}})
+            out.append(
+                {
+                    "name": "queue",
+                    "ph": "C",
+                    "ts": us(e.ts),
+                    "pid": pid_of(e.proc),
+                    "tid": 1,
+                    "args": {"waiting": len(e.waiting), "running": len(e.running), "chunked": len(e.chunked)},
+                }
+            )
         elif t is ev.KVUsage:
-            out.append({"name": "kv_tokens", "ph": "C", "ts": us(e.ts), "pid": pid_of(e.proc),
-                        "tid": 1, "args": {"used": e.used, "evictable": e.evictable, "free": e.free}})
+            out.append(
+                {
+                    "name": "kv_tokens",
+                    "ph": "C",
+                    "ts": us(e.ts),
+                    "pid": pid_of(e.proc),
+                    "tid": 1,
+                    "args": {"used": e.used, "evictable": e.evictable, "free": e.free},
+                }
+            )
         elif t is ev.ReqArrived:
             span(e.rid, e.ts).arrival = e.ts
         elif t is ev.ReqTokenized:
@@ -127,18 +173,35 @@ def build_trace_events(events: Iterable[ev.Event]) -> dict:
             span(e.rid, e.ts)
         elif t is ev.ReqFirstToken:
             span(e.rid, e.ts).first_token = e.ts
-            instants.append({"name": "first_token", "cat": "request", "ph": "n", "id": e.rid,
-                             "ts": us(e.ts), "pid": REQUESTS_PID, "tid": 0})
+            instants.append(
+                {
+                    "name": "first_token",
+                    "cat": "request",
+                    "ph": "n",
+                    "id": e.rid,
+                    "ts": us(e.ts),
+                    "pid": REQUESTS_PID,
+                    "tid": 0,
+                }
+            )
         elif t is ev.ReqRetracted:
             span(e.rid, e.ts)
-            instants.append({"name": "retracted", "cat": "request", "ph": "n", "id": e.rid,
-                             "ts": us(e.ts), "pid": REQUESTS_PID, "tid": 0,
-                             "args": {"output_tokens": e.output_tokens}})
+            instants.append(
+                {
+                    "name": "retracted",
+                    "cat": "request",
+                    "ph": "n",
+                    "id": e.rid,
+                    "ts": us(e.ts),
+                    "pid": REQUESTS_PID,
+                    "tid": 0,
+                    "args": {"output_tokens": e.output_tokens},
+                }
+            )
         elif t is ev.ReqFinished:
             r = span(e.rid, e.ts)
             r.finish, r.reason = e.ts, e.reason
-            r.prompt_tokens, r.output_tokens, r.cached_tokens = (
-                e.prompt_tokens, e.completion_tokens, e.cached_tokens)
+            r.prompt_tokens, r.output_tokens, r.cached_tokens = (e.prompt_tokens, e.completion_tokens, e.cached_tokens)
         elif t is ev.ReqAborted:
             r = span(e.rid, e.ts)
             if r.finish is None:
@@ -147,12 +210,29 @@ def build_trace_events(events: Iterable[ev.Event]) -> dict:
             args = msgspec.structs.asdict(e)
             for k in ("ts", "proc", "step"):
                 args.pop(k, None)
-            out.append({"name": e.__struct_config__.tag, "ph": "i", "s": "p", "ts": us(e.ts),
-                        "pid": pid_of(e.proc), "tid": 1, "args": args})
+            out.append(
+                {
+                    "name": e.__struct_config__.tag,
+                    "ph": "i",
+                    "s": "p",
+                    "ts": us(e.ts),
+                    "pid": pid_of(e.proc),
+                    "tid": 1,
+                    "args": args,
+                }
+            )
         elif t is ev.CacheEvict:
-            out.append({"name": "cache.evict", "ph": "i", "s": "t", "ts": us(e.ts),
-                        "pid": pid_of(e.proc), "tid": 1,
-                        "args": {"nodes": len(e.node_ids), "tokens": e.tokens}})
+            out.append(
+                {
+                    "name": "cache.evict",
+                    "ph": "i",
+                    "s": "t",
+                    "ts": us(e.ts),
+                    "pid": pid_of(e.proc),
+                    "tid": 1,
+                    "args": {"nodes": len(e.node_ids), "tokens": e.tokens},
+                }
+            )
 
     for rid, r in reqs.items():
         out.extend(_request_slices(rid, r, us))
@@ -169,18 +249,25 @@ def _request_slices(rid: str, r: _ReqSpan, us) -> list[dict]:
         a, b = max(a, start), min(b, end)
         if b < a:
             return
-        begin = {"name": name, "cat": "request", "ph": "b", "id": rid, "ts": us(a),
-                 "pid": REQUESTS_PID, "tid": 0}
+        begin = {"name": name, "cat": "request", "ph": "b", "id": rid, "ts": us(a), "pid": REQUESTS_PID, "tid": 0}
         if args:
             begin["args"] = args
         res.append(begin)
-        res.append({"name": name, "cat": "request", "ph": "e", "id": rid, "ts": us(b),
-                    "pid": REQUESTS_PID, "tid": 0})
+        res.append({"name": name, "cat": "request", "ph": "e", "id": rid, "ts": us(b), "pid": REQUESTS_PID, "tid": 0})
 
-    slice_("request", start, end, {"rid": rid, "finish_reason": r.reason,
-                                    "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
-                                    "cached_tokens": r.cached_tokens})
-    outer_end = res.pop()          # stages nest inside: emit them before the outer "e"
+    slice_(
+        "request",
+        start,
+        end,
+        {
+            "rid": rid,
+            "finish_reason": r.reason,
+            "prompt_tokens": r.prompt_tokens,
+            "output_tokens": r.output_tokens,
+            "cached_tokens": r.cached_tokens,
+        },
+    )
+    outer_end = res.pop()  # stages nest inside: emit them before the outer "e"
     q0 = r.queued if r.queued is not None else r.arrival
     if q0 is not None:
         slice_("queued", q0, r.prefill_start if r.prefill_start is not None else end)

@@ -5,6 +5,7 @@ Format: one JSON object per line (events.encode_json); the first line is a
 is gzip-compressed. Loading checks the header: a file that is not a trace, or
 one written by a newer schema, is refused with a clear message.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -17,7 +18,11 @@ from typing import IO, Iterable, Union
 import msgspec
 
 from workbench.core.trace.events import (
-    SCHEMA_VERSION, Event, TraceHeader, decode_json, encode_json,
+    SCHEMA_VERSION,
+    Event,
+    TraceHeader,
+    decode_json,
+    encode_json,
 )
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -29,7 +34,7 @@ class TraceFormatError(ValueError):
 
 def _open(path: PathLike, mode: str) -> IO[bytes]:
     if str(path).endswith(".gz"):
-        return gzip.open(path, mode)   # type: ignore[return-value]
+        return gzip.open(path, mode)  # type: ignore[return-value]
     return open(path, mode)
 
 
@@ -53,8 +58,12 @@ class Recorder:
         self._flush_interval = flush_interval_s
         self._last_flush = time.monotonic()
         self._closed = False
-        self._f.write(encode_json(TraceHeader(ts=time.monotonic_ns(), proc="recorder",
-                                              schema_version=SCHEMA_VERSION, model=model)) + b"\n")
+        self._f.write(
+            encode_json(
+                TraceHeader(ts=time.monotonic_ns(), proc="recorder", schema_version=SCHEMA_VERSION, model=model)
+            )
+            + b"\n"
+        )
 
     def __call__(self, batch: list[Event]) -> None:
         self.write_batch(batch)
@@ -117,7 +126,7 @@ def read_trace(path: PathLike) -> tuple[TraceHeader, list[Event]]:
             events.append(decode_json(ln))
         except Exception as e:
             if i == last and not lines[i].endswith(b"}"):
-                break          # partial final record
+                break  # partial final record
             raise TraceFormatError(f"{path}:{i + 1}: not a valid trace event: {e}") from None
     return header, events
 
@@ -140,8 +149,9 @@ def _decode_header(path: PathLike, line: bytes) -> TraceHeader:
     if version > SCHEMA_VERSION:
         raise TraceFormatError(
             f"{path}: recorded with trace schema v{version}, but this workbench reads up to "
-            f"v{SCHEMA_VERSION}; upgrade serving-workbench to replay it")
+            f"v{SCHEMA_VERSION}; upgrade serving-workbench to replay it"
+        )
     try:
-        return decode_json(line)   # type: ignore[return-value]
+        return decode_json(line)  # type: ignore[return-value]
     except Exception as e:
         raise TraceFormatError(f"{path}: bad trace header: {e}") from None

@@ -19,6 +19,7 @@ Events keep the recorded (delivery) order; an event is due at the running
 maximum of the timestamps so far, which keeps the replay clock monotone when
 processes' events interleave slightly out of order.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -36,9 +37,20 @@ from workbench.core.trace.state import TraceState
 
 # What counts as the run having begun: a request event or a scheduler step. Engine start-up
 # (proc.started, the empty tree and queues, model loading) comes before and is not part of it.
-_ACTIVITY = (ev.ReqArrived, ev.ReqTokenized, ev.ReqQueued, ev.ReqScheduled, ev.ReqDispatched,
-             ev.ReqFirstToken, ev.ReqFinished, ev.ReqAborted, ev.ReqRetracted, ev.ReqText,
-             ev.ReqSnapshot, ev.BatchStep)
+_ACTIVITY = (
+    ev.ReqArrived,
+    ev.ReqTokenized,
+    ev.ReqQueued,
+    ev.ReqScheduled,
+    ev.ReqDispatched,
+    ev.ReqFirstToken,
+    ev.ReqFinished,
+    ev.ReqAborted,
+    ev.ReqRetracted,
+    ev.ReqText,
+    ev.ReqSnapshot,
+    ev.BatchStep,
+)
 
 
 class Replay:
@@ -53,8 +65,13 @@ class Replay:
         clock: the wall clock in ns that play/pause/advance follow (a fake one in tests).
     """
 
-    def __init__(self, source: Union[str, "os.PathLike[str]", Iterable[Event]], speed: float = 1.0,
-                 max_idle_s: Optional[float] = 2.0, clock: Callable[[], int] = time.monotonic_ns):
+    def __init__(
+        self,
+        source: Union[str, "os.PathLike[str]", Iterable[Event]],
+        speed: float = 1.0,
+        max_idle_s: Optional[float] = 2.0,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ):
         self.header: Optional[TraceHeader] = None
         if isinstance(source, (str, os.PathLike)):
             self.header, events = read_trace(source)
@@ -62,7 +79,7 @@ class Replay:
             events = list(source)
             if events and isinstance(events[0], TraceHeader):
                 self.header, events = events[0], events[1:]
-        self.events: list[Event] = events      # without the header
+        self.events: list[Event] = events  # without the header
         self._header_pending = self.header is not None
         # A header is stamped when recording starts, which need not relate to the events'
         # clock: it is due with the event after it and never moves the replay clock.
@@ -80,7 +97,7 @@ class Replay:
                 release[i] = nxt
             else:
                 nxt = release[i]
-        self._release: list[int] = release   # type: ignore[assignment]
+        self._release: list[int] = release  # type: ignore[assignment]
         self._step_idx = [i for i, e in enumerate(events) if type(e) is BatchStep]
         self.start_ns = release[0] if release else 0
         self.end_ns = release[-1] if release else 0
@@ -88,15 +105,14 @@ class Replay:
         # The replay clock's zero: when the first request/step event is due (start_ns if there is
         # none). A recording may begin with the engine's start-up, which a learner should not
         # have to sit through or count (ReplayController starts the clock here).
-        self.origin_ns = next((release[i] for i, e in enumerate(events) if isinstance(e, _ACTIVITY)),
-                              self.start_ns)
-        self.position_ns = self.start_ns      # trace time the replay clock shows
+        self.origin_ns = next((release[i] for i, e in enumerate(events) if isinstance(e, _ACTIVITY)), self.start_ns)
+        self.position_ns = self.start_ns  # trace time the replay clock shows
         self.speed = float(speed)
         self.max_idle_ns = None if max_idle_s is None else int(max_idle_s * 1e9)
         self.playing = False
         self._clock = clock
-        self.epoch = 0                        # bumps on every backward seek
-        self._pos = 0                         # next event to release
+        self.epoch = 0  # bumps on every backward seek
+        self._pos = 0  # next event to release
         self._q: deque[Event] = deque()
         self._wall_ref = 0
 
@@ -128,7 +144,7 @@ class Replay:
     # ---- deterministic clock ----------------------------------------------------
 
     def _release_to(self, j: int) -> list[Event]:
-        out = self.events[self._pos:j]
+        out = self.events[self._pos : j]
         if self._header_pending and out:
             # Like a remote stream, playback starts with the header (model, schema).
             self._header_pending = False
@@ -139,8 +155,7 @@ class Replay:
 
     def advance_to(self, ts_ns: int) -> list[Event]:
         """Release every event due at or before trace time ts_ns (forward only); returns them."""
-        if ts_ns <= self.position_ns and (self._pos >= len(self.events)
-                                          or self._release[self._pos] > ts_ns):
+        if ts_ns <= self.position_ns and (self._pos >= len(self.events) or self._release[self._pos] > ts_ns):
             return []
         j = bisect.bisect_right(self._release, ts_ns, lo=self._pos)
         self.position_ns = max(self.position_ns, ts_ns)
@@ -174,7 +189,7 @@ class Replay:
         st = TraceState()
         if self.header is not None:
             st.apply(self.header)
-        st.apply_many(self.events[:bisect.bisect_right(self._release, ts_ns)])
+        st.apply_many(self.events[: bisect.bisect_right(self._release, ts_ns)])
         return st
 
     # ---- wall clock ---------------------------------------------------------------
@@ -190,7 +205,7 @@ class Replay:
         self.playing = False
 
     def set_speed(self, speed: float) -> None:
-        self.advance()          # bank the time played at the old speed
+        self.advance()  # bank the time played at the old speed
         self.speed = float(speed)
 
     def advance(self, now_ns: Optional[int] = None) -> list[Event]:
@@ -200,8 +215,12 @@ class Replay:
         now = self._clock() if now_ns is None else now_ns
         target = self.position_ns + int(max(0, now - self._wall_ref) * self.speed)
         self._wall_ref = now
-        if (self.max_idle_ns is not None and not self._q and self._pos < len(self.events)
-                and self._release[self._pos] - target > self.max_idle_ns):
+        if (
+            self.max_idle_ns is not None
+            and not self._q
+            and self._pos < len(self.events)
+            and self._release[self._pos] - target > self.max_idle_ns
+        ):
             target = self._release[self._pos]
         return self.advance_to(target)
 
@@ -232,8 +251,9 @@ class Replay:
         n = len(self._q) if max_items is None else min(max_items, len(self._q))
         return [self._q.popleft() for _ in range(n)]
 
-    def run_realtime(self, callback: Callable[[list[Event]], None], tick_s: float = 0.05,
-                     stop: Optional[threading.Event] = None) -> None:
+    def run_realtime(
+        self, callback: Callable[[list[Event]], None], tick_s: float = 0.05, stop: Optional[threading.Event] = None
+    ) -> None:
         """Play at `speed`, calling callback(batch) every tick until done or `stop` is set.
         Blocks; run it in a thread to keep a UI responsive."""
         self.play()

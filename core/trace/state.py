@@ -14,6 +14,7 @@ final, and creates unknown requests lazily. Memory is bounded: rings for
 steps and histories, a cap on finished requests (oldest dropped first) and on
 all requests.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -26,8 +27,21 @@ import msgspec
 from workbench.core.trace import events as ev
 
 from workbench.core.trace.views import (  # noqa: F401  (re-exported for views)
-    LATENCY_METRICS, REQ_STATES, REQUEST_SNAPSHOT_FIELDS, TERMINAL_STATES, Counters, KVPoint, ProcView,
-    QueuePoint, ReplicaView, RequestView, StepView, Throughput, TimelineEntry, TreeNodeView, percentile,
+    LATENCY_METRICS,
+    REQ_STATES,
+    REQUEST_SNAPSHOT_FIELDS,
+    TERMINAL_STATES,
+    Counters,
+    KVPoint,
+    ProcView,
+    QueuePoint,
+    ReplicaView,
+    RequestView,
+    StepView,
+    Throughput,
+    TimelineEntry,
+    TreeNodeView,
+    percentile,
 )
 from workbench.core.trace.ttft import StepIndex, TtftBreakdown, ttft_breakdown
 
@@ -40,21 +54,22 @@ _REPLICA_PREFIX = "scheduler.dp"
 
 
 def _is_replica(proc: str) -> bool:
-    return proc.startswith(_REPLICA_PREFIX) and proc[len(_REPLICA_PREFIX):].isdigit()
+    return proc.startswith(_REPLICA_PREFIX) and proc[len(_REPLICA_PREFIX) :].isdigit()
 
 
 @dataclass
 class _Book:
     """Reducer bookkeeping per request, kept out of the public view."""
+
     state_ts: int = -1
-    round: int = 0                                  # bumps on retraction (re-prefill)
-    base_computed: int = 0                          # from a snapshot
-    chunks: dict = field(default_factory=dict)      # (round, chunk) -> computed tokens
-    tl_chunks: set = field(default_factory=set)     # (round, chunk) already on the timeline
+    round: int = 0  # bumps on retraction (re-prefill)
+    base_computed: int = 0  # from a snapshot
+    chunks: dict = field(default_factory=dict)  # (round, chunk) -> computed tokens
+    tl_chunks: set = field(default_factory=set)  # (round, chunk) already on the timeline
     tl_prefill: dict = field(default_factory=dict)  # (round, chunk) -> its timeline entry (relabelled
-                                                    # when a later chunk changes the count n)
+    # when a later chunk changes the count n)
     sampled_rounds: set = field(default_factory=set)
-    final: bool = False                             # counts came from req.finished
+    final: bool = False  # counts came from req.finished
     counted_finish: bool = False
     counted_abort: bool = False
     in_finished: bool = False
@@ -73,13 +88,26 @@ class TraceState:
     (where a request's time to first token went, in parts that sum to it).
     """
 
-    def __init__(self, *, max_steps: int = 2000, max_history: int = 2000,
-                 max_finished: int = 5000, max_requests: int = 20000,
-                 max_latency_samples: int = 20000, max_steps_per_request: int = 4096,
-                 max_timeline: int = 512):
-        self._caps = dict(max_steps=max_steps, max_history=max_history, max_finished=max_finished,
-                          max_requests=max_requests, max_latency_samples=max_latency_samples,
-                          max_steps_per_request=max_steps_per_request, max_timeline=max_timeline)
+    def __init__(
+        self,
+        *,
+        max_steps: int = 2000,
+        max_history: int = 2000,
+        max_finished: int = 5000,
+        max_requests: int = 20000,
+        max_latency_samples: int = 20000,
+        max_steps_per_request: int = 4096,
+        max_timeline: int = 512,
+    ):
+        self._caps = dict(
+            max_steps=max_steps,
+            max_history=max_history,
+            max_finished=max_finished,
+            max_requests=max_requests,
+            max_latency_samples=max_latency_samples,
+            max_steps_per_request=max_steps_per_request,
+            max_timeline=max_timeline,
+        )
         self.max_finished = max_finished
         self.max_requests = max_requests
         self.max_steps_per_request = max_steps_per_request
@@ -88,7 +116,7 @@ class TraceState:
         self.waiting: list[str] = []
         self.running: list[str] = []
         self.chunked: list[str] = []
-        self.held: list[ev.HeldReq] = []            # waiting requests held back (in-batch prefix caching)
+        self.held: list[ev.HeldReq] = []  # waiting requests held back (in-batch prefix caching)
         self.steps: deque[StepView] = deque(maxlen=max_steps)
         self.kv: Optional[ev.KVUsage] = None
         self.kv_by_proc: dict[str, ev.KVUsage] = {}
@@ -105,28 +133,40 @@ class TraceState:
         self.model = ""
         self.schema_version = ev.SCHEMA_VERSION
         self.procs: dict[str, ProcView] = {}
-        self.req_replica: dict[str, str] = {}       # rid -> "scheduler.dp<rank>" (data parallel)
+        self.req_replica: dict[str, str] = {}  # rid -> "scheduler.dp<rank>" (data parallel)
         self._books: dict[str, _Book] = {}
-        self._finished_order: dict[str, None] = {}   # insertion-ordered set
+        self._finished_order: dict[str, None] = {}  # insertion-ordered set
         self._queues: dict[str, ev.QueueState] = {}
         self._latency: deque[tuple[int, float, Optional[float], float]] = deque(maxlen=max_latency_samples)
         self._first_step_start: Optional[int] = None
         # batch.decision events whose batch.step has not come yet (overlap loop), by (proc, step).
         self._pending_decisions: dict[tuple[str, int], ev.StepDecision] = {}
-        self._last_decision: dict[str, ev.StepDecision] = {}     # per scheduler, its latest
+        self._last_decision: dict[str, ev.StepDecision] = {}  # per scheduler, its latest
         self._dispatch = {
-            ev.ReqArrived: self._on_arrived, ev.ReqTokenized: self._on_tokenized,
-            ev.ReqQueued: self._on_queued, ev.ReqScheduled: self._on_scheduled,
+            ev.ReqArrived: self._on_arrived,
+            ev.ReqTokenized: self._on_tokenized,
+            ev.ReqQueued: self._on_queued,
+            ev.ReqScheduled: self._on_scheduled,
             ev.ReqDispatched: self._on_dispatched,
-            ev.ReqFirstToken: self._on_first_token, ev.ReqFinished: self._on_finished,
-            ev.ReqAborted: self._on_aborted, ev.ReqRetracted: self._on_retracted,
-            ev.ReqText: self._on_text, ev.BatchStep: self._on_step, ev.StepDecision: self._on_decision,
+            ev.ReqFirstToken: self._on_first_token,
+            ev.ReqFinished: self._on_finished,
+            ev.ReqAborted: self._on_aborted,
+            ev.ReqRetracted: self._on_retracted,
+            ev.ReqText: self._on_text,
+            ev.BatchStep: self._on_step,
+            ev.StepDecision: self._on_decision,
             ev.QueueState: self._on_queue,
-            ev.KVUsage: self._on_kv, ev.CacheMatch: self._on_match, ev.CacheInsert: self._on_insert,
-            ev.CacheEvict: self._on_evict, ev.CacheTree: self._on_tree,
-            ev.WeightsUpdated: self._on_weights, ev.ProcStarted: self._on_proc_started,
-            ev.ProcExited: self._on_proc_exited, ev.TraceDropped: self._on_dropped,
-            ev.TraceHeader: self._on_header, ev.ReqSnapshot: self._on_req_snapshot,
+            ev.KVUsage: self._on_kv,
+            ev.CacheMatch: self._on_match,
+            ev.CacheInsert: self._on_insert,
+            ev.CacheEvict: self._on_evict,
+            ev.CacheTree: self._on_tree,
+            ev.WeightsUpdated: self._on_weights,
+            ev.ProcStarted: self._on_proc_started,
+            ev.ProcExited: self._on_proc_exited,
+            ev.TraceDropped: self._on_dropped,
+            ev.TraceHeader: self._on_header,
+            ev.ReqSnapshot: self._on_req_snapshot,
             ev.TraceCounters: self._on_counters,
         }
 
@@ -202,11 +242,19 @@ class TraceState:
         for p in self.req_replica.values():
             per_req[p] = per_req.get(p, 0) + 1
         out = []
-        for p in sorted(names, key=lambda n: int(n[len(_REPLICA_PREFIX):])):
+        for p in sorted(names, key=lambda n: int(n[len(_REPLICA_PREFIX) :])):
             q = self._queues.get(p)
-            out.append(ReplicaView(p, int(p[len(_REPLICA_PREFIX):]), list(q.waiting) if q else [],
-                                   list(q.running) if q else [], self.kv_by_proc.get(p), per_req.get(p, 0),
-                                   sum(1 for s in self.steps if s.proc == p)))
+            out.append(
+                ReplicaView(
+                    p,
+                    int(p[len(_REPLICA_PREFIX) :]),
+                    list(q.waiting) if q else [],
+                    list(q.running) if q else [],
+                    self.kv_by_proc.get(p),
+                    per_req.get(p, 0),
+                    sum(1 for s in self.steps if s.proc == p),
+                )
+            )
         return out
 
     @property
@@ -245,8 +293,12 @@ class TraceState:
         running, chunked: the counts every header shows."""
         extra = self.unlisted()
         new = sum(1 for r in extra if r.state == "arrived")
-        return {"waiting": len(self.waiting) + len(extra) - new, "new": new,
-                "running": len(self.running), "chunked": len(self.chunked)}
+        return {
+            "waiting": len(self.waiting) + len(extra) - new,
+            "new": new,
+            "running": len(self.running),
+            "chunked": len(self.chunked),
+        }
 
     def throughput(self, window_s: float = 5.0, now_ns: Optional[int] = None) -> Throughput:
         """Prefill and decode tokens/s over steps in (now - window, now].
@@ -270,8 +322,7 @@ class TraceState:
                 dec += s.decode_tokens
         return Throughput(pre / span, dec / span)
 
-    def latency_percentiles(self, window_s: float, now_ns: int
-                            ) -> dict[str, Optional[tuple[float, float, float]]]:
+    def latency_percentiles(self, window_s: float, now_ns: int) -> dict[str, Optional[tuple[float, float, float]]]:
         """(p50, p90, p99) of ttft/tpot/e2e for requests finished in (now - window, now];
         None for a metric with no samples. Aborted requests are left out, and so is
         tpot of single-token outputs."""
@@ -291,18 +342,30 @@ class TraceState:
 
     def dump(self) -> dict:
         """Canonical, JSON-able dump of the whole public state (for tests and debugging)."""
-        return msgspec.to_builtins({
-            "requests": {k: self.requests[k] for k in sorted(self.requests)},
-            "waiting": self.waiting, "running": self.running, "chunked": self.chunked, "held": self.held,
-            "steps": list(self.steps), "kv": self.kv, "kv_by_proc": self.kv_by_proc,
-            "kv_history": list(self.kv_history), "queue_history": list(self.queue_history),
-            "trees": {p: {str(k): t[k] for k in sorted(t)} for p, t in sorted(self.trees.items())},
-            "tree_proc": self.tree_proc, "tree_evictable_size": self.tree_evictable_size,
-            "tree_protected_size": self.tree_protected_size, "counters": self.counters,
-            "last_ts": self.last_ts, "weights_version": self.weights_version, "model": self.model,
-            "procs": {k: self.procs[k] for k in sorted(self.procs)},
-            "req_replica": {k: self.req_replica[k] for k in sorted(self.req_replica)},
-        })
+        return msgspec.to_builtins(
+            {
+                "requests": {k: self.requests[k] for k in sorted(self.requests)},
+                "waiting": self.waiting,
+                "running": self.running,
+                "chunked": self.chunked,
+                "held": self.held,
+                "steps": list(self.steps),
+                "kv": self.kv,
+                "kv_by_proc": self.kv_by_proc,
+                "kv_history": list(self.kv_history),
+                "queue_history": list(self.queue_history),
+                "trees": {p: {str(k): t[k] for k in sorted(t)} for p, t in sorted(self.trees.items())},
+                "tree_proc": self.tree_proc,
+                "tree_evictable_size": self.tree_evictable_size,
+                "tree_protected_size": self.tree_protected_size,
+                "counters": self.counters,
+                "last_ts": self.last_ts,
+                "weights_version": self.weights_version,
+                "model": self.model,
+                "procs": {k: self.procs[k] for k in sorted(self.procs)},
+                "req_replica": {k: self.req_replica[k] for k in sorted(self.req_replica)},
+            }
+        )
 
     # ---- folding --------------------------------------------------------------
 
@@ -315,7 +378,7 @@ class TraceState:
         if type(event) is ev.TraceReset:
             self.__init__(**self._caps)
             return
-        if type(event) is ev.TraceHeader:    # metadata: its ts is when recording began
+        if type(event) is ev.TraceHeader:  # metadata: its ts is when recording began
             self._on_header(event)
             return
         if event.ts > self.last_ts:
@@ -430,8 +493,9 @@ class TraceState:
         self._timeline(r, TimelineEntry(e.ts, "queued", f"queue length {e.queue_len}", step=e.step))
         self._nudge_queues(e.rid, before, e.ts)
 
-    def _record_chunk(self, r: RequestView, b: _Book, ts: int, step: int, chunk: int, n: int,
-                      cached: int, computed: int) -> None:
+    def _record_chunk(
+        self, r: RequestView, b: _Book, ts: int, step: int, chunk: int, n: int, cached: int, computed: int
+    ) -> None:
         key = (b.round, chunk)
         b.chunks[key] = computed
         # req.finished carries no computed count, so chunks keep counting after it.
@@ -487,8 +551,10 @@ class TraceState:
             else:
                 tpot = e.tpot if e.completion_tokens > 1 else None
                 self._latency.append((e.ts, e.ttft, tpot, e.e2e))
-            self._timeline(r, TimelineEntry(e.ts, "aborted" if aborted else "finished",
-                                            f"{e.reason}, {e.completion_tokens} tokens"))
+            self._timeline(
+                r,
+                TimelineEntry(e.ts, "aborted" if aborted else "finished", f"{e.reason}, {e.completion_tokens} tokens"),
+            )
         self._mark_finished(e.rid, b)
 
     def _count_abort(self, b: _Book) -> None:
@@ -517,8 +583,7 @@ class TraceState:
             r.output_tokens = e.output_tokens
         b.round += 1
         self._set_state(r, b, "retracted", e.ts)
-        self._timeline(r, TimelineEntry(e.ts, "retracted", f"after {e.output_tokens} output tokens",
-                                        step=e.step))
+        self._timeline(r, TimelineEntry(e.ts, "retracted", f"after {e.output_tokens} output tokens", step=e.step))
 
     def _on_text(self, e: ev.ReqText) -> None:
         r, _ = self._req(e.rid)
@@ -527,9 +592,20 @@ class TraceState:
     # ---- steps, queues, KV ----------------------------------------------------
 
     def _on_step(self, e: ev.BatchStep) -> None:
-        sv = StepView(e.step, e.ts, e.proc, e.mode, list(e.reqs), e.batch_size, e.padded_size,
-                      e.cuda_graph, e.backend, e.schedule_ms, e.forward_ms,
-                      decision=self._pending_decisions.pop((e.proc, e.step), None))
+        sv = StepView(
+            e.step,
+            e.ts,
+            e.proc,
+            e.mode,
+            list(e.reqs),
+            e.batch_size,
+            e.padded_size,
+            e.cuda_graph,
+            e.backend,
+            e.schedule_ms,
+            e.forward_ms,
+            decision=self._pending_decisions.pop((e.proc, e.step), None),
+        )
         if self._first_step_start is None:
             self._first_step_start = e.ts - int((e.schedule_ms + e.forward_ms) * 1e6)
         c = self.counters
@@ -604,13 +680,14 @@ class TraceState:
 
     def _nudge_queues(self, rid: str, before: tuple[int, int], ts: int) -> None:
         after = self._queue_slot(rid)
-        if after != before:       # no recount: the last point moved by this request alone
+        if after != before:  # no recount: the last point moved by this request alone
             last = self.queue_history[-1] if self.queue_history else QueuePoint(ts, 0, 0, 0)
-            self._push_queue_point(ts, max(last.waiting + after[0] - before[0], 0), last.running,
-                                   max(last.new + after[1] - before[1], 0))
+            self._push_queue_point(
+                ts, max(last.waiting + after[0] - before[0], 0), last.running, max(last.new + after[1] - before[1], 0)
+            )
 
     def _push_queue_point(self, ts: int, waiting: int, running: int, new: int) -> None:
-        if self.queue_history:     # tokenizer and scheduler events interleave a little: x never goes back
+        if self.queue_history:  # tokenizer and scheduler events interleave a little: x never goes back
             ts = max(ts, self.queue_history[-1].ts)
         self.queue_history.append(QueuePoint(ts, waiting, running, new))
 
@@ -623,9 +700,14 @@ class TraceState:
             self.kv = e
         else:
             vals = list(self.kv_by_proc.values())
-            self.kv = ev.KVUsage(ts=max(v.ts for v in vals), proc="", used=sum(v.used for v in vals),
-                                 evictable=sum(v.evictable for v in vals),
-                                 free=sum(v.free for v in vals), total=sum(v.total for v in vals))
+            self.kv = ev.KVUsage(
+                ts=max(v.ts for v in vals),
+                proc="",
+                used=sum(v.used for v in vals),
+                evictable=sum(v.evictable for v in vals),
+                free=sum(v.free for v in vals),
+                total=sum(v.total for v in vals),
+            )
         k = self.kv
         self.kv_history.append(KVPoint(e.ts, k.used, k.evictable, k.free, k.total))
 
@@ -668,8 +750,7 @@ class TraceState:
         self._tree_for(e.proc)
         tree: dict[int, TreeNodeView] = {}
         for n in e.nodes:
-            tree[n.node_id] = TreeNodeView(n.node_id, n.parent_id, n.tokens, n.text,
-                                           n.lock_ref, n.hits, n.last_access)
+            tree[n.node_id] = TreeNodeView(n.node_id, n.parent_id, n.tokens, n.text, n.lock_ref, n.hits, n.last_access)
         for n in e.nodes:
             parent = tree.get(n.parent_id)
             if parent is not None:
@@ -748,35 +829,63 @@ class TraceState:
             if p.pid is not None:
                 out.append(ev.ProcStarted(ts=p.started_ts or ts, proc=p.name, pid=p.pid, role=p.role))
                 if not p.alive:
-                    out.append(ev.ProcExited(ts=p.exited_ts or ts, proc=p.name, pid=p.pid, role=p.role,
-                                             exitcode=p.exitcode, reason=p.reason))
+                    out.append(
+                        ev.ProcExited(
+                            ts=p.exited_ts or ts,
+                            proc=p.name,
+                            pid=p.pid,
+                            role=p.role,
+                            exitcode=p.exitcode,
+                            reason=p.reason,
+                        )
+                    )
         out.append(self._counters_event(ts))
         recent = set(list(self._finished_order)[-max_finished:]) if max_finished > 0 else set()
         for r in self.requests.values():
             if r.state in TERMINAL_STATES and r.rid not in recent:
                 continue
             b = self._books[r.rid]
-            out.append(ev.ReqSnapshot(
-                ts=ts, rid=r.rid, **{name: getattr(r, name) for name in REQUEST_SNAPSHOT_FIELDS},
-                timeline=[ev.TimelineItem(t.ts, t.kind, t.detail, t.end_ts, t.count, t.step) for t in r.timeline],
-                steps=list(r.steps), round_sampled=b.round in b.sampled_rounds,
-                replica=self.req_replica.get(r.rid, ""),
-                round_chunks=[b.chunks.get((b.round, k), 0)
-                              for k in range(1 + max([k for (rd, k) in b.chunks if rd == b.round],
-                                                     default=-1))]))
+            out.append(
+                ev.ReqSnapshot(
+                    ts=ts,
+                    rid=r.rid,
+                    **{name: getattr(r, name) for name in REQUEST_SNAPSHOT_FIELDS},
+                    timeline=[ev.TimelineItem(t.ts, t.kind, t.detail, t.end_ts, t.count, t.step) for t in r.timeline],
+                    steps=list(r.steps),
+                    round_sampled=b.round in b.sampled_rounds,
+                    replica=self.req_replica.get(r.rid, ""),
+                    round_chunks=[
+                        b.chunks.get((b.round, k), 0)
+                        for k in range(1 + max([k for (rd, k) in b.chunks if rd == b.round], default=-1))
+                    ],
+                )
+            )
         for q in self._queues.values():
-            out.append(ev.QueueState(ts=q.ts, proc=q.proc, step=q.step, waiting=list(q.waiting),
-                                     running=list(q.running), chunked=list(q.chunked), held=list(q.held)))
+            out.append(
+                ev.QueueState(
+                    ts=q.ts,
+                    proc=q.proc,
+                    step=q.step,
+                    waiting=list(q.waiting),
+                    running=list(q.running),
+                    chunked=list(q.chunked),
+                    held=list(q.held),
+                )
+            )
         for k in self.kv_by_proc.values():
-            out.append(ev.KVUsage(ts=k.ts, proc=k.proc, step=k.step, used=k.used,
-                                  evictable=k.evictable, free=k.free, total=k.total))
+            out.append(
+                ev.KVUsage(
+                    ts=k.ts, proc=k.proc, step=k.step, used=k.used, evictable=k.evictable, free=k.free, total=k.total
+                )
+            )
         for proc, tree in self.trees.items():
-            nodes = [ev.TreeNode(n.node_id, n.parent_id, n.tokens, n.text, n.lock_ref, n.hits, n.last_access)
-                     for n in tree.values() if not n.just_evicted]
-            ev_sz, pr_sz = ((self.tree_evictable_size, self.tree_protected_size)
-                            if proc == self.tree_proc else (0, 0))
-            out.append(ev.CacheTree(ts=ts, proc=proc, nodes=nodes, evictable_size=ev_sz,
-                                    protected_size=pr_sz))
+            nodes = [
+                ev.TreeNode(n.node_id, n.parent_id, n.tokens, n.text, n.lock_ref, n.hits, n.last_access)
+                for n in tree.values()
+                if not n.just_evicted
+            ]
+            ev_sz, pr_sz = (self.tree_evictable_size, self.tree_protected_size) if proc == self.tree_proc else (0, 0)
+            out.append(ev.CacheTree(ts=ts, proc=proc, nodes=nodes, evictable_size=ev_sz, protected_size=pr_sz))
         return out
 
     def _counters_event(self, ts: int) -> ev.TraceCounters:
@@ -787,8 +896,7 @@ class TraceState:
 # ---- narration (TraceState.narrate) ---------------------------------------------------------
 
 #: Why a waiting request was not admitted (events.StepDecision.stop_reason), in words.
-WAIT_REASONS = {"budget": "token budget", "kv": "no KV room", "running": "running limit",
-                "held": "held limit"}
+WAIT_REASONS = {"budget": "token budget", "kv": "no KV room", "running": "running limit", "held": "held limit"}
 
 
 def _rids(rids: list[str]) -> str:
@@ -822,8 +930,7 @@ def narrate_step(sv: StepView) -> str:
             parts.append(f"retracted {len(d.retracted)} ({_rids(d.retracted)})")
         if d.waiting:
             n_held = len(d.held)
-            stop = (f"{WAIT_REASONS.get(d.stop_reason, d.stop_reason)} ({d.stop_rid} next)"
-                    if d.stop_rid else "")
+            stop = f"{WAIT_REASONS.get(d.stop_reason, d.stop_reason)} ({d.stop_rid} next)" if d.stop_rid else ""
             if n_held and stop:
                 why = f"{n_held} held for a shared prefix, {d.waiting - n_held} {stop}"
             else:

@@ -15,6 +15,7 @@ main process's tracer hands batches to the bus in-process (`sink=`).
 A Tracer never raises into its caller: any error is logged once and the
 events are dropped.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,10 +47,17 @@ class Tracer:
         max_buffer: `emit` flushes by itself at this many buffered events.
     """
 
-    def __init__(self, proc: str, endpoint: Optional[str] = None,
-                 sink: Optional[Callable[[list[Event]], None]] = None, *,
-                 enabled: bool = False, sndhwm: int = 32,
-                 flush_interval_s: Optional[float] = 0.25, max_buffer: int = 4096):
+    def __init__(
+        self,
+        proc: str,
+        endpoint: Optional[str] = None,
+        sink: Optional[Callable[[list[Event]], None]] = None,
+        *,
+        enabled: bool = False,
+        sndhwm: int = 32,
+        flush_interval_s: Optional[float] = 0.25,
+        max_buffer: int = 4096,
+    ):
         self.proc = proc
         self.endpoint = endpoint
         self.step = -1
@@ -66,8 +74,8 @@ class Tracer:
         self._sock: Optional[zmq.Socket] = None
         self._broken = False
         self._logged: set[str] = set()
-        self._pending_dropped = 0      # events lost since the last successful send
-        self.dropped_total = 0         # events lost over the tracer's life
+        self._pending_dropped = 0  # events lost since the last successful send
+        self.dropped_total = 0  # events lost over the tracer's life
         self.sent_batches = 0
         self.sent_events = 0
 
@@ -93,8 +101,8 @@ class Tracer:
                 self._buf_first_ts = event.ts
             buf.append(event)
             if len(buf) >= self._max_buffer or (
-                    self._flush_interval_ns is not None
-                    and event.ts - self._buf_first_ts >= self._flush_interval_ns):
+                self._flush_interval_ns is not None and event.ts - self._buf_first_ts >= self._flush_interval_ns
+            ):
                 self.flush()
         except Exception as e:  # tracing must never break serving
             self._log_once("emit", "trace emit failed: %r", e)
@@ -148,8 +156,7 @@ class Tracer:
         self.dropped_total += n
 
     def _dropped_marker(self) -> TraceDropped:
-        return TraceDropped(ts=time.monotonic_ns(), proc=self.proc, step=self.step,
-                            count=self._pending_dropped)
+        return TraceDropped(ts=time.monotonic_ns(), proc=self.proc, step=self.step, count=self._pending_dropped)
 
     def _send_sink(self, batch: list[Event]) -> None:
         n = len(batch)
@@ -175,8 +182,7 @@ class Tracer:
                 self._sock = sock
             except Exception as e:
                 self._broken = True
-                self._log_once("connect", "trace socket to %s failed, tracing disabled: %r",
-                               self.endpoint, e)
+                self._log_once("connect", "trace socket to %s failed, tracing disabled: %r", self.endpoint, e)
         return self._sock
 
     def _send_zmq(self, batch: list[Event]) -> None:

@@ -21,6 +21,7 @@ parts always sum to the TTFT exactly (in ns), also when an event was lost or a s
 step ring (that part is then coarser, not wrong in total). Pure: a function of a TraceState, used
 by the TUI's request detail and the Dashboard's Gantt alike.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -37,8 +38,13 @@ if TYPE_CHECKING:
 PART_KINDS = ("arrived", "queued", "prefill", "first_token")
 
 # Why a step passed a waiting request over (StepDecision.stop_reason, or membership of `held`).
-_PASSED_OVER = {"budget": "token budget", "kv": "no KV room", "running": "running limit",
-                "held": "held limit", "shared": "held for a shared prefix"}
+_PASSED_OVER = {
+    "budget": "token budget",
+    "kv": "no KV room",
+    "running": "running limit",
+    "held": "held limit",
+    "shared": "held for a shared prefix",
+}
 
 
 def fmt_dur(ns: int) -> str:
@@ -106,13 +112,14 @@ class StepIndex:
 @dataclass(frozen=True)
 class TtftPart:
     """One stretch of a request's time to first token."""
-    kind: str                       # one of PART_KINDS
-    label: str                      # "arrived → queued", "queued", "chunk 2/3" (or "prefill"), "first token"
-    start_ts: int                   # monotonic ns
+
+    kind: str  # one of PART_KINDS
+    label: str  # "arrived → queued", "queued", "chunk 2/3" (or "prefill"), "first token"
+    start_ts: int  # monotonic ns
     end_ts: int
-    detail: str = ""                # why it took this long, in words
-    steps: tuple[int, ...] = ()     # the scheduler steps it covers (busy in / passed over by / ran)
-    others: tuple[str, ...] = ()    # who got the prefill instead (queued) / shared the step (prefill)
+    detail: str = ""  # why it took this long, in words
+    steps: tuple[int, ...] = ()  # the scheduler steps it covers (busy in / passed over by / ran)
+    others: tuple[str, ...] = ()  # who got the prefill instead (queued) / shared the step (prefill)
 
     @property
     def ns(self) -> int:
@@ -127,9 +134,10 @@ class TtftPart:
 class TtftBreakdown:
     """A request's TTFT in parts (see the module docstring). `partial`: no first token yet; the
     parts run to `end_ts` (the trace's last moment, or the abort)."""
+
     rid: str
     arrival_ts: int
-    end_ts: int                     # the first token's ts (or, partial, the last moment known)
+    end_ts: int  # the first token's ts (or, partial, the last moment known)
     parts: tuple[TtftPart, ...]
     partial: bool = False
 
@@ -148,7 +156,7 @@ class TtftBreakdown:
         terms = [f"{fmt_dur(p.ns)} {p.label}" for p in self.parts if p.kind != "prefill"]
         pre = [p for p in self.parts if p.kind == "prefill"]
         if pre:
-            n = sum(1 for p in pre if p.steps)      # chunks (not the stretch since the last one)
+            n = sum(1 for p in pre if p.steps)  # chunks (not the stretch since the last one)
             term = f"{fmt_dur(sum(p.ns for p in pre))} prefill" + (f" ({n} chunks)" if n > 1 else "")
             terms.insert(min(2, len(terms)), term)
         head = "so far" if self.partial else "TTFT"
@@ -192,7 +200,7 @@ def ttft_breakdown(state: "TraceState", rid: str, index: Optional[StepIndex] = N
     queued_ts = r.queued_ts if r.queued_ts is not None else (chunks[0][2] if chunks else end)
     q = at(queued_ts)
     first = at(chunks[0][2] if chunks else end)
-    not_queued = r.queued_ts is None and not chunks     # the scheduler has not taken it in (yet)
+    not_queued = r.queued_ts is None and not chunks  # the scheduler has not taken it in (yet)
     parts = [_arrived_part(idx, proc, t0, q, not_queued)]
     if not (not_queued and partial):
         parts.append(_queued_part(idx, proc, rid, q, first, chunks[0][1] if chunks else None))
@@ -203,12 +211,26 @@ def ttft_breakdown(state: "TraceState", rid: str, index: Optional[StepIndex] = N
         parts.append(_chunk_part(rid, e, sv, k, n, prev, stop, prev_step))
         prev, prev_step = stop, e.step
     if not partial:
-        parts.append(TtftPart("first_token", "first token", prev, end,
-                              (f"sampled at the end of step {prev_step}, then " if prev_step is not None else "")
-                              + "detokenized and handed back to the tokenizer"))
-    elif prev < end:                # still going: the stretch since the last chunk, so the parts reach `end`
-        parts.append(TtftPart("prefill", "since the last chunk", prev, end,
-                              "waiting for the next chunk" if r.state == "prefilling" else "waiting for the token"))
+        parts.append(
+            TtftPart(
+                "first_token",
+                "first token",
+                prev,
+                end,
+                (f"sampled at the end of step {prev_step}, then " if prev_step is not None else "")
+                + "detokenized and handed back to the tokenizer",
+            )
+        )
+    elif prev < end:  # still going: the stretch since the last chunk, so the parts reach `end`
+        parts.append(
+            TtftPart(
+                "prefill",
+                "since the last chunk",
+                prev,
+                end,
+                "waiting for the next chunk" if r.state == "prefilling" else "waiting for the token",
+            )
+        )
     return TtftBreakdown(rid, t0, end, tuple(parts), partial)
 
 
@@ -216,23 +238,36 @@ def _arrived_part(idx: StepIndex, proc: Optional[str], t0: int, t1: int, not_que
     label = "arrived (not queued yet)" if not_queued else "arrived → queued"
     busy = idx.overlapping(t0, t1, proc) if t1 > t0 else []
     if not busy:
-        return TtftPart("arrived", label, t0, t1, "tokenized and handed to the scheduler, which was between steps"
-                        if t1 > t0 else "")
+        return TtftPart(
+            "arrived",
+            label,
+            t0,
+            t1,
+            "tokenized and handed to the scheduler, which was between steps" if t1 > t0 else "",
+        )
     # The step that kept the scheduler from reading its input the longest.
     s, e, sv = max(busy, key=lambda row: min(row[1], t1) - max(row[0], t0))
     more = f" (and {_plural(len(busy) - 1, 'more step')})" if len(busy) > 1 else ""
-    detail = (f"the scheduler was inside step {sv.step} ({sv.mode}, {fmt_dur(e - s)}, "
-              f"{_plural(len(sv.reqs), 'request')}){more}; new requests wait for a step's end")
+    detail = (
+        f"the scheduler was inside step {sv.step} ({sv.mode}, {fmt_dur(e - s)}, "
+        f"{_plural(len(sv.reqs), 'request')}){more}; new requests wait for a step's end"
+    )
     return TtftPart("arrived", label, t0, t1, detail, tuple(x.step for _, _, x in busy))
 
 
-def _queued_part(idx: StepIndex, proc: Optional[str], rid: str, t1: int, t2: int,
-                 admitted_by: Optional[StepView]) -> TtftPart:
+def _queued_part(
+    idx: StepIndex, proc: Optional[str], rid: str, t1: int, t2: int, admitted_by: Optional[StepView]
+) -> TtftPart:
     passed = [sv for sv in idx.starting(t1, t2, proc) if sv is not admitted_by]
     if not passed:
         who = f"step {admitted_by.step}" if admitted_by is not None else "the next step"
-        return TtftPart("queued", "queued", t1, t2, f"admitted by {who}, the first to start after it was queued"
-                        if admitted_by is not None else "")
+        return TtftPart(
+            "queued",
+            "queued",
+            t1,
+            t2,
+            f"admitted by {who}, the first to start after it was queued" if admitted_by is not None else "",
+        )
     why: Counter = Counter()
     went_to: Counter = Counter()
     chunked: set[str] = set()
@@ -267,8 +302,9 @@ def _queued_part(idx: StepIndex, proc: Optional[str], rid: str, t1: int, t2: int
     return TtftPart("queued", "queued", t1, t2, detail, tuple(sv.step for sv in passed), tuple(went_to))
 
 
-def _chunk_part(rid: str, e, sv: Optional[StepView], k: int, n: int, t1: int, t2: int,
-                prev_step: Optional[int]) -> TtftPart:
+def _chunk_part(
+    rid: str, e, sv: Optional[StepView], k: int, n: int, t1: int, t2: int, prev_step: Optional[int]
+) -> TtftPart:
     # The chunks are counted here, after the fact: n is what really ran, not the scheduler's estimate.
     label = f"chunk {k + 1}/{n}" if n > 1 else "prefill"
     if sv is None:
@@ -280,8 +316,11 @@ def _chunk_part(rid: str, e, sv: Optional[StepView], k: int, n: int, t1: int, t2
     detail = f"step {sv.step} {sv.mode}: {what}"
     if others:
         total = sum(x.computed for x in sv.reqs)
-        detail += (f", with {', '.join(others[:4])}" + (f" +{len(others) - 4} more" if len(others) > 4 else "")
-                   + f" ({total} tokens computed in all)")
+        detail += (
+            f", with {', '.join(others[:4])}"
+            + (f" +{len(others) - 4} more" if len(others) > 4 else "")
+            + f" ({total} tokens computed in all)"
+        )
     else:
         detail += ", alone"
     if prev_step is not None and sv.step > prev_step + 1:

@@ -3,6 +3,7 @@
 Plain dataclasses (and two event Structs reused as-is: StepReq, KVUsage);
 views read them, only the reducer in state.py writes them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -25,27 +26,29 @@ class TimelineEntry:
     `end_ts`; a stall, e.g. behind a chunked prefill, starts a new run) |
     "retracted" | "finished" | "aborted".
     """
+
     ts: int
     kind: str
     detail: str = ""
     end_ts: int = 0
     count: int = 1
-    step: int = -1        # scheduler step (for a decode run: its last step)
+    step: int = -1  # scheduler step (for a decode run: its last step)
 
 
 @dataclass
 class RequestView:
     """Everything known about one request. Timestamps are monotonic ns; latencies seconds."""
+
     rid: str
     state: str = "arrived"
     prompt_preview: str = ""
     prompt_tokens: int = 0
     max_new_tokens: int = 0
-    cached_tokens: int = 0          # prefix tokens reused from the radix cache
-    computed_tokens: int = 0        # prompt tokens computed by prefill (all chunks, all rounds)
+    cached_tokens: int = 0  # prefix tokens reused from the radix cache
+    computed_tokens: int = 0  # prompt tokens computed by prefill (all chunks, all rounds)
     output_tokens: int = 0
-    chunk_index: int = 0            # current/last prefill chunk k (0-based) ...
-    num_chunks: int = 1             # ... of n
+    chunk_index: int = 0  # current/last prefill chunk k (0-based) ...
+    num_chunks: int = 1  # ... of n
     arrival_ts: Optional[int] = None
     queued_ts: Optional[int] = None
     first_token_ts: Optional[int] = None
@@ -57,36 +60,38 @@ class RequestView:
     retractions: int = 0
     text: str = ""
     timeline: list[TimelineEntry] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)   # scheduler step ids it took part in
+    steps: list[int] = field(default_factory=list)  # scheduler step ids it took part in
 
     @property
     def done(self) -> bool:
         return self.state in TERMINAL_STATES
 
 
-
 # RequestView's plain fields, which `req.snapshot` (events.ReqSnapshot) carries under the same names:
 # the reducer writes a snapshot from them and reads one back into them, so the two cannot drift apart
 # unnoticed (tests/test_trace_state.py checks ReqSnapshot has every one).
 REQUEST_SNAPSHOT_FIELDS: tuple[str, ...] = tuple(
-    f.name for f in fields(RequestView) if f.name not in ("rid", "timeline", "steps"))
+    f.name for f in fields(RequestView) if f.name not in ("rid", "timeline", "steps")
+)
 
 
 @dataclass
 class ReplicaView:
     """One data-parallel replica side by side with the others (see TraceState.replicas)."""
+
     proc: str
     dp_rank: int
     waiting: list[str]
     running: list[str]
     kv: Optional[ev.KVUsage]
-    requests: int                                   # requests known to have gone to it
-    steps: int                                      # its scheduler steps still in the step ring
+    requests: int  # requests known to have gone to it
+    steps: int  # its scheduler steps still in the step ring
 
 
 @dataclass
 class StepView:
     """One scheduler iteration (a `batch.step` event) with its token split."""
+
     step: int
     ts: int
     proc: str
@@ -98,15 +103,16 @@ class StepView:
     backend: str
     schedule_ms: float
     forward_ms: float
-    prefill_tokens: int = 0         # prompt tokens computed in this step
-    cached_tokens: int = 0          # prefix tokens reused by first chunks in this step
-    decode_tokens: int = 0          # tokens from decode entries
-    decision: Optional[ev.StepDecision] = None   # its `batch.decision` (what was decided and why), once known
+    prefill_tokens: int = 0  # prompt tokens computed in this step
+    cached_tokens: int = 0  # prefix tokens reused by first chunks in this step
+    decode_tokens: int = 0  # tokens from decode entries
+    decision: Optional[ev.StepDecision] = None  # its `batch.decision` (what was decided and why), once known
 
 
 @dataclass
 class TreeNodeView:
     """A radix-cache node. `just_evicted` / `just_inserted` hold until the next snapshot."""
+
     node_id: int
     parent_id: int
     tokens: int
@@ -138,6 +144,7 @@ class Counters:
     """Cumulative counters. The *_total request counters follow SGLang's metrics:
     they grow when a request finishes. The prefill_* and decode_* ones grow with every batch.step
     (TraceState.cache_hit_rate uses those: tokens served from cache as requests are admitted)."""
+
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     cached_tokens_total: int = 0
@@ -146,9 +153,9 @@ class Counters:
     num_retracted: int = 0
     evicted_tokens_total: int = 0
     dropped_events: int = 0
-    prefill_computed_total: int = 0   # live, from batch.step
-    prefill_cached_total: int = 0     # live, from batch.step (first chunks)
-    decode_tokens_total: int = 0      # live, from batch.step decode entries
+    prefill_computed_total: int = 0  # live, from batch.step
+    prefill_cached_total: int = 0  # live, from batch.step (first chunks)
+    decode_tokens_total: int = 0  # live, from batch.step decode entries
 
 
 @dataclass(frozen=True)
@@ -164,6 +171,7 @@ class KVPoint:
 class QueuePoint:
     """Queue lengths at one moment: waiting counts requests queued but not yet listed by a
     scheduler's queue.state too (see TraceState.queue_counts); new: arrived, not yet queued."""
+
     ts: int
     waiting: int
     running: int

@@ -11,6 +11,7 @@
 Runs the app headless (Textual's run_test), saves an SVG screenshot and converts it with
 ../shared/testing/svg_to_png.sh (chromium renders box-drawing and spacing most faithfully).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,8 +46,9 @@ async def shoot(name: str) -> str:
         assert not app.startup_error, app.startup_error
         st = app.model.state
         if name == "tui":
-            await _until(lambda: st.queue_counts()["waiting"] > 0 and st.counters.num_requests_total >= 8,
-                         120, "a waiting queue")
+            await _until(
+                lambda: st.queue_counts()["waiting"] > 0 and st.counters.num_requests_total >= 8, 120, "a waiting queue"
+            )
             running = [r for r in st.running if r.startswith("sp-")]
             app.select_request(running[len(running) // 2] if running else None)
         else:
@@ -57,7 +59,8 @@ async def shoot(name: str) -> str:
             def evicting() -> bool:
                 d = st.steps[-1].decision if st.steps else None
                 return d is not None and d.evicted > 0
-            for _ in range(200):            # one scheduler iteration per `s` until one evicts
+
+            for _ in range(200):  # one scheduler iteration per `s` until one evicts
                 if evicting():
                     break
                 before = len(st.steps)

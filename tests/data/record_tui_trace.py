@@ -7,6 +7,7 @@ system prompt, different questions), then a long prompt that is prefilled in
 chunks while two short chats decode next to it. Greedy, few tokens. The
 snapshots must be updated after re-recording (`pytest --snapshot-update`).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "tui_trace.jsonl")
 
-QUESTIONS = ["What is a radix tree?", "Why is the sky blue?", "Name three prime numbers.",
-             "What does a scheduler do?"]
+QUESTIONS = ["What is a radix tree?", "Why is the sky blue?", "Name three prime numbers.", "What does a scheduler do?"]
 
 
 def main() -> int:
@@ -26,8 +26,7 @@ def main() -> int:
     from workbench.core.trace.recorder import Recorder
     from workbench.workloads import _LONG_TEXT, SHARED_SYSTEM, chat_text
 
-    engine = Engine(show_progress=False, chunked_prefill_size=64, max_running_requests=8,
-                    random_seed=0)
+    engine = Engine(show_progress=False, chunked_prefill_size=64, max_running_requests=8, random_seed=0)
     rec = Recorder(OUT, model=engine.served_model_name)
     handle = engine.subscribe_callback(rec, name="fixture")
     sp = {"max_new_tokens": 6, "temperature": 0.0}
@@ -36,19 +35,25 @@ def main() -> int:
         with ThreadPoolExecutor(8) as pool:
             futs = []
             for i, q in enumerate(QUESTIONS):
-                text = chat_text(engine, [{"role": "system", "content": SHARED_SYSTEM},
-                                          {"role": "user", "content": q}])
+                text = chat_text(engine, [{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": q}])
                 futs.append(pool.submit(engine.generate, prompt=text, sampling_params=sp, rid=f"sp-{i + 1}"))
                 time.sleep(0.05)
             for f in futs:
                 f.result()
-            long_text = chat_text(engine, [{"role": "user", "content": _LONG_TEXT * 3 + "\nIn short: what is this about?"}])
+            long_text = chat_text(
+                engine, [{"role": "user", "content": _LONG_TEXT * 3 + "\nIn short: what is this about?"}]
+            )
             futs = [pool.submit(engine.generate, prompt=long_text, sampling_params=sp, rid="long-1")]
             time.sleep(0.02)
             for i, q in enumerate(["What is 12 times 12?", "Suggest a name for a cat."]):
-                futs.append(pool.submit(engine.generate, prompt=chat_text(engine, [{"role": "user", "content": q}]),
-                                        sampling_params={"max_new_tokens": 12, "temperature": 0.0},
-                                        rid=f"chat-{i + 1}"))
+                futs.append(
+                    pool.submit(
+                        engine.generate,
+                        prompt=chat_text(engine, [{"role": "user", "content": q}]),
+                        sampling_params={"max_new_tokens": 12, "temperature": 0.0},
+                        rid=f"chat-{i + 1}",
+                    )
+                )
             for f in futs:
                 f.result()
         time.sleep(0.5)

@@ -4,6 +4,7 @@ A panel renders a `TuiModel` in `update_view(model)`; the app calls it up to
 ~10 times a second for visible panels only. `min_interval_s` throttles heavy
 panels further, and `needs_update` skips the work when nothing changed.
 """
+
 from __future__ import annotations
 
 from textual.containers import Vertical
@@ -75,5 +76,5 @@ class TracePanel(Vertical):
             self.update_view(model)
             self.mark_drawn(model)
 
-    def update_view(self, model: TuiModel) -> None:   # pragma: no cover - abstract
+    def update_view(self, model: TuiModel) -> None:  # pragma: no cover - abstract
         raise NotImplementedError

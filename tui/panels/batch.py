@@ -1,4 +1,5 @@
 """Batch composition: one row per scheduler step, newest at the bottom."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -13,8 +14,15 @@ from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import RequestSelected, TracePanel
 
 _MODE_STYLE = {"extend": f"bold {COMPUTED}", "decode": f"bold {DECODE}", "mixed": "bold", "idle": "dim"}
-COLUMNS = (("step", "step"), ("mode", "mode"), ("bs", "bs"), ("graph", "cg"), ("ms", "ms"),
-           ("mix", "tokens"), ("comp", "composition"))
+COLUMNS = (
+    ("step", "step"),
+    ("mode", "mode"),
+    ("bs", "bs"),
+    ("graph", "cg"),
+    ("ms", "ms"),
+    ("mix", "tokens"),
+    ("comp", "composition"),
+)
 
 
 def token_bar(sv: StepView, width: int = 10) -> Text:
@@ -25,7 +33,7 @@ def token_bar(sv: StepView, width: int = 10) -> Text:
         return Text("·" * width, style="dim")
     parts = [(sv.cached_tokens, "░", CACHED), (sv.prefill_tokens, "█", COMPUTED), (sv.decode_tokens, "█", DECODE)]
     cells = [int(round(n * width / total)) if n else 0 for n, _, _ in parts]
-    for i, (n, _, _) in enumerate(parts):   # every present kind gets at least one cell
+    for i, (n, _, _) in enumerate(parts):  # every present kind gets at least one cell
         if n and not cells[i]:
             cells[i] = 1
     while sum(cells) > width:
@@ -36,8 +44,9 @@ def token_bar(sv: StepView, width: int = 10) -> Text:
     return text
 
 
-def composition(sv: StepView, selected: Optional[str] = None, max_decode_names: int = 6,
-                max_prefill_names: int = 4) -> Text:
+def composition(
+    sv: StepView, selected: Optional[str] = None, max_decode_names: int = 6, max_prefill_names: int = 4
+) -> Text:
     """Per-request segments: `rid ░cached+█computed k/n` for prefill chunks (the first
     `max_prefill_names` and the selected one, then `+N more`), then the decode group."""
     text = Text()
@@ -82,19 +91,28 @@ def composition(sv: StepView, selected: Optional[str] = None, max_decode_names: 
 def step_cells(sv: StepView, selected: Optional[str] = None) -> tuple:
     badge = Text("CG", style="bold reverse") if sv.cuda_graph else Text("–", style="dim")
     bs = f"{sv.batch_size}/{sv.padded_size}" if sv.padded_size != sv.batch_size else str(sv.batch_size)
-    return (str(sv.step), Text(sv.mode, style=_MODE_STYLE.get(sv.mode, "")), bs, badge,
-            f"{sv.schedule_ms + sv.forward_ms:.0f}", token_bar(sv), composition(sv, selected))
+    return (
+        str(sv.step),
+        Text(sv.mode, style=_MODE_STYLE.get(sv.mode, "")),
+        bs,
+        badge,
+        f"{sv.schedule_ms + sv.forward_ms:.0f}",
+        token_bar(sv),
+        composition(sv, selected),
+    )
 
 
 class BatchPanel(TracePanel):
     PANEL_NAME = "batch"
     TITLE = "Batch composition"
-    HELP = ("One row per scheduler iteration (newest at the bottom). mode: extend (prefill), decode, "
-            "mixed. bs: batch size (/padded size when padded to a CUDA-graph bucket); cg: CG when a "
-            "CUDA graph replayed, – when eager (the title names the attention backend on GPU); ms: schedule + forward time. tokens: the step's mix — ░ cached = prefix tokens reused from the "
-            "cache, █ computed = prompt tokens computed, █ decode = decode tokens (colours: the colour key "
-            "above). composition: each prefill "
-            "request with cached+computed tokens and its chunk k/n, then the decode group.")
+    HELP = (
+        "One row per scheduler iteration (newest at the bottom). mode: extend (prefill), decode, "
+        "mixed. bs: batch size (/padded size when padded to a CUDA-graph bucket); cg: CG when a "
+        "CUDA graph replayed, – when eager (the title names the attention backend on GPU); ms: schedule + forward time. tokens: the step's mix — ░ cached = prefix tokens reused from the "
+        "cache, █ computed = prompt tokens computed, █ decode = decode tokens (colours: the colour key "
+        "above). composition: each prefill "
+        "request with cached+computed tokens and its chunk k/n, then the decode group."
+    )
     clock_interval_s = 0
     max_rows = 200
 
@@ -107,7 +125,7 @@ class BatchPanel(TracePanel):
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self._keys: list[str] = []
-        self._last: Optional[tuple[int, int]] = None    # (ts, step) of the newest row shown
+        self._last: Optional[tuple[int, int]] = None  # (ts, step) of the newest row shown
         self._selected: Optional[str] = None
         self._epoch = -1
 
@@ -115,8 +133,11 @@ class BatchPanel(TracePanel):
         table = self.query_one(DataTable)
         steps = model.state.steps
         follow = table.scroll_y >= table.max_scroll_y - 1
-        rebuild = model.epoch != self._epoch or model.selected != self._selected or (
-            self._last is not None and (not steps or steps[-1].ts < self._last[0]))
+        rebuild = (
+            model.epoch != self._epoch
+            or model.selected != self._selected
+            or (self._last is not None and (not steps or steps[-1].ts < self._last[0]))
+        )
         if rebuild:
             table.clear()
             self._keys, self._last = [], None

@@ -1,4 +1,5 @@
 """Request detail: the selected request's timeline, who it shared steps with, its text."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -16,9 +17,16 @@ from workbench.tui.fmt import fmt_s, shorten
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import TracePanel
 
-_KIND_STYLE = {"arrived": f"italic {WAITING}", "queued": WAITING, "prefill": COMPUTED,
-               "first_token": f"bold {DECODE}", "decode": DECODE, "retracted": f"bold {RETRACTED}",
-               "finished": "bold", "aborted": "bold red"}
+_KIND_STYLE = {
+    "arrived": f"italic {WAITING}",
+    "queued": WAITING,
+    "prefill": COMPUTED,
+    "first_token": f"bold {DECODE}",
+    "decode": DECODE,
+    "retracted": f"bold {RETRACTED}",
+    "finished": "bold",
+    "aborted": "bold red",
+}
 
 
 def shared_steps(model: TuiModel, r: RequestView) -> tuple[dict[int, list[str]], Counter]:
@@ -51,7 +59,7 @@ def ttft_bar(b: TtftBreakdown, width: int = 40) -> Text:
         cells = round(acc * width / total) - done
         done += cells
         bar = _PART_BAR[p.kind]
-        if p.kind == "prefill":         # alternate shades, so each chunk shows where it ends
+        if p.kind == "prefill":  # alternate shades, so each chunk shows where it ends
             bar, chunk = ("█" if chunk % 2 == 0 else "▓"), chunk + 1
         out.append(bar * cells, style=_PART_STYLE[p.kind])
     return out
@@ -60,8 +68,7 @@ def ttft_bar(b: TtftBreakdown, width: int = 40) -> Text:
 def render_ttft(b: TtftBreakdown) -> Text:
     """Where the time to first token went: one line per part (duration, what, why), then the bar."""
     out = Text()
-    out.append(("TTFT so far" if b.partial else "TTFT") + f" {fmt_s(b.ttft)} = the parts below\n",
-               style="underline")
+    out.append(("TTFT so far" if b.partial else "TTFT") + f" {fmt_s(b.ttft)} = the parts below\n", style="underline")
     label_w = max(len(p.label) for p in b.parts)
     for p in b.parts:
         out.append(f"{fmt_s(p.seconds):>9} ", style="bold")
@@ -77,17 +84,24 @@ def render_detail(model: TuiModel, rid: Optional[str], text_chars: int = 1200) -
     r = model.state.requests.get(rid) if rid else None
     if r is None:
         out.append("No request selected.\n", style="bold")
-        out.append("Click a row in Queues (or Batch composition), or press [ and ] to walk through "
-                   "the requests; chat prompts are selected automatically.", style="dim")
+        out.append(
+            "Click a row in Queues (or Batch composition), or press [ and ] to walk through "
+            "the requests; chat prompts are selected automatically.",
+            style="dim",
+        )
         return out
     out.append(f"{r.rid}", style="bold reverse")
     out.append(f"  {r.state}", style=_KIND_STYLE.get(r.state, "bold"))
     if r.finish_reason:
         out.append(f" ({r.finish_reason})")
     out.append("\n")
-    out.append(f"prompt {r.prompt_tokens} t = {r.cached_tokens} cached + {r.computed_tokens} computed · "
-               f"out {r.output_tokens}" + (f"/{r.max_new_tokens}" if r.max_new_tokens else "")
-               + (f" · retracted {r.retractions}×" if r.retractions else "") + "\n")
+    out.append(
+        f"prompt {r.prompt_tokens} t = {r.cached_tokens} cached + {r.computed_tokens} computed · "
+        f"out {r.output_tokens}"
+        + (f"/{r.max_new_tokens}" if r.max_new_tokens else "")
+        + (f" · retracted {r.retractions}×" if r.retractions else "")
+        + "\n"
+    )
     out.append(f"TTFT {fmt_s(r.ttft)} · TPOT {fmt_s(r.tpot)} · E2E {fmt_s(r.e2e)}\n", style="bold")
     breakdown = model.state.ttft_parts(r.rid)
     if breakdown is not None and breakdown.parts:
@@ -102,8 +116,7 @@ def render_detail(model: TuiModel, rid: Optional[str], text_chars: int = 1200) -
         detail = e.detail
         if e.kind == "decode":
             first = e.step - e.count + 1
-            detail = (f"{e.count} steps (steps {first}–{e.step})" if e.count > 1
-                      else f"1 step (step {e.step})")
+            detail = f"{e.count} steps (steps {first}–{e.step})" if e.count > 1 else f"1 step (step {e.step})"
             if e.end_ts > e.ts:
                 detail += f", {(e.end_ts - e.ts) / 1e9 * 1e3:.0f} ms"
         elif e.step >= 0:
@@ -111,8 +124,9 @@ def render_detail(model: TuiModel, rid: Optional[str], text_chars: int = 1200) -
         out.append(detail)
         if e.kind == "prefill" and e.step in per_step:
             others = per_step[e.step]
-            out.append(f"  with {', '.join(others[:6])}{' …' if len(others) > 6 else ''}" if others
-                       else "  alone", style="dim")
+            out.append(
+                f"  with {', '.join(others[:6])}{' …' if len(others) > 6 else ''}" if others else "  alone", style="dim"
+            )
         out.append("\n")
     if counts:
         n = len(per_step)
@@ -135,13 +149,15 @@ def render_detail(model: TuiModel, rid: Optional[str], text_chars: int = 1200) -
 class DetailPanel(TracePanel):
     PANEL_NAME = "detail"
     TITLE = "Request detail"
-    HELP = ("The selected request: token counts, TTFT/TPOT/E2E, and where its TTFT went — arrived → queued "
-            "(and the step the scheduler was busy in), queued (passed over by which steps, why, who got the "
-            "prefill), each prefill chunk (who shared the step), first token: parts that add up to the TTFT. "
-            "Then its timeline — arrival, queueing, "
-            "each prefill chunk (cached + computed tokens, the step, who shared that step), decode runs "
-            "(consecutive steps; a gap means it sat out), finish — and the requests it shared "
-            "scheduler steps with. Its text streams in at the bottom.")
+    HELP = (
+        "The selected request: token counts, TTFT/TPOT/E2E, and where its TTFT went — arrived → queued "
+        "(and the step the scheduler was busy in), queued (passed over by which steps, why, who got the "
+        "prefill), each prefill chunk (who shared the step), first token: parts that add up to the TTFT. "
+        "Then its timeline — arrival, queueing, "
+        "each prefill chunk (cached + computed tokens, the step, who shared that step), decode runs "
+        "(consecutive steps; a gap means it sat out), finish — and the requests it shared "
+        "scheduler steps with. Its text streams in at the bottom."
+    )
     clock_interval_s = 0
 
     def compose(self) -> ComposeResult:

@@ -1,4 +1,5 @@
 """Events: a filterable log of arrivals, finishes, retractions, evictions, aborts and errors."""
+
 from __future__ import annotations
 
 from rich.text import Text
@@ -9,9 +10,18 @@ from workbench.core.trace.palette import EVICTED, RETRACTED, WAITING
 from workbench.tui.model import LogLine, TuiModel
 from workbench.tui.panels.base import TracePanel
 
-_STYLE = {"arrive": f"italic {WAITING}", "finish": "bold", "abort": "bold red", "retract": f"bold {RETRACTED}",
-          "evict": EVICTED, "drop": "bold red", "proc": "", "weights": "", "error": "bold white on red",
-          "info": "dim"}
+_STYLE = {
+    "arrive": f"italic {WAITING}",
+    "finish": "bold",
+    "abort": "bold red",
+    "retract": f"bold {RETRACTED}",
+    "evict": EVICTED,
+    "drop": "bold red",
+    "proc": "",
+    "weights": "",
+    "error": "bold white on red",
+    "info": "dim",
+}
 
 
 def line_matches(line: LogLine, terms: list[str]) -> bool:
@@ -44,13 +54,15 @@ def format_line(line: LogLine, model: TuiModel) -> Text:
 class EventsPanel(TracePanel):
     PANEL_NAME = "events"
     TITLE = "Events"
-    HELP = ("Notable events, newest at the bottom: arrivals, finishes (with TTFT/E2E), retractions, "
-            "evictions, aborts, dropped trace events, process starts/exits and errors. `step N` names "
-            "the scheduler step an event belongs to (a finish: the step of its last token), as in "
-            "the Batch panel. Times are seconds since the trace began (a replay: since its first request, "
-            "as its clock counts; start-up lines are negative). Type in the "
-            "filter box (key f) to keep matching lines: words must all match, `-word` hides, e.g. "
-            "`evict` or `-arrive`.")
+    HELP = (
+        "Notable events, newest at the bottom: arrivals, finishes (with TTFT/E2E), retractions, "
+        "evictions, aborts, dropped trace events, process starts/exits and errors. `step N` names "
+        "the scheduler step an event belongs to (a finish: the step of its last token), as in "
+        "the Batch panel. Times are seconds since the trace began (a replay: since its first request, "
+        "as its clock counts; start-up lines are negative). Type in the "
+        "filter box (key f) to keep matching lines: words must all match, `-word` hides, e.g. "
+        "`evict` or `-arrive`."
+    )
     clock_interval_s = 0
 
     def compose(self) -> ComposeResult:
@@ -98,7 +110,8 @@ class EventsPanel(TracePanel):
         if model.log.lines:
             self._shown_seq = model.log.lines[-1].seq
         self.border_title = f"Events — {len(model.log.lines)}" + (
-            f" · filter: {' '.join(self._terms)}" if self._terms else "")
+            f" · filter: {' '.join(self._terms)}" if self._terms else ""
+        )
 
     def update_view(self, model: TuiModel) -> None:
         self._model = model

@@ -1,4 +1,5 @@
 """KV pool: used / evictable / free gauge and its history."""
+
 from __future__ import annotations
 
 from rich.text import Text
@@ -10,7 +11,7 @@ from workbench.tui.fmt import fmt_count, resample, spark
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import TracePanel
 
-USED = LOCKED      # "used" in the pool = held (locked) by running requests
+USED = LOCKED  # "used" in the pool = held (locked) by running requests
 
 
 def kv_gauge(used: int, evictable: int, free: int, total: int, width: int) -> Text:
@@ -36,7 +37,7 @@ def render_kv(model: TuiModel, width: int = 40) -> Text:
         return out
     width = max(10, width)
     total = max(k.total, 1)
-    evictable = st.evictable     # the one figure the radix tree's title shows too
+    evictable = st.evictable  # the one figure the radix tree's title shows too
     out.append_text(kv_gauge(k.used, evictable, k.free, k.total, width))
     out.append("\n")
     out.append("█ used      ", style=USED)
@@ -64,10 +65,12 @@ def render_kv(model: TuiModel, width: int = 40) -> Text:
 class KVPanel(TracePanel):
     PANEL_NAME = "kv"
     TITLE = "KV pool"
-    HELP = ("The token KV pool: █ used by requests in flight, ▓ evictable (cached prefixes nobody "
-            "holds; freed on demand), ░ free. Below: the history of used and used+cached, the cache "
-            "hit rate (prompt tokens served from the cache as requests are admitted), tokens evicted and requests retracted (the pool ran out "
-            "during decode).")
+    HELP = (
+        "The token KV pool: █ used by requests in flight, ▓ evictable (cached prefixes nobody "
+        "holds; freed on demand), ░ free. Below: the history of used and used+cached, the cache "
+        "hit rate (prompt tokens served from the cache as requests are admitted), tokens evicted and requests retracted (the pool ran out "
+        "during decode)."
+    )
     clock_interval_s = 0
 
     def compose(self) -> ComposeResult:

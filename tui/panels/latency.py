@@ -1,4 +1,5 @@
 """Latency: TTFT / TPOT / E2E percentiles over 5, 15 and 60 s, a TTFT sparkline, throughput."""
+
 from __future__ import annotations
 
 from rich.table import Table
@@ -52,8 +53,11 @@ def throughput_series(model: TuiModel, span_s: float = 60.0, bins: int = 30) -> 
 
 
 def ttft_series(model: TuiModel, n: int = 30) -> list[float]:
-    done = [r for r in model.state.requests.values()
-            if r.ttft is not None and r.finish_ts is not None and r.state == "finished"]
+    done = [
+        r
+        for r in model.state.requests.values()
+        if r.ttft is not None and r.finish_ts is not None and r.state == "finished"
+    ]
     done.sort(key=lambda r: r.finish_ts)
     return [r.ttft for r in done[-n:]]
 
@@ -78,10 +82,12 @@ def render_latency(model: TuiModel, spark_width: int = 30) -> Group:
 class LatencyPanel(TracePanel):
     PANEL_NAME = "latency"
     TITLE = "Latency"
-    HELP = ("Percentiles (p50/p90/p99) of TTFT (time to first token), TPOT (time per output token "
-            "after the first) and E2E (whole request) over requests that finished in the last 5, 15 "
-            "and 60 s. Below: TTFT of the last finished requests, and prefill / decode tokens per "
-            "second over the last minute (the number is the 5 s average).")
+    HELP = (
+        "Percentiles (p50/p90/p99) of TTFT (time to first token), TPOT (time per output token "
+        "after the first) and E2E (whole request) over requests that finished in the last 5, 15 "
+        "and 60 s. Below: TTFT of the last finished requests, and prefill / decode tokens per "
+        "second over the last minute (the number is the 5 s average)."
+    )
     min_interval_s = 0.25
     clock_interval_s = 1.0
 

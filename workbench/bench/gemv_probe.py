@@ -7,6 +7,7 @@ second, on 1 and 2 threads (docs/design.md has a run):
 Each call repeats on the same weight, so the layers' weights (1-7 MB) sit in cache while the
 LM head (113 MB) streams from memory, as every weight does in a real decode step.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,7 @@ from workbench.core.layers import cpu_ops
 from workbench.core.layers.linear import pack_linear_weight, packed_linear
 
 # SmolLM2-135M: hidden 576, 9 query + 3 KV heads of 64, intermediate 1536, vocabulary 49152
-SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
-          "lm_head": (49152, 576)}
+SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
 
 def _time(fn, n: int) -> float:
@@ -43,8 +43,10 @@ def main() -> int:
             a = _time(lambda: packed_linear(x, packed, None), reps) if packed is not None else float("nan")
             b = _time(lambda: cpu_ops.gemv(x, w), reps)
             gb = n * k * 4 / 1e9
-            print(f"{threads} thread(s) {name:8s} [{n} x {k}]  oneDNN {a * 1e6:8.1f} us ({gb / a:5.1f} GB/s)"
-                  f"  GEMV {b * 1e6:8.1f} us ({gb / b:5.1f} GB/s)  {a / b:4.2f}x")
+            print(
+                f"{threads} thread(s) {name:8s} [{n} x {k}]  oneDNN {a * 1e6:8.1f} us ({gb / a:5.1f} GB/s)"
+                f"  GEMV {b * 1e6:8.1f} us ({gb / b:5.1f} GB/s)  {a / b:4.2f}x"
+            )
     return 0
 
 

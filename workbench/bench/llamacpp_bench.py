@@ -18,6 +18,7 @@ in rounds of A B B A (workbench, llama.cpp, llama.cpp, workbench), `--repeats` r
 1-minute load average beside every measurement. The goal (issue #14): stay ahead of llama.cpp at equal dtype,
 float32 included (ratio >= 1.0).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -37,15 +38,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from workbench.bench.llamacpp_peer import (FIRST_IDS, ProtocolError, encode_message, load_request,
-                                                missing_cpu_features, parse_reply, quit_request, run_request)
+from workbench.bench.llamacpp_peer import (
+    FIRST_IDS,
+    ProtocolError,
+    encode_message,
+    load_request,
+    missing_cpu_features,
+    parse_reply,
+    quit_request,
+    run_request,
+)
 from workbench.bench.peer_bench import Workload, goal_text, measure
 
 DRIVER = Path(__file__).with_name("llamacpp_peer.py")
-PEER_VERSION = "0.3.36"      # the llama-cpp-python release the recipe installs
-GOAL = 1.0                   # workbench decode tok/s over llama.cpp's: stay ahead (printed, never asserted)
+PEER_VERSION = "0.3.36"  # the llama-cpp-python release the recipe installs
+GOAL = 1.0  # workbench decode tok/s over llama.cpp's: stay ahead (printed, never asserted)
 GOAL_TEXT = "stay ahead of llama.cpp at equal dtype (ratio >= 1.0×)"
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}       # --dtype -> convert_hf_to_gguf.py --outtype
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}  # --dtype -> convert_hf_to_gguf.py --outtype
 LOAD_TIMEOUT_S = 600
 RUN_TIMEOUT_S = 600
 CONVERT_TIMEOUT_S = 1800
@@ -55,19 +64,21 @@ def install_recipe(python: Optional[str]) -> str:
     """How to make a venv that can serve as `--peer-python`, as commands."""
     venv = "~/llama-venv"
     if python and Path(python).parent.name == "bin":
-        root = Path(python).expanduser().parent.parent           # a venv to make, or one that is there
+        root = Path(python).expanduser().parent.parent  # a venv to make, or one that is there
         if not Path(python).expanduser().exists() or (root / "pyvenv.cfg").is_file():
             venv = str(Path(python).parent.parent)
-    return "\n".join([
-        "Build llama-cpp-python from source, with native CPU flags, in a separate venv (never the project's own):",
-        f"  python3 -m venv {venv}",
-        f"  {venv}/bin/pip install numpy",
-        "  CMAKE_ARGS='-DGGML_NATIVE=ON -DGGML_BLAS=OFF' CMAKE_BUILD_PARALLEL_LEVEL=2 \\",
-        f"    {venv}/bin/pip install --no-binary llama-cpp-python llama-cpp-python=={PEER_VERSION}",
-        "  (a compile of 6-15 minutes on 2 cores; it needs cmake and a C/C++ compiler)",
-        f"then: workbench bench engine --peer llamacpp --peer-python {venv}/bin/python --dtype float32",
-        "(the GGUF files are made by the bench itself, with llama.cpp's convert_hf_to_gguf.py, on first use)",
-    ])
+    return "\n".join(
+        [
+            "Build llama-cpp-python from source, with native CPU flags, in a separate venv (never the project's own):",
+            f"  python3 -m venv {venv}",
+            f"  {venv}/bin/pip install numpy",
+            "  CMAKE_ARGS='-DGGML_NATIVE=ON -DGGML_BLAS=OFF' CMAKE_BUILD_PARALLEL_LEVEL=2 \\",
+            f"    {venv}/bin/pip install --no-binary llama-cpp-python llama-cpp-python=={PEER_VERSION}",
+            "  (a compile of 6-15 minutes on 2 cores; it needs cmake and a C/C++ compiler)",
+            f"then: workbench bench engine --peer llamacpp --peer-python {venv}/bin/python --dtype float32",
+            "(the GGUF files are made by the bench itself, with llama.cpp's convert_hf_to_gguf.py, on first use)",
+        ]
+    )
 
 
 class LlamaCppPeerError(RuntimeError):
@@ -107,8 +118,9 @@ class LlamaCppPeer:
     def __init__(self, python: str, log_path: Path):
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([python, str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [python, str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1
+        )
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -131,15 +143,20 @@ class LlamaCppPeer:
             line = self._lines.get(timeout=timeout)
         except (BrokenPipeError, OSError, queue.Empty) as exc:
             why = f"no reply in {timeout:.0f} s" if isinstance(exc, queue.Empty) else type(exc).__name__
-            raise LlamaCppPeerError(f"llama.cpp driver: {msg['op']}: {why}; log {self.log_path}:\n"
-                                    f"{self.log_tail()}") from None
+            raise LlamaCppPeerError(
+                f"llama.cpp driver: {msg['op']}: {why}; log {self.log_path}:\n{self.log_tail()}"
+            ) from None
         if line is None:
-            raise LlamaCppPeerError(f"llama.cpp driver exited (status {self.proc.wait()}) during {msg['op']}; "
-                                    f"log {self.log_path}:\n{self.log_tail()}")
+            raise LlamaCppPeerError(
+                f"llama.cpp driver exited (status {self.proc.wait()}) during {msg['op']}; "
+                f"log {self.log_path}:\n{self.log_tail()}"
+            )
         reply = parse_reply(line)
         if not reply["ok"]:
-            raise LlamaCppPeerError(f"llama.cpp driver: {msg['op']} failed: {reply.get('error')}\n"
-                                    f"{reply.get('traceback', '')}log {self.log_path}:\n{self.log_tail()}")
+            raise LlamaCppPeerError(
+                f"llama.cpp driver: {msg['op']} failed: {reply.get('error')}\n"
+                f"{reply.get('traceback', '')}log {self.log_path}:\n{self.log_tail()}"
+            )
         return reply
 
     def close(self) -> None:
@@ -184,7 +201,7 @@ def _converter_members(names: list[str]) -> dict[str, str]:
             continue
         if i < 1 or parts[i - 1] != "vendor":
             continue
-        rel = "/".join(parts[i + 1:])
+        rel = "/".join(parts[i + 1 :])
         if rel == "convert_hf_to_gguf.py" or rel.startswith(("conversion/", "gguf-py/gguf/")):
             wanted[name] = rel
     return wanted
@@ -198,15 +215,29 @@ def ensure_converter(version: str, pip_python: str, cache: Optional[Path] = None
         return script
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".sdist-") as tmp:
-        _progress(f"downloading the llama-cpp-python {version} sdist for llama.cpp's convert_hf_to_gguf.py "
-                  f"(once; kept in {target})")
-        cmd = [pip_python, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
-               f"llama-cpp-python=={version}", "-d", tmp]
+        _progress(
+            f"downloading the llama-cpp-python {version} sdist for llama.cpp's convert_hf_to_gguf.py "
+            f"(once; kept in {target})"
+        )
+        cmd = [
+            pip_python,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            "llama-cpp-python",
+            f"llama-cpp-python=={version}",
+            "-d",
+            tmp,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S)
         archives = sorted(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         if not archives:
-            raise LlamaCppPeerError(f"pip download of llama-cpp-python=={version} failed "
-                                    f"(status {proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}")
+            raise LlamaCppPeerError(
+                f"pip download of llama-cpp-python=={version} failed "
+                f"(status {proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}"
+            )
         staging = Path(tmp) / "converter"
         with tarfile.open(archives[0]) as tar:
             members = _converter_members(tar.getnames())
@@ -221,7 +252,7 @@ def ensure_converter(version: str, pip_python: str, cache: Optional[Path] = None
                 with tar.extractfile(info) as src, open(dest, "wb") as out:
                     shutil.copyfileobj(src, out)
         try:
-            os.replace(staging, target)             # published whole, or not at all
+            os.replace(staging, target)  # published whole, or not at all
         except OSError:
             if not script.is_file():
                 raise
@@ -243,7 +274,8 @@ def _sentencepiece_stub(cache: Path) -> Optional[Path]:
         '"""Stand-in for the converter (workbench/bench/llamacpp_bench.py): no tokenizer.model here."""\n'
         "class SentencePieceProcessor:\n"
         "    def __init__(self, *args, **kwargs):\n"
-        "        raise FileNotFoundError('no SentencePiece model (workbench stub)')\n")
+        "        raise FileNotFoundError('no SentencePiece model (workbench stub)')\n"
+    )
     return stub
 
 
@@ -262,20 +294,30 @@ def ensure_gguf(hf_dir: Path, dtype: str, version: str, pip_python: str, cache: 
     stub = _sentencepiece_stub(cache)
     if stub is not None:
         env["PYTHONPATH"] = str(stub)
-    _progress(f"converting {hf_dir} to a {GGUF_TYPES[dtype]} GGUF with llama.cpp's convert_hf_to_gguf.py "
-              f"(once; log {log}) ...")
+    _progress(
+        f"converting {hf_dir} to a {GGUF_TYPES[dtype]} GGUF with llama.cpp's convert_hf_to_gguf.py "
+        f"(once; log {log}) ..."
+    )
     t0 = time.perf_counter()
     with open(log, "w") as fh:
-        proc = subprocess.run([sys.executable, str(script), "--outtype", GGUF_TYPES[dtype], "--outfile", str(tmp),
-                               str(hf_dir)], stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=CONVERT_TIMEOUT_S)
+        proc = subprocess.run(
+            [sys.executable, str(script), "--outtype", GGUF_TYPES[dtype], "--outfile", str(tmp), str(hf_dir)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=CONVERT_TIMEOUT_S,
+        )
     ok = proc.returncode == 0 and tmp.is_file() and tmp.open("rb").read(4) == b"GGUF"
     if not ok:
         tmp.unlink(missing_ok=True)
-        raise LlamaCppPeerError(f"convert_hf_to_gguf.py failed (status {proc.returncode}); log {log}:\n"
-                                f"{log.read_text(errors='replace')[-2000:]}")
+        raise LlamaCppPeerError(
+            f"convert_hf_to_gguf.py failed (status {proc.returncode}); log {log}:\n"
+            f"{log.read_text(errors='replace')[-2000:]}"
+        )
     os.replace(tmp, out)
-    _progress(f"GGUF {GGUF_TYPES[dtype]}: {out} ({out.stat().st_size / 2**20:.0f} MiB, "
-              f"{time.perf_counter() - t0:.0f} s)")
+    _progress(
+        f"GGUF {GGUF_TYPES[dtype]}: {out} ({out.stat().st_size / 2**20:.0f} MiB, {time.perf_counter() - t0:.0f} s)"
+    )
     return out
 
 
@@ -309,11 +351,13 @@ class LlamaRow:
     load_1m: list[float] = field(default_factory=list)
 
 
-def make_row(dtype: str, threads: int, wb: list[float], lc: list[float], loads: list[float],
-             first_equal: Optional[bool] = None) -> LlamaRow:
+def make_row(
+    dtype: str, threads: int, wb: list[float], lc: list[float], loads: list[float], first_equal: Optional[bool] = None
+) -> LlamaRow:
     w, v = statistics.median(wb), statistics.median(lc)
-    return LlamaRow(dtype, threads, w, v, w / v if v > 0 else float("nan"), first_equal, list(wb), list(lc),
-                    list(loads))
+    return LlamaRow(
+        dtype, threads, w, v, w / v if v > 0 else float("nan"), first_equal, list(wb), list(lc), list(loads)
+    )
 
 
 def ratio_text(ratio: float) -> str:
@@ -321,30 +365,39 @@ def ratio_text(ratio: float) -> str:
 
 
 def _goal(ratio: float) -> str:
-    return goal_text(ratio if ratio == ratio else None, GOAL)        # NaN (a side measured nothing): n/a
+    return goal_text(ratio if ratio == ratio else None, GOAL)  # NaN (a side measured nothing): n/a
 
 
 def format_table(rows: list[LlamaRow]) -> str:
     """The result as a Markdown table (paste-able into the README)."""
-    lines = [f"| dtype | threads | workbench tok/s | llama.cpp tok/s | ratio | goal ≥{GOAL:g}× | first {FIRST_IDS} equal "
-             f"| load 1m |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| dtype | threads | workbench tok/s | llama.cpp tok/s | ratio | goal ≥{GOAL:g}× | first {FIRST_IDS} equal "
+        f"| load 1m |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         load = f"{min(r.load_1m):.2f}–{max(r.load_1m):.2f}" if r.load_1m else ""
         eq = {True: "yes", False: "no", None: ""}[r.first_equal]
-        lines.append(f"| {r.dtype} | {r.threads} | {r.workbench_tok_s:.1f} | {r.llamacpp_tok_s:.1f} "
-                     f"| **{ratio_text(r.ratio)}** | {_goal(r.ratio)} | {eq} | {load} |")
+        lines.append(
+            f"| {r.dtype} | {r.threads} | {r.workbench_tok_s:.1f} | {r.llamacpp_tok_s:.1f} "
+            f"| **{ratio_text(r.ratio)}** | {_goal(r.ratio)} | {eq} | {load} |"
+        )
     return "\n".join(lines)
 
 
 def summary_lines(rows: list[LlamaRow], repeats: int) -> list[str]:
     """The lines printed under the table: what the ratio is, and the goal per row."""
-    out = [f"ratio = workbench decode tok/s / llama.cpp decode tok/s at batch 1, medians of {2 * repeats} "
-           f"measurements each (A B B A × {repeats}); decode tok/s = 127 / (time for 128 new − time for 1 new)",
-           f"goal: {GOAL_TEXT}"]
+    out = [
+        f"ratio = workbench decode tok/s / llama.cpp decode tok/s at batch 1, medians of {2 * repeats} "
+        f"measurements each (A B B A × {repeats}); decode tok/s = 127 / (time for 128 new − time for 1 new)",
+        f"goal: {GOAL_TEXT}",
+    ]
     for r in rows:
         where = "ahead" if r.ratio >= GOAL else "behind" if r.ratio == r.ratio else "not measured"
-        out.append(f"  {r.dtype}, {r.threads} thread{'s' if r.threads != 1 else ''}: {ratio_text(r.ratio)} — "
-                   f"{where} ({_goal(r.ratio)})")
+        out.append(
+            f"  {r.dtype}, {r.threads} thread{'s' if r.threads != 1 else ''}: {ratio_text(r.ratio)} — "
+            f"{where} ({_goal(r.ratio)})"
+        )
     return out
 
 
@@ -355,6 +408,7 @@ def _peer_run(peer: LlamaCppPeer):
             raise ValueError("the llama.cpp peer runs batch 1 only")
         reply = peer.request(run_request(prompts[0], new), timeout=RUN_TIMEOUT_S)
         return reply["seconds"], reply["output_tokens"], [reply["first_ids"]]
+
     return run
 
 
@@ -375,8 +429,10 @@ def run_llamacpp_bench(args) -> int:
     _progress(f"llama.cpp system info: {info}")
     missing = missing_cpu_features(info)
     if missing:
-        _progress(f"WARNING: this llama.cpp build does not use {', '.join(missing)}: not a native build; "
-                  f"rebuild it as the recipe says")
+        _progress(
+            f"WARNING: this llama.cpp build does not use {', '.join(missing)}: not a native build; "
+            f"rebuild it as the recipe says"
+        )
 
     from workbench.core.args import ServerArgs
     from workbench.bench.peer_bench import _workbench_run, build_workloads
@@ -406,9 +462,19 @@ def run_llamacpp_bench(args) -> int:
     def save() -> None:
         if getattr(args, "json", None):
             with open(args.json, "w") as f:
-                json.dump({"peer": "llamacpp", "llama_cpp_version": version, "system_info": info,
-                           "ggufs": {k: str(v) for k, v in ggufs.items()}, "rows": [asdict(r) for r in rows],
-                           "table": format_table(rows), "failures": failures}, f, indent=2)
+                json.dump(
+                    {
+                        "peer": "llamacpp",
+                        "llama_cpp_version": version,
+                        "system_info": info,
+                        "ggufs": {k: str(v) for k, v in ggufs.items()},
+                        "rows": [asdict(r) for r in rows],
+                        "table": format_table(rows),
+                        "failures": failures,
+                    },
+                    f,
+                    indent=2,
+                )
 
     for dtype in dtypes:
         for n in counts:
@@ -420,12 +486,15 @@ def run_llamacpp_bench(args) -> int:
                     workload = next(w for w in build_workloads(engine.tokenizer, quick) if w.key == "iii")
                     _progress(f"workload {workload.label}")
                 log = log_dir / f"llamacpp-{dtype}-{n}t.log"
-                _progress(f"{dtype}, {n} thread(s): loading {ggufs[dtype].name} in llama.cpp (n_threads={n}; "
-                          f"log {log})")
+                _progress(
+                    f"{dtype}, {n} thread(s): loading {ggufs[dtype].name} in llama.cpp (n_threads={n}; log {log})"
+                )
                 peer = LlamaCppPeer(python, log)
                 n_ctx = -(-(len(workload.prompts[0]) + workload.new_tokens) // 256) * 256
-                reply = peer.request(load_request(str(ggufs[dtype]), n, n_ctx=n_ctx, seed=sa.random_seed,
-                                                  kv_type=GGUF_TYPES[dtype]), timeout=LOAD_TIMEOUT_S)
+                reply = peer.request(
+                    load_request(str(ggufs[dtype]), n, n_ctx=n_ctx, seed=sa.random_seed, kv_type=GGUF_TYPES[dtype]),
+                    timeout=LOAD_TIMEOUT_S,
+                )
                 _progress(f"llama.cpp ready in {reply['seconds']:.1f} s")
                 rows.append(_measure(engine, peer, workload, dtype, n, repeats, _workbench_run))
                 save()
@@ -444,8 +513,10 @@ def run_llamacpp_bench(args) -> int:
         print(line)
     for r in rows:
         if r.first_equal is not None:
-            print(f"first {FIRST_IDS} greedy tokens, workbench vs llama.cpp, {r.dtype}, {r.threads} thread(s): "
-                  f"{'equal' if r.first_equal else 'DIFFERENT'}")
+            print(
+                f"first {FIRST_IDS} greedy tokens, workbench vs llama.cpp, {r.dtype}, {r.threads} thread(s): "
+                f"{'equal' if r.first_equal else 'DIFFERENT'}"
+            )
     print(f"llama-cpp-python {version}; GGUFs: " + ", ".join(f"{k} {v}" for k, v in ggufs.items()))
     print(f"llama.cpp logs: {log_dir}")
     for text in failures:
@@ -460,7 +531,7 @@ def run_llamacpp_bench(args) -> int:
 def _measure(engine, peer: LlamaCppPeer, wl: Workload, dtype: str, n: int, repeats: int, workbench_run) -> LlamaRow:
     """`repeats` rounds of A B B A on workload (iii); the first-ids check from each side's first run."""
     sides = {"workbench": workbench_run(engine), "llama.cpp": _peer_run(peer)}
-    for run in sides.values():                        # warm-up, both sides
+    for run in sides.values():  # warm-up, both sides
         run(wl.prompts, 4)
     samples: dict[str, list[float]] = {"workbench": [], "llama.cpp": []}
     first: dict[str, list[list[int]]] = {}
@@ -472,10 +543,13 @@ def _measure(engine, peer: LlamaCppPeer, wl: Workload, dtype: str, n: int, repea
             samples[side].append(tok_s)
             loads.append(load1)
             first.setdefault(side, ids)
-            _progress(f"(iii) {dtype} {n} thread(s) [{r + 1}/{repeats}] {side:<9} {tok_s:8.1f} tok/s   "
-                      f"(load 1m {load1:.2f})")
+            _progress(
+                f"(iii) {dtype} {n} thread(s) [{r + 1}/{repeats}] {side:<9} {tok_s:8.1f} tok/s   (load 1m {load1:.2f})"
+            )
     equal = list(first["workbench"][0][:FIRST_IDS]) == list(first["llama.cpp"][0][:FIRST_IDS])
     if not equal:
-        _progress(f"first ids differ: workbench {first['workbench'][0][:FIRST_IDS]} vs "
-                  f"llama.cpp {first['llama.cpp'][0][:FIRST_IDS]}")
+        _progress(
+            f"first ids differ: workbench {first['workbench'][0][:FIRST_IDS]} vs "
+            f"llama.cpp {first['llama.cpp'][0][:FIRST_IDS]}"
+        )
     return make_row(dtype, n, samples["workbench"], samples["llama.cpp"], loads, equal)

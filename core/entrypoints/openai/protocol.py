@@ -9,6 +9,7 @@ min_tokens, ...) are declared, so they pass; anything else unknown is refused.
 OpenAI fields this server accepts but does not act on (store, metadata,
 service_tier, ...) are declared as ignored.
 """
+
 from __future__ import annotations
 
 import time
@@ -38,6 +39,7 @@ class _Out(BaseModel):
 
 # ---------------------------------------------------------------- shared pieces
 
+
 class StreamOptions(_Strict):
     include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False
@@ -45,6 +47,7 @@ class StreamOptions(_Strict):
 
 class SamplingExtras(_Strict):
     """SGLang/vLLM sampling extensions that clients send via `extra_body`."""
+
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
@@ -80,6 +83,7 @@ class CommonOpenAIFields(SamplingExtras):
 
 # ---------------------------------------------------------------- chat requests
 
+
 class TextContentPart(_Lenient):
     type: str
     text: Optional[str] = None
@@ -111,6 +115,7 @@ class ChatCompletionRequest(CommonOpenAIFields):
 
 # ---------------------------------------------------------------- completion requests
 
+
 class CompletionRequest(CommonOpenAIFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     best_of: Optional[int] = None
@@ -122,8 +127,10 @@ class CompletionRequest(CommonOpenAIFields):
 
 # ---------------------------------------------------------------- native /generate
 
+
 class GenerateReqInput(_Strict):
     """SGLang's /generate body: `text` or `input_ids` (one or a batch)."""
+
     text: Optional[Union[str, list[str]]] = None
     input_ids: Optional[Union[list[int], list[list[int]]]] = None
     sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
@@ -141,6 +148,7 @@ class AbortReqInput(_Strict):
 
 
 # ---------------------------------------------------------------- responses
+
 
 class PromptTokensDetails(_Out):
     cached_tokens: int = 0

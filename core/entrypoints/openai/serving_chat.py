@@ -5,6 +5,7 @@ Non-streaming answers one `chat.completion`; streaming answers SSE
 chunk with `finish_reason`, a usage chunk (`choices: []`) when
 `stream_options.include_usage`, then `data: [DONE]`.
 """
+
 from __future__ import annotations
 
 from typing import Any, AsyncIterator
@@ -14,13 +15,33 @@ from fastapi.responses import JSONResponse
 
 from workbench.core.entrypoints.errors import APIError, bad_request
 from workbench.core.entrypoints.openai.protocol import (
-    ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionStreamChoice, ChatResponseMessage, ChoiceLogprobs, DeltaMessage,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatResponseMessage,
+    ChoiceLogprobs,
+    DeltaMessage,
 )
 from workbench.core.entrypoints.openai.serving_common import (
-    SSE_DONE, ServingContext, SSEResponse, StreamGuard, chat_logprobs, check_prompt_fits, fan_out,
-    finish_reason_of, generate_all, merge_streams, new_logprob_items, new_rid, open_streams, sampling_params_from,
-    sse, sse_error, usage_from,
+    SSE_DONE,
+    ServingContext,
+    SSEResponse,
+    StreamGuard,
+    chat_logprobs,
+    check_prompt_fits,
+    fan_out,
+    finish_reason_of,
+    generate_all,
+    merge_streams,
+    new_logprob_items,
+    new_rid,
+    open_streams,
+    sampling_params_from,
+    sse,
+    sse_error,
+    usage_from,
 )
 
 
@@ -37,8 +58,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
             texts = []
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise bad_request(f"content part type {part.type!r} is not supported (text only)",
-                                      f"messages.{i}.content.{j}.type")
+                    raise bad_request(
+                        f"content part type {part.type!r} is not supported (text only)",
+                        f"messages.{i}.content.{j}.type",
+                    )
                 texts.append(part.text)
             content = "\n".join(texts)
         if content is None:
@@ -73,7 +96,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request, req: Cha
     sp = sampling_params_from(req, ctx, max_tokens)
     try:
         ids = list(ctx.engine.apply_chat_template(messages, add_generation_prompt=bool(req.add_generation_prompt)))
-    except (ValueError, TypeError) as e:   # e.g. a template that rejects the role order
+    except (ValueError, TypeError) as e:  # e.g. a template that rejects the role order
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
     sp["max_new_tokens"] = check_prompt_fits(ctx, len(ids), max_tokens)
     n = req.n or 1
@@ -89,8 +112,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request, req: Cha
         opened = await open_streams(ctx, specs)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         guard = StreamGuard(ctx, [s.rid for s in specs])
-        return SSEResponse(_stream(ctx, base, model, opened, n, len(ids), top_n, bool(req.logprobs),
-                                   include_usage, guard), guard)
+        return SSEResponse(
+            _stream(ctx, base, model, opened, n, len(ids), top_n, bool(req.logprobs), include_usage, guard), guard
+        )
 
     results = await generate_all(ctx, request, specs)
     choices = []
@@ -99,24 +123,49 @@ async def create_chat_completion(ctx: ServingContext, request: Request, req: Cha
         reason, matched = finish_reason_of(meta)
         lp = None
         if req.logprobs:
-            lp = ChoiceLogprobs(content=chat_logprobs(ctx, meta.get("output_token_logprobs") or [],
-                                                      meta.get("output_top_logprobs") or [], top_n))
-        choices.append(ChatCompletionChoice(
-            index=spec.index, message=ChatResponseMessage(content=res.get("text", "")),
-            logprobs=lp, finish_reason=reason, matched_stop=matched))
-    resp = ChatCompletionResponse(id=base, model=model, choices=choices,
-                                  usage=usage_from(results, n, [len(ids)]))
+            lp = ChoiceLogprobs(
+                content=chat_logprobs(
+                    ctx, meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or [], top_n
+                )
+            )
+        choices.append(
+            ChatCompletionChoice(
+                index=spec.index,
+                message=ChatResponseMessage(content=res.get("text", "")),
+                logprobs=lp,
+                finish_reason=reason,
+                matched_stop=matched,
+            )
+        )
+    resp = ChatCompletionResponse(id=base, model=model, choices=choices, usage=usage_from(results, n, [len(ids)]))
     return JSONResponse(resp.model_dump(mode="json"))
 
 
-async def _stream(ctx: ServingContext, rid: str, model: str, opened, n: int, prompt_len: int, top_n: int,
-                  want_logprobs: bool, include_usage: bool, guard: StreamGuard) -> AsyncIterator[str]:
+async def _stream(
+    ctx: ServingContext,
+    rid: str,
+    model: str,
+    opened,
+    n: int,
+    prompt_len: int,
+    top_n: int,
+    want_logprobs: bool,
+    include_usage: bool,
+    guard: StreamGuard,
+) -> AsyncIterator[str]:
     seen_ids: dict[int, int] = {}
     finals: dict[int, dict] = {}
     try:
         for spec, _, _ in opened:
-            yield sse(ChatCompletionChunk(id=rid, model=model, choices=[ChatCompletionStreamChoice(
-                index=spec.index, delta=DeltaMessage(role="assistant", content=""))]))
+            yield sse(
+                ChatCompletionChunk(
+                    id=rid,
+                    model=model,
+                    choices=[
+                        ChatCompletionStreamChoice(index=spec.index, delta=DeltaMessage(role="assistant", content=""))
+                    ],
+                )
+            )
         async for spec, chunk in merge_streams(opened, ctx):
             meta = chunk.get("meta_info", {})
             reason, matched = finish_reason_of(meta)
@@ -129,16 +178,27 @@ async def _stream(ctx: ServingContext, rid: str, model: str, opened, n: int, pro
             seen_ids[spec.index] = n_ids
             delta = chunk.get("delta", "")
             if delta or lp is not None or reason:
-                yield sse(ChatCompletionChunk(id=rid, model=model, choices=[ChatCompletionStreamChoice(
-                    index=spec.index, delta=DeltaMessage(content=delta or None) if delta else DeltaMessage(),
-                    logprobs=lp, finish_reason=reason, matched_stop=matched)]))
+                yield sse(
+                    ChatCompletionChunk(
+                        id=rid,
+                        model=model,
+                        choices=[
+                            ChatCompletionStreamChoice(
+                                index=spec.index,
+                                delta=DeltaMessage(content=delta or None) if delta else DeltaMessage(),
+                                logprobs=lp,
+                                finish_reason=reason,
+                                matched_stop=matched,
+                            )
+                        ],
+                    )
+                )
             if reason:
                 finals[spec.index] = chunk
                 guard.finished(spec.rid)
         if include_usage:
             results = [finals.get(s.index, {}) for s, _, _ in opened]
-            yield sse(ChatCompletionChunk(id=rid, model=model, choices=[],
-                                          usage=usage_from(results, n, [prompt_len])))
+            yield sse(ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage_from(results, n, [prompt_len])))
     except APIError as e:
         yield sse(e.to_dict())
     except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent

@@ -7,6 +7,7 @@ streaming works for `n > 1` and a disconnect can abort exactly the requests it
 started. With a `seed`, choice i samples with `seed + i` so the choices differ
 and the whole response is still reproducible.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,12 @@ from fastapi.responses import StreamingResponse
 
 from workbench.core.entrypoints.errors import APIError, bad_request, engine_error_to_api
 from workbench.core.entrypoints.openai.protocol import (
-    ChatTokenLogprob, CommonOpenAIFields, CompletionLogprobs, PromptTokensDetails, TopLogprob, UsageInfo,
+    ChatTokenLogprob,
+    CommonOpenAIFields,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
 )
 
 logger = logging.getLogger(__name__)
@@ -35,6 +41,7 @@ class ServingContext:
     """The engine plus what the handlers need to know about the served model.
 
     `abort` takes a rid and must not block the engine loop (see http_server)."""
+
     engine: Any
     model_name: str
     model_path: str
@@ -57,8 +64,12 @@ class ServingContext:
         """Unknown model name -> 404 (None means the served model)."""
         if name is None or name == self.model_name or name in self.aliases:
             return
-        raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
 
     def token_str(self, tid: int) -> str:
         s = self._tok_str.get(tid)
@@ -84,8 +95,8 @@ def new_rid(prefix: str) -> str:
 
 # ---------------------------------------------------------------- request checks
 
-def sampling_params_from(req: CommonOpenAIFields, ctx: ServingContext, max_new_tokens: Optional[int]
-                         ) -> dict[str, Any]:
+
+def sampling_params_from(req: CommonOpenAIFields, ctx: ServingContext, max_new_tokens: Optional[int]) -> dict[str, Any]:
     """OpenAI request fields -> SGLang sampling_params (only what the client set)."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
@@ -96,8 +107,11 @@ def sampling_params_from(req: CommonOpenAIFields, ctx: ServingContext, max_new_t
         if max_new_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {max_new_tokens}", "max_tokens")
         if max_new_tokens > ctx.context_len:
-            raise bad_request(f"max_tokens ({max_new_tokens}) is larger than the model's context length "
-                              f"({ctx.context_len})", "max_tokens", "context_length_exceeded")
+            raise bad_request(
+                f"max_tokens ({max_new_tokens}) is larger than the model's context length ({ctx.context_len})",
+                "max_tokens",
+                "context_length_exceeded",
+            )
     if req.min_tokens is not None and req.min_tokens < 0:
         raise bad_request(f"min_tokens must be >= 0, got {req.min_tokens}", "min_tokens")
     if req.stop_token_ids:
@@ -134,27 +148,33 @@ def check_prompt_fits(ctx: ServingContext, prompt_len: int, max_new_tokens: Opti
         raise bad_request(
             f"This model's maximum context length is {ctx.context_len} tokens; the request has "
             f"{prompt_len} prompt tokens{want}. Shorten the prompt or lower max_tokens.",
-            "messages" if max_new_tokens is None else "max_tokens", "context_length_exceeded")
+            "messages" if max_new_tokens is None else "max_tokens",
+            "context_length_exceeded",
+        )
     return room if max_new_tokens is None else max_new_tokens
 
 
 # ---------------------------------------------------------------- engine fan-out
 
+
 @dataclass
 class ChoiceSpec:
     """One engine request behind one choice."""
+
     index: int
     prompt_index: int
     rid: str
     kwargs: dict[str, Any]
 
 
-def fan_out(base_rid: str, prompts: list[dict[str, Any]], sampling_params: dict[str, Any], n: int,
-            gen_kwargs: dict[str, Any]) -> list[ChoiceSpec]:
+def fan_out(
+    base_rid: str, prompts: list[dict[str, Any]], sampling_params: dict[str, Any], n: int, gen_kwargs: dict[str, Any]
+) -> list[ChoiceSpec]:
     """prompts x n -> ChoiceSpecs (OpenAI's order: prompt-major)."""
     if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
-        raise bad_request(f"too many choices in one request ({len(prompts)} prompts x n={n}; "
-                          f"at most {MAX_CHOICES_PER_REQUEST})", "n")
+        raise bad_request(
+            f"too many choices in one request ({len(prompts)} prompts x n={n}; at most {MAX_CHOICES_PER_REQUEST})", "n"
+        )
     specs = []
     for p, prompt in enumerate(prompts):
         for i in range(n):
@@ -169,6 +189,7 @@ def fan_out(base_rid: str, prompts: list[dict[str, Any]], sampling_params: dict[
 
 async def generate_all(ctx: ServingContext, request: Request, specs: list[ChoiceSpec]) -> list[dict]:
     """Run every choice to completion; a client disconnect aborts them all."""
+
     async def one(spec: ChoiceSpec):
         return await ctx.engine.async_generate(**spec.kwargs)
 
@@ -206,8 +227,12 @@ async def generate_all(ctx: ServingContext, request: Request, specs: list[Choice
 
 
 def shutdown_error() -> APIError:
-    return APIError(503, "The server is shutting down and stopped this request before it finished; send it again "
-                         "(to another server if this one does not come back)", code="server_shutdown")
+    return APIError(
+        503,
+        "The server is shutting down and stopped this request before it finished; send it again "
+        "(to another server if this one does not come back)",
+        code="server_shutdown",
+    )
 
 
 async def until_stopping(ctx: ServingContext, awaitable):
@@ -246,10 +271,12 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def open_streams(ctx: ServingContext, specs: list[ChoiceSpec]
-                       ) -> list[tuple[ChoiceSpec, Optional[dict], Optional[AsyncIterator[dict]]]]:
+async def open_streams(
+    ctx: ServingContext, specs: list[ChoiceSpec]
+) -> list[tuple[ChoiceSpec, Optional[dict], Optional[AsyncIterator[dict]]]]:
     """Start every choice as a stream and wait for its first chunk, so that a bad
     request fails with a status code before any SSE byte is sent."""
+
     async def start(spec: ChoiceSpec):
         it = await ctx.engine.async_generate(stream=True, **spec.kwargs)
         it = it.__aiter__()
@@ -334,8 +361,9 @@ class SSEResponse(StreamingResponse):
     the client disconnects (or anything else stops the stream early)."""
 
     def __init__(self, content: AsyncIterator[str], guard: StreamGuard):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.guard = guard
 
     async def __call__(self, scope, receive, send) -> None:
@@ -368,6 +396,7 @@ def sse_error(exc: BaseException) -> str:
 
 # ---------------------------------------------------------------- results
 
+
 def finish_reason_of(meta: dict) -> tuple[Optional[str], Any]:
     fr = meta.get("finish_reason")
     if not fr:
@@ -382,13 +411,17 @@ def usage_from(results: list[dict], n: int, prompt_lens: Optional[list[int]] = N
     its n choices); completion tokens count every choice."""
     prompt = cached = completion = 0
     for p in range(0, len(results), n):
-        group = results[p:p + n]
+        group = results[p : p + n]
         metas = [r.get("meta_info", {}) for r in group]
         prompt += prompt_lens[p // n] if prompt_lens else int(metas[0].get("prompt_tokens", 0))
         cached += max(int(m.get("cached_tokens", 0) or 0) for m in metas)
         completion += sum(int(m.get("completion_tokens", 0)) for m in metas)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 def new_logprob_items(meta: dict, seen: int, n_ids: int) -> tuple[list, list]:
@@ -396,7 +429,7 @@ def new_logprob_items(meta: dict, seen: int, n_ids: int) -> tuple[list, list]:
     the whole list so far (cumulative) or only the new entries."""
     lps = meta.get("output_token_logprobs") or []
     tops = meta.get("output_top_logprobs") or []
-    if len(lps) >= n_ids and n_ids >= seen:     # cumulative
+    if len(lps) >= n_ids and n_ids >= seen:  # cumulative
         return lps[seen:n_ids], tops[seen:n_ids]
     return lps, tops
 
@@ -415,9 +448,15 @@ def chat_logprobs(ctx: ServingContext, lps: list, tops: list, top_n: int) -> lis
     return out
 
 
-def completion_logprobs(ctx: ServingContext, lps: list, tops: list, top_n: int, start_offset: int = 0,
-                        prompt_ids: Optional[list[int]] = None, input_lps: Optional[list] = None
-                        ) -> CompletionLogprobs:
+def completion_logprobs(
+    ctx: ServingContext,
+    lps: list,
+    tops: list,
+    top_n: int,
+    start_offset: int = 0,
+    prompt_ids: Optional[list[int]] = None,
+    input_lps: Optional[list] = None,
+) -> CompletionLogprobs:
     """Completions-shaped logprobs; with `prompt_ids` (echo) the prompt tokens come first,
     their logprobs from `input_lps` (the first prompt token has none)."""
     out = CompletionLogprobs()
@@ -425,7 +464,7 @@ def completion_logprobs(ctx: ServingContext, lps: list, tops: list, top_n: int, 
     rows: list[tuple[Optional[float], int, Any]] = []
     if prompt_ids is not None:
         in_lps = [it[0] if isinstance(it, (list, tuple)) else it for it in (input_lps or [])]
-        in_lps = [None] * (len(prompt_ids) - len(in_lps)) + in_lps[-len(prompt_ids):] if prompt_ids else []
+        in_lps = [None] * (len(prompt_ids) - len(in_lps)) + in_lps[-len(prompt_ids) :] if prompt_ids else []
         rows += [(lp, tid, None) for lp, tid in zip(in_lps, prompt_ids)]
     rows += [(it[0], it[1], tops[k] if k < len(tops) else None) for k, it in enumerate(lps)]
     for lp, tid, top in rows:

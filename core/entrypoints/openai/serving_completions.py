@@ -4,6 +4,7 @@
 the first one null). `max_tokens` defaults to 16 as in OpenAI's API; an explicit
 null means "up to the context length".
 """
+
 from __future__ import annotations
 
 from typing import Any, AsyncIterator, Optional
@@ -13,12 +14,28 @@ from fastapi.responses import JSONResponse
 
 from workbench.core.entrypoints.errors import APIError, bad_request
 from workbench.core.entrypoints.openai.protocol import (
-    CompletionChoice, CompletionRequest, CompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
 )
 from workbench.core.entrypoints.openai.serving_common import (
-    SSE_DONE, ServingContext, SSEResponse, StreamGuard, check_prompt_fits, completion_logprobs, fan_out,
-    finish_reason_of, generate_all, merge_streams, new_logprob_items, new_rid, open_streams,
-    sampling_params_from, sse, sse_error, usage_from,
+    SSE_DONE,
+    ServingContext,
+    SSEResponse,
+    StreamGuard,
+    check_prompt_fits,
+    completion_logprobs,
+    fan_out,
+    finish_reason_of,
+    generate_all,
+    merge_streams,
+    new_logprob_items,
+    new_rid,
+    open_streams,
+    sampling_params_from,
+    sse,
+    sse_error,
+    usage_from,
 )
 
 
@@ -69,13 +86,14 @@ async def create_completion(ctx: ServingContext, request: Request, req: Completi
         ids = prompts[0].get("input_ids") or ctx.encode(prompts[0]["prompt"])
         sp["max_new_tokens"] = check_prompt_fits(ctx, len(ids), None)
     else:
-        for p in prompts:   # text prompts are checked by the engine after tokenizing
+        for p in prompts:  # text prompts are checked by the engine after tokenizing
             if "input_ids" in p:
                 check_prompt_fits(ctx, len(p["input_ids"]), req.max_tokens)
     if req.echo and top_n is not None:
         # Prompt logprobs are reported against our own tokenization of the prompt.
-        prompts = [p if "input_ids" in p else {"input_ids": ctx.encode(p["prompt"]), "text": p["prompt"]}
-                   for p in prompts]
+        prompts = [
+            p if "input_ids" in p else {"input_ids": ctx.encode(p["prompt"]), "text": p["prompt"]} for p in prompts
+        ]
     gen_kwargs: dict[str, Any] = {}
     if top_n is not None:
         gen_kwargs.update(return_logprob=True, top_logprobs_num=top_n)
@@ -92,8 +110,9 @@ async def create_completion(ctx: ServingContext, request: Request, req: Completi
         opened = await open_streams(ctx, specs)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         guard = StreamGuard(ctx, [s.rid for s in specs])
-        return SSEResponse(_stream(ctx, base, model, opened, n, top_n, echo_texts, echo_ids, include_usage,
-                                   guard), guard)
+        return SSEResponse(
+            _stream(ctx, base, model, opened, n, top_n, echo_texts, echo_ids, include_usage, guard), guard
+        )
 
     results = await generate_all(ctx, request, specs)
     choices = []
@@ -103,20 +122,39 @@ async def create_completion(ctx: ServingContext, request: Request, req: Completi
         prefix = echo_texts[spec.prompt_index] if echo_texts else ""
         lp = None
         if top_n is not None:
-            lp = completion_logprobs(ctx, meta.get("output_token_logprobs") or [],
-                                     meta.get("output_top_logprobs") or [], top_n,
-                                     prompt_ids=echo_ids[spec.prompt_index] if echo_ids else None,
-                                     input_lps=meta.get("input_token_logprobs"))
-        choices.append(CompletionChoice(index=spec.index, text=prefix + res.get("text", ""), logprobs=lp,
-                                        finish_reason=reason, matched_stop=matched))
+            lp = completion_logprobs(
+                ctx,
+                meta.get("output_token_logprobs") or [],
+                meta.get("output_top_logprobs") or [],
+                top_n,
+                prompt_ids=echo_ids[spec.prompt_index] if echo_ids else None,
+                input_lps=meta.get("input_token_logprobs"),
+            )
+        choices.append(
+            CompletionChoice(
+                index=spec.index,
+                text=prefix + res.get("text", ""),
+                logprobs=lp,
+                finish_reason=reason,
+                matched_stop=matched,
+            )
+        )
     resp = CompletionResponse(id=base, model=model, choices=choices, usage=usage_from(results, n))
     return JSONResponse(resp.model_dump(mode="json"))
 
 
-async def _stream(ctx: ServingContext, rid: str, model: str, opened, n: int, top_n: Optional[int],
-                  echo_texts: Optional[list[str]], echo_ids: Optional[list], include_usage: bool,
-                  guard: StreamGuard
-                  ) -> AsyncIterator[str]:
+async def _stream(
+    ctx: ServingContext,
+    rid: str,
+    model: str,
+    opened,
+    n: int,
+    top_n: Optional[int],
+    echo_texts: Optional[list[str]],
+    echo_ids: Optional[list],
+    include_usage: bool,
+    guard: StreamGuard,
+) -> AsyncIterator[str]:
     seen_ids: dict[int, int] = {}
     offsets: dict[int, int] = {}
     finals: dict[int, dict] = {}
@@ -136,14 +174,24 @@ async def _stream(ctx: ServingContext, rid: str, model: str, opened, n: int, top
             if top_n is not None:
                 lps, tops = new_logprob_items(meta, seen_ids.get(spec.index, 0), n_ids)
                 if lps or prompt_ids:
-                    lp = completion_logprobs(ctx, lps, tops, top_n, offsets.get(spec.index, 0), prompt_ids,
-                                             meta.get("input_token_logprobs"))
+                    lp = completion_logprobs(
+                        ctx, lps, tops, top_n, offsets.get(spec.index, 0), prompt_ids, meta.get("input_token_logprobs")
+                    )
                     if lp.tokens:
                         offsets[spec.index] = lp.text_offset[-1] + len(lp.tokens[-1])
             seen_ids[spec.index] = n_ids
             if text or lp is not None or reason:
-                yield sse(CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
-                    index=spec.index, text=text, logprobs=lp, finish_reason=reason, matched_stop=matched)]))
+                yield sse(
+                    CompletionResponse(
+                        id=rid,
+                        model=model,
+                        choices=[
+                            CompletionChoice(
+                                index=spec.index, text=text, logprobs=lp, finish_reason=reason, matched_stop=matched
+                            )
+                        ],
+                    )
+                )
             if reason:
                 finals[spec.index] = chunk
                 guard.finished(spec.rid)

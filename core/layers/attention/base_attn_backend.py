@@ -1,4 +1,5 @@
 """The attention-backend interface every backend (torch_native, triton, flashinfer) implements."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -29,8 +30,9 @@ class AttentionBackend:
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Precompute per-pass metadata (index tables, masks) shared by every layer."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch"
+    ) -> torch.Tensor:
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch)
         return self.forward_extend(q, k, v, layer, forward_batch)
@@ -49,8 +51,9 @@ class AttentionBackend:
         """
         raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")
 
-    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor, forward_batch: "ForwardBatch") -> None:
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, forward_batch: "ForwardBatch"
+    ) -> None:
         """Before capturing bucket `bs`: point `forward_batch.attn_metadata` at static buffers.
 
         `req_pool_indices` and `seq_lens` are the graph's static input buffers (first
@@ -58,9 +61,14 @@ class AttentionBackend:
         """
         raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")
 
-    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, seq_lens_cpu: list[int],
-                                                forward_batch: "ForwardBatch") -> None:
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: list[int],
+        forward_batch: "ForwardBatch",
+    ) -> None:
         """Before replaying bucket `bs`: refresh the static metadata for the (padded) batch now
         in the input buffers; `seq_lens_cpu` are the same lengths on the host."""
         raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")

@@ -12,6 +12,7 @@ The extend kernel has an AVX-512 and an AVX2 path, each faster than torch's flas
 (AVX2, znver3: ~6-8 vs ~10-13 ms per layer for a 512-token prompt, one thread); CPUs with
 neither prefill through the torch-native path (`cpu_ops.extend_kernel_preferred`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,9 +25,9 @@ from workbench.core.layers.attention.torch_native_backend import TorchNativeAttn
 
 @dataclass
 class PagedDecodeMetadata:
-    req_pool_indices: torch.Tensor   # [B] int64, contiguous: each request's row of req_to_token
-    seq_lens: torch.Tensor           # [B] int64, contiguous: its context length, this step's token included
-    out_cache_loc: torch.Tensor      # [B] int64, contiguous: the slot this step's K/V go to
+    req_pool_indices: torch.Tensor  # [B] int64, contiguous: each request's row of req_to_token
+    seq_lens: torch.Tensor  # [B] int64, contiguous: its context length, this step's token included
+    out_cache_loc: torch.Tensor  # [B] int64, contiguous: the slot this step's K/V go to
 
 
 def cpu_paged_unavailable_reason(device: str, dtype=None) -> str | None:
@@ -43,10 +44,10 @@ def cpu_paged_unavailable_reason(device: str, dtype=None) -> str | None:
 
 @dataclass
 class PagedExtendMetadata:
-    req_pool_indices: torch.Tensor   # [B] int64: each request's row of req_to_token
-    prefix_lens: torch.Tensor        # [B] int64: tokens already in the pool before this pass
-    extend_lens: torch.Tensor        # [B] int64: new tokens this pass
-    extend_starts: torch.Tensor      # [B] int64: each request's first row in the batch's q
+    req_pool_indices: torch.Tensor  # [B] int64: each request's row of req_to_token
+    prefix_lens: torch.Tensor  # [B] int64: tokens already in the pool before this pass
+    extend_lens: torch.Tensor  # [B] int64: new tokens this pass
+    extend_starts: torch.Tensor  # [B] int64: each request's first row in the batch's q
 
 
 class CpuPagedAttnBackend(TorchNativeAttnBackend):
@@ -68,7 +69,8 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
             fb.req_pool_indices.to(torch.int64).contiguous(),
             torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64),
             torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64),
-            torch.tensor(fb.extend_start_loc_cpu, dtype=torch.int64))
+            torch.tensor(fb.extend_start_loc_cpu, dtype=torch.int64),
+        )
 
     def forward_extend(self, q, k, v, layer, fb) -> torch.Tensor:
         """Store this pass's K/V, then one kernel call attends for every request of the batch."""
@@ -78,9 +80,16 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         meta: PagedExtendMetadata = fb.attn_metadata
         return cpu_ops.paged_extend_attention(
-            q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-            fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens,
-            meta.extend_starts, layer.scaling)
+            q,
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
+            fb.req_to_token_pool.req_to_token,
+            meta.req_pool_indices,
+            meta.prefix_lens,
+            meta.extend_lens,
+            meta.extend_starts,
+            layer.scaling,
+        )
 
     def forward_decode(self, q, k, v, layer, fb) -> torch.Tensor:
         """One kernel call stores this step's K/V into the pool and attends."""
@@ -89,18 +98,29 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         if k.dtype != q.dtype or v.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         return cpu_ops.paged_decode_attention(
-            q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-            fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens, layer.scaling,
-            k_new=k, v_new=v, out_cache_loc=meta.out_cache_loc)
+            q,
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
+            fb.req_to_token_pool.req_to_token,
+            meta.req_pool_indices,
+            meta.seq_lens,
+            layer.scaling,
+            k_new=k,
+            v_new=v,
+            out_cache_loc=meta.out_cache_loc,
+        )
 
     # The CPU stand-in graph re-runs Python at replay, so plain metadata serves it.
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_cpu,
-                                                forward_batch) -> None:
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs, req_pool_indices, seq_lens, seq_lens_cpu, forward_batch
+    ) -> None:
         forward_batch.attn_metadata = _paged_metadata(req_pool_indices, seq_lens, forward_batch.out_cache_loc)
 
 
-def _paged_metadata(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                    out_cache_loc: torch.Tensor) -> PagedDecodeMetadata:
+def _paged_metadata(
+    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor
+) -> PagedDecodeMetadata:
     def i64(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.int64).contiguous()
+
     return PagedDecodeMetadata(i64(req_pool_indices), i64(seq_lens), i64(out_cache_loc))

@@ -18,6 +18,7 @@ a view, no copy), so a request's page list is simply its slot row in
 Everything here needs CUDA and the `flashinfer-python` package; the import is
 guarded so the module loads anywhere (`flashinfer_unavailable_reason`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,40 +28,44 @@ import torch
 
 from workbench.core.layers.attention.base_attn_backend import AttentionBackend
 
-WORKSPACE_BYTES = 128 * 1024 * 1024   # FlashInfer's float workspace, shared by all wrappers (as SGLang)
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's float workspace, shared by all wrappers (as SGLang)
 
 
 def flashinfer_unavailable_reason(device: str, dtype=None) -> Optional[str]:
     """None when the flashinfer backend can run on `device` (and `dtype`, a torch.dtype or a
     --dtype name, if given), else what to do about it."""
     if device != "cuda":
-        return ("the flashinfer attention backend runs on CUDA only; "
-                "use --attention-backend torch_native on CPU")
+        return "the flashinfer attention backend runs on CUDA only; use --attention-backend torch_native on CPU"
     if dtype is not None and str(dtype).replace("torch.", "") == "float32":
         # Its kernels are built for 16-bit activations only (found on a real H100: KeyError float32).
-        return ("the flashinfer attention backend runs float16/bfloat16 models only; use --dtype bfloat16, "
-                "or --attention-backend triton for float32")
+        return (
+            "the flashinfer attention backend runs float16/bfloat16 models only; use --dtype bfloat16, "
+            "or --attention-backend triton for float32"
+        )
     try:
         import flashinfer  # noqa: F401
     except ImportError as exc:
-        return (f"the flashinfer attention backend needs `flashinfer-python` ({exc}); "
-                "pip install flashinfer-python, or pick --attention-backend triton")
+        return (
+            f"the flashinfer attention backend needs `flashinfer-python` ({exc}); "
+            "pip install flashinfer-python, or pick --attention-backend triton"
+        )
     return None
 
 
 @dataclass
 class FlashInferDecodeMetadata:
-    wrapper: Any                     # a planned BatchDecodeWithPagedKVCacheWrapper
+    wrapper: Any  # a planned BatchDecodeWithPagedKVCacheWrapper
 
 
 @dataclass
 class FlashInferExtendMetadata:
-    ragged: Any                      # planned BatchPrefillWithRaggedKVCacheWrapper (new tokens, causal)
-    paged: Optional[Any]             # planned BatchPrefillWithPagedKVCacheWrapper (prefixes), or None
+    ragged: Any  # planned BatchPrefillWithRaggedKVCacheWrapper (new tokens, causal)
+    paged: Optional[Any]  # planned BatchPrefillWithPagedKVCacheWrapper (prefixes), or None
 
 
-def kv_indices_from_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor,
-                         lens_cpu: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_indices_from_rows(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor, lens_cpu: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(indptr [B+1] int32, indices [sum(lens)] int32): the first lens[b] slots of each request's row.
 
     Pure torch, device-neutral (unit-tested on CPU); the boolean gather syncs with the
@@ -84,12 +89,21 @@ class FlashInferAttnBackend(AttentionBackend):
     name = "flashinfer"
     cuda_graph_capturable = True
 
-    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
-                 dtype: torch.dtype, kv_dtype: torch.dtype, device: str):
+    def __init__(
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scaling: float,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        device: str,
+    ):
         reason = flashinfer_unavailable_reason(torch.device(device).type, dtype)
         if reason:
             raise RuntimeError(reason)
         import flashinfer
+
         self._fi = flashinfer
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.scaling = scaling
@@ -99,7 +113,8 @@ class FlashInferAttnBackend(AttentionBackend):
         # Tensor-core decode pays off once several query heads share a KV head (SGLang's rule of thumb).
         self.use_tensor_cores = num_q_heads // num_kv_heads >= 4
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
         self.prefill_ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self.prefill_paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._graph_wrappers: dict[int, Any] = {}
@@ -116,9 +131,20 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def _plan_decode(self, wrapper, indptr: torch.Tensor, indices: torch.Tensor, bs: int) -> None:
         # data_type too: in some 0.2 releases it defaults to float16 and overrides q/kv_data_type.
-        wrapper.plan(indptr, indices, self._last_page_len(bs), self.num_q_heads, self.num_kv_heads,
-                     self.head_dim, 1, pos_encoding_mode="NONE", data_type=self.kv_dtype,
-                     q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.scaling)
+        wrapper.plan(
+            indptr,
+            indices,
+            self._last_page_len(bs),
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            1,
+            pos_encoding_mode="NONE",
+            data_type=self.kv_dtype,
+            q_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
+            sm_scale=self.scaling,
+        )
 
     def init_forward_metadata(self, fb) -> None:
         req_to_token = fb.req_to_token_pool.req_to_token
@@ -132,17 +158,37 @@ class FlashInferAttnBackend(AttentionBackend):
         qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int32)
         qo_indptr[1:] = torch.cumsum(ext, 0)
         qo_indptr = qo_indptr.to(dev)
-        self.prefill_ragged.plan(qo_indptr, qo_indptr, self.num_q_heads, self.num_kv_heads, self.head_dim,
-                                 causal=True, sm_scale=self.scaling, q_data_type=self.dtype,
-                                 kv_data_type=self.dtype)
+        self.prefill_ragged.plan(
+            qo_indptr,
+            qo_indptr,
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            causal=True,
+            sm_scale=self.scaling,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
         paged = None
         if any(fb.extend_prefix_lens_cpu):
             prefix = torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64, device=dev)
-            kv_indptr, kv_indices = kv_indices_from_rows(req_to_token, fb.req_pool_indices, prefix,
-                                                         fb.extend_prefix_lens_cpu)
-            self.prefill_paged.plan(qo_indptr, kv_indptr, kv_indices, self._last_page_len(fb.batch_size),
-                                    self.num_q_heads, self.num_kv_heads, self.head_dim, 1, causal=False,
-                                    sm_scale=self.scaling, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+            kv_indptr, kv_indices = kv_indices_from_rows(
+                req_to_token, fb.req_pool_indices, prefix, fb.extend_prefix_lens_cpu
+            )
+            self.prefill_paged.plan(
+                qo_indptr,
+                kv_indptr,
+                kv_indices,
+                self._last_page_len(fb.batch_size),
+                self.num_q_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                1,
+                causal=False,
+                sm_scale=self.scaling,
+                q_data_type=self.dtype,
+                kv_data_type=self.kv_dtype,
+            )
             paged = self.prefill_paged
         fb.attn_metadata = FlashInferExtendMetadata(self.prefill_ragged, paged)
 
@@ -180,18 +226,25 @@ class FlashInferAttnBackend(AttentionBackend):
         if self._graph_indptr is None:
             raise RuntimeError("call init_cuda_graph_state before capturing")
         wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-            paged_kv_indptr_buffer=self._graph_indptr[:bs + 1], paged_kv_indices_buffer=self._graph_indices,
-            paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs])
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=self._graph_indptr[: bs + 1],
+            paged_kv_indices_buffer=self._graph_indices,
+            paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],
+        )
         self._graph_wrappers[bs] = wrapper
         seq_lens_cpu = seq_lens[:bs].tolist()
         self.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_cpu, forward_batch)
 
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_cpu,
-                                                forward_batch) -> None:
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs, req_pool_indices, seq_lens, seq_lens_cpu, forward_batch
+    ) -> None:
         wrapper = self._graph_wrappers[bs]
-        indptr, indices = kv_indices_from_rows(forward_batch.req_to_token_pool.req_to_token,
-                                               req_pool_indices[:bs], seq_lens[:bs], list(seq_lens_cpu[:bs]))
+        indptr, indices = kv_indices_from_rows(
+            forward_batch.req_to_token_pool.req_to_token, req_pool_indices[:bs], seq_lens[:bs], list(seq_lens_cpu[:bs])
+        )
         # A CUDA-graph wrapper's plan copies indptr/indices into the fixed buffers the graph reads.
         self._plan_decode(wrapper, indptr, indices, bs)
         forward_batch.attn_metadata = FlashInferDecodeMetadata(wrapper)

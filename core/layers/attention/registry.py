@@ -4,6 +4,7 @@ Per-device default: CUDA takes flashinfer when it imports, else triton; CPU take
 cpu_paged when its kernels build (a C compiler is needed), else torch_native. Asking
 for a backend the device cannot run is an error that says what to pick instead.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -21,12 +22,15 @@ def unavailable_reason(name: str, device: str, dtype=None) -> Optional[str]:
         return None
     if name == "cpu_paged":
         from workbench.core.layers.attention.cpu_paged_backend import cpu_paged_unavailable_reason
+
         return cpu_paged_unavailable_reason(device, _as_torch_dtype(dtype))
     if name == "triton":
         from workbench.core.layers.attention.triton_backend import triton_unavailable_reason
+
         return triton_unavailable_reason(device)
     if name == "flashinfer":
         from workbench.core.layers.attention.flashinfer_backend import flashinfer_unavailable_reason
+
         return flashinfer_unavailable_reason(device, dtype)
     return f"unknown attention backend {name!r}; pick one of {', '.join(ATTENTION_BACKENDS)}"
 
@@ -40,8 +44,9 @@ def default_attention_backend(device: str, dtype=None) -> str:
     return "torch_native"
 
 
-def choose_attention_backend(requested: Optional[str], device: str, dtype, num_q_heads: int,
-                             num_kv_heads: int, head_dim: int) -> str:
+def choose_attention_backend(
+    requested: Optional[str], device: str, dtype, num_q_heads: int, num_kv_heads: int, head_dim: int
+) -> str:
     """`requested` if given, else the device default, stepping down from cpu_paged to torch_native
     for head shapes its kernel does not handle (a request for cpu_paged itself is not changed)."""
     if requested:
@@ -49,6 +54,7 @@ def choose_attention_backend(requested: Optional[str], device: str, dtype, num_q
     name = default_attention_backend(device, dtype)
     if name == "cpu_paged":
         from workbench.core.layers import cpu_ops
+
         if cpu_ops.shape_unsupported_reason(num_q_heads, num_kv_heads, head_dim):
             return "torch_native"
     return name
@@ -61,25 +67,37 @@ def _as_torch_dtype(dtype):
     return dtype
 
 
-def create_attn_backend(name: str, device: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype, kv_dtype: torch.dtype) -> AttentionBackend:
+def create_attn_backend(
+    name: str,
+    device: str,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+) -> AttentionBackend:
     """Build backend `name` for one rank's heads; raises ValueError when `device` cannot run it."""
     reason = unavailable_reason(name, device, dtype)
     if reason:
         raise ValueError(reason)
     if name == "torch_native":
         from workbench.core.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
         return TorchNativeAttnBackend()
     if name == "cpu_paged":
         from workbench.core.layers import cpu_ops
         from workbench.core.layers.attention.cpu_paged_backend import CpuPagedAttnBackend
+
         shape = cpu_ops.shape_unsupported_reason(num_q_heads, num_kv_heads, head_dim)
         if shape:
-            raise ValueError(f"the cpu_paged attention backend cannot run this model: {shape}; "
-                             "use --attention-backend torch_native")
+            raise ValueError(
+                f"the cpu_paged attention backend cannot run this model: {shape}; use --attention-backend torch_native"
+            )
         return CpuPagedAttnBackend()
     if name == "triton":
         from workbench.core.layers.attention.triton_backend import TritonAttnBackend
+
         return TritonAttnBackend(num_q_heads, head_dim, device)
     from workbench.core.layers.attention.flashinfer_backend import FlashInferAttnBackend
-    return FlashInferAttnBackend(num_q_heads, num_kv_heads, head_dim, head_dim ** -0.5, dtype, kv_dtype, device)
+
+    return FlashInferAttnBackend(num_q_heads, num_kv_heads, head_dim, head_dim**-0.5, dtype, kv_dtype, device)

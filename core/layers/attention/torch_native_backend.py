@@ -7,6 +7,7 @@ Extend: one SDPA call per request — prefill is compute-bound, so the loop cost
 little, and it handles ragged prefixes exactly (causal mask offset by the prefix).
 A request with no cached prefix attends to its own new K/V directly (no gather).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,27 +26,33 @@ SMALL_DECODE_KV_ELEMENTS = 32768
 
 @dataclass
 class DecodeMetadata:
-    kv_indices: torch.Tensor          # [B * Hk * L] rows of the pool viewed as [slots * Hk, D] (slot 0 = padding)
-    max_len: int                      # L
-    mask: Optional[torch.Tensor]      # [B, 1, 1, L] True where a key is valid; None if no padding
+    kv_indices: torch.Tensor  # [B * Hk * L] rows of the pool viewed as [slots * Hk, D] (slot 0 = padding)
+    max_len: int  # L
+    mask: Optional[torch.Tensor]  # [B, 1, 1, L] True where a key is valid; None if no padding
     invalid: Optional[torch.Tensor] = None  # ~mask, for the low-precision path's masked_fill
 
 
 @dataclass
 class ExtendMetadata:
     kv_indices: list[Optional[torch.Tensor]]  # per request: all its KV slots; None = use the new K/V
-    masks: list[Optional[torch.Tensor]]       # per request: [E, S] causal mask offset by the prefix, or None
+    masks: list[Optional[torch.Tensor]]  # per request: [E, S] causal mask offset by the prefix, or None
 
 
-def build_decode_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                          seq_lens: torch.Tensor, seq_lens_cpu: list[int], num_kv_heads: int) -> DecodeMetadata:
+def build_decode_metadata(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_cpu: list[int],
+    num_kv_heads: int,
+) -> DecodeMetadata:
     """The padded, head-major gather index and length mask of a decode batch."""
-    slots = req_to_token.index_select(0, req_pool_indices)[:, :max(seq_lens_cpu)]
+    slots = req_to_token.index_select(0, req_pool_indices)[:, : max(seq_lens_cpu)]
     return decode_metadata_from_slots(slots, seq_lens, seq_lens_cpu, num_kv_heads)
 
 
-def decode_metadata_from_slots(slots: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
-                               num_kv_heads: int) -> DecodeMetadata:
+def decode_metadata_from_slots(
+    slots: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int], num_kv_heads: int
+) -> DecodeMetadata:
     """Metadata from a [B, L] table of KV slots (entries past a row's length are ignored).
 
     The pool is [slots, Hk, D]; viewed as [slots * Hk, D], row slot * Hk + h is head h
@@ -62,8 +69,9 @@ def decode_metadata_from_slots(slots: torch.Tensor, seq_lens: torch.Tensor, seq_
     return DecodeMetadata(kv_indices, max_len, mask, ~mask)
 
 
-def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                     meta: DecodeMetadata, scaling: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: DecodeMetadata, scaling: float
+) -> torch.Tensor:
     """Attend over each request's slots (this step's K/V already written to the pool).
 
     q: [B, Hq, D], k_buf/v_buf: [slots, Hk, D] -> [B, Hq, D].
@@ -80,13 +88,15 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         q, kb, vb = q.float(), kb.float(), vb.float()
     elif kb.dtype != q.dtype:
         kb, vb = kb.to(q.dtype), vb.to(q.dtype)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), kb, vb, attn_mask=meta.mask, scale=scaling,
-                                       enable_gqa=True)                  # q: [B, Hq, 1, D]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), kb, vb, attn_mask=meta.mask, scale=scaling, enable_gqa=True
+    )  # q: [B, Hq, 1, D]
     return o.view(bs, hq, d).to(out_dtype)
 
 
-def _decode_attention_lowp(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
-                           invalid: Optional[torch.Tensor], scaling: float) -> torch.Tensor:
+def _decode_attention_lowp(
+    q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, invalid: Optional[torch.Tensor], scaling: float
+) -> torch.Tensor:
     """bf16/fp16 decode attention as two batched GEMMs with a float32 softmax.
 
     ATen's CPU flash kernel is 5-7x slower in bf16 than in fp32 for one query row
@@ -96,7 +106,7 @@ def _decode_attention_lowp(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
     """
     bs, hq, d = q.shape
     hk, length = kb.shape[1], kb.shape[2]
-    g = hq // hk                                                          # query head h uses KV head h // G
+    g = hq // hk  # query head h uses KV head h // G
     qg = (q * scaling).view(bs * hk, g, d)
     scores = torch.bmm(qg, kb.view(bs * hk, length, d).transpose(1, 2)).view(bs, hk, g, length)
     if invalid is not None:
@@ -111,15 +121,17 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, fb) -> None:
         req_to_token = fb.req_to_token_pool.req_to_token
         if fb.forward_mode.is_decode():
-            fb.attn_metadata = build_decode_metadata(req_to_token, fb.req_pool_indices, fb.seq_lens,
-                                                     fb.seq_lens_cpu, fb.token_to_kv_pool.head_num)
+            fb.attn_metadata = build_decode_metadata(
+                req_to_token, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu, fb.token_to_kv_pool.head_num
+            )
             return
         indices, masks = [], []
         for i, (seq_len, ext, prefix) in enumerate(
-                zip(fb.seq_lens_cpu, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu)):
+            zip(fb.seq_lens_cpu, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu)
+        ):
             indices.append(None if prefix == 0 else req_to_token[int(fb.req_pool_indices[i]), :seq_len])
             if prefix == 0 or ext == 1:
-                masks.append(None)   # plain causal (prefix 0) or a single query that sees all keys
+                masks.append(None)  # plain causal (prefix 0) or a single query that sees all keys
             else:
                 dev = req_to_token.device
                 q_pos = torch.arange(prefix, prefix + ext, device=dev).unsqueeze(1)
@@ -132,34 +144,47 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         meta: ExtendMetadata = fb.attn_metadata
         if len(meta.kv_indices) == 1 and meta.kv_indices[0] is None:
-            return self._attend(q, k, v, None, True, layer.scaling)    # one fresh prompt: no copies
+            return self._attend(q, k, v, None, True, layer.scaling)  # one fresh prompt: no copies
         out = q.new_empty(q.shape)
         for i, (start, ext, prefix) in enumerate(
-                zip(fb.extend_start_loc_cpu, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu)):
+            zip(fb.extend_start_loc_cpu, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu)
+        ):
             idx = meta.kv_indices[i]
             if idx is None:
-                ki, vi = k[start:start + ext], v[start:start + ext]
+                ki, vi = k[start : start + ext], v[start : start + ext]
             else:
                 ki, vi = k_buf.index_select(0, idx), v_buf.index_select(0, idx)
                 if ki.dtype != q.dtype:
                     ki, vi = ki.to(q.dtype), vi.to(q.dtype)
-            out[start:start + ext] = self._attend(q[start:start + ext], ki, vi, meta.masks[i],
-                                                  prefix == 0 and ext > 1, layer.scaling)
+            out[start : start + ext] = self._attend(
+                q[start : start + ext], ki, vi, meta.masks[i], prefix == 0 and ext > 1, layer.scaling
+            )
         return out
 
     @staticmethod
     def _attend(q, k, v, mask, causal: bool, scaling: float) -> torch.Tensor:
         """q: [E, Hq, D], k/v: [S, Hk, D] -> [E, Hq, D]."""
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True)
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scaling,
+            enable_gqa=True,
+        )
         return o.squeeze(0).transpose(0, 1)
 
     def forward_decode(self, q, k, v, layer, fb) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-        return decode_attention(q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-                                fb.attn_metadata, layer.scaling)
+        return decode_attention(
+            q,
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
+            fb.attn_metadata,
+            layer.scaling,
+        )
 
     # ---- CUDA-graph hooks ---------------------------------------------------------------
     # The decode metadata here has a host-dependent shape (the longest row), so these hooks
@@ -171,8 +196,13 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, bs, req_pool_indices, seq_lens, forward_batch) -> None:
         self.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, [1] * bs, forward_batch)
 
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_cpu,
-                                                forward_batch) -> None:
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs, req_pool_indices, seq_lens, seq_lens_cpu, forward_batch
+    ) -> None:
         forward_batch.attn_metadata = build_decode_metadata(
-            forward_batch.req_to_token_pool.req_to_token, req_pool_indices, seq_lens, seq_lens_cpu,
-            forward_batch.token_to_kv_pool.head_num)
+            forward_batch.req_to_token_pool.req_to_token,
+            req_pool_indices,
+            seq_lens,
+            seq_lens_cpu,
+            forward_batch.token_to_kv_pool.head_num,
+        )

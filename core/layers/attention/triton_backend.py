@@ -10,6 +10,7 @@ Extend: prefix from the pool plus the pass's new tokens, causal
 On CPU the kernels run only under Triton's interpreter (`TRITON_INTERPRET=1`, set
 before triton is imported): that is how the tests check them against torch_native.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,14 +37,17 @@ def triton_interpreter_unsupported_reason() -> Optional[str]:
     Reads the version from package metadata: importing triton here would fix TRITON_INTERPRET
     for the whole process before a caller sets it."""
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         v = version("triton")
     except PackageNotFoundError:
         return "triton is not installed (pip install triton)"
     parts = tuple(int(x) for x in v.split("+")[0].split(".")[:2] if x.isdigit())
     if parts < MIN_INTERPRETER_TRITON:
-        return (f"triton {v}'s interpreter cannot run these kernels on CPU (it needs triton >= "
-                f"{'.'.join(map(str, MIN_INTERPRETER_TRITON))}; on a GPU {v} is fine)")
+        return (
+            f"triton {v}'s interpreter cannot run these kernels on CPU (it needs triton >= "
+            f"{'.'.join(map(str, MIN_INTERPRETER_TRITON))}; on a GPU {v} is fine)"
+        )
     return None
 
 
@@ -52,11 +56,15 @@ def triton_unavailable_reason(device: str) -> Optional[str]:
     try:
         import triton  # noqa: F401
     except ImportError:
-        return ("the triton attention backend needs the `triton` package (pip install triton); "
-                "or pick --attention-backend torch_native")
+        return (
+            "the triton attention backend needs the `triton` package (pip install triton); "
+            "or pick --attention-backend torch_native"
+        )
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return ("triton kernels run on CUDA; on CPU only Triton's interpreter can run them "
-                "(TRITON_INTERPRET=1, very slow, for tests) — use --attention-backend torch_native on CPU")
+        return (
+            "triton kernels run on CUDA; on CPU only Triton's interpreter can run them "
+            "(TRITON_INTERPRET=1, very slow, for tests) — use --attention-backend torch_native on CPU"
+        )
     if device == "cpu":
         reason = triton_interpreter_unsupported_reason()
         if reason:
@@ -68,15 +76,15 @@ def triton_unavailable_reason(device: str) -> Optional[str]:
 
 @dataclass
 class TritonDecodeMetadata:
-    att_out: torch.Tensor        # [B, Hq, splits, D] float32: each split's attention output
-    att_lse: torch.Tensor        # [B, Hq, splits] float32: each split's log-sum-exp
+    att_out: torch.Tensor  # [B, Hq, splits, D] float32: each split's attention output
+    att_lse: torch.Tensor  # [B, Hq, splits] float32: each split's log-sum-exp
     num_kv_splits: int
 
 
 @dataclass
 class TritonExtendMetadata:
-    prefix_lens: torch.Tensor       # [B] tokens already in the pool
-    extend_seq_lens: torch.Tensor   # [B] new tokens
+    prefix_lens: torch.Tensor  # [B] tokens already in the pool
+    extend_seq_lens: torch.Tensor  # [B] new tokens
     extend_start_loc: torch.Tensor  # [B] first row of each request in q/k/v
     max_extend_len: int
 
@@ -92,6 +100,7 @@ class TritonAttnBackend(AttentionBackend):
         if reason:
             raise RuntimeError(reason)
         from workbench.core.layers.attention import triton_ops
+
         self._ops = triton_ops
         self.num_q_heads = num_q_heads
         self.head_dim = head_dim
@@ -105,16 +114,24 @@ class TritonAttnBackend(AttentionBackend):
         s = self.num_kv_splits
         return TritonDecodeMetadata(
             torch.empty((bs, self.num_q_heads, s, self.head_dim), dtype=torch.float32, device=self.device),
-            torch.empty((bs, self.num_q_heads, s), dtype=torch.float32, device=self.device), s)
+            torch.empty((bs, self.num_q_heads, s), dtype=torch.float32, device=self.device),
+            s,
+        )
 
     def init_forward_metadata(self, fb) -> None:
         if fb.forward_mode.is_decode():
             fb.attn_metadata = self._decode_scratch(fb.batch_size)
             return
+
         def dev(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
-        fb.attn_metadata = TritonExtendMetadata(dev(fb.extend_prefix_lens_cpu), dev(fb.extend_seq_lens_cpu),
-                                                dev(fb.extend_start_loc_cpu), max(fb.extend_seq_lens_cpu))
+
+        fb.attn_metadata = TritonExtendMetadata(
+            dev(fb.extend_prefix_lens_cpu),
+            dev(fb.extend_seq_lens_cpu),
+            dev(fb.extend_start_loc_cpu),
+            max(fb.extend_seq_lens_cpu),
+        )
 
     # ---- attention -------------------------------------------------------------------------
     def forward_extend(self, q, k, v, layer, fb) -> torch.Tensor:
@@ -123,9 +140,20 @@ class TritonAttnBackend(AttentionBackend):
         meta: TritonExtendMetadata = fb.attn_metadata
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self._ops.extend_attention_fwd(
-            q, k, v, o, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, meta.prefix_lens, meta.extend_seq_lens,
-            meta.extend_start_loc, meta.max_extend_len, layer.scaling)
+            q,
+            k,
+            v,
+            o,
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            meta.prefix_lens,
+            meta.extend_seq_lens,
+            meta.extend_start_loc,
+            meta.max_extend_len,
+            layer.scaling,
+        )
         return o
 
     def forward_decode(self, q, k, v, layer, fb) -> torch.Tensor:
@@ -134,9 +162,18 @@ class TritonAttnBackend(AttentionBackend):
         meta: TritonDecodeMetadata = fb.attn_metadata
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self._ops.decode_attention_fwd(
-            q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
-            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
-            meta.att_out, meta.att_lse, meta.num_kv_splits, layer.scaling)
+            q,
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
+            o,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            meta.att_out,
+            meta.att_lse,
+            meta.num_kv_splits,
+            layer.scaling,
+        )
         return o
 
     # ---- CUDA-graph hooks ----------------------------------------------------------------
@@ -147,10 +184,12 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, bs, req_pool_indices, seq_lens, forward_batch) -> None:
         if self._graph_att_out is None:
             raise RuntimeError("call init_cuda_graph_state before capturing")
-        forward_batch.attn_metadata = TritonDecodeMetadata(self._graph_att_out[:bs], self._graph_att_lse[:bs],
-                                                           self.num_kv_splits)
+        forward_batch.attn_metadata = TritonDecodeMetadata(
+            self._graph_att_out[:bs], self._graph_att_lse[:bs], self.num_kv_splits
+        )
 
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_cpu,
-                                                forward_batch) -> None:
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs, req_pool_indices, seq_lens, seq_lens_cpu, forward_batch
+    ) -> None:
         # Nothing to refresh: the kernels read rows and lengths from the graph's input buffers.
         pass

@@ -14,6 +14,7 @@ Where no compiler works, `unavailable_reason()` says why and what to do; the CPU
 default attention backend is then torch_native, and the model rotates and normalizes
 with torch ops.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -31,8 +32,7 @@ from typing import Optional
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("paged_attention.c", "paged_extend.c", "rope.c", "rms_norm.c",
-                                           "gemv.c")]
+SOURCES = [HERE / name for name in ("paged_attention.c", "paged_extend.c", "rope.c", "rms_norm.c", "gemv.c")]
 HEADERS = [HERE / "common.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -42,7 +42,7 @@ _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _error: Optional[str] = None
 _tried = False
-_gemv_ok = False   # the library has gemv.c's AVX2 + FMA path and WORKBENCH_CPU_GEMV is not 0
+_gemv_ok = False  # the library has gemv.c's AVX2 + FMA path and WORKBENCH_CPU_GEMV is not 0
 
 
 def _cpu_signature() -> str:
@@ -89,8 +89,9 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
+        )
         if proc.returncode != 0:
             first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
             raise RuntimeError(f"{compiler} failed to build {', '.join(s.name for s in SOURCES)}: {first}")
@@ -120,13 +121,52 @@ def _load() -> None:
         fn = lib.paged_decode_attention
         fn.restype = ctypes.c_int
         ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        fn.argtypes = [ptr, i32, i64, ptr, i64, ptr, i64, ptr,              # q, this step's k/v, their slots
-                       ptr, ptr, i32, ptr, i64, ptr, ptr,                   # the pool and its tables
-                       i32, i32, i32, i32, ctypes.c_float, ptr, i32]        # B, Hq, Hk, D, scale, out, threads
+        fn.argtypes = [
+            ptr,
+            i32,
+            i64,
+            ptr,
+            i64,
+            ptr,
+            i64,
+            ptr,  # q, this step's k/v, their slots
+            ptr,
+            ptr,
+            i32,
+            ptr,
+            i64,
+            ptr,
+            ptr,  # the pool and its tables
+            i32,
+            i32,
+            i32,
+            i32,
+            ctypes.c_float,
+            ptr,
+            i32,
+        ]  # B, Hq, Hk, D, scale, out, threads
         lib.paged_extend_attention.restype = ctypes.c_int
-        lib.paged_extend_attention.argtypes = [ptr, i32, i64, ptr, ptr, i32, ptr, i64,   # q, the pool, its table
-                                               ptr, ptr, ptr, ptr,                       # per-request rows and lengths
-                                               i32, i32, i32, i32, ctypes.c_float, ptr, i32]
+        lib.paged_extend_attention.argtypes = [
+            ptr,
+            i32,
+            i64,
+            ptr,
+            ptr,
+            i32,
+            ptr,
+            i64,  # q, the pool, its table
+            ptr,
+            ptr,
+            ptr,
+            ptr,  # per-request rows and lengths
+            i32,
+            i32,
+            i32,
+            i32,
+            ctypes.c_float,
+            ptr,
+            i32,
+        ]
         lib.wb_rope_inplace.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32, i32, i32]
         lib.wb_rope_inplace.restype = None
         lib.wb_rms_norm.argtypes = [ptr, i64, ptr, ptr, i32, i32, ctypes.c_float, i32, i32]
@@ -149,7 +189,7 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in _DTYPE_CODES
 
 
-MAX_HEAD_DIM = 256   # MAX_D in common.h
+MAX_HEAD_DIM = 256  # MAX_D in common.h
 
 
 def shape_unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int) -> Optional[str]:
@@ -169,10 +209,18 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x, x.stride(0) // d
 
 
-def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None,
-                           out_cache_loc: Optional[torch.Tensor] = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_new: Optional[torch.Tensor] = None,
+    v_new: Optional[torch.Tensor] = None,
+    out_cache_loc: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Decode attention reading K/V in place from the pool.
 
     q: [B, Hq, D] (any batch stride; heads and D contiguous), k_buf/v_buf: [slots, Hk, D],
@@ -195,21 +243,45 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
         out_cache_loc = out_cache_loc.to(torch.int64).contiguous()
     out = torch.empty((bs, hq, d), dtype=q.dtype)
     rc = lib.paged_decode_attention(
-        q.data_ptr(), _DTYPE_CODES[q.dtype], q_stride,
-        k_new.data_ptr() if store else None, k_stride if store else 0,
-        v_new.data_ptr() if store else None, v_stride if store else 0,
+        q.data_ptr(),
+        _DTYPE_CODES[q.dtype],
+        q_stride,
+        k_new.data_ptr() if store else None,
+        k_stride if store else 0,
+        v_new.data_ptr() if store else None,
+        v_stride if store else 0,
         out_cache_loc.data_ptr() if store else None,
-        k_buf.data_ptr(), v_buf.data_ptr(), _DTYPE_CODES[k_buf.dtype], req_to_token.data_ptr(),
-        req_to_token.stride(0), req_pool_indices.data_ptr(), seq_lens.data_ptr(), bs, hq, hk, d, float(scale),
-        out.data_ptr(), torch.get_num_threads())
+        k_buf.data_ptr(),
+        v_buf.data_ptr(),
+        _DTYPE_CODES[k_buf.dtype],
+        req_to_token.data_ptr(),
+        req_to_token.stride(0),
+        req_pool_indices.data_ptr(),
+        seq_lens.data_ptr(),
+        bs,
+        hq,
+        hk,
+        d,
+        float(scale),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention failed (code {rc}) for Hq={hq}, Hk={hk}, D={d}")
     return out
 
 
-def paged_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
-                           extend_lens: torch.Tensor, extend_starts: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_extend_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_starts: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Causal prefill attention, every key (cached prefix and this pass's, already stored) read
     from the pool. q: [T, Hq, D] (the batch's new tokens, request after request; any token
     stride), per-request [B] int64 contiguous tensors -> [T, Hq, D] in q's dtype."""
@@ -220,10 +292,26 @@ def paged_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
         raise ValueError("the KV pool buffers and req_to_token must be contiguous")
     out = torch.empty((t, hq, d), dtype=q.dtype)
     rc = lib.paged_extend_attention(
-        q.data_ptr(), _DTYPE_CODES[q.dtype], q_stride, k_buf.data_ptr(), v_buf.data_ptr(), _DTYPE_CODES[k_buf.dtype],
-        req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(), prefix_lens.data_ptr(),
-        extend_lens.data_ptr(), extend_starts.data_ptr(), int(req_pool_indices.numel()), hq, k_buf.shape[1], d,
-        float(scale), out.data_ptr(), torch.get_num_threads())
+        q.data_ptr(),
+        _DTYPE_CODES[q.dtype],
+        q_stride,
+        k_buf.data_ptr(),
+        v_buf.data_ptr(),
+        _DTYPE_CODES[k_buf.dtype],
+        req_to_token.data_ptr(),
+        req_to_token.stride(0),
+        req_pool_indices.data_ptr(),
+        prefix_lens.data_ptr(),
+        extend_lens.data_ptr(),
+        extend_starts.data_ptr(),
+        int(req_pool_indices.numel()),
+        hq,
+        k_buf.shape[1],
+        d,
+        float(scale),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"paged_extend_attention failed (code {rc}) for Hq={hq}, Hk={k_buf.shape[1]}, D={d}")
     return out
@@ -251,11 +339,30 @@ def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotary_embedding.apply_rotary) for x [T, H, D] with heads and D contiguous, any row stride;
     cos/sin [T, 1, D] rows with a common stride, x's dtype. Returns x."""
     t, h, d = x.shape
-    if (x.stride(2) != 1 or x.stride(1) != d or cos.stride(-1) != 1 or sin.stride(-1) != 1
-            or cos.stride(0) != sin.stride(0) or cos.dtype != x.dtype or sin.dtype != x.dtype or d > 512 or d % 2):
+    if (
+        x.stride(2) != 1
+        or x.stride(1) != d
+        or cos.stride(-1) != 1
+        or sin.stride(-1) != 1
+        or cos.stride(0) != sin.stride(0)
+        or cos.dtype != x.dtype
+        or sin.dtype != x.dtype
+        or d > 512
+        or d % 2
+    ):
         raise ValueError("rope_inplace: unsupported layout or dtype")
-    _require().wb_rope_inplace(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, h, d,
-                         _DTYPE_CODES[x.dtype], torch.get_num_threads())
+    _require().wb_rope_inplace(
+        x.data_ptr(),
+        x.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.stride(0),
+        t,
+        h,
+        d,
+        _DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
+    )
     return x
 
 
@@ -268,8 +375,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     t, h = x.shape
     weight = weight.to(x.dtype).contiguous()
     out = torch.empty((t, h), dtype=x.dtype)
-    _require().wb_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), t, h, float(eps),
-                           _DTYPE_CODES[x.dtype], torch.get_num_threads())
+    _require().wb_rms_norm(
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        t,
+        h,
+        float(eps),
+        _DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -285,16 +401,23 @@ def gemv_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when `gemv` should compute x @ weight.T: float32 x and weight on the CPU, x 2-D with
     at most GEMV_MAX_ROWS rows, the kernel built with its AVX2 + FMA path and not switched off
     (WORKBENCH_CPU_GEMV=0), and not under torch.compile (which cannot trace a ctypes call)."""
-    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2
-            or x.shape[0] > GEMV_MAX_ROWS or x.device.type != "cpu" or torch.compiler.is_compiling()):
+    if (
+        x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or x.dim() != 2
+        or x.shape[0] > GEMV_MAX_ROWS
+        or x.device.type != "cpu"
+        or torch.compiler.is_compiling()
+    ):
         return False
     if _lib is None and not _tried:
         _load()
     return _gemv_ok
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """x @ weight.T (+ bias) (+ residual) in float32: x [M, K], weight [N, K] (rows may be strided,
     elements contiguous), bias [N], residual [M, N] -> a new [M, N]. Any M is correct; it is fast
     for a few rows (see GEMV_MAX_ROWS)."""
@@ -315,9 +438,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         if residual.stride(1) != 1:
             residual = residual.contiguous()
     out = torch.empty((m, n), dtype=torch.float32)
-    _require().wb_gemv_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
-                           bias.data_ptr() if bias is not None else None,
-                           residual.data_ptr() if residual is not None else None,
-                           residual.stride(0) if residual is not None else 0,
-                           out.data_ptr(), n, m, n, k, torch.get_num_threads())
+    _require().wb_gemv_f32(
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        weight.stride(0),
+        bias.data_ptr() if bias is not None else None,
+        residual.data_ptr() if residual is not None else None,
+        residual.stride(0) if residual is not None else 0,
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
     return out

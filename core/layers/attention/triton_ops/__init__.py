@@ -3,6 +3,7 @@
 Importing this package imports triton; callers guard the import (see
 `triton_backend.triton_available`).
 """
+
 from workbench.core.layers.attention.triton_ops.decode_attention import decode_attention_fwd
 from workbench.core.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 
