@@ -38,7 +38,7 @@ from workbench.core.ipc import PortArgs
 from workbench.core.managers.tokenizer_manager import EngineDeadError, GenerateReqInput, TokenizerManager
 from workbench.core.model_executor.cpu_threads import omp_wait_env
 from workbench.core.model_loader import load_tokenizer, prepare_model
-from workbench.core.sampling.sampling_params import SamplingParams
+from workbench.core.sampling.sampling_params import SamplingParams, sampling_params_from_dict
 from workbench.core.trace import events as ev
 from workbench.core.trace.bus import TraceBus
 from workbench.core.trace.tracer import Tracer
@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineDeadError"]
 
-_SAMPLING_KEYS = {f for f in SamplingParams.__struct_fields__}
 START_TIMEOUT_S = 600
 
 
@@ -212,10 +211,23 @@ class Engine:
         logprob_start_len: int = -1,
         stream: bool = False,
         rid: Optional[str] = None,
+        return_text_in_logprobs: bool = False,
     ):
-        """Generate for one prompt (dict), a batch (list of dicts) or stream chunks (iterator)."""
+        """Generate for one prompt (dict), a batch (list of dicts) or stream chunks (iterator).
+
+        Logprobs come as SGLang returns them: meta_info's `output_token_logprobs` (and
+        `input_token_logprobs` from prompt position `logprob_start_len` on, -1 for none) are
+        [logprob, token_id, text] entries, the text filled when `return_text_in_logprobs`."""
         reqs, is_batch = self._build_reqs(
-            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, logprob_start_len, stream, rid
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            top_logprobs_num,
+            logprob_start_len,
+            stream,
+            rid,
+            return_text_in_logprobs,
         )
         if stream:
             if len(reqs) != 1:
@@ -234,10 +246,19 @@ class Engine:
         logprob_start_len=-1,
         stream=False,
         rid=None,
+        return_text_in_logprobs=False,
     ):
         """Like `generate`, awaitable from any event loop; an async iterator when streaming."""
         reqs, is_batch = self._build_reqs(
-            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, logprob_start_len, stream, rid
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            top_logprobs_num,
+            logprob_start_len,
+            stream,
+            rid,
+            return_text_in_logprobs,
         )
         if stream:
             if len(reqs) != 1:
@@ -250,7 +271,16 @@ class Engine:
         return results if is_batch else results[0]
 
     def _build_reqs(
-        self, prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, logprob_start_len, stream, rid
+        self,
+        prompt,
+        sampling_params,
+        input_ids,
+        return_logprob,
+        top_logprobs_num,
+        logprob_start_len,
+        stream,
+        rid,
+        return_text_in_logprobs=False,
     ) -> tuple[list[GenerateReqInput], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
@@ -284,6 +314,7 @@ class Engine:
                         return_logprob=return_logprob,
                         top_logprobs_num=top_logprobs_num,
                         logprob_start_len=logprob_start_len,
+                        return_text_in_logprobs=bool(return_text_in_logprobs),
                         stream=stream,
                         rid=req_rid,
                     )
@@ -358,7 +389,19 @@ class Engine:
         return msgspec.structs.asdict(self._run(self.tokenizer_manager.get_internal_state()))
 
     def get_server_info(self) -> dict:
+        """The server's settings as SGLang's /server_info reports them: every ServerArgs field with
+        the value in effect where the flag was left to choose (context length, chunked prefill
+        size (-1: off), attention backend, running limit, device), plus live figures."""
         info = {k: v for k, v in dataclasses.asdict(self.server_args).items() if k != "api_key"}
+        si = self.scheduler_info
+        chunk = si.get("chunked_prefill_size", self.server_args.chunked_prefill_size)
+        info.update(
+            context_length=self.context_len,
+            chunked_prefill_size=-1 if chunk is None else chunk,
+            attention_backend=si.get("attention_backend") or self.server_args.attention_backend,
+            max_running_requests=si.get("max_running_requests", self.server_args.max_running_requests),
+            device=si.get("device") or self.server_args.device,
+        )
         info.update(
             model_path=self.model_path,
             served_model_name=self.served_model_name,
@@ -572,21 +615,9 @@ class Engine:
 
 
 def _to_sampling_params(sp: Any) -> SamplingParams:
-    if sp is None:
-        return SamplingParams()
     if isinstance(sp, SamplingParams):
         return msgspec.structs.replace(sp)
-    if not isinstance(sp, dict):
-        raise ValueError("sampling_params must be a dict")
-    unknown = set(sp) - _SAMPLING_KEYS
-    if unknown:
-        raise ValueError(
-            f"unknown sampling parameter(s): {', '.join(sorted(unknown))}; valid: {', '.join(sorted(_SAMPLING_KEYS))}"
-        )
-    try:
-        return msgspec.convert(sp, SamplingParams, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"invalid sampling_params: {exc}") from None
+    return sampling_params_from_dict(sp)
 
 
 def _update_reply(out) -> dict:

@@ -281,11 +281,14 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
             raise APIError(503, f"health generation failed: {type(e).__name__}: {e}", code="engine_unavailable") from e
         return Response(status_code=200)
 
+    # SGLang 0.5 names them /server_info and /model_info; the older /get_* names stay as aliases.
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info():
         info = await asyncio.to_thread(engine.get_server_info)
         return JSONResponse(finite_json(_jsonable(dict(info, served_model_name=name, metrics=metrics.snapshot()))))
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info():
         return JSONResponse(

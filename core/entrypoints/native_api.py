@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from workbench.core.entrypoints.errors import bad_request, engine_error_to_api
 from workbench.core.entrypoints.openai.protocol import GenerateReqInput
+from workbench.core.sampling.sampling_params import sampling_params_from_dict
 from workbench.core.entrypoints.openai.serving_common import (
     MAX_CHOICES_PER_REQUEST,
     SSE_DONE,
@@ -24,8 +25,6 @@ from workbench.core.entrypoints.openai.serving_common import (
     stop_aware,
 )
 
-_SAMPLING_KEYS: Optional[frozenset] = None
-
 
 def finite_json(obj: Any) -> Any:
     """JSON has no inf/nan: -inf logprobs become -9999.0, nan becomes null."""
@@ -38,15 +37,6 @@ def finite_json(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [finite_json(v) for v in obj]
     return obj
-
-
-def _sampling_keys() -> frozenset:
-    global _SAMPLING_KEYS
-    if _SAMPLING_KEYS is None:
-        from workbench.core.sampling.sampling_params import SamplingParams
-
-        _SAMPLING_KEYS = frozenset(SamplingParams.__struct_fields__)
-    return _SAMPLING_KEYS
 
 
 def _choice_count(ctx: ServingContext, n: Any) -> int:
@@ -67,10 +57,11 @@ async def native_generate(ctx: ServingContext, request: Request, req: GenerateRe
     is_batch = isinstance(req.text, list) or (bool(req.input_ids) and isinstance(req.input_ids[0], list))
     sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params or {}]
     for sp in sps:
-        unknown = sorted(set(sp) - _sampling_keys())
-        if unknown:
-            raise bad_request(f"unknown sampling parameter(s): {', '.join(unknown)}", "sampling_params")
-    n = max(_choice_count(ctx, sp.get("n")) for sp in sps)
+        try:  # SGLang's keys and rules (null = default; unsupported keys only while unset)
+            sampling_params_from_dict(sp)
+        except ValueError as e:
+            raise bad_request(str(e), "sampling_params") from None
+    n = max(_choice_count(ctx, (sp or {}).get("n")) for sp in sps)
     num_prompts = len(req.text if isinstance(req.text, list) else req.input_ids) if is_batch else 1
     if num_prompts * n > MAX_CHOICES_PER_REQUEST:
         raise bad_request(
@@ -95,6 +86,7 @@ async def native_generate(ctx: ServingContext, request: Request, req: GenerateRe
         return_logprob=bool(req.return_logprob),
         top_logprobs_num=req.top_logprobs_num or 0,
         logprob_start_len=-1 if req.logprob_start_len is None else req.logprob_start_len,
+        return_text_in_logprobs=bool(req.return_text_in_logprobs),
     )
     if req.stream:
         if is_batch or n > 1:

@@ -103,11 +103,11 @@ class Req:
 
     def prefix_match_limit(self) -> int:
         """How many leading tokens of `fill_ids` may come from the prefix cache."""
-        # At least one token must be computed to get logits to sample from; prompt logprobs
-        # need the logits of every token from logprob_start_len on.
+        # At least one token must be computed to get logits to sample from. Prompt logprobs from
+        # logprob_start_len on need the logits of the position before it too (they score it).
         limit = len(self.origin_input_ids) + len(self.output_ids) - 1
         if self.return_logprob and self.logprob_start_len >= 0:
-            limit = min(limit, self.logprob_start_len)
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
         return max(limit, 0)
 
     def check_finished(self, tail_decode=None) -> None:

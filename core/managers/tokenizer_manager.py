@@ -54,6 +54,10 @@ logger = logging.getLogger(__name__)
 WEIGHTS_UPDATE_TIMEOUT_S = 1800.0  # a distributed push or a big checkpoint can take long
 
 
+def _no_text(token_id: int) -> None:
+    return None
+
+
 class EngineDeadError(RuntimeError):
     """A child process died: the engine can no longer serve."""
 
@@ -68,6 +72,7 @@ class GenerateReqInput:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[str] = None
 
@@ -92,6 +97,12 @@ class ReqState:
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     input_token_logprobs: Optional[list] = None
+    # Logprobs in SGLang's shape: [logprob, token_id, text or None]; prompt positions from
+    # logprob_start_len on (input_ids kept for their ids only when prompt logprobs were asked for).
+    return_logprob: bool = False
+    return_text_in_logprobs: bool = False
+    logprob_start_len: int = -1
+    input_ids: Optional[list[int]] = None
     pending_delta: str = ""
     error: Optional[str] = None
 
@@ -170,7 +181,15 @@ class TokenizerManager:
         except (OverflowError, TypeError, msgspec.EncodeError) as e:
             raise ValueError(f"a request parameter cannot be represented: {e}") from None
         state = ReqState(
-            rid=rid, prompt_tokens=len(input_ids), stream=obj.stream, created_ns=created, event=asyncio.Event()
+            rid=rid,
+            prompt_tokens=len(input_ids),
+            stream=obj.stream,
+            created_ns=created,
+            event=asyncio.Event(),
+            return_logprob=obj.return_logprob,
+            return_text_in_logprobs=obj.return_text_in_logprobs,
+            logprob_start_len=obj.logprob_start_len,
+            input_ids=input_ids if obj.return_logprob and obj.logprob_start_len >= 0 else None,
         )
         self.rid_to_state[rid] = state
         self.num_requests_total += 1
@@ -246,7 +265,7 @@ class TokenizerManager:
             "e2e_latency": ((state.finished_ns or time.monotonic_ns()) - state.created_ns) / 1e9,
             "ttft": (state.first_token_ns - state.created_ns) / 1e9 if state.first_token_ns else None,
         }
-        if state.output_token_logprobs:
+        if state.return_logprob:  # SGLang: present (maybe []) whenever logprobs were asked for
             meta["output_token_logprobs"] = state.output_token_logprobs
             meta["output_top_logprobs"] = state.output_top_logprobs
         if state.input_token_logprobs is not None:
@@ -299,11 +318,12 @@ class TokenizerManager:
             state.cached_tokens = out.cached_tokens[i]
             if out.output_token_logprobs is not None:
                 lps = out.output_token_logprobs[i]
-                state.output_token_logprobs.extend([lp, tid, None] for lp, tid in zip(lps, new_ids))
+                text_of = self._token_text if state.return_text_in_logprobs else _no_text
+                state.output_token_logprobs.extend([lp, tid, text_of(tid)] for lp, tid in zip(lps, new_ids))
                 tops = out.output_top_logprobs[i] if out.output_top_logprobs else []
-                state.output_top_logprobs.extend([[v, t, None] for t, v in row] for row in tops)
+                state.output_top_logprobs.extend([[v, t, text_of(t)] for t, v in row] for row in tops)
                 if out.input_token_logprobs is not None and out.input_token_logprobs[i] is not None:
-                    state.input_token_logprobs = [[lp, None, None] for lp in out.input_token_logprobs[i]]
+                    state.input_token_logprobs = self._prompt_logprobs(state, out.input_token_logprobs[i], text_of)
             if tracing and delta:
                 self.tracer.emit(ev.ReqText(rid=rid, delta=delta))
             reason = out.finished_reasons[i]
@@ -322,6 +342,19 @@ class TokenizerManager:
             state.event.set()
         if tracing:
             self.tracer.flush()
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def _prompt_logprobs(state: ReqState, by_position: list, text_of) -> list:
+        """The scheduler's per-position prompt logprobs -> SGLang's entries for positions
+        logprob_start_len.. : [logprob (None for position 0, which nothing predicts), id, text]."""
+        ids = state.input_ids or []
+        start = max(state.logprob_start_len, 0)
+        return [
+            [by_position[p] if p < len(by_position) else None, ids[p], text_of(ids[p])] for p in range(start, len(ids))
+        ]
 
     def _emit_finished(self, state: ReqState, reason: str, now: int) -> None:
         ttft = (state.first_token_ns - state.created_ns) / 1e9 if state.first_token_ns else 0.0

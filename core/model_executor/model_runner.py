@@ -156,6 +156,7 @@ class ModelRunner:
             kv_heads,
             mc.head_dim,
         )
+        self.attention_backend_name = name  # the one in effect (get_server_info reports it)
         return create_attn_backend(name, self.device, q_heads, kv_heads, mc.head_dim, self.dtype, self.kv_dtype)
 
     # ---- execution ----------------------------------------------------------

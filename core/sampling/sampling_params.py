@@ -162,3 +162,60 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 raise ValueError(f"seed must be an integer, got {self.seed!r}")
             if not _SEED_MIN <= self.seed <= _SEED_MAX:
                 raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+
+
+# ---- requests as SGLang's clients send them ------------------------------------------------------
+# SGLang 0.5's sampling keys that this engine does not implement (structured outputs, stop
+# regexes, per-token biases, custom processors). SGLang's own frontend sends several of them on
+# every request, unset: a key whose value is null (or empty) is ignored, and one that is actually
+# set is refused with its name, never silently dropped.
+UNSUPPORTED_SGLANG_KEYS = (
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "stop_regex",
+    "custom_params",
+    "logit_bias",
+)
+# SGLang's name -> ours
+SGLANG_ALIASES = {"sampling_seed": "seed"}
+# Accepted for SGLang compatibility, with only the value this engine has (it streams every token).
+_FIXED_KEYS = {"stream_interval": (None, 1)}
+
+
+def sampling_params_from_dict(sp: Optional[dict]) -> SamplingParams:
+    """A request's `sampling_params` dict -> SamplingParams, with SGLang's rules: a null value means
+    the default, `sampling_seed` is `seed`, and the keys of UNSUPPORTED_SGLANG_KEYS are accepted while
+    unset. Raises ValueError naming the key for an unknown key, a set unsupported one, or a bad type."""
+    if sp is None:
+        return SamplingParams()
+    if not isinstance(sp, dict):
+        raise ValueError("sampling_params must be a JSON object")
+    fields = SamplingParams.__struct_fields__
+    kept: dict = {}
+    unknown: list[str] = []
+    for key, value in sp.items():
+        if key in UNSUPPORTED_SGLANG_KEYS:
+            if value is None or value == [] or value == {} or value == "":
+                continue
+            raise ValueError(
+                f"sampling parameter {key!r} is not supported by this server yet (structured outputs, "
+                f"stop regexes and logit_bias are not implemented): leave it unset or null"
+            )
+        if key in _FIXED_KEYS:
+            if value not in _FIXED_KEYS[key]:
+                raise ValueError(f"sampling parameter {key!r} must be 1 or null here (every token is streamed)")
+            continue
+        name = SGLANG_ALIASES.get(key, key)
+        if name not in fields:
+            unknown.append(key)
+        elif value is not None:  # null: the default, as SGLang reads it
+            kept[name] = value
+    if unknown:
+        valid = sorted(set(fields) | set(SGLANG_ALIASES) | set(UNSUPPORTED_SGLANG_KEYS) | set(_FIXED_KEYS))
+        raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}; valid: {', '.join(valid)}")
+    try:
+        return msgspec.convert(kept, SamplingParams, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid sampling_params: {exc}") from None

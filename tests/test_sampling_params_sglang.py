@@ -1,0 +1,70 @@
+"""SGLang's sampling keys as its clients send them (issue #17 item 1): null means the default,
+`sampling_seed` is `seed`, keys of features this engine lacks pass while unset and are refused by
+name when set. Pure: no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.core.sampling.sampling_params import (
+    UNSUPPORTED_SGLANG_KEYS,
+    SamplingParams,
+    sampling_params_from_dict,
+)
+
+# What sglang 0.5's frontend (SglSamplingParams.to_srt_kwargs + RuntimeEndpoint.generate) sends
+# for a plain sgl.gen(max_tokens=8, temperature=0).
+SGL_GEN = {
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "max_new_tokens": 8,
+    "min_new_tokens": 0,
+    "n": 1,
+    "stop": [],
+    "stop_token_ids": None,
+    "stop_regex": None,
+    "temperature": 0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "ignore_eos": False,
+    "regex": None,
+    "json_schema": None,
+}
+
+
+def test_sglang_frontend_body_is_accepted_as_its_values():
+    sp = sampling_params_from_dict(SGL_GEN).normalize()
+    assert sp.max_new_tokens == 8 and sp.temperature == 0 and sp.top_k == -1 and sp.stop is None
+    sp.verify(vocab_size=100)
+
+
+def test_null_means_the_default_for_every_field():
+    sp = sampling_params_from_dict({name: None for name in SamplingParams.__struct_fields__})
+    assert sp == SamplingParams()
+
+
+def test_sampling_seed_is_seed_and_stream_interval_1_is_what_we_do():
+    assert sampling_params_from_dict({"sampling_seed": 7, "stream_interval": 1}).seed == 7
+    with pytest.raises(ValueError, match="stream_interval"):
+        sampling_params_from_dict({"stream_interval": 4})
+
+
+@pytest.mark.parametrize("key", UNSUPPORTED_SGLANG_KEYS)
+def test_unsupported_keys_pass_unset_and_are_refused_by_name_when_set(key):
+    for unset in (None, [], {}, ""):
+        assert sampling_params_from_dict({key: unset}) == SamplingParams()
+    value = {"logit_bias": {"5": 1.0}, "custom_params": {"a": 1}}.get(key, "[0-9]+")
+    with pytest.raises(ValueError, match=f"'{key}' is not supported"):
+        sampling_params_from_dict({key: value})
+
+
+def test_unknown_keys_and_bad_types_say_what_is_wrong():
+    with pytest.raises(ValueError, match=r"unknown sampling parameter\(s\): tempreature; valid: .*temperature"):
+        sampling_params_from_dict({"tempreature": 0.5})
+    with pytest.raises(ValueError, match="invalid sampling_params"):
+        sampling_params_from_dict({"max_new_tokens": "many"})
+    with pytest.raises(ValueError, match="JSON object"):
+        sampling_params_from_dict(["max_new_tokens", 3])

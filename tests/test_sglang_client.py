@@ -1,0 +1,144 @@
+"""SGLang's own frontend client (`sglang` 0.5's RuntimeEndpoint: gen, select, fork, run_batch,
+streaming) against a real server on the default model, and the native API's shapes it relies on
+(issue #17 item 1). The test tier installs `sglang` without its dependencies (Makefile): only
+its frontend, which needs requests, aiohttp, orjson, pybase64 and pillow."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from pipeline_helpers import assert_no_kv_leak, served_engine
+
+pytestmark = pytest.mark.e2e
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def served():
+    with served_engine(max_total_tokens=8192, chunked_prefill_size=64) as pair:
+        yield pair
+
+
+def test_native_shapes_sglang_clients_read(served):
+    engine, url = served
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    with httpx.Client(base_url=url, timeout=120) as h:
+        # SGLang's client sends every key it knows, unset ones as null.
+        body = {"text": text, "sampling_params": dict(GREEDY, regex=None, json_schema=None, stop_regex=None, n=None)}
+        got = h.post("/generate", json=body)
+        assert got.status_code == 200, got.text
+        assert got.json()["output_ids"] == engine.generate(prompt=text, sampling_params=GREEDY)["output_ids"]
+        # ... and a feature that is not there yet is refused by name, not ignored.
+        bad = h.post("/generate", json={"text": text, "sampling_params": {"regex": "[0-9]+"}})
+        assert bad.status_code == 400 and "'regex' is not supported" in bad.json()["error"]["message"]
+
+        # Scoring a prompt: no new tokens, output_token_logprobs [] (present), prompt logprobs from
+        # logprob_start_len on as [logprob, token_id, text].
+        k = 3
+        scored = h.post(
+            "/generate",
+            json={
+                "text": text,
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+                "return_text_in_logprobs": True,
+                "logprob_start_len": k,
+            },
+        ).json()["meta_info"]
+        assert scored["output_token_logprobs"] == []
+        entries = scored["input_token_logprobs"]
+        assert [e[1] for e in entries] == ids[k:]
+        assert [e[2] for e in entries] == [engine.tokenizer.decode([t]) for t in ids[k:]]
+        assert all(isinstance(e[0], float) and e[0] <= 0 for e in entries), entries
+        # the same logprobs as a full scoring from position 0 (whose first entry nothing predicts)
+        full = h.post(
+            "/generate",
+            json={
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            },
+        ).json()["meta_info"]["input_token_logprobs"]
+        assert full[0][0] is None and [e[1] for e in full] == ids and full[0][2] is None
+        for a, b in zip(entries, full[k:]):
+            assert abs(a[0] - b[0]) < 1e-4
+
+        # Generated tokens carry their text too when asked.
+        out = h.post(
+            "/generate",
+            json={
+                "text": text,
+                "sampling_params": GREEDY,
+                "return_logprob": True,
+                "return_text_in_logprobs": True,
+                "top_logprobs_num": 2,
+            },
+        ).json()
+        m = out["meta_info"]
+        assert [e[1] for e in m["output_token_logprobs"]] == out["output_ids"]
+        assert "".join(e[2] for e in m["output_token_logprobs"]) == out["text"]
+        assert all(len(row) == 2 and isinstance(row[0][2], str) for row in m["output_top_logprobs"])
+
+        # SGLang 0.5's route names, with the values in effect.
+        for path in ("/server_info", "/get_server_info"):
+            si = h.get(path).json()
+            assert si["context_length"] == engine.context_len and si["chunked_prefill_size"] == 64
+            assert si["attention_backend"] in ("cpu_paged", "torch_native", "triton", "flashinfer")
+            assert isinstance(si["max_running_requests"], int)
+        for path in ("/model_info", "/get_model_info"):
+            assert h.get(path).json()["context_len"] == engine.context_len
+    assert_no_kv_leak(engine)
+
+
+def test_sglang_frontend_gen_select_fork_batch_and_stream(served):
+    sgl = pytest.importorskip("sglang", reason="the test tier installs sglang (frontend only): make test-full")
+    from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+
+    engine, url = served
+    backend = RuntimeEndpoint(url)
+
+    @sgl.function
+    def complete(s, prompt):
+        s += prompt + sgl.gen("out", max_tokens=6, temperature=0)
+
+    prompt = "Once upon a time"
+    ref = engine.generate(prompt=prompt, sampling_params=GREEDY)["text"]
+    state = complete.run(prompt=prompt, backend=backend)
+    assert state["out"] == ref
+
+    # streaming: the same text, in pieces
+    stream = complete.run(prompt=prompt, backend=backend, stream=True)
+    assert "".join(stream.text_iter(var_name="out")) == ref
+
+    # run_batch: each state as its own run
+    prompts = ["Once upon a time", "The capital of France is", "1, 2, 3,"]
+    states = complete.run_batch([{"prompt": p} for p in prompts], backend=backend)
+    assert [st["out"] for st in states] == [engine.generate(prompt=p, sampling_params=GREEDY)["text"] for p in prompts]
+
+    # select: prompt logprobs of each choice (max_new_tokens 0, logprob_start_len, token texts)
+    @sgl.function
+    def choose(s):
+        s += "Q: What colour is the sky on a clear day?\nA: The sky is"
+        s += sgl.select("colour", choices=[" blue", " purple with green stripes"])
+
+    picked = choose.run(backend=backend)
+    assert picked["colour"] in (" blue", " purple with green stripes")
+    meta = picked.get_meta_info("colour")
+    assert len(meta["normalized_prompt_logprobs"]) == 2 and len(meta["input_token_logprobs"]) == 2
+
+    # fork: two branches from one prefix, each generating
+    @sgl.function
+    def branches(s):
+        s += "A list of fruits:"
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f" {i + 1}." + sgl.gen("item", max_tokens=4, temperature=0)
+        forks.join()
+        s += "done"
+
+    fb = branches.run(backend=backend)
+    assert fb.text().endswith("done")
+    assert_no_kv_leak(engine)
