@@ -162,6 +162,8 @@ def _instrument(runner, rec: _Recorder) -> _Patches:
         if hasattr(mod, name):
             p.replace(mod, name, lambda f, k=key: rec.wrap(k, f))
     p.replace(cpu_ops, "rope_inplace", lambda f: rec.wrap("norm_rope", f))
+    # The batch-1 float32 GEMV (linears and the LM head, which compute_logits calls directly).
+    p.replace(cpu_ops, "gemv", lambda f: rec.wrap("gemm", f))
     # The LM head: on the packed path compute_logits = head GEMM (packed_linear) + float cast
     # (logits processing); without packing the whole call is the head's F.linear GEMM.
     if getattr(model, "_packed_head", None) is not None and hasattr(mod, "packed_linear"):
