@@ -108,7 +108,16 @@ ERROR_CASES = [
     ("unknown model (completions)", "POST", CMPL, {"prompt": "x", "model": "gpt-17"}, 404, "model"),
     ("empty prompt list", "POST", CMPL, {"prompt": []}, 400, "prompt"),
     ("token id outside the vocabulary", "POST", CMPL, {"prompt": [1, 2, 10**7]}, 400, "prompt"),
-    ("logit_bias", "POST", CMPL, {"prompt": "x", "logit_bias": {"1": 5.0}}, 400, "logit_bias"),
+    (
+        "logit_bias on a token outside the vocabulary",
+        "POST",
+        CMPL,
+        {"prompt": "x", "logit_bias": {"99999999": 5.0}},
+        400,
+        "logit_bias",
+    ),
+    ("logit_bias key not a token id", "POST", CMPL, {"prompt": "x", "logit_bias": {"a": 5.0}}, 400, "logit_bias"),
+    ("logit_bias value out of range", "POST", CHAT, {"messages": M, "logit_bias": {"1": 500}}, 400, "logit_bias"),
     (
         "native: unknown sampling parameter",
         "POST",

@@ -68,3 +68,32 @@ def test_unknown_keys_and_bad_types_say_what_is_wrong():
         sampling_params_from_dict({"max_new_tokens": "many"})
     with pytest.raises(ValueError, match="JSON object"):
         sampling_params_from_dict(["max_new_tokens", 3])
+
+
+def test_logit_bias_reads_json_keys_as_ids_and_is_checked():
+    sp = sampling_params_from_dict({"logit_bias": {"5": 2, "7": -1.5}})
+    assert sp.logit_bias == {5: 2.0, 7: -1.5}
+    sp.verify(vocab_size=10)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sp.verify(vocab_size=6)
+    with pytest.raises(ValueError, match=r"\[-100, 100\]"):
+        sampling_params_from_dict({"logit_bias": {"5": 101}}).verify(vocab_size=10)
+
+
+def test_logit_bias_rows_survive_merge_and_filter():
+    import torch
+
+    from workbench.core.layers.sampler import Sampler
+    from workbench.core.sampling.sampling_batch_info import SamplingBatchInfo
+
+    greedy = SamplingParams(temperature=0.0)
+    biased = SamplingParams(temperature=0.0, logit_bias={3: 50.0})
+    logits = torch.zeros(3, 8)
+    logits[:, 6] = 1.0  # every row's own argmax is 6
+    info = SamplingBatchInfo.from_reqs([greedy], vocab_size=8)
+    info.merge_batch(SamplingBatchInfo.from_reqs([biased, greedy], vocab_size=8))
+    assert Sampler()(logits, info).next_token_ids.tolist() == [6, 3, 6]
+    info.filter_batch([1])
+    assert Sampler()(logits[:1], info).next_token_ids.tolist() == [3]
+    info.filter_batch([])
+    assert len(info) == 0

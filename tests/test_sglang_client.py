@@ -142,3 +142,53 @@ def test_sglang_frontend_gen_select_fork_batch_and_stream(served):
     fb = branches.run(backend=backend)
     assert fb.text().endswith("done")
     assert_no_kv_leak(engine)
+
+
+def test_logit_bias_steers_greedy_choices_and_leaves_logprobs_unbiased(served):
+    """logit_bias (OpenAI and native): +100 on a token makes greedy pick it; -100 on the greedy
+    token makes it pick the runner-up, which is what the unbiased top-2 logprobs said."""
+    openai = pytest.importorskip("openai")
+    engine, url = served
+    prompt = "The capital of France is"
+    plain = engine.generate(
+        prompt=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0}, return_logprob=True, top_logprobs_num=2
+    )
+    (top1_lp, top1, _), (top2_lp, top2, _) = plain["meta_info"]["output_top_logprobs"][0]
+    assert plain["output_ids"] == [top1] and top1_lp > top2_lp
+
+    forced = 1234
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    out = client.completions.create(
+        model="smollm2-135m", prompt=prompt, max_tokens=3, temperature=0, logit_bias={str(forced): 100}
+    )
+    with httpx.Client(base_url=url, timeout=120) as h:
+        native = h.post(
+            "/generate",
+            json={
+                "text": prompt,
+                "sampling_params": {"max_new_tokens": 3, "temperature": 0, "logit_bias": {str(forced): 100}},
+            },
+        ).json()
+        assert native["output_ids"] == [forced] * 3
+        assert out.choices[0].text == native["text"]
+        avoid = h.post(
+            "/generate",
+            json={
+                "text": prompt,
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0, "logit_bias": {str(top1): -100}},
+            },
+        ).json()
+    assert avoid["output_ids"] == [top2]
+    # the reported logprob is the model's own, not the biased one
+    assert abs(avoid["meta_info"]["output_token_logprobs"][0][0] - top2_lp) < 1e-4
+    # a batch mixing biased and plain rows: the plain row is untouched
+    both = engine.generate(
+        prompt=[prompt, prompt],
+        sampling_params=[
+            {"max_new_tokens": 1, "temperature": 0, "logit_bias": {forced: 100}},
+            {"max_new_tokens": 1, "temperature": 0},
+        ],
+    )
+    assert [b["output_ids"] for b in both] == [[forced], [top1]]
+    assert_no_kv_leak(engine)

@@ -63,6 +63,8 @@ class SamplingBatchInfo:
     # min_new_tokens (None when no row asks for it).
     min_new_tokens: Optional[torch.Tensor] = None  # [B] int64
     stop_token_mask: Optional[torch.Tensor] = None  # [B, V] bool, ids to hold back
+    # logit_bias (None when no row has one): added to the logits after the penalties.
+    logit_bias: Optional[torch.Tensor] = None  # [B, V] float32, 0 where a row sets nothing
 
     # ------------------------------------------------------------------ build
 
@@ -167,6 +169,15 @@ class SamplingBatchInfo:
             ]
             rows = [stops[i] if mins[i] > 0 else [] for i in range(bs)]
             info.stop_token_mask = _scatter_rows(rows, bs, vocab_size, device, torch.bool)
+
+        if any(p.logit_bias for p in params):
+            bias = torch.zeros((bs, vocab_size), dtype=torch.float32)
+            for i, p in enumerate(params):
+                for t, b in (p.logit_bias or {}).items():
+                    if not 0 <= int(t) < vocab_size:
+                        raise ValueError(f"logit_bias token id {t} is outside the vocabulary (size {vocab_size})")
+                    bias[i, int(t)] = float(b)
+            info.logit_bias = bias.to(device)
         return info
 
     # ------------------------------------------------------------------ queries
@@ -187,6 +198,11 @@ class SamplingBatchInfo:
     def need_min_new_tokens(self) -> bool:
         """Whether any row may still be holding back its stop ids."""
         return self.min_new_tokens is not None
+
+    @property
+    def need_logit_bias(self) -> bool:
+        """Whether any row has a logit_bias."""
+        return self.logit_bias is not None
 
     @property
     def has_seeded(self) -> bool:
@@ -212,6 +228,12 @@ class SamplingBatchInfo:
         if self.presence_penalties is not None:
             assert self.output_counts is not None
             logits.sub_(self.presence_penalties * (self.output_counts > 0))
+        return logits
+
+    def apply_logit_bias(self, logits: torch.Tensor) -> torch.Tensor:
+        """Add each row's logit_bias to `logits` [B, V], in place."""
+        if self.logit_bias is not None:
+            logits.add_(self.logit_bias)
         return logits
 
     def apply_min_new_tokens(self, logits: torch.Tensor) -> torch.Tensor:
@@ -267,6 +289,8 @@ class SamplingBatchInfo:
             return torch.ones((bs, 1), dtype=torch.float32, device=dev)
         if name in ("frequency_penalties", "presence_penalties"):
             return torch.zeros((bs, 1), dtype=torch.float32, device=dev)
+        if name == "logit_bias":
+            return torch.zeros((bs, v), dtype=torch.float32, device=dev)
         if name == "output_counts":
             return torch.zeros((bs, v), dtype=torch.int32, device=dev)
         if name in ("seen_tokens", "stop_token_mask"):

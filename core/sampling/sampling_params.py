@@ -51,6 +51,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     no_stop_trim: bool = False
     n: int = 1
     seed: Optional[int] = None
+    # token id -> a value added to its logit before the choice (OpenAI's and SGLang's logit_bias;
+    # JSON's string keys are read as ids). Logprobs stay those of the model, unbiased.
+    logit_bias: Optional[dict[int, float]] = None
 
     # ------------------------------------------------------------------ derived
 
@@ -157,6 +160,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                     raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
                 if vocab_size is not None and t >= vocab_size:
                     raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary (size {vocab_size})")
+        if self.logit_bias is not None:
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids, got {t!r}")
+                if vocab_size is not None and t >= vocab_size:
+                    raise ValueError(f"logit_bias token id {t} is outside the vocabulary (size {vocab_size})")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int):
                 raise ValueError(f"seed must be an integer, got {self.seed!r}")
@@ -166,7 +177,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
 # ---- requests as SGLang's clients send them ------------------------------------------------------
 # SGLang 0.5's sampling keys that this engine does not implement (structured outputs, stop
-# regexes, per-token biases, custom processors). SGLang's own frontend sends several of them on
+# regexes, custom logit processors). SGLang's own frontend sends several of them on
 # every request, unset: a key whose value is null (or empty) is ignored, and one that is actually
 # set is refused with its name, never silently dropped.
 UNSUPPORTED_SGLANG_KEYS = (
@@ -176,7 +187,6 @@ UNSUPPORTED_SGLANG_KEYS = (
     "structural_tag",
     "stop_regex",
     "custom_params",
-    "logit_bias",
 )
 # SGLang's name -> ours
 SGLANG_ALIASES = {"sampling_seed": "seed"}
@@ -201,7 +211,7 @@ def sampling_params_from_dict(sp: Optional[dict]) -> SamplingParams:
                 continue
             raise ValueError(
                 f"sampling parameter {key!r} is not supported by this server yet (structured outputs, "
-                f"stop regexes and logit_bias are not implemented): leave it unset or null"
+                f"stop regexes and custom processors are not implemented): leave it unset or null"
             )
         if key in _FIXED_KEYS:
             if value not in _FIXED_KEYS[key]:

@@ -98,8 +98,15 @@ def new_rid(prefix: str) -> str:
 
 def sampling_params_from(req: CommonOpenAIFields, ctx: ServingContext, max_new_tokens: Optional[int]) -> dict[str, Any]:
     """OpenAI request fields -> SGLang sampling_params (only what the client set)."""
+    logit_bias = None
     if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        try:
+            logit_bias = {int(t): b for t, b in req.logit_bias.items()}
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+        ctx.check_token_ids(logit_bias, "logit_bias")
+        if not all(isinstance(b, (int, float)) and -100 <= b <= 100 for b in logit_bias.values()):
+            raise bad_request("logit_bias values must be numbers in [-100, 100]", "logit_bias")
     n = 1 if req.n is None else req.n
     if not 1 <= n <= ctx.max_n:
         raise bad_request(f"n must be between 1 and {ctx.max_n}, got {n}", "n")
@@ -136,6 +143,7 @@ def sampling_params_from(req: CommonOpenAIFields, ctx: ServingContext, max_new_t
         "spaces_between_special_tokens": req.spaces_between_special_tokens,
         "no_stop_trim": req.no_stop_trim,
         "seed": req.seed,
+        "logit_bias": logit_bias,
     }
     return {k: v for k, v in sp.items() if v is not None}
 
