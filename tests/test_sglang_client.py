@@ -192,3 +192,34 @@ def test_logit_bias_steers_greedy_choices_and_leaves_logprobs_unbiased(served):
     )
     assert [b["output_ids"] for b in both] == [[forced], [top1]]
     assert_no_kv_leak(engine)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(served):
+    """OpenAI completions, echo=true, max_tokens=0, logprobs (lm-eval's loglikelihood request):
+    the prompt back with its tokens' logprobs, nothing generated; streamed too. Without echo,
+    max_tokens 0 is still a 400 that says what 0 is for."""
+    openai = pytest.importorskip("openai")
+    engine, url = served
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    ref = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+    )["meta_info"]["input_token_logprobs"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    out = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = out.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert "".join(choice.logprobs.tokens) == prompt and len(choice.logprobs.tokens) == len(ids)
+    assert choice.logprobs.token_logprobs[0] is None
+    for got, (lp, _, _) in zip(choice.logprobs.token_logprobs[1:], ref[1:]):
+        assert abs(got - lp) < 1e-4
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+
+    chunks = list(
+        client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=0, echo=True, logprobs=1, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=0)
+    assert_no_kv_leak(engine)

@@ -96,8 +96,11 @@ def new_rid(prefix: str) -> str:
 # ---------------------------------------------------------------- request checks
 
 
-def sampling_params_from(req: CommonOpenAIFields, ctx: ServingContext, max_new_tokens: Optional[int]) -> dict[str, Any]:
-    """OpenAI request fields -> SGLang sampling_params (only what the client set)."""
+def sampling_params_from(
+    req: CommonOpenAIFields, ctx: ServingContext, max_new_tokens: Optional[int], allow_zero: bool = False
+) -> dict[str, Any]:
+    """OpenAI request fields -> SGLang sampling_params (only what the client set). `allow_zero`:
+    max_tokens 0 is allowed (completions with echo: scoring a prompt, as lm-eval does)."""
     logit_bias = None
     if req.logit_bias:
         try:
@@ -111,8 +114,11 @@ def sampling_params_from(req: CommonOpenAIFields, ctx: ServingContext, max_new_t
     if not 1 <= n <= ctx.max_n:
         raise bad_request(f"n must be between 1 and {ctx.max_n}, got {n}", "n")
     if max_new_tokens is not None:
-        if max_new_tokens < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {max_new_tokens}", "max_tokens")
+        if max_new_tokens < (0 if allow_zero else 1):
+            hint = "" if allow_zero else " (0 scores the prompt: completions with echo=true)"
+            raise bad_request(
+                f"max_tokens must be at least {0 if allow_zero else 1}, got {max_new_tokens}{hint}", "max_tokens"
+            )
         if max_new_tokens > ctx.context_len:
             raise bad_request(
                 f"max_tokens ({max_new_tokens}) is larger than the model's context length ({ctx.context_len})",

@@ -77,7 +77,7 @@ async def create_completion(ctx: ServingContext, request: Request, req: Completi
     top_n = req.logprobs
     if top_n is not None and not 0 <= top_n <= ctx.max_top_logprobs:
         raise bad_request(f"logprobs must be between 0 and {ctx.max_top_logprobs}", "logprobs")
-    sp = sampling_params_from(req, ctx, req.max_tokens)
+    sp = sampling_params_from(req, ctx, req.max_tokens, allow_zero=bool(req.echo))
     prompts = normalize_prompts(ctx, req.prompt)
     if req.max_tokens is None:
         # Explicit null: as many tokens as the context leaves, which differs per prompt.
