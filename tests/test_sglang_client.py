@@ -90,6 +90,13 @@ def test_native_shapes_sglang_clients_read(served):
             assert isinstance(si["max_running_requests"], int)
         for path in ("/model_info", "/get_model_info"):
             assert h.get(path).json()["context_len"] == engine.context_len
+
+        # No body without a content type: the health routes are empty text (as SGLang's), abort JSON.
+        for path in ("/health", "/health_generate"):
+            r = h.get(path)
+            assert r.status_code == 200 and r.text == "" and r.headers["content-type"].startswith("text/plain")
+        r = h.post("/abort_request", json={"rid": "no-such-request"})
+        assert r.json() == {"success": True, "rid": "no-such-request", "abort_all": False}
     assert_no_kv_leak(engine)
 
 

@@ -265,7 +265,8 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
             return error_response(
                 503, "unhealthy" if not app.state.draining else "shutting down", code="engine_unavailable"
             )
-        return Response(status_code=200)
+        # SGLang answers an empty 200 (routers read only the status); the content type says so.
+        return PlainTextResponse("")
 
     @app.get("/health_generate")
     async def health_generate():
@@ -279,7 +280,7 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
             )
         except Exception as e:  # noqa: BLE001 - any failure means unhealthy
             raise APIError(503, f"health generation failed: {type(e).__name__}: {e}", code="engine_unavailable") from e
-        return Response(status_code=200)
+        return PlainTextResponse("")
 
     # SGLang 0.5 names them /server_info and /model_info; the older /get_* names stay as aliases.
     @app.get("/server_info")
@@ -316,7 +317,7 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
         if not req.rid and not req.abort_all:
             raise bad_request("give a rid, or abort_all: true", "rid")
         await asyncio.to_thread(engine.abort_request, "" if req.abort_all else req.rid)
-        return Response(status_code=200)
+        return JSONResponse({"success": True, "rid": None if req.abort_all else req.rid, "abort_all": req.abort_all})
 
     for path, method, fields in _WEIGHT_ROUTES:
         _add_weights_route(app, engine, path, method, fields)
