@@ -47,6 +47,7 @@ from workbench.core.entrypoints.errors import (
     http_status_error,
     validation_error,
 )
+from workbench.core.entrypoints import openapi_doc
 from workbench.core.entrypoints.metrics import ServerMetrics
 from workbench.core.entrypoints.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from workbench.core.entrypoints.native_api import finite_json, native_generate
@@ -326,6 +327,7 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    openapi_doc.install(app)  # request and answer bodies, errors (the routes parse bodies themselves)
     return app
 
 

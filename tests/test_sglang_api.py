@@ -1,7 +1,13 @@
-"""SGLang's own frontend client (`sglang` 0.5's RuntimeEndpoint: gen, select, fork, run_batch,
-streaming) against a real server on the default model, and the native API's shapes it relies on
-(issue #17 item 1). The test tier installs `sglang` without its dependencies (Makefile): only
-its frontend, which needs requests, aiohttp, orjson, pybase64 and pillow."""
+"""What SGLang's users send (issue #17), on a real server over the default model:
+
+- SGLang's own frontend client (`sglang` 0.5's RuntimeEndpoint: gen, select, fork, run_batch,
+  streaming), and the native API's shapes it relies on (null sampling keys, logprob entries,
+  /server_info and /model_info with the values in effect).
+- logit_bias (OpenAI and native), echo with max_tokens 0 (scoring a prompt), typed empty bodies,
+  and /openapi.json describing bodies, answers and errors.
+
+The test tier installs `sglang` without its dependencies (Makefile): only its frontend, which needs
+requests, aiohttp, orjson, pybase64 and pillow."""
 
 from __future__ import annotations
 
@@ -230,3 +236,41 @@ def test_echo_with_max_tokens_0_scores_the_prompt(served):
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=0)
     assert_no_kv_leak(engine)
+
+
+def test_openapi_describes_bodies_answers_and_errors(served):
+    """/openapi.json, generated from the models that validate the requests: each POST route's
+    request body, its JSON and SSE answers, plain-text routes typed, the error envelope on the
+    statuses a client can get, and every $ref resolving."""
+    engine, url = served
+    with httpx.Client(base_url=url, timeout=60) as h:
+        doc = h.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+
+    def resolve(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                name = node["$ref"].rsplit("/", 1)[-1]
+                assert node["$ref"] == f"#/components/schemas/{name}" and name in schemas, node["$ref"]
+            for v in node.values():
+                resolve(v)
+        elif isinstance(node, list):
+            for v in node:
+                resolve(v)
+
+    resolve(doc)
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    assert chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionRequest")
+    assert "messages" in schemas["ChatCompletionRequest"]["properties"]
+    ok = chat["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"]["$ref"].endswith("/ChatCompletionResponse") and "text/event-stream" in ok
+    for status in ("400", "401", "404", "413", "503"):
+        assert chat["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert "422" not in chat["responses"] and "HTTPValidationError" not in schemas
+    gen = doc["paths"]["/generate"]["post"]
+    assert gen["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/GenerateReqInput")
+    assert "sampling_params" in schemas["GenerateReqInput"]["properties"]
+    assert list(doc["paths"]["/health"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert "401" not in doc["paths"]["/health"]["get"]["responses"]
+    models = doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert models["$ref"].endswith("/ModelList")
