@@ -11,6 +11,8 @@ requests, aiohttp, orjson, pybase64 and pillow."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -37,8 +39,8 @@ def test_native_shapes_sglang_clients_read(served):
         assert got.status_code == 200, got.text
         assert got.json()["output_ids"] == engine.generate(prompt=text, sampling_params=GREEDY)["output_ids"]
         # ... and a feature that is not there yet is refused by name, not ignored.
-        bad = h.post("/generate", json={"text": text, "sampling_params": {"regex": "[0-9]+"}})
-        assert bad.status_code == 400 and "'regex' is not supported" in bad.json()["error"]["message"]
+        bad = h.post("/generate", json={"text": text, "sampling_params": {"stop_regex": "[0-9]+"}})
+        assert bad.status_code == 400 and "'stop_regex' is not supported" in bad.json()["error"]["message"]
 
         # Scoring a prompt: no new tokens, output_token_logprobs [] (present), prompt logprobs from
         # logprob_start_len on as [logprob, token_id, text].
@@ -154,6 +156,16 @@ def test_sglang_frontend_gen_select_fork_batch_and_stream(served):
 
     fb = branches.run(backend=backend)
     assert fb.text().endswith("done")
+
+    # constrained gen: a regex and a dtype (which SGLang's client sends as a regex)
+    @sgl.function
+    def constrained(s):
+        s += "The year the first moon landing happened:" + sgl.gen("year", max_tokens=8, regex=r"(19|20)[0-9]{2}")
+        s += "\nHow many legs has a spider?" + sgl.gen("legs", max_tokens=6, dtype=int)
+
+    got = constrained.run(backend=backend)
+    assert re.fullmatch(r"(19|20)[0-9]{2}", got["year"]), got["year"]
+    assert re.fullmatch(r"[-+]?[0-9]+", got["legs"].strip()), got["legs"]
     assert_no_kv_leak(engine)
 
 

@@ -1,8 +1,8 @@
 """Sampler: next-token choice from a batch of logits.
 
 Order of operations, per row:
-1. penalties (repetition, frequency, presence), `logit_bias` (added) and `min_new_tokens`
-   (stop ids to -inf);
+1. penalties (repetition, frequency, presence), `logit_bias` (added), `min_new_tokens`
+   (stop ids to -inf) and a grammar's mask (structured outputs: disallowed tokens to -inf);
 2. greedy rows (temperature 0 or top_k 1): argmax of the penalized logits, exactly;
 3. sampled rows: divide by temperature, softmax, then top-k, top-p and min-p, each
    acting on what the previous filter left (renormalized), then renormalize and
@@ -89,7 +89,7 @@ class Sampler(nn.Module):
     # ------------------------------------------------------------------ internals
 
     def _choose(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        modify = info.need_penalties or info.need_min_new_tokens or info.need_logit_bias
+        modify = info.need_penalties or info.need_min_new_tokens or info.need_logit_bias or info.vocab_mask is not None
         if info.is_all_greedy and not modify:
             return torch.argmax(logits, dim=-1)
 
@@ -99,6 +99,7 @@ class Sampler(nn.Module):
             info.apply_penalties(logits)
             info.apply_logit_bias(logits)
             info.apply_min_new_tokens(logits)
+            info.apply_vocab_mask(logits)  # last: a grammar's -inf is final
 
         if info.is_all_greedy:
             return torch.argmax(logits, dim=-1)

@@ -63,6 +63,7 @@ class Req:
         self.logprob_start_len = logprob_start_len
         self.arrival_ts = arrival_ts
         self.generator = make_generator(sampling_params.seed) if sampling_params.seed is not None else None
+        self.grammar = None  # structured outputs: its xgrammar GrammarMatcher (Scheduler.attach_grammar)
 
         self.output_ids: list[int] = []
         self.fill_ids: list[int] = []  # tokens whose KV is wanted after this round

@@ -60,6 +60,7 @@ from workbench.core.managers.schedule_policy import AddReqResult, HeldBack, Pref
 from workbench.core.managers.scheduler_kv_check import SchedulerKVCheckMixin, kv_check_enabled
 from workbench.core.managers.scheduler_narration import StepNarrator
 from workbench.core.managers.scheduler_output import SchedulerOutputMixin
+from workbench.core.constrained.grammar import grammar_of, unpack_bitmask
 from workbench.core.managers.scheduler_overlap import InflightBatch, SchedulerOverlapMixin
 from workbench.core.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from workbench.core.mem_cache.chunk_cache import ChunkCache
@@ -112,6 +113,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool_allocator = runner.token_to_kv_pool_allocator
         self.tokenizer = tokenizer if tokenizer is not None else _load_fast_tokenizer(runner.prepared.model_dir)
+        # Structured outputs: made at the first constrained request (it loads transformers' tokenizer).
+        self.grammar_backend = None
 
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
         self.tree_cache = cache_cls(
@@ -298,6 +301,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                 f"prompt ({len(req.origin_input_ids)}) + max_new_tokens ({req.sampling_params.max_new_tokens}) "
                 f"can never fit in the KV pool of {self.max_total_num_tokens} tokens"
             )
+        if error is None:
+            error = self.attach_grammar(req)
         if error is not None:
             req.finished_reason = FinishReason("abort", message=error)
             self.stream_output([req])
@@ -310,6 +315,26 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                         rid=req.rid, prompt_tokens=len(req.origin_input_ids), queue_len=len(self.waiting_queue)
                     )
                 )
+
+    def attach_grammar(self, req: Req) -> Optional[str]:
+        """Give a constrained request (json_schema / regex / ebnf) its grammar matcher; returns
+        why it cannot have one (a grammar xgrammar cannot read, or no xgrammar), else None."""
+        grammar = grammar_of(req.sampling_params)
+        if grammar is None:
+            return None
+        try:
+            if self.grammar_backend is None:
+                from workbench.core.constrained.grammar import GrammarBackend
+                from workbench.core.model_loader import load_tokenizer
+
+                model_dir = self.tp_worker.model_runner.prepared.model_dir
+                self.grammar_backend = GrammarBackend(
+                    load_tokenizer(model_dir), self.model_config.vocab_size, self.model_config.eos_token_ids
+                )
+            req.grammar = self.grammar_backend.matcher(*grammar)
+        except ValueError as e:
+            return str(e)
+        return None
 
     def abort_request(self, rid: str) -> None:
         """Abort one request ("" = all): dropped from the queue, or stopped at its next step."""
@@ -544,6 +569,14 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         if batch.forward_mode == ForwardMode.EXTEND:
             for req in batch.reqs:
                 req.num_chunks_done += 1
+        if self.grammar_backend is not None:
+            # Structured outputs: what each constrained row's grammar allows at this step (the
+            # overlap loop waits for the previous token first: needs_output_history).
+            bitmask = self.grammar_backend.fill_bitmask([r.grammar for r in batch.reqs])
+            if bitmask is not None:
+                mwb.sampling_info.vocab_mask = unpack_bitmask(bitmask, self.model_config.vocab_size).to(
+                    mwb.sampling_info.device
+                )
         return mwb, step_reqs
 
     def note_forward_time(self, batch: ScheduleBatch, forward_ms: float) -> None:

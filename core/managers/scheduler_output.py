@@ -14,6 +14,7 @@ import torch
 
 from workbench.core.io_struct import BatchTokenIDOut
 from workbench.core.layers.logits_processor import token_logprobs
+from workbench.core.managers.schedule_batch import FinishReason
 from workbench.core.model_executor.forward_batch_info import ForwardMode
 from workbench.core.trace import events as ev
 
@@ -79,7 +80,13 @@ class SchedulerOutputMixin:
                 vals, ids = out.top_logprobs
                 k = req.top_logprobs_num
                 req.output_top_logprobs.append(list(zip(ids[i, :k].tolist(), vals[i, :k].tolist())))
+        if req.grammar is not None and not req.grammar.is_terminated():
+            if not req.grammar.accept_token(int(req.output_ids[-1])):
+                req.to_abort = "the sampled token does not fit the request's grammar"
         req.check_finished(self._decode_tail)
+        if not req.finished() and req.grammar is not None and req.grammar.is_terminated():
+            # the grammar is complete and took its end token (reached here under ignore_eos)
+            req.finished_reason = FinishReason("stop", matched=req.output_ids[-1])
 
     def _decode_tail(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -138,6 +138,8 @@ class SchedulerOverlapMixin:
                 return True
             if sp.min_new_tokens > len(req.output_ids):
                 return True
+            if req.grammar is not None:  # its mask depends on the token still in flight
+                return True
         return False
 
     def _without_finished(self, batch: "ScheduleBatch") -> Optional["ScheduleBatch"]:

@@ -45,6 +45,7 @@ from workbench.core.io_struct import (
     encode_msg,
 )
 from workbench.core.ipc import PortArgs
+from workbench.core.constrained.grammar import grammar_of
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.trace import events as ev
 
@@ -144,6 +145,7 @@ class TokenizerManager:
         self._weights_gate.set()
         self.num_held_requests = 0  # new requests waiting for a weight update to end
         self.num_requests_total = 0
+        self._grammar_check = None  # structured outputs: a GrammarBackend made at the first use
         self.handle_loop_task = loop.create_task(self.handle_loop())
 
     # ==== requests ===================================================================
@@ -222,6 +224,15 @@ class TokenizerManager:
             raise ValueError("the prompt is empty")
         sp.normalize()
         sp.verify(vocab_size=len(self.tokenizer))
+        grammar = grammar_of(sp)
+        if grammar is not None:
+            # A grammar xgrammar cannot read is the caller's error: say so here (a 400), not as an
+            # aborted request. Compiled grammars are cached, so a repeated one costs a lookup.
+            if self._grammar_check is None:
+                from workbench.core.constrained.grammar import GrammarBackend
+
+                self._grammar_check = GrammarBackend(self.tokenizer, len(self.tokenizer))
+            self._grammar_check.compile(*grammar)
         if len(input_ids) + sp.max_new_tokens > self.context_len:
             raise ValueError(
                 f"this model's maximum context length is {self.context_len} tokens; the prompt has "

@@ -65,6 +65,10 @@ class SamplingBatchInfo:
     stop_token_mask: Optional[torch.Tensor] = None  # [B, V] bool, ids to hold back
     # logit_bias (None when no row has one): added to the logits after the penalties.
     logit_bias: Optional[torch.Tensor] = None  # [B, V] float32, 0 where a row sets nothing
+    # Structured outputs: the grammar's allowed tokens this step (core/constrained/grammar.py),
+    # set fresh before every step by the scheduler (None: no row constrained). Not carried by
+    # filter/merge: it is only valid for the step it was filled for.
+    vocab_mask: Optional[torch.Tensor] = None  # [B, V] bool, True = allowed
 
     # ------------------------------------------------------------------ build
 
@@ -236,6 +240,12 @@ class SamplingBatchInfo:
             logits.add_(self.logit_bias)
         return logits
 
+    def apply_vocab_mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """Set the tokens a row's grammar does not allow to -inf, in place."""
+        if self.vocab_mask is not None:
+            logits.masked_fill_(~self.vocab_mask.to(logits.device), float("-inf"))
+        return logits
+
     def apply_min_new_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """Set the stop ids of rows short of `min_new_tokens` to -inf, in place."""
         if self.min_new_tokens is not None:
@@ -311,7 +321,17 @@ class SamplingBatchInfo:
 _TENSOR_FIELDS = tuple(
     f.name
     for f in fields(SamplingBatchInfo)
-    if f.name not in ("vocab_size", "device", "generators", "is_all_greedy", "need_top_p", "need_top_k", "need_min_p")
+    if f.name
+    not in (
+        "vocab_size",
+        "device",
+        "generators",
+        "is_all_greedy",
+        "need_top_p",
+        "need_top_k",
+        "need_min_p",
+        "vocab_mask",
+    )
 )
 
 

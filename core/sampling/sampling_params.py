@@ -14,6 +14,8 @@ Conventions shared with the sampler:
 
 from __future__ import annotations
 
+import json
+
 import math
 from typing import Iterable, Optional, Union
 
@@ -54,6 +56,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # token id -> a value added to its logit before the choice (OpenAI's and SGLang's logit_bias;
     # JSON's string keys are read as ids). Logprobs stay those of the model, unbiased.
     logit_bias: Optional[dict[int, float]] = None
+    # Structured outputs (at most one; core/constrained/grammar.py): a JSON Schema (as a string,
+    # "$$ANY$$" for any JSON object), a regular expression, or an xgrammar EBNF grammar.
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     # ------------------------------------------------------------------ derived
 
@@ -168,6 +175,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                     raise ValueError(f"logit_bias token id {t} is outside the vocabulary (size {vocab_size})")
                 if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
                     raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+        grammars = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"set at most one of json_schema, regex and ebnf, got {', '.join(grammars)}")
+        for k in grammars:
+            if not isinstance(getattr(self, k), str) or not getattr(self, k):
+                raise ValueError(f"{k} must be a non-empty string")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int):
                 raise ValueError(f"seed must be an integer, got {self.seed!r}")
@@ -176,14 +189,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
 
 # ---- requests as SGLang's clients send them ------------------------------------------------------
-# SGLang 0.5's sampling keys that this engine does not implement (structured outputs, stop
-# regexes, custom logit processors). SGLang's own frontend sends several of them on
+# SGLang 0.5's sampling keys that this engine does not implement (structural tags, stop regexes,
+# custom logit processors). SGLang's own frontend sends several of them on
 # every request, unset: a key whose value is null (or empty) is ignored, and one that is actually
 # set is refused with its name, never silently dropped.
 UNSUPPORTED_SGLANG_KEYS = (
-    "json_schema",
-    "regex",
-    "ebnf",
     "structural_tag",
     "stop_regex",
     "custom_params",
@@ -210,7 +220,7 @@ def sampling_params_from_dict(sp: Optional[dict]) -> SamplingParams:
             if value is None or value == [] or value == {} or value == "":
                 continue
             raise ValueError(
-                f"sampling parameter {key!r} is not supported by this server yet (structured outputs, "
+                f"sampling parameter {key!r} is not supported by this server yet (structural tags, "
                 f"stop regexes and custom processors are not implemented): leave it unset or null"
             )
         if key in _FIXED_KEYS:
@@ -221,6 +231,8 @@ def sampling_params_from_dict(sp: Optional[dict]) -> SamplingParams:
         if name not in fields:
             unknown.append(key)
         elif value is not None:  # null: the default, as SGLang reads it
+            if name == "json_schema" and isinstance(value, dict):  # a schema object, not its text
+                value = json.dumps(value)
             kept[name] = value
     if unknown:
         valid = sorted(set(fields) | set(SGLANG_ALIASES) | set(UNSUPPORTED_SGLANG_KEYS) | set(_FIXED_KEYS))

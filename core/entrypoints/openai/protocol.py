@@ -58,6 +58,11 @@ class SamplingExtras(_Strict):
     spaces_between_special_tokens: Optional[bool] = None
     no_stop_trim: Optional[bool] = None
     rid: Optional[str] = None
+    # structured outputs, as SGLang's OpenAI routes take them (at most one, and not with a
+    # response_format that constrains): a JSON Schema (object or its text), a regex, an EBNF grammar
+    json_schema: Optional[Union[str, dict[str, Any]]] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
 
 class CommonOpenAIFields(SamplingExtras):
@@ -65,6 +70,7 @@ class CommonOpenAIFields(SamplingExtras):
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[dict[str, Any]] = None  # text, json_object, json_schema
     n: Optional[int] = None
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
@@ -101,7 +107,6 @@ class ChatCompletionRequest(CommonOpenAIFields):
     top_logprobs: Optional[int] = None
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None

@@ -75,9 +75,6 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 def check_chat_features(req: ChatCompletionRequest, ctx: ServingContext) -> None:
     if req.tools:
         raise bad_request("tools are not supported by this server", "tools")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise bad_request(f"response_format {fmt!r} is not supported (only 'text')", "response_format")
     if req.modalities and any(m != "text" for m in req.modalities):
         raise bad_request("only the text modality is supported", "modalities")
     if req.top_logprobs is not None:

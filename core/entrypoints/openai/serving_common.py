@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Optional
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from workbench.core.constrained.grammar import ANY_JSON
 from workbench.core.entrypoints.errors import APIError, bad_request, engine_error_to_api
 from workbench.core.entrypoints.openai.protocol import (
     ChatTokenLogprob,
@@ -96,6 +97,46 @@ def new_rid(prefix: str) -> str:
 # ---------------------------------------------------------------- request checks
 
 
+def response_format_grammar(response_format: Optional[dict]) -> Optional[tuple[str, str]]:
+    """OpenAI's response_format -> the sampling param that constrains the output, or None:
+    text: none; json_object: any JSON object; json_schema: `json_schema.schema` (strict or not,
+    the output follows it)."""
+    fmt = (response_format or {}).get("type", "text")
+    if fmt == "text":
+        return None
+    if fmt == "json_object":
+        return "json_schema", ANY_JSON
+    if fmt == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format json_schema needs json_schema.schema (a JSON Schema object)", "response_format"
+            )
+        return "json_schema", json.dumps(schema)
+    raise bad_request(f"response_format {fmt!r}: one of text, json_object, json_schema", "response_format")
+
+
+def structured_output(req: CommonOpenAIFields) -> dict[str, str]:
+    """The one grammar a request sets, as the sampling param that carries it ({} for none):
+    `response_format`, or SGLang's `json_schema` / `regex` / `ebnf` extras."""
+    found = {}
+    for key in ("json_schema", "regex", "ebnf"):
+        value = getattr(req, key)
+        if value is not None:
+            found[key] = value if isinstance(value, str) else json.dumps(value)
+    fmt = response_format_grammar(req.response_format)
+    if fmt is not None:
+        if found:
+            raise bad_request(
+                f"response_format constrains the output already: drop {', '.join(found)}", "response_format"
+            )
+        found = {fmt[0]: fmt[1]}
+    if len(found) > 1:
+        raise bad_request(f"set at most one of json_schema, regex and ebnf, got {', '.join(found)}", next(iter(found)))
+    return found
+
+
 def sampling_params_from(
     req: CommonOpenAIFields, ctx: ServingContext, max_new_tokens: Optional[int], allow_zero: bool = False
 ) -> dict[str, Any]:
@@ -150,6 +191,7 @@ def sampling_params_from(
         "no_stop_trim": req.no_stop_trim,
         "seed": req.seed,
         "logit_bias": logit_bias,
+        **structured_output(req),
     }
     return {k: v for k, v in sp.items() if v is not None}
 

@@ -1,0 +1,1 @@
+"""Constrained decoding: grammars (JSON Schema, regex, EBNF) that mask what a request may sample."""
