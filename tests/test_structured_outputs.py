@@ -189,3 +189,39 @@ def test_overlap_loop_gives_the_same_constrained_outputs():
         finally:
             engine.shutdown()
     assert results[0] == results[1]
+
+
+def test_trace_and_views_show_the_constraint_and_the_mask_cost(served):
+    """req.queued carries the constraint kind, batch.decision the constrained rows and their mask
+    time; the reducer, the narrated step and the Queues badge say so; a free request has none."""
+    from pipeline_helpers import drain_events
+
+    from workbench.core.trace import events as ev
+    from workbench.core.trace.state import TraceState
+
+    engine, _ = served
+    sub = engine.subscribe(with_snapshot=False)
+    try:
+        outs = engine.generate(
+            prompt=["Answer:", "Answer in JSON.", "Say something."],
+            sampling_params=[
+                {"max_new_tokens": 8, "temperature": 0, "regex": REGEXES[1]},
+                {"max_new_tokens": 40, "temperature": 0, "json_schema": json.dumps(SCHEMAS[0])},
+                {"max_new_tokens": 4, "temperature": 0},
+            ],
+        )
+        events = drain_events(sub)
+    finally:
+        sub.close()
+    rids = [o["meta_info"]["id"] for o in outs]
+    queued = {e.rid: e.constraint for e in events if isinstance(e, ev.ReqQueued)}
+    assert [queued[r] for r in rids] == ["regex", "json_schema", ""]
+    masked = [e for e in events if isinstance(e, ev.StepDecision) and e.constrained]
+    assert masked and all(e.mask_ms > 0 for e in masked)
+    assert max(e.constrained for e in masked) == 2  # the free row is never masked
+    st = TraceState()
+    for e in events:
+        st.apply(e)
+    assert [st.requests[r].constraint for r in rids] == ["regex", "json_schema", ""]
+    lines = [st.narrate(sv) for sv in st.steps]
+    assert any("grammar masks for 2 rows" in ln for ln in lines), lines

@@ -169,6 +169,7 @@ def request_details(state: TraceState, rid: str) -> dict:
         "tpot": r.tpot,
         "e2e": r.e2e,
         "retractions": r.retractions,
+        "constraint": r.constraint,
         "text": r.text,
         "timeline": [(e.ts, e.kind, e.detail) for e in r.timeline],
         "ttft_parts": ttft_lines(b) if (b := state.ttft_parts(rid)) is not None else [],

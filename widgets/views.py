@@ -259,6 +259,8 @@ def details_html(state: TraceState, rid: str) -> str:
             "e2e",
         )
     )
+    if d["constraint"]:
+        facts += f" · <b>constrained by</b> {html.escape(d['constraint'].replace('_', ' '))}"
     t0 = d["timeline"][0][0] if d["timeline"] else 0
     rows = "".join(
         f"<tr><td>+{(ts - t0) / 1e6:.1f} ms</td><td>{html.escape(k)}</td><td>{html.escape(det)}</td></tr>"

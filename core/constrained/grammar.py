@@ -35,6 +35,15 @@ def grammar_of(sampling_params: Any) -> Optional[tuple[str, str]]:
     return None
 
 
+def constraint_kind(sampling_params: Any) -> str:
+    """What the trace and the views call a request's constraint: "json_schema", "json_object"
+    (any JSON), "regex", "ebnf", or "" for a free request."""
+    grammar = grammar_of(sampling_params)
+    if grammar is None:
+        return ""
+    return "json_object" if grammar == ("json_schema", ANY_JSON) else grammar[0]
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 [B, W] xgrammar bitmask -> bool [B, vocab_size] of allowed tokens."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)

@@ -60,7 +60,7 @@ from workbench.core.managers.schedule_policy import AddReqResult, HeldBack, Pref
 from workbench.core.managers.scheduler_kv_check import SchedulerKVCheckMixin, kv_check_enabled
 from workbench.core.managers.scheduler_narration import StepNarrator
 from workbench.core.managers.scheduler_output import SchedulerOutputMixin
-from workbench.core.constrained.grammar import grammar_of, unpack_bitmask
+from workbench.core.constrained.grammar import constraint_kind, grammar_of, unpack_bitmask
 from workbench.core.managers.scheduler_overlap import InflightBatch, SchedulerOverlapMixin
 from workbench.core.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from workbench.core.mem_cache.chunk_cache import ChunkCache
@@ -312,7 +312,10 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             with self.trace_cost():
                 self.tracer.emit(
                     ev.ReqQueued(
-                        rid=req.rid, prompt_tokens=len(req.origin_input_ids), queue_len=len(self.waiting_queue)
+                        rid=req.rid,
+                        prompt_tokens=len(req.origin_input_ids),
+                        queue_len=len(self.waiting_queue),
+                        constraint=constraint_kind(req.sampling_params) if req.grammar is not None else "",
                     )
                 )
 
@@ -572,11 +575,14 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         if self.grammar_backend is not None:
             # Structured outputs: what each constrained row's grammar allows at this step (the
             # overlap loop waits for the previous token first: needs_output_history).
+            t0 = time.perf_counter()
             bitmask = self.grammar_backend.fill_bitmask([r.grammar for r in batch.reqs])
             if bitmask is not None:
                 mwb.sampling_info.vocab_mask = unpack_bitmask(bitmask, self.model_config.vocab_size).to(
                     mwb.sampling_info.device
                 )
+                rows = sum(1 for r in batch.reqs if r.grammar is not None)
+                self.narrator.on_mask(rows, 1000 * (time.perf_counter() - t0))
         return mwb, step_reqs
 
     def note_forward_time(self, batch: ScheduleBatch, forward_ms: float) -> None:

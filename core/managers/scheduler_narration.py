@@ -32,6 +32,8 @@ class StepNarrator:
         self.evicted = 0
         self.evicted_nodes: list[int] = []
         self.retracted: list[str] = []
+        self.constrained = 0
+        self.mask_ms = 0.0
         self.begin()
 
     def begin(self) -> None:
@@ -66,6 +68,11 @@ class StepNarrator:
 
     def on_retract(self, rid: str) -> None:
         self.retracted.append(rid)
+
+    def on_mask(self, rows: int, ms: float) -> None:
+        """Grammar masks were filled for `rows` constrained rows of the step's batch in `ms`."""
+        self.constrained += rows
+        self.mask_ms += ms
 
     # ---- the event ---------------------------------------------------------------------------
     def end_step(self, tracer, batch: "ScheduleBatch", waiting: list["Req"], running: list["Req"]) -> None:
@@ -105,6 +112,8 @@ class StepNarrator:
             evicted=self.evicted,
             evicted_nodes=list(self.evicted_nodes),
             retracted=list(self.retracted),
+            constrained=self.constrained,
+            mask_ms=round(self.mask_ms, 3),
             start_ts=self.start_ts,
         )
         self._reset()

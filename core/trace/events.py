@@ -43,6 +43,7 @@ class ReqQueued(Event, tag="req.queued"):
     rid: str
     prompt_tokens: int
     queue_len: int
+    constraint: str = ""  # structured outputs: "json_schema" | "json_object" | "regex" | "ebnf" ("" free)
 
 
 class ReqScheduled(Event, tag="req.scheduled"):
@@ -148,6 +149,8 @@ class StepDecision(Event, tag="batch.decision"):
     evicted: int = 0  # tokens evicted from the radix cache in this step ...
     evicted_nodes: list[int] = []  # ... from these nodes
     retracted: list[str] = []  # requests sent back to the queue (KV pool full)
+    constrained: int = 0  # rows of this step's batch sampled under a grammar (structured outputs) ...
+    mask_ms: float = 0.0  # ... and the time spent filling their token masks
     start_ts: int = 0  # when the step began (monotonic ns; `ts` is when it ended): with
     # it a view knows what the scheduler was busy with at any moment
     # (0 in older recordings)
@@ -301,6 +304,7 @@ class ReqSnapshot(Event, tag="req.snapshot"):
     round_chunks: list[int] = []  # computed tokens per prefill chunk of the current round
     round_sampled: bool = False  # the current round's last chunk already sampled a token
     replica: str = ""  # data parallel: the scheduler replica that holds it
+    constraint: str = ""  # structured outputs: the kind of grammar ("" free)
 
 
 class TraceCounters(Event, tag="trace.counters"):

@@ -487,10 +487,13 @@ class TraceState:
         self._note_replica(e.rid, e.proc)
         if r.queued_ts is None:
             r.queued_ts = e.ts
+        if e.constraint:
+            r.constraint = e.constraint
         if not b.final and e.prompt_tokens:
             r.prompt_tokens = e.prompt_tokens
         self._set_state(r, b, "queued", e.ts)
-        self._timeline(r, TimelineEntry(e.ts, "queued", f"queue length {e.queue_len}", step=e.step))
+        detail = f"queue length {e.queue_len}" + (f", constrained by {e.constraint}" if e.constraint else "")
+        self._timeline(r, TimelineEntry(e.ts, "queued", detail, step=e.step))
         self._nudge_queues(e.rid, before, e.ts)
 
     def _record_chunk(
@@ -928,6 +931,8 @@ def narrate_step(sv: StepView) -> str:
         parts.append(f"evicted {d.evicted}" + (f" ({nodes} node{'s' if nodes != 1 else ''})" if nodes else ""))
         if d.retracted:
             parts.append(f"retracted {len(d.retracted)} ({_rids(d.retracted)})")
+        if d.constrained:
+            parts.append(f"grammar masks for {d.constrained} row{'s' if d.constrained != 1 else ''} {d.mask_ms:.1f} ms")
         if d.waiting:
             n_held = len(d.held)
             stop = f"{WAIT_REASONS.get(d.stop_reason, d.stop_reason)} ({d.stop_rid} next)" if d.stop_rid else ""

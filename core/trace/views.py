@@ -58,6 +58,7 @@ class RequestView:
     tpot: Optional[float] = None
     e2e: Optional[float] = None
     retractions: int = 0
+    constraint: str = ""  # structured outputs: "json_schema" | "json_object" | "regex" | "ebnf" ("" free)
     text: str = ""
     timeline: list[TimelineEntry] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)  # scheduler step ids it took part in

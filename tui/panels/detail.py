@@ -100,6 +100,7 @@ def render_detail(model: TuiModel, rid: Optional[str], text_chars: int = 1200) -
         f"out {r.output_tokens}"
         + (f"/{r.max_new_tokens}" if r.max_new_tokens else "")
         + (f" · retracted {r.retractions}×" if r.retractions else "")
+        + (f" · constrained by {r.constraint.replace('_', ' ')}" if r.constraint else "")
         + "\n"
     )
     out.append(f"TTFT {fmt_s(r.ttft)} · TPOT {fmt_s(r.tpot)} · E2E {fmt_s(r.e2e)}\n", style="bold")

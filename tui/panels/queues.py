@@ -33,6 +33,9 @@ _QUEUE_STYLE = {
 }
 
 
+# A constrained request's badge beside its rid (structured outputs: the grammar masks its tokens).
+CONSTRAINT_BADGE = {"json_schema": "{json}", "json_object": "{json}", "regex": "/re/", "ebnf": "ebnf"}
+
 # Why a request waits (TraceState.wait_reason), short enough for the state column.
 _WAIT_SHORT = {"budget": "budget", "kv": "KV room", "running": "run limit", "held": "held"}
 
@@ -115,9 +118,12 @@ def _cells(
     else:
         ttft = Text("–")
     label = f"{queue}@{replica.rsplit('.', 1)[-1]}" if replica else queue
+    rid = Text(r.rid, style="reverse" if touched else "")
+    if r.constraint:
+        rid.append(" " + CONSTRAINT_BADGE.get(r.constraint, r.constraint), style="dim")
     return (
         Text(label, style=_QUEUE_STYLE.get(queue, "")),
-        Text(r.rid, style="reverse" if touched else ""),
+        rid,
         state,
         str(r.prompt_tokens),
         str(r.cached_tokens),
@@ -139,7 +145,9 @@ class QueuesPanel(TracePanel):
         "finished. prompt/cached/comp/out are token counts: cached = reused from the radix tree, "
         "comp = prompt tokens actually computed. TTFT shows the time so far (italic) until the "
         "first token. The rids the last step prefilled (admitted, or a chunk) or retracted are "
-        "shown reversed, as named on the `last step` line; a waiting request's state says why that "
+        "shown reversed, as named on the `last step` line. A badge after the rid marks a "
+        "constrained request (structured outputs): `{json}` a JSON Schema or any JSON, `/re/` a regex, "
+        "`ebnf` a grammar; the `last step` line says how long their token masks took. a waiting request's state says why that "
         "step left it waiting: `budget` (the step's prefill token budget was spent), `KV room`, `run limit` "
         "(running-request limit) or `held` (it waits for a shared prefix being computed). "
         "Click or Enter on a row to select the request."
