@@ -35,12 +35,11 @@ def test_sampler_applies_the_mask_to_constrained_rows_only():
         vocab_size=V,
         generators=[None, make_generator(3), None],
     )
-    mask = torch.ones(3, V, dtype=torch.bool)
-    mask[0] = False
-    mask[0, [2, 7]] = True  # row 0: only 2 or 7; greedy takes 7
-    mask[1] = False
-    mask[1, [1, 4]] = True  # row 1 samples among 1 and 4 only
-    info.vocab_mask = mask  # row 2 all allowed: untouched
+    bits = torch.zeros(3, 1, dtype=torch.int32)
+    bits[0, 0] = (1 << 2) | (1 << 7)  # row 0: only 2 or 7; greedy takes 7
+    bits[1, 0] = (1 << 1) | (1 << 4)  # row 1 samples among 1 and 4 only
+    bits[2, 0] = -1  # row 2 all allowed: untouched
+    info.vocab_mask = bits
     for _ in range(20):
         ids = Sampler(make_generator(0)).forward(logits.clone(), info).next_token_ids.tolist()
         assert ids[0] == 7 and ids[1] in (1, 4) and ids[2] == 15
@@ -150,3 +149,23 @@ def test_reducer_narration_and_queues_show_a_constrained_request():
     late = TraceState()
     late.apply_many(st.snapshot_events())
     assert late.requests["c"].constraint == "regex"
+
+
+def test_the_mask_without_xgrammar_is_the_same_mask(monkeypatch):
+    """apply_token_bitmask uses xgrammar's kernel when it is there, plain torch when not: same result."""
+    import sys
+
+    from workbench.core.constrained.grammar import apply_token_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (4, 3), dtype=torch.int32, generator=gen)
+    logits = torch.randn(4, 70, generator=gen)
+    want = logits.clone().masked_fill_(~unpack_bitmask(bits, 70), float("-inf"))
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        assert torch.equal(apply_token_bitmask(logits.clone(), bits), want)
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import fails: the torch path
+    assert torch.equal(apply_token_bitmask(logits.clone(), bits), want)

@@ -185,6 +185,9 @@ def _add_bench_parsers(bench_sub) -> None:
     from workbench.bench.trace_bench import add_parser as add_trace_bench
 
     add_trace_bench(bench_sub)
+    from workbench.bench.structured_bench import add_parser as add_structured_bench
+
+    add_structured_bench(bench_sub)
     from workbench.bench.threads import add_parser as add_threads_bench
 
     add_threads_bench(bench_sub)

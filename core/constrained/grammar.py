@@ -51,6 +51,20 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the tokens a row's bitmask does not allow to -inf, in place. xgrammar's kernel where it
+    is installed (0.2 ms for 32 rows of a 49k vocabulary here, against 4 ms to unpack the bits into
+    a bool mask and fill through it); plain torch without it."""
+    bitmask = bitmask.to(logits.device)
+    try:
+        import xgrammar
+    except ImportError:
+        logits.masked_fill_(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
+        return logits
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+    return logits
+
+
 def _first_line(e: Exception) -> str:
     """xgrammar's message without its "[hh:mm:ss] /path/file.cc:83: " prefix."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -60,7 +60,7 @@ from workbench.core.managers.schedule_policy import AddReqResult, HeldBack, Pref
 from workbench.core.managers.scheduler_kv_check import SchedulerKVCheckMixin, kv_check_enabled
 from workbench.core.managers.scheduler_narration import StepNarrator
 from workbench.core.managers.scheduler_output import SchedulerOutputMixin
-from workbench.core.constrained.grammar import constraint_kind, grammar_of, unpack_bitmask
+from workbench.core.constrained.grammar import constraint_kind, grammar_of
 from workbench.core.managers.scheduler_overlap import InflightBatch, SchedulerOverlapMixin
 from workbench.core.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from workbench.core.mem_cache.chunk_cache import ChunkCache
@@ -578,9 +578,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             t0 = time.perf_counter()
             bitmask = self.grammar_backend.fill_bitmask([r.grammar for r in batch.reqs])
             if bitmask is not None:
-                mwb.sampling_info.vocab_mask = unpack_bitmask(bitmask, self.model_config.vocab_size).to(
-                    mwb.sampling_info.device
-                )
+                mwb.sampling_info.vocab_mask = bitmask
                 rows = sum(1 for r in batch.reqs if r.grammar is not None)
                 self.narrator.on_mask(rows, 1000 * (time.perf_counter() - t0))
         return mwb, step_reqs

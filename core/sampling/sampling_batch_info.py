@@ -68,7 +68,7 @@ class SamplingBatchInfo:
     # Structured outputs: the grammar's allowed tokens this step (core/constrained/grammar.py),
     # set fresh before every step by the scheduler (None: no row constrained). Not carried by
     # filter/merge: it is only valid for the step it was filled for.
-    vocab_mask: Optional[torch.Tensor] = None  # [B, V] bool, True = allowed
+    vocab_mask: Optional[torch.Tensor] = None  # [B, ceil(V/32)] int32 bitmask: bit j of word w allows 32w+j
 
     # ------------------------------------------------------------------ build
 
@@ -243,7 +243,9 @@ class SamplingBatchInfo:
     def apply_vocab_mask(self, logits: torch.Tensor) -> torch.Tensor:
         """Set the tokens a row's grammar does not allow to -inf, in place."""
         if self.vocab_mask is not None:
-            logits.masked_fill_(~self.vocab_mask.to(logits.device), float("-inf"))
+            from workbench.core.constrained.grammar import apply_token_bitmask
+
+            apply_token_bitmask(logits, self.vocab_mask)
         return logits
 
     def apply_min_new_tokens(self, logits: torch.Tensor) -> torch.Tensor:

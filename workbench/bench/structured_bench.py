@@ -1,0 +1,128 @@
+"""`workbench bench structured`: what a grammar costs decoding (structured outputs, issue #17).
+
+One persistent engine decodes the same prompts free and constrained by a JSON Schema, at batch 1
+and batch 32, in interleaved rounds (free, constrained, constrained, free, ...) so machine noise
+lands on both alike. Every request decodes exactly `--new` tokens either way: the free ones ignore
+EOS, and the schema (an array of at least 64 strings) cannot be complete sooner, so the two runs do
+the same model work and differ only by the grammar: filling each constrained row's token mask
+before every step, applying it in the sampler, and advancing the matcher with each token.
+
+Printed beside the throughput: the one-time costs, timed in this process on the same tokenizer —
+reading the vocabulary into xgrammar (once per engine) and compiling the schema (once per distinct
+grammar; later requests hit the cache). Goal from the issue: <= 10% slower at batch 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+# Never complete within 64 tokens (64 items of at least `""` and a comma each), so every
+# constrained request runs to max_new_tokens like the free ones; strings leave most of the
+# vocabulary open, the mask's expensive case.
+SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 64}
+PROMPTS = [
+    "List some fruits as JSON.",
+    "Give a JSON array of city names.",
+    "Name a few colours in JSON.",
+    "Write JSON: an array of animal names.",
+]
+
+
+def _load() -> str:
+    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "?"
+
+
+def _one(engine, n: int, new: int, constrained: bool) -> float:
+    """Output tok/s of one batch of `n` requests, each decoding exactly `new` tokens."""
+    sp = {"max_new_tokens": new, "temperature": 0.0}
+    sp |= {"json_schema": json.dumps(SCHEMA)} if constrained else {"ignore_eos": True}
+    prompts = [PROMPTS[i % len(PROMPTS)] + f" (#{i})" for i in range(n)]
+    t0 = time.perf_counter()
+    outs = engine.generate(prompt=prompts, sampling_params=[sp] * n)
+    dt = time.perf_counter() - t0
+    got = [o["meta_info"]["completion_tokens"] for o in outs]
+    if any(g != new for g in got):
+        raise RuntimeError(f"expected {new} tokens per request, got {sorted(set(got))}")
+    return n * new / dt
+
+
+def one_time_costs(model_dir: str, vocab_size: int, eos: list[int]) -> tuple[float, float, float]:
+    """(vocabulary read into xgrammar, cold schema compile, cached compile), in seconds."""
+    from workbench.core.constrained.grammar import GrammarBackend
+    from workbench.core.model_loader import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    t0 = time.perf_counter()
+    backend = GrammarBackend(tok, vocab_size, eos)
+    t1 = time.perf_counter()
+    backend.compile("json_schema", json.dumps(SCHEMA))
+    t2 = time.perf_counter()
+    backend.compile("json_schema", json.dumps(SCHEMA))
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2
+
+
+def run_structured_bench(args: argparse.Namespace) -> dict:
+    from workbench.bench.engine_bench import _progress
+    from workbench.core.args import ServerArgs
+    from workbench.core.engine import Engine
+
+    sa = ServerArgs.from_cli_args(args)
+    sa.show_progress = False
+    batches = (1, 4) if args.quick else (1, 32)
+    new = 8 if args.quick else args.new
+    results: dict[tuple[int, bool], list[float]] = {(b, c): [] for b in batches for c in (False, True)}
+    loads = [_load()]
+    with Engine(server_args=sa) as engine:
+        _progress("warm-up (the first constrained request reads the vocabulary into xgrammar)")
+        _one(engine, 2, 4, True)
+        _one(engine, 2, 4, False)
+        for r in range(args.rounds):
+            for b in batches:
+                order = (False, True, True, False) if r % 2 == 0 else (True, False, False, True)
+                for constrained in order:
+                    _progress(f"round {r + 1}/{args.rounds}: batch {b}, {'constrained' if constrained else 'free'}")
+                    results[(b, constrained)].append(_one(engine, b, new, constrained))
+            loads.append(_load())
+        eos = engine.prepared.config.eos_token_id
+        vocab, compile_s, cached_s = one_time_costs(
+            engine.prepared.model_dir, engine.prepared.config.vocab_size, eos if isinstance(eos, list) else [eos]
+        )
+    print(
+        f"\nstructured outputs: free vs a JSON Schema (array of >= 64 strings), {new} new tokens per request, "
+        f"greedy; A B B A x {args.rounds} rounds, medians; threads {sa.num_threads or 'default'}, "
+        f"overlap {'off' if sa.disable_overlap_schedule else 'on'}; load average {' → '.join(loads)}"
+    )
+    print(f"{'batch':>5} {'free tok/s':>11} {'constrained':>12} {'slower by':>10}   runs (free | constrained)")
+    out = {}
+    for b in batches:
+        free, con = statistics.median(results[(b, False)]), statistics.median(results[(b, True)])
+        out[b] = (free, con)
+        runs = " ".join(f"{x:.1f}" for x in results[(b, False)]) + " | "
+        runs += " ".join(f"{x:.1f}" for x in results[(b, True)])
+        print(f"{b:>5} {free:>11.1f} {con:>12.1f} {100 * (1 - con / free):>9.1f}%   {runs}")
+    print(
+        f"one-time: vocabulary into xgrammar {vocab:.2f} s (once per engine), schema compile {1e3 * compile_s:.1f} ms "
+        f"(once per distinct grammar), cached {1e3 * cached_s:.3f} ms"
+    )
+    print("goal: <= 10% slower at batch 32")
+    return out
+
+
+def add_parser(bench_sub) -> None:
+    from workbench.core.args import ServerArgs
+
+    p = bench_sub.add_parser(
+        "structured",
+        help="decode throughput free vs constrained by a JSON Schema, batch 1 and 32, with compile times",
+        description=__doc__.split("\n\n")[0],
+    )
+    ServerArgs.add_cli_args(p)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (each runs free and constrained twice)")
+    p.add_argument("--new", type=int, default=64, help="new tokens per request (every request decodes exactly this)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    p.set_defaults(func=lambda a: 0 if run_structured_bench(a) else 1)
