@@ -66,6 +66,8 @@ FLAG_HELP = {
     "max_request_body_bytes": "largest request body accepted (413 above it)",
     "max_n": "largest n (choices per request) accepted",
     "max_top_logprobs": "largest top_logprobs accepted",
+    "tool_call_parser": "how tool calls are read from the model's output (chat `tools`): hermes / qwen25 "
+    "(<tool_call> JSON blocks) or llama3 (JSON objects)",
     "trace_publish": "publish the trace over ZMQ PUB at this address (e.g. tcp://127.0.0.1:5557) for "
     "`workbench tui --attach`",
     "record": "write the trace as a JSONL recording to this file",
@@ -82,6 +84,7 @@ FLAG_CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "load_balance_method": LOAD_BALANCE_METHODS,
     "trace_mode": ("auto", "on", "off"),
+    "tool_call_parser": ("hermes", "qwen25", "llama3"),
     "log_level": ("debug", "info", "warning", "error", "critical"),
 }
 
@@ -153,6 +156,7 @@ class ServerArgs:
     max_request_body_bytes: int = 8 * 1024 * 1024
     max_n: int = 16
     max_top_logprobs: int = 20
+    tool_call_parser: str = "hermes"
     # trace
     trace_publish: Optional[str] = None  # e.g. tcp://127.0.0.1:5557
     record: Optional[str] = None  # write a JSONL recording of the trace

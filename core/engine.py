@@ -374,9 +374,22 @@ class Engine:
         finally:
             asyncio.run_coroutine_threadsafe(agen.aclose(), self.loop)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list[dict]] = None
+    ) -> list[int]:
+        """Messages -> prompt token ids through the model's chat template (`tools`: OpenAI tool
+        definitions, for a template that renders them; see chat_template_renders_tools)."""
+        kw = {"tools": tools} if tools else {}
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kw
+        )
         return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+
+    @property
+    def chat_template_renders_tools(self) -> bool:
+        """Whether the model's chat template has a place for a tool list (it mentions `tools`);
+        without one the server describes the tools in a system message instead."""
+        return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
 
     # ==== control ====================================================================
     def abort_request(self, rid: str) -> None:

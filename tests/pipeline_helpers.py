@@ -56,12 +56,19 @@ def drain_events(sub, settle: float = 0.3, until=None, timeout: float = 30.0) ->
 def served_engine(**engine_kwargs):
     """An Engine with the HTTP server on a free loopback port, for a module fixture: yields
     (engine, base_url) and stops both afterwards."""
+    with served_engine_at("127.0.0.1", 0, **engine_kwargs) as pair:
+        yield pair
+
+
+@contextlib.contextmanager
+def served_engine_at(host: str, port: int, **engine_kwargs):
+    """served_engine on a given address (port 0: a free one)."""
     from workbench.core.engine import Engine
     from workbench.core.entrypoints.http_server import bind_socket, start_server
 
     engine = Engine(show_progress=False, **engine_kwargs)
     try:
-        running = start_server(engine, engine.server_args, bind_socket("127.0.0.1", 0))
+        running = start_server(engine, engine.server_args, bind_socket(host, port))
         try:
             yield engine, running.url
         finally:

@@ -199,6 +199,7 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
         vocab_size=vocab,
         max_n=server_args.max_n,
         max_top_logprobs=server_args.max_top_logprobs,
+        tool_call_parser=server_args.tool_call_parser,
         aliases=aliases,
         abort=_make_abort(engine),
     )

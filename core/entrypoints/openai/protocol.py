@@ -99,6 +99,8 @@ class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(CommonOpenAIFields):
@@ -218,6 +220,7 @@ class ChatCompletionResponse(_Out):
 class DeltaMessage(_Out):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatCompletionStreamChoice(_Out):

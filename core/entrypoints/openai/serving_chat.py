@@ -8,7 +8,7 @@ chunk with `finish_reason`, a usage chunk (`choices: []`) when
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -43,16 +43,16 @@ from workbench.core.entrypoints.openai.serving_common import (
     sse_error,
     usage_from,
 )
+from workbench.core.entrypoints.openai.serving_tools import ToolPlan, plan_tools, render_tool_messages
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Validated request messages -> plain {role, content} dicts for the chat template."""
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Validated request messages -> plain {role, content} dicts for the chat template (an
+    assistant's `tool_calls` and a tool message's `tool_call_id` kept)."""
     if not req.messages:
         raise bad_request("messages must contain at least one message", "messages")
     out = []
     for i, m in enumerate(req.messages):
-        if m.role == "tool":
-            raise bad_request("tool messages are not supported by this server", f"messages.{i}.role")
         content = m.content
         if isinstance(content, list):
             texts = []
@@ -68,13 +68,16 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
             if m.role != "assistant":
                 raise bad_request(f"message {i} ({m.role}) has no content", f"messages.{i}.content")
             content = ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.role == "assistant" and m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.role == "tool" and m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
     return out
 
 
 def check_chat_features(req: ChatCompletionRequest, ctx: ServingContext) -> None:
-    if req.tools:
-        raise bad_request("tools are not supported by this server", "tools")
     if req.modalities and any(m != "text" for m in req.modalities):
         raise bad_request("only the text modality is supported", "modalities")
     if req.top_logprobs is not None:
@@ -88,11 +91,19 @@ async def create_chat_completion(ctx: ServingContext, request: Request, req: Cha
     """Handle one validated chat request; returns a JSONResponse or an SSEResponse."""
     ctx.check_model(req.model)
     check_chat_features(req, ctx)
-    messages = chat_messages(req)
+    plan = plan_tools(req, ctx.tool_call_parser)
+    native = bool(getattr(ctx.engine, "chat_template_renders_tools", False))
+    messages, tools = render_tool_messages(chat_messages(req), plan, native, ctx.tool_call_parser)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sp = sampling_params_from(req, ctx, max_tokens)
+    if plan is not None and plan.forced_schema is not None:
+        sp["json_schema"] = plan.forced_schema  # required / named: the output is the calls
     try:
-        ids = list(ctx.engine.apply_chat_template(messages, add_generation_prompt=bool(req.add_generation_prompt)))
+        ids = list(
+            ctx.engine.apply_chat_template(
+                messages, add_generation_prompt=bool(req.add_generation_prompt), **({"tools": tools} if tools else {})
+            )
+        )
     except (ValueError, TypeError) as e:  # e.g. a template that rejects the role order
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
     sp["max_new_tokens"] = check_prompt_fits(ctx, len(ids), max_tokens)
@@ -110,7 +121,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request, req: Cha
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         guard = StreamGuard(ctx, [s.rid for s in specs])
         return SSEResponse(
-            _stream(ctx, base, model, opened, n, len(ids), top_n, bool(req.logprobs), include_usage, guard), guard
+            _stream(ctx, base, model, opened, n, len(ids), top_n, bool(req.logprobs), include_usage, guard, plan),
+            guard,
         )
 
     results = await generate_all(ctx, request, specs)
@@ -125,10 +137,16 @@ async def create_chat_completion(ctx: ServingContext, request: Request, req: Cha
                     ctx, meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or [], top_n
                 )
             )
+        message = ChatResponseMessage(content=res.get("text", ""))
+        if plan is not None:
+            content, calls = plan.new_parser().parse(message.content)
+            if calls:
+                message = ChatResponseMessage(content=content or None, tool_calls=[c.to_openai() for c in calls])
+                reason = "tool_calls" if reason == "stop" else reason
         choices.append(
             ChatCompletionChoice(
                 index=spec.index,
-                message=ChatResponseMessage(content=res.get("text", "")),
+                message=message,
                 logprobs=lp,
                 finish_reason=reason,
                 matched_stop=matched,
@@ -149,9 +167,11 @@ async def _stream(
     want_logprobs: bool,
     include_usage: bool,
     guard: StreamGuard,
+    plan: Optional[ToolPlan] = None,
 ) -> AsyncIterator[str]:
     seen_ids: dict[int, int] = {}
     finals: dict[int, dict] = {}
+    parsers = {spec.index: plan.new_parser() for spec, _, _ in opened} if plan is not None else {}
     try:
         for spec, _, _ in opened:
             yield sse(
@@ -174,7 +194,17 @@ async def _stream(
                     lp = ChoiceLogprobs(content=chat_logprobs(ctx, lps, tops, top_n))
             seen_ids[spec.index] = n_ids
             delta = chunk.get("delta", "")
-            if delta or lp is not None or reason:
+            calls: list[dict] = []
+            if spec.index in parsers:  # tools: calls are taken out of the text as it grows
+                parser = parsers[spec.index]
+                delta, found = parser.feed(delta)
+                if reason:
+                    rest, more = parser.finish()
+                    delta, found = delta + rest, found + more
+                    if parser.calls and reason == "stop":
+                        reason = "tool_calls"
+                calls = [d.to_openai() for d in found]
+            if delta or calls or lp is not None or reason:
                 yield sse(
                     ChatCompletionChunk(
                         id=rid,
@@ -182,7 +212,7 @@ async def _stream(
                         choices=[
                             ChatCompletionStreamChoice(
                                 index=spec.index,
-                                delta=DeltaMessage(content=delta or None) if delta else DeltaMessage(),
+                                delta=DeltaMessage(content=delta or None, tool_calls=calls or None),
                                 logprobs=lp,
                                 finish_reason=reason,
                                 matched_stop=matched,

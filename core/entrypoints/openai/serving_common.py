@@ -50,6 +50,7 @@ class ServingContext:
     vocab_size: Optional[int]
     max_n: int = 16
     max_top_logprobs: int = 20
+    tool_call_parser: str = "hermes"  # --tool-call-parser
     aliases: frozenset = frozenset()
     abort: Callable[[str], None] = lambda rid: None
     # set by the server when its drain window is over: requests still running end with a 503
