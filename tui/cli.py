@@ -27,8 +27,10 @@ def add_tui_args(parser: argparse.ArgumentParser) -> None:
     src.add_argument(
         "--attach",
         metavar="ADDR",
+        nargs="+",
         default=None,
-        help="watch a running `workbench serve --trace-publish ADDR` instead of starting an engine",
+        help="watch a running `workbench serve --trace-publish ADDR` instead of starting an engine; "
+        "several addresses (workers behind a router) are shown side by side as dp0, dp1, ...",
     )
     src.add_argument("--replay", metavar="FILE", default=None, help="play a recorded trace (.jsonl[.gz])")
     from workbench.scenarios import SCENARIOS
@@ -86,7 +88,9 @@ def make_controller(args: argparse.Namespace):
             title=os.path.basename(replay),
         )
     if attach:
-        return AttachController(attach)
+        from workbench.tui.controller import MultiAttachController
+
+        return AttachController(attach[0]) if len(attach) == 1 else MultiAttachController(attach)
     from workbench.core.args import ServerArgs
 
     try:

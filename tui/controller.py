@@ -405,6 +405,81 @@ class AttachController(Controller):
             self._sub = None
 
 
+# Event fields that hold a monotonic timestamp of the publisher's clock (shifted onto ours).
+_CLOCK_FIELDS = ("ts", "start_ts", "arrival_ts", "queued_ts", "first_token_ts", "finish_ts")
+_PSEUDO_PROCS = ("bus", "recorder", "replay")
+
+
+class MultiAttachController(Controller):
+    """Watches several `--trace-publish` addresses at once: the workers behind a router
+    (sglang-router), side by side. Worker i's scheduler is shown as data-parallel replica i
+    (its events' proc becomes "scheduler.dp<i>", so the Queues, KV and tree panels split by
+    worker as they do by replica) and its other processes as "<proc>.w<i>". Each publisher's
+    clock is anchored on its first event, as in AttachController. Cumulative counters and resets
+    are per worker and would overwrite each other, so they are left out; the views count from the
+    events themselves."""
+
+    mode = "attach"
+
+    def __init__(self, addrs: list[str]):
+        super().__init__()
+        self.addrs = list(addrs)
+        self.title = " + ".join(self.addrs)
+        self._subs: list = []
+        self._offsets: dict[int, int] = {}  # worker -> its clock - ours
+
+    def start(self, progress: Progress) -> None:
+        from workbench.core.trace.bus import RemoteSubscription
+
+        for i, addr in enumerate(self.addrs):
+            progress(f"connecting to worker {i}: {addr}")
+            self._subs.append(RemoteSubscription(addr))
+
+    def drain(self, max_items: Optional[int] = None) -> list[Event]:
+        from workbench.core.trace import events as ev
+
+        out: list[Event] = []
+        for i, sub in enumerate(self._subs):
+            got = sub.drain(max_items)
+            if not got:
+                continue
+            if i not in self._offsets:
+                self._offsets[i] = max(e.ts for e in got) - time.monotonic_ns()
+            for e in got:
+                if isinstance(e, (ev.TraceCounters, ev.TraceReset)):
+                    continue
+                out.append(self._as_worker(e, i))
+        out.sort(key=lambda e: e.ts)
+        return out
+
+    def _as_worker(self, e: Event, i: int) -> Event:
+        off = self._offsets[i]
+        for name in _CLOCK_FIELDS:
+            v = getattr(e, name, None)
+            if isinstance(v, int) and v:
+                setattr(e, name, v - off)
+        if e.proc.startswith("scheduler"):
+            e.proc = f"scheduler.dp{i}"
+        elif e.proc and e.proc not in _PSEUDO_PROCS:
+            e.proc = f"{e.proc}.w{i}"
+        if hasattr(e, "replica"):  # req.snapshot: the replica that holds the request
+            e.replica = f"scheduler.dp{i}"
+        return e
+
+    def now_ns(self) -> int:
+        return time.monotonic_ns()
+
+    def status(self) -> str:
+        waiting = [a for i, a in enumerate(self.addrs) if i not in self._offsets]
+        got = f" (waiting for events from {', '.join(waiting)})" if waiting else ""
+        return f"ATTACHED {len(self.addrs)} workers (dp0..dp{len(self.addrs) - 1} in this order){got}"
+
+    def close(self) -> None:
+        for sub in self._subs:
+            _quietly(sub.close)
+        self._subs = []
+
+
 def _quietly(fn, *args):
     try:
         return fn(*args)

@@ -305,6 +305,11 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
             }
         )
 
+    @app.get("/get_load")
+    async def get_load():
+        # sglang-router's power_of_two policy polls this (a list, one entry per DP rank)
+        return JSONResponse(metrics.loads())
+
     @app.post("/flush_cache", operation_id="flush_cache_post")
     @app.get("/flush_cache", operation_id="flush_cache_get")
     async def flush_cache():

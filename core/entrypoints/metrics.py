@@ -181,6 +181,26 @@ class ServerMetrics:
         total = sum(n for ts, n in self._decode_steps if lo < ts <= now)
         return total / (self.window_ns / 1e9)
 
+    def loads(self) -> list[dict[str, int]]:
+        """SGLang's /get_load: per data-parallel rank, requests (running + waiting), the waiting
+        ones, and KV tokens in use (what sglang-router's power_of_two policy compares)."""
+        with self._lock:
+            procs = sorted(set(self._queues) | set(self._kv)) or ["scheduler"]
+            out = []
+            for proc in procs:
+                q, kv = self._queues.get(proc), self._kv.get(proc)
+                rank = proc.rsplit(".dp", 1)[1] if ".dp" in proc else "0"
+                waiting = len(q.waiting) if q is not None else 0
+                out.append(
+                    {
+                        "dp_rank": int(rank) if rank.isdigit() else 0,
+                        "num_reqs": waiting + (len(q.running) if q is not None else 0),
+                        "num_waiting_reqs": waiting,
+                        "num_tokens": kv.used if kv is not None else 0,
+                    }
+                )
+            return out
+
     def snapshot(self) -> dict[str, float]:
         """The current values by short name (for tests and /get_server_info)."""
         with self._lock:

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from workbench.core.entrypoints.errors import bad_request, engine_error_to_api
-from workbench.core.entrypoints.openai.protocol import GenerateReqInput
+from workbench.core.entrypoints.openai.protocol import OFF_ONLY_FIELDS, GenerateReqInput
 from workbench.core.sampling.sampling_params import sampling_params_from_dict
 from workbench.core.entrypoints.openai.serving_common import (
     MAX_CHOICES_PER_REQUEST,
@@ -48,8 +48,16 @@ def _choice_count(ctx: ServingContext, n: Any) -> int:
     return n
 
 
+def refuse_off_only(req) -> None:
+    """A 400 naming the first OFF_ONLY_FIELDS feature a request turns on."""
+    for name in OFF_ONLY_FIELDS:
+        if getattr(req, name, None):
+            raise bad_request(f"{name} is not supported by this server: leave it false or unset", name)
+
+
 async def native_generate(ctx: ServingContext, request: Request, req: GenerateReqInput):
     """Handle one validated /generate request (single prompt, batch, or a stream)."""
+    refuse_off_only(req)
     if (req.text is None) == (req.input_ids is None):
         raise bad_request("give exactly one of text or input_ids", "text")
     if isinstance(req.text, list) and not req.text or isinstance(req.input_ids, list) and not req.input_ids:

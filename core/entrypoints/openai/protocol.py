@@ -118,6 +118,11 @@ class ChatCompletionRequest(CommonOpenAIFields):
     # chat-template controls (SGLang/vLLM extensions)
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = False
+    # SGLang's reasoning switches (sglang-router sends them on): no reasoning parser here, so
+    # reasoning stays in the content either way
+    separate_reasoning: Optional[bool] = None
+    stream_reasoning: Optional[bool] = None
+    return_hidden_states: Optional[bool] = None
 
 
 # ---------------------------------------------------------------- completion requests
@@ -147,6 +152,21 @@ class GenerateReqInput(_Strict):
     logprob_start_len: Optional[int] = -1
     return_text_in_logprobs: Optional[bool] = False
     rid: Optional[str] = None
+    # Sent by sglang-router (which re-serialises bodies with SGLang's defaults) and SGLang's
+    # clients: logging switches and the model name have no effect here; the features below
+    # (OFF_ONLY_FIELDS) are accepted while off and refused by name when asked for.
+    model: Optional[str] = None
+    log_metrics: Optional[bool] = None
+    no_logs: Optional[bool] = None
+    return_hidden_states: Optional[bool] = None
+    background: Optional[bool] = None
+    return_bytes: Optional[bool] = None
+    return_entropy: Optional[bool] = None
+
+
+# Request fields of features this server does not have: accepted while false or null (as
+# sglang-router and SGLang's clients send them), a 400 naming the field when true.
+OFF_ONLY_FIELDS = ("return_hidden_states", "background", "return_bytes", "return_entropy")
 
 
 class AbortReqInput(_Strict):
