@@ -1,9 +1,10 @@
 """Structured outputs (issue #17 item 2) on the real default model: every output parses and
 validates against its JSON Schema (many schemas: nested objects, enums, arrays, numbers,
 booleans, required and optional keys), fits its regex, or follows its EBNF grammar; greedy and
-sampled, one batch mixing constrained and free rows, streamed and not, n > 1 through the
-official openai client, the overlap loop equal to the normal one, and bad grammars answered
-with a 400 that names the parameter."""
+sampled, one batch mixing constrained and free rows; all 32 schemas again streamed with n = 2
+through the official openai client; completions and SGLang's extras; the overlap loop equal to
+the normal one; bad grammars answered with a 400 that names the parameter; and the constraint
+and its cost in the trace and the views."""
 
 from __future__ import annotations
 
@@ -224,4 +225,45 @@ def test_trace_and_views_show_the_constraint_and_the_mask_cost(served):
         st.apply(e)
     assert [st.requests[r].constraint for r in rids] == ["regex", "json_schema", ""]
     lines = [st.narrate(sv) for sv in st.steps]
-    assert any("grammar masks for 2 rows" in ln for ln in lines), lines
+    assert any("grammar for 2 rows" in ln for ln in lines), lines
+
+
+def test_all_schemas_streamed_with_n2_through_the_openai_client(served):
+    """Every schema again, streamed through chat completions with n=2 (sampled, seeded), all at
+    once: each of the 64 joined streams parses and validates."""
+    import asyncio
+
+    openai = pytest.importorskip("openai")
+    engine, url = served
+
+    async def one(client, i: int, schema: dict) -> list[str]:
+        rf = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+        stream = await client.chat.completions.create(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": "Answer in JSON."}],
+            response_format=rf,
+            n=2,
+            temperature=0.9,
+            seed=i,
+            max_tokens=160,
+            stream=True,
+        )
+        texts, reasons = ["", ""], [None, None]
+        async for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                reasons[c.index] = c.finish_reason or reasons[c.index]
+        assert reasons == ["stop", "stop"], (schema, texts)
+        return texts
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        try:
+            return await asyncio.gather(*(one(client, i, s) for i, s in enumerate(SCHEMAS)))
+        finally:
+            await client.close()
+
+    for schema, texts in zip(SCHEMAS, asyncio.run(run_all())):
+        for text in texts:
+            _check_json(text, schema)
+    assert_no_kv_leak(engine)
