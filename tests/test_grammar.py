@@ -143,7 +143,7 @@ def test_reducer_narration_and_queues_show_a_constrained_request():
     m.apply(events[5:])
     st = m.state
     assert st.requests["c"].constraint == "regex" and st.requests["f"].constraint == ""
-    assert "grammar masks for 1 row 0.4 ms" in st.last_step_line
+    assert "grammar for 1 row 0.4 ms" in st.last_step_line
     assert any("constrained by regex" in t.detail for t in st.requests["c"].timeline)
     # a late subscriber's snapshot keeps it
     late = TraceState()

@@ -70,7 +70,8 @@ class StepNarrator:
         self.retracted.append(rid)
 
     def on_mask(self, rows: int, ms: float) -> None:
-        """Grammar masks were filled for `rows` constrained rows of the step's batch in `ms`."""
+        """The step spent `ms` on grammars: masks filled for `rows` constrained rows, or (rows 0)
+        sampled tokens fed to their matchers."""
         self.constrained += rows
         self.mask_ms += ms
 

@@ -81,8 +81,10 @@ class SchedulerOutputMixin:
                 k = req.top_logprobs_num
                 req.output_top_logprobs.append(list(zip(ids[i, :k].tolist(), vals[i, :k].tolist())))
         if req.grammar is not None and not req.grammar.is_terminated():
+            t0 = time.perf_counter()
             if not req.grammar.accept_token(int(req.output_ids[-1])):
                 req.to_abort = "the sampled token does not fit the request's grammar"
+            self.narrator.on_mask(0, 1000 * (time.perf_counter() - t0))  # the matcher's time counts too
         req.check_finished(self._decode_tail)
         if not req.finished() and req.grammar is not None and req.grammar.is_terminated():
             # the grammar is complete and took its end token (reached here under ignore_eos)

@@ -150,7 +150,7 @@ class StepDecision(Event, tag="batch.decision"):
     evicted_nodes: list[int] = []  # ... from these nodes
     retracted: list[str] = []  # requests sent back to the queue (KV pool full)
     constrained: int = 0  # rows of this step's batch sampled under a grammar (structured outputs) ...
-    mask_ms: float = 0.0  # ... and the time spent filling their token masks
+    mask_ms: float = 0.0  # ... and the scheduler's time on their grammars: masks filled, tokens accepted
     start_ts: int = 0  # when the step began (monotonic ns; `ts` is when it ended): with
     # it a view knows what the scheduler was busy with at any moment
     # (0 in older recordings)

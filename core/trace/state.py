@@ -932,7 +932,7 @@ def narrate_step(sv: StepView) -> str:
         if d.retracted:
             parts.append(f"retracted {len(d.retracted)} ({_rids(d.retracted)})")
         if d.constrained:
-            parts.append(f"grammar masks for {d.constrained} row{'s' if d.constrained != 1 else ''} {d.mask_ms:.1f} ms")
+            parts.append(f"grammar for {d.constrained} row{'s' if d.constrained != 1 else ''} {d.mask_ms:.1f} ms")
         if d.waiting:
             n_held = len(d.held)
             stop = f"{WAIT_REASONS.get(d.stop_reason, d.stop_reason)} ({d.stop_rid} next)" if d.stop_rid else ""

@@ -147,7 +147,7 @@ class QueuesPanel(TracePanel):
         "first token. The rids the last step prefilled (admitted, or a chunk) or retracted are "
         "shown reversed, as named on the `last step` line. A badge after the rid marks a "
         "constrained request (structured outputs): `{json}` a JSON Schema or any JSON, `/re/` a regex, "
-        "`ebnf` a grammar; the `last step` line says how long their token masks took. a waiting request's state says why that "
+        "`ebnf` a grammar; the `last step` line says how long the scheduler spent on their grammars (masks and matchers). A waiting request's state says why that "
         "step left it waiting: `budget` (the step's prefill token budget was spent), `KV room`, `run limit` "
         "(running-request limit) or `held` (it waits for a shared prefix being computed). "
         "Click or Enter on a row to select the request."
