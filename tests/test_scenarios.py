@@ -158,6 +158,9 @@ def test_sightings_count_the_hard_cases():
         ]
     )
     assert s.hard_cases_seen() and s.max_waiting == 2 and s.evicted_tokens == 40 and s.decisions == 1
+    fin = dict(prompt_tokens=4, completion_tokens=2, cached_tokens=0, ttft=0.1, tpot=0.01, e2e=0.2)
+    s([ev.ReqFinished(rid="a", reason="abort", **fin), ev.ReqFinished(rid="b", reason="stop", **fin)])
+    assert s.finished == 1  # an aborted request is not a finished one
 
 
 # ---- the runner ---------------------------------------------------------------------------

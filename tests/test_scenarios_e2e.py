@@ -34,7 +34,9 @@ def test_a_kv_pressure_recording_holds_waiting_evictions_and_retractions(tmp_pat
         str(out),
         scn.runner,
         duration_s=120,
-        stop_when=lambda s: s.hard_cases_seen(),
+        # the hard cases, and a finished request whose TTFT parts can be checked (under load the
+        # hard cases can all come before any request has finished)
+        stop_when=lambda s: s.hard_cases_seen() and s.finished > 0,
         progress=lambda line: None,
     )
     assert result.failed == 0, result.summary()

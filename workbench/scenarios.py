@@ -202,13 +202,15 @@ def runner_status(runner: WorkloadRunner) -> str:
 # ---- recording ----------------------------------------------------------------------
 class Sightings:
     """A bus callback that counts the hard cases as they happen: tokens evicted from the radix
-    cache, retracted requests, the longest waiting queue, narrated steps (`batch.decision`)."""
+    cache, retracted requests, the longest waiting queue, narrated steps (`batch.decision`), and
+    requests that finished (not aborted)."""
 
     def __init__(self) -> None:
         self.evicted_tokens = 0
         self.retracted = 0
         self.max_waiting = 0
         self.decisions = 0
+        self.finished = 0
 
     def __call__(self, batch) -> None:
         for e in batch:
@@ -221,6 +223,8 @@ class Sightings:
                 self.max_waiting = max(self.max_waiting, len(e.waiting))
             elif kind == "StepDecision":
                 self.decisions += 1
+            elif kind == "ReqFinished" and e.reason != "abort":
+                self.finished += 1
 
     def hard_cases_seen(self) -> bool:
         """A waiting queue, an eviction and a retraction have all happened."""

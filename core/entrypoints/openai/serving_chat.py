@@ -140,11 +140,13 @@ async def create_chat_completion(ctx: ServingContext, request: Request, req: Cha
                 )
             )
         message = ChatResponseMessage(content=res.get("text", ""))
-        if plan is not None:
+        if plan is not None:  # the same parser as a stream's, fed the whole text: the answers agree
             content, calls = plan.new_parser().parse(message.content)
-            if calls:
-                message = ChatResponseMessage(content=content or None, tool_calls=[c.to_openai() for c in calls])
-                reason = "tool_calls" if reason == "stop" else reason
+            message = ChatResponseMessage(
+                content=(content or None) if calls else content, tool_calls=[c.to_openai() for c in calls] or None
+            )
+            if calls and reason == "stop":
+                reason = "tool_calls"
         choices.append(
             ChatCompletionChoice(
                 index=spec.index,
@@ -199,7 +201,7 @@ async def _stream(
             calls: list[dict] = []
             if spec.index in parsers:  # tools: calls are taken out of the text as it grows
                 parser = parsers[spec.index]
-                delta, found = parser.feed(delta)
+                delta, found = parser.feed(delta or "")
                 if reason:
                     rest, more = parser.finish()
                     delta, found = delta + rest, found + more
