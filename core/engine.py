@@ -361,8 +361,11 @@ class Engine:
     async def _stream_async(self, req: GenerateReqInput) -> AsyncIterator[dict]:
         agen = self.tokenizer_manager.generate_request(req)
         if _running_loop() is self.loop:
-            async for out in agen:
-                yield out
+            try:
+                async for out in agen:
+                    yield out
+            finally:  # closed early (a client went away): close the request's generator now
+                await agen.aclose()
             return
         try:
             while True:

@@ -294,3 +294,33 @@ def test_metrics_parse_and_counters_move(url):
     hit = after["sglang:cached_tokens_total"] / after["sglang:prompt_tokens_total"]
     assert after["sglang:cache_hit_rate"] == pytest.approx(hit)
     assert 0 <= after["sglang:token_usage"] <= 1
+
+
+@pytest.mark.parametrize("path", [GEN, CHAT])
+def test_a_disconnected_stream_leaves_no_request_state_even_without_garbage_collection(url, path):
+    """A client hanging up mid-stream must release the request in the tokenizer manager at once,
+    not when a garbage collection happens to free an orphaned task (the /generate stream used to
+    leave one, its rid counted in num_inflight_requests, until the cycle collector ran)."""
+    import gc
+
+    body = (
+        {"text": "Tell me a long story.", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        if path == GEN
+        else {"messages": M, "max_tokens": 400, "ignore_eos": True}
+    )
+    gc.disable()  # the server runs in this process: nothing may depend on a collection
+    try:
+        with httpx.stream("POST", url + path, json=dict(body, stream=True), timeout=120) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            seen = 0
+            while seen < 3:
+                seen += next(lines).startswith("data: ")
+
+        def released():
+            info = httpx.get(url + "/get_server_info", timeout=30).json()
+            return info["num_inflight_requests"] == 0 and info["internal_state"]["num_running"] == 0
+
+        wait_for(released, timeout=30, what="the hung-up request to leave the tokenizer manager and the batch")
+    finally:
+        gc.enable()

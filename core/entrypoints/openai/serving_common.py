@@ -302,6 +302,12 @@ async def until_stopping(ctx: ServingContext, awaitable):
     stop = asyncio.ensure_future(ctx.stopping.wait())
     try:
         done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        # We were cancelled (the client went away): cancel what we were waiting for too. Left
+        # running, it would drive the request's generator one step and leave it suspended, its
+        # state in the tokenizer manager until a garbage collection happened to free it.
+        task.cancel()
+        raise
     finally:
         stop.cancel()
     if task in done:
