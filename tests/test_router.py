@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,8 @@ import time
 import httpx
 import pytest
 
-from pipeline_helpers import assert_no_kv_leak, served_engine
+from pipeline_helpers import assert_no_kv_leak
+from workbench.core.entrypoints.server_process import free_port
 
 pytest.importorskip("sglang_router", reason="the test tier installs sglang-router")
 openai = pytest.importorskip("openai")
@@ -33,15 +33,26 @@ SHARED = (
 ) * 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def _worker(trace_publish: str):
+    """One `workbench serve` (engine + HTTP server on loopback): yields (engine, running server)."""
+    from workbench.core.engine import Engine
+    from workbench.core.entrypoints.http_server import bind_socket, start_server
+
+    engine = Engine(show_progress=False, max_total_tokens=8192, chunked_prefill_size=256, trace_publish=trace_publish)
+    try:
+        running = start_server(engine, engine.server_args, bind_socket("127.0.0.1", 0))
+        try:
+            yield engine, running
+        finally:
+            running.stop(timeout_s=5)
+    finally:
+        engine.shutdown()
 
 
 @contextlib.contextmanager
 def _router(worker_urls: list[str], log_path):
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -53,7 +64,7 @@ def _router(worker_urls: list[str], log_path):
         "--port",
         str(port),
         "--prometheus-port",
-        str(_free_port()),
+        str(free_port()),
         "--policy",
         "cache_aware",
         "--health-check-interval-secs",
@@ -98,13 +109,10 @@ def _requests_served(url: str) -> int:
 
 
 def test_two_workers_behind_sglang_router(tmp_path):
-    pub = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
+    pub = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     with contextlib.ExitStack() as stack:
-        workers = [
-            stack.enter_context(served_engine(max_total_tokens=8192, chunked_prefill_size=256, trace_publish=p))
-            for p in pub
-        ]
-        urls = [u for _, u in workers]
+        workers = [stack.enter_context(_worker(p)) for p in pub]
+        urls = [running.url for _, running in workers]
         router = stack.enter_context(_router(urls, tmp_path / "router.log"))
         greedy = {"max_new_tokens": 6, "temperature": 0}
 
@@ -158,8 +166,19 @@ def test_two_workers_behind_sglang_router(tmp_path):
         # The TUI attached to both workers' trace publishers shows them side by side.
         asyncio.run(_tui_shows_both_workers(pub, router))
 
-        # Stop one worker: the router keeps serving through the other.
+        # Stop one worker as its process would stop (the server, then the engine whose loop it runs
+        # on): the router keeps serving through the other.
+        workers[0][1].stop(timeout_s=5)
         workers[0][0].shutdown()
+        # Requests in the second or two before the router's health check notices may be sent to the
+        # stopped worker (the router's own retry policy); once it has marked it, none may fail.
+        deadline = time.monotonic() + 30
+        while True:
+            health = {w["url"]: w["is_healthy"] for w in httpx.get(router + "/workers", timeout=10).json()["workers"]}
+            if health.get(urls[0]) is False and health.get(urls[1]) is True:
+                break
+            assert time.monotonic() < deadline, health
+            time.sleep(0.2)
         ok = 0
         for i in range(6):
             r = httpx.post(

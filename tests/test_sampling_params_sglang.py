@@ -97,3 +97,20 @@ def test_logit_bias_rows_survive_merge_and_filter():
     assert Sampler()(logits[:1], info).next_token_ids.tolist() == [3]
     info.filter_batch([])
     assert len(info) == 0
+
+
+def test_fields_routers_send_switched_off_pass_and_are_refused_by_name_when_on():
+    """sglang-router re-sends bodies with SGLang's defaults (log_metrics, return_hidden_states:
+    false, ...): accepted while off, on either route; a 400 naming the field when turned on."""
+    from workbench.core.entrypoints.errors import APIError
+    from workbench.core.entrypoints.openai.protocol import ChatCompletionRequest, GenerateReqInput
+    from workbench.core.entrypoints.openai.serving_common import refuse_off_only
+
+    off = dict(return_hidden_states=False, background=False, return_bytes=False, return_entropy=False)
+    refuse_off_only(GenerateReqInput(text="x", model=None, log_metrics=True, no_logs=False, **off))
+    refuse_off_only(ChatCompletionRequest(messages=[], separate_reasoning=True, return_hidden_states=False))
+    for name in off:
+        with pytest.raises(APIError, match=f"{name} is not supported"):
+            refuse_off_only(GenerateReqInput(text="x", **{name: True}))
+    with pytest.raises(APIError, match="return_hidden_states"):
+        refuse_off_only(ChatCompletionRequest(messages=[], return_hidden_states=True))

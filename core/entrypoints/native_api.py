@@ -9,9 +9,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from workbench.core.entrypoints.errors import bad_request, engine_error_to_api
-from workbench.core.entrypoints.openai.protocol import OFF_ONLY_FIELDS, GenerateReqInput
+from workbench.core.entrypoints.openai.protocol import GenerateReqInput
 from workbench.core.sampling.sampling_params import sampling_params_from_dict
 from workbench.core.entrypoints.openai.serving_common import (
+    refuse_off_only,
     MAX_CHOICES_PER_REQUEST,
     SSE_DONE,
     ChoiceSpec,
@@ -46,13 +47,6 @@ def _choice_count(ctx: ServingContext, n: Any) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= ctx.max_n:
         raise bad_request(f"sampling_params n must be an integer in [1, {ctx.max_n}], got {n!r}", "sampling_params")
     return n
-
-
-def refuse_off_only(req) -> None:
-    """A 400 naming the first OFF_ONLY_FIELDS feature a request turns on."""
-    for name in OFF_ONLY_FIELDS:
-        if getattr(req, name, None):
-            raise bad_request(f"{name} is not supported by this server: leave it false or unset", name)
 
 
 async def native_generate(ctx: ServingContext, request: Request, req: GenerateReqInput):

@@ -60,7 +60,7 @@ from workbench.core.managers.schedule_policy import AddReqResult, HeldBack, Pref
 from workbench.core.managers.scheduler_kv_check import SchedulerKVCheckMixin, kv_check_enabled
 from workbench.core.managers.scheduler_narration import StepNarrator
 from workbench.core.managers.scheduler_output import SchedulerOutputMixin
-from workbench.core.constrained.grammar import constraint_kind, grammar_of
+from workbench.core.constrained.grammar import GrammarBackend, constraint_kind, grammar_of
 from workbench.core.managers.scheduler_overlap import InflightBatch, SchedulerOverlapMixin
 from workbench.core.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from workbench.core.mem_cache.chunk_cache import ChunkCache
@@ -327,8 +327,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             return None
         try:
             if self.grammar_backend is None:
-                from workbench.core.constrained.grammar import GrammarBackend
-                from workbench.core.model_loader import load_tokenizer
+                from workbench.core.model_loader import load_tokenizer  # transformers: only when needed
 
                 model_dir = self.tp_worker.model_runner.prepared.model_dir
                 self.grammar_backend = GrammarBackend(

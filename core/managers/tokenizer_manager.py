@@ -45,7 +45,7 @@ from workbench.core.io_struct import (
     encode_msg,
 )
 from workbench.core.ipc import PortArgs
-from workbench.core.constrained.grammar import grammar_of
+from workbench.core.constrained.grammar import GrammarBackend, grammar_of
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.trace import events as ev
 
@@ -229,8 +229,6 @@ class TokenizerManager:
             # A grammar xgrammar cannot read is the caller's error: say so here (a 400), not as an
             # aborted request. Compiled grammars are cached, so a repeated one costs a lookup.
             if self._grammar_check is None:
-                from workbench.core.constrained.grammar import GrammarBackend
-
                 self._grammar_check = GrammarBackend(self.tokenizer, len(self.tokenizer))
             self._grammar_check.compile(*grammar)
         if len(input_ids) + sp.max_new_tokens > self.context_len:

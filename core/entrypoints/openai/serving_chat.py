@@ -38,6 +38,7 @@ from workbench.core.entrypoints.openai.serving_common import (
     new_logprob_items,
     new_rid,
     open_streams,
+    refuse_off_only,
     sampling_params_from,
     sse,
     sse_error,
@@ -78,8 +79,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def check_chat_features(req: ChatCompletionRequest, ctx: ServingContext) -> None:
-    if req.return_hidden_states:
-        raise bad_request("return_hidden_states is not supported by this server", "return_hidden_states")
+    refuse_off_only(req)
     if req.modalities and any(m != "text" for m in req.modalities):
         raise bad_request("only the text modality is supported", "modalities")
     if req.top_logprobs is not None:

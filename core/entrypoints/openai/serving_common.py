@@ -24,6 +24,7 @@ from workbench.core.constrained.grammar import ANY_JSON
 from workbench.core.entrypoints.errors import APIError, bad_request, engine_error_to_api
 from workbench.core.entrypoints.openai.protocol import (
     ChatTokenLogprob,
+    OFF_ONLY_FIELDS,
     CommonOpenAIFields,
     CompletionLogprobs,
     PromptTokensDetails,
@@ -116,6 +117,14 @@ def response_format_grammar(response_format: Optional[dict]) -> Optional[tuple[s
             )
         return "json_schema", json.dumps(schema)
     raise bad_request(f"response_format {fmt!r}: one of text, json_object, json_schema", "response_format")
+
+
+def refuse_off_only(req) -> None:
+    """A 400 naming the first OFF_ONLY_FIELDS feature a request turns on (SGLang's fields for
+    features this server does not have, which routers and clients send switched off)."""
+    for name in OFF_ONLY_FIELDS:
+        if getattr(req, name, None):
+            raise bad_request(f"{name} is not supported by this server: leave it false or unset", name)
 
 
 def structured_output(req: CommonOpenAIFields) -> dict[str, str]:
