@@ -111,13 +111,99 @@ class LlamaModel(nn.Module):
         base, scaling = rope_config(config)
         # One table for all layers; cos/sin are gathered once per forward pass.
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, base, scaling)
+        # Batch-1 float32 decode on CPU runs every layer in one compiled call (cpu_ops/decode_layers.c)
+        # over this table of weight and pool pointers, built at its first use (see _decode_table).
+        self._decode_table: Optional[tuple[tuple[int, ...], torch.Tensor]] = None
 
     def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         rope = self.rotary_emb.get_cos_sin(positions, hidden_states.dtype)
+        if self._fused_decode_ready(hidden_states, forward_batch):
+            return self.norm(self._fused_decode(hidden_states, rope, forward_batch))
         for layer in self.layers:
             hidden_states = layer(hidden_states, rope, forward_batch)
         return self.norm(hidden_states)
+
+    def _fused_decode_ready(self, hidden_states: torch.Tensor, fb) -> bool:
+        """One decode token in float32 on the CPU paged backend, one rank, packed CPU weights: the
+        case where Python's per-op overhead is a quarter of the step (decode_layers.c says why)."""
+        if hidden_states.shape[0] != 1 or not fb.forward_mode.is_decode():
+            return False
+        if getattr(fb.attn_backend, "name", "") != "cpu_paged" or not cpu_ops.gemv_ready(
+            hidden_states, self.norm.weight
+        ):
+            return False
+        first = self.layers[0]
+        if first.self_attn.qkv_proj.packed_weight is None or first.self_attn.qkv_proj.tp_size != 1:
+            return False
+        return cpu_ops.fused_decode_enabled()
+
+    def _decode_table_for(self, pool) -> torch.Tensor:
+        """[L, 12] int64: each layer's weight, bias and KV-buffer addresses, in decode_layers.c's order.
+        Cached against the addresses it was built from: weight updates copy into the same storage,
+        and a rebuilt pool or re-made parameter changes the key, so a stale table is never used."""
+        key = tuple(
+            t.data_ptr()
+            for t in (pool.get_key_buffer(0), pool.get_value_buffer(0), self.layers[0].self_attn.qkv_proj.weight)
+        ) + (id(pool), len(self.layers))
+        if self._decode_table is not None and self._decode_table[0] == key:
+            return self._decode_table[1]
+
+        def ptr(t: Optional[torch.Tensor]) -> int:
+            if t is None:
+                return 0
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError("the fused decode path needs contiguous float32 weights")
+            return t.data_ptr()
+
+        rows = []
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            o_bias = attn.o_proj.bias if attn.o_proj.tp_rank == 0 else None
+            down_bias = mlp.down_proj.bias if mlp.down_proj.tp_rank == 0 else None
+            rows.append(
+                [
+                    ptr(layer.input_layernorm.weight),
+                    ptr(attn.qkv_proj.weight),
+                    ptr(attn.qkv_proj.bias),
+                    ptr(attn.o_proj.weight),
+                    ptr(o_bias),
+                    ptr(layer.post_attention_layernorm.weight),
+                    ptr(mlp.gate_up_proj.weight),
+                    ptr(mlp.gate_up_proj.bias),
+                    ptr(mlp.down_proj.weight),
+                    ptr(down_bias),
+                    pool.get_key_buffer(i).data_ptr(),
+                    pool.get_value_buffer(i).data_ptr(),
+                ]
+            )
+        table = torch.tensor(rows, dtype=torch.int64)
+        self._decode_table = (key, table)
+        return table
+
+    def _fused_decode(self, hidden_states: torch.Tensor, rope, fb) -> torch.Tensor:
+        """The decoder layers for one token in one compiled call; returns the residual stream."""
+        attn = self.layers[0].self_attn
+        pool = fb.token_to_kv_pool
+        x = hidden_states.contiguous().clone()  # updated in place; the embedding row is not ours
+        return cpu_ops.decode_layers_f32(
+            x,
+            self._decode_table_for(pool),
+            hidden=x.shape[1],
+            num_q_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            intermediate=self.layers[0].mlp.down_proj.weight.shape[1],
+            eps=self.layers[0].input_layernorm.eps,
+            scale=attn.attn.scaling,
+            cos=rope[0],
+            sin=rope[1],
+            kv_dtype=pool.get_key_buffer(0).dtype,
+            out_cache_loc=fb.out_cache_loc,
+            req_to_token=fb.req_to_token_pool.req_to_token,
+            req_pool_indices=fb.req_pool_indices,
+            seq_lens=fb.seq_lens,
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,6 +236,7 @@ class LlamaForCausalLM(nn.Module):
 
     def process_weights_after_loading(self, pack: bool = True) -> None:
         """Derive the CPU packed-GEMM copies of every projection and of the LM head."""
+        self.model._decode_table = None  # rebuilt from the (possibly new) parameters at next use
         for module in self.modules():
             if isinstance(module, LinearBase):
                 module.process_weights_after_loading(pack)

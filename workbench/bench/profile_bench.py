@@ -7,6 +7,8 @@ step's time is split into GEMMs (every linear layer and the LM head), attention
 (backend call plus its per-pass metadata), norms + rope, SiLU-and-mul, sampling
 (the logits' float cast, then the sampler), the embedding lookup,
 other model ops (what is left inside the forward: Python, module calls, views)
+and, at batch 1 in float32, the decoder layers' single compiled call (decode_layers.c; run
+with WORKBENCH_CPU_FUSED_DECODE=0 to see its split by component)
 and host work outside the forward (KV slot allocation, ForwardBatch and sampling
 info building, reading the tokens back).
 
@@ -41,6 +43,7 @@ from typing import Callable, Optional
 # Component keys in table order, with their printed labels.
 COMPONENTS = (
     ("gemm", "GEMMs (linear layers + lm_head)"),
+    ("fused_layers", "decoder layers in one C call"),
     ("attention", "attention (+ its metadata)"),
     ("norm_rope", "norms + rope"),
     ("activation", "activation (SiLU-and-mul)"),
@@ -162,6 +165,9 @@ def _instrument(runner, rec: _Recorder) -> _Patches:
         if hasattr(mod, name):
             p.replace(mod, name, lambda f, k=key: rec.wrap(k, f))
     p.replace(cpu_ops, "rope_inplace", lambda f: rec.wrap("norm_rope", f))
+    # Batch-1 float32 decode runs every decoder layer in one compiled call (decode_layers.c): its
+    # GEMVs, attention, norms and rope are one region here. WORKBENCH_CPU_FUSED_DECODE=0 splits it.
+    p.replace(cpu_ops, "decode_layers_f32", lambda f: rec.wrap("fused_layers", f))
     # The batch-1 float32 GEMV (linears and the LM head, which compute_logits calls directly).
     p.replace(cpu_ops, "gemv", lambda f: rec.wrap("gemm", f))
     # The LM head: on the packed path compute_logits = head GEMM (packed_linear) + float cast

@@ -1,6 +1,7 @@
 """Compiled CPU kernels, built at first use: attention over the token-slot KV pool (decode and
-extend), the rotary embedding in place, RMSNorm for 16-bit models, and the float32 linear for
-one row of input (decode at batch 1; gemv.c).
+extend), the rotary embedding in place, RMSNorm for 16-bit models, the float32 linear for
+one row of input (decode at batch 1; gemv.c), and all of a Llama-family model's decoder layers
+for one decode token in one call (decode_layers.c).
 
 The C files of this folder are compiled once per machine with the system C compiler
 (`$CC`, default `cc`) into `$WORKBENCH_CACHE_DIR/kernels/` (default
@@ -32,7 +33,9 @@ from typing import Optional
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("paged_attention.c", "paged_extend.c", "rope.c", "rms_norm.c", "gemv.c")]
+SOURCES = [
+    HERE / name for name in ("paged_attention.c", "paged_extend.c", "rope.c", "rms_norm.c", "gemv.c", "decode_layers.c")
+]
 HEADERS = [HERE / "common.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -174,6 +177,10 @@ def _load() -> None:
         lib.wb_gemv_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i32, i64, i64, i32]
         lib.wb_gemv_f32.restype = None
         lib.wb_gemv_f32_available.restype = ctypes.c_int
+        f32 = ctypes.c_float
+        lib.wb_decode_layers_f32.argtypes = [ptr, ptr, i32, i32, i32, i32, i32, i64, f32, ptr, ptr, i32]
+        lib.wb_decode_layers_f32.argtypes += [ptr, ptr, i64, ptr, ptr, f32, i32]
+        lib.wb_decode_layers_f32.restype = ctypes.c_int
         _gemv_ok = bool(lib.wb_gemv_f32_available()) and os.environ.get("WORKBENCH_CPU_GEMV", "1") != "0"
         _lib = lib
 
@@ -454,3 +461,77 @@ def gemv(
         torch.get_num_threads(),
     )
     return out
+
+
+# ---- every decoder layer for one decode token (decode_layers.c) -------------------------------
+# Per layer: w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_down, b_down, k_buf, v_buf (the
+# order of decode_layers.c's enum); 0 stands for no bias.
+DECODE_LAYER_FIELDS = 12
+
+
+def fused_decode_enabled() -> bool:
+    """Whether batch-1 float32 decode may run its decoder layers in one call (decode_layers.c):
+    the library has its GEMV path (gemv_ready's conditions) and WORKBENCH_CPU_FUSED_DECODE is
+    not 0 (set it to 0 to compare with, or profile, the op-by-op path)."""
+    if _lib is None and not _tried:
+        _load()
+    return _gemv_ok and os.environ.get("WORKBENCH_CPU_FUSED_DECODE", "1") != "0"
+
+
+def decode_layers_f32(
+    x: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    hidden: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    eps: float,
+    scale: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_dtype: torch.dtype,
+    out_cache_loc: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> torch.Tensor:
+    """Run every layer of `table` ([L, DECODE_LAYER_FIELDS] int64 pointers, see above) on the one
+    token's residual stream x ([1, hidden] float32, updated in place and returned). cos/sin: the
+    token's rope rows ([1, 1, head_dim] float32); out_cache_loc, req_pool_indices, seq_lens: [1]
+    int64 as for paged_decode_attention; req_to_token: the pool's table (unit inner stride)."""
+    if x.shape != (1, hidden) or x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError(f"decode_layers_f32: x must be [1, {hidden}] contiguous float32, not {tuple(x.shape)}")
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != DECODE_LAYER_FIELDS:
+        raise ValueError("decode_layers_f32: the layer table must be [L, DECODE_LAYER_FIELDS] int64")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or kv_dtype not in _DTYPE_CODES:
+        raise ValueError("decode_layers_f32: rope rows must be float32 and the pool a supported dtype")
+    if req_to_token.stride(1) != 1:
+        raise ValueError("decode_layers_f32: req_to_token must have a unit inner stride")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    loc, rows, lens = (t.to(torch.int64).contiguous() for t in (out_cache_loc, req_pool_indices, seq_lens))
+    rc = _require().wb_decode_layers_f32(
+        x.data_ptr(),
+        table.data_ptr(),
+        table.shape[0],
+        hidden,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        intermediate,
+        float(eps),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        _DTYPE_CODES[kv_dtype],
+        loc.data_ptr(),
+        req_to_token.data_ptr(),
+        req_to_token.stride(0),
+        rows.data_ptr(),
+        lens.data_ptr(),
+        float(scale),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"wb_decode_layers_f32 failed (code {rc}) for Hq={num_q_heads}, Hk={num_kv_heads}")
+    return x

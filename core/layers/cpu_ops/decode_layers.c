@@ -1,0 +1,84 @@
+/* Every decoder layer of a Llama-family model for one decode token, float32, in one call.
+ *
+ * Why: at batch 1 a step's arithmetic is small (a 135M model streams ~540 MB of weights, ~30 ms
+ * on one core of the 2-core AVX2 target) but the op-by-op path pays torch's dispatch and
+ * Python's call overhead ~15 times per layer: about 10 ms of a 40 ms step went to norms, rope,
+ * residual adds, views and the attention call's argument checks (`workbench bench model
+ * --profile`, docs/design.md). Here Python calls once per step and C runs, per layer:
+ *
+ *   h = rms_norm(x, w_in); qkv = W_qkv h (+ b); rotate q and k; store k, v in the pool;
+ *   a = attention(q, pool); x = W_o a (+ b) + x;
+ *   h = rms_norm(x, w_post); gu = W_gu h (+ b); x = W_down (silu(gate) * up) (+ b) + x
+ *
+ * each stage the library's own kernel (gemv.c, rope.c, rms_norm.c, paged_attention.c), so the
+ * numerics are those of the op-by-op CPU path with the compiled kernels, except RMSNorm: ATen's
+ * float32 kernel sums in float, rms_norm.c in double (the scale may differ in its last bit).
+ * The greedy-token tests against transformers run through this path at batch 1.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+void wb_gemv_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, const float *res,
+                 int64_t ldr, float *out, int64_t ldo, int M, int64_t N, int64_t K, int nthreads);
+void wb_rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int T, int H, float eps, int dt,
+                 int nthreads);
+void wb_rope_inplace(void *x, int64_t x_stride, const void *cos_t, const void *sin_t, int64_t cs_stride, int T,
+                     int H, int D, int dt, int nthreads);
+int paged_decode_attention(const void *q, int q_dt, int64_t q_stride, const void *k_new, int64_t k_stride,
+                           const void *v_new, int64_t v_stride, const int64_t *out_loc, void *k_buf,
+                           void *v_buf, int kv_dt, const int64_t *req_to_token, int64_t r2t_stride,
+                           const int64_t *req_pool_indices, const int64_t *seq_lens, int B, int Hq, int Hk,
+                           int D, float scale, void *out, int num_threads);
+
+/* The pointers of one layer, in this order (a row of the int64 table Python builds once). */
+enum { W_IN, W_QKV, B_QKV, W_O, B_O, W_POST, W_GU, B_GU, W_DOWN, B_DOWN, K_BUF, V_BUF, PER_LAYER };
+
+/* silu(g) * u = g * u / (1 + exp(-g)), with exp taken of -|g| only (exp_nonpos) so it cannot
+ * overflow and the loop vectorizes: sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below. */
+static void silu_mul(const float *restrict gu, float *restrict out, int64_t I) {
+#pragma omp simd
+    for (int64_t i = 0; i < I; i++) {
+        const float g = gu[i];
+        const float e = exp_nonpos(g >= 0.0f ? -g : g);
+        const float sig = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+        out[i] = g * sig * gu[I + i];
+    }
+}
+
+/* x: [H] the residual stream of the one token, updated in place to the last layer's output
+ * (before the final norm). layers: L rows of PER_LAYER pointers (0 for no bias). cos/sin: this
+ * token's rope row (signed-sin layout, see rope.c). The pool: kv_dt, slot (this step's K/V goes
+ * there), req_to_token row of the request, its seq_len (this token included).
+ * Returns 0, or the first failing attention call's code (see paged_decode_attention). */
+int wb_decode_layers_f32(float *x, const int64_t *layers, int L, int H, int Hq, int Hk, int D, int64_t I,
+                         float eps, const float *cos_t, const float *sin_t, int kv_dt, const int64_t *out_loc,
+                         const int64_t *req_to_token, int64_t r2t_stride, const int64_t *req_pool_index,
+                         const int64_t *seq_len, float scale, int nthreads) {
+    const int64_t nqkv = (int64_t)(Hq + 2 * Hk) * D, nq = (int64_t)Hq * D;
+    float *buf = malloc(sizeof(float) * (H + nqkv + nq + 3 * I));
+    if (buf == NULL) return -2;
+    float *h = buf, *qkv = h + H, *att = qkv + nqkv, *gu = att + nq, *act = gu + 2 * I;
+    int rc = 0;
+    for (int l = 0; l < L && rc == 0; l++) {
+        const int64_t *p = layers + (int64_t)l * PER_LAYER;
+#define F(i) ((const float *)(intptr_t)p[i])
+        wb_rms_norm(x, H, F(W_IN), h, 1, H, eps, 0, nthreads);
+        wb_gemv_f32(h, H, F(W_QKV), H, F(B_QKV), NULL, 0, qkv, nqkv, 1, nqkv, H, nthreads);
+        wb_rope_inplace(qkv, nqkv, cos_t, sin_t, 0, 1, Hq + Hk, D, 0, nthreads);
+        rc = paged_decode_attention(qkv, 0, nqkv / D, qkv + nq, nqkv / D, qkv + nq + (int64_t)Hk * D, nqkv / D,
+                                    out_loc, (void *)(intptr_t)p[K_BUF], (void *)(intptr_t)p[V_BUF], kv_dt,
+                                    req_to_token, r2t_stride, req_pool_index, seq_len, 1, Hq, Hk, D, scale, att,
+                                    nthreads);
+        wb_gemv_f32(att, nq, F(W_O), nq, F(B_O), x, H, x, H, 1, H, nq, nthreads);
+        wb_rms_norm(x, H, F(W_POST), h, 1, H, eps, 0, nthreads);
+        wb_gemv_f32(h, H, F(W_GU), H, F(B_GU), NULL, 0, gu, 2 * I, 1, 2 * I, H, nthreads);
+        silu_mul(gu, act, I);
+        wb_gemv_f32(act, I, F(W_DOWN), I, F(B_DOWN), x, H, x, H, 1, H, I, nthreads);
+#undef F
+    }
+    free(buf);
+    return rc;
+}
