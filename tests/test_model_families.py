@@ -79,3 +79,17 @@ def test_moe_routing_counts_every_assignment(family_dirs):
     assert len(moes) == 2  # layers 0 and 2; layer 1 is dense (mlp_only_layers)
     for m in moes:
         assert m.last_counts.shape == (8,) and int(m.last_counts.sum()) == len(PROMPTS[2]) * 2
+
+
+def test_a_sliding_window_caps_the_context_length():
+    """Windowed attention is not implemented; within the window full attention is the same thing."""
+    from transformers import MistralConfig, Qwen2Config
+
+    from workbench.core.model_executor.model_config import ModelConfig
+
+    windowed = MistralConfig(sliding_window=64, max_position_embeddings=512, architectures=["MistralForCausalLM"])
+    assert ModelConfig.from_hf(windowed).context_len == 64
+    assert ModelConfig.from_hf(windowed, context_length=32).context_len == 32
+    off = Qwen2Config(sliding_window=64, use_sliding_window=False, max_position_embeddings=512)
+    assert ModelConfig.from_hf(off).context_len == 512
+    assert ModelConfig.from_hf(MistralConfig(sliding_window=None, max_position_embeddings=512)).context_len == 512
