@@ -21,6 +21,8 @@ class LogitsOutput:
 
     next_token_logits: torch.Tensor  # [B, V] float32, at each request's last position
     all_logits: Optional[torch.Tensor] = None  # [T, V] float32, every position (when asked)
+    # mixtures of experts: each sparse layer's [T, top_k] expert ids for this pass (trace: moe.routing)
+    routing: Optional[list[torch.Tensor]] = None
 
 
 @dataclass

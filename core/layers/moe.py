@@ -61,6 +61,7 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
         self.last_counts: Optional[torch.Tensor] = None  # [E] int64: tokens routed to each expert, last call
+        self.last_topk_ids: Optional[torch.Tensor] = None  # [T, k]: each token's experts, last call
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard: str) -> None:
         """One expert's HF tensor: shard "w1" (gate [I, H]), "w3" (up [I, H]) or "w2" (down [H, I])."""
@@ -76,6 +77,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_* [T, k] -> [T, H] in x's dtype (all-reduced over tensor-parallel ranks)."""
         t, k = topk_ids.shape
+        self.last_topk_ids = topk_ids
         flat = topk_ids.reshape(-1)
         self.last_counts = torch.bincount(flat, minlength=self.num_experts)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order within
@@ -110,3 +112,9 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
         return out if residual is None else out + residual
+
+
+def sparse_moe_blocks(model: nn.Module) -> list[tuple[int, SparseMoeBlock]]:
+    """(layer id, block) of every decoder layer whose MLP is a mixture of experts; [] for dense models."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    return [(i, layer.mlp) for i, layer in enumerate(layers) if isinstance(getattr(layer, "mlp", None), SparseMoeBlock)]

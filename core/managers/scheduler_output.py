@@ -235,6 +235,43 @@ class SchedulerOutputMixin:
             )
         )
 
+    def emit_moe_routing(self, step_reqs: Optional[list], routing: Optional[list], step: int = -1) -> None:
+        """The `moe.routing` event of a step of a mixture-of-experts model: tokens per expert in each
+        sparse layer, and each request's share. `step_reqs` (describe_batch_step, every row of the
+        batch) gives each request's tokens in the pass, in the order the pass laid them out."""
+        blocks = getattr(self.tp_worker.model_runner, "moe_blocks", None)
+        if not routing or not blocks or not step_reqs:
+            return
+        num_experts = blocks[0][1].experts.num_experts
+        sizes = [s.decode or s.computed for s in step_reqs]
+        which_req = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+        counts, per_req = [], []
+        for ids in routing:
+            ids = ids.to("cpu", torch.int64)
+            if ids.shape[0] != which_req.numel():  # padded rows (a CUDA graph bucket): not requests
+                ids = ids[: which_req.numel()]
+            key = which_req.unsqueeze(1) * num_experts + ids
+            table = torch.bincount(key.reshape(-1), minlength=len(sizes) * num_experts).view(len(sizes), -1)
+            counts.append(table.sum(0).tolist())
+            per_req.append(table)
+        reqs = []
+        for i, s in enumerate(step_reqs):
+            pairs = []
+            for table in per_req:
+                nz = table[i].nonzero().flatten()
+                pairs.append(torch.stack([nz, table[i][nz]], 1).reshape(-1).tolist())
+            reqs.append(ev.ExpertRoute(s.rid, pairs))
+        self.tracer.emit(
+            ev.MoeRouting(
+                num_experts=num_experts,
+                top_k=blocks[0][1].gate.top_k,
+                layers=[layer_id for layer_id, _ in blocks],
+                counts=counts,
+                reqs=reqs,
+                step=step,
+            )
+        )
+
     def emit_state(self) -> None:
         t = self.tracer
         chunked = [self.chunked_req.rid] if self.chunked_req is not None else []

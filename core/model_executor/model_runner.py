@@ -22,6 +22,7 @@ from workbench.core.distributed.parallel_state import (
     tensor_model_parallel_broadcast_,
 )
 from workbench.core.layers.logits_processor import LogitsOutput, LogitsProcessor
+from workbench.core.layers.moe import sparse_moe_blocks
 from workbench.core.layers.sampler import Sampler
 from workbench.core.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from workbench.core.model_executor.cpu_allocator import tune_glibc_malloc
@@ -72,6 +73,7 @@ class ModelRunner:
         self.init_torch_distributed()
         self.load_model()
         self.load_time_s = time.monotonic() - t0
+        self.moe_blocks = sparse_moe_blocks(self.model)  # (layer id, block) of each MoE layer
 
         self.init_memory_pool(max_req_rows)
         self.attn_backend = self._make_attn_backend()
@@ -160,8 +162,15 @@ class ModelRunner:
         return create_attn_backend(name, self.device, q_heads, kv_heads, mc.head_dim, self.dtype, self.kv_dtype)
 
     # ---- execution ----------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> LogitsOutput:
+        """One pass: next-token logits (and, for a mixture of experts, where its tokens were routed)."""
+        out = self._forward(fb)
+        if self.moe_blocks:
+            out.routing = [block.experts.last_topk_ids for _, block in self.moe_blocks]
+        return out
+
+    @torch.inference_mode()
+    def _forward(self, fb: ForwardBatch) -> LogitsOutput:
         if self.torch_device.type != "cpu":
             fb.to(self.torch_device)
         fb.req_to_token_pool = self.req_to_token_pool

@@ -156,6 +156,27 @@ class StepDecision(Event, tag="batch.decision"):
     # (0 in older recordings)
 
 
+class ExpertRoute(msgspec.Struct, array_like=True):
+    """One request's tokens among the experts: for each of MoeRouting.layers, flat (expert, tokens)
+    pairs [e0, n0, e1, n1, ...] over the experts that got any of its tokens."""
+
+    rid: str
+    pairs: list[list[int]]
+
+
+class MoeRouting(Event, tag="moe.routing"):
+    """Where one step's tokens went among the experts of a mixture-of-experts model: the companion
+    of that step's `batch.step` (same `proc` and `step`). Each token goes to `top_k` experts in
+    every sparse layer, so a layer's counts sum to top_k x the step's tokens."""
+
+    num_experts: int
+    top_k: int
+    layers: list[int]  # the sparse layers' ids (dense layers are left out)
+    counts: list[list[int]]  # [i][e]: tokens layer layers[i] sent to expert e
+    reqs: list[ExpertRoute] = []
+    steps: int = 1  # the steps these counts cover (a view's snapshot folds many into one)
+
+
 class HeldReq(msgspec.Struct, array_like=True):
     """A waiting request the scheduler held back (in-batch prefix caching)."""
 
@@ -342,6 +363,7 @@ AnyEvent = Union[
     ReqText,
     BatchStep,
     StepDecision,
+    MoeRouting,
     QueueState,
     KVUsage,
     CacheMatch,

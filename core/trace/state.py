@@ -25,6 +25,7 @@ from typing import Optional
 import msgspec
 
 from workbench.core.trace import events as ev
+from workbench.core.trace.experts import ExpertLoad
 
 from workbench.core.trace.views import (  # noqa: F401  (re-exported for views)
     LATENCY_METRICS,
@@ -85,7 +86,8 @@ class TraceState:
     queue_counts() (requests not listed by a scheduler yet), counters, cache_hit_rate,
     throughput(), latency_percentiles(), last_ts, weights_version, model, procs,
     req_replica and replicas() (data parallel: which replica holds each request), ttft_parts(rid)
-    (where a request's time to first token went, in parts that sum to it).
+    (where a request's time to first token went, in parts that sum to it), experts (a mixture of
+    experts' load per layer and expert, and per request: core/trace/experts.py).
     """
 
     def __init__(
@@ -142,6 +144,7 @@ class TraceState:
         # batch.decision events whose batch.step has not come yet (overlap loop), by (proc, step).
         self._pending_decisions: dict[tuple[str, int], ev.StepDecision] = {}
         self._last_decision: dict[str, ev.StepDecision] = {}  # per scheduler, its latest
+        self.experts = ExpertLoad()  # mixture-of-experts models: tokens per expert (moe.routing)
         self._dispatch = {
             ev.ReqArrived: self._on_arrived,
             ev.ReqTokenized: self._on_tokenized,
@@ -155,6 +158,7 @@ class TraceState:
             ev.ReqText: self._on_text,
             ev.BatchStep: self._on_step,
             ev.StepDecision: self._on_decision,
+            ev.MoeRouting: self.experts.apply,
             ev.QueueState: self._on_queue,
             ev.KVUsage: self._on_kv,
             ev.CacheMatch: self._on_match,
@@ -881,6 +885,9 @@ class TraceState:
                     ts=k.ts, proc=k.proc, step=k.step, used=k.used, evictable=k.evictable, free=k.free, total=k.total
                 )
             )
+        routing = self.experts.snapshot_event(ts)
+        if routing is not None:
+            out.append(routing)
         for proc, tree in self.trees.items():
             nodes = [
                 ev.TreeNode(n.node_id, n.parent_id, n.tokens, n.text, n.lock_ref, n.hits, n.last_access)

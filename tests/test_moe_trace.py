@@ -1,0 +1,79 @@
+"""A mixture of experts in the trace: each step's `moe.routing` event against the step it belongs to,
+the reducer's expert load against the events, and the tokens' routing against the model's router."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline_helpers import assert_no_kv_leak, drain_events
+from tiny_models import make_tiny_family
+from workbench import Engine
+from workbench.core.trace import events as ev
+from workbench.core.trace.experts import ExpertLoad, imbalance
+from workbench.core.trace.state import TraceState
+
+PROMPTS = [[5, 6, 7, 8, 9, 60, 61], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def moe_engine(tmp_path_factory):
+    model_dir = make_tiny_family(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe", seed=7)
+    with Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=2048, show_progress=False) as engine:
+        yield engine
+
+
+def test_every_step_of_a_moe_model_says_where_its_tokens_went(moe_engine):
+    sub = moe_engine.subscribe(with_snapshot=False)
+    try:
+        outs = moe_engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        events = drain_events(sub)
+    finally:
+        sub.close()
+    steps = {(e.proc, e.step): e for e in events if isinstance(e, ev.BatchStep)}
+    routes = [e for e in events if isinstance(e, ev.MoeRouting)]
+    assert routes and len(routes) == len(steps)
+    for r in routes:
+        assert r.num_experts == 8 and r.top_k == 2 and r.layers == [0, 2]  # layer 1 is dense
+        step = steps[(r.proc, r.step)]
+        tokens = {s.rid: s.decode or s.computed for s in step.reqs}
+        for row in r.counts:  # every token went to top_k experts in every sparse layer
+            assert len(row) == 8 and sum(row) == 2 * sum(tokens.values())
+        assert {x.rid for x in r.reqs} == set(tokens)
+        for x in r.reqs:
+            assert len(x.pairs) == 2
+            for pairs in x.pairs:
+                assert sum(pairs[1::2]) == 2 * tokens[x.rid] and all(0 <= e < 8 for e in pairs[0::2])
+        for i in range(2):  # the requests' shares add up to the step's counts
+            per_expert = [0] * 8
+            for x in r.reqs:
+                for e, n in zip(x.pairs[i][0::2], x.pairs[i][1::2]):
+                    per_expert[e] += n
+            assert per_expert == r.counts[i]
+    # The reducer: totals over the steps, each request's own routing, and a snapshot that rebuilds them.
+    state = TraceState()
+    state.apply_many(events)
+    load = state.experts
+    assert load.present and load.steps == len(routes) and load.layers == [0, 2]
+    assert load.total == [[sum(r.counts[i][e] for r in routes) for e in range(8)] for i in range(2)]
+    assert load.last == routes[-1].counts
+    rid = outs[2]["meta_info"]["id"]
+    mine = load.request(rid)
+    assert [sum(row) for row in mine] == [2 * (len(PROMPTS[2]) + GREEDY["max_new_tokens"] - 1)] * 2
+    fresh = TraceState()
+    fresh.apply_many(state.snapshot_events())
+    assert fresh.experts.total == load.total and fresh.experts.request(rid) == mine
+    assert_no_kv_leak(moe_engine)
+
+
+def test_imbalance_and_a_new_model_resets_the_load():
+    assert imbalance([2, 2, 2, 2]) == 1.0 and imbalance([8, 0, 0, 0]) == 4.0 and imbalance([0, 0]) == 0.0
+    load = ExpertLoad(max_requests=1)
+    load.apply(
+        ev.MoeRouting(num_experts=2, top_k=1, layers=[0], counts=[[3, 1]], reqs=[ev.ExpertRoute("a", [[0, 3, 1, 1]])])
+    )
+    load.apply(ev.MoeRouting(num_experts=2, top_k=1, layers=[0], counts=[[0, 2]], reqs=[ev.ExpertRoute("b", [[1, 2]])]))
+    assert load.total == [[3, 3]] and load.last == [[0, 2]] and load.request("a") is None  # capped at 1
+    assert load.request("b") == [[0, 2]]
+    load.apply(ev.MoeRouting(num_experts=4, top_k=2, layers=[1, 3], counts=[[1, 1, 0, 0], [0, 0, 1, 1]]))
+    assert load.layers == [1, 3] and load.total == [[1, 1, 0, 0], [0, 0, 1, 1]] and load.steps == 1
