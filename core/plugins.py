@@ -39,6 +39,9 @@ class PanelSpec:
     factory: Callable[[], Any]
     help: str = ""
     plugin: str = ""
+    # When set, the panel is left out of the default layout until when(trace_state) is true (the
+    # experts heatmap appears with the first moe.routing event); naming it in --panels shows it at once.
+    when: Optional[Callable[[Any], bool]] = None
 
 
 @dataclass
@@ -98,8 +101,10 @@ class PluginRegistry:
         table[spec.name] = spec
         return spec
 
-    def add_panel(self, name: str, title: str, factory: Callable, help: str = "") -> PanelSpec:
-        return self._add(self.panels, PanelSpec(name, title, factory, help), "panel")
+    def add_panel(
+        self, name: str, title: str, factory: Callable, help: str = "", when: Optional[Callable[[Any], bool]] = None
+    ) -> PanelSpec:
+        return self._add(self.panels, PanelSpec(name, title, factory, help, when=when), "panel")
 
     def add_view(self, name: str, title: str, factory: Callable, help: str = "") -> ViewSpec:
         return self._add(self.views, ViewSpec(name, title, factory, help), "view")

@@ -23,13 +23,20 @@ def moe_engine(tmp_path_factory):
         yield engine
 
 
-def test_every_step_of_a_moe_model_says_where_its_tokens_went(moe_engine):
+@pytest.fixture(scope="module")
+def moe_run(moe_engine):
+    """The trace of three requests on the tiny MoE model, and their outputs."""
     sub = moe_engine.subscribe(with_snapshot=False)
     try:
         outs = moe_engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         events = drain_events(sub)
     finally:
         sub.close()
+    return events, outs
+
+
+def test_every_step_of_a_moe_model_says_where_its_tokens_went(moe_engine, moe_run):
+    events, outs = moe_run
     steps = {(e.proc, e.step): e for e in events if isinstance(e, ev.BatchStep)}
     routes = [e for e in events if isinstance(e, ev.MoeRouting)]
     assert routes and len(routes) == len(steps)
@@ -77,3 +84,34 @@ def test_imbalance_and_a_new_model_resets_the_load():
     assert load.request("b") == [[0, 2]]
     load.apply(ev.MoeRouting(num_experts=4, top_k=2, layers=[1, 3], counts=[[1, 1, 0, 0], [0, 0, 1, 1]]))
     assert load.layers == [1, 3] and load.total == [[1, 1, 0, 0], [0, 0, 1, 1]] and load.steps == 1
+
+
+async def test_the_experts_panel_appears_and_shades_exactly_the_routed_experts(moe_run, tmp_path):
+    """A Pilot run over the recording: the panel joins the layout with the first routing event, and
+    its last-step map has a shaded cell exactly where that step's event counted tokens."""
+    from tui_helpers import replay_app, wait_for
+    from workbench.core.trace.recorder import Recorder
+    from workbench.tui.panels.experts import SHADES
+
+    events, outs = moe_run
+    path = tmp_path / "moe.jsonl"
+    with Recorder(path, model="tiny-qwen3-moe") as rec:
+        rec.write_batch(events)
+    app, replay = replay_app(str(path), layout="grid")
+    async with app.run_test(size=(200, 50)) as pilot:
+        await wait_for(app.ready.is_set)
+        assert "experts" not in app.panels  # nothing routed yet: a dense-looking screen
+        replay.advance_to(events[-1].ts)
+        app._tick()
+        await wait_for(lambda: "experts" in app.panels and app.panels["experts"].panel_ready)
+        app.model.selected = outs[1]["meta_info"]["id"]
+        app.refresh_panels(force=True)
+        await pilot.pause()
+        body = str(app.query_one("#experts-body").render())
+        last = [e for e in events if isinstance(e, ev.MoeRouting)][-1]
+        lines = body.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("last step"))
+        for layer, counts, line in zip(last.layers, last.counts, lines[start + 1 : start + 3]):
+            cells = line[len(f"L{layer:<3}") :][: len(counts)]
+            assert [c != SHADES[0] for c in cells] == [n > 0 for n in counts], (line, counts)
+        assert f"{outs[1]['meta_info']['id']}'s tokens" in body

@@ -104,7 +104,9 @@ class WorkbenchApp(App):
         self.model.selected = select
         # a replay's events log counts from its first request, as its clock does
         self.model.t0_ns = getattr(controller, "origin_ns", None)
-        names = list(panels) if panels else list(registry.panels)
+        names = list(panels) if panels else [n for n, spec in registry.panels.items() if spec.when is None]
+        # Left out until the trace shows what they draw (the experts heatmap: a MoE model's first step).
+        self._deferred = [] if panels else [n for n, spec in registry.panels.items() if spec.when is not None]
         unknown = [n for n in names if n not in registry.panels]
         if unknown:
             raise ValueError(f"unknown panel(s): {', '.join(unknown)}; available: {', '.join(registry.panels)}")
@@ -186,6 +188,20 @@ class WorkbenchApp(App):
         self.panels = {n: self._make_panel(n) for n in self.panel_names}
         titles = {n: self.registry.panels[n].title for n in self.panels}
         await mount_layout(main, self.panels, titles, self.layout_mode)
+
+    def _reveal_deferred(self) -> None:
+        """Add the deferred panels whose condition now holds, and lay the screen out again."""
+        ready = [n for n in self._deferred if self._panel_wanted(n)]
+        if ready:
+            self._deferred = [n for n in self._deferred if n not in ready]
+            self.panel_names += ready
+            self.call_later(self._mount_panels)
+
+    def _panel_wanted(self, name: str) -> bool:
+        try:
+            return bool(self.registry.panels[name].when(self.model.state))
+        except Exception:  # a plugin's broken condition keeps its panel out, not the app down
+            return False
 
     def visible_panels(self) -> dict[str, Widget]:
         if self.layout_mode == "tabs" and len(self.panels) > 1:
@@ -295,6 +311,8 @@ class WorkbenchApp(App):
             self._error(f"event source failed: {friendly(exc)}")
         self.model.now_ns = self.controller.now_ns()
         self.model.apply(events)
+        if self._deferred:
+            self._reveal_deferred()
         self._drain_chat()
         self.refresh_panels()
         self._update_status()

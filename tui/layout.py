@@ -7,7 +7,7 @@ from textual.widget import Widget
 from textual.widgets import TabbedContent, TabPane
 
 #: the default one-screen arrangement: rows of slots; a slot is a panel name or a tuple side by side
-GRID = (("queues", "tree"), ("batch", ("kv", "latency")), ("events", "detail"))
+GRID = (("queues", "tree"), ("batch", ("kv", "latency")), ("events", "detail", "experts"))
 GRID_HEIGHTS = ("3fr", "3fr", "2fr")
 
 

@@ -15,6 +15,7 @@ BUILTIN_PANELS = (
     ("latency", "workbench.tui.panels.latency", "LatencyPanel"),
     ("events", "workbench.tui.panels.events", "EventsPanel"),
     ("detail", "workbench.tui.panels.detail", "DetailPanel"),
+    ("experts", "workbench.tui.panels.experts", "ExpertsPanel"),
 )
 
 _TITLES = {
@@ -25,6 +26,7 @@ _TITLES = {
     "latency": "Latency",
     "events": "Events",
     "detail": "Request detail",
+    "experts": "Experts",
 }
 _SHORT_HELP = {
     "queues": "waiting / running / chunked requests with token counts, age and TTFT so far",
@@ -34,7 +36,10 @@ _SHORT_HELP = {
     "latency": "TTFT / TPOT / E2E p50/p90/p99 over 5/15/60 s, TTFT sparkline, throughput",
     "events": "filterable log of arrivals, finishes, retractions, evictions, aborts, errors",
     "detail": "the selected request's timeline, shared steps and streaming text",
+    "experts": "mixture-of-experts models: tokens per layer and expert as a heatmap, overall, last step, selected request",
 }
+# Panels that join the layout only once the trace shows what they draw.
+_WHEN = {"experts": lambda state: state.experts.present}
 
 
 def _factory(module: str, cls: str):
@@ -59,4 +64,4 @@ def panel_help(name: str) -> str:
 
 def register_builtin(registry) -> None:
     for name, module, cls in BUILTIN_PANELS:
-        registry.add_panel(name, _TITLES[name], _factory(module, cls), help=_SHORT_HELP[name])
+        registry.add_panel(name, _TITLES[name], _factory(module, cls), help=_SHORT_HELP[name], when=_WHEN.get(name))
