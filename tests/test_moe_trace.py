@@ -115,3 +115,20 @@ async def test_the_experts_panel_appears_and_shades_exactly_the_routed_experts(m
             cells = line[len(f"L{layer:<3}") :][: len(counts)]
             assert [c != SHADES[0] for c in cells] == [n > 0 for n in counts], (line, counts)
         assert f"{outs[1]['meta_info']['id']}'s tokens" in body
+
+
+def test_the_experts_widget_draws_every_map_of_the_trace(moe_run):
+    from workbench.widgets import ExpertsView
+
+    events, outs = moe_run
+    view = ExpertsView(events)
+    state = view.feed.state
+    hm = view.figure.data[0]
+    assert [list(r) for r in hm.z] == state.experts.total and list(hm.y) == ["L0", "L2"]
+    rid = outs[0]["meta_info"]["id"]
+    assert rid in view.which.options and "all steps" in view.which.options
+    view.which.value = rid  # a user picks one request: the map becomes its tokens
+    assert [list(r) for r in view.figure.data[0].z] == state.experts.request(rid)
+    assert "request" in view.figure.layout.title.text
+    view.which.value = "last step"
+    assert [list(r) for r in view.figure.data[0].z] == state.experts.last

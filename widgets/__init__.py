@@ -25,6 +25,7 @@ _EXPORTS = {
     "KVPoolView": "workbench.widgets.views",
     "QueueView": "workbench.widgets.views",
     "LatencyView": "workbench.widgets.views",
+    "ExpertsView": "workbench.widgets.views",
     "VIEWS": "workbench.widgets.views",
     "sequence_figure": "workbench.widgets.sequence",
     "Snapshot": "workbench.widgets.static",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from workbench.core.trace import ttft as T
+from workbench.core.trace.experts import imbalance
 from workbench.core.trace.state import TraceState
 from workbench.core.trace.views import StepView
 
@@ -395,3 +396,33 @@ def summary(state: TraceState) -> dict:
         "kv_evictable": state.evictable if kv else 0,
         "dropped": state.counters.dropped_events,
     }
+
+
+# ---- experts (mixture-of-experts models) ------------------------------------------------------
+EXPERT_MAPS = ("all steps", "last step")  # then one entry per request seen routing
+
+
+@dataclass
+class ExpertData:
+    z: list[list[int]]  # [layer][expert] tokens
+    layers: list[str]  # y labels, "L<id>"
+    experts: list[int]  # x
+    title: str
+    rids: list[str]  # requests with routing, most recent first (the selector's choices)
+
+
+def expert_data(state: TraceState, which: str = "all steps", max_rids: int = 50) -> ExpertData:
+    """The heatmap of `which`: every step so far, the last step, or one request's tokens."""
+    load = state.experts
+    rids = list(reversed(load.requests()))[:max_rids]
+    if not load.present:
+        return ExpertData([], [], [], "Experts: no moe.routing event yet (a dense model has none)", rids)
+    if which == "last step":
+        z, what = load.last, f"step {load.last_step}"
+    elif which in EXPERT_MAPS or load.request(which) is None:
+        z, what = load.total, f"all {load.steps} steps"
+    else:
+        z, what = load.request(which), f"request {short_rid(which)}"
+    worst = max((imbalance(row) for row in z), default=0.0)
+    title = f"Tokens per expert, {what}: {load.num_experts} experts, top {load.top_k}; worst imbalance {worst:.1f}×"
+    return ExpertData([list(r) for r in z], [f"L{i}" for i in load.layers], list(range(load.num_experts)), title, rids)

@@ -28,6 +28,12 @@ _BUILTIN = (
     ("kv", "KVPoolView", "KV pool", "KV tokens used / evictable / free over time."),
     ("queues", "QueueView", "Queues", "Waiting and running queue lengths over time."),
     ("latency", "LatencyView", "Latency", "TTFT/TPOT/E2E ECDFs and arrival vs TTFT."),
+    (
+        "experts",
+        "ExpertsView",
+        "Experts",
+        "Mixture-of-experts models: tokens per layer and expert (all steps, last step, one request).",
+    ),
 )
 
 

@@ -495,4 +495,55 @@ class LatencyView(TraceView):
 
 
 #: The built-in views by name, in the Dashboard's order.
-VIEWS = {cls.name: cls for cls in (GanttView, BatchView, RadixTreeView, KVPoolView, QueueView, LatencyView)}
+# ---- experts (mixture-of-experts models) -----------------------------------------------------------
+
+
+class ExpertsView(TraceView):
+    """Tokens per (layer, expert) of a mixture-of-experts model as a heatmap: over every step, the
+    last step, or one request's own tokens (the selector under the figure). Not in the Dashboard's
+    defaults (dense models have no experts): `Dashboard(engine, views=[..., "experts"])` or alone."""
+
+    name = "experts"
+    title = "Experts"
+
+    def _build(self, height, width):
+        self.figure.add_heatmap(
+            z=[], x=[], y=[], colorscale="Oranges", hovertemplate="%{y}, expert %{x}: %{z} tokens<extra></extra>"
+        )
+        self.figure.update_layout(
+            **_layout(
+                self.title, height, width, xaxis_title="expert", yaxis=dict(title="sparse layer", autorange="reversed")
+            )
+        )
+        self.which = W.Dropdown(options=list(D.EXPERT_MAPS), value=D.EXPERT_MAPS[0], description="show")
+        self.which.observe(lambda _: None if self._syncing else self._redraw(), names="value")
+        self._state: Optional[TraceState] = None
+        self._syncing = False  # the selector's choices are being refreshed by a draw, not by a user
+
+    def _extras(self) -> list:
+        return [self.which]
+
+    def _redraw(self) -> None:
+        if self._state is not None:
+            self.update(self._state)
+
+    def _draw(self, state, t0):
+        self._state = state
+        d = D.expert_data(state, self.which.value)
+        options = list(D.EXPERT_MAPS) + d.rids
+        if list(self.which.options) != options:
+            keep = self.which.value if self.which.value in options else D.EXPERT_MAPS[0]
+            self._syncing = True
+            try:
+                self.which.options = options
+                self.which.value = keep
+            finally:
+                self._syncing = False
+        hm = self.figure.data[0]
+        hm.z, hm.x, hm.y = d.z, d.experts, d.layers
+        self.figure.layout.title.text = d.title
+
+
+VIEWS = {
+    cls.name: cls for cls in (GanttView, BatchView, RadixTreeView, KVPoolView, QueueView, LatencyView, ExpertsView)
+}

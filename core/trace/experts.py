@@ -70,6 +70,10 @@ class ExpertLoad:
                 for i, n in enumerate(_unpack(pairs, self.num_experts)):
                     row[i] += n
 
+    def requests(self) -> list[str]:
+        """The requests with routing seen, least recently routed first."""
+        return list(self._by_request)
+
     def request(self, rid: str) -> Optional[list[list[int]]]:
         """[layer][expert]: the tokens of `rid` routed to each expert so far (None: none seen)."""
         return self._by_request.get(rid)
