@@ -14,6 +14,7 @@ from typing import Optional
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native", "cpu_paged", "triton", "flashinfer")  # see layers/attention/registry.py
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 
 
 # `--help` of every flag (SGLang's wording where it has the flag). Defaults and choices are added
@@ -53,6 +54,12 @@ FLAG_HELP = {
     "neighbours while decoding)",
     "cpu_omp_threads_bind": "pin each scheduler rank to cores, e.g. 0-1, or 0-1|2-3 for two TP ranks "
     "(SGLang's SGLANG_CPU_OMP_THREADS_BIND; 'nobind' leaves them unpinned)",
+    "speculative_algorithm": "speculative decoding: NGRAM proposes draft tokens from the request's own prompt "
+    "and output (no second model); STANDALONE drafts with --speculative-draft-model-path. The target model "
+    "verifies the drafts in one pass per step; the output is what decoding without drafts gives",
+    "speculative_draft_model_path": "STANDALONE: a small draft model with the target's tokenizer",
+    "speculative_num_steps": "STANDALONE: draft model passes per step (default: --speculative-num-draft-tokens)",
+    "speculative_num_draft_tokens": "the most draft tokens verified per request per step (default 4)",
     "tp_size": "tensor-parallel ranks (one scheduler process each)",
     "dp_size": "data-parallel replicas of the whole model behind one front end",
     "load_balance_method": "how requests are spread over data-parallel replicas",
@@ -141,6 +148,11 @@ class ServerArgs:
     cpu_omp_threads_bind: Optional[str] = (
         None  # pin each scheduler rank to cores, e.g. 0-1 or 0-1|2-3 (SGLang's SGLANG_CPU_OMP_THREADS_BIND)
     )
+    # speculative decoding
+    speculative_algorithm: Optional[str] = None  # NGRAM (drafts from the request's own text) | STANDALONE
+    speculative_draft_model_path: Optional[str] = None  # STANDALONE: the small draft model
+    speculative_num_steps: Optional[int] = None  # STANDALONE: draft model passes per step
+    speculative_num_draft_tokens: Optional[int] = None  # most draft tokens verified per request per step
     # parallelism
     tp_size: int = 1
     dp_size: int = 1
@@ -238,6 +250,25 @@ class ServerArgs:
                     f"--cpu-omp-threads-bind {self.cpu_omp_threads_bind!r} has {len(groups)} core group(s); this "
                     f"node runs {self.tp_size // self.nnodes} scheduler rank(s): one group each, separated by |"
                 )
+        if self.speculative_algorithm is not None:
+            algo = self.speculative_algorithm.upper()
+            if algo not in SPECULATIVE_ALGORITHMS:
+                bad(
+                    f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
+                    f"not {self.speculative_algorithm!r}"
+                )
+            self.speculative_algorithm = algo
+            if algo == "STANDALONE" and not self.speculative_draft_model_path:
+                bad("--speculative-algorithm STANDALONE needs --speculative-draft-model-path (a small model)")
+            if algo == "STANDALONE":
+                bad(
+                    "--speculative-algorithm STANDALONE (drafts from a second model) is not built yet; "
+                    "NGRAM drafts from the request's own text with no second model"
+                )
+        for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= value <= 64:
+                bad(f"--{name.replace('_', '-')} must be between 1 and 64")
         if self.device not in ("auto", "cpu", "cuda"):
             bad("--device must be auto, cpu or cuda")
         if self.cuda_graph_max_bs < 1:
@@ -252,6 +283,12 @@ class ServerArgs:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_num_draft_tokens(self) -> int:
+        """Draft tokens per request per step: 0 without speculative decoding."""
+        if self.speculative_algorithm is None:
+            return 0
+        return self.speculative_num_draft_tokens or self.speculative_num_steps or 4
 
     def resolved_chunked_prefill_size(self) -> Optional[int]:
         """None means chunking is off."""

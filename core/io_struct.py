@@ -68,6 +68,11 @@ class GetInternalStateReqOutput(Msg):
     others_load: float = -1.0  # cores other processes kept busy in the last window (-1: not measured)
     thread_probes: int = 0  # times the adaptive policy tried the other thread count
     kv_check_error: str = ""  # --enable-kv-invariant-check: the last violation seen ("" = none)
+    # Speculative decoding: (request, step) pairs that verified drafts, drafts proposed, drafts kept.
+    # Accept length (tokens per request per verify step) = (spec_accepted + spec_verified) / spec_verified.
+    spec_verified: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
     # Data parallel: the fields above are summed over replicas; here each replica's own figures.
     per_replica: Optional[list[dict[str, Union[int, float]]]] = None
 

@@ -52,11 +52,18 @@ def next_token(seq: list[int]) -> int:
     return _FIRST + h % (VOCAB - _FIRST)
 
 
-def expected_tokens(prompt: list[int], n: int) -> list[int]:
-    """The reference: `n` greedy tokens of the stand-in model after `prompt`."""
+def repetitive_token(seq: list[int]) -> int:
+    """A stand-in model whose output soon repeats (the next token depends on the last two only, over
+    8 values), so NGRAM drafts are often right: for the speculative decoding tests."""
+    a, b = (seq[-2], seq[-1]) if len(seq) >= 2 else (0, seq[-1] if seq else 0)
+    return _FIRST + (a * 7 + b * 13 + 5) % 8
+
+
+def expected_tokens(prompt: list[int], n: int, rule=next_token) -> list[int]:
+    """The reference: `n` greedy tokens of the stand-in model (`rule`) after `prompt`."""
     seq, out = list(prompt), []
     for _ in range(n):
-        out.append(next_token(seq))
+        out.append(rule(seq))
         seq.append(out[-1])
     return out
 
@@ -100,8 +107,9 @@ class StandInWorker:
     """Stands in for TpModelWorker: `forward_batch` (the overlap thread's call) and
     `forward_batch_generation` (the normal loop's) over a ModelWorkerBatch, no model."""
 
-    def __init__(self, runner: StandInRunner):
+    def __init__(self, runner: StandInRunner, rule=next_token):
         self.model_runner = runner
+        self.rule = rule
         self.tp_rank = 0
         self.passes: list[tuple[str, list[int]]] = []  # (mode, extend lengths) of every pass
 
@@ -110,9 +118,11 @@ class StandInWorker:
         r.kv_tokens[mwb.out_cache_loc] = mwb.input_ids  # "write K/V" of this pass's tokens
         table = r.req_to_token_pool.req_to_token
         ids = []
-        for row, seq_len in zip(mwb.req_pool_indices.tolist(), mwb.seq_lens_cpu):
+        rows = mwb.spec_rows or [1] * len(mwb.seq_lens_cpu)  # a speculative verify: a token per position
+        for row, seq_len, n in zip(mwb.req_pool_indices.tolist(), mwb.seq_lens_cpu, rows):
             seq = r.kv_tokens[table[row, :seq_len]].tolist()  # "attend" over the row's KV
-            ids.append(POISON if min(seq, default=0) < 0 else next_token(seq))
+            for end in range(seq_len - n + 1, seq_len + 1):
+                ids.append(POISON if min(seq[:end], default=0) < 0 else self.rule(seq[:end]))
         self.passes.append(
             ("decode" if mwb.forward_mode == ForwardMode.DECODE else "extend", list(mwb.extend_seq_lens_cpu))
         )
@@ -150,12 +160,14 @@ class _Tokenizer:
 class SchedulerHarness:
     """A Scheduler with a stand-in worker and list I/O, stepped by hand."""
 
-    def __init__(self, *, context_len: int = 1024, overlap: bool = False, check: bool = True, **server_args):
+    def __init__(
+        self, *, context_len: int = 1024, overlap: bool = False, check: bool = True, rule=next_token, **server_args
+    ):
         server_args.setdefault("max_total_tokens", 4096)
         server_args.setdefault("chunked_prefill_size", -1)
         self.args = ServerArgs(device="cpu", disable_overlap_schedule=not overlap, **server_args)
         self.runner = StandInRunner(self.args, context_len)
-        self.worker = StandInWorker(self.runner)
+        self.worker = StandInWorker(self.runner, rule)
         self.io = ListIO()
         self.events: list = []
         tracer = Tracer("scheduler", sink=self.events.extend, enabled=True)
@@ -244,6 +256,7 @@ __all__ = [
     "StandInRunner",
     "ListIO",
     "expected_tokens",
+    "repetitive_token",
     "next_token",
     "POISON",
     "EOS",

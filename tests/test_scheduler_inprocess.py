@@ -499,3 +499,12 @@ def test_env_override_turns_the_check_on_and_off(monkeypatch):
     assert SchedulerHarness(check=False).s.kv_check_enabled
     monkeypatch.setenv(KV_CHECK_ENV, "0")
     assert not SchedulerHarness(check=False, enable_kv_invariant_check=True).s.kv_check_enabled
+
+
+def test_schedule_conservativeness_scales_the_expected_decoding():
+    """SGLang's rule: admission reserves new_token_ratio of a running request's remaining tokens,
+    starting at 0.7 x conservativeness (at most 1) and never decaying below 0.1 x conservativeness."""
+    assert SchedulerHarness().s.new_token_ratio == pytest.approx(0.7)
+    eager, careful = SchedulerHarness(schedule_conservativeness=0.5), SchedulerHarness(schedule_conservativeness=2.0)
+    assert eager.s.new_token_ratio == pytest.approx(0.35) and eager.s.min_new_token_ratio == pytest.approx(0.05)
+    assert careful.s.new_token_ratio == 1.0

@@ -294,6 +294,9 @@ _SUMMED = (
     "max_running_requests",
     "last_gen_throughput",
     "trace_ms",
+    "spec_verified",
+    "spec_proposed",
+    "spec_accepted",
 )
 
 

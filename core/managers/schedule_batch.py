@@ -25,6 +25,7 @@ import torch
 from workbench.core.model_executor.forward_batch_info import ForwardMode
 from workbench.core.sampling.sampling_batch_info import SamplingBatchInfo, make_generator
 from workbench.core.sampling.sampling_params import SamplingParams
+from workbench.core.speculative.ngram import propose_ngram
 
 
 @dataclass
@@ -169,6 +170,8 @@ class ModelWorkerBatch:
     top_logprobs_num: int = 0
     return_all_logits: bool = False
     sample: bool = True
+    # Speculative verify pass: each request's rows (its last token + its drafts), sampled one row each.
+    spec_rows: Optional[list[int]] = None
 
 
 @dataclass
@@ -192,6 +195,8 @@ class ScheduleBatch:
     prefix_lens: list[int] = field(default_factory=list)  # per row: KV tokens before this pass
     extend_lens: list[int] = field(default_factory=list)  # per row: tokens computed in this pass
     future_ids: Optional[list[int]] = None  # per row: placeholder of its sampled token
+    spec_num_draft: int = 0  # speculative decoding: the most draft tokens per request per step (0: off)
+    spec_drafts: Optional[list[list[int]]] = None  # per request: the drafts this launch verifies
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -264,6 +269,10 @@ class ScheduleBatch:
 
     def prepare_for_decode(self) -> ModelWorkerBatch:
         self.forward_mode = ForwardMode.DECODE
+        drafts = self._propose_drafts() if self.spec_num_draft else None
+        if drafts is not None:
+            return self._prepare_for_verify(drafts)
+        self.spec_drafts = None
         out_cache_loc = self.alloc_token_slots(len(self.reqs))
         table = self.req_to_token_pool.req_to_token
         prefix_lens = [r.kv_len for r in self.reqs]
@@ -289,6 +298,65 @@ class ScheduleBatch:
             sampling_info=self._sampling_info(),
             return_logprob=return_logprob,
             top_logprobs_num=max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0),
+        )
+
+    # ---- speculative decoding (NGRAM) ---------------------------------------------------
+    def _propose_drafts(self) -> Optional[list[list[int]]]:
+        """Each request's drafts for this step, or None to decode plainly. A step with a request that
+        wants logprobs, has a grammar or waits on an in-flight token decodes plainly (its rows would
+        need per-row logprobs / masks); drafts never pass max_new_tokens or the KV room left."""
+        if any(r.return_logprob or r.grammar is not None or r.future_token_id is not None for r in self.reqs):
+            return None
+        room = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size() - len(self.reqs)
+        drafts = []
+        for r in self.reqs:
+            budget = min(self.spec_num_draft, r.sampling_params.max_new_tokens - len(r.output_ids) - 1, room)
+            d = propose_ngram(r.origin_input_ids + r.output_ids, budget) if budget > 0 else []
+            room -= len(d)
+            drafts.append(d)
+        return drafts if any(drafts) else None
+
+    def _prepare_for_verify(self, drafts: list[list[int]]) -> ModelWorkerBatch:
+        """One extend-like pass over each request's last token and its drafts: the target's token at
+        every position, so the scheduler keeps the drafts it agrees with (process_batch_result_decode)."""
+        rows = [1 + len(d) for d in drafts]
+        out_cache_loc = self.alloc_token_slots(sum(rows))
+        table = self.req_to_token_pool.req_to_token
+        prefix_lens = [r.kv_len for r in self.reqs]
+        ids, pos, offset = [], [], 0
+        for r, d, n in zip(self.reqs, drafts, rows):
+            table[r.req_pool_idx, r.kv_len : r.kv_len + n] = out_cache_loc[offset : offset + n]
+            ids += [r.output_ids[-1]] + d
+            pos += range(r.kv_len, r.kv_len + n)
+            r.kv_len += n
+            offset += n
+        seq_lens = [p + n for p, n in zip(prefix_lens, rows)]
+        self.out_cache_loc, self.prefix_lens, self.extend_lens = out_cache_loc, prefix_lens, rows
+        self.future_ids, self.spec_drafts = None, drafts
+        # Row j of a request is sampled as if drafts[:j] were already its output (penalties, min tokens).
+        per_row = [(r, r.output_ids + d[:j]) for r, d, n in zip(self.reqs, drafts, rows) for j in range(n)]
+        info = SamplingBatchInfo.from_reqs(
+            [r.sampling_params for r, _ in per_row],
+            output_ids=[out for _, out in per_row],
+            prompt_ids=[r.origin_input_ids for r, _ in per_row],
+            vocab_size=self.vocab_size,
+            eos_ids=[sorted(r.finish_token_ids) for r, _ in per_row],
+            generators=[r.generator for r, _ in per_row],
+            device=self.req_to_token_pool.device,
+        )
+        return ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND,  # to the model runner: causal attention over a prefix
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            out_cache_loc=out_cache_loc,
+            seq_lens_cpu=seq_lens,
+            extend_seq_lens_cpu=rows,
+            extend_prefix_lens_cpu=prefix_lens,
+            sampling_info=info,
+            return_all_logits=True,
+            spec_rows=rows,
         )
 
     def _sampling_info(self) -> SamplingBatchInfo:
@@ -332,4 +400,6 @@ class ScheduleBatch:
             list(self.prefix_lens),
             list(self.extend_lens),
             list(self.future_ids) if self.future_ids is not None else None,
+            self.spec_num_draft,
+            self.spec_drafts,
         )

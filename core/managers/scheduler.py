@@ -134,10 +134,21 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.adaptive_threads = None  # set by init_adaptive_threads (CPU, one rank per node)
         self.held_back: list[HeldBack] = []  # waiting requests the last prefill held back (trace)
         self.narrator = StepNarrator(self.token_to_kv_pool_allocator)  # batch.decision (trace)
+        # Speculative decoding (NGRAM): drafts per request per step. Its verify pass needs the previous
+        # step's tokens to propose from, so it runs in the normal loop (docs/speculative.md).
+        self.spec_num_draft = server_args.resolved_num_draft_tokens()
+        self.spec_verify_steps = 0  # steps that verified drafts
+        self.spec_verified_total = 0  # (request, step) pairs verified ...
+        self.spec_proposed_total = 0  # ... the drafts they proposed ...
+        self.spec_accepted_total = 0  # ... and kept
         self.running_batch: ScheduleBatch = self._new_batch([])
         self.chunked_req: Optional[Req] = None
         self.last_batch: Optional[ScheduleBatch] = None
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        # --schedule-conservativeness scales how much decoding admission expects (SGLang's rule).
+        c = server_args.schedule_conservativeness
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * c, 1.0)
+        self.min_new_token_ratio = min(MIN_NEW_TOKEN_RATIO * c, self.init_new_token_ratio)
+        self.new_token_ratio = self.init_new_token_ratio
         self.forward_ct = 0
         self.num_retracted_total = 0
         self.last_tree_snapshot_ns = 0
@@ -151,6 +162,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.pending_step_reply = False
         # Overlap loop: the launch whose result is not processed yet (always None in the normal loop).
         self.enable_overlap = not server_args.disable_overlap_schedule
+        if self.spec_num_draft and self.enable_overlap:
+            logger.warning("speculative decoding runs the normal loop: the overlap loop is off")
+            self.enable_overlap = False
         self.inflight: Optional[InflightBatch] = None
         self.overlap_worker = None
         # KV integrity check when the loop goes idle (scheduler_kv_check.py); once per idle period.
@@ -171,6 +185,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             self.tree_cache,
             self.model_config.vocab_size,
             self.model_config.eos_token_ids,
+            spec_num_draft=self.spec_num_draft,
         )
 
     # ==== the event loop ==========================================================
@@ -512,7 +527,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             short = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size() < need
         if short:
             self.retract_decode(batch, need)
-        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, self.min_new_token_ratio)
 
     def retract_decode(self, batch: ScheduleBatch, need: int) -> None:
         """Send decoding requests back to the queue until the rest can take a step."""
@@ -533,7 +548,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.waiting_queue = retracted + self.waiting_queue
         self.num_retracted_total += len(retracted)
         # After a retraction, be conservative again about how much decoding lies ahead.
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.new_token_ratio = self.init_new_token_ratio
 
     def release_req_kv(self, req: Req) -> None:
         """Free a request's own KV slots and row; the cached prefix stays in the tree."""
@@ -652,6 +667,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             others_load=-1.0 if at is None or at.others is None else round(at.others, 3),
             thread_probes=0 if at is None else at.policy.probes,
             kv_check_error=self.kv_check_error_now(),
+            spec_verified=self.spec_verified_total,
+            spec_proposed=self.spec_proposed_total,
+            spec_accepted=self.spec_accepted_total,
         )
 
     def kv_check_error_now(self) -> str:

@@ -55,6 +55,9 @@ class SchedulerOutputMixin:
         self.stream_output([r for r in batch.reqs if r is not batch.chunked_req or r.finished()])
 
     def process_batch_result_decode(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
+        if batch.spec_drafts is not None:
+            self.process_verify_result(batch, result)
+            return
         fresh = []
         for i, req in enumerate(batch.reqs):
             if req.finished():
@@ -68,6 +71,59 @@ class SchedulerOutputMixin:
                 self.tree_cache.cache_finished_req(req)
             fresh.append(req)
         self.stream_output(fresh)
+
+    def process_verify_result(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
+        """Speculative decoding: keep each request's drafts up to the first the target disagrees with.
+
+        Row j of a request holds the token the target chose after its last token and drafts[:j]
+        (sampled with the request's own parameters). Draft j + 1 stands when it equals row j's
+        token; the first row that differs gives the request's next token instead (or, when every
+        draft stood, the last row gives one more). For a draft proposed without a distribution this
+        is exact: each kept token is a sample of the target's distribution given what precedes it.
+        The rejected drafts' KV slots are freed; the accepted ones' stay in the request's row."""
+        table = self.req_to_token_pool.req_to_token
+        ids = result.next_token_ids
+        offset, fresh, verdicts = 0, [], []
+        for i, req in enumerate(batch.reqs):
+            drafts, n, start = batch.spec_drafts[i], batch.extend_lens[i], batch.prefix_lens[i]
+            rows = ids[offset : offset + n]
+            offset += n
+            accepted = 0
+            while accepted < len(drafts) and rows[accepted] == drafts[accepted]:
+                accepted += 1
+            appended = 0
+            for token in rows[: accepted + 1]:
+                req.output_ids.append(token)
+                appended += 1
+                req.check_finished(self._decode_tail)
+                if req.finished():
+                    break
+            # KV stays for the last token and the drafts now part of the output (all but the newest
+            # token, as after any decode step); the slots past them go back to the pool.
+            req.kv_len = start + appended
+            if appended < n:
+                self.token_to_kv_pool_allocator.free(table[req.req_pool_idx, start + appended : start + n].clone())
+            verdicts.append((req.rid, drafts, accepted))
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+            fresh.append(req)
+        self.note_spec_verdicts(verdicts)
+        self.stream_output(fresh)
+
+    def note_spec_verdicts(self, verdicts: list[tuple[str, list[int], int]]) -> None:
+        """Per request of a verify step: (rid, the drafts proposed, how many were accepted)."""
+        self.spec_verify_steps += 1
+        for _, drafts, accepted in verdicts:
+            self.spec_proposed_total += len(drafts)
+            self.spec_accepted_total += accepted
+            self.spec_verified_total += 1
+        if self.tracer.enabled:
+            self.tracer.emit(
+                ev.SpecVerify(
+                    algorithm="NGRAM",
+                    reqs=[ev.SpecReq(rid, drafts, accepted) for rid, drafts, accepted in verdicts],
+                )
+            )
 
     def _append_token(self, req: "Req", i: int, result: "GenerationBatchResult", batch: "ScheduleBatch") -> None:
         req.output_ids.append(result.next_token_ids[i])
@@ -177,9 +233,10 @@ class SchedulerOutputMixin:
         t = self.tracer
         decode = batch.forward_mode == ForwardMode.DECODE
         step_reqs = []
-        for req in batch.reqs:
+        for i, req in enumerate(batch.reqs):
             if decode:
-                step_reqs.append(ev.StepReq(req.rid, decode=1))
+                drafts = len(batch.spec_drafts[i]) if batch.spec_drafts is not None else 0
+                step_reqs.append(ev.StepReq(req.rid, decode=1, drafts=drafts))
                 continue
             prefix = len(req.prefix_indices)
             # Chunk k of n: this one, plus what is left after it at the chunk size (an estimate when a
@@ -243,7 +300,7 @@ class SchedulerOutputMixin:
         if not routing or not blocks or not step_reqs:
             return
         num_experts = blocks[0][1].experts.num_experts
-        sizes = [s.decode or s.computed for s in step_reqs]
+        sizes = [(s.decode + s.drafts) or s.computed for s in step_reqs]
         which_req = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
         counts, per_req = [], []
         for ids in routing:

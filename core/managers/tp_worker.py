@@ -61,6 +61,10 @@ class TpModelWorker:
             return_all_logits=mwb.return_all_logits,
         )
         logits = self.model_runner.forward(fb)
+        if mwb.spec_rows is not None:
+            # Speculative verify: a token at every position (the target's choice after each draft).
+            rows = LogitsOutput(next_token_logits=logits.all_logits, routing=logits.routing)
+            return ForwardOutput(rows, self.model_runner.sample(rows, mwb.sampling_info), None)
         sampler_out = self.model_runner.sample(logits, mwb.sampling_info, mwb.return_logprob, mwb.top_logprobs_num)
         prompt_lp = None
         if mwb.return_all_logits and logits.all_logits is not None:

@@ -111,6 +111,9 @@ class StepReq(msgspec.Struct, array_like=True):
     decode: int = 0  # tokens decoded in this step (0 or 1)
     chunk_index: int = 0
     num_chunks: int = 1
+    drafts: int = (
+        0  # speculative decoding: draft tokens verified with its decode token (spec.verify says how many stood)
+    )
 
 
 class BatchStep(Event, tag="batch.step"):
@@ -175,6 +178,22 @@ class MoeRouting(Event, tag="moe.routing"):
     counts: list[list[int]]  # [i][e]: tokens layer layers[i] sent to expert e
     reqs: list[ExpertRoute] = []
     steps: int = 1  # the steps these counts cover (a view's snapshot folds many into one)
+
+
+class SpecReq(msgspec.Struct, array_like=True):
+    """One request's drafts in a speculative verify step."""
+
+    rid: str
+    drafts: list[int]  # the draft tokens proposed (ids)
+    accepted: int  # how many of them the target agreed with (it adds one token of its own)
+
+
+class SpecVerify(Event, tag="spec.verify"):
+    """A speculative decoding step's verdicts: the companion of that step's `batch.step` (whose
+    decode counts are then 1 + accepted per request)."""
+
+    algorithm: str
+    reqs: list[SpecReq]
 
 
 class HeldReq(msgspec.Struct, array_like=True):
@@ -364,6 +383,7 @@ AnyEvent = Union[
     BatchStep,
     StepDecision,
     MoeRouting,
+    SpecVerify,
     QueueState,
     KVUsage,
     CacheMatch,

@@ -1,0 +1,155 @@
+"""Speculative decoding (NGRAM): drafts from the request's own text, verified by the target.
+
+The proposer against hand-made sequences; through real engines, output with speculation equal
+to output without it token for token (greedy, float32, 16 prompts batched, with chunked prefill
+and with a retraction forced), no KV leaked, drafts actually accepted; and sampled output with
+the same distribution (a chi-square test on a tiny model)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from pipeline_helpers import assert_no_kv_leak
+from tiny_models import make_tiny_llama
+from workbench import Engine
+from workbench.core.args import ServerArgs
+from workbench.core.speculative.ngram import propose_ngram
+
+
+# ---- the proposer ---------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    assert propose_ngram([1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]
+    assert propose_ngram([1, 2, 3, 4, 9, 2, 3, 5, 2, 3], 2) == [5, 2]  # latest occurrence of "2 3"
+    assert propose_ngram([5, 1, 9, 1, 2, 8, 1, 2], 2) == [8, 1]  # "1 2" beats the later lone "1"
+    assert propose_ngram([1, 2, 3], 2) == []  # nothing repeats
+    assert propose_ngram([1, 2, 1, 2], 0) == [] and propose_ngram([7], 3) == []
+    assert propose_ngram([1, 2, 3, 4, 1, 2, 3], 3, min_match=4) == []  # the suffix matches 3 tokens, not 4
+    assert propose_ngram([1, 2, 3, 4, 1, 2, 3], 3, min_match=3) == [4, 1, 2]
+    assert propose_ngram([3, 9, 9, 9, 3], 2, window=3) == []  # the earlier 3 is outside the window
+
+
+def test_flags_are_checked_with_a_way_forward():
+    assert ServerArgs(speculative_algorithm="ngram").speculative_algorithm == "NGRAM"
+    assert ServerArgs(speculative_algorithm="NGRAM").resolved_num_draft_tokens() == 4
+    assert ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6).resolved_num_draft_tokens() == 6
+    assert ServerArgs().resolved_num_draft_tokens() == 0
+    with pytest.raises(ValueError, match="NGRAM"):
+        ServerArgs(speculative_algorithm="EAGLE")
+    with pytest.raises(ValueError, match="draft-model-path"):
+        ServerArgs(speculative_algorithm="STANDALONE")
+    with pytest.raises(ValueError, match="not built yet"):
+        ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="/x")
+    with pytest.raises(ValueError, match="between 1 and 64"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0)
+
+
+# ---- greedy: the same tokens ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("spec") / "llama", tie_word_embeddings=False, seed=3)
+
+
+def _prompts() -> list[list[int]]:
+    """16 prompts, most of them repetitive (so drafts exist), of 6 to 40 tokens."""
+    out = []
+    for i in range(16):
+        unit = [10 + (7 * i + j) % 200 for j in range(2 + i % 4)]
+        out.append((unit * 12)[: 6 + (i * 5) % 35])
+    return out
+
+
+def _run(model_dir, prompts, sp, **kw) -> tuple[list[list[int]], dict]:
+    with Engine(model_path=str(model_dir), dtype="float32", show_progress=False, **kw) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=sp)
+        assert_no_kv_leak(engine)
+        state = engine.get_internal_state()
+    return [o["output_ids"] for o in outs], state
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(),
+        dict(chunked_prefill_size=16),  # prompts up to 40 tokens: prefilled in chunks
+        # 16 x (up to 40 + 48) tokens in 600, admitted greedily: decode must retract
+        dict(max_total_tokens=600, max_running_requests=16, schedule_conservativeness=0.05),
+    ],
+    ids=["batched", "chunked-prefill", "retraction"],
+)
+def test_greedy_output_is_the_same_with_and_without_drafts(tiny_dir, setting):
+    prompts = _prompts()
+    sp = {"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+    plain, _ = _run(tiny_dir, prompts, sp, max_total_tokens=setting.get("max_total_tokens", 4096), **_rest(setting))
+    spec, state = _run(
+        tiny_dir,
+        prompts,
+        sp,
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=4,
+        max_total_tokens=setting.get("max_total_tokens", 4096),
+        **_rest(setting),
+    )
+    assert spec == plain
+    assert state["spec_verified"] > 0 and state["spec_accepted"] > 0  # drafts ran and some stood
+    assert state["spec_accepted"] <= state["spec_proposed"]
+
+
+def _rest(setting: dict) -> dict:
+    return {k: v for k, v in setting.items() if k != "max_total_tokens"}
+
+
+def test_a_retraction_really_happens_under_the_small_pool(tiny_dir):
+    """The 'retraction' case above only tests something if the pool is small enough to retract."""
+    from pipeline_helpers import drain_events
+    from workbench.core.trace import events as ev
+
+    with Engine(
+        model_path=str(tiny_dir),
+        dtype="float32",
+        show_progress=False,
+        max_total_tokens=600,
+        max_running_requests=16,
+        schedule_conservativeness=0.05,
+        speculative_algorithm="NGRAM",
+    ) as engine:
+        sub = engine.subscribe(with_snapshot=False)
+        try:
+            engine.generate(
+                input_ids=_prompts(), sampling_params={"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+            )
+            events = drain_events(sub)
+        finally:
+            sub.close()
+        assert_no_kv_leak(engine)
+    assert any(isinstance(e, ev.ReqRetracted) for e in events)
+    verdicts = [r for e in events if isinstance(e, ev.SpecVerify) for r in e.reqs]
+    assert verdicts and any(r.accepted for r in verdicts) and all(r.accepted <= len(r.drafts) for r in verdicts)
+
+
+# ---- sampled: the same distribution ----------------------------------------------------------------
+def test_sampled_output_has_the_same_distribution(tiny_dir):
+    """Top-2 sampling at temperature 1 makes the output repeat itself, so drafts are often right;
+    the 4-token continuations of 600 samples each way must not tell the two apart (chi-square)."""
+    prompt = [5, 6, 5, 6, 5, 6, 5]
+    sp = {"max_new_tokens": 5, "temperature": 1.0, "top_k": 2, "ignore_eos": True}
+    n = 600
+    plain, _ = _run(tiny_dir, [prompt] * n, sp, max_total_tokens=8192, max_running_requests=128)
+    spec, state = _run(
+        tiny_dir, [prompt] * n, sp, max_total_tokens=8192, max_running_requests=128, speculative_algorithm="NGRAM"
+    )
+    assert state["spec_accepted"] > 50  # the check below is about verified tokens, many of them
+    a = Counter(tuple(o[1:5]) for o in plain)
+    b = Counter(tuple(o[1:5]) for o in spec)
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]  # pool rare outcomes
+    rare_a = n - sum(a[k] for k in keys)
+    rare_b = n - sum(b[k] for k in keys)
+    table = [(a[k], b[k]) for k in keys] + ([(rare_a, rare_b)] if rare_a + rare_b else [])
+    chi2 = sum((x - y) ** 2 / (x + y) for x, y in table if x + y)  # equal sample sizes
+    dof = len(table) - 1
+    # p < 0.001 rejects; the Wilson-Hilferty approximation of the chi-square quantile
+    z = 3.09
+    crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert dof >= 3 and chi2 < crit, (chi2, crit, table)
