@@ -153,3 +153,67 @@ def test_sampled_output_has_the_same_distribution(tiny_dir):
     z = 3.09
     crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
     assert dof >= 3 and chi2 < crit, (chi2, crit, table)
+
+
+# ---- what the views show ---------------------------------------------------------------------------
+async def test_the_views_show_drafts_kept_and_thrown(tiny_dir, tmp_path):
+    """A Pilot run over a real NGRAM recording: the batch panel marks each verify step's drafts, the
+    narration lists them per request, the latency panel and /metrics-style figures give the accept
+    length, all equal to the spec.verify events."""
+    from pipeline_helpers import drain_events
+    from textual.widgets import DataTable
+    from tui_helpers import replay_app, wait_for
+    from workbench.core.entrypoints.metrics import ServerMetrics
+    from workbench.core.trace import events as ev
+    from workbench.core.trace.recorder import Recorder
+
+    with Engine(model_path=str(tiny_dir), dtype="float32", show_progress=False, speculative_algorithm="NGRAM") as e:
+        sub = e.subscribe(with_snapshot=False)
+        try:
+            outs = e.generate(input_ids=_prompts()[:4], sampling_params={"max_new_tokens": 24, "temperature": 0.0})
+            events = drain_events(sub)
+        finally:
+            sub.close()
+    verifies = [x for x in events if isinstance(x, ev.SpecVerify)]
+    kept = sum(r.accepted for v in verifies for r in v.reqs)
+    verified = sum(len(v.reqs) for v in verifies)
+    assert verifies and kept > 0
+    metrics = ServerMetrics("tiny")
+    metrics.on_events(events)
+    assert metrics.snapshot()["spec_accept_length"] == pytest.approx((kept + verified) / verified)
+    assert metrics.snapshot()["spec_accepted_tokens_total"] == kept
+
+    path = tmp_path / "spec.jsonl"
+    with Recorder(path) as rec:
+        rec.write_batch(events)
+    app, replay = replay_app(str(path), panels=["batch", "latency"], layout="grid")
+    async with app.run_test(size=(220, 50)) as pilot:
+        await wait_for(app.ready.is_set)
+        replay.advance_to(events[-1].ts)
+        app._tick()
+        await pilot.pause()
+        app.refresh_panels(force=True)
+        await pilot.pause()
+        state = app.model.state
+        assert state.spec.accept_length == pytest.approx((kept + verified) / verified)
+        spec_steps = [sv for sv in state.steps if sv.spec is not None]
+        assert len(spec_steps) == len(verifies)
+        table = app.query_one("#batch-table", DataTable)
+        rows = [str(table.get_row_at(i)[-1]) for i in range(table.row_count)]
+        marked = [r for r in rows if "drafts ✓" in r]
+        assert len(marked) == len(verifies)
+        sv = next(s for s in spec_steps if any(r.accepted for r in s.spec.reqs))
+        k = sum(r.accepted for r in sv.spec.reqs)
+        assert any(f"drafts ✓{k} ✗{sum(len(r.drafts) for r in sv.spec.reqs) - k}" in r for r in marked)
+        line = state.narrate(sv)
+        assert "verified" in line and f"kept {k}" in line
+        first = next(r for r in sv.spec.reqs if r.drafts)
+        assert f"{first.rid} {first.accepted}/{len(first.drafts)}" in line
+        from workbench.tui.panels.latency import render_latency
+
+        body = render_latency(app.model).renderables[1].plain  # what the panel shows under its table
+        assert f"NGRAM accept length {state.spec.accept_length:.2f}" in body
+    # the finished requests' token counts include the kept drafts
+    for o in outs:
+        assert o["meta_info"]["completion_tokens"] == 24
+        assert state.requests[o["meta_info"]["id"]].output_tokens == 24

@@ -81,6 +81,9 @@ class ServerMetrics:
         self.num_retracted = 0
         self.evicted_tokens = 0
         self.dropped_events = 0
+        self.spec_verified = 0  # speculative decoding: (request, step) pairs that verified drafts ...
+        self.spec_proposed = 0
+        self.spec_accepted = 0  # ... and the drafts they kept
         self._queues: dict[str, ev.QueueState] = {}
         self._kv: dict[str, ev.KVUsage] = {}
         self._decode_steps: deque[tuple[int, int]] = deque(maxlen=100_000)  # (ts, decode tokens)
@@ -136,6 +139,13 @@ class ServerMetrics:
                     self.evicted_tokens += e.tokens
                 elif t is ev.TraceDropped:
                     self.dropped_events += e.count
+                elif t is ev.SpecVerify and not e.snapshot:
+                    kept = sum(r.accepted for r in e.reqs)
+                    self.spec_verified += sum(r.verified for r in e.reqs)
+                    self.spec_proposed += sum(len(r.drafts) if r.proposed < 0 else r.proposed for r in e.reqs)
+                    self.spec_accepted += kept
+                    if kept:  # tokens beyond the step's one per request
+                        self._decode_steps.append((e.ts, kept))
 
     def _remember(self, rid: str) -> bool:
         """False when this rid was already counted."""
@@ -226,6 +236,12 @@ class ServerMetrics:
             "num_retracted_reqs": self.num_retracted,
             "evicted_tokens_total": self.evicted_tokens,
             "trace_dropped_events_total": self.dropped_events,
+            "spec_accept_length": (self.spec_accepted + self.spec_verified) / self.spec_verified
+            if self.spec_verified
+            else 0.0,
+            "spec_verify_total": self.spec_verified,
+            "spec_draft_tokens_total": self.spec_proposed,
+            "spec_accepted_tokens_total": self.spec_accepted,
         }
 
     # ---- prometheus -------------------------------------------------------------
@@ -269,6 +285,13 @@ class ServerMetrics:
         yield counter("num_aborted_requests_total", "Aborted requests.")
         yield counter("evicted_tokens_total", "Tokens evicted from the radix cache.")
         yield counter("trace_dropped_events_total", "Trace events lost before reaching the metrics.")
+        yield gauge(
+            "spec_accept_length",
+            "Speculative decoding: tokens a request gains per verify step (1 + accepted drafts), on average.",
+        )
+        yield counter("spec_verify_total", "Speculative decoding: (request, step) pairs that verified drafts.")
+        yield counter("spec_draft_tokens_total", "Speculative decoding: draft tokens proposed.")
+        yield counter("spec_accepted_tokens_total", "Speculative decoding: draft tokens accepted.")
         yield from histograms
 
     def render(self) -> bytes:

@@ -186,6 +186,8 @@ class SpecReq(msgspec.Struct, array_like=True):
     rid: str
     drafts: list[int]  # the draft tokens proposed (ids)
     accepted: int  # how many of them the target agreed with (it adds one token of its own)
+    verified: int = 1  # verify steps this record covers (a view's snapshot folds many)
+    proposed: int = -1  # drafts proposed, when `drafts` is left out (a snapshot); -1: len(drafts)
 
 
 class SpecVerify(Event, tag="spec.verify"):
@@ -194,6 +196,7 @@ class SpecVerify(Event, tag="spec.verify"):
 
     algorithm: str
     reqs: list[SpecReq]
+    snapshot: bool = False  # a view's snapshot of the totals so far, not one step
 
 
 class HeldReq(msgspec.Struct, array_like=True):

@@ -26,6 +26,7 @@ import msgspec
 
 from workbench.core.trace import events as ev
 from workbench.core.trace.experts import ExpertLoad
+from workbench.core.trace.speculative import SpecStats, drafts_proposed
 
 from workbench.core.trace.views import (  # noqa: F401  (re-exported for views)
     LATENCY_METRICS,
@@ -145,6 +146,7 @@ class TraceState:
         self._pending_decisions: dict[tuple[str, int], ev.StepDecision] = {}
         self._last_decision: dict[str, ev.StepDecision] = {}  # per scheduler, its latest
         self.experts = ExpertLoad()  # mixture-of-experts models: tokens per expert (moe.routing)
+        self.spec = SpecStats()  # speculative decoding: drafts proposed and accepted (spec.verify)
         self._dispatch = {
             ev.ReqArrived: self._on_arrived,
             ev.ReqTokenized: self._on_tokenized,
@@ -159,6 +161,7 @@ class TraceState:
             ev.BatchStep: self._on_step,
             ev.StepDecision: self._on_decision,
             ev.MoeRouting: self.experts.apply,
+            ev.SpecVerify: self._on_spec,
             ev.QueueState: self._on_queue,
             ev.KVUsage: self._on_kv,
             ev.CacheMatch: self._on_match,
@@ -644,6 +647,24 @@ class TraceState:
                 self._decode_timeline(r, e.ts, e.step)
         self.steps.append(sv)
 
+    def _on_spec(self, e: ev.SpecVerify) -> None:
+        """Drafts kept add tokens beyond the step's one per request (its batch.step came first)."""
+        self.spec.apply(e)
+        if e.snapshot:
+            return  # totals only: the requests' own snapshots carry their token counts
+        sv = next((s for s in reversed(self.steps) if s.step == e.step and s.proc == e.proc), None)
+        if sv is not None:
+            sv.spec = e
+        for r in e.reqs:
+            if not r.accepted:
+                continue
+            view, b = self._req(r.rid)
+            if not b.final:
+                view.output_tokens += r.accepted
+            self.counters.decode_tokens_total += r.accepted
+            if sv is not None:
+                sv.decode_tokens += r.accepted
+
     def _on_decision(self, e: ev.StepDecision) -> None:
         old = self._last_decision.get(e.proc)
         if old is None or old.step <= e.step:
@@ -885,9 +906,9 @@ class TraceState:
                     ts=k.ts, proc=k.proc, step=k.step, used=k.used, evictable=k.evictable, free=k.free, total=k.total
                 )
             )
-        routing = self.experts.snapshot_event(ts)
-        if routing is not None:
-            out.append(routing)
+        for extra in (self.experts.snapshot_event(ts), self.spec.snapshot_event(ts)):
+            if extra is not None:
+                out.append(extra)
         for proc, tree in self.trees.items():
             nodes = [
                 ev.TreeNode(n.node_id, n.parent_id, n.tokens, n.text, n.lock_ref, n.hits, n.last_access)
@@ -917,7 +938,9 @@ def narrate_step(sv: StepView) -> str:
     """See TraceState.narrate."""
     d = sv.decision
     parts: list[str] = []
-    if sv.mode == "decode":
+    if sv.mode == "decode" and sv.spec is not None:
+        parts.append(narrate_spec(sv))
+    elif sv.mode == "decode":
         parts.append(f"{len(sv.reqs)} running decoded 1 token each")
     else:
         prefills = [r for r in sv.reqs if r.computed > 0]
@@ -949,3 +972,16 @@ def narrate_step(sv: StepView) -> str:
                 why = "held for a shared prefix" if n_held else stop
             parts.append(f"{d.waiting} waiting" + (f": {why}" if why else ""))
     return f"step {sv.step} {sv.mode}: " + " · ".join(parts)
+
+
+def narrate_spec(sv: StepView) -> str:
+    """A verify step: `4 running verified 12 drafts, kept 7: +11 tokens (r1 3/4, r2 0/2, ...)`."""
+    reqs = sv.spec.reqs
+    proposed = sum(drafts_proposed(r) for r in reqs)
+    kept = sum(r.accepted for r in reqs)
+    each = ", ".join(f"{r.rid} {r.accepted}/{drafts_proposed(r)}" for r in reqs[:3] if drafts_proposed(r))
+    more = f" +{len(reqs) - 3} more" if len(reqs) > 3 else ""
+    return (
+        f"{len(sv.reqs)} running verified {proposed} draft{'s' if proposed != 1 else ''}, kept {kept}: "
+        f"+{len(sv.reqs) + kept} tokens" + (f" ({each}{more})" if each else "")
+    )

@@ -108,6 +108,7 @@ class StepView:
     cached_tokens: int = 0  # prefix tokens reused by first chunks in this step
     decode_tokens: int = 0  # tokens from decode entries
     decision: Optional[ev.StepDecision] = None  # its `batch.decision` (what was decided and why), once known
+    spec: Optional[ev.SpecVerify] = None  # speculative decoding: its drafts' verdicts (`spec.verify`)
 
 
 @dataclass

@@ -83,6 +83,14 @@ def composition(
             text.append(rid, style="reverse bold" if rid == selected else "")
         if len(decodes) > len(names):
             text.append(f" +{len(decodes) - len(names)}", style="dim")
+        if sv.spec is not None:  # speculative decoding: the drafts this step kept and threw away
+            kept = sum(r.accepted for r in sv.spec.reqs)
+            thrown = sum(len(r.drafts) for r in sv.spec.reqs) - kept
+            text.append(f"  drafts ✓{kept}", style=f"bold {DECODE}")
+            text.append(f" ✗{thrown}", style="dim strike")
+            mine = next((r for r in sv.spec.reqs if r.rid == selected), None)
+            if mine is not None:
+                text.append(f" ({selected} {mine.accepted}/{len(mine.drafts)})", style="reverse")
     if not text:
         text.append("(empty)", style="dim")
     return text
@@ -111,7 +119,8 @@ class BatchPanel(TracePanel):
         "CUDA graph replayed, – when eager (the title names the attention backend on GPU); ms: schedule + forward time. tokens: the step's mix — ░ cached = prefix tokens reused from the "
         "cache, █ computed = prompt tokens computed, █ decode = decode tokens (colours: the colour key "
         "above). composition: each prefill "
-        "request with cached+computed tokens and its chunk k/n, then the decode group."
+        "request with cached+computed tokens and its chunk k/n, then the decode group; with speculative "
+        "decoding, the step's draft tokens kept (✓) and thrown away (✗)."
     )
     clock_interval_s = 0
     max_rows = 200

@@ -76,6 +76,16 @@ def render_latency(model: TuiModel, spark_width: int = 30) -> Group:
     lines.append("decode/s  ", style="bold")
     lines.append(spark(dec, spark_width), style=DECODE)
     lines.append(f"  {fmt_count(tp.decode_tps)} tok/s", style="dim")
+    spec = model.state.spec
+    if spec.present:  # speculative decoding: tokens a request gains per verify step
+        lines.append("\nspec      ", style="bold")
+        lines.append(f"{spec.algorithm} accept length {spec.accept_length:.2f}", style=DECODE)
+        lines.append(f"  {fmt_count(spec.accepted)}/{fmt_count(spec.proposed)} drafts kept", style="dim")
+        rid = model.selected
+        mine = spec.request(rid) if rid else None
+        if mine is not None:
+            v, p, a = mine
+            lines.append(f"\n  {rid}: {(a + v) / v:.2f} ({a}/{p} kept over {v} steps)", style="dim")
     return Group(latency_table(model), lines)
 
 
@@ -86,7 +96,9 @@ class LatencyPanel(TracePanel):
         "Percentiles (p50/p90/p99) of TTFT (time to first token), TPOT (time per output token "
         "after the first) and E2E (whole request) over requests that finished in the last 5, 15 "
         "and 60 s. Below: TTFT of the last finished requests, and prefill / decode tokens per "
-        "second over the last minute (the number is the 5 s average)."
+        "second over the last minute (the number is the 5 s average). With speculative decoding: the "
+        "accept length (tokens a request gains per verify step, 1 + drafts kept, on average), overall "
+        "and for the selected request."
     )
     min_interval_s = 0.25
     clock_interval_s = 1.0
