@@ -217,3 +217,18 @@ async def test_the_views_show_drafts_kept_and_thrown(tiny_dir, tmp_path):
     for o in outs:
         assert o["meta_info"]["completion_tokens"] == 24
         assert state.requests[o["meta_info"]["id"]].output_tokens == 24
+
+
+def test_bench_spec_quick_runs_and_checks_the_tokens(tiny_dir, capsys):
+    import argparse
+
+    from workbench.bench.spec_bench import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["spec", "--quick", "--model", str(tiny_dir), "--dtype", "float32"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "plain tok/s" in out and "accept len" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith(("repetitive", "chat"))]
+    assert len(lines) == 2 and all(ln.rstrip().endswith("yes") for ln in lines)  # same tokens both ways

@@ -188,6 +188,9 @@ def _add_bench_parsers(bench_sub) -> None:
     from workbench.bench.structured_bench import add_parser as add_structured_bench
 
     add_structured_bench(bench_sub)
+    from workbench.bench.spec_bench import add_parser as add_spec_bench
+
+    add_spec_bench(bench_sub)
     from workbench.bench.threads import add_parser as add_threads_bench
 
     add_threads_bench(bench_sub)
