@@ -126,3 +126,20 @@ def test_abort_while_verifying_keeps_the_tokens_so_far():
     assert h.finish["a"] == "abort" and 5 <= len(got) < 200 and got == expected(p, len(got))
     assert h.tokens("b") == expected(prompt(2, 12), 30)
     h.assert_idle_and_clean()
+
+
+def test_drafts_that_keep_failing_back_off():
+    """Text that does not repeat itself: after each verify step that kept nothing the request drafts
+    nothing for 1, 2, 4, ... steps, so it mostly decodes plainly (and its tokens stay right)."""
+    from scheduler_harness import next_token
+
+    p = list(range(10, 400))  # every output token in 10..399 matches the prompt once: a draft, always wrong
+    h = SchedulerHarness(rule=next_token, speculative_algorithm="NGRAM")
+    h.submit("a", p, max_new_tokens=80)
+    h.run_until_idle()
+    assert h.tokens("a") == expected_tokens(p, 80)
+    mine = [r for r in verdicts(h) if r.rid == "a" and r.drafts]
+    would = sum(1 for t in expected_tokens(p, 79) if 10 <= t < 399)  # steps that had a draft to offer
+    assert mine and all(r.accepted == 0 for r in mine)
+    assert would >= 15 and len(mine) <= 7, (would, len(mine))  # 1 + 1 + 2 + 4 + 8 + 16 + 32 steps cover 80
+    h.assert_idle_and_clean()

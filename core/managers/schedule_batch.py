@@ -65,6 +65,11 @@ class Req:
         self.arrival_ts = arrival_ts
         self.generator = make_generator(sampling_params.seed) if sampling_params.seed is not None else None
         self.grammar = None  # structured outputs: its xgrammar GrammarMatcher (Scheduler.attach_grammar)
+        # Speculative decoding: after a verify step that kept none of its drafts, the request proposes
+        # none for `spec_skip` steps; the pause doubles with each miss in a row (up to 32), so text that
+        # does not repeat itself soon decodes plainly again.
+        self.spec_skip = 0
+        self.spec_backoff = 0
 
         self.output_ids: list[int] = []
         self.fill_ids: list[int] = []  # tokens whose KV is wanted after this round
@@ -311,6 +316,9 @@ class ScheduleBatch:
         drafts = []
         for r in self.reqs:
             budget = min(self.spec_num_draft, r.sampling_params.max_new_tokens - len(r.output_ids) - 1, room)
+            if r.spec_skip > 0:  # its last drafts all failed: wait a few steps before drafting again
+                r.spec_skip -= 1
+                budget = 0
             d = propose_ngram(r.origin_input_ids + r.output_ids, budget) if budget > 0 else []
             room -= len(d)
             drafts.append(d)

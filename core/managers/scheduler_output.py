@@ -91,6 +91,11 @@ class SchedulerOutputMixin:
             accepted = 0
             while accepted < len(drafts) and rows[accepted] == drafts[accepted]:
                 accepted += 1
+            if drafts and not accepted:  # back off: 1, 2, 4, ... steps without drafts
+                req.spec_backoff = min(max(1, 2 * req.spec_backoff), 32)
+                req.spec_skip = req.spec_backoff
+            elif accepted:
+                req.spec_backoff = 0
             appended = 0
             for token in rows[: accepted + 1]:
                 req.output_ids.append(token)
