@@ -56,11 +56,24 @@ def test_fused_decode_equals_the_op_by_op_path(tiny_dirs, arch, monkeypatch):
     calls = _count_calls(monkeypatch)
     h = OfflineHarness(_runner(tiny_dirs[arch]))
     sp = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-    fused = [h.generate([p], sp, return_logprob=True)[0] for p in PROMPTS]
-    assert len(calls) == len(PROMPTS) * 9  # every decode step (the first token comes from prefill)
+
+    def run():  # alone (prefill + 9 decode steps), then with half of the prompt cached (a short extend)
+        alone = [h.generate([p], sp, return_logprob=True)[0] for p in PROMPTS]
+        cached = [h.generate([p], sp, return_logprob=True, prefix_lens=[len(p) // 2])[0] for p in PROMPTS]
+        return alone + cached
+
+    fused = run()
+    # one call per decode step, and per prompt piece of at most FUSED_MAX_TOKENS (the 12-token prompt
+    # whole is longer: op by op)
+    halves = [len(p) // 2 for p in PROMPTS]  # the harness computes the "cached" half in its own pass
+    pieces = [len(p) for p in PROMPTS] + [n for n in halves if n] + [len(p) - n for p, n in zip(PROMPTS, halves)]
+    pieces = [n for n in pieces if n <= cpu_ops.FUSED_MAX_TOKENS]
+    assert sorted(calls) == sorted([1] * 2 * len(PROMPTS) * 9 + pieces)
+    assert max(pieces) > 1  # extends of several tokens, some on a cached prefix, took the call
+    n = len(calls)
     monkeypatch.setenv("WORKBENCH_CPU_FUSED_DECODE", "0")
-    plain = [h.generate([p], sp, return_logprob=True)[0] for p in PROMPTS]
-    assert len(calls) == len(PROMPTS) * 9  # off: not called again
+    plain = run()
+    assert len(calls) == n  # off: not called again
     for a, b in zip(fused, plain):
         assert a.output_ids == b.output_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
@@ -88,7 +101,7 @@ def test_fused_decode_matches_transformers_and_frees_every_slot(tiny_dirs, monke
     assert calls  # batch 1 ran the fused path ...
     before = len(calls)
     assert [r.output_ids for r in h.generate(PROMPTS, greedy)] == ref
-    assert len(calls) == before  # ... four at once (they finish together) decode op by op
+    assert len(calls) == before  # ... four at once (they finish together) run op by op
     assert runner.token_to_kv_pool_allocator.available_size() == free0
 
 
@@ -129,8 +142,10 @@ def test_bad_arguments_are_refused_before_the_kernel_runs():
         req_pool_indices=torch.zeros(1, dtype=torch.int64),
         seq_lens=torch.ones(1, dtype=torch.int64),
     )
-    with pytest.raises(ValueError, match="x must be"):
+    with pytest.raises(ValueError, match="one KV slot and one rope row per token"):
         cpu_ops.decode_layers_f32(torch.zeros(2, 8), table, **common)
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_ops.decode_layers_f32(torch.zeros(cpu_ops.FUSED_MAX_TOKENS + 1, 8), table, **common)
     with pytest.raises(ValueError, match="x must be"):
         cpu_ops.decode_layers_f32(torch.zeros(1, 8, dtype=torch.bfloat16), table, **common)
     with pytest.raises(ValueError, match="layer table"):

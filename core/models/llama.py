@@ -142,13 +142,18 @@ class LlamaModel(nn.Module):
         return self.norm(hidden_states)
 
     def _fused_decode_ready(self, hidden_states: torch.Tensor, fb) -> bool:
-        """One decode token in float32 on the CPU paged backend, one rank, packed CPU weights: the
-        case where Python's per-op overhead is a quarter of the step (decode_layers.c says why)."""
-        if hidden_states.shape[0] != 1 or not self._plain_blocks or not fb.forward_mode.is_decode():
+        """One request's decode token, or up to FUSED_MAX_TOKENS of its tokens (a speculative verify
+        pass, a short prompt piece), in float32 on the CPU paged backend, one rank, packed CPU weights:
+        where Python's per-op overhead is a quarter of the step (decode_layers.c says why)."""
+        t = hidden_states.shape[0]
+        if torch.compiler.is_compiling() or not self._plain_blocks or not 1 <= t <= cpu_ops.FUSED_MAX_TOKENS:
+            return False  # (torch.compile traces the op-by-op path: it cannot trace a ctypes call)
+        if getattr(fb, "batch_size", 0) != 1:
             return False
-        if getattr(fb.attn_backend, "name", "") != "cpu_paged" or not cpu_ops.gemv_ready(
-            hidden_states, self.norm.weight
-        ):
+        backend = fb.attn_backend
+        if getattr(backend, "name", "") != "cpu_paged" or not cpu_ops.gemv_ready(hidden_states[:1], self.norm.weight):
+            return False
+        if not (fb.forward_mode.is_decode() or (fb.forward_mode.is_extend() and backend.use_extend_kernel)):
             return False
         first = self.layers[0]
         if first.self_attn.qkv_proj.packed_weight is None or first.self_attn.qkv_proj.tp_size != 1:
@@ -199,7 +204,7 @@ class LlamaModel(nn.Module):
         return table
 
     def _fused_decode(self, hidden_states: torch.Tensor, rope, fb) -> torch.Tensor:
-        """The decoder layers for one token in one compiled call; returns the residual stream."""
+        """The decoder layers for this pass's tokens in one compiled call; returns the residual streams."""
         attn = self.layers[0].self_attn
         pool = fb.token_to_kv_pool
         x = hidden_states.contiguous().clone()  # updated in place; the embedding row is not ours

@@ -178,7 +178,7 @@ def _load() -> None:
         lib.wb_gemv_f32.restype = None
         lib.wb_gemv_f32_available.restype = ctypes.c_int
         f32 = ctypes.c_float
-        lib.wb_decode_layers_f32.argtypes = [ptr, ptr, i32, i32, i32, i32, i32, i64, f32, ptr, ptr, i32]
+        lib.wb_decode_layers_f32.argtypes = [ptr, i32, ptr, i32, i32, i32, i32, i32, i64, f32, ptr, ptr, i32]
         lib.wb_decode_layers_f32.argtypes += [ptr, ptr, i64, ptr, ptr, f32, i32]
         lib.wb_decode_layers_f32.restype = ctypes.c_int
         _gemv_ok = bool(lib.wb_gemv_f32_available()) and os.environ.get("WORKBENCH_CPU_GEMV", "1") != "0"
@@ -467,6 +467,9 @@ def gemv(
 # Per layer: w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_down, b_down, k_buf, v_buf (the
 # order of decode_layers.c's enum); 0 stands for no bias.
 DECODE_LAYER_FIELDS = 12
+# Tokens of one request one call takes: a decode step (1), a speculative verify pass (1 + drafts) or a
+# short prompt piece. Beyond a few rows the GEMV's advantage over oneDNN's GEMM is gone (gemv.c).
+FUSED_MAX_TOKENS = 8
 
 
 def fused_decode_enabled() -> bool:
@@ -497,12 +500,18 @@ def decode_layers_f32(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> torch.Tensor:
-    """Run every layer of `table` ([L, DECODE_LAYER_FIELDS] int64 pointers, see above) on the one
-    token's residual stream x ([1, hidden] float32, updated in place and returned). cos/sin: the
-    token's rope rows ([1, 1, head_dim] float32); out_cache_loc, req_pool_indices, seq_lens: [1]
-    int64 as for paged_decode_attention; req_to_token: the pool's table (unit inner stride)."""
-    if x.shape != (1, hidden) or x.dtype != torch.float32 or not x.is_contiguous():
-        raise ValueError(f"decode_layers_f32: x must be [1, {hidden}] contiguous float32, not {tuple(x.shape)}")
+    """Run every layer of `table` ([L, DECODE_LAYER_FIELDS] int64 pointers, see above) on the
+    residual streams x ([T, hidden] float32, T consecutive tokens of one request, at most
+    FUSED_MAX_TOKENS; updated in place and returned). cos/sin: their rope rows ([T, 1, head_dim]
+    float32); out_cache_loc [T], req_pool_indices and seq_lens [1] int64 (seq_lens counts these T
+    tokens); req_to_token: the pool's table (unit inner stride)."""
+    t = x.shape[0] if x.dim() == 2 else 0
+    if not 1 <= t <= FUSED_MAX_TOKENS or x.shape[1] != hidden or x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError(
+            f"decode_layers_f32: x must be [T <= {FUSED_MAX_TOKENS}, {hidden}] contiguous float32, not {tuple(x.shape)}"
+        )
+    if out_cache_loc.numel() != t or cos.shape[0] != t or sin.shape[0] != t:
+        raise ValueError("decode_layers_f32: one KV slot and one rope row per token")
     if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != DECODE_LAYER_FIELDS:
         raise ValueError("decode_layers_f32: the layer table must be [L, DECODE_LAYER_FIELDS] int64")
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or kv_dtype not in _DTYPE_CODES:
@@ -513,6 +522,7 @@ def decode_layers_f32(
     loc, rows, lens = (t.to(torch.int64).contiguous() for t in (out_cache_loc, req_pool_indices, seq_lens))
     rc = _require().wb_decode_layers_f32(
         x.data_ptr(),
+        t,
         table.data_ptr(),
         table.shape[0],
         hidden,

@@ -1,4 +1,5 @@
-/* Every decoder layer of a Llama-family model for one decode token, float32, in one call.
+/* Every decoder layer of a Llama-family model for one decode token (or a few tokens of one request:
+ * a speculative verify pass), float32, in one call.
  *
  * Why: at batch 1 a step's arithmetic is small (a 135M model streams ~540 MB of weights, ~30 ms
  * on one core of the 2-core AVX2 target) but the op-by-op path pays torch's dispatch and
@@ -27,6 +28,11 @@ void wb_rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int 
                  int nthreads);
 void wb_rope_inplace(void *x, int64_t x_stride, const void *cos_t, const void *sin_t, int64_t cs_stride, int T,
                      int H, int D, int dt, int nthreads);
+int paged_extend_attention(const void *q, int q_dt, int64_t q_stride, const void *k_buf, const void *v_buf,
+                           int kv_dt, const int64_t *req_to_token, int64_t r2t_stride,
+                           const int64_t *req_pool_indices, const int64_t *prefix_lens, const int64_t *extend_lens,
+                           const int64_t *extend_starts, int B, int Hq, int Hk, int D, float scale, void *out,
+                           int num_threads);
 int paged_decode_attention(const void *q, int q_dt, int64_t q_stride, const void *k_new, int64_t k_stride,
                            const void *v_new, int64_t v_stride, const int64_t *out_loc, void *k_buf,
                            void *v_buf, int kv_dt, const int64_t *req_to_token, int64_t r2t_stride,
@@ -48,35 +54,50 @@ static void silu_mul(const float *restrict gu, float *restrict out, int64_t I) {
     }
 }
 
-/* x: [H] the residual stream of the one token, updated in place to the last layer's output
- * (before the final norm). layers: L rows of PER_LAYER pointers (0 for no bias). cos/sin: this
- * token's rope row (signed-sin layout, see rope.c). The pool: kv_dt, slot (this step's K/V goes
- * there), req_to_token row of the request, its seq_len (this token included).
- * Returns 0, or the first failing attention call's code (see paged_decode_attention). */
-int wb_decode_layers_f32(float *x, const int64_t *layers, int L, int H, int Hq, int Hk, int D, int64_t I,
+/* x: [T, H] the residual streams of T consecutive tokens of ONE request (T = 1: a decode step; more:
+ * a speculative verify pass or a short prompt piece), updated in place to the last layer's output
+ * (before the final norm). layers: L rows of PER_LAYER pointers (0 for no bias). cos/sin: [T, D]
+ * rope rows (signed-sin layout, see rope.c). The pool: kv_dt; out_loc [T] the slots this pass's K/V
+ * go to; req_to_token, its row req_pool_index[0] and seq_len[0] (these T tokens included).
+ * T = 1 attends with paged_decode_attention (which stores the K/V row itself); T > 1 stores the T
+ * K/V rows, then attends causally with paged_extend_attention.
+ * Returns 0, or the first failing attention call's code. */
+int wb_decode_layers_f32(float *x, int T, const int64_t *layers, int L, int H, int Hq, int Hk, int D, int64_t I,
                          float eps, const float *cos_t, const float *sin_t, int kv_dt, const int64_t *out_loc,
                          const int64_t *req_to_token, int64_t r2t_stride, const int64_t *req_pool_index,
                          const int64_t *seq_len, float scale, int nthreads) {
-    const int64_t nqkv = (int64_t)(Hq + 2 * Hk) * D, nq = (int64_t)Hq * D;
-    float *buf = malloc(sizeof(float) * (H + nqkv + nq + 3 * I));
+    const int64_t nqkv = (int64_t)(Hq + 2 * Hk) * D, nq = (int64_t)Hq * D, nkv = (int64_t)Hk * D;
+    float *buf = malloc(sizeof(float) * T * (H + nqkv + nq + 3 * I));
     if (buf == NULL) return -2;
-    float *h = buf, *qkv = h + H, *att = qkv + nqkv, *gu = att + nq, *act = gu + 2 * I;
+    float *h = buf, *qkv = h + (int64_t)T * H, *att = qkv + T * nqkv, *gu = att + T * nq, *act = gu + T * 2 * I;
+    const int64_t prefix = seq_len[0] - T, start = 0, ext = T;
     int rc = 0;
     for (int l = 0; l < L && rc == 0; l++) {
         const int64_t *p = layers + (int64_t)l * PER_LAYER;
 #define F(i) ((const float *)(intptr_t)p[i])
-        wb_rms_norm(x, H, F(W_IN), h, 1, H, eps, 0, nthreads);
-        wb_gemv_f32(h, H, F(W_QKV), H, F(B_QKV), NULL, 0, qkv, nqkv, 1, nqkv, H, nthreads);
-        wb_rope_inplace(qkv, nqkv, cos_t, sin_t, 0, 1, Hq + Hk, D, 0, nthreads);
-        rc = paged_decode_attention(qkv, 0, nqkv / D, qkv + nq, nqkv / D, qkv + nq + (int64_t)Hk * D, nqkv / D,
-                                    out_loc, (void *)(intptr_t)p[K_BUF], (void *)(intptr_t)p[V_BUF], kv_dt,
-                                    req_to_token, r2t_stride, req_pool_index, seq_len, 1, Hq, Hk, D, scale, att,
-                                    nthreads);
-        wb_gemv_f32(att, nq, F(W_O), nq, F(B_O), x, H, x, H, 1, H, nq, nthreads);
-        wb_rms_norm(x, H, F(W_POST), h, 1, H, eps, 0, nthreads);
-        wb_gemv_f32(h, H, F(W_GU), H, F(B_GU), NULL, 0, gu, 2 * I, 1, 2 * I, H, nthreads);
-        silu_mul(gu, act, I);
-        wb_gemv_f32(act, I, F(W_DOWN), I, F(B_DOWN), x, H, x, H, 1, H, I, nthreads);
+        void *k_buf = (void *)(intptr_t)p[K_BUF], *v_buf = (void *)(intptr_t)p[V_BUF];
+        wb_rms_norm(x, H, F(W_IN), h, T, H, eps, 0, nthreads);
+        wb_gemv_f32(h, H, F(W_QKV), H, F(B_QKV), NULL, 0, qkv, nqkv, T, nqkv, H, nthreads);
+        wb_rope_inplace(qkv, nqkv, cos_t, sin_t, D, T, Hq + Hk, D, 0, nthreads);
+        if (T == 1) {
+            rc = paged_decode_attention(qkv, 0, nqkv / D, qkv + nq, nqkv / D, qkv + nq + nkv, nqkv / D, out_loc,
+                                        k_buf, v_buf, kv_dt, req_to_token, r2t_stride, req_pool_index, seq_len, 1,
+                                        Hq, Hk, D, scale, att, nthreads);
+        } else {
+            for (int t = 0; t < T; t++)
+                for (int hk = 0; hk < Hk; hk++) {
+                    const int64_t row = out_loc[t] * Hk + hk;
+                    store_row(k_buf, row, kv_dt, D, qkv + t * nqkv + nq + (int64_t)hk * D);
+                    store_row(v_buf, row, kv_dt, D, qkv + t * nqkv + nq + nkv + (int64_t)hk * D);
+                }
+            rc = paged_extend_attention(qkv, 0, nqkv / D, k_buf, v_buf, kv_dt, req_to_token, r2t_stride,
+                                        req_pool_index, &prefix, &ext, &start, 1, Hq, Hk, D, scale, att, nthreads);
+        }
+        wb_gemv_f32(att, nq, F(W_O), nq, F(B_O), x, H, x, H, T, H, nq, nthreads);
+        wb_rms_norm(x, H, F(W_POST), h, T, H, eps, 0, nthreads);
+        wb_gemv_f32(h, H, F(W_GU), H, F(B_GU), NULL, 0, gu, 2 * I, T, 2 * I, H, nthreads);
+        for (int t = 0; t < T; t++) silu_mul(gu + t * 2 * I, act + t * I, I);
+        wb_gemv_f32(act, I, F(W_DOWN), I, F(B_DOWN), x, H, x, H, T, H, I, nthreads);
 #undef F
     }
     free(buf);
