@@ -58,7 +58,7 @@ FLAG_HELP = {
     "and output (no second model); STANDALONE drafts with --speculative-draft-model-path. The target model "
     "verifies the drafts in one pass per step; the output is what decoding without drafts gives",
     "speculative_draft_model_path": "STANDALONE: a small draft model with the target's tokenizer",
-    "speculative_num_steps": "STANDALONE: draft model passes per step (default: --speculative-num-draft-tokens)",
+    "speculative_num_steps": "STANDALONE: draft model passes per step (default: as many as the draft tokens)",
     "speculative_num_draft_tokens": "the most draft tokens verified per request per step (default 4)",
     "tp_size": "tensor-parallel ranks (one scheduler process each)",
     "dp_size": "data-parallel replicas of the whole model behind one front end",

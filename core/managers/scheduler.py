@@ -569,7 +569,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         if self.tracer.enabled:
             with self.trace_cost():
                 self.emit_batch_step(batch, schedule_ms, result.forward_ms, step_reqs)
-                self.emit_moe_routing(step_reqs, result.logits_output.routing)
+                self.emit_moe_routing(step_reqs, getattr(result.logits_output, "routing", None))
         self.note_forward_time(batch, result.forward_ms)
         return result
 

@@ -110,7 +110,7 @@ class SchedulerOverlapMixin:
         if self.tracer.enabled:
             with self.trace_cost():
                 step_reqs = inflight.step_reqs
-                self.emit_moe_routing(step_reqs, result.logits_output.routing, step=inflight.step)
+                self.emit_moe_routing(step_reqs, getattr(result.logits_output, "routing", None), step=inflight.step)
                 if step_reqs is not None and wasted:
                     step_reqs = [s for i, s in enumerate(step_reqs) if i not in wasted]
                 self.emit_batch_step(batch, inflight.schedule_ms, result.forward_ms, step_reqs, step=inflight.step)
