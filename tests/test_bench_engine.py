@@ -28,7 +28,7 @@ def test_bench_engine_quick_reports_every_workload(tmp_path):
             "engine",
             "--quick",
             "--repeats",
-            "1",
+            "2",
             "--json",
             str(out),
         ],
