@@ -343,15 +343,7 @@ class ScheduleBatch:
         self.future_ids, self.spec_drafts = None, drafts
         # Row j of a request is sampled as if drafts[:j] were already its output (penalties, min tokens).
         per_row = [(r, r.output_ids + d[:j]) for r, d, n in zip(self.reqs, drafts, rows) for j in range(n)]
-        info = SamplingBatchInfo.from_reqs(
-            [r.sampling_params for r, _ in per_row],
-            output_ids=[out for _, out in per_row],
-            prompt_ids=[r.origin_input_ids for r, _ in per_row],
-            vocab_size=self.vocab_size,
-            eos_ids=[sorted(r.finish_token_ids) for r, _ in per_row],
-            generators=[r.generator for r, _ in per_row],
-            device=self.req_to_token_pool.device,
-        )
+        info = self._sampling_info(per_row)
         return ModelWorkerBatch(
             forward_mode=ForwardMode.EXTEND,  # to the model runner: causal attention over a prefix
             input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -367,14 +359,16 @@ class ScheduleBatch:
             spec_rows=rows,
         )
 
-    def _sampling_info(self) -> SamplingBatchInfo:
+    def _sampling_info(self, per_row: Optional[list[tuple[Req, list[int]]]] = None) -> SamplingBatchInfo:
+        """One row per request, or per (request, output so far) in `per_row` (a verify pass's rows)."""
+        per_row = per_row if per_row is not None else [(r, r.output_ids) for r in self.reqs]
         return SamplingBatchInfo.from_reqs(
-            [r.sampling_params for r in self.reqs],
-            output_ids=[r.output_ids for r in self.reqs],
-            prompt_ids=[r.origin_input_ids for r in self.reqs],
+            [r.sampling_params for r, _ in per_row],
+            output_ids=[out for _, out in per_row],
+            prompt_ids=[r.origin_input_ids for r, _ in per_row],
             vocab_size=self.vocab_size,
-            eos_ids=[sorted(r.finish_token_ids) for r in self.reqs],
-            generators=[r.generator for r in self.reqs],
+            eos_ids=[sorted(r.finish_token_ids) for r, _ in per_row],
+            generators=[r.generator for r, _ in per_row],
             device=self.req_to_token_pool.device,
         )
 
