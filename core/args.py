@@ -42,7 +42,8 @@ FLAG_HELP = {
     "(higher: fewer retractions, smaller batches)",
     "disable_radix_cache": "turn the radix prefix cache off (every prompt computed in full)",
     "disable_overlap_schedule": "run schedule and forward one after the other; --no-disable-overlap-schedule "
-    "overlaps the next step's scheduling with the current forward",
+    "overlaps the next step's scheduling with the current forward (default: overlapped on CPU when a fixed "
+    "--num-threads leaves a core free, else one after the other)",
     "attention_backend": "attention kernels (default: cpu_paged on CPU, flashinfer or triton on CUDA)",
     "disable_cuda_graph": "CUDA: run decode eagerly instead of through captured CUDA graphs",
     "cuda_graph_max_bs": "CUDA: the largest decode batch captured as a graph",
@@ -125,7 +126,8 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = True  # the overlap loop is opt-in on CPU (see docs)
+    # None: the overlap loop when a core is spare beside a fixed thread count (cpu_threads.overlap_by_default)
+    disable_overlap_schedule: Optional[bool] = None
     enable_kv_invariant_check: bool = field(
         default=False,
         metadata={
@@ -306,6 +308,9 @@ class ServerArgs:
             names = [flag, "--model"] if f.name == "model_path" else [flag]
             default = f.default if f.default is not dataclasses.MISSING else None
             text = flag_help(f)
+            if f.type == "Optional[bool]":  # three states: --flag, --no-flag, or decided at start-up
+                group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
+                continue
             if f.type in ("bool",) or isinstance(default, bool):
                 if default:
                     group.add_argument(

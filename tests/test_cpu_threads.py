@@ -8,6 +8,7 @@ its core, and the flags that fix the count or pin the cores.
 from __future__ import annotations
 
 import multiprocessing as mp
+import argparse
 import os
 import time
 
@@ -25,6 +26,7 @@ from workbench.core.model_executor.cpu_threads import (
     omp_wait_text,
     omp_wait_values,
     parse_core_list,
+    overlap_by_default,
     plan_threads,
 )
 
@@ -176,6 +178,32 @@ def test_plan_precedence(monkeypatch):
     assert not plan_threads(None, None, 0, 1, device="cuda").adaptive
     with pytest.raises(ValueError, match="may not use"):
         plan_threads(None, "4096", 0, 1)
+
+
+def test_overlap_loop_by_default_only_beside_a_spare_core(monkeypatch):
+    """Undecided, the overlap loop runs on CPU only when a fixed thread count leaves a core idle."""
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("workbench.core.model_executor.cpu_threads._allowed_cores", lambda: {0, 1, 2, 3})
+    one = plan_threads(1, None, 0, 1)
+    assert one.spare_cores == 3 and overlap_by_default(one, "cpu")
+    assert not overlap_by_default(one, "cuda") and not overlap_by_default(one, "cpu", dp_size=2)
+    every = plan_threads(4, None, 0, 1)
+    assert every.spare_cores == 0 and not overlap_by_default(every, "cpu")
+    assert plan_threads(8, None, 0, 1).spare_cores == 0  # oversubscribed: nothing spare
+    assert not overlap_by_default(plan_threads(None, None, 0, 1), "cpu")  # adaptive uses every core it can
+    two_ranks = plan_threads(1, None, 1, 2)  # TP 2 on this node: each rank's share is two cores
+    assert two_ranks.spare_cores == 1 and overlap_by_default(two_ranks, "cpu")
+    assert not overlap_by_default(plan_threads(2, None, 0, 2), "cpu")
+    pinned = plan_threads(1, "0-1", 0, 1)  # a core list bounds the room
+    assert pinned.spare_cores == 1 and overlap_by_default(pinned, "cpu")
+
+
+def test_overlap_flag_has_three_states():
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args([]).disable_overlap_schedule is None
+    assert parser.parse_args(["--disable-overlap-schedule"]).disable_overlap_schedule is True
+    assert parser.parse_args(["--no-disable-overlap-schedule"]).disable_overlap_schedule is False
 
 
 def test_server_args_refuse_bad_thread_flags():

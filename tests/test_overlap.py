@@ -8,6 +8,7 @@ gate; and the trace's batch.step events.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import time
 
 import pytest
@@ -141,8 +142,7 @@ def pressure_prompts(tokenizer):
 def normal_results(default_prepared, prompts, long_prompts, pressure_prompts):
     """Every workload of this file through the normal loop (plenty of KV, default chunking)."""
     sp = {"max_new_tokens": PRESSURE_NEW, "temperature": 0.0, "ignore_eos": True}
-    with Engine(max_total_tokens=8192, **ENGINE) as e:
-        assert e.server_args.disable_overlap_schedule  # the default stays the normal loop
+    with Engine(max_total_tokens=8192, disable_overlap_schedule=True, **ENGINE) as e:
         mixed = _run_concurrently(e, _mixed_calls(prompts))
         long = e.generate(
             input_ids=long_prompts, sampling_params={"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -154,7 +154,12 @@ def normal_results(default_prepared, prompts, long_prompts, pressure_prompts):
 
 @pytest.fixture(scope="module")
 def overlap_engine(default_prepared):
-    with Engine(max_total_tokens=8192, disable_overlap_schedule=False, **ENGINE) as e:
+    # With two or more cores, one compute thread leaves a core free and the default picks the
+    # overlap loop by itself (cpu_threads.overlap_by_default); on one core it is asked for.
+    spare = len(os.sched_getaffinity(0)) >= 2
+    ask = {} if spare else {"disable_overlap_schedule": False}
+    with Engine(max_total_tokens=8192, **ask, **ENGINE) as e:
+        assert "overlap loop" in e.scheduler_info["threads"], e.scheduler_info["threads"]
         yield e
 
 

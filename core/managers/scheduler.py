@@ -161,7 +161,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.step_credits = 0
         self.pending_step_reply = False
         # Overlap loop: the launch whose result is not processed yet (always None in the normal loop).
-        self.enable_overlap = not server_args.disable_overlap_schedule
+        # None (undecided) starts normal; init_adaptive_threads may turn it on once the thread plan is known.
+        self.enable_overlap = server_args.disable_overlap_schedule is False
         if self.spec_num_draft and self.enable_overlap:
             logger.warning("speculative decoding runs the normal loop: the overlap loop is off")
             self.enable_overlap = False
@@ -622,11 +623,23 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
     # ==== compute threads (core/model_executor/cpu_threads.py) ===========================
     def init_adaptive_threads(self, plan) -> None:
         """Let the thread count follow the neighbours' load, when the plan allows it."""
-        from workbench.core.model_executor.cpu_threads import AdaptiveThreads
+        from workbench.core.model_executor.cpu_threads import AdaptiveThreads, overlap_by_default
 
         self.thread_plan = plan
         if plan.adaptive:
             self.adaptive_threads = AdaptiveThreads(plan, apply=self.set_num_threads)
+        sa = self.server_args
+        if sa.disable_overlap_schedule is None and not self.spec_num_draft:
+            self.enable_overlap = overlap_by_default(plan, sa.resolved_device(), sa.dp_size)
+
+    def loop_text(self) -> str:
+        """Which event loop runs and why, for the start-up line."""
+        sa = self.server_args
+        if not self.enable_overlap:
+            return "normal loop"
+        if sa.disable_overlap_schedule is False:
+            return "overlap loop"
+        return "overlap loop (a core is free beside the compute threads)"
 
     def set_num_threads(self, n: int) -> None:
         """Between steps: this thread now, the overlap loop's forward thread before its next batch."""
@@ -804,7 +817,7 @@ def run_scheduler_process(
                 "tp_rank": tp_rank,
                 "tp_size": tp_size,
                 "kv_head_num": runner.token_to_kv_pool.head_num,
-                "threads": plan.describe(),
+                "threads": f"{plan.describe()}; {scheduler.loop_text()}",
                 "load_time_s": runner.load_time_s,
             }
         )

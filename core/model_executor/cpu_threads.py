@@ -290,6 +290,7 @@ class ThreadPlan:
     adaptive: bool  # whether AdaptiveThreads may change it
     cores: Optional[list[int]]  # pinned cores (None: wherever the OS puts us)
     reason: str  # said in the start-up log and get_server_info
+    spare_cores: int = 0  # cores this node's ranks leave without a compute thread (fixed plans only)
 
     def describe(self) -> str:
         where = f" on cores {_ranges(self.cores)}" if self.cores else ""
@@ -319,13 +320,13 @@ def plan_threads(
     """
     bind = bind or os.environ.get(BIND_ENV) or None
     cores = cores_for_rank(bind, local_rank, local_ranks) if bind and bind != "nobind" else None
-    if num_threads:
-        where = "--num-threads"
-        return ThreadPlan(int(num_threads), False, cores, f"set by {where}")
-    if cores:
-        return ThreadPlan(len(cores), False, cores, "one per core of --cpu-omp-threads-bind")
     allowed = _allowed_cores()
     n_cores = len(allowed) if allowed else (os.cpu_count() or 1)
+    if num_threads:
+        room = len(cores) if cores else n_cores // max(1, local_ranks)
+        return ThreadPlan(int(num_threads), False, cores, "set by --num-threads", max(0, room - int(num_threads)))
+    if cores:
+        return ThreadPlan(len(cores), False, cores, "one per core of --cpu-omp-threads-bind")
     share = max(1, n_cores // max(1, local_ranks))
     if device != "cpu":
         return ThreadPlan(share, False, None, "host threads beside the GPU")
@@ -340,6 +341,19 @@ def plan_threads(
         f"up to {share} on {n_cores} cores, whichever count decodes faster "
         "beside the other processes (probed after 8 decode steps, then every 48)",
     )
+
+
+def overlap_by_default(plan: ThreadPlan, device: str, dp_size: int = 1) -> bool:
+    """Whether the overlap loop runs when neither --disable-overlap-schedule nor its negation is given.
+
+    On CPU the scheduler's Python work (schedule, process the last result, stream) runs beside
+    the forward pass only if a core is free for it: with every core computing, it steals cycles
+    from the compute threads and their barriers wait on it (measured slower at 2 threads on 2
+    cores, faster at 1). So: on when a fixed thread count leaves a core of this rank's share
+    idle; never under the adaptive policy, whose point is to use every core it finds free.
+    Data-parallel ranks share the machine's cores, so they keep the normal loop.
+    """
+    return device == "cpu" and dp_size == 1 and not plan.adaptive and plan.spare_cores >= 1
 
 
 # ==== the scheduler's glue =====================================================================

@@ -140,7 +140,7 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
     print(
         f"\nstructured outputs: free vs a JSON Schema (array of >= 64 strings), {new} new tokens per request, "
         f"greedy; A B B A x {args.rounds} rounds, medians; threads {sa.num_threads or 'default'}, "
-        f"overlap {'off' if sa.disable_overlap_schedule else 'on'}; load average {' → '.join(loads)}"
+        f"overlap {({None: 'as the engine decides', True: 'off', False: 'on'})[sa.disable_overlap_schedule]}; load average {' → '.join(loads)}"
     )
     print(f"{'batch':>5} {'free tok/s':>11} {'constrained':>12} {'slower by':>10}   runs (free | constrained)")
     out = {}
