@@ -173,10 +173,11 @@ def test_tp2_tiny_llama_equals_transformers(llama_dir, llama_tp2):
     assert torch.allclose(got, expect, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "gemma3"])
 def test_tp2_mixture_of_experts_equals_transformers(family, tmp_path):
     """Experts split by intermediate size over 2 ranks; Qwen3's per-head and OLMoE's whole-vector
-    q/k norms (the latter summed over ranks)."""
+    q/k norms (the latter summed over ranks); Gemma 3's windowed layers, post-norms and two rotary
+    tables with the heads split over ranks."""
     model_dir = make_tiny_family(tmp_path / family, family, seed=31)
     with Engine(
         model_path=str(model_dir), dtype="float32", tp_size=2, max_total_tokens=1024, show_progress=False

@@ -280,6 +280,38 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             },
         ),
     ),
+    # Windows of 8 tokens: the test prompts and their 48 new tokens run well past them.
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": 8}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            num_hidden_layers=4,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=5.0,  # small caps, so random weights actually reach them
+            final_logit_softcapping=3.0,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            num_hidden_layers=4,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+            },
+        ),
+    ),
 }
 
 

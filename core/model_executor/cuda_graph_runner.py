@@ -514,6 +514,13 @@ def maybe_create_cuda_graph_runner(model_runner) -> Optional[CudaGraphRunner]:
         # which a graph cannot capture; a fused MoE kernel that can is future work (docs/models.md).
         logging.getLogger(__name__).warning("CUDA graphs off: the mixture-of-experts layers run eagerly")
         return None
+    if not stand_in and any(
+        getattr(m, "sliding_window_size", None) or getattr(m, "logit_cap", 0) for m in model_runner.model.modules()
+    ):
+        # masked_attention.py picks its path per batch from host-side lengths and loops over
+        # requests: not capturable. Window and soft cap in the graph kernels are future work.
+        logging.getLogger(__name__).warning("CUDA graphs off: windowed or soft-capped attention runs eagerly")
+        return None
     if not stand_in and not model_runner.attn_backend.cuda_graph_capturable:
         logging.getLogger(__name__).warning(
             "CUDA graphs off: the %s attention backend cannot be captured (use flashinfer or triton)",

@@ -2,19 +2,7 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-
-logger = logging.getLogger(__name__)
-
-
-def attention_window(config) -> int | None:
-    """The sliding window every layer attends within, when the config turns one on (Mistral v0.1's
-    4096; Qwen2/Qwen3 name one but switch it off with use_sliding_window=false), else None."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
 
 
 @dataclass
@@ -57,17 +45,6 @@ class ModelConfig:
 
 
 def _context_len(config, asked: int | None) -> int:
-    """The context length, capped at the model's attention window: sliding-window attention is not
-    implemented (docs/models.md), and within the window full attention is exactly the same thing.
-    Longer requests are then refused with the usual context-length error instead of drifting."""
-    length = asked or config.max_position_embeddings
-    window = attention_window(config)
-    if window is not None and window < length:
-        logger.warning(
-            "context length capped at the model's sliding window (%d tokens, not %d): windowed attention "
-            "is not implemented, and within the window full attention gives the same result",
-            window,
-            length,
-        )
-        return window
-    return length
+    """The context length: asked for, else the model's. A sliding window does not shorten it: windowed
+    layers attend within their window through the backends' masked path (attention/masked_attention.py)."""
+    return asked or config.max_position_embeddings

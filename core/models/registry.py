@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from workbench.core.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from workbench.core.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from workbench.core.models.mixtral import MixtralForCausalLM
 from workbench.core.models.olmoe import OlmoeForCausalLM
@@ -20,6 +21,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

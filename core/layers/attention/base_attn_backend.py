@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workbench.core.layers.attention.masked_attention import masked_attention, needs_masked_path
+
 if TYPE_CHECKING:
     from workbench.core.layers.radix_attention import RadixAttention
     from workbench.core.model_executor.forward_batch_info import ForwardBatch
@@ -33,6 +35,8 @@ class AttentionBackend:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch"
     ) -> torch.Tensor:
+        if (layer.sliding_window_size or layer.logit_cap) and needs_masked_path(layer, forward_batch):
+            return masked_attention(q, k, v, layer, forward_batch)  # a window or a soft cap: explicit scores
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch)
         return self.forward_extend(q, k, v, layer, forward_batch)
