@@ -62,6 +62,9 @@ FLAG_HELP = {
     "speculative_num_steps": "STANDALONE: draft model passes per step (default: as many as the draft tokens)",
     "speculative_num_draft_tokens": "the most draft tokens verified per request per step (default 4)",
     "tp_size": "tensor-parallel ranks (one scheduler process each)",
+    "ep_size": "expert parallelism inside the tensor-parallel group: the experts of each mixture-of-experts layer "
+    "are split into this many groups of whole experts, each group's intermediate size over tp-size / ep-size "
+    "ranks (must divide --tp-size and the number of experts; 1: every rank holds a slice of every expert)",
     "dp_size": "data-parallel replicas of the whole model behind one front end",
     "load_balance_method": "how requests are spread over data-parallel replicas",
     "nnodes": "nodes in a multi-node tensor-parallel launch",
@@ -157,6 +160,7 @@ class ServerArgs:
     speculative_num_draft_tokens: Optional[int] = None  # most draft tokens verified per request per step
     # parallelism
     tp_size: int = 1
+    ep_size: int = 1
     dp_size: int = 1
     load_balance_method: str = "round_robin"
     nnodes: int = 1
@@ -213,9 +217,14 @@ class ServerArgs:
             bad("--max-running-requests must be at least 1")
         if self.max_prefill_tokens < 16:
             bad("--max-prefill-tokens must be at least 16")
-        for name in ("tp_size", "dp_size", "nnodes"):
+        for name in ("tp_size", "ep_size", "dp_size", "nnodes"):
             if getattr(self, name) < 1:
                 bad(f"--{name.replace('_', '-')} must be at least 1")
+        if self.tp_size % self.ep_size:
+            bad(
+                f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}: expert parallelism splits the "
+                f"tensor-parallel ranks into groups of whole experts"
+            )
         if not 0 <= self.node_rank < self.nnodes:
             bad("--node-rank must be in [0, --nnodes)")
         if self.tp_size % self.nnodes:

@@ -185,6 +185,29 @@ def test_tp2_mixture_of_experts_equals_transformers(family, tmp_path):
         assert greedy(engine, TINY_PROMPTS) == hf_tokens(model_dir, TINY_PROMPTS)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_tp2_expert_parallel_equals_transformers(family, tmp_path):
+    """--ep-size 2: each rank holds half the experts whole (no intermediate split); the all-reduce
+    sums each token's experts across ranks. Equal to transformers, and to the sliced layout."""
+    model_dir = make_tiny_family(tmp_path / family, family, seed=31)
+    with Engine(
+        model_path=str(model_dir),
+        dtype="float32",
+        tp_size=2,
+        ep_size=2,
+        max_total_tokens=1024,
+        show_progress=False,
+    ) as engine:
+        assert greedy(engine, TINY_PROMPTS) == hf_tokens(model_dir, TINY_PROMPTS)
+
+
+def test_ep_size_must_divide_tp_size():
+    from workbench.core.args import ServerArgs
+
+    with pytest.raises(ValueError, match="must divide --tp-size"):
+        ServerArgs(tp_size=2, ep_size=3)
+
+
 def _perturbed_tiny(state: dict) -> dict:
     g = torch.Generator().manual_seed(7)
     names = (

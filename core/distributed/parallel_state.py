@@ -32,6 +32,17 @@ class TPGroup:
 
 
 _TP = TPGroup()
+_MOE_EP_SIZE = 1  # expert-parallel groups inside the TP group (--ep-size); layers read it when built
+
+
+def set_moe_ep_size(size: int) -> None:
+    """Record --ep-size before the model is built (mixture-of-experts layers split their experts by it)."""
+    global _MOE_EP_SIZE
+    _MOE_EP_SIZE = int(size)
+
+
+def get_moe_ep_size() -> int:
+    return _MOE_EP_SIZE
 
 
 def set_tp_group(rank: int, size: int, group=None, cpu_group=None) -> None:

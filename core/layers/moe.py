@@ -12,6 +12,12 @@ loop over the experts that were hit, never over tokens), and the weighted output
 scattered back with one index_add. Tensor parallel splits each expert's intermediate size
 across ranks (like the dense MLP: w13 by rows, w2 by columns) and all-reduces the sum.
 
+Expert parallelism (`--ep-size`, SGLang's spelling) divides the TP group's ranks into ep_size
+groups; group g holds whole experts g * E/ep .. (g + 1) * E/ep - 1, their intermediate size split
+over the tp/ep ranks of the group (ep == tp: each rank holds E/tp complete experts). Every rank
+still sees every token (the hidden states are replicated under TP) and computes only its own
+experts' share, so the same all-reduce sums the layer: nothing is dispatched between ranks.
+
 Each call also counts the tokens routed to each expert (`last_counts`), which the model
 gathers per step for the trace's routing summary.
 """
@@ -24,7 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.core.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from workbench.core.distributed.parallel_state import (
+    get_moe_ep_size,
+    get_tp_rank,
+    get_tp_size,
+    tensor_model_parallel_all_reduce,
+)
 
 
 class TopKRouter(nn.Module):
@@ -46,33 +57,47 @@ class TopKRouter(nn.Module):
 
 
 class FusedMoE(nn.Module):
-    """The experts of one layer: w13_weight [E, 2I/tp, H] (gate rows, then up rows), w2_weight [E, H, I/tp]."""
+    """The experts this rank holds: w13_weight [E_local, 2I/moe_tp, H] (gate rows, then up rows) and
+    w2_weight [E_local, H, I/moe_tp], E_local = E / ep_size, moe_tp = tp_size / ep_size."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        if intermediate_size % self.tp_size:
+        ep = get_moe_ep_size()
+        if self.tp_size % ep or num_experts % ep:
             raise ValueError(
-                f"the experts' intermediate size {intermediate_size} does not split over {self.tp_size} ranks"
+                f"--ep-size {ep} must divide --tp-size {self.tp_size} and the {num_experts} experts of each layer"
+            )
+        self.moe_tp_size = self.tp_size // ep  # ranks sharing one group of experts
+        self.moe_tp_rank = self.tp_rank % self.moe_tp_size
+        if intermediate_size % self.moe_tp_size:
+            raise ValueError(
+                f"the experts' intermediate size {intermediate_size} does not split over {self.moe_tp_size} ranks"
             )
         self.num_experts = num_experts
-        self.intermediate_per_rank = intermediate_size // self.tp_size
-        i = self.intermediate_per_rank
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
+        self.num_local_experts = num_experts // ep
+        self.first_expert = (self.tp_rank // self.moe_tp_size) * self.num_local_experts
+        self.intermediate_per_rank = intermediate_size // self.moe_tp_size
+        i, e = self.intermediate_per_rank, self.num_local_experts
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
         self.last_counts: Optional[torch.Tensor] = None  # [E] int64: tokens routed to each expert, last call
         self.last_topk_ids: Optional[torch.Tensor] = None  # [T, k]: each token's experts, last call
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard: str) -> None:
-        """One expert's HF tensor: shard "w1" (gate [I, H]), "w3" (up [I, H]) or "w2" (down [H, I])."""
-        i, r = self.intermediate_per_rank, self.tp_rank
-        if shard == "w2":
-            param.data[expert_id].copy_(loaded.narrow(1, r * i, i))
-            return
-        if shard not in ("w1", "w3"):
+        """One expert's HF tensor: shard "w1" (gate [I, H]), "w3" (up [I, H]) or "w2" (down [H, I]).
+        Experts another expert-parallel group holds are skipped."""
+        if shard not in ("w1", "w2", "w3"):
             raise ValueError(f"expert shard {shard!r} is not w1, w2 or w3")
+        local = expert_id - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return
+        i, r = self.intermediate_per_rank, self.moe_tp_rank
+        if shard == "w2":
+            param.data[local].copy_(loaded.narrow(1, r * i, i))
+            return
         first = 0 if shard == "w1" else i  # gate rows first, then up rows
-        param.data[expert_id, first : first + i].copy_(loaded.narrow(0, r * i, i))
+        param.data[local, first : first + i].copy_(loaded.narrow(0, r * i, i))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_* [T, k] -> [T, H] in x's dtype (all-reduced over tensor-parallel ranks)."""
@@ -85,15 +110,16 @@ class FusedMoE(nn.Module):
         weight_of = topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
         counts = self.last_counts.tolist()
         out = torch.zeros_like(x)
-        i = self.intermediate_per_rank
-        start = 0
-        for e, n in enumerate(counts):
+        i, first = self.intermediate_per_rank, self.first_expert
+        start = sum(counts[:first])  # the assignments of experts other groups hold come before ours
+        for local in range(self.num_local_experts):
+            n = counts[first + local]
             if n == 0:
                 continue
             rows = token_of[start : start + n]
-            h = F.linear(x.index_select(0, rows), self.w13_weight[e])
+            h = F.linear(x.index_select(0, rows), self.w13_weight[local])
             h = F.silu(h[:, :i]) * h[:, i:]
-            out.index_add_(0, rows, F.linear(h, self.w2_weight[e]) * weight_of[start : start + n])
+            out.index_add_(0, rows, F.linear(h, self.w2_weight[local]) * weight_of[start : start + n])
             start += n
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)

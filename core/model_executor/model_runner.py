@@ -18,6 +18,7 @@ from workbench.core.distributed.topology import validate_tp_for_model
 from workbench.core.distributed.parallel_state import (
     all_reduce_min_int,
     init_tp_group,
+    set_moe_ep_size,
     set_tp_group,
     tensor_model_parallel_broadcast_,
 )
@@ -91,6 +92,7 @@ class ModelRunner:
     def init_torch_distributed(self) -> None:
         """Join the TP group (tp_size > 1) before any layer is built: layers read their rank at build time."""
         validate_tp_for_model(self.prepared.config, self.tp_size)
+        set_moe_ep_size(self.server_args.ep_size)
         if self.tp_size == 1:
             set_tp_group(0, 1)
             return
