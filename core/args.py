@@ -271,10 +271,10 @@ class ServerArgs:
             self.speculative_algorithm = algo
             if algo == "STANDALONE" and not self.speculative_draft_model_path:
                 bad("--speculative-algorithm STANDALONE needs --speculative-draft-model-path (a small model)")
-            if algo == "STANDALONE":
+            if algo == "STANDALONE" and self.tp_size > 1:
                 bad(
-                    "--speculative-algorithm STANDALONE (drafts from a second model) is not built yet; "
-                    "NGRAM drafts from the request's own text with no second model"
+                    "--speculative-algorithm STANDALONE runs its draft model beside one scheduler rank: use "
+                    "--tp-size 1 (or NGRAM, which needs no second model)"
                 )
         for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
             value = getattr(self, name)

@@ -105,6 +105,9 @@ class Engine:
             validate_tp_for_model(self.prepared.config, sa.tp_size)  # before any process starts
         # Children load the converted directory, never the GGUF again.
         child_args = with_dist_init_addr(dataclasses.replace(sa, model_path=str(self.prepared.model_dir)))
+        if sa.speculative_draft_model_path:  # STANDALONE: the draft model is prepared here too (GGUF, hub)
+            draft = prepare_model(sa.speculative_draft_model_path, progress=sa.show_progress)
+            child_args.speculative_draft_model_path = str(draft.model_dir)
         self.bus = TraceBus(self.port_args.trace_ipc_name, publish_addr=sa.trace_publish, model=self.served_model_name)
         ctx = mp.get_context("spawn")
         self._progress("starting scheduler and detokenizer processes")

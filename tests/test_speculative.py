@@ -1,4 +1,5 @@
-"""Speculative decoding (NGRAM): drafts from the request's own text, verified by the target.
+"""Speculative decoding: NGRAM (drafts from the request's own text) and STANDALONE (drafts from a
+second model), verified by the target.
 
 The proposer against hand-made sequences; through real engines, output with speculation equal
 to output without it token for token (greedy, float32, 16 prompts batched, with chunked prefill
@@ -40,8 +41,8 @@ def test_flags_are_checked_with_a_way_forward():
         ServerArgs(speculative_algorithm="EAGLE")
     with pytest.raises(ValueError, match="draft-model-path"):
         ServerArgs(speculative_algorithm="STANDALONE")
-    with pytest.raises(ValueError, match="not built yet"):
-        ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="/x")
+    with pytest.raises(ValueError, match="--tp-size 1"):
+        ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="/x", tp_size=2)
     with pytest.raises(ValueError, match="between 1 and 64"):
         ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0)
 
@@ -114,6 +115,62 @@ def test_greedy_output_is_the_same_with_and_without_drafts(tiny_dir, plain_outpu
         assert max(e.chunk_index for e in events if isinstance(e, ev.ReqScheduled)) >= 1
     if setting["max_total_tokens"] == 600:  # the case only tests something if the pool really retracts
         assert any(isinstance(e, ev.ReqRetracted) for e in events)
+
+
+# ---- STANDALONE: drafts from a second model ------------------------------------------------------
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A smaller model with the target's (tiny) tokenizer: one layer, other weights."""
+    return make_tiny_llama(tmp_path_factory.mktemp("draft") / "llama", num_hidden_layers=1, seed=11)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(max_total_tokens=4096),
+        dict(max_total_tokens=4096, chunked_prefill_size=16),
+        dict(max_total_tokens=600, max_running_requests=16, schedule_conservativeness=0.05),
+    ],
+    ids=["batched", "chunked-prefill", "retraction"],
+)
+@pytest.mark.parametrize("draft", ["itself", "small"])
+def test_standalone_drafts_keep_the_output(tiny_dir, draft_dir, plain_outputs, setting, draft):
+    """The target as its own draft model (every draft right) and a one-layer model of other weights
+    (most drafts wrong): the same tokens as without drafts; both pools whole after."""
+    from workbench.core.trace import events as ev
+
+    events: list = []
+    spec, state = _run(
+        tiny_dir,
+        _prompts(),
+        GREEDY,
+        events,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=str(tiny_dir if draft == "itself" else draft_dir),
+        speculative_num_draft_tokens=3,
+        **setting,
+    )
+    assert spec == plain_outputs
+    assert state["spec_verified"] > 0 and state["kv_check_error"] == ""  # the draft pool is checked too
+    if draft == "itself":  # the target's own argmax: every draft stands
+        assert state["spec_accepted"] == state["spec_proposed"] > 0
+    else:
+        assert state["spec_accepted"] < state["spec_proposed"]
+    if setting["max_total_tokens"] == 600:
+        assert any(isinstance(e, ev.ReqRetracted) for e in events)
+
+
+def test_standalone_refuses_a_draft_with_another_vocabulary(tiny_dir, tmp_path):
+    other = make_tiny_llama(tmp_path / "other", vocab_size=300)
+    with pytest.raises(Exception, match="tokenizer"):
+        with Engine(
+            model_path=str(tiny_dir),
+            dtype="float32",
+            show_progress=False,
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=str(other),
+        ):
+            pass
 
 
 # ---- sampled: the same distribution ----------------------------------------------------------------
@@ -206,16 +263,20 @@ async def test_the_views_show_drafts_kept_and_thrown(tiny_dir, tmp_path):
         assert state.requests[o["meta_info"]["id"]].output_tokens == 24
 
 
-def test_bench_spec_quick_runs_and_checks_the_tokens(tiny_dir, capsys):
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+def test_bench_spec_quick_runs_and_checks_the_tokens(tiny_dir, draft_dir, capsys, algo):
     import argparse
 
     from workbench.bench.spec_bench import add_parser
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
-    args = parser.parse_args(["spec", "--quick", "--model", str(tiny_dir), "--dtype", "float32"])
+    extra = ["--speculative-algorithm", algo, "--speculative-draft-model-path", str(draft_dir)]
+    args = parser.parse_args(
+        ["spec", "--quick", "--model", str(tiny_dir), "--dtype", "float32"] + (extra if algo == "STANDALONE" else [])
+    )
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    assert "plain tok/s" in out and "accept len" in out
+    assert "plain tok/s" in out and "accept len" in out and f"{algo} tok/s" in out
     lines = [ln for ln in out.splitlines() if ln.startswith(("repetitive", "chat"))]
     assert len(lines) == 2 and all(ln.rstrip().endswith("yes") for ln in lines)  # same tokens both ways

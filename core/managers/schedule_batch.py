@@ -202,6 +202,7 @@ class ScheduleBatch:
     future_ids: Optional[list[int]] = None  # per row: placeholder of its sampled token
     spec_num_draft: int = 0  # speculative decoding: the most draft tokens per request per step (0: off)
     spec_drafts: Optional[list[list[int]]] = None  # per request: the drafts this launch verifies
+    drafter: Optional[object] = None  # STANDALONE: the draft model (speculative/standalone.py); None: NGRAM
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -309,19 +310,25 @@ class ScheduleBatch:
     def _propose_drafts(self) -> Optional[list[list[int]]]:
         """Each request's drafts for this step, or None to decode plainly. A step with a request that
         wants logprobs, has a grammar or waits on an in-flight token decodes plainly (its rows would
-        need per-row logprobs / masks); drafts never pass max_new_tokens or the KV room left."""
+        need per-row logprobs / masks); drafts never pass max_new_tokens or the KV room left.
+        NGRAM proposes from each request's own text; STANDALONE asks the draft model (`drafter`)."""
         if any(r.return_logprob or r.grammar is not None or r.future_token_id is not None for r in self.reqs):
             return None
         room = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size() - len(self.reqs)
-        drafts = []
+        budgets = []
         for r in self.reqs:
-            budget = min(self.spec_num_draft, r.sampling_params.max_new_tokens - len(r.output_ids) - 1, room)
+            budget = max(0, min(self.spec_num_draft, r.sampling_params.max_new_tokens - len(r.output_ids) - 1, room))
             if r.spec_skip > 0:  # its last drafts all failed: wait a few steps before drafting again
                 r.spec_skip -= 1
                 budget = 0
-            d = propose_ngram(r.origin_input_ids + r.output_ids, budget) if budget > 0 else []
-            room -= len(d)
-            drafts.append(d)
+            room -= budget
+            budgets.append(budget)
+        if self.drafter is not None:
+            drafts = self.drafter.propose(self.reqs, budgets)
+        else:
+            drafts = [
+                propose_ngram(r.origin_input_ids + r.output_ids, b) if b > 0 else [] for r, b in zip(self.reqs, budgets)
+            ]
         return drafts if any(drafts) else None
 
     def _prepare_for_verify(self, drafts: list[list[int]]) -> ModelWorkerBatch:
@@ -404,4 +411,5 @@ class ScheduleBatch:
             list(self.future_ids) if self.future_ids is not None else None,
             self.spec_num_draft,
             self.spec_drafts,
+            self.drafter,
         )

@@ -137,6 +137,13 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         # Speculative decoding (NGRAM): drafts per request per step. Its verify pass needs the previous
         # step's tokens to propose from, so it runs in the normal loop (docs/speculative.md).
         self.spec_num_draft = server_args.resolved_num_draft_tokens()
+        self.drafter = None  # STANDALONE: the draft model, in this process (speculative/standalone.py)
+        if server_args.speculative_algorithm == "STANDALONE":
+            from workbench.core.speculative.standalone import StandaloneDrafter
+
+            self.drafter = StandaloneDrafter(
+                server_args, self.model_config.vocab_size, self.max_running_requests, self.max_total_num_tokens
+            )
         self.spec_verify_steps = 0  # steps that verified drafts
         self.spec_verified_total = 0  # (request, step) pairs verified ...
         self.spec_proposed_total = 0  # ... the drafts they proposed ...
@@ -187,6 +194,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             self.model_config.vocab_size,
             self.model_config.eos_token_ids,
             spec_num_draft=self.spec_num_draft,
+            drafter=self.drafter,
         )
 
     # ==== the event loop ==========================================================

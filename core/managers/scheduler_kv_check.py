@@ -97,6 +97,14 @@ class SchedulerKVCheckMixin:
             held += r.kv_len - start
             if radix and start and not torch.equal(table[r.req_pool_idx, :start].cpu(), r.prefix_indices.cpu()):
                 problems.append(f"request {r.rid}: its row does not start with its cached prefix's slots")
+        drafter = getattr(self, "drafter", None)
+        if drafter is not None:  # STANDALONE's own pool: every slot free or held by a request's draft state
+            d = drafter.runner
+            d_free = d.token_to_kv_pool_allocator.available_size()
+            if d_free + drafter.held_tokens() != d.max_total_num_tokens:
+                problems.append(
+                    f"draft model pool: {d_free} free + {drafter.held_tokens()} held != {d.max_total_num_tokens}"
+                )
         inflight_parts, inflight = [], 0
         if self.inflight is not None and self.inflight.batch.forward_mode == ForwardMode.DECODE:
             b = self.inflight.batch
@@ -196,6 +204,8 @@ class SchedulerKVCheckMixin:
 
     def check_kv_invariants_when_idle(self) -> None:
         """The idle hook: run the check once per busy -> idle transition when enabled; log a violation."""
+        if self.drafter is not None:
+            self.drafter.release()  # STANDALONE: nothing runs, so no request's draft K/V is needed
         if not self.kv_check_enabled or self._kv_checked_idle:
             return
         self._kv_checked_idle = True

@@ -1,4 +1,5 @@
-"""`workbench bench spec`: decode speed with and without speculative decoding (NGRAM), issue #18.
+"""`workbench bench spec`: decode speed with and without speculative decoding (NGRAM, or STANDALONE
+with a draft model: `--speculative-algorithm STANDALONE --speculative-draft-model-path DIR`), issue #18.
 
 Two persistent engines on the same model and threads, one plain and one with
 `--speculative-algorithm NGRAM`, decode the same prompts greedily (EOS ignored, so both do exactly
@@ -75,31 +76,32 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
     from workbench.core.engine import Engine
 
     base = ServerArgs.from_cli_args(args)
-    plain_args = base.replace(show_progress=False, speculative_algorithm=None)
-    spec_args = base.replace(show_progress=False, speculative_algorithm="NGRAM")
+    algo = base.speculative_algorithm or "NGRAM"  # STANDALONE with --speculative-draft-model-path DIR
+    plain_args = base.replace(show_progress=False, speculative_algorithm=None, speculative_draft_model_path=None)
+    spec_args = base.replace(show_progress=False, speculative_algorithm=algo)
     new = 8 if args.quick else args.new
     batches = (1,) if args.quick else tuple(int(b) for b in args.batches.split(","))
     rounds = 1 if args.quick else args.rounds
     loads = [_load()]
     rows = []
-    _progress("starting a plain engine and an NGRAM engine on the same model")
+    _progress(f"starting a plain engine and an {algo} engine on the same model")
     with Engine(server_args=plain_args) as plain, Engine(server_args=spec_args) as spec:
-        engines = {"plain": plain, "NGRAM": spec}
+        engines = {"plain": plain, algo: spec}
         for name, texts in WORKLOADS.items():
             ids = [_chat(plain, t) for t in texts]
             for b in batches:
                 batch = (ids * ((b + len(ids) - 1) // len(ids)))[:b]
-                tps = {"plain": [], "NGRAM": []}
+                tps = {"plain": [], algo: []}
                 v0, p0, a0 = _counters(spec)
                 same = True
                 for r in range(rounds):
-                    order = ("plain", "NGRAM", "NGRAM", "plain") if r % 2 == 0 else ("NGRAM", "plain", "plain", "NGRAM")
+                    order = ("plain", algo, algo, "plain") if r % 2 == 0 else (algo, "plain", "plain", algo)
                     outs = {}
                     for which in order:
                         _progress(f"{name}, batch {b}, round {r + 1}/{rounds}: {which}")
                         t, outs[which] = _decode_tps(engines[which], batch, new)
                         tps[which].append(t)
-                    same = same and outs["plain"] == outs["NGRAM"]
+                    same = same and outs["plain"] == outs[algo]
                     loads.append(_load())
                 v1, p1, a1 = _counters(spec)
                 verified, proposed, accepted = v1 - v0, p1 - p0, a1 - a0
@@ -108,7 +110,7 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
                         workload=name,
                         batch=b,
                         plain=statistics.median(tps["plain"]),
-                        ngram=statistics.median(tps["NGRAM"]),
+                        spec=statistics.median(tps[algo]),
                         runs=tps,
                         accept_length=(accepted + verified) / verified if verified else 1.0,
                         kept=f"{accepted}/{proposed}",
@@ -116,22 +118,22 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
                     )
                 )
     print(
-        f"\nspeculative decoding, NGRAM ({spec_args.resolved_num_draft_tokens()} drafts at most) vs plain decode: "
+        f"\nspeculative decoding, {algo} ({spec_args.resolved_num_draft_tokens()} drafts at most) vs plain decode: "
         f"greedy, EOS ignored, {new} new tokens, decode tok/s (prefill excluded), A B B A x {rounds}, medians; "
         f"threads {plain_args.num_threads or 'default'}; load average {' → '.join(loads)}"
     )
     print(
-        f"{'workload':<11} {'batch':>5} {'plain tok/s':>12} {'NGRAM tok/s':>12} {'ratio':>7} "
+        f"{'workload':<11} {'batch':>5} {'plain tok/s':>12} {algo + ' tok/s':>16} {'ratio':>7} "
         f"{'accept len':>11} {'drafts kept':>12} {'same tokens':>12}"
     )
     for r in rows:
-        ratio = r["ngram"] / r["plain"] if r["plain"] else 0.0
+        ratio = r["spec"] / r["plain"] if r["plain"] else 0.0
         print(
-            f"{r['workload']:<11} {r['batch']:>5} {r['plain']:>12.1f} {r['ngram']:>12.1f} {ratio:>6.2f}× "
+            f"{r['workload']:<11} {r['batch']:>5} {r['plain']:>12.1f} {r['spec']:>16.1f} {ratio:>6.2f}× "
             f"{r['accept_length']:>11.2f} {r['kept']:>12} {'yes' if r['same'] else 'NO':>12}"
         )
     print(
-        "accept length: tokens a request gains per verify step (1 + drafts kept), over the NGRAM runs above; "
+        f"accept length: tokens a request gains per verify step (1 + drafts kept), over the {algo} runs above; "
         "a verify pass of 1 + k tokens costs more than one decode step, so a ratio below 1 means it did not pay"
     )
     return {"rows": rows}
@@ -142,7 +144,8 @@ def add_parser(bench_sub) -> None:
 
     p = bench_sub.add_parser(
         "spec",
-        help="decode tok/s with and without NGRAM speculative decoding, repetitive and chat workloads",
+        help="decode tok/s with and without speculative decoding (NGRAM, or STANDALONE with "
+        "--speculative-algorithm STANDALONE --speculative-draft-model-path DIR), repetitive and chat workloads",
         description=__doc__.split("\n\n")[0],
     )
     ServerArgs.add_cli_args(p)
