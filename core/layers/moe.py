@@ -24,6 +24,7 @@ gathers per step for the trace's routing summary.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -105,6 +106,11 @@ class FusedMoE(nn.Module):
         self.last_topk_ids = topk_ids
         flat = topk_ids.reshape(-1)
         self.last_counts = torch.bincount(flat, minlength=self.num_experts)
+        if use_triton_experts(x):  # CUDA: grouped GEMMs on the device, no host sync (moe_triton.py)
+            from workbench.core.layers.moe_triton import fused_experts
+
+            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.first_expert)
+            return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order within
         token_of = order // k
         weight_of = topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
@@ -124,6 +130,14 @@ class FusedMoE(nn.Module):
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+
+def use_triton_experts(x: torch.Tensor) -> bool:
+    """The Triton experts on CUDA; on CPU only under Triton's interpreter when WORKBENCH_MOE_TRITON=1
+    (how the tests check the kernel against the loop above)."""
+    if x.is_cuda:
+        return True
+    return os.environ.get("WORKBENCH_MOE_TRITON") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class SparseMoeBlock(nn.Module):

@@ -510,8 +510,9 @@ def maybe_create_cuda_graph_runner(model_runner) -> Optional[CudaGraphRunner]:
     if args.disable_cuda_graph or (torch.device(model_runner.device).type != "cuda" and not stand_in):
         return None
     if not stand_in and any(type(m).__name__ == "FusedMoE" for m in model_runner.model.modules()):
-        # core/layers/moe.py groups tokens by expert with host-side counts (a sync per layer),
-        # which a graph cannot capture; a fused MoE kernel that can is future work (docs/models.md).
+        # On CUDA the experts run as Triton grouped GEMMs with no host sync (moe_triton.py), so a
+        # graph could capture them; the trace's routing read-back under replay has not been run
+        # on a GPU yet, so MoE models stay eager until it has (docs/models.md).
         logging.getLogger(__name__).warning("CUDA graphs off: the mixture-of-experts layers run eagerly")
         return None
     if not stand_in and any(
