@@ -96,8 +96,9 @@ def plain_outputs(tiny_dir):
         dict(max_total_tokens=4096, chunked_prefill_size=16),  # prompts up to 40 tokens: prefilled in chunks
         # 16 x (up to 40 + 48) tokens in 600, admitted greedily: decode must retract
         dict(max_total_tokens=600, max_running_requests=16, schedule_conservativeness=0.05),
+        dict(max_total_tokens=4096, chunked_prefill_size=16, disable_overlap_schedule=False),
     ],
-    ids=["batched", "chunked-prefill", "retraction"],
+    ids=["batched", "chunked-prefill", "retraction", "overlap-loop"],
 )
 def test_greedy_output_is_the_same_with_and_without_drafts(tiny_dir, plain_outputs, setting):
     from workbench.core.trace import events as ev

@@ -3,8 +3,8 @@ repeats (so drafts are often right) and really reads the KV slots the scheduler 
 step the harness checks the KV invariants; each test ends with every slot free or cached.
 
 Token for token against the stand-in's plain greedy output: a batch, chunked prefill with the radix
-cache, a retraction under KV pressure, an abort mid-decode, max_new_tokens and a stop token landing
-inside a run of accepted drafts."""
+cache, a retraction under KV pressure, an abort mid-decode (the last three in the normal and the
+overlap loop), max_new_tokens and a stop token landing inside a run of accepted drafts."""
 
 from __future__ import annotations
 
@@ -84,9 +84,10 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_output_there():
     h.assert_idle_and_clean()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal-loop", "overlap-loop"])
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
-def test_chunked_prefill_then_speculation(radix):
-    h = spec_harness(chunked_prefill_size=16, disable_radix_cache=not radix)
+def test_chunked_prefill_then_speculation(radix, overlap):
+    h = spec_harness(chunked_prefill_size=16, disable_radix_cache=not radix, overlap=overlap)
     prompts = {"long": prompt(1, 70), "short": prompt(2, 9)}
     for rid, p in prompts.items():
         h.submit(rid, p, max_new_tokens=30)
@@ -101,8 +102,9 @@ def test_chunked_prefill_then_speculation(radix):
         assert h.cached["again"] >= 70 + 19 and h.tokens("again") == expected(prompts["long"], 25)[20:]
 
 
-def test_retraction_under_kv_pressure():
-    h = spec_harness(max_total_tokens=160)
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal-loop", "overlap-loop"])
+def test_retraction_under_kv_pressure(overlap):
+    h = spec_harness(max_total_tokens=160, overlap=overlap)
     prompts = {f"r{i}": prompt(i, 8) for i in range(6)}
     for rid, p in prompts.items():
         h.submit(rid, p, max_new_tokens=40)
@@ -113,8 +115,9 @@ def test_retraction_under_kv_pressure():
     h.assert_idle_and_clean()
 
 
-def test_abort_while_verifying_keeps_the_tokens_so_far():
-    h = spec_harness()
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal-loop", "overlap-loop"])
+def test_abort_while_verifying_keeps_the_tokens_so_far(overlap):
+    h = spec_harness(overlap=overlap)
     p = prompt(1, 12)
     h.submit("a", p, max_new_tokens=200)
     h.submit("b", prompt(2, 12), max_new_tokens=30)

@@ -134,8 +134,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.adaptive_threads = None  # set by init_adaptive_threads (CPU, one rank per node)
         self.held_back: list[HeldBack] = []  # waiting requests the last prefill held back (trace)
         self.narrator = StepNarrator(self.token_to_kv_pool_allocator)  # batch.decision (trace)
-        # Speculative decoding (NGRAM): drafts per request per step. Its verify pass needs the previous
-        # step's tokens to propose from, so it runs in the normal loop (docs/speculative.md).
+        # Speculative decoding: drafts per request per step. They are proposed from the previous step's
+        # tokens, so the overlap loop waits for those before a decode step (needs_output_history).
         self.spec_num_draft = server_args.resolved_num_draft_tokens()
         self.drafter = None  # STANDALONE: the draft model, in this process (speculative/standalone.py)
         if server_args.speculative_algorithm == "STANDALONE":
@@ -170,9 +170,6 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         # Overlap loop: the launch whose result is not processed yet (always None in the normal loop).
         # None (undecided) starts normal; init_adaptive_threads may turn it on once the thread plan is known.
         self.enable_overlap = server_args.disable_overlap_schedule is False
-        if self.spec_num_draft and self.enable_overlap:
-            logger.warning("speculative decoding runs the normal loop: the overlap loop is off")
-            self.enable_overlap = False
         self.inflight: Optional[InflightBatch] = None
         self.overlap_worker = None
         # KV integrity check when the loop goes idle (scheduler_kv_check.py); once per idle period.

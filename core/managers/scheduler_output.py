@@ -88,6 +88,8 @@ class SchedulerOutputMixin:
             drafts, n, start = batch.spec_drafts[i], batch.extend_lens[i], batch.prefix_lens[i]
             rows = ids[offset : offset + n]
             offset += n
+            if batch.future_ids is not None and req.future_token_id == batch.future_ids[i]:
+                req.future_token_id = None  # overlap loop: its tokens are real now
             accepted = 0
             while accepted < len(drafts) and rows[accepted] == drafts[accepted]:
                 accepted += 1
@@ -125,7 +127,7 @@ class SchedulerOutputMixin:
         if self.tracer.enabled:
             self.tracer.emit(
                 ev.SpecVerify(
-                    algorithm="NGRAM",
+                    algorithm=self.server_args.speculative_algorithm or "NGRAM",
                     reqs=[ev.SpecReq(rid, drafts, accepted) for rid, drafts, accepted in verdicts],
                 )
             )

@@ -86,7 +86,9 @@ class SchedulerOverlapMixin:
         from workbench.core.managers.tp_worker_overlap_thread import TpModelWorkerClient
 
         if self.overlap_worker is None:
-            self.overlap_worker = TpModelWorkerClient(self.tp_worker, self.max_running_requests + 1)
+            # a verify pass samples 1 + drafts rows per request, each with a slot in the future map
+            rows = (self.max_running_requests + 1) * (1 + self.spec_num_draft)
+            self.overlap_worker = TpModelWorkerClient(self.tp_worker, rows)
 
     # ==== launch and result ============================================================
     def launch_batch(self, batch: "ScheduleBatch") -> InflightBatch:
@@ -133,6 +135,8 @@ class SchedulerOverlapMixin:
         """
         if batch is not self.running_batch:
             return False
+        if self.spec_num_draft:  # speculative decoding proposes drafts from the previous step's tokens
+            return True
         for req in batch.reqs:
             sp = req.sampling_params
             if sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0 or sp.repetition_penalty != 1.0:

@@ -81,12 +81,13 @@ class TpModelWorkerClient:
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> tuple[list[int], concurrent.futures.Future]:
         """Queue `mwb`; return the future token id of each row's sampled token and a handle."""
         bs = len(mwb.seq_lens_cpu)
-        if bs > self.future_map_size:
-            raise RuntimeError(f"batch of {bs} rows exceeds the future-token map ({self.future_map_size})")
-        if self.future_token_ids_ct + bs > self.future_map_size:
+        rows = sum(mwb.spec_rows) if mwb.spec_rows else bs  # a verify pass samples every draft's row
+        if rows > self.future_map_size:
+            raise RuntimeError(f"batch of {rows} rows exceeds the future-token map ({self.future_map_size})")
+        if self.future_token_ids_ct + rows > self.future_map_size:
             self.future_token_ids_ct = 0  # a launch's slots never wrap around the end
         start = self.future_token_ids_ct
-        self.future_token_ids_ct += bs
+        self.future_token_ids_ct += rows
         launch_event = None
         if self.is_cuda:
             launch_event = torch.cuda.Event()
