@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plugins", help="list loaded plugins and what they contribute")
     p.set_defaults(func=cmd_plugins)
+
+    from workbench.sim import add_parser as add_sim
+
+    add_sim(sub)
     return parser
 
 

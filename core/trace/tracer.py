@@ -57,8 +57,10 @@ class Tracer:
         sndhwm: int = 32,
         flush_interval_s: Optional[float] = 0.25,
         max_buffer: int = 4096,
+        clock: Callable[[], int] = time.monotonic_ns,
     ):
         self.proc = proc
+        self.clock = clock  # events' ts; the simulator's clock in simulated runs (core/simulation)
         self.endpoint = endpoint
         self.step = -1
         self.enabled = bool(enabled) and (endpoint is not None or sink is not None)
@@ -91,7 +93,7 @@ class Tracer:
             return
         try:
             if not event.ts:
-                event.ts = time.monotonic_ns()
+                event.ts = self.clock()
             if not event.proc:
                 event.proc = self.proc
             if event.step == -1:
@@ -156,7 +158,7 @@ class Tracer:
         self.dropped_total += n
 
     def _dropped_marker(self) -> TraceDropped:
-        return TraceDropped(ts=time.monotonic_ns(), proc=self.proc, step=self.step, count=self._pending_dropped)
+        return TraceDropped(ts=self.clock(), proc=self.proc, step=self.step, count=self._pending_dropped)
 
     def _send_sink(self, batch: list[Event]) -> None:
         n = len(batch)

@@ -1,0 +1,97 @@
+"""How long one forward pass would take: a roofline per component, summed.
+
+For a pass over requests with `new[i]` tokens each and `ctx[i]` tokens of context after it:
+
+    linear layers + LM head   max(FLOPs / achievable FLOP/s, weight bytes / achievable bandwidth)
+    attention                 max(FLOPs / achievable FLOP/s, KV bytes read and written / bandwidth)
+    tensor parallel           two all-reduces per layer of the pass's hidden states (ring)
+    per pass                  the hardware's fixed overhead (launches, batch preparation)
+
+Everything is per TP rank: weights, heads and KV split over `tp` devices. A mixture of experts
+reads only the experts its tokens were routed to: with T*k assignments spread evenly over E
+experts, E * (1 - (1 - 1/E)^(T*k)) of them on average. Decode at small batch is bound by the
+weight bytes, prefill by the FLOPs; the efficiencies (hardware.py) are where reality differs from
+the spec sheet, and a calibration (`scale`) multiplies the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workbench.core.simulation.hardware import Hardware
+from workbench.core.simulation.model_specs import ModelSpec
+
+
+@dataclass
+class StepCost:
+    """One pass's predicted time and its parts, in seconds."""
+
+    linear: float
+    attention: float
+    comm: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.linear + self.attention + self.comm + self.overhead
+
+
+class CostModel:
+    def __init__(self, model: ModelSpec, hw: Hardware, tp: int = 1, dtype_bytes: int = 2, scale: float = 1.0):
+        if tp < 1 or model.heads % tp:
+            raise ValueError(f"tensor parallel size {tp} must divide the model's {model.heads} attention heads")
+        self.model, self.hw, self.tp, self.dtype_bytes, self.scale = model, hw, tp, dtype_bytes, scale
+        self.flops = hw.peak_flops * hw.flop_efficiency
+        self.bw = hw.mem_bw * hw.bw_efficiency
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def weight_bytes_per_rank(self) -> float:
+        return self.model.total_params() * self.dtype_bytes / self.tp
+
+    def kv_bytes_per_token_per_rank(self) -> float:
+        m = self.model
+        kv_heads = max(1, m.kv_heads // self.tp)  # fewer KV heads than ranks: each rank keeps one
+        return 2 * m.layers * kv_heads * m.head_dim * self.dtype_bytes
+
+    def kv_pool_tokens(self) -> int:
+        """The KV pool a rank can hold: its KV budget, or its memory share minus its weights."""
+        hw = self.hw
+        budget = (
+            hw.kv_bytes if hw.kv_bytes is not None else hw.mem_bytes * hw.mem_fraction - self.weight_bytes_per_rank()
+        )
+        tokens = int(budget // self.kv_bytes_per_token_per_rank())
+        if tokens < 256:
+            raise ValueError(
+                f"{self.model.name} does not fit {hw.name} x{self.tp}: {self.weight_bytes_per_rank() / 1e9:.1f} GB of "
+                f"weights per device leave room for {max(tokens, 0)} KV tokens (use more --tp-size or a bigger device)"
+            )
+        return tokens
+
+    # ---- time -------------------------------------------------------------------------------------
+    def step(self, new_tokens: list[int], contexts: list[int], logits_rows: int | None = None) -> StepCost:
+        """The pass over requests with new_tokens[i] new tokens and contexts[i] tokens after it."""
+        m, tp, b = self.model, self.tp, self.dtype_bytes
+        t = sum(new_tokens)
+        rows = len(new_tokens) if logits_rows is None else logits_rows
+        hit = m.experts * (1.0 - (1.0 - 1.0 / m.experts) ** (t * m.top_k)) if m.experts else 0.0
+        mlp_weights = m.dense_mlp_params() + m.expert_params(hit)
+        lm_head = m.vocab * m.hidden
+        lin_flops = 2 * t * (m.layers * m.attn_params() + m.active_mlp_params()) + 2 * rows * lm_head
+        lin_bytes = b * (m.layers * m.attn_params() + mlp_weights + lm_head)
+        linear = max(lin_flops / tp / self.flops, lin_bytes / tp / self.bw)
+
+        attn_flops = 0.0
+        kv_read = 0
+        for n, ctx in zip(new_tokens, contexts):
+            # each new token attends to the prefix and to the new tokens before it (causal)
+            attn_flops += 4 * m.layers * m.heads * m.head_dim * n * (ctx - n + (n + 1) / 2)
+            kv_read += ctx
+        kv_bytes = (kv_read + t) * self.kv_bytes_per_token_per_rank()
+        attention = max(attn_flops / tp / self.flops, kv_bytes / self.bw)
+
+        comm = 0.0
+        if tp > 1:  # ring all-reduce after attention and after the MLP, every layer
+            size = t * m.hidden * b
+            comm = 2 * m.layers * (self.hw.link_latency_s + 2 * (tp - 1) / tp * size / self.hw.link_bw)
+        s = self.scale
+        return StepCost(linear * s, attention * s, comm * s, self.hw.step_overhead_s * s)

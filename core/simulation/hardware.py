@@ -1,0 +1,63 @@
+"""The deployments the simulator knows: what one device can do, from public spec sheets.
+
+Peak figures are the vendors' dense (no sparsity) numbers; `flop_efficiency` and `bw_efficiency`
+are the fractions a serving engine's kernels typically reach (GEMMs at large batch, and streaming
+weights and KV at small batch), the knobs a calibration file corrects (cost_model.py).
+
+Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOP/s BF16 dense, 3.35 TB/s HBM3,
+80 GB, NVLink 900 GB/s total); NVIDIA H200 datasheet (SXM: 989 TFLOP/s BF16 dense, 4.8 TB/s
+HBM3e, 141 GB, NVLink 900 GB/s); NVIDIA A100 datasheet (80GB SXM: 312 TFLOP/s BF16 dense,
+2.039 TB/s, NVLink 600 GB/s); NVIDIA L4 datasheet (121 TFLOP/s BF16 dense, 300 GB/s GDDR6,
+24 GB, PCIe Gen4 x16 64 GB/s). `cpu-here` is this project's 2-core AVX2 machine, measured
+(docs/benchmarks.md): 20.7 GB/s read on one core and 35 GB/s on two (a streaming-read loop),
+float32 GEMMs at ~56 GFLOP/s per core (the model harness at batch 32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # FLOP/s per device at the serving dtype (bf16 on GPUs, float32 on cpu-here)
+    mem_bw: float  # bytes/s per device
+    mem_bytes: float  # device memory for weights + KV
+    link_bw: float  # bytes/s per device for TP collectives (one direction)
+    link_latency_s: float  # per collective
+    step_overhead_s: float  # per forward pass: launches, host-side batch preparation
+    flop_efficiency: float = 0.6
+    bw_efficiency: float = 0.8
+    mem_fraction: float = 0.85  # of memory for weights + KV (SGLang's mem_fraction_static)
+    kv_bytes: float | None = None  # a fixed KV budget per device instead (the CPU engine's default)
+
+
+GB = 1e9
+
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware("h100", 989e12, 3.35e12, 80 * GB, 450 * GB, 8e-6, 4e-4),
+    "h200": Hardware("h200", 989e12, 4.8e12, 141 * GB, 450 * GB, 8e-6, 4e-4),
+    "a100-80g": Hardware("a100-80g", 312e12, 2.039e12, 80 * GB, 300 * GB, 1e-5, 5e-4),
+    "l4": Hardware("l4", 121e12, 300 * GB, 24 * GB, 32 * GB, 2e-5, 5e-4),
+    # This machine at two threads, float32; the KV budget is the engine's CPU default (0.5 GiB).
+    "cpu-here": Hardware(
+        "cpu-here",
+        112e9,
+        35 * GB,
+        8 * GB,
+        10 * GB,
+        5e-5,
+        2e-3,
+        flop_efficiency=0.55,
+        bw_efficiency=0.75,
+        kv_bytes=0.5 * 2**30,
+    ),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+    try:
+        return HARDWARE[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}") from None

@@ -1,0 +1,310 @@
+"""The real Scheduler over a cost model, on a simulated clock (issue #19).
+
+    sim = Simulator("llama-3.1-70b", "h100", tp_size=8, schedule_policy="lpm")
+    result = sim.run(poisson_workload(rate=20, n=1000, prompt_len=(256, 2048), output_len=(64, 512)))
+    print(result.summary())
+
+The Scheduler is the one `run_scheduler_process` builds (admission, every policy, chunked prefill,
+the radix cache, retraction), constructed in-process with a `SimWorker` in place of the model
+worker: a pass computes nothing, samples its tokens from a seeded generator, and advances the
+`SimClock` by the time `CostModel` predicts for the pass's shape. The driver feeds each request
+when the simulated clock reaches its arrival time and jumps the clock over idle gaps, so a run
+takes the scheduler's own Python time, not the deployment's. Every time reported (TTFT, TPOT,
+latency, throughput, the trace's timestamps) is simulated time.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from workbench.core.args import ServerArgs
+from workbench.core.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
+from workbench.core.layers.logits_processor import LogitsOutput
+from workbench.core.layers.sampler import SamplerOutput
+from workbench.core.managers.scheduler import Scheduler
+from workbench.core.managers.tp_worker import ForwardOutput, GenerationBatchResult
+from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from workbench.core.sampling.sampling_params import SamplingParams
+from workbench.core.simulation.cost_model import CostModel
+from workbench.core.simulation.hardware import get_hardware
+from workbench.core.simulation.model_specs import model_spec
+from workbench.core.trace.tracer import Tracer
+
+FIRST_TOKEN = 3  # sampled ids stay clear of the usual special ids 0-2
+
+
+class SimClock:
+    """Simulated seconds since the run began; `ns()` is the trace's clock."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def ns(self) -> int:
+        return int(self.now * 1e9)
+
+
+class SimRunner:
+    """What the Scheduler reads off its model runner: the config numbers and the (real) pools."""
+
+    def __init__(self, spec, cost: CostModel, max_total_tokens: int, max_running_requests: int, context_len: int):
+        self.model_config = SimpleNamespace(context_len=context_len, vocab_size=spec.vocab, eos_token_ids=[0])
+        self.max_total_num_tokens = max_total_tokens
+        self.max_running_requests = max_running_requests
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len + 8)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_tokens)
+        self.device = "cpu"
+        self.dtype = torch.bfloat16
+        self.prepared = SimpleNamespace(model_dir=None)
+        self.attn_backend = SimpleNamespace(name="simulated")
+        self.load_time_s = 0.0
+
+    def graph_plan(self, forward_mode, batch_size, return_all_logits=False):
+        return False, batch_size
+
+
+class SimWorker:
+    """The model worker's interface; a pass advances the clock by its predicted time."""
+
+    def __init__(self, runner: SimRunner, cost: CostModel, clock: SimClock, seed: int):
+        self.model_runner = runner
+        self.cost, self.clock = cost, clock
+        self.rng = random.Random(seed)
+        self.tp_rank = 0
+        self.busy_s = 0.0  # simulated time spent in passes
+        self.passes = 0
+
+    def forward_batch(self, mwb) -> ForwardOutput:
+        new = list(mwb.extend_seq_lens_cpu)
+        rows = mwb.spec_rows or [1] * len(new)
+        dt = self.cost.step(new, list(mwb.seq_lens_cpu), logits_rows=sum(rows)).total
+        self.clock.now += dt
+        self.busy_s += dt
+        self.passes += 1
+        vocab = self.model_runner.model_config.vocab_size
+        ids = torch.tensor([self.rng.randrange(FIRST_TOKEN, vocab) for _ in range(sum(rows))], dtype=torch.int64)
+        self._last_ms = dt * 1000
+        return ForwardOutput(LogitsOutput(next_token_logits=torch.zeros((len(ids), 1))), SamplerOutput(ids), None)
+
+    def forward_batch_generation(self, mwb) -> GenerationBatchResult:
+        out = self.forward_batch(mwb)
+        ids = out.sampler_output.next_token_ids.tolist()
+        return GenerationBatchResult(out.logits_output, out.sampler_output, ids, self._last_ms, None)
+
+
+class _ListIO:
+    def __init__(self):
+        self.inbox: list = []
+        self.outbox: list = []
+
+    def recv(self, timeout_ms: int = 0) -> list:
+        out, self.inbox = self.inbox, []
+        return out
+
+    def send(self, msg) -> None:
+        self.outbox.append(msg)
+
+
+class _NoTokenizer:
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+
+@dataclass
+class SimRequest:
+    """One request of a workload: when it arrives, its prompt and output lengths, and optionally a
+    shared-prefix group (requests of a group start with the same `prefix_len` tokens)."""
+
+    arrival: float
+    prompt_len: int
+    output_len: int
+    group: Optional[int] = None
+    prefix_len: int = 0
+
+
+@dataclass
+class SimResult:
+    hardware: str
+    model: str
+    tp_size: int
+    kv_pool_tokens: int
+    wall_s: float  # real seconds the simulation took
+    sim_s: float  # simulated seconds from the first arrival to the last token
+    ttft: dict[str, float] = field(default_factory=dict)
+    latency: dict[str, float] = field(default_factory=dict)
+    tpot: dict[str, float] = field(default_factory=dict)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    peak_kv_used: int = 0
+    steps: int = 0
+    retracted: int = 0
+
+    def _pct(self, values: dict[str, float], q: float) -> float:
+        v = sorted(values.values())
+        return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "requests": len(self.latency),
+            "output_tok_s": self.output_tokens / self.sim_s if self.sim_s else 0.0,
+            "ttft_p50_ms": 1000 * self._pct(self.ttft, 0.5),
+            "ttft_p99_ms": 1000 * self._pct(self.ttft, 0.99),
+            "tpot_p50_ms": 1000 * self._pct(self.tpot, 0.5),
+            "tpot_p99_ms": 1000 * self._pct(self.tpot, 0.99),
+            "cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "peak_kv_frac": self.peak_kv_used / self.kv_pool_tokens if self.kv_pool_tokens else 0.0,
+            "retracted": self.retracted,
+            "steps": self.steps,
+        }
+
+    def summary(self) -> str:
+        m = self.metrics()
+        return (
+            f"SIMULATED {self.hardware}x{self.tp_size}, {self.model}: {m['requests']} requests in {self.sim_s:.1f} "
+            f"simulated s ({self.wall_s:.1f} s real, {m['steps']} steps); {m['output_tok_s']:.0f} output tok/s; "
+            f"TTFT p50 {m['ttft_p50_ms']:.0f} ms p99 {m['ttft_p99_ms']:.0f} ms; TPOT p50 {m['tpot_p50_ms']:.1f} ms "
+            f"p99 {m['tpot_p99_ms']:.1f} ms; cache hit {m['cache_hit_rate']:.0%}; peak KV {m['peak_kv_frac']:.0%} of "
+            f"{self.kv_pool_tokens} tokens; {m['retracted']} retracted"
+        )
+
+
+class Simulator:
+    """A deployment that is not there: `model` (a name of model_specs.KNOWN or an HF config.json),
+    `hardware` (hardware.HARDWARE), `tp_size` devices per replica; the rest are ServerArgs fields
+    (schedule_policy, chunked_prefill_size, max_running_requests, ...), as the real engine takes them."""
+
+    def __init__(
+        self,
+        model: str,
+        hardware: str,
+        tp_size: int = 1,
+        dtype_bytes: Optional[int] = None,
+        seed: int = 0,
+        scale: float = 1.0,
+        trace_sink=None,
+        **server_args,
+    ):
+        self.spec = model_spec(model)
+        self.hw = get_hardware(hardware)
+        self.tp_size = tp_size
+        if dtype_bytes is None:  # bf16 on GPUs; the CPU engine's float32 on this machine (no AVX-512 bf16)
+            dtype_bytes = 4 if self.hw.name == "cpu-here" else 2
+        self.cost = CostModel(self.spec, self.hw, tp_size, dtype_bytes, scale)
+        self.clock = SimClock()
+        pool = self.cost.kv_pool_tokens()
+        server_args.setdefault("max_total_tokens", pool)
+        server_args.setdefault("chunked_prefill_size", 2048 if self.hw.name == "cpu-here" else 8192)
+        server_args.setdefault("max_running_requests", 256 if self.hw.name != "cpu-here" else 128)
+        self.args = ServerArgs(device="cpu", disable_overlap_schedule=True, **server_args)
+        context = min(self.spec.context_len, server_args.get("context_length") or self.spec.context_len)
+        self.runner = SimRunner(
+            self.spec, self.cost, self.args.max_total_tokens, self.args.max_running_requests, context
+        )
+        self.worker = SimWorker(self.runner, self.cost, self.clock, seed)
+        self.io = _ListIO()
+        self.tracer = Tracer("scheduler", sink=trace_sink, enabled=trace_sink is not None, clock=self.clock.ns)
+        self.scheduler = Scheduler(
+            self.args, None, worker=self.worker, io=self.io, tokenizer=_NoTokenizer(), tracer=self.tracer
+        )
+        self.seed = seed
+
+    def _prompt(self, i: int, r: SimRequest) -> list[int]:
+        vocab = self.spec.vocab
+        rng = random.Random(self.seed * 1_000_003 + i)
+        own = [rng.randrange(FIRST_TOKEN, vocab) for _ in range(r.prompt_len - min(r.prefix_len, r.prompt_len))]
+        if r.group is None or r.prefix_len <= 0:
+            return own
+        g = random.Random(self.seed * 7919 + 104729 * (r.group + 1))
+        return [g.randrange(FIRST_TOKEN, vocab) for _ in range(min(r.prefix_len, r.prompt_len))] + own
+
+    def run(self, workload: list[SimRequest], progress=None) -> SimResult:
+        """Run every request to the end; returns the simulated-time metrics."""
+        t0 = time.perf_counter()
+        s, clock, io = self.scheduler, self.clock, self.io
+        order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
+        arrival: dict[str, float] = {}
+        first: dict[str, float] = {}
+        res = SimResult(self.hw.name, self.spec.name, self.tp_size, self.runner.max_total_num_tokens, 0.0, 0.0)
+        counts: dict[str, int] = {}
+        nxt = 0
+        alloc = self.runner.token_to_kv_pool_allocator
+        total = self.runner.max_total_num_tokens
+        while nxt < len(order) or s.has_work() or io.inbox:
+            while nxt < len(order) and workload[order[nxt]].arrival <= clock.now:
+                i = order[nxt]
+                r = workload[i]
+                rid = f"r{i}"
+                arrival[rid] = r.arrival
+                params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+                io.inbox.append(
+                    TokenizedGenerateReqInput(
+                        rid=rid, input_text="", input_ids=self._prompt(i, r), sampling_params=params
+                    )
+                )
+                res.prompt_tokens += r.prompt_len
+                nxt += 1
+            if not s.has_work() and not io.inbox:
+                clock.now = max(clock.now, workload[order[nxt]].arrival)  # idle: jump to the next arrival
+                continue
+            s.step_normal()
+            res.steps += 1
+            res.peak_kv_used = max(res.peak_kv_used, total - alloc.available_size() - s.tree_cache.evictable_size())
+            for msg in io.outbox:
+                if not isinstance(msg, BatchTokenIDOut):
+                    continue
+                for j, rid in enumerate(msg.rids):
+                    if msg.new_token_ids[j] and rid not in first:
+                        first[rid] = clock.now
+                        res.ttft[rid] = clock.now - arrival[rid]
+                    counts[rid] = msg.completion_tokens[j]
+                    if msg.finished_reasons[j] is not None:
+                        res.latency[rid] = clock.now - arrival[rid]
+                        res.cached_tokens += msg.cached_tokens[j]
+                        n = msg.completion_tokens[j]
+                        if n > 1:
+                            res.tpot[rid] = (clock.now - first[rid]) / (n - 1)
+            io.outbox.clear()
+            if progress is not None and res.steps % 500 == 0:
+                progress(len(res.latency), len(workload), clock.now)
+        res.output_tokens = sum(counts.values())
+        res.retracted = s.num_retracted_total
+        start = min((r.arrival for r in workload), default=0.0)
+        res.sim_s = clock.now - start
+        res.wall_s = time.perf_counter() - t0
+        return res
+
+
+def poisson_workload(
+    rate: float,
+    n: int,
+    prompt_len: tuple[int, int] = (128, 1024),
+    output_len: tuple[int, int] = (64, 256),
+    seed: int = 0,
+    groups: int = 0,
+    prefix_len: int = 0,
+) -> list[SimRequest]:
+    """`n` requests arriving as a Poisson process of `rate` per simulated second (rate <= 0: all at
+    once), lengths uniform in the ranges; with `groups`, each request shares one of `groups` prefixes
+    of `prefix_len` tokens."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        if rate > 0:
+            t += rng.expovariate(rate)
+        p = rng.randint(*prompt_len)
+        g = rng.randrange(groups) if groups else None
+        out.append(
+            SimRequest(t, max(p, prefix_len + 1) if g is not None else p, rng.randint(*output_len), g, prefix_len)
+        )
+    return out
+
+
+def median(values) -> float:
+    return statistics.median(values) if values else float("nan")

@@ -1,0 +1,110 @@
+"""Simulation at scale (issue #19): the cost model's shape, model sizes against transformers, and the
+real Scheduler run over a simulated clock (every request to its exact length, the KV invariants,
+simulated timestamps in the trace, determinism), and the CLI's sweep table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tiny_models import make_tiny_family, make_tiny_llama
+from workbench.core.simulation.cost_model import CostModel
+from workbench.core.simulation.hardware import get_hardware
+from workbench.core.simulation.model_specs import KNOWN, model_spec
+from workbench.core.simulation.simulator import SimRequest, Simulator, poisson_workload
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mixtral", "qwen3"])
+def test_parameter_counts_equal_transformers(tmp_path, family):
+    """A config.json read as a ModelSpec counts the parameters transformers builds from it."""
+    from transformers import AutoModelForCausalLM
+
+    d = make_tiny_llama(tmp_path / family) if family == "llama" else make_tiny_family(tmp_path / family, family)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    spec = model_spec(str(d))
+    assert spec.total_params() == model.num_parameters() - norms  # norms are noise at scale: not counted
+
+
+def test_decode_is_bandwidth_bound_prefill_compute_bound_and_tp_splits_both():
+    spec, h100 = KNOWN["llama-3.1-70b"], get_hardware("h100")
+    one, eight = CostModel(spec, h100, tp=1), CostModel(spec, h100, tp=8)
+    decode = one.step([1], [1000])
+    weights = spec.total_params() * 2
+    assert decode.linear == pytest.approx(weights / (h100.mem_bw * h100.bw_efficiency), rel=0.02)
+    prefill = one.step([8192], [8192])
+    flops = 2 * 8192 * (spec.total_params() - spec.embed_params() + spec.vocab * spec.hidden / 8192)
+    assert prefill.linear == pytest.approx(flops / (h100.peak_flops * h100.flop_efficiency), rel=0.02)
+    assert prefill.attention > 100 * decode.attention
+    d8 = eight.step([1], [1000])
+    assert d8.linear == pytest.approx(decode.linear / 8, rel=1e-6) and d8.comm > 0 and decode.comm == 0
+    # a step of 64 decodes costs far less than 64 steps of one (the weights are read once)
+    assert one.step([1] * 64, [1000] * 64).total < 3 * decode.total
+    moe = CostModel(KNOWN["qwen3-30b-a3b"], h100)
+    assert moe.step([1], [100]).linear < moe.step([1] * 256, [100] * 256).linear / 4  # few experts hit at bs 1
+
+
+def test_the_kv_pool_comes_from_memory_and_says_when_a_model_does_not_fit():
+    spec = KNOWN["llama-3.1-70b"]
+    eight = CostModel(spec, get_hardware("h100"), tp=8)
+    per_rank = 80e9 * 0.85 - spec.total_params() * 2 / 8
+    assert eight.kv_pool_tokens() == int(per_rank // (2 * 80 * 1 * 128 * 2))  # 8 KV heads over 8 ranks: 1 each
+    with pytest.raises(ValueError, match="does not fit"):
+        CostModel(spec, get_hardware("h100"), tp=1).kv_pool_tokens()
+    with pytest.raises(ValueError, match="neither a known model"):
+        model_spec("no-such-model")
+
+
+def test_the_real_scheduler_runs_a_stream_on_simulated_time():
+    events: list = []
+    sim = Simulator("llama-3.1-8b", "h100", trace_sink=events.extend, max_running_requests=32)
+    work = poisson_workload(rate=50, n=120, prompt_len=(64, 600), output_len=(8, 64), seed=3, groups=3, prefix_len=256)
+    result = sim.run(work)
+    assert len(result.latency) == 120 and result.output_tokens == sum(r.output_len for r in work)
+    assert all(0 < result.ttft[rid] <= result.latency[rid] for rid in result.latency)
+    assert result.cached_tokens > 0  # shared prefixes hit the radix cache
+    sim.scheduler.check_kv_invariants()
+    assert not sim.scheduler.has_work()
+    steps = [e for e in events if type(e).__name__ == "BatchStep"]
+    assert steps and [e.ts for e in steps] == sorted(e.ts for e in steps)
+    assert steps[-1].ts <= sim.clock.now * 1e9 + 1 and steps[0].ts >= 0  # the trace carries simulated time
+    assert result.sim_s >= max(r.arrival for r in work)
+    again = Simulator("llama-3.1-8b", "h100", max_running_requests=32).run(work)
+    assert again.metrics() == result.metrics()  # deterministic
+
+
+def test_kv_pressure_retracts_and_still_finishes_everything():
+    sim = Simulator("smollm2-135m", "cpu-here", max_total_tokens=2048, max_running_requests=32)
+    work = [SimRequest(0.0, 200, 300) for _ in range(12)]
+    result = sim.run(work)
+    assert len(result.latency) == 12 and result.output_tokens == 12 * 300 and result.retracted > 0
+    sim.scheduler.check_kv_invariants()
+
+
+def test_sim_sweep_prints_one_row_per_setting(capsys, tmp_path):
+    from workbench.cli import build_parser
+
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(
+        "\n".join(json.dumps({"arrival": i * 0.01, "prompt_tokens": 300, "output_tokens": 20}) for i in range(40))
+    )
+    args = build_parser().parse_args(
+        [
+            "sim",
+            "sweep",
+            "--model",
+            "llama-3.1-8b",
+            "--workload",
+            str(wl),
+            "--vary",
+            "schedule_policy=fcfs,lpm",
+            "--vary",
+            "chunked_prefill_size=128,4096",
+        ]
+    )
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| schedule_policy=")]
+    assert len(rows) == 4 and "SIMULATED h100x1" in out

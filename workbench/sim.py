@@ -1,0 +1,173 @@
+"""`workbench sim run` and `workbench sim sweep`: the real scheduler over a cost model (issue #19).
+
+    workbench sim run --model llama-3.1-70b --simulate h100 --tp-size 8 --rate 20 --num-requests 2000
+    workbench sim sweep --model llama-3.1-8b --simulate h100 --rate 30 \\
+        --vary schedule_policy=fcfs,lpm --vary chunked_prefill_size=2048,8192
+
+Workloads: a Poisson stream (--rate, --num-requests, --prompt-len, --output-len, --groups and
+--prefix-len for shared prefixes), or --workload FILE, a JSONL of {"arrival", "prompt_tokens",
+"output_tokens", optional "group" and "prefix_tokens"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+from workbench.core.simulation.hardware import HARDWARE
+from workbench.core.simulation.model_specs import KNOWN
+from workbench.core.simulation.simulator import SimRequest, Simulator, poisson_workload
+
+COLUMNS = (
+    ("output_tok_s", "out tok/s", "{:.0f}"),
+    ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
+    ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"),
+    ("tpot_p50_ms", "TPOT p50 ms", "{:.1f}"),
+    ("tpot_p99_ms", "TPOT p99 ms", "{:.1f}"),
+    ("cache_hit_rate", "cache hit", "{:.0%}"),
+    ("peak_kv_frac", "peak KV", "{:.0%}"),
+    ("retracted", "retracted", "{}"),
+)
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    return int(lo), int(hi or lo)
+
+
+def load_workload(args) -> list[SimRequest]:
+    if args.workload:
+        out = []
+        with open(args.workload) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    d = json.loads(line)
+                    out.append(
+                        SimRequest(
+                            float(d["arrival"]),
+                            int(d["prompt_tokens"]),
+                            int(d["output_tokens"]),
+                            d.get("group"),
+                            int(d.get("prefix_tokens", 0)),
+                        )
+                    )
+                except (ValueError, KeyError) as exc:
+                    raise SystemExit(
+                        f"{args.workload}:{n}: {exc!r}; each line is a JSON object with arrival, prompt_tokens, "
+                        "output_tokens (and optionally group, prefix_tokens)"
+                    ) from None
+        return out
+    return poisson_workload(
+        args.rate,
+        args.num_requests,
+        _pair(args.prompt_len),
+        _pair(args.output_len),
+        seed=args.seed,
+        groups=args.groups,
+        prefix_len=args.prefix_len,
+    )
+
+
+def _simulator(args, **overrides) -> Simulator:
+    kw = dict(max_running_requests=args.max_running_requests, schedule_policy=args.schedule_policy)
+    if args.chunked_prefill_size is not None:
+        kw["chunked_prefill_size"] = args.chunked_prefill_size
+    kw.update(overrides)
+    tp = int(kw.pop("tp_size", args.tp_size))
+    hardware = kw.pop("simulate", args.simulate)
+    return Simulator(args.model, hardware, tp_size=tp, seed=args.seed, **kw)
+
+
+def cmd_run(args) -> int:
+    workload = load_workload(args)
+    sim = _simulator(args)
+
+    def progress(done, total, now):
+        print(f"[sim] {done}/{total} requests finished, {now:.1f} simulated s", file=sys.stderr, flush=True)
+
+    result = sim.run(workload, progress=progress)
+    print(result.summary())
+    return 0
+
+
+def _coerce(value: str):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def cmd_sweep(args) -> int:
+    grid = []
+    for spec in args.vary:
+        key, _, values = spec.partition("=")
+        if not values:
+            raise SystemExit(f"--vary {spec!r}: write KEY=V1,V2 (e.g. schedule_policy=fcfs,lpm)")
+        grid.append([(key.strip().replace("-", "_"), _coerce(v)) for v in values.split(",")])
+    workload = load_workload(args)
+    rows = []
+    for combo in itertools.product(*grid) if grid else [()]:
+        overrides = dict(combo)
+        label = ", ".join(f"{k}={v}" for k, v in combo) or "(as given)"
+        print(f"[sim] {label} ...", file=sys.stderr, flush=True)
+        result = _simulator(args, **overrides).run(workload)
+        rows.append((label, result))
+    first = rows[0][1]
+    print(
+        f"SIMULATED {first.hardware}x{first.tp_size}, {first.model}, {len(workload)} requests "
+        f"(simulated time; the scheduler is the real one)"
+    )
+    print("| setting | " + " | ".join(title for _, title, _ in COLUMNS) + " | real s |")
+    print("|---" * (len(COLUMNS) + 2) + "|")
+    for label, result in rows:
+        m = result.metrics()
+        cells = " | ".join(fmt.format(m[key]) for key, _, fmt in COLUMNS)
+        print(f"| {label} | {cells} | {result.wall_s:.1f} |")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("sim", help="simulate a deployment: the real scheduler over a cost model")
+    ssub = p.add_subparsers(dest="sim_command", metavar="ACTION")
+    for name, func, text in (
+        ("run", cmd_run, "run one workload and print throughput, TTFT, TPOT, cache hits, peak KV"),
+        ("sweep", cmd_sweep, "run the workload once per combination of --vary values and print a table"),
+    ):
+        q = ssub.add_parser(name, help=text, description=text)
+        q.add_argument(
+            "--model", default="llama-3.1-8b", help=f"a known model ({', '.join(KNOWN)}) or an HF config.json"
+        )
+        q.add_argument("--simulate", default="h100", choices=sorted(HARDWARE), help="the hardware simulated")
+        q.add_argument("--tp-size", type=int, default=1, help="tensor-parallel devices per replica")
+        q.add_argument("--schedule-policy", default="fcfs", help="the scheduler's admission order (fcfs, lpm, ...)")
+        q.add_argument("--chunked-prefill-size", type=int, default=None, help="prompt piece per step (default 8192)")
+        q.add_argument("--max-running-requests", type=int, default=256, help="most requests decoding at once")
+        q.add_argument("--workload", default=None, help="a JSONL workload (see the module docstring)")
+        q.add_argument(
+            "--rate", type=float, default=10.0, help="Poisson arrivals per simulated second (0: all at once)"
+        )
+        q.add_argument("--num-requests", type=int, default=500, help="requests in the Poisson workload")
+        q.add_argument("--prompt-len", default="128,1024", help="prompt tokens, uniform in LO,HI")
+        q.add_argument("--output-len", default="64,256", help="output tokens, uniform in LO,HI")
+        q.add_argument("--groups", type=int, default=0, help="shared-prefix groups (0: none)")
+        q.add_argument("--prefix-len", type=int, default=0, help="tokens of each group's shared prefix")
+        q.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampled tokens")
+        if name == "sweep":
+            q.add_argument(
+                "--vary", action="append", default=[], help="KEY=V1,V2: a ServerArgs field, tp_size or simulate"
+            )
+        q.set_defaults(func=func)
+    p.set_defaults(func=lambda a: p.print_help() or 2)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    parser = argparse.ArgumentParser(prog="workbench")
+    add_parser(parser.add_subparsers())
+    a = parser.parse_args()
+    raise SystemExit(a.func(a))
