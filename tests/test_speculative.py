@@ -126,15 +126,14 @@ def draft_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "setting",
+    "draft,setting",
     [
-        dict(max_total_tokens=4096),
-        dict(max_total_tokens=4096, chunked_prefill_size=16),
-        dict(max_total_tokens=600, max_running_requests=16, schedule_conservativeness=0.05),
+        ("itself", dict(max_total_tokens=4096)),
+        ("small", dict(max_total_tokens=4096, chunked_prefill_size=16)),
+        ("small", dict(max_total_tokens=600, max_running_requests=16, schedule_conservativeness=0.05)),
     ],
-    ids=["batched", "chunked-prefill", "retraction"],
+    ids=["itself-batched", "small-chunked-prefill", "small-retraction"],
 )
-@pytest.mark.parametrize("draft", ["itself", "small"])
 def test_standalone_drafts_keep_the_output(tiny_dir, draft_dir, plain_outputs, setting, draft):
     """The target as its own draft model (every draft right) and a one-layer model of other weights
     (most drafts wrong): the same tokens as without drafts; both pools whole after."""
