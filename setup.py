@@ -19,5 +19,5 @@ setup(
     packages=packages,
     package_dir=package_dir,
     include_package_data=True,
-    package_data={"workbench.core.layers.cpu_ops": ["*.c", "*.h"]},
+    package_data={"workbench.core.layers.cpu_ops": ["*.c", "*.h"], "workbench.core.simulation": ["data/*.json"]},
 )

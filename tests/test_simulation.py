@@ -108,3 +108,45 @@ def test_sim_sweep_prints_one_row_per_setting(capsys, tmp_path):
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.startswith("| schedule_policy=")]
     assert len(rows) == 4 and "SIMULATED h100x1" in out
+
+
+def test_calibration_interpolates_and_scales_the_passes(tmp_path):
+    from workbench.core.simulation.calibration import Calibration
+
+    cal = Calibration(
+        "h100",
+        "llama-3.1-8b",
+        [
+            dict(kind="decode", batch=1, context=64, measured_s=2.0, predicted_s=1.0),
+            dict(kind="decode", batch=4, context=64, measured_s=4.0, predicted_s=1.0),
+            dict(kind="extend", tokens=128, batch=1, context=128, measured_s=3.0, predicted_s=1.0),
+        ],
+    )
+    assert cal.factor([1]) == 2.0 and cal.factor([1, 1]) == pytest.approx(3.0) and cal.factor([1] * 64) == 4.0
+    assert cal.factor([500]) == 3.0 and cal.factor([7, 9]) == 3.0  # clamped at the ends; one curve per kind
+    cal.save(tmp_path / "c.json")
+    assert Calibration.load(tmp_path / "c.json").points == cal.points
+    work = poisson_workload(rate=0, n=16, prompt_len=(100, 200), output_len=(20, 40), seed=2)
+    plain = Simulator("llama-3.1-8b", "h100", calibration=None).run(work)
+    slow = Simulator("llama-3.1-8b", "h100", calibration=tmp_path / "c.json").run(work)
+    assert slow.sim_s > 2 * plain.sim_s and slow.output_tokens == plain.output_tokens
+
+
+def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
+    """The two commands end to end on a tiny model: a calibration file from real step times, then the
+    simulator beside the real engine on the same workloads (figures printed, not asserted)."""
+    from workbench.cli import build_parser
+    from workbench.core.simulation.calibration import Calibration
+
+    d = make_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "cal.json"
+    p = build_parser()
+    args = p.parse_args(["bench", "calibrate", "--quick", "--model", str(d), "--dtype", "float32", "--out", str(out)])
+    assert args.func(args) == 0
+    cal = Calibration.load(out)
+    assert {pt["kind"] for pt in cal.points} == {"decode", "extend"}
+    assert all(pt["measured_s"] > 0 and pt["predicted_s"] > 0 for pt in cal.points)
+    args = p.parse_args(["bench", "sim-accuracy", "--quick", "--model", str(d), "--dtype", "float32", "--rates", "4"])
+    assert args.func(args) == 0
+    table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| (") or ln.startswith("| Poisson")]
+    assert len(table) == 3

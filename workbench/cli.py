@@ -198,6 +198,9 @@ def _add_bench_parsers(bench_sub) -> None:
     from workbench.bench.threads import add_parser as add_threads_bench
 
     add_threads_bench(bench_sub)
+    from workbench.bench.calibrate import add_parsers as add_calibrate_benches
+
+    add_calibrate_benches(bench_sub)
     try:
         from workbench.bench.serve_bench import add_serve_bench_args
 

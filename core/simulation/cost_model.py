@@ -37,10 +37,13 @@ class StepCost:
 
 
 class CostModel:
-    def __init__(self, model: ModelSpec, hw: Hardware, tp: int = 1, dtype_bytes: int = 2, scale: float = 1.0):
+    def __init__(
+        self, model: ModelSpec, hw: Hardware, tp: int = 1, dtype_bytes: int = 2, scale: float = 1.0, calibration=None
+    ):
         if tp < 1 or model.heads % tp:
             raise ValueError(f"tensor parallel size {tp} must divide the model's {model.heads} attention heads")
         self.model, self.hw, self.tp, self.dtype_bytes, self.scale = model, hw, tp, dtype_bytes, scale
+        self.calibration = calibration  # calibration.Calibration: measured / predicted by pass shape
         self.flops = hw.peak_flops * hw.flop_efficiency
         self.bw = hw.mem_bw * hw.bw_efficiency
 
@@ -93,5 +96,5 @@ class CostModel:
         if tp > 1:  # ring all-reduce after attention and after the MLP, every layer
             size = t * m.hidden * b
             comm = 2 * m.layers * (self.hw.link_latency_s + 2 * (tp - 1) / tp * size / self.hw.link_bw)
-        s = self.scale
+        s = self.scale * (self.calibration.factor(new_tokens) if self.calibration is not None else 1.0)
         return StepCost(linear * s, attention * s, comm * s, self.hw.step_overhead_s * s)

@@ -19,6 +19,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
@@ -32,6 +33,7 @@ from workbench.core.managers.scheduler import Scheduler
 from workbench.core.managers.tp_worker import ForwardOutput, GenerationBatchResult
 from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from workbench.core.sampling.sampling_params import SamplingParams
+from workbench.core.simulation.calibration import Calibration, shipped
 from workbench.core.simulation.cost_model import CostModel
 from workbench.core.simulation.hardware import get_hardware
 from workbench.core.simulation.model_specs import model_spec
@@ -189,6 +191,7 @@ class Simulator:
         seed: int = 0,
         scale: float = 1.0,
         trace_sink=None,
+        calibration="auto",
         **server_args,
     ):
         self.spec = model_spec(model)
@@ -196,7 +199,12 @@ class Simulator:
         self.tp_size = tp_size
         if dtype_bytes is None:  # bf16 on GPUs; the CPU engine's float32 on this machine (no AVX-512 bf16)
             dtype_bytes = 4 if self.hw.name == "cpu-here" else 2
-        self.cost = CostModel(self.spec, self.hw, tp_size, dtype_bytes, scale)
+        if calibration == "auto":  # the shipped table for this hardware and model, if there is one
+            calibration = shipped(self.hw.name, self.spec.name) if tp_size == 1 else None
+        elif isinstance(calibration, (str, Path)):
+            calibration = Calibration.load(calibration)
+        self.calibration = calibration
+        self.cost = CostModel(self.spec, self.hw, tp_size, dtype_bytes, scale, calibration)
         self.clock = SimClock()
         pool = self.cost.kv_pool_tokens()
         server_args.setdefault("max_total_tokens", pool)

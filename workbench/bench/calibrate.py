@@ -1,0 +1,216 @@
+"""`workbench bench calibrate` and `workbench bench sim-accuracy` (issue #19).
+
+calibrate: the real Engine on a grid of pass shapes, each whole-step time measured beside the cost
+model's prediction, written as a calibration file (core/simulation/calibration.py):
+- decode batches of 1 to 64 requests at contexts of 64 and 512 tokens: (time for n new tokens -
+  time for 1) / (n - 1), so prefill is left out;
+- prompts of 32 to 2048 tokens, one request: the time to its first token.
+Each point is the smaller of two measurements.
+
+sim-accuracy: the engine benchmark's workloads run on the real Engine and in the simulator (the
+same lengths, the same shared prefixes, the same arrival times) in one command, side by side:
+(i) 32 mixed prompts at once, (ii) 32 sharing a 512-token prefix, and two Poisson streams.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import random
+import statistics
+import time
+
+NEW_DECODE = 16
+
+
+def _gen(engine, prompts: list[list[int]], new: int) -> float:
+    engine.flush_cache()
+    sp = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    engine.generate(input_ids=prompts, sampling_params=sp)
+    return time.perf_counter() - t0
+
+
+def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
+
+
+def _sim_name(engine, given) -> str:
+    from workbench.core.model_loader.resolve import DEFAULT_MODEL_FILE
+
+    if given:
+        return given
+    path = str(engine.model_path)
+    return "smollm2-135m" if path.endswith(DEFAULT_MODEL_FILE) or "SmolLM2-135M" in path else path
+
+
+def run_calibrate(args) -> int:
+    from workbench.bench.engine_bench import _progress
+    from workbench.core.args import ServerArgs
+    from workbench.core.engine import Engine
+    from workbench.core.simulation.calibration import DATA, Calibration
+    from workbench.core.simulation.cost_model import CostModel
+    from workbench.core.simulation.hardware import get_hardware
+    from workbench.core.simulation.model_specs import model_spec
+
+    sa = ServerArgs.from_cli_args(args).replace(show_progress=False)
+    batches = (1, 4) if args.quick else (1, 4, 16, 32, 64)
+    contexts = (16,) if args.quick else (64, 512)
+    prompt_lens = (32, 128) if args.quick else (32, 128, 512, 2048)
+    rng = random.Random(0)
+    loads = [f"{os.getloadavg()[0]:.2f}"]
+    with Engine(server_args=sa) as engine:
+        name = _sim_name(engine, args.sim_model)
+        spec = model_spec(name if name != str(engine.model_path) else str(engine.prepared.model_dir))
+        dtype_bytes = 4 if "float32" in str(engine.scheduler_info.get("dtype", "float32")) else 2
+        hw = get_hardware(args.simulate)
+        cost = CostModel(spec, hw, 1, dtype_bytes)
+        vocab = spec.vocab
+        points = []
+        for b in batches:
+            for c in contexts:
+                ps = _prompts(rng, b, c, vocab)
+                t = min((_gen(engine, ps, NEW_DECODE) - _gen(engine, ps, 1)) / (NEW_DECODE - 1) for _ in range(2))
+                pred = cost.step([1] * b, [c + NEW_DECODE // 2] * b).total
+                points.append(dict(kind="decode", batch=b, context=c, measured_s=t, predicted_s=pred))
+                _progress(f"decode batch {b}, context {c}: {1000 * t:.1f} ms/step (predicted {1000 * pred:.1f})")
+        for n in prompt_lens:
+            t = min(_gen(engine, _prompts(rng, 1, n, vocab), 1) for _ in range(2))
+            pred = cost.step([n], [n]).total
+            points.append(dict(kind="extend", tokens=n, batch=1, context=n, measured_s=t, predicted_s=pred))
+            _progress(f"prompt of {n} tokens: {1000 * t:.1f} ms to the first token (predicted {1000 * pred:.1f})")
+        loads.append(f"{os.getloadavg()[0]:.2f}")
+        meta = dict(
+            dtype_bytes=dtype_bytes,
+            threads=engine.scheduler_info.get("threads", ""),
+            load=" -> ".join(loads),
+            measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        )
+    cal = Calibration(hw.name, spec.name, points, meta)
+    out = args.out or (DATA / f"{hw.name}--{spec.name}.json" if args.install else None)
+    print(f"calibration of {spec.name} on {hw.name} (load {meta['load']}):")
+    print("| pass | measured ms | predicted ms | measured / predicted |\n|---|---|---|---|")
+    for p in points:
+        what = f"decode bs {p['batch']} ctx {p['context']}" if p["kind"] == "decode" else f"prefill {p['tokens']}"
+        print(
+            f"| {what} | {1000 * p['measured_s']:.1f} | {1000 * p['predicted_s']:.1f} | "
+            f"{p['measured_s'] / p['predicted_s']:.2f} |"
+        )
+    if out:
+        cal.save(out)
+        print(f"written to {out}")
+    return 0
+
+
+# ---- accuracy ---------------------------------------------------------------------------------
+def _real_stream(engine, prompts: list[list[int]], news: list[int], arrivals: list[float]) -> dict:
+    """Submit each request at its arrival time (threads); returns throughput and TTFT p50."""
+    engine.flush_cache()
+    t0 = time.perf_counter() + 0.05
+
+    def one(i):
+        delay = t0 + arrivals[i] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        sp = {"max_new_tokens": news[i], "temperature": 0.0, "ignore_eos": True}
+        out = engine.generate(input_ids=prompts[i], sampling_params=sp)
+        return out["meta_info"], time.perf_counter()
+
+    with cf.ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        results = list(pool.map(one, range(len(prompts))))
+    end = max(t for _, t in results)
+    tokens = sum(m["completion_tokens"] for m, _ in results)
+    return {"tok_s": tokens / (end - t0), "ttft_p50": statistics.median(m["ttft"] for m, _ in results)}
+
+
+def run_sim_accuracy(args) -> int:
+    from workbench.bench.engine_bench import _progress
+    from workbench.bench.peer_bench import build_workloads
+    from workbench.core.args import ServerArgs
+    from workbench.core.engine import Engine
+    from workbench.core.simulation.simulator import SimRequest, Simulator
+
+    sa = ServerArgs.from_cli_args(args).replace(show_progress=False)
+    rows = []
+    loads = [f"{os.getloadavg()[0]:.2f}"]
+    with Engine(server_args=sa) as engine:
+        name = _sim_name(engine, args.sim_model)
+        wl = {w.key: w for w in build_workloads(engine.tokenizer, args.quick)}
+        rng = random.Random(1)
+        n_stream = 8 if args.quick else 32
+        stream_prompts = [p for p in wl["i"].prompts][:n_stream]
+        cases = [
+            (wl["i"].label + ", at once", wl["i"].prompts, [wl["i"].new_tokens] * len(wl["i"].prompts), None, 0),
+            (
+                wl["ii"].label + ", at once",
+                wl["ii"].prompts,
+                [wl["ii"].new_tokens] * len(wl["ii"].prompts),
+                None,
+                0,
+            ),
+        ]
+        for rate in (args.rates or "0.5,2").split(","):
+            r = float(rate)
+            t, arr = 0.0, []
+            for _ in stream_prompts:
+                t += rng.expovariate(r)
+                arr.append(t)
+            cases.append(
+                (f"Poisson {r:g}/s, {len(stream_prompts)} requests", stream_prompts, [64] * len(stream_prompts), arr, 0)
+            )
+        for label, prompts, news, arrivals, _ in cases:
+            _progress(f"real engine: {label}")
+            real = _real_stream(engine, prompts, news, arrivals or [0.0] * len(prompts))
+            shared = 512 if label.startswith("(ii)") and not args.quick else (64 if label.startswith("(ii)") else 0)
+            work = [
+                SimRequest((arrivals or [0.0] * len(prompts))[i], len(p), news[i], 0 if shared else None, shared)
+                for i, p in enumerate(prompts)
+            ]
+            sim = Simulator(
+                name,
+                args.simulate,
+                max_running_requests=sa.max_running_requests,
+                chunked_prefill_size=sa.resolved_chunked_prefill_size() or -1,
+            ).run(work)
+            m = sim.metrics()
+            rows.append((label, real["tok_s"], m["output_tok_s"], 1000 * real["ttft_p50"], m["ttft_p50_ms"]))
+            loads.append(f"{os.getloadavg()[0]:.2f}")
+    print(
+        f"\nsimulator ({args.simulate}, {name}, shipped calibration) against the real engine, same run; "
+        f"load {' -> '.join(loads)}"
+    )
+    print(
+        "| workload | real out tok/s | simulated | sim / real | real TTFT p50 ms | simulated | sim / real | "
+        "within 15% |\n|---|---|---|---|---|---|---|---|"
+    )
+    for label, rt, st, rf, sf in rows:
+        ok = abs(st / rt - 1) <= 0.15 and abs(sf / rf - 1) <= 0.15
+        print(
+            f"| {label} | {rt:.1f} | {st:.1f} | {st / rt:.2f} | {rf:.0f} | {sf:.0f} | {sf / rf:.2f} | "
+            f"{'yes' if ok else 'no'} |"
+        )
+    return 0
+
+
+def add_parsers(bench_sub) -> None:
+    from workbench.core.args import ServerArgs
+
+    p = bench_sub.add_parser("calibrate", help="measure the real engine's step times for the simulator's cost model")
+    ServerArgs.add_cli_args(p)
+    p.add_argument("--simulate", default="cpu-here", help="the hardware entry this machine is (default cpu-here)")
+    p.add_argument("--sim-model", default=None, help="the model's name in the simulator (default: from --model)")
+    p.add_argument("--out", default=None, help="write the calibration JSON here")
+    p.add_argument("--install", action="store_true", help="write it where the simulator looks (core/simulation/data)")
+    p.add_argument("--quick", action="store_true", help="a tiny grid (smoke test)")
+    p.set_defaults(func=run_calibrate)
+
+    q = bench_sub.add_parser("sim-accuracy", help="the simulator against the real engine on the same workloads")
+    ServerArgs.add_cli_args(q)
+    q.add_argument("--simulate", default="cpu-here", help="the hardware entry this machine is (default cpu-here)")
+    q.add_argument("--sim-model", default=None, help="the model's name in the simulator (default: from --model)")
+    q.add_argument("--rates", default=None, help="Poisson arrival rates per second, comma-separated (default 0.5,2)")
+    q.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    q.set_defaults(func=run_sim_accuracy)
+
+
+__all__ = ["add_parsers", "run_calibrate", "run_sim_accuracy"]
