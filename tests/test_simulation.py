@@ -150,3 +150,56 @@ def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
     assert args.func(args) == 0
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| (") or ln.startswith("| Poisson")]
     assert len(table) == 3
+
+
+def test_a_simulated_run_records_a_trace_the_views_read(tmp_path):
+    """`sim run --record`: a recording whose header says SIMULATED, folded by the views' reducer."""
+    from workbench.cli import build_parser
+    from workbench.core.trace.recorder import read_trace
+    from workbench.core.trace.state import TraceState
+
+    path = tmp_path / "sim.jsonl"
+    args = build_parser().parse_args(
+        [
+            "sim",
+            "run",
+            "--model",
+            "llama-3.1-8b",
+            "--simulate",
+            "h100",
+            "--num-requests",
+            "30",
+            "--rate",
+            "20",
+            "--record",
+            str(path),
+        ]
+    )
+    assert args.func(args) == 0
+    header, events = read_trace(path)
+    assert header.model.startswith("SIMULATED h100x1")
+    state = TraceState()
+    state.apply_many([header, *events])
+    assert len(state.steps) > 10 and state.model.startswith("SIMULATED") and state.kv is not None
+    assert state.last_ts == max(e.ts for e in events) < 60e9  # simulated seconds, not this machine's clock
+
+
+async def test_the_tui_replays_a_simulated_run_with_its_badge(tmp_path):
+    """The TUI over a simulated recording (Pilot): the status line says SIMULATED, the batch panel fills."""
+    from textual.widgets import Static
+    from tui_helpers import replay_app, show_at, wait_for
+    from workbench.core.trace.recorder import Recorder
+
+    path = tmp_path / "sim.jsonl"
+    rec = Recorder(path, model="SIMULATED h100x8 llama-3.1-70b")
+    Simulator("llama-3.1-70b", "h100", tp_size=8, trace_sink=rec).run(
+        poisson_workload(rate=20, n=20, prompt_len=(100, 300), output_len=(10, 30), seed=5)
+    )
+    rec.close()
+    app, replay = replay_app(str(path))
+    async with app.run_test(size=(160, 50)) as pilot:
+        await show_at(app, pilot, replay, replay.end_ns)
+        await wait_for(lambda: "SIMULATED h100x8" in app.controller.status())
+        assert len(app.model.state.steps) > 5
+        texts = " ".join(str(w.render()) for w in app.query(Static))
+        assert "SIMULATED h100x8" in texts

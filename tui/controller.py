@@ -304,7 +304,10 @@ class ReplayController(Controller):
             replay.set_speed(speed)
         self._autoplay = autoplay
         self.paused = not autoplay
-        self.title = title or (replay.header.model if getattr(replay, "header", None) else "")
+        recorded = replay.header.model if getattr(replay, "header", None) else ""
+        self.title = title or recorded
+        if recorded.startswith("SIMULATED") and recorded not in self.title:
+            self.title = f"{recorded} · {self.title}"  # a simulated run says so in every view's status line
         # The clock starts at the first request/step event, not at the engine's start-up.
         self.origin_ns = replay.origin_ns
 

@@ -77,20 +77,32 @@ def _simulator(args, **overrides) -> Simulator:
     if args.chunked_prefill_size is not None:
         kw["chunked_prefill_size"] = args.chunked_prefill_size
     kw.update(overrides)
+    sink = kw.pop("trace_sink", None)
     tp = int(kw.pop("tp_size", args.tp_size))
     hardware = kw.pop("simulate", args.simulate)
-    return Simulator(args.model, hardware, tp_size=tp, seed=args.seed, **kw)
+    return Simulator(args.model, hardware, tp_size=tp, seed=args.seed, trace_sink=sink, **kw)
 
 
 def cmd_run(args) -> int:
     workload = load_workload(args)
-    sim = _simulator(args)
+    recorder = None
+    if args.record:
+        from workbench.core.trace.recorder import Recorder
+
+        recorder = Recorder(args.record, model=f"SIMULATED {args.simulate}x{args.tp_size} {args.model}")
+    sim = _simulator(args, trace_sink=recorder) if recorder is not None else _simulator(args)
 
     def progress(done, total, now):
         print(f"[sim] {done}/{total} requests finished, {now:.1f} simulated s", file=sys.stderr, flush=True)
 
-    result = sim.run(workload, progress=progress)
+    try:
+        result = sim.run(workload, progress=progress)
+    finally:
+        if recorder is not None:
+            recorder.close()
     print(result.summary())
+    if args.record:
+        print(f"trace (simulated time) in {args.record}: workbench replay {args.record}")
     return 0
 
 
@@ -158,6 +170,8 @@ def add_parser(sub) -> None:
         q.add_argument("--groups", type=int, default=0, help="shared-prefix groups (0: none)")
         q.add_argument("--prefix-len", type=int, default=0, help="tokens of each group's shared prefix")
         q.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampled tokens")
+        if name == "run":
+            q.add_argument("--record", default=None, help="write the scheduler's trace (simulated time) as JSONL")
         if name == "sweep":
             q.add_argument(
                 "--vary", action="append", default=[], help="KEY=V1,V2: a ServerArgs field, tp_size or simulate"
