@@ -282,8 +282,12 @@ class ScheduleBatch:
         out_cache_loc = self.alloc_token_slots(len(self.reqs))
         table = self.req_to_token_pool.req_to_token
         prefix_lens = [r.kv_len for r in self.reqs]
-        for r, slot in zip(self.reqs, out_cache_loc):
-            table[r.req_pool_idx, r.kv_len] = slot
+        rows = [r.req_pool_idx for r in self.reqs]
+        # One indexed write for the whole batch (a per-request tensor write cost ~5 us each at bs 256).
+        table[torch.tensor(rows, device=table.device), torch.tensor(prefix_lens, device=table.device)] = (
+            out_cache_loc.to(table.dtype)
+        )
+        for r in self.reqs:
             r.kv_len += 1
         seq_lens = [p + 1 for p in prefix_lens]
         # The last token may still be in flight (overlap loop): then its placeholder goes in.
@@ -295,7 +299,7 @@ class ScheduleBatch:
             forward_mode=self.forward_mode,
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(prefix_lens, dtype=torch.int64),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
+            req_pool_indices=torch.tensor(rows, dtype=torch.int64),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
             out_cache_loc=out_cache_loc,
             seq_lens_cpu=seq_lens,

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
+import numpy as np
 import torch
 
 from workbench.core.args import ServerArgs
@@ -77,7 +78,7 @@ class SimWorker:
     def __init__(self, runner: SimRunner, cost: CostModel, clock: SimClock, seed: int):
         self.model_runner = runner
         self.cost, self.clock = cost, clock
-        self.rng = random.Random(seed)
+        self.rng = torch.Generator().manual_seed(seed)
         self.tp_rank = 0
         self.busy_s = 0.0  # simulated time spent in passes
         self.passes = 0
@@ -90,7 +91,7 @@ class SimWorker:
         self.busy_s += dt
         self.passes += 1
         vocab = self.model_runner.model_config.vocab_size
-        ids = torch.tensor([self.rng.randrange(FIRST_TOKEN, vocab) for _ in range(sum(rows))], dtype=torch.int64)
+        ids = torch.randint(FIRST_TOKEN, vocab, (sum(rows),), generator=self.rng, dtype=torch.int64)
         self._last_ms = dt * 1000
         return ForwardOutput(LogitsOutput(next_token_logits=torch.zeros((len(ids), 1))), SamplerOutput(ids), None)
 
@@ -225,12 +226,12 @@ class Simulator:
 
     def _prompt(self, i: int, r: SimRequest) -> list[int]:
         vocab = self.spec.vocab
-        rng = random.Random(self.seed * 1_000_003 + i)
-        own = [rng.randrange(FIRST_TOKEN, vocab) for _ in range(r.prompt_len - min(r.prefix_len, r.prompt_len))]
-        if r.group is None or r.prefix_len <= 0:
-            return own
-        g = random.Random(self.seed * 7919 + 104729 * (r.group + 1))
-        return [g.randrange(FIRST_TOKEN, vocab) for _ in range(min(r.prefix_len, r.prompt_len))] + own
+        shared = min(r.prefix_len, r.prompt_len) if r.group is not None else 0
+        own = np.random.default_rng(self.seed * 1_000_003 + i).integers(FIRST_TOKEN, vocab, r.prompt_len - shared)
+        if not shared:
+            return own.tolist()
+        prefix = np.random.default_rng(self.seed * 7919 + 104729 * (r.group + 1)).integers(FIRST_TOKEN, vocab, shared)
+        return prefix.tolist() + own.tolist()
 
     def run(self, workload: list[SimRequest], progress=None) -> SimResult:
         """Run every request to the end; returns the simulated-time metrics."""
