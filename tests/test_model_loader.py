@@ -189,11 +189,14 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(converted, reference_toke
 # ---------------------------------------------------------------- tiny GGUFs (both architectures)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf_round_trips_exactly(arch, cache_dir, tmp_path):
     path, model = make_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch=arch, seed=3)
     prepared = prepare_model(str(path), progress=False)
-    assert prepared.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
+    archs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    assert prepared.architecture == archs[arch]
+    if arch == "qwen3":  # head_dim 32 with hidden 64 over 4 heads: read from attention.key_length
+        assert prepared.config.head_dim == model.config.head_dim == 32
     expected = model.state_dict()
     ours = dict(iter_weights(prepared.model_dir, progress=False))
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()

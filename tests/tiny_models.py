@@ -159,6 +159,8 @@ _GGUF_BLOCK_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -186,8 +188,17 @@ def make_tiny_gguf(path: str | Path, *, arch: str = "llama", seed: int = 0, **ov
         model = _build(
             "Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}, seed, torch.float32, overrides
         )
+    elif arch == "qwen3":
+        model = _build(
+            "Qwen3Config",
+            "Qwen3ForCausalLM",
+            {"tie_word_embeddings": False, "head_dim": 32},
+            seed,
+            torch.float32,
+            overrides,
+        )
     else:
-        raise ValueError(f"make_tiny_gguf supports arch 'llama' or 'qwen2', not {arch!r}")
+        raise ValueError(f"make_tiny_gguf supports arch 'llama', 'qwen2' or 'qwen3', not {arch!r}")
     cfg = model.config
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +212,11 @@ def make_tiny_gguf(path: str | Path, *, arch: str = "llama", seed: int = 0, **ov
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
 
     tokenizer = tiny_tokenizer()

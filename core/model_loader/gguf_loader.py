@@ -51,9 +51,9 @@ WEIGHTS_FILE = "model.safetensors"
 
 # general.architecture -> transformers class. Mistral GGUFs say "llama" and
 # convert to an equivalent Llama model (same weights, same maths).
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
-# Only llama.cpp's Llama converter permutes Q/K; Qwen2 is stored in HF order.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Only llama.cpp's Llama converter permutes Q/K; Qwen2 and Qwen3 are stored in HF order.
 _QK_PERMUTED = {"llama"}
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -67,6 +67,8 @@ _BLOCK_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3: RMSNorm on each query / key head
+    "attn_k_norm": "self_attn.k_norm",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
@@ -190,6 +192,9 @@ def build_config(reader, gguf_path: Path):
     if arch == "llama" and rope_dim is not None:
         # Llama allows head_dim != hidden/heads; rotary covers the whole head there.
         kwargs["head_dim"] = int(rope_dim)
+    key_length = _meta(reader, f"{arch}.attention.key_length")
+    if arch == "qwen3" and key_length is not None:  # Qwen3's head_dim is its own (128 with hidden 1024 / 16)
+        kwargs["head_dim"] = int(key_length)
     scaling_type = _meta(reader, f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": float(_meta(reader, f"{arch}.rope.scaling.factor"))}
@@ -284,7 +289,8 @@ def _check_complete(tensors: dict[str, torch.Tensor], config, arch: str, gguf_pa
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config.tie_word_embeddings:
         expected.add("lm_head.weight")
-    per_layer = [f"{target}.weight" for target in _BLOCK_TENSORS.values()]
+    qk_norms = {"self_attn.q_norm", "self_attn.k_norm"}  # Qwen3 only
+    per_layer = [f"{t}.weight" for t in _BLOCK_TENSORS.values() if arch == "qwen3" or t not in qk_norms]
     if arch == "qwen2":
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     for layer in range(config.num_hidden_layers):
