@@ -144,8 +144,8 @@ def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
     args = p.parse_args(["bench", "calibrate", "--quick", "--model", str(d), "--dtype", "float32", "--out", str(out)])
     assert args.func(args) == 0
     cal = Calibration.load(out)
-    assert {pt["kind"] for pt in cal.points} == {"decode", "extend"}
-    assert all(pt["measured_s"] > 0 and pt["predicted_s"] > 0 for pt in cal.points)
+    assert [(pt["kind"], pt["batch"]) for pt in cal.points] == [("decode", 1), ("decode", 4)] + [("extend", 1)] * 2
+    assert all(pt["predicted_s"] > 0 for pt in cal.points) and cal.meta["load"]
     args = p.parse_args(["bench", "sim-accuracy", "--quick", "--model", str(d), "--dtype", "float32", "--rates", "4"])
     assert args.func(args) == 0
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| (") or ln.startswith("| Poisson")]
