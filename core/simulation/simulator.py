@@ -16,7 +16,6 @@ latency, throughput, the trace's timestamps) is simulated time.
 from __future__ import annotations
 
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +55,7 @@ class SimClock:
 class SimRunner:
     """What the Scheduler reads off its model runner: the config numbers and the (real) pools."""
 
-    def __init__(self, spec, cost: CostModel, max_total_tokens: int, max_running_requests: int, context_len: int):
+    def __init__(self, spec, max_total_tokens: int, max_running_requests: int, context_len: int):
         self.model_config = SimpleNamespace(context_len=context_len, vocab_size=spec.vocab, eos_token_ids=[0])
         self.max_total_num_tokens = max_total_tokens
         self.max_running_requests = max_running_requests
@@ -213,9 +212,7 @@ class Simulator:
         server_args.setdefault("max_running_requests", 256 if self.hw.name != "cpu-here" else 128)
         self.args = ServerArgs(device="cpu", disable_overlap_schedule=True, **server_args)
         context = min(self.spec.context_len, server_args.get("context_length") or self.spec.context_len)
-        self.runner = SimRunner(
-            self.spec, self.cost, self.args.max_total_tokens, self.args.max_running_requests, context
-        )
+        self.runner = SimRunner(self.spec, self.args.max_total_tokens, self.args.max_running_requests, context)
         self.worker = SimWorker(self.runner, self.cost, self.clock, seed)
         self.io = _ListIO()
         self.tracer = Tracer("scheduler", sink=trace_sink, enabled=trace_sink is not None, clock=self.clock.ns)
@@ -313,7 +310,3 @@ def poisson_workload(
             SimRequest(t, max(p, prefix_len + 1) if g is not None else p, rng.randint(*output_len), g, prefix_len)
         )
     return out
-
-
-def median(values) -> float:
-    return statistics.median(values) if values else float("nan")
