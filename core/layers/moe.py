@@ -24,6 +24,7 @@ gathers per step for the trace's routing summary.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -136,8 +137,15 @@ def use_triton_experts(x: torch.Tensor) -> bool:
     """The Triton experts on CUDA; on CPU only under Triton's interpreter when WORKBENCH_MOE_TRITON=1
     (how the tests check the kernel against the loop above)."""
     if x.is_cuda:
-        return True
+        return _triton_installed()  # without triton, CUDA runs the loop below too
     return os.environ.get("WORKBENCH_MOE_TRITON") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 class SparseMoeBlock(nn.Module):
