@@ -373,6 +373,9 @@ def run_engine_split(
     from workbench.core.trace.events import BatchStep
 
     kwargs = {"num_threads": threads} if threads else {}
+    # The split is the normal loop's (schedule, forward, rest one after the other): a fixed thread count
+    # with a core to spare would otherwise start the overlap loop, whose phases overlap.
+    kwargs["disable_overlap_schedule"] = True
     sp = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
     with Engine(model_path=model, dtype=dtype, max_total_tokens=max_tokens, show_progress=False, **kwargs) as eng:
         sub = eng.subscribe(with_snapshot=False, name="profile")
