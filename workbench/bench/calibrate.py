@@ -197,22 +197,25 @@ def run_sim_accuracy(args) -> int:
 def add_parsers(bench_sub) -> None:
     from workbench.core.args import ServerArgs
 
-    p = bench_sub.add_parser("calibrate", help="measure the real engine's step times for the simulator's cost model")
-    ServerArgs.add_cli_args(p)
-    p.add_argument("--simulate", default="cpu-here", help="the hardware entry this machine is (default cpu-here)")
-    p.add_argument("--sim-model", default=None, help="the model's name in the simulator (default: from --model)")
-    p.add_argument("--out", default=None, help="write the calibration JSON here")
-    p.add_argument("--install", action="store_true", help="write it where the simulator looks (core/simulation/data)")
-    p.add_argument("--quick", action="store_true", help="a tiny grid (smoke test)")
-    p.set_defaults(func=run_calibrate)
-
-    q = bench_sub.add_parser("sim-accuracy", help="the simulator against the real engine on the same workloads")
-    ServerArgs.add_cli_args(q)
-    q.add_argument("--simulate", default="cpu-here", help="the hardware entry this machine is (default cpu-here)")
-    q.add_argument("--sim-model", default=None, help="the model's name in the simulator (default: from --model)")
-    q.add_argument("--rates", default=None, help="Poisson arrival rates per second, comma-separated (default 0.5,2)")
-    q.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
-    q.set_defaults(func=run_sim_accuracy)
+    for name, func, text in (
+        ("calibrate", run_calibrate, "measure the real engine's step times for the simulator's cost model"),
+        ("sim-accuracy", run_sim_accuracy, "the simulator against the real engine on the same workloads"),
+    ):
+        p = bench_sub.add_parser(name, help=text)
+        ServerArgs.add_cli_args(p)
+        p.add_argument("--simulate", default="cpu-here", help="the hardware entry this machine is (default cpu-here)")
+        p.add_argument("--sim-model", default=None, help="the model's name in the simulator (default: from --model)")
+        p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+        p.set_defaults(func=func)
+        if name == "calibrate":
+            p.add_argument("--out", default=None, help="write the calibration JSON here")
+            p.add_argument(
+                "--install", action="store_true", help="write it where the simulator looks (core/simulation/data)"
+            )
+        else:
+            p.add_argument(
+                "--rates", default=None, help="Poisson arrival rates per second, comma-separated (default 0.5,2)"
+            )
 
 
 __all__ = ["add_parsers", "run_calibrate", "run_sim_accuracy"]
