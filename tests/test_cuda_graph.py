@@ -354,3 +354,135 @@ async def test_tui_batch_panel_shows_graph_badge_and_backend(tmp_path):
         table = panel.query_one(DataTable)
         badges = [str(table.get_row_at(i)[3]) for i in range(table.row_count)]
         assert "CG" in badges and "–" in badges  # decode replayed a graph; extend ran eagerly
+
+
+# ---- speculative verify passes: a fixed number of rows per request -------------------------------
+def test_verify_layout_pads_each_request_to_the_graphs_rows():
+    from workbench.core.model_executor.cuda_graph_verify import verify_layout
+
+    lay = verify_layout([3, 1, 5], tokens_per_req=5, bucket=4)
+    assert lay.dest == [0, 1, 2, 5, 10, 11, 12, 13, 14] and lay.last == [2, 5, 14] and lay.num_tokens == 20
+    with pytest.raises(ValueError, match="1..5"):
+        verify_layout([6], tokens_per_req=5, bucket=1)
+    with pytest.raises(ValueError, match="do not fit"):
+        verify_layout([1, 1, 1], tokens_per_req=2, bucket=2)
+
+
+def test_static_verify_buffers_load_and_pad():
+    """Real rows land at request * k + j; the rest read token 0 and write the scratch slot 0; padding
+    requests have no prefix and the reserved row; the kernel metadata is each request's prefix."""
+    from workbench.core.model_executor.cuda_graph_verify import StaticVerifyBuffers, verify_layout
+    from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    buf = StaticVerifyBuffers.allocate(max_bs=4, tokens_per_req=3, device="cpu", pad_row=9)
+    buf.input_ids.fill_(77)  # stale values from an earlier replay must not survive
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        batch_size=2,
+        input_ids=torch.tensor([11, 12, 21, 22, 23]),
+        positions=torch.tensor([4, 5, 7, 8, 9]),
+        req_pool_indices=torch.tensor([3, 1]),
+        seq_lens=torch.tensor([6, 10]),
+        out_cache_loc=torch.tensor([50, 51, 60, 61, 62]),
+        seq_lens_cpu=[6, 10],
+        extend_seq_lens_cpu=[2, 3],
+        extend_prefix_lens_cpu=[4, 7],
+        return_all_logits=True,
+    )
+    lay = verify_layout([2, 3], 3, bucket=4)
+    seq_lens_cpu, prefix_cpu = buf.load(fb, lay)
+    assert buf.input_ids[:12].tolist() == [11, 12, 0, 21, 22, 23, 0, 0, 0, 0, 0, 0]
+    assert buf.out_cache_loc[:12].tolist() == [50, 51, 0, 60, 61, 62, 0, 0, 0, 0, 0, 0]
+    assert buf.positions[:12].tolist()[:2] + buf.positions[3:12].tolist() == [4, 5, 7, 8, 9, 0, 1, 2, 0, 1, 2]
+    assert buf.req_pool_indices.tolist() == [3, 1, 9, 9] and buf.prefix_lens.tolist() == [4, 7, 0, 0]
+    assert buf.seq_lens.tolist() == [7, 10, 3, 3] and seq_lens_cpu == [7, 10, 3, 3] and prefix_cpu == [4, 7, 0, 0]
+    assert buf.extend_lens.tolist() == [3] * 4 and buf.extend_start_loc.tolist() == [0, 3, 6, 9]
+
+
+def test_verify_graphs_equal_the_eager_verify_pass(runner):
+    """A verify batch through the stand-in verify graph: the real rows' logits equal the eager
+    pass's, and a batch above the largest bucket is left to the eager path."""
+    import dataclasses
+
+    from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    graphs = CudaGraphRunner(runner, [1, 2, 4], StandInGraphMechanism())
+    assert graphs.verify_tokens_per_req == 0  # no speculative decoding: decode graphs only
+    spec_args = dataclasses.replace(runner.server_args, speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
+    saved = runner.server_args
+    runner.server_args = spec_args
+    try:
+        graphs = CudaGraphRunner(runner, [1, 2, 4], StandInGraphMechanism())
+    finally:
+        runner.server_args = saved
+    assert graphs.verify_tokens_per_req == 4
+    graphs.capture()
+    assert sorted(graphs.verify_graphs) == [1, 2, 4]
+    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+    prompts, drafts = [[1, 504, 3458, 314, 260], [1, 1066, 1745]], [[28, 2], []]
+    rows = pool.alloc(2)
+    try:
+        # Prefill the prompts, then build one verify batch: last prompt token + drafts per request.
+        for row, p in zip(rows, prompts):
+            loc = alloc.alloc(len(p))
+            pool.req_to_token[row, : len(p)] = loc
+            n = len(p)
+            runner.forward(
+                ForwardBatch(
+                    forward_mode=ForwardMode.EXTEND,
+                    batch_size=1,
+                    input_ids=torch.tensor(p),
+                    positions=torch.arange(n),
+                    req_pool_indices=torch.tensor([int(row)]),
+                    seq_lens=torch.tensor([n]),
+                    out_cache_loc=loc,
+                    seq_lens_cpu=[n],
+                    extend_seq_lens_cpu=[n],
+                    extend_prefix_lens_cpu=[0],
+                )
+            )
+        ids, pos, locs, prefix, n_rows = [], [], [], [], []
+        for row, p, d in zip(rows, prompts, drafts):
+            n = 1 + len(d)
+            loc = alloc.alloc(n)
+            pool.req_to_token[row, len(p) : len(p) + n] = loc
+            ids += [p[-1]] + d
+            pos += list(range(len(p), len(p) + n))
+            locs.append(loc)
+            prefix.append(len(p))
+            n_rows.append(n)
+
+        def batch():
+            return ForwardBatch(
+                forward_mode=ForwardMode.TARGET_VERIFY,
+                batch_size=2,
+                input_ids=torch.tensor(ids),
+                positions=torch.tensor(pos),
+                req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+                seq_lens=torch.tensor([p + n for p, n in zip(prefix, n_rows)]),
+                out_cache_loc=torch.cat(locs),
+                seq_lens_cpu=[p + n for p, n in zip(prefix, n_rows)],
+                extend_seq_lens_cpu=n_rows,
+                extend_prefix_lens_cpu=prefix,
+                return_all_logits=True,
+                req_to_token_pool=pool,
+                token_to_kv_pool=runner.token_to_kv_pool,
+                attn_backend=runner.attn_backend,
+            )
+
+        assert graphs.can_run(batch()) and graphs.plan(ForwardMode.TARGET_VERIFY, 5) is None
+        with torch.inference_mode():
+            all_rows, last = graphs.replay_verify(batch())
+            assert graphs.verify_replay_count[2] == 1
+            eager = batch()
+            runner.attn_backend.init_forward_metadata(eager)
+            want = runner.model.compute_logits(runner.model(eager.input_ids, eager.positions, eager))
+        assert all_rows.shape == want.shape == (4, want.shape[1])
+        torch.testing.assert_close(all_rows, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(last, want[[2, 3]], rtol=1e-4, atol=1e-4)
+        for loc in locs:
+            alloc.free(loc)
+    finally:
+        for row, p in zip(rows, prompts):
+            alloc.free(pool.req_to_token[row, : len(p)].clone())
+        pool.free(rows)

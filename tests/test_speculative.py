@@ -97,8 +97,11 @@ def plain_outputs(tiny_dir):
         # 16 x (up to 40 + 48) tokens in 600, admitted greedily: decode must retract
         dict(max_total_tokens=600, max_running_requests=16, schedule_conservativeness=0.05),
         dict(max_total_tokens=4096, chunked_prefill_size=16, disable_overlap_schedule=False),
+        # verify passes replayed from graphs (the CPU stand-in of CUDA graphs): 5 rows per request,
+        # batches of up to 8 requests padded to a bucket, larger ones eager
+        dict(max_total_tokens=4096, cuda_graph_stand_in=True, cuda_graph_max_bs=8),
     ],
-    ids=["batched", "chunked-prefill", "retraction", "overlap-loop"],
+    ids=["batched", "chunked-prefill", "retraction", "overlap-loop", "verify-graphs"],
 )
 def test_greedy_output_is_the_same_with_and_without_drafts(tiny_dir, plain_outputs, setting):
     from workbench.core.trace import events as ev
@@ -116,6 +119,12 @@ def test_greedy_output_is_the_same_with_and_without_drafts(tiny_dir, plain_outpu
         assert max(e.chunk_index for e in events if isinstance(e, ev.ReqScheduled)) >= 1
     if setting["max_total_tokens"] == 600:  # the case only tests something if the pool really retracts
         assert any(isinstance(e, ev.ReqRetracted) for e in events)
+    if setting.get("cuda_graph_stand_in"):  # some verify steps replayed a graph, padded to a bucket
+        steps = {(e.proc, e.step): e for e in events if isinstance(e, ev.BatchStep)}
+        verify_steps = [steps[(e.proc, e.step)] for e in events if isinstance(e, ev.SpecVerify) and not e.snapshot]
+        graphed = [s for s in verify_steps if s.cuda_graph]
+        assert graphed and all(s.padded_size in (1, 2, 4, 8) and s.padded_size >= s.batch_size for s in graphed)
+        assert all(not s.cuda_graph for s in verify_steps if s.batch_size > 8)
 
 
 # ---- STANDALONE: drafts from a second model ------------------------------------------------------

@@ -18,8 +18,8 @@ over the tp/ep ranks of the group (ep == tp: each rank holds E/tp complete exper
 still sees every token (the hidden states are replicated under TP) and computes only its own
 experts' share, so the same all-reduce sums the layer: nothing is dispatched between ranks.
 
-Each call also counts the tokens routed to each expert (`last_counts`), which the model
-gathers per step for the trace's routing summary.
+Each call keeps its tokens' expert ids (`last_topk_ids`), which the model runner hands to the
+trace's routing summary (under a CUDA graph, the graph's static copy of them: cuda_graph_runner.py).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class FusedMoE(nn.Module):
         i, e = self.intermediate_per_rank, self.num_local_experts
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
-        self.last_counts: Optional[torch.Tensor] = None  # [E] int64: tokens routed to each expert, last call
+        self.last_counts: Optional[torch.Tensor] = None  # [E] int64: tokens per expert, last call (CPU loop)
         self.last_topk_ids: Optional[torch.Tensor] = None  # [T, k]: each token's experts, last call
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard: str) -> None:
@@ -105,13 +105,14 @@ class FusedMoE(nn.Module):
         """x [T, H], topk_* [T, k] -> [T, H] in x's dtype (all-reduced over tensor-parallel ranks)."""
         t, k = topk_ids.shape
         self.last_topk_ids = topk_ids
-        flat = topk_ids.reshape(-1)
-        self.last_counts = torch.bincount(flat, minlength=self.num_experts)
         if use_triton_experts(x):  # CUDA: grouped GEMMs on the device, no host sync (moe_triton.py)
             from workbench.core.layers.moe_triton import fused_experts
 
             out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.first_expert)
             return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
+        flat = topk_ids.reshape(-1)
+        # (Only here: bincount reads the largest id on the host, which a CUDA graph cannot capture.)
+        self.last_counts = torch.bincount(flat, minlength=self.num_experts)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order within
         token_of = order // k
         weight_of = topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)

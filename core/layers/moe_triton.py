@@ -36,7 +36,9 @@ def align_by_expert(
     local = topk_ids.reshape(-1).to(torch.int64) - first_expert
     bucket = torch.where((local >= 0) & (local < num_local), local, torch.full_like(local, num_local))
     buckets = num_local + 1  # the last one: experts another rank holds
-    counts = torch.bincount(bucket, minlength=buckets)
+    # scatter_add, not bincount: bincount sizes its output from the largest id, a host sync that a
+    # CUDA graph cannot capture.
+    counts = torch.zeros(buckets, dtype=torch.int64, device=dev).scatter_add_(0, bucket, torch.ones_like(bucket))
     padded = (counts + block_m - 1) // block_m * block_m
     starts = torch.cumsum(padded, 0) - padded  # where each bucket's run begins in sorted_ids
     order = torch.argsort(bucket, stable=True)

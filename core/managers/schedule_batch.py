@@ -356,7 +356,7 @@ class ScheduleBatch:
         per_row = [(r, r.output_ids + d[:j]) for r, d, n in zip(self.reqs, drafts, rows) for j in range(n)]
         info = self._sampling_info(per_row)
         return ModelWorkerBatch(
-            forward_mode=ForwardMode.EXTEND,  # to the model runner: causal attention over a prefix
+            forward_mode=ForwardMode.TARGET_VERIFY,  # to the model runner: causal attention over a prefix
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(pos, dtype=torch.int64),
             req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),

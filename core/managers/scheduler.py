@@ -584,7 +584,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         mwb = batch.prepare_for_decode() if batch is self.running_batch else batch.prepare_for_extend()
         # For the trace: whether this pass replays a CUDA graph, and the bucket it pads to.
         batch.cuda_graph, batch.padded_size = self.tp_worker.model_runner.graph_plan(
-            batch.forward_mode, len(batch.reqs), mwb.return_all_logits
+            mwb.forward_mode, len(batch.reqs), mwb.return_all_logits
         )
         step_reqs = None
         if self.tracer.enabled:

@@ -263,9 +263,9 @@ def get_cuda_graph_batch_sizes(max_bs: int, explicit: Optional[list[int]] = None
 
 
 class _CudaGraph:
-    """A captured torch.cuda.CUDAGraph and the output tensor it writes on every replay."""
+    """A captured torch.cuda.CUDAGraph and the output tensors it writes on every replay."""
 
-    def __init__(self, graph, output: torch.Tensor):
+    def __init__(self, graph, output: tuple[torch.Tensor, ...]):
         self.graph, self.output = graph, output
 
     def replay(self) -> None:
@@ -300,13 +300,14 @@ class TorchCudaGraphMechanism:
 
 
 class _StandInGraph:
-    """Records the step's Python callable; replay re-runs it into the same output tensor."""
+    """Records the step's Python callable; replay re-runs it into the same output tensors."""
 
-    def __init__(self, fn, output: torch.Tensor):
+    def __init__(self, fn, output: tuple[torch.Tensor, ...]):
         self.fn, self.output = fn, output
 
     def replay(self) -> None:
-        self.output.copy_(self.fn())
+        for static, new in zip(self.output, self.fn()):
+            static.copy_(new)
 
 
 class StandInGraphMechanism:
@@ -369,14 +370,20 @@ class StaticDecodeBuffers:
 
 
 class CudaGraphRunner:
-    """Decode passes replayed from graphs captured per batch-size bucket.
+    """Decode and speculative-verify passes replayed from graphs captured per batch-size bucket.
 
     A decode batch of bs rows replays the graph of the smallest bucket >= bs: its
     tensors are copied into the static input buffers, rows [bs, bucket) become dummy
     requests, the attention backend refreshes its static metadata, the graph replays,
-    and the first bs rows of the static logits are returned. Larger batches, extend
-    passes and all-position logits run eagerly. `mechanism` is real CUDA graphs by
+    and the first bs rows of the static logits are returned. With speculative decoding
+    on, verify passes (TARGET_VERIFY) get graphs of their own, one per bucket, with
+    1 + num_draft_tokens rows per request (cuda_graph_verify.py). Larger batches, extend
+    passes and other all-position logits run eagerly. `mechanism` is real CUDA graphs by
     default; tests pass `StandInGraphMechanism()` to run the same flow on CPU.
+
+    A mixture-of-experts model's routing (each block's top-k expert ids, which the trace's
+    `moe.routing` event reads) is a graph output too: the captured step returns it beside the
+    logits, and a replay hands each block the real rows of its static copy.
     """
 
     def __init__(self, model_runner, batch_sizes: list[int], mechanism=None):
@@ -400,11 +407,37 @@ class CudaGraphRunner:
         self.capture_time_s: dict[int, float] = {}
         self.replay_count: dict[int, int] = {}
         self._pool = None  # one memory pool for every bucket's graph
+        self.moe_blocks = [blk for _, blk in getattr(model_runner, "moe_blocks", [])]
+        # Speculative verify graphs: 1 + num_draft_tokens rows per request, when the backend's
+        # extend metadata can live in static buffers (or under the stand-in, which re-plans).
+        spec = model_runner.server_args.resolved_num_draft_tokens()
+        self.verify_tokens_per_req = 0
+        self.verify_graphs: dict[int, object] = {}
+        self.verify_batches: dict[int, object] = {}
+        self.verify_replay_count: dict[int, int] = {}
+        if spec and (self.mechanism.name != "cuda" or self.attn_backend.verify_cuda_graph_capturable):
+            from workbench.core.model_executor.cuda_graph_verify import StaticVerifyBuffers
+
+            self.verify_tokens_per_req = 1 + spec
+            self.verify_buffers = StaticVerifyBuffers.allocate(
+                self.max_bs, self.verify_tokens_per_req, self.device, pad_row
+            )
 
     # ---- decisions (device-neutral) ----------------------------------------------------------
     def can_run(self, fb) -> bool:
-        """Graph or eager: graphs cover decode passes of up to max_bs rows, next-token logits only."""
-        return fb.forward_mode.is_decode() and not fb.return_all_logits and 1 <= fb.batch_size <= self.max_bs
+        """Graph or eager: graphs cover decode passes of up to max_bs rows (next-token logits only)
+        and, with verify graphs, verify passes of up to max_bs requests."""
+        return self.plan(fb.forward_mode, fb.batch_size, fb.return_all_logits) is not None
+
+    def plan(self, forward_mode, bs: int, return_all_logits: bool = False) -> Optional[int]:
+        """The bucket a pass of this mode and batch size replays, or None (eager)."""
+        if not 1 <= bs <= self.max_bs:
+            return None
+        if forward_mode.is_decode() and not return_all_logits:
+            return self.bucket_for(bs)
+        if forward_mode.is_target_verify() and self.verify_tokens_per_req:
+            return self.bucket_for(bs)
+        return None
 
     def bucket_for(self, bs: int) -> Optional[int]:
         """The captured batch size a bs-row decode pads to (None: too big, eager)."""
@@ -451,14 +484,15 @@ class CudaGraphRunner:
                 bs, self.buffers.req_pool_indices[:bs], self.buffers.seq_lens[:bs], fb
             )
 
-            def step(fb=fb):
-                return model.compute_logits(model(fb.input_ids, fb.positions, fb))
-
             with torch.inference_mode():
-                self.graphs[bs] = self.mechanism.capture(step, pool)
+                self.graphs[bs] = self.mechanism.capture(self._step_fn(fb), pool)
             self.forward_batches[bs] = fb
             self.capture_time_s[bs] = time.perf_counter() - t0
             self.replay_count[bs] = 0
+            if self.verify_tokens_per_req:
+                t0 = time.perf_counter()
+                self._capture_verify(bs, pool)
+                self.capture_time_s[bs] += time.perf_counter() - t0
             if progress:
                 print(
                     f"capture {self.mechanism.name} graph bs={bs:<4} [{i + 1}/{len(todo)}] "
@@ -467,17 +501,83 @@ class CudaGraphRunner:
                     flush=True,
                 )
         if progress and todo:
+            what = "decode and verify" if self.verify_tokens_per_req else "decode"
             print(
-                f"captured {len(todo)} decode graphs ({self.mechanism.name}) in {time.perf_counter() - t_all:.1f}s",
+                f"captured {len(todo)} {what} graphs ({self.mechanism.name}) in {time.perf_counter() - t_all:.1f}s",
                 file=sys.stderr,
                 flush=True,
             )
 
+    def _step_fn(self, fb):
+        """The captured step: (logits, then each MoE block's top-k expert ids) of batch `fb`."""
+        model, blocks = self.model_runner.model, self.moe_blocks
+
+        def step():
+            logits = model.compute_logits(model(fb.input_ids, fb.positions, fb))
+            return (logits, *(blk.experts.last_topk_ids for blk in blocks))
+
+        return step
+
+    def _capture_verify(self, bs: int, pool) -> None:
+        from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+        b, mr, k = self.verify_buffers, self.model_runner, self.verify_tokens_per_req
+        b.fill_padding(0, self.max_bs)
+        n = bs * k
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            input_ids=b.input_ids[:n],
+            positions=b.positions[:n],
+            req_pool_indices=b.req_pool_indices[:bs],
+            seq_lens=b.seq_lens[:bs],
+            out_cache_loc=b.out_cache_loc[:n],
+            seq_lens_cpu=[k] * bs,
+            extend_seq_lens_cpu=[k] * bs,
+            extend_prefix_lens_cpu=[0] * bs,
+            return_all_logits=True,
+            req_to_token_pool=mr.req_to_token_pool,
+            token_to_kv_pool=mr.token_to_kv_pool,
+            attn_backend=self.attn_backend,
+        )
+        self.attn_backend.init_forward_metadata_capture_verify_cuda_graph(bs, b, fb)
+        with torch.inference_mode():
+            self.verify_graphs[bs] = self.mechanism.capture(self._step_fn(fb), pool)
+        self.verify_batches[bs] = fb
+        self.verify_replay_count[bs] = 0
+
+    def _hand_routing(self, graph, rows) -> None:
+        """Each MoE block's expert ids of the real rows (a copy: the next replay overwrites them)."""
+        for blk, ids in zip(self.moe_blocks, graph.output[1:]):
+            blk.experts.last_topk_ids = ids[rows].clone()
+
     # ---- replay ----------------------------------------------------------------------------------
+    def replay_verify(self, fb) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of every real row [sum(rows), V], next-token logits [B, V]) of verify batch `fb`."""
+        from workbench.core.model_executor.cuda_graph_verify import verify_layout
+
+        bucket = self.plan(fb.forward_mode, fb.batch_size, fb.return_all_logits)
+        if bucket is None or not fb.forward_mode.is_target_verify():
+            raise ValueError(f"a {fb.forward_mode.name} batch of {fb.batch_size} rows has no verify graph")
+        if bucket not in self.verify_graphs:
+            self.capture()
+        layout = verify_layout(list(fb.extend_seq_lens_cpu), self.verify_tokens_per_req, bucket)
+        static_fb = self.verify_batches[bucket]
+        static_fb.seq_lens_cpu, static_fb.extend_prefix_lens_cpu = self.verify_buffers.load(fb, layout)
+        self.attn_backend.init_forward_metadata_replay_verify_cuda_graph(bucket, self.verify_buffers, static_fb)
+        graph = self.verify_graphs[bucket]
+        graph.replay()
+        self.verify_replay_count[bucket] += 1
+        dest = torch.tensor(layout.dest, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = graph.output[0].index_select(0, dest)  # a copy, like replay()'s
+        last = torch.tensor(layout.last, dtype=torch.int64).to(self.device, non_blocking=True)
+        self._hand_routing(graph, dest)
+        return rows, graph.output[0].index_select(0, last)
+
     def replay(self, fb) -> torch.Tensor:
         """Next-token logits [bs, V] of decode batch `fb` through its bucket's graph."""
         bucket = self.bucket_for(fb.batch_size)
-        if bucket is None or not self.can_run(fb):
+        if bucket is None or not self.can_run(fb) or not fb.forward_mode.is_decode():
             raise ValueError(
                 f"a {fb.forward_mode.name} batch of {fb.batch_size} rows has no graph; "
                 "check can_run() first and run it eagerly"
@@ -490,11 +590,13 @@ class CudaGraphRunner:
         self.attn_backend.init_forward_metadata_replay_cuda_graph(
             bucket, self.buffers.req_pool_indices[:bucket], self.buffers.seq_lens[:bucket], seq_lens_cpu, static_fb
         )
-        self.graphs[bucket].replay()
+        graph = self.graphs[bucket]
+        graph.replay()
         self.replay_count[bucket] += 1
+        self._hand_routing(graph, slice(0, fb.batch_size))
         # A copy: the next replay overwrites the static output while this batch's logits may
         # still be read (the overlap loop processes a result after launching the next batch).
-        return self.graphs[bucket].output[: fb.batch_size].clone()
+        return graph.output[0][: fb.batch_size].clone()
 
 
 def maybe_create_cuda_graph_runner(model_runner) -> Optional[CudaGraphRunner]:
@@ -510,11 +612,11 @@ def maybe_create_cuda_graph_runner(model_runner) -> Optional[CudaGraphRunner]:
     if args.disable_cuda_graph or (torch.device(model_runner.device).type != "cuda" and not stand_in):
         return None
     if not stand_in and any(type(m).__name__ == "FusedMoE" for m in model_runner.model.modules()):
-        # On CUDA the experts run as Triton grouped GEMMs with no host sync (moe_triton.py), so a
-        # graph could capture them; the trace's routing read-back under replay has not been run
-        # on a GPU yet, so MoE models stay eager until it has (docs/models.md).
-        logging.getLogger(__name__).warning("CUDA graphs off: the mixture-of-experts layers run eagerly")
-        return None
+        from workbench.core.layers.moe import _triton_installed
+
+        if not _triton_installed():  # the CPU-style expert loop reads counts on the host: not capturable
+            logging.getLogger(__name__).warning("CUDA graphs off: MoE experts without triton run eagerly")
+            return None
     if not stand_in and any(
         getattr(m, "sliding_window_size", None) or getattr(m, "logit_cap", 0) for m in model_runner.model.modules()
     ):

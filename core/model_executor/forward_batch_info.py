@@ -23,10 +23,17 @@ class ForwardMode(IntEnum):
     DECODE = auto()  # one new token per request
     MIXED = auto()  # a chunk of prefill and decode requests in one pass
     IDLE = auto()  # nothing to run (a data-parallel rank with no work)
+    # Speculative verify: each request's last token and its drafts, causal over its cached prefix,
+    # logits at every position. An extend to the attention backends; its own name so that the CUDA
+    # graph runner can replay it from graphs captured with a fixed number of rows per request.
+    TARGET_VERIFY = auto()
 
     def is_extend(self) -> bool:
-        """EXTEND and MIXED take the general (ragged, causal) attention path."""
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+        """EXTEND, MIXED and TARGET_VERIFY take the general (ragged, causal) attention path."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE

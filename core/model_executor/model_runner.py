@@ -179,6 +179,9 @@ class ModelRunner:
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            if fb.forward_mode.is_target_verify():
+                rows, last = self.graph_runner.replay_verify(fb)
+                return LogitsOutput(next_token_logits=last, all_logits=rows)
             return LogitsOutput(next_token_logits=self.graph_runner.replay(fb))
         if self.decode_runner is not None and self.decode_runner.can_run(fb):
             return LogitsOutput(next_token_logits=self.decode_runner.forward(fb))
@@ -207,11 +210,15 @@ class ModelRunner:
 
     def graph_plan(self, forward_mode, batch_size: int, return_all_logits: bool = False) -> tuple[bool, int]:
         """(CUDA graph replayed?, padded batch size) for a pass, as `forward` will run it (for the trace)."""
-        for runner in (self.graph_runner, self.decode_runner):
-            if runner is not None and forward_mode.is_decode() and not return_all_logits and batch_size > 0:
-                bucket = runner.bucket_for(batch_size)
-                if bucket is not None:
-                    return runner is self.graph_runner, bucket
+        if self.graph_runner is not None and batch_size > 0:
+            bucket = self.graph_runner.plan(forward_mode, batch_size, return_all_logits)
+            if bucket is not None:
+                return True, bucket
+        runner = self.decode_runner
+        if runner is not None and forward_mode.is_decode() and not return_all_logits and batch_size > 0:
+            bucket = runner.bucket_for(batch_size)
+            if bucket is not None:
+                return False, bucket
         return False, batch_size
 
     @torch.inference_mode()

@@ -28,6 +28,9 @@ class AttentionBackend:
     # i.e. it may be captured into a real CUDA graph. Backends without it can still run
     # under the CPU stand-in graph (which re-runs Python at replay).
     cuda_graph_capturable = False
+    # True when a speculative verify pass (TARGET_VERIFY, a fixed number of rows per request) can
+    # read its extend metadata from the graph runner's static buffers (cuda_graph_verify.py).
+    verify_cuda_graph_capturable = False
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Precompute per-pass metadata (index tables, masks) shared by every layer."""
@@ -76,3 +79,15 @@ class AttentionBackend:
         """Before replaying bucket `bs`: refresh the static metadata for the (padded) batch now
         in the input buffers; `seq_lens_cpu` are the same lengths on the host."""
         raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")
+
+    # ---- CUDA-graph hooks for verify passes (speculative decoding) -----------------------------
+    # The defaults build the metadata on the host like an eager pass: right for the CPU stand-in
+    # graph, which re-runs Python at replay; a backend that sets verify_cuda_graph_capturable
+    # points the metadata at `buffers` (StaticVerifyBuffers) instead.
+    def init_forward_metadata_capture_verify_cuda_graph(self, bs: int, buffers, forward_batch: "ForwardBatch") -> None:
+        """Before capturing the verify graph of bucket `bs` (dummy requests in `buffers`)."""
+        self.init_forward_metadata(forward_batch)
+
+    def init_forward_metadata_replay_verify_cuda_graph(self, bs: int, buffers, forward_batch: "ForwardBatch") -> None:
+        """Before replaying it: `buffers` and the batch's host lengths hold the padded batch."""
+        self.init_forward_metadata(forward_batch)

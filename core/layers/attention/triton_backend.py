@@ -94,6 +94,7 @@ class TritonAttnBackend(AttentionBackend):
 
     name = "triton"
     cuda_graph_capturable = True
+    verify_cuda_graph_capturable = True  # the extend kernel reads every length from device buffers
 
     def __init__(self, num_q_heads: int, head_dim: int, device: str, num_kv_splits: Optional[int] = None):
         reason = triton_unavailable_reason(torch.device(device).type)
@@ -193,3 +194,13 @@ class TritonAttnBackend(AttentionBackend):
     ) -> None:
         # Nothing to refresh: the kernels read rows and lengths from the graph's input buffers.
         pass
+
+    def init_forward_metadata_capture_verify_cuda_graph(self, bs, buffers, forward_batch) -> None:
+        # The kernel's grid is sized by the rows per request, fixed for a verify graph; prefix
+        # lengths, row counts and first rows are read from the static buffers by address.
+        forward_batch.attn_metadata = TritonExtendMetadata(
+            buffers.prefix_lens[:bs], buffers.extend_lens[:bs], buffers.extend_start_loc[:bs], buffers.tokens_per_req
+        )
+
+    def init_forward_metadata_replay_verify_cuda_graph(self, bs, buffers, forward_batch) -> None:
+        pass  # buffers.load() already wrote this batch's prefix lengths
