@@ -470,7 +470,6 @@ class CudaGraphRunner:
         import sys
         import time
 
-        model = self.model_runner.model
         if self._pool is None:
             self._pool = self.mechanism.make_pool()
         pool = self._pool
