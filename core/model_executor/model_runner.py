@@ -27,7 +27,8 @@ from workbench.core.layers.moe import sparse_moe_blocks
 from workbench.core.layers.sampler import Sampler
 from workbench.core.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from workbench.core.model_executor.cpu_allocator import tune_glibc_malloc
-from workbench.core.model_executor.cuda_graph_runner import TorchCompileDecodeRunner, maybe_create_cuda_graph_runner
+from workbench.core.model_executor.cpu_compile_runner import TorchCompileDecodeRunner
+from workbench.core.model_executor.cuda_graph_runner import maybe_create_cuda_graph_runner
 from workbench.core.model_executor.forward_batch_info import ForwardBatch
 from workbench.core.model_executor.model_config import ModelConfig
 from workbench.core.model_loader import iter_weights, prepare_model
