@@ -16,6 +16,7 @@ Model vocab size equals the tokenizer's length, so any sampled id decodes.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,27 @@ def _gguf_name(hf_name: str) -> str:
     return {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[module] + "." + kind
 
 
+def _add_tiny_tokenizer(writer, cfg) -> None:
+    """The tiny byte-level tokenizer and its special ids, as llama.cpp's converter writes a GPT-2 style one."""
+    import gguf
+
+    tokenizer = tiny_tokenizer()
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    special = set(SPECIAL_TOKENS)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_pad_token_id(cfg.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(TINY_CHAT_TEMPLATE)
+
+
 def make_tiny_gguf(path: str | Path, *, arch: str = "llama", seed: int = 0, **overrides):
     """Write a tiny float32 GGUF the way llama.cpp's converter would; return `(gguf_path, hf_model)`.
 
@@ -218,22 +240,7 @@ def make_tiny_gguf(path: str | Path, *, arch: str = "llama", seed: int = 0, **ov
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-
-    tokenizer = tiny_tokenizer()
-    vocab = tokenizer.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    special = set(SPECIAL_TOKENS)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(cfg.bos_token_id)
-    writer.add_eos_token_id(cfg.eos_token_id)
-    writer.add_pad_token_id(cfg.pad_token_id)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(TINY_CHAT_TEMPLATE)
+    _add_tiny_tokenizer(writer, cfg)
 
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -334,3 +341,119 @@ def make_tiny_family(path: str | Path, family: str, *, seed: int = 0, dtype=torc
     """A tiny random-weight model of one of FAMILIES, saved as an HF directory; returns the path."""
     config_cls, architecture, defaults = FAMILIES[family]
     return _save(_build(config_cls, architecture, defaults, seed, dtype, overrides), path, None)
+
+
+# ---------------------------------------------------------------- GGUF of the newer families
+
+# Each family's general.architecture, and what its tiny model changes so that a GGUF can hold it
+# (overrides, then FAMILIES keys dropped for the config class's default): llama.cpp stores no
+# clip_qkv (OLMoE) and no dense layer in Qwen3-MoE, derives query_pre_attn_scalar from the head size (Gemma), and fixes Gemma 3's
+# pattern at five sliding layers in six.
+GGUF_FAMILIES: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
+    "qwen3_moe": ("qwen3moe", {"mlp_only_layers": []}, ()),  # llama.cpp has no dense layers in Qwen3-MoE
+    "mixtral": ("llama", {}, ()),
+    "olmoe": ("olmoe", {"clip_qkv": None, "rms_norm_eps": 1e-5}, ()),
+    "phi3": ("phi3", {}, ()),
+    "phi3_longrope": ("phi3", {}, ()),
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 16}, ()),
+    "gemma3": ("gemma3", {"num_hidden_layers": 6}, ("layer_types",)),
+}
+
+
+def make_tiny_family_gguf(path: str | Path, family: str, *, seed: int = 0) -> tuple[Path, Path]:
+    """A tiny model of `family` saved as an HF directory and written as a float32 GGUF the way
+    llama.cpp's converter writes that family; returns `(gguf_path, hf_dir)`.
+
+    Tensor names come from gguf-py's own table (`get_tensor_name_map`, llama.cpp's mapping), the
+    layouts from llama.cpp's converter: Q/K rows permuted for the "llama" architecture only, Gemma
+    norms stored as 1 + w, experts stacked per layer ([E, I, H] / [E, H, I]), Phi-3's fused tensors
+    kept, its LongRoPE factors as rope_factors_long / rope_factors_short tensors.
+    """
+    import gguf
+    from safetensors import safe_open
+
+    arch, gguf_overrides, drop = GGUF_FAMILIES[family]
+    config_cls, architecture, defaults = FAMILIES[family]
+    overrides = {k: v for k, v in {**defaults, **gguf_overrides}.items() if k not in drop}
+    model = _build(config_cls, architecture, {}, seed, torch.float32, overrides)
+    path = Path(path)
+    hf_dir = _save(model, path.parent / f"{path.stem}-hf", None)
+    cfg = model.config
+    n_layers = cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{family}")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    rope = cfg.rope_parameters
+    if arch in ("llama", "phi3"):
+        writer.add_rope_dimension_count(head_dim)
+    if arch in ("qwen3moe", "gemma2", "gemma3"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "gemma3":
+        writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
+        writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+        if rope["full_attention"].get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope["full_attention"]["factor"]))
+        writer.add_sliding_window(cfg.sliding_window)
+    elif arch != "gemma2":  # Gemma 2's converter writes no rope base (the reader's default: 10000)
+        writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if arch == "gemma2":
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "phi3":
+        writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        if rope.get("rope_type") == "longrope":
+            writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    _add_tiny_tokenizer(writer, cfg)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layers)
+    with safe_open(str(hf_dir / "model.safetensors"), "pt") as f:
+        checkpoint = {k: f.get_tensor(k).numpy().astype(np.float32) for k in f.keys()}
+    stacked: dict[str, list[tuple[int, np.ndarray]]] = {}
+    for name, weights in checkpoint.items():
+        if name == "lm_head.weight" and (cfg.tie_word_embeddings or arch == "gemma2"):
+            continue
+        module, kind = name.rsplit(".", 1)
+        match = re.match(r"(.*\.experts)\.(\d+)\.(\w+)$", module)
+        if match:  # one expert's projection: stacked per layer below
+            stacked.setdefault(f"{match.group(1)}.{match.group(3)}.{kind}", []).append((int(match.group(2)), weights))
+            continue
+        gguf_name = names.get_name(module)
+        assert gguf_name is not None, f"gguf-py has no name for {module} in {arch}"
+        if arch == "llama" and module.endswith(".q_proj"):
+            weights = llamacpp_permute(weights, cfg.num_attention_heads)
+        elif arch == "llama" and module.endswith(".k_proj"):
+            weights = llamacpp_permute(weights, cfg.num_key_value_heads)
+        elif arch.startswith("gemma") and module.endswith("norm"):
+            weights = weights + np.float32(1.0)
+        writer.add_tensor(f"{gguf_name}.{kind}", np.ascontiguousarray(weights))
+    for key, parts in sorted(stacked.items()):
+        module, kind = key.rsplit(".", 1)
+        gguf_name = names.get_name(module)
+        assert gguf_name is not None, f"gguf-py has no name for {module} in {arch}"
+        weights = np.stack([w for _, w in sorted(parts, key=lambda p: p[0])])
+        writer.add_tensor(f"{gguf_name}.{kind}", np.ascontiguousarray(weights))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, hf_dir

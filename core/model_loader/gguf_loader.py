@@ -13,6 +13,8 @@ Two details matter for correctness:
   while HF pairs dimension i with i + head_dim/2). We undo that per head, the
   same maths as transformers' own GGUF loader, so the converted weights equal
   what `AutoModelForCausalLM.from_pretrained(gguf_file=...)` produces.
+- Each family has its own names, layouts and unstored config (Gemma's 1 + w
+  norms, stacked experts, Phi-3's LongRoPE factors): gguf_families.py.
 
 Conversion takes seconds (dequantizing, building the tokenizer), so results
 are cached under `${WORKBENCH_CACHE_DIR:-~/.cache/workbench}/converted/`,
@@ -41,6 +43,8 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench.core.model_loader.errors import ModelLoadError, describe
+from workbench.core.model_loader.gguf_families import CONFIG_TENSORS, FAMILIES, GgufFamily, expected_tensors
+from workbench.core.model_loader.gguf_families import family_key, hf_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -49,29 +53,9 @@ CONVERTER_VERSION = 1
 MARKER_FILE = ".workbench-converted.json"
 WEIGHTS_FILE = "model.safetensors"
 
-# general.architecture -> transformers class. Mistral GGUFs say "llama" and
-# convert to an equivalent Llama model (same weights, same maths).
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-# Only llama.cpp's Llama converter permutes Q/K; Qwen2 and Qwen3 are stored in HF order.
-_QK_PERMUTED = {"llama"}
-
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3: RMSNorm on each query / key head
-    "attn_k_norm": "self_attn.k_norm",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+# general.architecture -> transformers class. Mistral GGUFs say "llama" and convert to an
+# equivalent Llama model (same weights, same maths); a "llama" file with experts is Mixtral.
+GGUF_ARCHITECTURES = {k: f.architecture for k, f in FAMILIES.items() if k != "mixtral"}
 
 
 # ---------------------------------------------------------------- cache keys
@@ -150,8 +134,14 @@ def gguf_architecture(reader, gguf_path: Path) -> str:
     return arch
 
 
+def gguf_family(reader, gguf_path: Path) -> GgufFamily:
+    """The file's family (gguf_families.FAMILIES)."""
+    arch = gguf_architecture(reader, gguf_path)
+    return FAMILIES[family_key(arch, int(_meta(reader, f"{arch}.expert_count", 0) or 0))]
+
+
 def build_config(reader, gguf_path: Path):
-    """A transformers PretrainedConfig (LlamaConfig / Qwen2Config) from the GGUF metadata."""
+    """A transformers PretrainedConfig of the file's family from the GGUF metadata."""
     from transformers import AutoConfig
 
     arch = gguf_architecture(reader, gguf_path)
@@ -171,10 +161,11 @@ def build_config(reader, gguf_path: Path):
             raise ModelLoadError(f"{gguf_path} lacks the metadata key {arch}.{key}; re-export the GGUF with llama.cpp.")
         return value
 
+    family = gguf_family(reader, gguf_path)
     hidden = int(required("embedding_length"))
     heads = int(required("attention.head_count"))
     kwargs: dict[str, Any] = dict(
-        architectures=[GGUF_ARCHITECTURES[arch]],
+        architectures=[family.architecture],
         # The embedding matrix is the truth for vocab size: llama.vocab_size is optional metadata.
         vocab_size=int(embed.shape[1]),
         hidden_size=hidden,
@@ -192,9 +183,6 @@ def build_config(reader, gguf_path: Path):
     if arch == "llama" and rope_dim is not None:
         # Llama allows head_dim != hidden/heads; rotary covers the whole head there.
         kwargs["head_dim"] = int(rope_dim)
-    key_length = _meta(reader, f"{arch}.attention.key_length")
-    if arch == "qwen3" and key_length is not None:  # Qwen3's head_dim is its own (128 with hidden 1024 / 16)
-        kwargs["head_dim"] = int(key_length)
     scaling_type = _meta(reader, f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": float(_meta(reader, f"{arch}.rope.scaling.factor"))}
@@ -204,23 +192,14 @@ def build_config(reader, gguf_path: Path):
         token_id = _meta(reader, f"tokenizer.ggml.{name}_token_id")
         if token_id is not None:
             kwargs[key] = int(token_id)
-    return AutoConfig.for_model(_MODEL_TYPES[arch], **kwargs)
+    values = {n: _dequantize(tensors[n], gguf_path).reshape(-1).tolist() for n in CONFIG_TENSORS if n in tensors}
+    kwargs.update(
+        family.config(lambda key, default=None: _meta(reader, f"{arch}.{key}", default), {**tensors, **values}, kwargs)
+    )
+    return AutoConfig.for_model(family.model_type, **kwargs)
 
 
 # ---------------------------------------------------------------- tensors
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """transformers' parameter name for a llama.cpp tensor name, or None when it has no HF counterpart."""
-    match = _BLOCK_RE.match(gguf_name)
-    if match:
-        layer, part, kind = match.groups()
-        target = _BLOCK_TENSORS.get(part)
-        return None if target is None else f"model.layers.{layer}.{target}.{kind}"
-    match = _GLOBAL_RE.match(gguf_name)
-    if match and match.group(1) in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[match.group(1)]}.{match.group(2)}"
-    return None
 
 
 def unpermute_qk(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -263,44 +242,35 @@ def _dequantize(tensor, gguf_path: Path) -> np.ndarray:
 
 
 def dequantize_tensors(reader, config, gguf_path: Path, progress: bool = True) -> dict[str, torch.Tensor]:
-    """Every tensor of the GGUF as float32, under its HF name, Q/K rows in HF order."""
-    arch = _meta(reader, "general.architecture")
+    """Every tensor of the GGUF as float32 under its HF checkpoint name (experts one by one), in HF
+    layout (Q/K rows in HF order, Gemma's norms as HF stores them)."""
+    family = gguf_family(reader, gguf_path)
     out: dict[str, torch.Tensor] = {}
     skipped: list[str] = []
     for tensor in tqdm(reader.tensors, desc=f"Dequantizing {gguf_path.name}", unit="tensor", disable=not progress):
-        name = hf_tensor_name(tensor.name)
-        if name is None:
-            skipped.append(tensor.name)
-            continue
+        if tensor.name in CONFIG_TENSORS:
+            continue  # read into the config (build_config)
         weights = _dequantize(tensor, gguf_path)
-        if arch in _QK_PERMUTED and ".self_attn.q_proj." in name:
-            weights = unpermute_qk(weights, config.num_attention_heads)
-        elif arch in _QK_PERMUTED and ".self_attn.k_proj." in name:
-            weights = unpermute_qk(weights, config.num_key_value_heads)
-        out[name] = torch.from_numpy(weights)
+        produced = False
+        for name, w in hf_tensors(family, tensor.name, weights):
+            produced = True
+            if family.qk_permuted and ".self_attn.q_proj." in name:
+                w = unpermute_qk(w, config.num_attention_heads)
+            elif family.qk_permuted and ".self_attn.k_proj." in name:
+                w = unpermute_qk(w, config.num_key_value_heads)
+            out[name] = torch.from_numpy(np.ascontiguousarray(w))
+        if not produced:
+            skipped.append(tensor.name)
     if skipped:
         # e.g. llama3's rope_freqs: transformers' GGUF loader ignores these too.
         logger.warning("%s: ignored tensors with no HF counterpart: %s", gguf_path.name, ", ".join(skipped[:8]))
-    _check_complete(out, config, arch, gguf_path)
-    return out
-
-
-def _check_complete(tensors: dict[str, torch.Tensor], config, arch: str, gguf_path: Path) -> None:
-    expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not config.tie_word_embeddings:
-        expected.add("lm_head.weight")
-    qk_norms = {"self_attn.q_norm", "self_attn.k_norm"}  # Qwen3 only
-    per_layer = [f"{t}.weight" for t in _BLOCK_TENSORS.values() if arch == "qwen3" or t not in qk_norms]
-    if arch == "qwen2":
-        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
-    for layer in range(config.num_hidden_layers):
-        expected.update(f"model.layers.{layer}.{p}" for p in per_layer)
-    missing = sorted(expected - tensors.keys())
+    missing = sorted(expected_tensors(family, config) - out.keys())
     if missing:
         raise ModelLoadError(
             f"{gguf_path} lacks {len(missing)} expected tensors (first: {missing[0]}); it is incomplete or not a "
-            f"{GGUF_ARCHITECTURES[arch]} checkpoint."
+            f"{family.architecture} checkpoint."
         )
+    return out
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -308,10 +278,17 @@ def _check_complete(tensors: dict[str, torch.Tensor], config, arch: str, gguf_pa
 
 def build_tokenizer(reader, gguf_path: Path):
     """transformers' tokenizer converted from the GGUF's vocabulary, with its chat template."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        except ValueError as exc:
+            if "not supported" not in str(exc):
+                raise
+            # AutoTokenizer reads the model config first, and transformers' GGUF reader knows fewer
+            # architectures than this converter (OLMoE); the tokenizer itself needs none of it.
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:  # the conversion raises many types on unusual vocabularies
         raise ModelLoadError(
             f"could not build a tokenizer from {gguf_path} ({type(exc).__name__}: {describe(exc)}); "

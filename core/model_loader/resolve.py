@@ -76,11 +76,17 @@ class PreparedModel:
         warm start from the converted-model cache should not wait for it before the children start."""
         if self.hf_config is not None:
             return self.hf_config
-        if self.from_cache:
+        if self.from_cache and self.architecture in PLAIN_CONFIG_ARCHITECTURES:
             return SavedConfig.read(self.model_dir)
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(str(self.model_dir))
+
+
+# Configs whose saved fields are exactly the attributes the models read. Others rename fields on
+# save (Qwen3-MoE and OLMoE save num_experts as num_local_experts through their attribute_map), so
+# only AutoConfig reads them right.
+PLAIN_CONFIG_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
 class SavedConfig(SimpleNamespace):
