@@ -21,7 +21,7 @@ SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 # by `add_cli_args`; tests/test_cli_help.py checks that no field is left without help.
 FLAG_HELP = {
     "model_path": "the model: nothing for the default (SmolLM2-135M-Instruct, embedded GGUF), 'smollm2-135m', "
-    "a .gguf file or a local Hugging Face directory (Llama, Mistral, Qwen2)",
+    "a .gguf file or a local Hugging Face directory (docs/models.md lists the families)",
     "served_model_name": "the model name the API reports and accepts (default: derived from the model)",
     "dtype": "weights and activations: auto picks bfloat16 on CPUs with AVX512-BF16/AMX (and on CUDA), else float32",
     "kv_cache_dtype": "KV cache dtype; auto = the model dtype",
