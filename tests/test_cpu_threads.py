@@ -83,9 +83,54 @@ def test_policy_keeps_two_threads_when_they_are_faster_and_ignores_small_gains()
 def test_a_collapsing_probe_costs_one_slow_step():
     p = StepTimePolicy(1, period=8, probe_steps=4, threads=1)
     p.max_threads = 2
-    used = _run(p, 1, {1: 20.0, 2: 200.0}, 11)  # two threads collapse (a spinning team)
-    assert used[8:10] == [2, 2] and used[10] == 1  # the untimed first step and the one that showed it
+    used = _run(p, 1, {1: 20.0, 2: 200.0}, 10)  # two threads collapse (a spinning team): 10x
+    assert used[8] == 2 and used[9] == 1  # even the untimed first step shows a collapse that deep
     assert p.threads == 1 and p.probing is None
+    q = StepTimePolicy(2, period=8, probe_steps=4, threads=1)
+    used = _run(q, 1, {1: 20.0, 2: 50.0}, 11)  # 2.5x: the untimed step may be a wake-up, the next one tells
+    assert used[8:10] == [2, 2] and used[10] == 1 and q.threads == 1
+
+
+def test_failed_probes_up_back_off_and_a_kept_one_resets():
+    """Beside a busy neighbour every probe of two threads fails: each doubles the wait before the
+    next (8, 16, 32, 64, 64 steps here), so a long run pays a few slow steps, not one per period."""
+    p = StepTimePolicy(2, period=8, probe_steps=4, max_backoff=8)
+    used = _run(p, 1, {2: 200.0, 1: 20.0}, 8 + 4)  # starts at 2, probes 1 at step 8, keeps it
+    assert p.threads == 1
+    used = _run(p, 1, {2: 200.0, 1: 20.0}, 8 + 1 + 16 + 1 + 32 + 1 + 64 + 1 + 64 + 1)
+    ups = [i for i, n in enumerate(used) if n == 2]
+    assert ups == [8, 25, 58, 123, 188] and p.threads == 1
+    _run(p, 1, {2: 10.0, 1: 20.0}, 64 + 4)  # the neighbour left: the next probe up is kept
+    assert p.threads == 2 and p._up_backoff == 1
+
+
+def test_a_sudden_slowdown_probes_at_once():
+    """A neighbour arriving mid-period, or between two requests of the same size: steps at over
+    1.8x the best seen at that batch size start the probe down then, not at the period's end."""
+    p = StepTimePolicy(2, period=48, probe_steps=4)
+    _run(p, 8, {2: 50.0, 1: 80.0}, 12)  # the first probe (at step 8) keeps two threads
+    assert p.threads == 2 and p.probing is None
+    _run(p, 8, {2: 50.0, 1: 80.0}, 6)
+    used = _run(p, 8, {2: 130.0, 1: 70.0}, 8)  # the neighbour arrives
+    assert used[:3] == [2] * 3 and used[3] == 1
+    assert p.threads == 1  # kept: one thread now decodes faster
+    q = StepTimePolicy(2, period=48, probe_steps=4)
+    _run(q, 8, {2: 50.0, 1: 80.0}, 30)
+    _run(q, 1, {2: 20.0, 1: 25.0}, 8)  # another batch size, then back: each keeps its own best
+    probes = q.probes
+    _run(q, 8, {2: 60.0, 1: 80.0}, 8)  # 1.2x slower: noise, not a neighbour
+    assert q.probes == probes
+    used = _run(q, 8, {2: 200.0, 1: 80.0}, 8)  # the neighbour came between requests
+    assert used[3] == 1 and q.threads == 1
+
+
+def test_a_long_back_off_is_bounded_in_time():
+    """At a large batch a period of steps is many seconds: the wait for a probe up never passes
+    max_wait_ms of decoding, whatever the back-off."""
+    p = StepTimePolicy(2, period=8, probe_steps=4, max_wait_ms=1000.0, threads=1)
+    p._up_backoff = 16
+    used = _run(p, 32, {1: 100.0, 2: 300.0}, 12)
+    assert used.index(2) == 10  # 8 steps (the period), then 1000 ms: steps 9 and 10 at 100 ms
 
 
 def test_a_probe_ends_when_the_batch_changes_and_retries_soon():

@@ -214,8 +214,17 @@ class StepTimePolicy:
     `probe_steps` decode steps of the *same batch size* run with the other count. The probe's
     first step is not timed (the team wakes up). The probe is kept if its median step is
     `margin` faster than the median of the last steps before it; it is abandoned at once
-    if a step takes over twice as long (a collapsing team costs one slow step, not four),
-    or if the batch size changes (not comparable).
+    if a step takes over twice as long (a collapsing team costs one slow step, not four; the
+    untimed first step already ends it when it takes over `collapse` times as long), or if the
+    batch size changes (not comparable).
+
+    Beside a neighbour that keeps a core busy, every probe of more threads collapses, so each
+    failed one doubles the wait before the next (up to `max_backoff` periods); one that is
+    kept resets it, and the wait never exceeds `max_wait_ms` of decoding (so a machine that
+    went quiet gets its second thread back within seconds at any batch size). The other
+    direction never waits longer: when the median of the last four steps at one batch size
+    runs `slowdown` times slower than the best such median seen at that size and thread count
+    (a neighbour arrived, mid-run or between requests), the next probe starts at once.
     """
 
     max_threads: int
@@ -223,6 +232,10 @@ class StepTimePolicy:
     first_probe: int = 8  # the first probe comes sooner: a collapsing start is short
     probe_steps: int = 4
     margin: float = 0.08
+    collapse: float = 4.0
+    slowdown: float = 1.8
+    max_backoff: int = 16
+    max_wait_ms: float = 4000.0
     threads: int = 0
     probing: Optional[int] = None  # the count being tried, or None
     probes: int = 0  # probes started (reported in get_internal_state)
@@ -231,6 +244,9 @@ class StepTimePolicy:
     _probe: list = field(default_factory=list, repr=False)  # ms at `probing`
     _probe_bs: int = field(default=0, repr=False)
     _next_try: int = field(default=0, repr=False)  # alternates down / up for N > 2
+    _up_backoff: int = field(default=1, repr=False)  # periods to wait before probing more threads
+    _since_ms: float = field(default=0.0, repr=False)  # decode time since the last probe
+    _best: dict = field(default_factory=dict, repr=False)  # bs -> best median of 4 steps at `threads`
 
     def __post_init__(self):
         self.max_threads = max(1, int(self.max_threads))
@@ -249,13 +265,38 @@ class StepTimePolicy:
         self._next_try += 1
         return options[self._next_try % len(options)]
 
+    def _due(self) -> bool:
+        """Whether the next probe is due: after `period` steps, or longer while probes up keep
+        failing (at one thread, where the only probe is up), but never past `max_wait_ms`."""
+        if self._since < self.period:
+            return False
+        if self.threads != 1 or self._up_backoff == 1:
+            return True
+        return self._since >= self.period * self._up_backoff or self._since_ms >= self.max_wait_ms
+
+    def _slowed_down(self, bs: int, same: list[float]) -> bool:
+        """The last four steps at this batch size against the best four seen at it (and remember)."""
+        now = sorted(same)[1]  # the faster half: one slow outlier is not a neighbour
+        best = self._best.get(bs)
+        if best is None or now < best:
+            self._best[bs] = now
+            return False
+        if now > self.slowdown * best:
+            self._best[bs] = now  # fire once for this level
+            return True
+        return False
+
     def observe_decode(self, bs: int, ms: float) -> int:
         """One decode step of `bs` requests took `ms` at `self.current` threads; returns the next count."""
         if self.probing is None:
             self._recent = (self._recent + [(bs, ms)])[-8:]
             self._since += 1
+            self._since_ms += ms
             same = [m for b, m in self._recent[-4:] if b == bs]
-            if self._since >= self.period and len(same) == 4:
+            slowed = len(same) == 4 and self._slowed_down(bs, same) and self.threads > 1
+            if slowed:
+                self._recent = self._recent[-4:]  # the probe is compared with the slow steps
+            if (self._due() or slowed) and len(same) == 4:
                 cand = self._candidate()
                 if cand is not None:
                     self.probing, self._probe, self._probe_bs = cand, [], bs
@@ -266,7 +307,8 @@ class StepTimePolicy:
         if bs != self._probe_bs:
             return self._end_probe(keep=False, retry_soon=True)
         self._probe.append(ms)
-        if len(self._probe) > 1 and ms > 2 * base_ms:
+        limit = 2 * base_ms if len(self._probe) > 1 else self.collapse * base_ms
+        if ms > limit:
             return self._end_probe(keep=False)
         if len(self._probe) < self.probe_steps:
             return self.current
@@ -275,10 +317,15 @@ class StepTimePolicy:
 
     def _end_probe(self, keep: bool, retry_soon: bool = False) -> int:
         if keep:
+            self._up_backoff = 1  # the situation changed: probe up at the normal pace again
+        elif self.probing > self.threads and not retry_soon:
+            self._up_backoff = min(2 * self._up_backoff, self.max_backoff)
+        if keep:
             self.threads = self.probing
-            self._recent = []
+            self._recent, self._best = [], {}
         self.probing, self._probe = None, []
         self._since = self.period // 2 if retry_soon else 0
+        self._since_ms = 0.0
         return self.threads
 
 
