@@ -57,13 +57,6 @@ def test_gemv_matches_linear_on_odd_shapes(threads, m, n, k):
         assert typical < 1e-6  # and far inside it on average, as F.linear is
 
 
-def test_a_packed_copy_must_fit_its_weight():
-    w = torch.randn(20, 12).to(torch.bfloat16)
-    assert cpu_ops.pack_gemv_weight(w.float()) is None  # float32 reads its row-major weight
-    with pytest.raises(ValueError, match="packed copy"):
-        cpu_ops.gemv(torch.randn(1, 12), w, packed=cpu_ops.pack_gemv_weight(torch.randn(20, 24).bfloat16()))
-
-
 def test_gemv_reads_strided_rows_and_a_weight_prefix():
     g = torch.Generator().manual_seed(5)
     wide = torch.randn(64, 200, generator=g)
@@ -85,13 +78,10 @@ def test_bfloat16_weights_equal_the_float32_result_on_their_values(threads, m, n
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        packed = cpu_ops.pack_gemv_weight(w)  # the layout a bfloat16 layer reads (8-row blocks, padded)
-        assert packed.shape == (-(-n // 8), -(-k // 8), 8, 8)
         for b, r in [(None, None), (bias, residual)]:
             ours = cpu_ops.gemv(x, w, b, r)
             assert ours.dtype == torch.float32
             assert torch.equal(ours, cpu_ops.gemv(x, w.float(), b, r))
-            assert torch.equal(ours, cpu_ops.gemv(x, w, b, r, packed=packed))
         # a bfloat16 x is widened too (a bfloat16 model's linears)
         xb = x.to(torch.bfloat16)
         assert torch.equal(cpu_ops.gemv(xb, w), cpu_ops.gemv(xb.float(), w.float()))
@@ -111,10 +101,10 @@ def test_gemv_ready_only_for_one_row_of_float32_or_bfloat16(monkeypatch):
     assert not cpu_ops.gemv_ready(torch.randn(1, 16, dtype=torch.bfloat16), w)  # no narrowing of weights
     # a bfloat16 weight oneDNN could not pack takes up to UNPACKED_GEMV_MAX_ROWS rows; float32 does not
     most = cpu_ops.UNPACKED_GEMV_MAX_ROWS
-    assert cpu_ops.gemv_ready(torch.randn(most, 16), w.bfloat16(), onednn_packed=False)
-    assert not cpu_ops.gemv_ready(torch.randn(most + 1, 16), w.bfloat16(), onednn_packed=False)
-    assert not cpu_ops.gemv_ready(torch.randn(2, 16), w.bfloat16(), onednn_packed=True)
-    assert not cpu_ops.gemv_ready(torch.randn(2, 16), w, onednn_packed=False)
+    assert cpu_ops.gemv_ready(torch.randn(most, 16), w.bfloat16(), packed=False)
+    assert not cpu_ops.gemv_ready(torch.randn(most + 1, 16), w.bfloat16(), packed=False)
+    assert not cpu_ops.gemv_ready(torch.randn(2, 16), w.bfloat16(), packed=True)
+    assert not cpu_ops.gemv_ready(torch.randn(2, 16), w, packed=False)
     assert not cpu_ops.gemv_ready(torch.randn(1, 16, dtype=torch.float16), w.half())
     assert not cpu_ops.gemv_ready(torch.randn(1, 1, 16), w)
     monkeypatch.setattr(cpu_ops, "_gemv_ok", False)  # what WORKBENCH_CPU_GEMV=0 sets at load

@@ -106,15 +106,11 @@ class LinearBase(nn.Module):
         # The CPU fast paths were asked for (packing, the batch-1 GEMV). Kept apart from
         # packed_weight, which stays None where oneDNN cannot pack this dtype.
         self.cpu_fast_path = False
-        # A bfloat16 weight oneDNN could not pack, in the GEMV's own layout (cpu_ops.pack_gemv_weight).
-        self.gemv_weight: Optional[torch.Tensor] = None
 
     def process_weights_after_loading(self, pack: bool = True) -> None:
         """Derive the packed copy (call again after any weight update)."""
         self.cpu_fast_path = pack and self.weight.device.type == "cpu"
         self.packed_weight = pack_linear_weight(self.weight) if pack else None
-        unpacked = self.cpu_fast_path and self.packed_weight is None
-        self.gemv_weight = cpu_ops.pack_gemv_weight(self.weight) if unpacked else None
 
     def _matmul(
         self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor] = None
@@ -122,7 +118,7 @@ class LinearBase(nn.Module):
         # Under torch.compile the plain weight is traced (inductor does its own packing).
         packed = self.packed_weight is not None
         if self.cpu_fast_path and cpu_ops.gemv_ready(x, self.weight, packed):
-            return cpu_ops.gemv(x, self.weight, bias, residual, self.gemv_weight).to(x.dtype)
+            return cpu_ops.gemv(x, self.weight, bias, residual).to(x.dtype)
         if packed and x.dtype == self.weight.dtype and not torch.compiler.is_compiling():
             return packed_linear(x, self.packed_weight, bias, residual)
         if self.cpu_fast_path and self.weight.dtype == torch.bfloat16 and not torch.compiler.is_compiling():

@@ -200,12 +200,11 @@ class LlamaModel(nn.Module):
         Cached against the addresses it was built from: weight updates copy into the same storage
         (and drop the table: drop_derived_tables), and a rebuilt pool or re-made parameter changes
         the key, so a stale table is never used. The projections are passed as they are (float32 or
-        bfloat16), or their GEMV-packed copies where a bfloat16 model has them; norm weights and biases as float32, copied once for a bfloat16 model and kept
+        bfloat16); norm weights and biases as float32, copied once for a bfloat16 model and kept
         alive beside the table."""
-        qkv = self.layers[0].self_attn.qkv_proj
         key = tuple(
-            t.data_ptr() if t is not None else 0
-            for t in (pool.get_key_buffer(0), pool.get_value_buffer(0), qkv.weight, qkv.gemv_weight)
+            t.data_ptr()
+            for t in (pool.get_key_buffer(0), pool.get_value_buffer(0), self.layers[0].self_attn.qkv_proj.weight)
         ) + (id(pool), len(self.layers))
         if self._decode_table is not None and self._decode_table[0] == key:
             return self._decode_table[1]
@@ -219,14 +218,9 @@ class LlamaModel(nn.Module):
                 keep.append(t)
             return t.data_ptr()
 
-        packed = self.layers[0].self_attn.qkv_proj.gemv_weight is not None
-
-        def weight(linear) -> int:
-            t = linear.gemv_weight if packed else linear.weight
-            if t is None or t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous():
-                raise ValueError(
-                    "the fused decode path needs contiguous float32 or bfloat16 weights, all packed or none"
-                )
+        def weight(t: torch.Tensor) -> int:
+            if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous():
+                raise ValueError("the fused decode path needs contiguous float32 or bfloat16 weights")
             return t.data_ptr()
 
         rows = []
@@ -237,14 +231,14 @@ class LlamaModel(nn.Module):
             rows.append(
                 [
                     f32(layer.input_layernorm.weight),
-                    weight(attn.qkv_proj),
+                    weight(attn.qkv_proj.weight),
                     f32(attn.qkv_proj.bias),
-                    weight(attn.o_proj),
+                    weight(attn.o_proj.weight),
                     f32(o_bias),
                     f32(layer.post_attention_layernorm.weight),
-                    weight(mlp.gate_up_proj),
+                    weight(mlp.gate_up_proj.weight),
                     f32(mlp.gate_up_proj.bias),
-                    weight(mlp.down_proj),
+                    weight(mlp.down_proj.weight),
                     f32(down_bias),
                     pool.get_key_buffer(i).data_ptr(),
                     pool.get_value_buffer(i).data_ptr(),
@@ -264,7 +258,6 @@ class LlamaModel(nn.Module):
             x,
             self._decode_table_for(pool),
             weight_dtype=attn.qkv_proj.weight.dtype,
-            packed=attn.qkv_proj.gemv_weight is not None,
             hidden=x.shape[1],
             num_q_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads,
@@ -315,7 +308,6 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = config.vocab_size
         self._packed_head: Optional[torch.Tensor] = None
         self._head_fast_path = False  # the batch-1 GEMV may compute the head (process_weights_after_loading)
-        self._gemv_head: Optional[torch.Tensor] = None  # a bfloat16 head oneDNN cannot pack, for the GEMV
 
     def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
         return self.model(input_ids, positions, forward_batch)
@@ -328,16 +320,17 @@ class LlamaForCausalLM(nn.Module):
                 module.process_weights_after_loading(pack)
         head = self.lm_head.weight
         self._head_fast_path = pack and self.lm_head.tp_size == 1 and head.device.type == "cpu"
-        self._packed_head = pack_linear_weight(head[: self.vocab_size]) if self._head_fast_path else None
-        unpacked = self._head_fast_path and self._packed_head is None
-        self._gemv_head = cpu_ops.pack_gemv_weight(head[: self.vocab_size]) if unpacked else None
+        if self._head_fast_path:
+            self._packed_head = pack_linear_weight(head[: self.vocab_size])
+        else:
+            self._packed_head = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final hidden states -> [N, vocab] float32 logits (the sampler's input)."""
         head = self.lm_head
         weight = head.weight[: self.vocab_size]
         if self._head_fast_path and cpu_ops.gemv_ready(hidden, weight, self._packed_head is not None):
-            return cpu_ops.gemv(hidden, weight, packed=self._gemv_head)
+            return cpu_ops.gemv(hidden, weight)
         if self._packed_head is not None and hidden.dtype == head.weight.dtype and not torch.compiler.is_compiling():
             return packed_linear(hidden, self._packed_head, None).float()
         if self._head_fast_path and weight.dtype == torch.bfloat16 and not torch.compiler.is_compiling():

@@ -409,16 +409,15 @@ GEMV_MAX_ROWS = 1
 # takes such a weight up to 64 rows, and the layers widen it beyond (linear.py).
 UNPACKED_GEMV_MAX_ROWS = 64
 _GEMV_WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_GEMV_PACKED_BF16 = 2  # gemv.c's WF_BF16_PACKED
 
 
-def gemv_ready(x: torch.Tensor, weight: torch.Tensor, onednn_packed: bool = True) -> bool:
+def gemv_ready(x: torch.Tensor, weight: torch.Tensor, packed: bool = True) -> bool:
     """True when `gemv` should compute x @ weight.T: a float32 or bfloat16 weight, x of the weight's
     dtype or float32, on the CPU, x 2-D with at most GEMV_MAX_ROWS rows (UNPACKED_GEMV_MAX_ROWS for
-    a bfloat16 weight without a packed oneDNN copy: `onednn_packed` False), the kernel built with its
+    a bfloat16 weight without a packed oneDNN copy: `packed` False), the kernel built with its
     AVX2 + FMA path and not switched off (WORKBENCH_CPU_GEMV=0), and not under torch.compile (which
     cannot trace a ctypes call)."""
-    most = UNPACKED_GEMV_MAX_ROWS if not onednn_packed and weight.dtype == torch.bfloat16 else GEMV_MAX_ROWS
+    most = UNPACKED_GEMV_MAX_ROWS if not packed and weight.dtype == torch.bfloat16 else GEMV_MAX_ROWS
     if (
         weight.dtype not in _GEMV_WEIGHT_CODES
         or x.dtype not in (torch.float32, weight.dtype)
@@ -433,44 +432,17 @@ def gemv_ready(x: torch.Tensor, weight: torch.Tensor, onednn_packed: bool = True
     return _gemv_ok
 
 
-def pack_gemv_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """A bfloat16 [N, K] weight in the GEMV's packed layout (gemv.c, WF_BF16_PACKED): blocks of 8
-    rows, each [Kp/8, 8 rows, 8], zero-padded to N and K multiples of 8, so that a block streams as
-    one sequential read (1.5-1.75x the row-major rate here). None for other dtypes or where the
-    kernel is unavailable."""
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
-        return None
-    if _lib is None and not _tried:
-        _load()
-    if not _gemv_ok:
-        return None
-    n, k = weight.shape
-    np_, kp = -(-n // 8) * 8, -(-k // 8) * 8
-    padded = torch.zeros(np_, kp, dtype=torch.bfloat16)
-    padded[:n, :k] = weight.detach()
-    return padded.view(np_ // 8, 8, kp // 8, 8).permute(0, 2, 1, 3).contiguous()
-
-
 def gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    residual: Optional[torch.Tensor] = None,
-    packed: Optional[torch.Tensor] = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) (+ residual), summed in float32: x [M, K], weight [N, K] float32 or
     bfloat16 (rows may be strided, elements contiguous), bias [N], residual [M, N] -> a new
-    float32 [M, N] (x, bias and residual are widened to float32 first). `packed`: the weight's
-    `pack_gemv_weight` copy, read instead of `weight` (same result, bit for bit). Any M is correct;
-    it is fast for a few rows (see GEMV_MAX_ROWS)."""
+    float32 [M, N] (x, bias and residual are widened to float32 first). Any M is correct; it is
+    fast for a few rows (see GEMV_MAX_ROWS)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or weight.dtype not in _GEMV_WEIGHT_CODES or not x.dtype.is_floating_point:
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
-    if packed is not None and (packed.dtype != torch.bfloat16 or packed.shape != (-(-n // 8), -(-k // 8), 8, 8)):
-        raise ValueError(
-            f"gemv: packed {tuple(packed.shape)} {packed.dtype} is not the packed copy of a [{n}, {k}] weight"
-        )
     x = x.to(torch.float32)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -488,9 +460,9 @@ def gemv(
     _require().wb_gemv(
         x.data_ptr(),
         x.stride(0),
-        weight.data_ptr() if packed is None else packed.data_ptr(),
-        weight.stride(0) if packed is None else packed.shape[1] * 8,
-        _GEMV_WEIGHT_CODES[weight.dtype] if packed is None else _GEMV_PACKED_BF16,
+        weight.data_ptr(),
+        weight.stride(0),
+        _GEMV_WEIGHT_CODES[weight.dtype],
         bias.data_ptr() if bias is not None else None,
         residual.data_ptr() if residual is not None else None,
         residual.stride(0) if residual is not None else 0,
@@ -541,13 +513,11 @@ def decode_layers_f32(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     weight_dtype: torch.dtype = torch.float32,
-    packed: bool = False,
 ) -> torch.Tensor:
     """Run every layer of `table` ([L, DECODE_LAYER_FIELDS] int64 pointers, see above) on the
     residual streams x ([T, hidden] float32, T consecutive tokens of one request, at most
     FUSED_MAX_TOKENS; updated in place and returned). The table's four projection weights are of
-    `weight_dtype` (float32 or bfloat16), or with `packed` their `pack_gemv_weight` copies (bfloat16);
-    its norm weights and biases are float32. cos/sin: their rope rows ([T, 1, head_dim]
+    `weight_dtype` (float32 or bfloat16); its norm weights and biases are float32. cos/sin: their rope rows ([T, 1, head_dim]
     float32); out_cache_loc [T], req_pool_indices and seq_lens [1] int64 (seq_lens counts these T
     tokens); req_to_token: the pool's table (unit inner stride)."""
     t = x.shape[0] if x.dim() == 2 else 0
@@ -561,10 +531,8 @@ def decode_layers_f32(
         raise ValueError("decode_layers_f32: the layer table must be [L, DECODE_LAYER_FIELDS] int64")
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or kv_dtype not in _DTYPE_CODES:
         raise ValueError("decode_layers_f32: rope rows must be float32 and the pool a supported dtype")
-    if weight_dtype not in _GEMV_WEIGHT_CODES or (packed and weight_dtype != torch.bfloat16):
-        raise ValueError(
-            f"decode_layers_f32: projection weights must be float32 or bfloat16 (packed: bfloat16), not {weight_dtype}"
-        )
+    if weight_dtype not in _GEMV_WEIGHT_CODES:
+        raise ValueError(f"decode_layers_f32: projection weights must be float32 or bfloat16, not {weight_dtype}")
     if req_to_token.stride(1) != 1:
         raise ValueError("decode_layers_f32: req_to_token must have a unit inner stride")
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -574,7 +542,7 @@ def decode_layers_f32(
         t,
         table.data_ptr(),
         table.shape[0],
-        _GEMV_PACKED_BF16 if packed else _GEMV_WEIGHT_CODES[weight_dtype],
+        _GEMV_WEIGHT_CODES[weight_dtype],
         hidden,
         num_q_heads,
         num_kv_heads,

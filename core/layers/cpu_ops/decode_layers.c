@@ -59,7 +59,7 @@ static void silu_mul(const float *restrict gu, float *restrict out, int64_t I) {
 /* x: [T, H] the residual streams of T consecutive tokens of ONE request (T = 1: a decode step; more:
  * a speculative verify pass or a short prompt piece), updated in place to the last layer's output
  * (before the final norm). layers: L rows of PER_LAYER pointers (0 for no bias); the four projection
- * weights in gemv.c's format w_dt (float32, bfloat16, or bfloat16 packed), everything else float32. cos/sin: [T, D]
+ * weights of dtype w_dt (float32 or bfloat16), everything else float32. cos/sin: [T, D]
  * rope rows (signed-sin layout, see rope.c). The pool: kv_dt; out_loc [T] the slots this pass's K/V
  * go to; req_to_token, its row req_pool_index[0] and seq_len[0] (these T tokens included).
  * T = 1 attends with paged_decode_attention (which stores the K/V row itself); T > 1 stores the T
@@ -74,7 +74,6 @@ int wb_decode_layers(float *x, int T, const int64_t *layers, int L, int w_dt, in
     if (buf == NULL) return -2;
     float *h = buf, *qkv = h + (int64_t)T * H, *att = qkv + T * nqkv, *gu = att + T * nq, *act = gu + T * 2 * I;
     const int64_t prefix = seq_len[0] - T, start = 0, ext = T;
-#define LDW(k) (w_dt == 2 ? ((k) + 7) & ~(int64_t)7 : (k)) /* a packed weight's row stride is K rounded up to 8 */
     int rc = 0;
     for (int l = 0; l < L && rc == 0; l++) {
         const int64_t *p = layers + (int64_t)l * PER_LAYER;
@@ -82,7 +81,7 @@ int wb_decode_layers(float *x, int T, const int64_t *layers, int L, int w_dt, in
 #define W(i) ((const void *)(intptr_t)p[i])
         void *k_buf = (void *)(intptr_t)p[K_BUF], *v_buf = (void *)(intptr_t)p[V_BUF];
         wb_rms_norm(x, H, F(W_IN), h, T, H, eps, 0, nthreads);
-        wb_gemv(h, H, W(W_QKV), LDW(H), w_dt, F(B_QKV), NULL, 0, qkv, nqkv, T, nqkv, H, nthreads);
+        wb_gemv(h, H, W(W_QKV), H, w_dt, F(B_QKV), NULL, 0, qkv, nqkv, T, nqkv, H, nthreads);
         wb_rope_inplace(qkv, nqkv, cos_t, sin_t, D, T, Hq + Hk, D, 0, nthreads);
         if (T == 1) {
             rc = paged_decode_attention(qkv, 0, nqkv / D, qkv + nq, nqkv / D, qkv + nq + nkv, nqkv / D, out_loc,
@@ -98,15 +97,14 @@ int wb_decode_layers(float *x, int T, const int64_t *layers, int L, int w_dt, in
             rc = paged_extend_attention(qkv, 0, nqkv / D, k_buf, v_buf, kv_dt, req_to_token, r2t_stride,
                                         req_pool_index, &prefix, &ext, &start, 1, Hq, Hk, D, scale, att, nthreads);
         }
-        wb_gemv(att, nq, W(W_O), LDW(nq), w_dt, F(B_O), x, H, x, H, T, H, nq, nthreads);
+        wb_gemv(att, nq, W(W_O), nq, w_dt, F(B_O), x, H, x, H, T, H, nq, nthreads);
         wb_rms_norm(x, H, F(W_POST), h, T, H, eps, 0, nthreads);
-        wb_gemv(h, H, W(W_GU), LDW(H), w_dt, F(B_GU), NULL, 0, gu, 2 * I, T, 2 * I, H, nthreads);
+        wb_gemv(h, H, W(W_GU), H, w_dt, F(B_GU), NULL, 0, gu, 2 * I, T, 2 * I, H, nthreads);
         for (int t = 0; t < T; t++) silu_mul(gu + t * 2 * I, act + t * I, I);
-        wb_gemv(act, I, W(W_DOWN), LDW(I), w_dt, F(B_DOWN), x, H, x, H, T, H, I, nthreads);
+        wb_gemv(act, I, W(W_DOWN), I, w_dt, F(B_DOWN), x, H, x, H, T, H, I, nthreads);
 #undef F
 #undef W
     }
-#undef LDW
     free(buf);
     return rc;
 }

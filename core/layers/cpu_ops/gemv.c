@@ -1,6 +1,5 @@
 /* x @ W.T for a few float32 rows of x (decode at batch 1-4) on the plain row-major [N, K] weight,
- * float32 or bfloat16, or a bfloat16 copy packed for this kernel (WF_* below); bfloat16 is widened
- * to float32 as it is read: the sums are float32 either way.
+ * float32 or bfloat16 (widened to float32 as it is read: the sums are float32 either way).
  *
  * Why: at M=1 a linear is a matrix-vector product, bound by how fast the weight streams from
  * memory (2 flops per 4-byte weight). oneDNN's packed path (torch.ops.mkldnn._linear_pointwise)
@@ -25,19 +24,6 @@
 #include <omp.h>
 #endif
 
-/* Weight formats (wdt): float32 or bfloat16 row-major [N, K] at row stride ldw, or bfloat16 packed
- * for this kernel (pack_gemv_weight in __init__.py): blocks of 8 rows, each [Kp/8][8 rows][8] with
- * Kp = ldw (K rounded up to 8, zero-padded; N rounded up to 8 with zero rows). Packed, a block's 8 rows
- * are one sequential stream instead of 8 interleaved ones: measured on 106 MB of bfloat16 weights, one
- * thread, 6.0-6.6 ms against 9.1-11.3 ms row-major, the packed read at the rate of a plain streaming
- * read of the same bytes (5.8-6.4 ms). */
-enum { WF_F32 = 0, WF_BF16 = 1, WF_BF16_PACKED = 2 };
-
-/* The element index of weight (row, k) for k a multiple of 8 (the start of an 8-element chunk). */
-static inline __attribute__((always_inline)) int64_t widx(int64_t row, int64_t k, int64_t ldw, int WF) {
-    return WF == WF_BF16_PACKED ? (row >> 3) * 8 * ldw + k * 8 + (row & 7) * 8 : row * ldw + k;
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -47,16 +33,16 @@ static inline __m256i tail_mask(int rem) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), idx);
 }
 
-/* 8 weights from w[i], float32 (WF 0) or bfloat16 (WF 1, 2; widened: bf16 is float32's top half). */
-static inline __attribute__((always_inline)) __m256 wload(const void *w, int64_t i, int WF) {
-    if (WF == WF_F32) return _mm256_loadu_ps((const float *)w + i);
+/* 8 weights from w[i], float32 (WBF 0) or bfloat16 (WBF 1, widened: bf16 is float32's top half). */
+static inline __attribute__((always_inline)) __m256 wload(const void *w, int64_t i, int WBF) {
+    if (!WBF) return _mm256_loadu_ps((const float *)w + i);
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 /* The last rem (< 8) weights from w[i], zeros after them. */
-static inline __m256 wload_tail(const void *w, int64_t i, int rem, __m256i mask, int WF) {
-    if (WF == WF_F32) return _mm256_maskload_ps((const float *)w + i, mask);
+static inline __m256 wload_tail(const void *w, int64_t i, int rem, __m256i mask, int WBF) {
+    if (!WBF) return _mm256_maskload_ps((const float *)w + i, mask);
     uint16_t t[8] = {0};
     memcpy(t, (const uint16_t *)w + i, (size_t)rem * sizeof(uint16_t));
     return wload(t, 0, 1);
@@ -81,7 +67,7 @@ static inline __attribute__((always_inline)) void block(const float *restrict x,
                                                         const float *restrict bias, const float *restrict res,
                                                         int64_t ldr, float *restrict out, int64_t ldo,
                                                         int64_t n, int64_t K, __m256i mask, int R, int MM,
-                                                        int WF) {
+                                                        int WBF) {
     __m256 acc[8][4];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MM; m++) acc[r][m] = _mm256_setzero_ps();
@@ -90,7 +76,7 @@ static inline __attribute__((always_inline)) void block(const float *restrict x,
         __m256 xv[4];
         for (int m = 0; m < MM; m++) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
         for (int r = 0; r < R; r++) {
-            const __m256 wv = wload(w, widx(n + r, k, ldw, WF), WF);
+            const __m256 wv = wload(w, (n + r) * ldw + k, WBF);
             for (int m = 0; m < MM; m++) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
         }
     }
@@ -98,8 +84,7 @@ static inline __attribute__((always_inline)) void block(const float *restrict x,
         __m256 xv[4];
         for (int m = 0; m < MM; m++) xv[m] = _mm256_maskload_ps(x + m * ldx + K8, mask);
         for (int r = 0; r < R; r++) {
-            const __m256 wv = WF == WF_BF16_PACKED ? wload(w, widx(n + r, K8, ldw, WF), WF)  /* zero-padded */
-                                                   : wload_tail(w, widx(n + r, K8, ldw, WF), (int)(K - K8), mask, WF);
+            const __m256 wv = wload_tail(w, (n + r) * ldw + K8, (int)(K - K8), mask, WBF);
             for (int m = 0; m < MM; m++) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
         }
     }
@@ -126,21 +111,19 @@ static void rows(const float *x, int64_t ldx, const void *w, int64_t ldw, int wd
                  const float *res, int64_t ldr, float *out, int64_t ldo, int MM, int64_t n0, int64_t n1, int64_t K) {
     const __m256i mask = tail_mask((int)(K & 7));
     int64_t n = n0;
-#define RUN(R, MMC, WF) \
-    for (; n + (R) <= n1; n += (R)) block(x, ldx, w, ldw, bias, res, ldr, out, ldo, n, K, mask, R, MMC, WF)
-#define ALL_M(WF)                                        \
-    switch (MM) {                                        \
-    case 1: RUN(8, 1, WF); RUN(1, 1, WF); break;         \
-    case 2: RUN(4, 2, WF); RUN(1, 2, WF); break;         \
-    case 3: RUN(4, 3, WF); RUN(1, 3, WF); break;         \
-    default: RUN(2, 4, WF); RUN(1, 4, WF); break;        \
+#define RUN(R, MMC, WBF) \
+    for (; n + (R) <= n1; n += (R)) block(x, ldx, w, ldw, bias, res, ldr, out, ldo, n, K, mask, R, MMC, WBF)
+#define ALL_M(WBF)                                          \
+    switch (MM) {                                           \
+    case 1: RUN(8, 1, WBF); RUN(1, 1, WBF); break;          \
+    case 2: RUN(4, 2, WBF); RUN(1, 2, WBF); break;          \
+    case 3: RUN(4, 3, WBF); RUN(1, 3, WBF); break;          \
+    default: RUN(2, 4, WBF); RUN(1, 4, WBF); break;         \
     }
-    if (wdt == WF_BF16_PACKED) {
-        ALL_M(WF_BF16_PACKED)
-    } else if (wdt == WF_BF16) {
-        ALL_M(WF_BF16)
+    if (wdt == 1) {
+        ALL_M(1)
     } else {
-        ALL_M(WF_F32)
+        ALL_M(0)
     }
 #undef ALL_M
 #undef RUN
@@ -157,12 +140,11 @@ static void rows(const float *x, int64_t ldx, const void *w, int64_t ldw, int wd
             float s = 0.0f;
             for (int64_t k = 0; k < K; k++) {
                 float wv;
-                const int64_t i = widx(n, k & ~(int64_t)7, ldw, wdt) + (k & 7);
-                if (wdt != WF_F32) {
-                    uint32_t u = (uint32_t)((const uint16_t *)w)[i] << 16;
+                if (wdt == 1) {
+                    uint32_t u = (uint32_t)((const uint16_t *)w)[n * ldw + k] << 16;
                     memcpy(&wv, &u, sizeof wv);
                 } else {
-                    wv = ((const float *)w)[i];
+                    wv = ((const float *)w)[n * ldw + k];
                 }
                 s += x[m * ldx + k] * wv;
             }
@@ -175,8 +157,8 @@ static void rows(const float *x, int64_t ldx, const void *w, int64_t ldw, int wd
 int wb_gemv_f32_available(void) { return 0; }
 #endif
 
-/* x: [M, K] float32 at row stride ldx; w: [N, K] in format wdt (WF_*, above; ldw: its row stride,
- * or Kp packed); bias: [N] float32 or NULL; res: [M, N] float32 at row stride ldr or NULL; out:
+/* x: [M, K] float32 at row stride ldx; w: [N, K] at row stride ldw (elements), float32 (wdt 0) or
+ * bfloat16 (wdt 1); bias: [N] float32 or NULL; res: [M, N] float32 at row stride ldr or NULL; out:
  * [M, N] float32 at row stride ldo (may be res itself: each element is read before it is written).
  * Threads take contiguous runs of 8-row blocks. */
 void wb_gemv(const float *x, int64_t ldx, const void *w, int64_t ldw, int wdt, const float *bias, const float *res,
