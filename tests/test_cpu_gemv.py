@@ -99,12 +99,6 @@ def test_gemv_ready_only_for_one_row_of_float32_or_bfloat16(monkeypatch):
     assert cpu_ops.gemv_ready(torch.randn(1, 16, dtype=torch.bfloat16), w.bfloat16())
     assert cpu_ops.gemv_ready(torch.randn(1, 16), w.bfloat16())
     assert not cpu_ops.gemv_ready(torch.randn(1, 16, dtype=torch.bfloat16), w)  # no narrowing of weights
-    # a bfloat16 weight oneDNN could not pack takes up to UNPACKED_GEMV_MAX_ROWS rows; float32 does not
-    most = cpu_ops.UNPACKED_GEMV_MAX_ROWS
-    assert cpu_ops.gemv_ready(torch.randn(most, 16), w.bfloat16(), packed=False)
-    assert not cpu_ops.gemv_ready(torch.randn(most + 1, 16), w.bfloat16(), packed=False)
-    assert not cpu_ops.gemv_ready(torch.randn(2, 16), w.bfloat16(), packed=True)
-    assert not cpu_ops.gemv_ready(torch.randn(2, 16), w, packed=False)
     assert not cpu_ops.gemv_ready(torch.randn(1, 16, dtype=torch.float16), w.half())
     assert not cpu_ops.gemv_ready(torch.randn(1, 1, 16), w)
     monkeypatch.setattr(cpu_ops, "_gemv_ok", False)  # what WORKBENCH_CPU_GEMV=0 sets at load
@@ -155,17 +149,3 @@ def test_bfloat16_linear_layers_take_the_gemv_at_one_row_even_unpacked(monkeypat
     assert calls == [(1, 37)] and out.dtype == torch.bfloat16
     expected = F.linear(x.float(), layer.weight.float(), layer.bias.float()) + res.float()
     assert torch.allclose(out.float(), expected, atol=0.05, rtol=0.01)  # rounded once, to bfloat16
-    if layer.packed_weight is not None:
-        return  # a CPU with oneDNN bfloat16 GEMMs: more rows go to oneDNN
-    # unpacked (AVX2): the GEMV up to UNPACKED_GEMV_MAX_ROWS rows, widened to float32 beyond
-    for rows, via_gemv in [
-        (2, True),
-        (cpu_ops.UNPACKED_GEMV_MAX_ROWS, True),
-        (cpu_ops.UNPACKED_GEMV_MAX_ROWS + 1, False),
-    ]:
-        calls.clear()
-        x, res = torch.randn(rows, 37, dtype=torch.bfloat16), torch.randn(rows, 29, dtype=torch.bfloat16)
-        out = layer(x, res)
-        assert (calls == [(rows, 37)]) == via_gemv and out.dtype == torch.bfloat16
-        expected = F.linear(x.float(), layer.weight.float(), layer.bias.float()) + res.float()
-        assert torch.allclose(out.float(), expected, atol=0.05, rtol=0.01)

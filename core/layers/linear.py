@@ -17,9 +17,8 @@ stays (named-parameter lookups, weight updates); the packed copy is derived.
 
 At one row of input (decode at batch 1) the compiled GEMV (cpu_ops.gemv, gemv.c) on the plain
 float32 or bfloat16 weight replaces oneDNN, which streams the weights well below the memory
-bandwidth at M=1 (docs/design.md). bfloat16 weights that oneDNN cannot pack (AVX2 CPUs have no
-bfloat16 GEMM) take the GEMV up to 64 rows and are widened to float32 beyond: torch's bfloat16
-matmul there is several times slower than float32's. WORKBENCH_CPU_GEMV=0 turns the GEMV off.
+bandwidth at M=1 (docs/design.md); it also serves bfloat16 weights where oneDNN has no bfloat16
+GEMM (AVX2 CPUs, where they stay unpacked). WORKBENCH_CPU_GEMV=0 turns it off.
 """
 
 from __future__ import annotations
@@ -82,18 +81,6 @@ def packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def widened_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """x @ W.T (+ bias) (+ residual) for a bfloat16 weight oneDNN could not pack (an AVX2 CPU), more
-    rows than the GEMV takes: widened to float32 first, float32's GEMM, rounded once to x's dtype.
-    torch's own bfloat16 GEMM there is 4-9x slower than float32's (cpu_ops.UNPACKED_GEMV_MAX_ROWS)."""
-    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    if residual is not None:
-        out += residual
-    return out.to(x.dtype)
-
-
 class LinearBase(nn.Module):
     """Holds `weight`/`bias` and the optional packed copy; subclasses define the sharding."""
 
@@ -116,13 +103,10 @@ class LinearBase(nn.Module):
         self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         # Under torch.compile the plain weight is traced (inductor does its own packing).
-        packed = self.packed_weight is not None
-        if self.cpu_fast_path and cpu_ops.gemv_ready(x, self.weight, packed):
+        if self.cpu_fast_path and cpu_ops.gemv_ready(x, self.weight):
             return cpu_ops.gemv(x, self.weight, bias, residual).to(x.dtype)
-        if packed and x.dtype == self.weight.dtype and not torch.compiler.is_compiling():
+        if self.packed_weight is not None and x.dtype == self.weight.dtype and not torch.compiler.is_compiling():
             return packed_linear(x, self.packed_weight, bias, residual)
-        if self.cpu_fast_path and self.weight.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
-            return widened_linear(x, self.weight, bias, residual)
         out = F.linear(x, self.weight, bias)
         return out if residual is None else out + residual
 

@@ -328,13 +328,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final hidden states -> [N, vocab] float32 logits (the sampler's input)."""
         head = self.lm_head
-        weight = head.weight[: self.vocab_size]
-        if self._head_fast_path and cpu_ops.gemv_ready(hidden, weight, self._packed_head is not None):
-            return cpu_ops.gemv(hidden, weight)
+        if self._head_fast_path and cpu_ops.gemv_ready(hidden, head.weight):
+            return cpu_ops.gemv(hidden, head.weight[: self.vocab_size])
         if self._packed_head is not None and hidden.dtype == head.weight.dtype and not torch.compiler.is_compiling():
             return packed_linear(hidden, self._packed_head, None).float()
-        if self._head_fast_path and weight.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
-            return F.linear(hidden.float(), weight.float())  # unpacked bfloat16: see widened_linear
         out = F.linear(hidden.to(head.weight.dtype), head.weight)
         if head.tp_size > 1:
             out = tensor_model_parallel_all_gather(out, dim=-1)

@@ -402,27 +402,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # shapes and as fast on the LM head; at 2-4 rows the two trade places shape by shape (the LM head
 # and gate_up slower), so only a batch of one takes it.
 GEMV_MAX_ROWS = 1
-# A bfloat16 weight oneDNN could not pack (no bfloat16 GEMM on AVX2) would otherwise go to torch's
-# bfloat16 matmul, 4-9x slower than float32 there: measured on the model's layer shapes, 30 layers,
-# one thread, ms: M=8 220 (torch) / 35 (GEMV); M=32 874 / 101 (float32 oneDNN packed: 102); M=64
-# 210 (GEMV) / 213 (widened to float32 first); M=128 418 / 423; M=512 1850 / 1320. So the GEMV
-# takes such a weight up to 64 rows, and the layers widen it beyond (linear.py).
-UNPACKED_GEMV_MAX_ROWS = 64
 _GEMV_WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def gemv_ready(x: torch.Tensor, weight: torch.Tensor, packed: bool = True) -> bool:
+def gemv_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when `gemv` should compute x @ weight.T: a float32 or bfloat16 weight, x of the weight's
-    dtype or float32, on the CPU, x 2-D with at most GEMV_MAX_ROWS rows (UNPACKED_GEMV_MAX_ROWS for
-    a bfloat16 weight without a packed oneDNN copy: `packed` False), the kernel built with its
+    dtype or float32, on the CPU, x 2-D with at most GEMV_MAX_ROWS rows, the kernel built with its
     AVX2 + FMA path and not switched off (WORKBENCH_CPU_GEMV=0), and not under torch.compile (which
     cannot trace a ctypes call)."""
-    most = UNPACKED_GEMV_MAX_ROWS if not packed and weight.dtype == torch.bfloat16 else GEMV_MAX_ROWS
     if (
         weight.dtype not in _GEMV_WEIGHT_CODES
         or x.dtype not in (torch.float32, weight.dtype)
         or x.dim() != 2
-        or x.shape[0] > most
+        or x.shape[0] > GEMV_MAX_ROWS
         or x.device.type != "cpu"
         or torch.compiler.is_compiling()
     ):
