@@ -57,6 +57,30 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if not isinstance(ids, list) else ids)
 
 
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A private converted-model cache for the module, so nothing lands in the user's home."""
+    path = tmp_path_factory.mktemp("workbench-cache")
+    patcher = pytest.MonkeyPatch()
+    patcher.setenv("WORKBENCH_CACHE_DIR", str(path))
+    yield path
+    patcher.undo()
+
+
+def hf_greedy_from_dir(model_dir, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy `generate` of `n` tokens for each prompt, the model loaded from `model_dir`
+    with its plain ("eager") attention, which applies Gemma 2's soft cap (SDPA cannot)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        return [
+            model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p) :].tolist() for p in prompts
+        ]
+
+
 _HF_MEMO: dict = {}
 
 

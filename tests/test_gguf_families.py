@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import hf_greedy_from_dir
 from tiny_models import FAMILIES, GGUF_FAMILIES, make_tiny_family_gguf
 from workbench.core.model_loader import prepare_model
 from workbench.core.model_loader.hf_loader import iter_weights
@@ -24,32 +25,13 @@ NEW_TOKENS = 24
 TRANSFORMERS_READS = {"qwen3_moe", "phi3", "phi3_longrope", "gemma2", "gemma3"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cache_dir(tmp_path_factory):
-    """A private converted-model cache, so nothing lands in the user's home."""
-    path = tmp_path_factory.mktemp("workbench-cache")
-    patcher = pytest.MonkeyPatch()
-    patcher.setenv("WORKBENCH_CACHE_DIR", str(path))
-    yield path
-    patcher.undo()
+pytestmark = pytest.mark.usefixtures("cache_dir")  # a private converted-model cache (conftest.py)
 
 
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf-families")
     return {f: make_tiny_family_gguf(root / f"{f}.gguf", f, seed=30 + i) for i, f in enumerate(GGUF_FAMILIES)}
-
-
-def _hf_greedy(model_dir, prompts, n):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        return [
-            model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p) :].tolist() for p in prompts
-        ]
 
 
 @pytest.mark.parametrize("family", list(GGUF_FAMILIES))
@@ -68,7 +50,7 @@ def test_a_gguf_converts_to_its_checkpoint_and_decodes_like_transformers(ggufs, 
     for name, tensor in ours.items():
         assert torch.equal(tensor, reference[name]), name
 
-    ref = _hf_greedy(hf_dir, PROMPTS, NEW_TOKENS)
+    ref = hf_greedy_from_dir(hf_dir, PROMPTS, NEW_TOKENS)
     assert any(len(set(r)) > 4 for r in ref)  # not degenerate
     args = ServerArgs(model_path=str(gguf_path), dtype="float32", max_total_tokens=2048, show_progress=False)
     runner = ModelRunner(args)

@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from conftest import hf_greedy_from_dir
 from tiny_models import FAMILIES, make_tiny_family
 from workbench.core.sampling.sampling_params import SamplingParams
 
@@ -23,19 +24,6 @@ NEW_TOKENS = 48
 def family_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     return {f: make_tiny_family(root / f, f, seed=20 + i) for i, f in enumerate(FAMILIES)}
-
-
-def _hf_greedy(model_dir, prompts, n):
-    from transformers import AutoModelForCausalLM
-
-    # eager: transformers' plain attention, which applies Gemma 2's soft cap (SDPA cannot)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        return [
-            model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p) :].tolist() for p in prompts
-        ]
 
 
 def _runner(model_dir, **kw):
@@ -50,7 +38,7 @@ def _runner(model_dir, **kw):
 def test_greedy_tokens_equal_transformers(family_dirs, family):
     from workbench.core.model_executor.offline_harness import OfflineHarness
 
-    ref = _hf_greedy(family_dirs[family], PROMPTS, NEW_TOKENS)
+    ref = hf_greedy_from_dir(family_dirs[family], PROMPTS, NEW_TOKENS)
     assert len({tuple(r) for r in ref}) > 1 and any(len(set(r)) > 4 for r in ref)  # not degenerate
     runner = _runner(family_dirs[family])
     assert type(runner.model).__name__ == FAMILIES[family][1]
@@ -94,7 +82,7 @@ def test_windowed_layers_attend_within_their_window(family_dirs, family, monkeyp
     from workbench.core.layers.attention import masked_attention as ma
     from workbench.core.model_executor.offline_harness import OfflineHarness
 
-    ref = _hf_greedy(family_dirs[family], PROMPTS, NEW_TOKENS)
+    ref = hf_greedy_from_dir(family_dirs[family], PROMPTS, NEW_TOKENS)
     runner = _runner(family_dirs[family], attention_backend="torch_native")
     windows = [layer.self_attn.attn.sliding_window_size for layer in runner.model.model.layers]
     config = runner.model.config
@@ -124,7 +112,7 @@ def test_windowed_layers_attend_within_their_window(family_dirs, family, monkeyp
         cfg = json.loads((full_dir / "config.json").read_text())
         cfg["sliding_window"] = 4096
         (full_dir / "config.json").write_text(json.dumps(cfg))
-    assert _hf_greedy(full_dir, PROMPTS, NEW_TOKENS) != ref  # the window changes these outputs
+    assert hf_greedy_from_dir(full_dir, PROMPTS, NEW_TOKENS) != ref  # the window changes these outputs
 
 
 def test_attend_masks_causally_and_by_window():

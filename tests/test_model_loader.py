@@ -47,16 +47,6 @@ CHAT = [
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """A private converted-model cache for this module, so nothing lands in the user's home."""
-    path = tmp_path_factory.mktemp("workbench-cache")
-    patcher = pytest.MonkeyPatch()
-    patcher.setenv("WORKBENCH_CACHE_DIR", str(path))
-    yield path
-    patcher.undo()
-
-
-@pytest.fixture(scope="module")
 def converted(cache_dir):
     """The default model converted once (the first prepare_model of this module's cache)."""
     return prepare_model(None, progress=False)
