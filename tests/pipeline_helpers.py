@@ -52,6 +52,39 @@ def drain_events(sub, settle: float = 0.3, until=None, timeout: float = 30.0) ->
     return out
 
 
+def generate_traced(engine, input_ids, sampling_params) -> tuple[list, list]:
+    """(outputs, trace events) of one `generate` on `engine`, subscribed for its duration."""
+    sub = engine.subscribe(with_snapshot=False)
+    try:
+        outs = engine.generate(input_ids=input_ids, sampling_params=sampling_params)
+        events = drain_events(sub)
+    finally:
+        sub.close()
+    return outs, events
+
+
+def assert_routing_counts_real_tokens(events, top_k: int) -> None:
+    """Every `moe.routing` event counts top_k assignments per token of its own step, in every sparse
+    layer: the step's real tokens, never a CUDA-graph bucket's padding rows."""
+    from workbench.core.trace import events as ev
+
+    steps = {(e.proc, e.step): e for e in events if isinstance(e, ev.BatchStep)}
+    routes = [e for e in events if isinstance(e, ev.MoeRouting)]
+    assert routes
+    for r in routes:
+        tokens = sum(s.decode or s.computed for s in steps[(r.proc, r.step)].reqs)
+        assert all(sum(row) == top_k * tokens for row in r.counts), (r.step, tokens, r.counts)
+
+
+def expert_totals(events) -> list[list[int]]:
+    """Tokens per expert per sparse layer over a run: equal for two runs of the same prompts however
+    their steps were batched."""
+    from workbench.core.trace import events as ev
+
+    counts = [e.counts for e in events if isinstance(e, ev.MoeRouting)]
+    return [[sum(c[i][x] for c in counts) for x in range(len(counts[0][i]))] for i in range(len(counts[0]))]
+
+
 @contextlib.contextmanager
 def served_engine(**engine_kwargs):
     """An Engine with the HTTP server on a free loopback port, for a module fixture: yields

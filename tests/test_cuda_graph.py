@@ -390,7 +390,7 @@ def test_static_verify_buffers_load_and_pad():
         return_all_logits=True,
     )
     lay = verify_layout([2, 3], 3, bucket=4)
-    seq_lens_cpu, prefix_cpu = buf.load(fb, lay)
+    seq_lens_cpu, prefix_cpu = buf.load(fb, lay, torch.tensor(lay.dest))
     assert buf.input_ids[:12].tolist() == [11, 12, 0, 21, 22, 23, 0, 0, 0, 0, 0, 0]
     assert buf.out_cache_loc[:12].tolist() == [50, 51, 0, 60, 61, 62, 0, 0, 0, 0, 0, 0]
     assert buf.positions[:12].tolist()[:2] + buf.positions[3:12].tolist() == [4, 5, 7, 8, 9, 0, 1, 2, 0, 1, 2]

@@ -194,19 +194,14 @@ def test_overlap_worker_uses_a_forward_stream(default_prepared):
 # ---- speculative verify passes and mixtures of experts under real CUDA graphs ------------------------
 def _engine_run(model_dir, prompts, **kw):
     """(outputs, trace events) of one three-process Engine on CUDA, float32, greedy."""
-    from pipeline_helpers import assert_no_kv_leak, drain_events
+    from pipeline_helpers import assert_no_kv_leak, generate_traced
     from workbench import Engine
 
     sp = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
     with Engine(
         model_path=str(model_dir), device="cuda", dtype="float32", max_total_tokens=8192, show_progress=False, **kw
     ) as engine:
-        sub = engine.subscribe(with_snapshot=False)
-        try:
-            outs = engine.generate(input_ids=prompts, sampling_params=sp)
-            events = drain_events(sub)
-        finally:
-            sub.close()
+        outs, events = generate_traced(engine, prompts, sp)
         assert_no_kv_leak(engine)
     return [o["output_ids"] for o in outs], events
 
@@ -244,7 +239,9 @@ def test_verify_passes_replay_cuda_graphs_and_keep_the_output(tmp_path):
 @needs_triton
 def test_a_mixture_of_experts_replays_cuda_graphs(tmp_path):
     """Qwen3-MoE on CUDA: the Triton experts inside captured decode graphs give eager's tokens, and
-    the trace's routing (the graph's static copy of the expert ids) equals eager's, step for step."""
+    the trace's routing (the graph's static copy of the expert ids) counts each step's real tokens
+    and adds up to eager's per expert."""
+    from pipeline_helpers import assert_routing_counts_real_tokens, expert_totals
     from tiny_models import make_tiny_family
     from workbench.core.trace import events as ev
 
@@ -257,17 +254,8 @@ def test_a_mixture_of_experts_replays_cuda_graphs(tmp_path):
 
     # Each step's routing covers its real tokens only (not the bucket's padding rows), and over the
     # run every expert got the tokens it got eagerly (steps may batch differently: arrival timing).
-    steps = {(e.proc, e.step): e for e in events if isinstance(e, ev.BatchStep)}
-    routes = [e for e in events if isinstance(e, ev.MoeRouting)]
-    for r in routes:
-        tokens = sum(s.decode or s.computed for s in steps[(r.proc, r.step)].reqs)
-        assert all(sum(row) == 2 * tokens for row in r.counts)
-
-    def totals(evs):
-        rs = [e.counts for e in evs if isinstance(e, ev.MoeRouting)]
-        return [[sum(c[i][x] for c in rs) for x in range(8)] for i in range(2)]
-
-    assert totals(events) == totals(eager_events)
+    assert_routing_counts_real_tokens(events, top_k=2)
+    assert expert_totals(events) == expert_totals(eager_events)
 
 
 # ---- workbench selftest -------------------------------------------------------------------------

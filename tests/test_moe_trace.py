@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline_helpers import assert_no_kv_leak, drain_events
+from pipeline_helpers import assert_no_kv_leak, assert_routing_counts_real_tokens, expert_totals, generate_traced
 from tiny_models import make_tiny_family
 from workbench import Engine
 from workbench.core.trace import events as ev
@@ -26,12 +26,7 @@ def moe_engine(tmp_path_factory):
 @pytest.fixture(scope="module")
 def moe_run(moe_engine):
     """The trace of three requests on the tiny MoE model, and their outputs."""
-    sub = moe_engine.subscribe(with_snapshot=False)
-    try:
-        outs = moe_engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-        events = drain_events(sub)
-    finally:
-        sub.close()
+    outs, events = generate_traced(moe_engine, PROMPTS, GREEDY)
     return events, outs
 
 
@@ -87,26 +82,14 @@ def test_routing_under_graph_replay_is_the_real_rows_routing(moe_run, tmp_path_f
         cuda_graph_stand_in=True,
         cuda_graph_bs=[4],
     ) as engine:
-        sub = engine.subscribe(with_snapshot=False)
-        try:
-            outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-            events = drain_events(sub)
-        finally:
-            sub.close()
+        outs, events = generate_traced(engine, PROMPTS, GREEDY)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in eager_outs]
     graphed = {e.step for e in events if isinstance(e, ev.BatchStep) and e.cuda_graph}
     assert graphed  # decode steps of 1-3 requests padded to 4
 
-    steps = {(e.proc, e.step): e for e in events if isinstance(e, ev.BatchStep)}
-    for r in (e for e in events if isinstance(e, ev.MoeRouting)):  # real tokens only, not the padding
-        tokens = sum(s.decode or s.computed for s in steps[(r.proc, r.step)].reqs)
-        assert all(sum(row) == 2 * tokens for row in r.counts)
-
-    def totals(evs):  # per expert over the run (steps may batch differently: arrival timing)
-        rs = [e.counts for e in evs if isinstance(e, ev.MoeRouting)]
-        return [[sum(c[i][x] for c in rs) for x in range(8)] for i in range(2)]
-
-    assert totals(events) == totals(eager_events)
+    assert_routing_counts_real_tokens(events, top_k=2)
+    # per expert over the run: the steps may batch differently (arrival timing)
+    assert expert_totals(events) == expert_totals(eager_events)
 
 
 def test_imbalance_and_a_new_model_resets_the_load():

@@ -293,7 +293,7 @@ class StepTimePolicy:
             self._since += 1
             self._since_ms += ms
             same = [m for b, m in self._recent[-4:] if b == bs]
-            slowed = len(same) == 4 and self._slowed_down(bs, same) and self.threads > 1
+            slowed = self.threads > 1 and len(same) == 4 and self._slowed_down(bs, same)
             if slowed:
                 self._recent = self._recent[-4:]  # the probe is compared with the slow steps
             if (self._due() or slowed) and len(same) == 4:

@@ -292,32 +292,35 @@ class CudaGraphRunner:
         """The bucket a pass of this mode and batch size replays, or None (eager)."""
         if not 1 <= bs <= self.max_bs:
             return None
-        if forward_mode.is_decode() and not return_all_logits:
-            return self.bucket_for(bs)
-        if forward_mode.is_target_verify() and self.verify_tokens_per_req:
-            return self.bucket_for(bs)
-        return None
+        decode = forward_mode.is_decode() and not return_all_logits
+        verify = forward_mode.is_target_verify() and self.verify_tokens_per_req
+        return self.bucket_for(bs) if decode or verify else None
 
     def bucket_for(self, bs: int) -> Optional[int]:
         """The captured batch size a bs-row decode pads to (None: too big, eager)."""
         return pick_bucket(bs, self.batch_sizes)
 
     # ---- capture ---------------------------------------------------------------------------------
-    def _static_batch(self, bs: int):
+    def _static_batch(self, bs: int, verify: bool = False):
+        """The batch a graph is captured with, over the static buffers: decode (one row per request)
+        or verify (verify_tokens_per_req rows per request, all-position logits)."""
         from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-        b, mr = self.buffers, self.model_runner
+        mr = self.model_runner
+        b, k = (self.verify_buffers, self.verify_tokens_per_req) if verify else (self.buffers, 1)
+        n = bs * k
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
+            forward_mode=ForwardMode.TARGET_VERIFY if verify else ForwardMode.DECODE,
             batch_size=bs,
-            input_ids=b.input_ids[:bs],
-            positions=b.positions[:bs],
+            input_ids=b.input_ids[:n],
+            positions=b.positions[:n],
             req_pool_indices=b.req_pool_indices[:bs],
             seq_lens=b.seq_lens[:bs],
-            out_cache_loc=b.out_cache_loc[:bs],
-            seq_lens_cpu=[1] * bs,
-            extend_seq_lens_cpu=[1] * bs,
+            out_cache_loc=b.out_cache_loc[:n],
+            seq_lens_cpu=[k] * bs,
+            extend_seq_lens_cpu=[k] * bs,
             extend_prefix_lens_cpu=[0] * bs,
+            return_all_logits=verify,
             req_to_token_pool=mr.req_to_token_pool,
             token_to_kv_pool=mr.token_to_kv_pool,
             attn_backend=self.attn_backend,
@@ -377,28 +380,9 @@ class CudaGraphRunner:
         return step
 
     def _capture_verify(self, bs: int, pool) -> None:
-        from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-        b, mr, k = self.verify_buffers, self.model_runner, self.verify_tokens_per_req
-        b.fill_padding(0, self.max_bs)
-        n = bs * k
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY,
-            batch_size=bs,
-            input_ids=b.input_ids[:n],
-            positions=b.positions[:n],
-            req_pool_indices=b.req_pool_indices[:bs],
-            seq_lens=b.seq_lens[:bs],
-            out_cache_loc=b.out_cache_loc[:n],
-            seq_lens_cpu=[k] * bs,
-            extend_seq_lens_cpu=[k] * bs,
-            extend_prefix_lens_cpu=[0] * bs,
-            return_all_logits=True,
-            req_to_token_pool=mr.req_to_token_pool,
-            token_to_kv_pool=mr.token_to_kv_pool,
-            attn_backend=self.attn_backend,
-        )
-        self.attn_backend.init_forward_metadata_capture_verify_cuda_graph(bs, b, fb)
+        self.verify_buffers.fill_padding(0, self.max_bs)
+        fb = self._static_batch(bs, verify=True)
+        self.attn_backend.init_forward_metadata_capture_verify_cuda_graph(bs, self.verify_buffers, fb)
         with torch.inference_mode():
             self.verify_graphs[bs] = self.mechanism.capture(self._step_fn(fb), pool)
         self.verify_batches[bs] = fb
@@ -420,13 +404,13 @@ class CudaGraphRunner:
         if bucket not in self.verify_graphs:
             self.capture()
         layout = verify_layout(list(fb.extend_seq_lens_cpu), self.verify_tokens_per_req, bucket)
+        dest = torch.tensor(layout.dest, dtype=torch.int64).to(self.device, non_blocking=True)
         static_fb = self.verify_batches[bucket]
-        static_fb.seq_lens_cpu, static_fb.extend_prefix_lens_cpu = self.verify_buffers.load(fb, layout)
+        static_fb.seq_lens_cpu, static_fb.extend_prefix_lens_cpu = self.verify_buffers.load(fb, layout, dest)
         self.attn_backend.init_forward_metadata_replay_verify_cuda_graph(bucket, self.verify_buffers, static_fb)
         graph = self.verify_graphs[bucket]
         graph.replay()
         self.verify_replay_count[bucket] += 1
-        dest = torch.tensor(layout.dest, dtype=torch.int64).to(self.device, non_blocking=True)
         rows = graph.output[0].index_select(0, dest)  # a copy, like replay()'s
         last = torch.tensor(layout.last, dtype=torch.int64).to(self.device, non_blocking=True)
         self._hand_routing(graph, dest)

@@ -100,11 +100,10 @@ class StaticVerifyBuffers:
         self.prefix_lens[start:end].zero_()
         self.seq_lens[start:end].fill_(k)
 
-    def load(self, fb, layout: VerifyLayout) -> tuple[list[int], list[int]]:
-        """Copy verify batch `fb` into the buffers; returns the padded (seq_lens, prefix lens) on the host."""
+    def load(self, fb, layout: VerifyLayout, dest: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Copy verify batch `fb` into the buffers (`dest`: layout.dest on the buffers' device); returns
+        the padded (seq_lens, prefix lens) on the host."""
         bs, k = fb.batch_size, layout.tokens_per_req
-        dev = self.input_ids.device
-        dest = torch.tensor(layout.dest, dtype=torch.int64).to(dev, non_blocking=True)
         # Real requests' padding rows: token 0 into the scratch slot (positions stay whatever they
         # were: a dropped row's rotary angle is irrelevant). Padding requests: fill_padding.
         self.input_ids[: bs * k].zero_()
