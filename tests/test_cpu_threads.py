@@ -104,26 +104,6 @@ def test_failed_probes_up_back_off_and_a_kept_one_resets():
     assert p.threads == 2 and p._up_backoff == 1
 
 
-def test_a_sudden_slowdown_probes_at_once():
-    """A neighbour arriving mid-period, or between two requests of the same size: steps at over
-    1.8x the best seen at that batch size start the probe down then, not at the period's end."""
-    p = StepTimePolicy(2, period=48, probe_steps=4)
-    _run(p, 8, {2: 50.0, 1: 80.0}, 12)  # the first probe (at step 8) keeps two threads
-    assert p.threads == 2 and p.probing is None
-    _run(p, 8, {2: 50.0, 1: 80.0}, 6)
-    used = _run(p, 8, {2: 130.0, 1: 70.0}, 8)  # the neighbour arrives
-    assert used[:3] == [2] * 3 and used[3] == 1
-    assert p.threads == 1  # kept: one thread now decodes faster
-    q = StepTimePolicy(2, period=48, probe_steps=4)
-    _run(q, 8, {2: 50.0, 1: 80.0}, 30)
-    _run(q, 1, {2: 20.0, 1: 25.0}, 8)  # another batch size, then back: each keeps its own best
-    probes = q.probes
-    _run(q, 8, {2: 60.0, 1: 80.0}, 8)  # 1.2x slower: noise, not a neighbour
-    assert q.probes == probes
-    used = _run(q, 8, {2: 200.0, 1: 80.0}, 8)  # the neighbour came between requests
-    assert used[3] == 1 and q.threads == 1
-
-
 def test_a_long_back_off_is_bounded_in_time():
     """At a large batch a period of steps is many seconds: the wait for a probe up never passes
     max_wait_ms of decoding, whatever the back-off."""
