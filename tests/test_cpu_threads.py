@@ -185,6 +185,65 @@ def test_adaptive_threads_applies_probes_and_reports_the_neighbours():
     assert at.others == 0.8
 
 
+def test_asked_probe_starts_without_waiting_for_the_period():
+    p = StepTimePolicy(2, period=48, first_probe=48, probe_steps=4)
+    _run(p, 1, {2: 100.0, 1: 60.0}, 10)
+    assert p.probes == 0
+    assert p.probe_soon(1)
+    used = _run(p, 1, {2: 100.0, 1: 60.0}, 8)
+    assert used == [2] * 4 + [1] * 4 and p.threads == 1  # a fresh baseline of 4 steps, then the probe, kept
+    assert not p.probe_soon(1) and not p.probe_soon(3) and not p.probe_soon(0)  # current / out of range
+    p._up_backoff = 8
+    assert p.probe_soon(2) and p._up_backoff == 1  # asking up forgets the back-off
+    used = _run(p, 1, {2: 50.0, 1: 60.0}, 8)
+    assert used == [1] * 4 + [2] * 4 and p.threads == 2
+
+
+def test_load_meter_triggers_a_probe_when_a_neighbour_arrives_and_when_it_leaves():
+    """The meter asks for a probe when the neighbours' use moves half a core; a steady neighbour
+    asks once; the step times still decide (a probe that is slower is not kept)."""
+    clock = [0.0]
+    load = [0.1]
+
+    class FakeMeter:
+        def read(self):
+            return load[0]
+
+    at = AdaptiveThreads(
+        ThreadPlan(2, True, None, "test"),
+        apply=lambda n: None,
+        interval_s=0.25,
+        meter=FakeMeter(),
+        clock=lambda: clock[0],
+        policy=StepTimePolicy(2, period=48, first_probe=48, probe_steps=4),
+    )
+    speed = {2: 40.0, 1: 60.0}  # quiet: two threads are faster
+
+    def steps(n):
+        used = []
+        for _ in range(n):
+            clock[0] += 0.1
+            used.append(at.policy.current)
+            at.on_decode_step(1, speed[at.policy.current])
+        return used
+
+    steps(20)
+    assert at.triggers == 0 and at.threads == 2
+    load[0] = 1.0  # a busy loop arrives; two threads collapse
+    speed = {2: 120.0, 1: 45.0}
+    used = steps(12)
+    assert at.triggers == 1 and at.threads == 1 and used.index(1) <= 8  # not 48 steps later
+    steps(30)
+    assert at.triggers == 1  # it stays: no further trigger
+    load[0] = 0.1  # it leaves
+    speed = {2: 40.0, 1: 60.0}
+    used = steps(12)
+    assert at.triggers == 2 and at.threads == 2 and used.index(2) <= 8
+    load[0] = 0.7  # something that does not make one thread faster: probed, not kept
+    steps(12)
+    assert at.triggers == 3 and at.threads == 2
+
+
 def test_plan_precedence(monkeypatch):
     monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
     allowed = sorted(os.sched_getaffinity(0))

@@ -221,10 +221,15 @@ class StepTimePolicy:
     Beside a neighbour that keeps a core busy, every probe of more threads collapses, so each
     failed one doubles the wait before the next (up to `max_backoff` periods); one that is
     kept resets it, and the wait never exceeds `max_wait_ms` of decoding (so a machine that
-    went quiet gets its second thread back within seconds at any batch size). Probes down keep
-    the plain period: a trigger that probed at once when steps slowed down (tried) also fired
-    on a neighbour's passing burst and kept one thread against the slow steps, costing ~20% of
-    quiet batch-1 decode beside an idle vLLM.
+    went quiet gets its second thread back within seconds at any batch size).
+
+    `probe_soon(n)` asks for a probe of `n` threads as soon as four steps of one batch size
+    allow: AdaptiveThreads calls it when the neighbours' CPU use changes by half a core (a
+    neighbour arrived or left), so the policy need not wait out a period of collapsed steps
+    (48 steps at batch 1 beside a busy loop were ~5 s at 110 ms each). A trigger on slow steps
+    instead (tried) fired on a neighbour's passing burst and kept one thread against the slow
+    steps, costing ~20% of quiet batch-1 decode beside an idle vLLM; a load change lasting a
+    meter interval is a steadier sign, and the probe still decides by step times.
     """
 
     max_threads: int
@@ -245,6 +250,7 @@ class StepTimePolicy:
     _next_try: int = field(default=0, repr=False)  # alternates down / up for N > 2
     _up_backoff: int = field(default=1, repr=False)  # periods to wait before probing more threads
     _since_ms: float = field(default=0.0, repr=False)  # decode time since the last probe
+    _asked: Optional[int] = field(default=None, repr=False)  # the count probe_soon asked for
 
     def __post_init__(self):
         self.max_threads = max(1, int(self.max_threads))
@@ -256,7 +262,22 @@ class StepTimePolicy:
         """The count the next step should run with."""
         return self.probing if self.probing is not None else self.threads
 
+    def probe_soon(self, n: int) -> bool:
+        """Probe `n` threads next, as soon as four decode steps of one batch size at the current
+        count are in, counted from now (no wait for the period or a back-off). False (nothing changes) when `n` is out of range, the
+        current count, or a probe is running."""
+        if self.probing is not None or not 1 <= n <= self.max_threads or n == self.threads:
+            return False
+        self._asked = n
+        self._recent = []  # steps from before the change are no baseline for the probe
+        if n > self.threads:
+            self._up_backoff = 1
+        return True
+
     def _candidate(self) -> Optional[int]:
+        if self._asked is not None:
+            n, self._asked = self._asked, None
+            return n
         options = [n for n in (self.threads - 1, self.threads + 1) if 1 <= n <= self.max_threads]
         if not options:
             return None
@@ -279,7 +300,7 @@ class StepTimePolicy:
             self._since += 1
             self._since_ms += ms
             same = [m for b, m in self._recent[-4:] if b == bs]
-            if self._due() and len(same) == 4:
+            if (self._asked is not None or self._due()) and len(same) == 4:
                 cand = self._candidate()
                 if cand is not None:
                     self.probing, self._probe, self._probe_bs = cand, [], bs
@@ -306,7 +327,7 @@ class StepTimePolicy:
         if keep:
             self.threads = self.probing
             self._recent = []
-        self.probing, self._probe = None, []
+        self.probing, self._probe, self._asked = None, [], None
         self._since = self.period // 2 if retry_soon else 0
         self._since_ms = 0.0
         return self.threads
@@ -369,7 +390,8 @@ def plan_threads(
         True,
         None,
         f"up to {share} on {n_cores} cores, whichever count decodes faster "
-        "beside the other processes (probed after 8 decode steps, then every 48)",
+        "beside the other processes (probed after 8 decode steps, then every 48, and at once when "
+        "the neighbours' load moves half a core)",
     )
 
 
@@ -393,18 +415,22 @@ class AdaptiveThreads:
     """The scheduler's glue: decode step times in, `apply(n)` out, between steps.
 
     `apply(n)` changes the count (torch.set_num_threads in the thread that runs the model).
-    The load meter is read every `interval_s` for reporting only (`others`): what the
-    neighbours use, beside what the policy chose. `changes` records (time, threads, others).
+    The load meter is read every `interval_s` (`others`: what the neighbours use, reported
+    beside what the policy chose). It never decides the count, but when the neighbours' use
+    moves `rise` cores or more away from its level at the last trigger (`calm`), it asks the
+    policy for a probe now: one thread fewer when it rose, one more when it fell.
+    `changes` records (time, threads, others).
     """
 
     def __init__(
         self,
         plan: ThreadPlan,
         apply: Callable[[int], None],
-        interval_s: float = 0.5,
+        interval_s: float = 0.25,
         meter: Optional[CpuLoadMeter] = None,
         clock: Callable[[], float] = time.monotonic,
         policy: Optional[StepTimePolicy] = None,
+        rise: float = 0.5,
     ):
         self.plan = plan
         self.apply = apply
@@ -414,6 +440,9 @@ class AdaptiveThreads:
         self.meter = meter if meter is not None else (CpuLoadMeter(plan.cores) if plan.adaptive else None)
         self.next_at = clock() + interval_s
         self.others: Optional[float] = None
+        self.rise = rise
+        self.calm: Optional[float] = None  # the neighbours' use when last looked at (a trigger or the first read)
+        self.triggers = 0  # probes the load meter asked for
         self.changes: list[tuple[float, int, float]] = []
         self.applied = plan.threads
 
@@ -428,6 +457,8 @@ class AdaptiveThreads:
             self.next_at = now + self.interval_s
             others = self.meter.read()
             self.others = others if others is not None else self.others
+            if others is not None:
+                self._on_load(others)
         before_threads = self.policy.threads
         want = self.policy.observe_decode(bs, forward_ms)
         if self.policy.threads != before_threads:
@@ -445,3 +476,18 @@ class AdaptiveThreads:
         self.applied = want
         self.apply(want)
         return want
+
+    def _on_load(self, others: float) -> None:
+        """A neighbour arrived or left (its use moved `rise` cores): probe the other count now."""
+        if self.calm is None:
+            self.calm = others
+            return
+        if self.policy.probing is not None:
+            return
+        moved = others - self.calm
+        if abs(moved) < self.rise:
+            return
+        self.calm = others  # the new level is the reference: a neighbour that stays triggers once
+        n = self.policy.threads + (-1 if moved > 0 else 1)
+        if self.policy.probe_soon(n):
+            self.triggers += 1
