@@ -1,8 +1,10 @@
-"""Batch-1 float32 decode through every decoder layer in one compiled call (decode_layers.c).
+"""Batch-1 decode through every decoder layer in one compiled call (decode_layers.c).
 
 Checked against the op-by-op path it replaces (WORKBENCH_CPU_FUSED_DECODE=0) and against
 transformers' greedy `generate`, on tiny random-weight models: Llama with an untied head,
-Qwen2 with Q/K/V biases; and what the model dispatches where.
+Qwen2 with Q/K/V biases; and what the model dispatches where. A bfloat16 model takes the same
+call (float32 arithmetic on its bfloat16 weights): checked bit for bit against the float32 model
+whose weights are those bfloat16 values.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ def tiny_dirs(tmp_path_factory):
     }
 
 
-def _runner(model_dir, **kw):
+def _runner(model_dir, dtype_override: str = "float32", **kw):
     from workbench.core.args import ServerArgs
     from workbench.core.model_executor.model_runner import ModelRunner
 
-    args = ServerArgs(model_path=str(model_dir), dtype="float32", max_total_tokens=2048, show_progress=False, **kw)
+    args = ServerArgs(model_path=str(model_dir), dtype=dtype_override, max_total_tokens=2048, show_progress=False, **kw)
     return ModelRunner(args)
 
 
@@ -103,6 +105,66 @@ def test_fused_decode_matches_transformers_and_frees_every_slot(tiny_dirs, monke
     assert [r.output_ids for r in h.generate(PROMPTS, greedy)] == ref
     assert len(calls) == before  # ... four at once (they finish together) run op by op
     assert runner.token_to_kv_pool_allocator.available_size() == free0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bfloat16_weights_take_the_call_and_equal_float32_on_their_values(tiny_dirs, arch, monkeypatch):
+    """A bfloat16 model decodes through the same call, widening its weights as it reads them: every
+    call's output equals, bit for bit, the float32 model's whose weights (and KV pool) hold the same
+    bfloat16 values, and so do the greedy tokens. Prompts of at most FUSED_MAX_TOKENS, one at a
+    time, so that the prefill takes the call too (a longer one runs op by op in bfloat16)."""
+    from workbench.core.model_executor.offline_harness import OfflineHarness
+
+    outputs: dict[str, list[torch.Tensor]] = {"bf16": [], "f32": []}
+    real = cpu_ops.decode_layers_f32
+    current = ["bf16"]
+
+    def spy(x, *a, **k):
+        out = real(x, *a, **k)
+        outputs[current[0]].append(out.clone())
+        return out
+
+    monkeypatch.setattr(cpu_ops, "decode_layers_f32", spy)
+    prompts = [p for p in PROMPTS if len(p) <= cpu_ops.FUSED_MAX_TOKENS]
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    bf16 = _runner(tiny_dirs[arch], dtype_override="bfloat16")
+    assert bf16.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    tokens_bf16 = [OfflineHarness(bf16).generate([p], sp)[0].output_ids for p in prompts]
+
+    current[0] = "f32"
+    f32 = _runner(tiny_dirs[arch], kv_cache_dtype="bfloat16")
+    with torch.no_grad():
+        for param in f32.model.parameters():
+            param.copy_(param.to(torch.bfloat16).to(torch.float32))
+    f32.model.process_weights_after_loading(pack=True)
+    tokens_f32 = [OfflineHarness(f32).generate([p], sp)[0].output_ids for p in prompts]
+
+    assert len(outputs["bf16"]) == len(outputs["f32"]) == len(prompts) * 16  # the prefill and 15 decode steps
+    for a, b in zip(outputs["bf16"], outputs["f32"]):
+        assert torch.equal(a, b)
+    assert tokens_bf16 == tokens_f32
+
+
+def test_a_bfloat16_models_norm_weight_update_reaches_the_call(tiny_dirs):
+    """A bfloat16 model's table points at float32 copies of its norm weights: a weight update must
+    drop them (an update copies into the same storage, so the table's key would not change)."""
+    from workbench.core.managers.weight_updater import update_weights_from_tensor
+    from workbench.core.model_executor.offline_harness import OfflineHarness
+
+    runner = _runner(tiny_dirs["llama"], dtype_override="bfloat16")
+    h = OfflineHarness(runner)
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    before = h.generate([PROMPTS[0]], sp, return_logprob=True)[0]
+    name = "model.layers.0.post_attention_layernorm.weight"
+    weight = runner.model.model.layers[0].post_attention_layernorm.weight
+    update_weights_from_tensor(runner, [(name, weight.detach().float() * 3.0)])
+    assert runner.model.model._decode_table is None
+    after = h.generate([PROMPTS[0]], sp, return_logprob=True)[0]
+    assert after.logprobs != before.logprobs  # the new norm weight took effect
+    update_weights_from_tensor(runner, [(name, weight.detach().float() / 3.0)])
+    assert (
+        h.generate([PROMPTS[0]], sp, return_logprob=True)[0].logprobs == before.logprobs
+    )  # and back: the same numbers
 
 
 def test_the_pointer_table_follows_weight_reloads_and_a_new_pool(tiny_dirs):

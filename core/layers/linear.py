@@ -15,9 +15,10 @@ a decode-sized GEMM (M=1) on packed weights streams ~2x the bandwidth of
 the residual add rides along as a oneDNN post-op. The plain `weight` parameter
 stays (named-parameter lookups, weight updates); the packed copy is derived.
 
-At one row of float32 input (decode at batch 1) the compiled GEMV (cpu_ops.gemv, gemv.c) on
-the plain weight replaces oneDNN, which streams the weights well below the memory bandwidth at
-M=1 (docs/design.md); WORKBENCH_CPU_GEMV=0 turns it off.
+At one row of input (decode at batch 1) the compiled GEMV (cpu_ops.gemv, gemv.c) on the plain
+float32 or bfloat16 weight replaces oneDNN, which streams the weights well below the memory
+bandwidth at M=1 (docs/design.md); it also serves bfloat16 weights where oneDNN has no bfloat16
+GEMM (AVX2 CPUs, where they stay unpacked). WORKBENCH_CPU_GEMV=0 turns it off.
 """
 
 from __future__ import annotations
@@ -89,17 +90,21 @@ class LinearBase(nn.Module):
     def __init__(self):
         super().__init__()
         self.packed_weight: Optional[torch.Tensor] = None
+        # The CPU fast paths were asked for (packing, the batch-1 GEMV). Kept apart from
+        # packed_weight, which stays None where oneDNN cannot pack this dtype.
+        self.cpu_fast_path = False
 
     def process_weights_after_loading(self, pack: bool = True) -> None:
         """Derive the packed copy (call again after any weight update)."""
+        self.cpu_fast_path = pack and self.weight.device.type == "cpu"
         self.packed_weight = pack_linear_weight(self.weight) if pack else None
 
     def _matmul(
         self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         # Under torch.compile the plain weight is traced (inductor does its own packing).
-        if self.packed_weight is not None and cpu_ops.gemv_ready(x, self.weight):
-            return cpu_ops.gemv(x, self.weight, bias, residual)
+        if self.cpu_fast_path and cpu_ops.gemv_ready(x, self.weight):
+            return cpu_ops.gemv(x, self.weight, bias, residual).to(x.dtype)
         if self.packed_weight is not None and x.dtype == self.weight.dtype and not torch.compiler.is_compiling():
             return packed_linear(x, self.packed_weight, bias, residual)
         out = F.linear(x, self.weight, bias)

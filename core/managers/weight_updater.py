@@ -300,7 +300,11 @@ def _load(runner, named: Iterable[tuple[str, torch.Tensor]], source: str, t0: fl
 def _repack(model: torch.nn.Module, loaded: set[str]) -> None:
     """The CPU fast path runs on packed copies of the weights: rebuild the ones that changed."""
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
-    pack = any(m.packed_weight is not None for m in linears)
+    pack = any(m.cpu_fast_path for m in linears)
+    for module in model.modules():  # tables derived from the weights (the fused decode's) are rebuilt
+        drop = getattr(module, "drop_derived_tables", None)
+        if drop is not None:
+            drop()
     owners = {name.rsplit(".", 1)[0] for name in loaded}
     head_owner = next((n for n, m in model.named_modules() if m is model.lm_head), "lm_head")
     if head_owner in owners or "lm_head" in owners:
@@ -309,7 +313,7 @@ def _repack(model: torch.nn.Module, loaded: set[str]) -> None:
     for owner_name in owners:
         owner = model.get_submodule(owner_name)
         if isinstance(owner, LinearBase):
-            owner.process_weights_after_loading(pack=owner.packed_weight is not None)
+            owner.process_weights_after_loading(pack=owner.cpu_fast_path)
 
 
 def update_weights_from_disk(runner, model_path: str) -> UpdateResult:

@@ -156,21 +156,30 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, base, scaling)
         # Batch-1 float32 decode on CPU runs every layer in one compiled call (cpu_ops/decode_layers.c)
         # over this table of weight and pool pointers, built at its first use (see _decode_table).
-        self._decode_table: Optional[tuple[tuple[int, ...], torch.Tensor]] = None
+        self._decode_table: Optional[tuple[tuple[int, ...], torch.Tensor, list[torch.Tensor]]] = None
 
     def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.get_cos_sin(positions, hidden_states.dtype)
         if self._fused_decode_ready(hidden_states, forward_batch):
-            return self.norm(self._fused_decode(hidden_states, rope, forward_batch))
+            # float32 arithmetic whatever the weights' dtype: rope rows in float32 too
+            rope = self.rotary_emb.get_cos_sin(positions, torch.float32)
+            x = self._fused_decode(hidden_states, rope, forward_batch)
+            return self.norm(x.to(hidden_states.dtype))
+        rope = self.rotary_emb.get_cos_sin(positions, hidden_states.dtype)
         for layer in self.layers:
             hidden_states = layer(hidden_states, rope, forward_batch)
         return self.norm(hidden_states)
 
+    def drop_derived_tables(self) -> None:
+        """Forget the fused decode's pointer table (after a weight update: a bfloat16 model's table
+        holds float32 copies of its norm weights and biases)."""
+        self._decode_table = None
+
     def _fused_decode_ready(self, hidden_states: torch.Tensor, fb) -> bool:
         """One request's decode token, or up to FUSED_MAX_TOKENS of its tokens (a speculative verify
-        pass, a short prompt piece), in float32 on the CPU paged backend, one rank, packed CPU weights:
-        where Python's per-op overhead is a quarter of the step (decode_layers.c says why)."""
+        pass, a short prompt piece), float32 or bfloat16 weights on the CPU paged backend, one rank,
+        the CPU fast paths on: where Python's per-op overhead is a quarter of the step and, for
+        bfloat16 on AVX2, torch's bfloat16 GEMM is slower than streaming the weights (decode_layers.c)."""
         t = hidden_states.shape[0]
         if torch.compiler.is_compiling() or not self._plain_blocks or not 1 <= t <= cpu_ops.FUSED_MAX_TOKENS:
             return False  # (torch.compile traces the op-by-op path: it cannot trace a ctypes call)
@@ -182,26 +191,36 @@ class LlamaModel(nn.Module):
         if not (fb.forward_mode.is_decode() or (fb.forward_mode.is_extend() and backend.use_extend_kernel)):
             return False
         first = self.layers[0]
-        if first.self_attn.qkv_proj.packed_weight is None or first.self_attn.qkv_proj.tp_size != 1:
+        if not first.self_attn.qkv_proj.cpu_fast_path or first.self_attn.qkv_proj.tp_size != 1:
             return False
         return cpu_ops.fused_decode_enabled()
 
     def _decode_table_for(self, pool) -> torch.Tensor:
         """[L, 12] int64: each layer's weight, bias and KV-buffer addresses, in decode_layers.c's order.
-        Cached against the addresses it was built from: weight updates copy into the same storage,
-        and a rebuilt pool or re-made parameter changes the key, so a stale table is never used."""
+        Cached against the addresses it was built from: weight updates copy into the same storage
+        (and drop the table: drop_derived_tables), and a rebuilt pool or re-made parameter changes
+        the key, so a stale table is never used. The projections are passed as they are (float32 or
+        bfloat16); norm weights and biases as float32, copied once for a bfloat16 model and kept
+        alive beside the table."""
         key = tuple(
             t.data_ptr()
             for t in (pool.get_key_buffer(0), pool.get_value_buffer(0), self.layers[0].self_attn.qkv_proj.weight)
         ) + (id(pool), len(self.layers))
         if self._decode_table is not None and self._decode_table[0] == key:
             return self._decode_table[1]
+        keep: list[torch.Tensor] = []
 
-        def ptr(t: Optional[torch.Tensor]) -> int:
+        def f32(t: Optional[torch.Tensor]) -> int:
             if t is None:
                 return 0
             if t.dtype != torch.float32 or not t.is_contiguous():
-                raise ValueError("the fused decode path needs contiguous float32 weights")
+                t = t.detach().to(torch.float32).contiguous()
+                keep.append(t)
+            return t.data_ptr()
+
+        def weight(t: torch.Tensor) -> int:
+            if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous():
+                raise ValueError("the fused decode path needs contiguous float32 or bfloat16 weights")
             return t.data_ptr()
 
         rows = []
@@ -211,32 +230,34 @@ class LlamaModel(nn.Module):
             down_bias = mlp.down_proj.bias if mlp.down_proj.tp_rank == 0 else None
             rows.append(
                 [
-                    ptr(layer.input_layernorm.weight),
-                    ptr(attn.qkv_proj.weight),
-                    ptr(attn.qkv_proj.bias),
-                    ptr(attn.o_proj.weight),
-                    ptr(o_bias),
-                    ptr(layer.post_attention_layernorm.weight),
-                    ptr(mlp.gate_up_proj.weight),
-                    ptr(mlp.gate_up_proj.bias),
-                    ptr(mlp.down_proj.weight),
-                    ptr(down_bias),
+                    f32(layer.input_layernorm.weight),
+                    weight(attn.qkv_proj.weight),
+                    f32(attn.qkv_proj.bias),
+                    weight(attn.o_proj.weight),
+                    f32(o_bias),
+                    f32(layer.post_attention_layernorm.weight),
+                    weight(mlp.gate_up_proj.weight),
+                    f32(mlp.gate_up_proj.bias),
+                    weight(mlp.down_proj.weight),
+                    f32(down_bias),
                     pool.get_key_buffer(i).data_ptr(),
                     pool.get_value_buffer(i).data_ptr(),
                 ]
             )
         table = torch.tensor(rows, dtype=torch.int64)
-        self._decode_table = (key, table)
+        self._decode_table = (key, table, keep)
         return table
 
     def _fused_decode(self, hidden_states: torch.Tensor, rope, fb) -> torch.Tensor:
         """The decoder layers for this pass's tokens in one compiled call; returns the residual streams."""
         attn = self.layers[0].self_attn
         pool = fb.token_to_kv_pool
-        x = hidden_states.contiguous().clone()  # updated in place; the embedding row is not ours
+        # float32, updated in place (a copy: the embedding row is not ours)
+        x = hidden_states.to(torch.float32, copy=True).contiguous()
         return cpu_ops.decode_layers_f32(
             x,
             self._decode_table_for(pool),
+            weight_dtype=attn.qkv_proj.weight.dtype,
             hidden=x.shape[1],
             num_q_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads,
@@ -286,6 +307,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.vocab_size = config.vocab_size
         self._packed_head: Optional[torch.Tensor] = None
+        self._head_fast_path = False  # the batch-1 GEMV may compute the head (process_weights_after_loading)
 
     def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
         return self.model(input_ids, positions, forward_batch)
@@ -297,7 +319,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, LinearBase):
                 module.process_weights_after_loading(pack)
         head = self.lm_head.weight
-        if pack and self.lm_head.tp_size == 1:
+        self._head_fast_path = pack and self.lm_head.tp_size == 1 and head.device.type == "cpu"
+        if self._head_fast_path:
             self._packed_head = pack_linear_weight(head[: self.vocab_size])
         else:
             self._packed_head = None
@@ -305,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final hidden states -> [N, vocab] float32 logits (the sampler's input)."""
         head = self.lm_head
-        if self._packed_head is not None and cpu_ops.gemv_ready(hidden, head.weight):
+        if self._head_fast_path and cpu_ops.gemv_ready(hidden, head.weight):
             return cpu_ops.gemv(hidden, head.weight[: self.vocab_size])
         if self._packed_head is not None and hidden.dtype == head.weight.dtype and not torch.compiler.is_compiling():
             return packed_linear(hidden, self._packed_head, None).float()

@@ -1,7 +1,7 @@
 """Compiled CPU kernels, built at first use: attention over the token-slot KV pool (decode and
-extend), the rotary embedding in place, RMSNorm for 16-bit models, the float32 linear for
-one row of input (decode at batch 1; gemv.c), and all of a Llama-family model's decoder layers
-for one decode token in one call (decode_layers.c).
+extend), the rotary embedding in place, RMSNorm for 16-bit models, the linear for
+one row of input on float32 or bfloat16 weights (decode at batch 1; gemv.c), and all of a
+Llama-family model's decoder layers for one decode token in one call (decode_layers.c).
 
 The C files of this folder are compiled once per machine with the system C compiler
 (`$CC`, default `cc`) into `$WORKBENCH_CACHE_DIR/kernels/` (default
@@ -174,13 +174,13 @@ def _load() -> None:
         lib.wb_rope_inplace.restype = None
         lib.wb_rms_norm.argtypes = [ptr, i64, ptr, ptr, i32, i32, ctypes.c_float, i32, i32]
         lib.wb_rms_norm.restype = None
-        lib.wb_gemv_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i32, i64, i64, i32]
-        lib.wb_gemv_f32.restype = None
+        lib.wb_gemv.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64, ptr, i64, i32, i64, i64, i32]
+        lib.wb_gemv.restype = None
         lib.wb_gemv_f32_available.restype = ctypes.c_int
         f32 = ctypes.c_float
-        lib.wb_decode_layers_f32.argtypes = [ptr, i32, ptr, i32, i32, i32, i32, i32, i64, f32, ptr, ptr, i32]
-        lib.wb_decode_layers_f32.argtypes += [ptr, ptr, i64, ptr, ptr, f32, i32]
-        lib.wb_decode_layers_f32.restype = ctypes.c_int
+        lib.wb_decode_layers.argtypes = [ptr, i32, ptr, i32, i32, i32, i32, i32, i32, i64, f32, ptr, ptr, i32]
+        lib.wb_decode_layers.argtypes += [ptr, ptr, i64, ptr, ptr, f32, i32]
+        lib.wb_decode_layers.restype = ctypes.c_int
         _gemv_ok = bool(lib.wb_gemv_f32_available()) and os.environ.get("WORKBENCH_CPU_GEMV", "1") != "0"
         _lib = lib
 
@@ -396,21 +396,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-# ---- float32 linear for a few input rows (gemv.c) ---------------------------------------------
+# ---- linear for a few input rows, float32 or bfloat16 weights (gemv.c) -----------------------
 # Rows of x up to which `gemv` replaces oneDNN's packed GEMM. Measured on the 2-core AVX2 target
 # (docs/design.md): at one row it streams the weights ~1.4-2x faster than oneDNN on the layers'
 # shapes and as fast on the LM head; at 2-4 rows the two trade places shape by shape (the LM head
 # and gate_up slower), so only a batch of one takes it.
 GEMV_MAX_ROWS = 1
+_GEMV_WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def gemv_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when `gemv` should compute x @ weight.T: float32 x and weight on the CPU, x 2-D with
-    at most GEMV_MAX_ROWS rows, the kernel built with its AVX2 + FMA path and not switched off
-    (WORKBENCH_CPU_GEMV=0), and not under torch.compile (which cannot trace a ctypes call)."""
+    """True when `gemv` should compute x @ weight.T: a float32 or bfloat16 weight, x of the weight's
+    dtype or float32, on the CPU, x 2-D with at most GEMV_MAX_ROWS rows, the kernel built with its
+    AVX2 + FMA path and not switched off (WORKBENCH_CPU_GEMV=0), and not under torch.compile (which
+    cannot trace a ctypes call)."""
     if (
-        x.dtype != torch.float32
-        or weight.dtype != torch.float32
+        weight.dtype not in _GEMV_WEIGHT_CODES
+        or x.dtype not in (torch.float32, weight.dtype)
         or x.dim() != 2
         or x.shape[0] > GEMV_MAX_ROWS
         or x.device.type != "cpu"
@@ -425,13 +427,15 @@ def gemv_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) (+ residual) in float32: x [M, K], weight [N, K] (rows may be strided,
-    elements contiguous), bias [N], residual [M, N] -> a new [M, N]. Any M is correct; it is fast
-    for a few rows (see GEMV_MAX_ROWS)."""
+    """x @ weight.T (+ bias) (+ residual), summed in float32: x [M, K], weight [N, K] float32 or
+    bfloat16 (rows may be strided, elements contiguous), bias [N], residual [M, N] -> a new
+    float32 [M, N] (x, bias and residual are widened to float32 first). Any M is correct; it is
+    fast for a few rows (see GEMV_MAX_ROWS)."""
     m, k = x.shape
     n = weight.shape[0]
-    if weight.shape[1] != k or weight.dtype != torch.float32 or x.dtype != torch.float32:
+    if weight.shape[1] != k or weight.dtype not in _GEMV_WEIGHT_CODES or not x.dtype.is_floating_point:
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
+    x = x.to(torch.float32)
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
@@ -445,11 +449,12 @@ def gemv(
         if residual.stride(1) != 1:
             residual = residual.contiguous()
     out = torch.empty((m, n), dtype=torch.float32)
-    _require().wb_gemv_f32(
+    _require().wb_gemv(
         x.data_ptr(),
         x.stride(0),
         weight.data_ptr(),
         weight.stride(0),
+        _GEMV_WEIGHT_CODES[weight.dtype],
         bias.data_ptr() if bias is not None else None,
         residual.data_ptr() if residual is not None else None,
         residual.stride(0) if residual is not None else 0,
@@ -473,7 +478,7 @@ FUSED_MAX_TOKENS = 8
 
 
 def fused_decode_enabled() -> bool:
-    """Whether batch-1 float32 decode may run its decoder layers in one call (decode_layers.c):
+    """Whether batch-1 decode may run its decoder layers in one call (decode_layers.c):
     the library has its GEMV path (gemv_ready's conditions) and WORKBENCH_CPU_FUSED_DECODE is
     not 0 (set it to 0 to compare with, or profile, the op-by-op path)."""
     if _lib is None and not _tried:
@@ -499,10 +504,12 @@ def decode_layers_f32(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
+    weight_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Run every layer of `table` ([L, DECODE_LAYER_FIELDS] int64 pointers, see above) on the
     residual streams x ([T, hidden] float32, T consecutive tokens of one request, at most
-    FUSED_MAX_TOKENS; updated in place and returned). cos/sin: their rope rows ([T, 1, head_dim]
+    FUSED_MAX_TOKENS; updated in place and returned). The table's four projection weights are of
+    `weight_dtype` (float32 or bfloat16); its norm weights and biases are float32. cos/sin: their rope rows ([T, 1, head_dim]
     float32); out_cache_loc [T], req_pool_indices and seq_lens [1] int64 (seq_lens counts these T
     tokens); req_to_token: the pool's table (unit inner stride)."""
     t = x.shape[0] if x.dim() == 2 else 0
@@ -516,15 +523,18 @@ def decode_layers_f32(
         raise ValueError("decode_layers_f32: the layer table must be [L, DECODE_LAYER_FIELDS] int64")
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or kv_dtype not in _DTYPE_CODES:
         raise ValueError("decode_layers_f32: rope rows must be float32 and the pool a supported dtype")
+    if weight_dtype not in _GEMV_WEIGHT_CODES:
+        raise ValueError(f"decode_layers_f32: projection weights must be float32 or bfloat16, not {weight_dtype}")
     if req_to_token.stride(1) != 1:
         raise ValueError("decode_layers_f32: req_to_token must have a unit inner stride")
     cos, sin = cos.contiguous(), sin.contiguous()
     loc, rows, lens = (t.to(torch.int64).contiguous() for t in (out_cache_loc, req_pool_indices, seq_lens))
-    rc = _require().wb_decode_layers_f32(
+    rc = _require().wb_decode_layers(
         x.data_ptr(),
         t,
         table.data_ptr(),
         table.shape[0],
+        _GEMV_WEIGHT_CODES[weight_dtype],
         hidden,
         num_q_heads,
         num_kv_heads,
@@ -543,5 +553,5 @@ def decode_layers_f32(
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise RuntimeError(f"wb_decode_layers_f32 failed (code {rc}) for Hq={num_q_heads}, Hk={num_kv_heads}")
+        raise RuntimeError(f"wb_decode_layers failed (code {rc}) for Hq={num_q_heads}, Hk={num_kv_heads}")
     return x

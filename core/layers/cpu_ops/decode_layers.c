@@ -1,5 +1,7 @@
 /* Every decoder layer of a Llama-family model for one decode token (or a few tokens of one request:
- * a speculative verify pass), float32, in one call.
+ * a speculative verify pass), in one call: float32 arithmetic and residual stream, the projection
+ * weights float32 or bfloat16 (gemv.c widens them as it reads; a bfloat16 model streams half the
+ * bytes per step; its norm weights and biases are passed as float32 copies).
  *
  * Why: at batch 1 a step's arithmetic is small (a 135M model streams ~540 MB of weights, ~30 ms
  * on one core of the 2-core AVX2 target) but the op-by-op path pays torch's dispatch and
@@ -22,8 +24,8 @@
 
 #include "common.h"
 
-void wb_gemv_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, const float *res,
-                 int64_t ldr, float *out, int64_t ldo, int M, int64_t N, int64_t K, int nthreads);
+void wb_gemv(const float *x, int64_t ldx, const void *w, int64_t ldw, int wdt, const float *bias, const float *res,
+             int64_t ldr, float *out, int64_t ldo, int M, int64_t N, int64_t K, int nthreads);
 void wb_rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int T, int H, float eps, int dt,
                  int nthreads);
 void wb_rope_inplace(void *x, int64_t x_stride, const void *cos_t, const void *sin_t, int64_t cs_stride, int T,
@@ -56,16 +58,17 @@ static void silu_mul(const float *restrict gu, float *restrict out, int64_t I) {
 
 /* x: [T, H] the residual streams of T consecutive tokens of ONE request (T = 1: a decode step; more:
  * a speculative verify pass or a short prompt piece), updated in place to the last layer's output
- * (before the final norm). layers: L rows of PER_LAYER pointers (0 for no bias). cos/sin: [T, D]
+ * (before the final norm). layers: L rows of PER_LAYER pointers (0 for no bias); the four projection
+ * weights of dtype w_dt (float32 or bfloat16), everything else float32. cos/sin: [T, D]
  * rope rows (signed-sin layout, see rope.c). The pool: kv_dt; out_loc [T] the slots this pass's K/V
  * go to; req_to_token, its row req_pool_index[0] and seq_len[0] (these T tokens included).
  * T = 1 attends with paged_decode_attention (which stores the K/V row itself); T > 1 stores the T
  * K/V rows, then attends causally with paged_extend_attention.
  * Returns 0, or the first failing attention call's code. */
-int wb_decode_layers_f32(float *x, int T, const int64_t *layers, int L, int H, int Hq, int Hk, int D, int64_t I,
-                         float eps, const float *cos_t, const float *sin_t, int kv_dt, const int64_t *out_loc,
-                         const int64_t *req_to_token, int64_t r2t_stride, const int64_t *req_pool_index,
-                         const int64_t *seq_len, float scale, int nthreads) {
+int wb_decode_layers(float *x, int T, const int64_t *layers, int L, int w_dt, int H, int Hq, int Hk, int D, int64_t I,
+                     float eps, const float *cos_t, const float *sin_t, int kv_dt, const int64_t *out_loc,
+                     const int64_t *req_to_token, int64_t r2t_stride, const int64_t *req_pool_index,
+                     const int64_t *seq_len, float scale, int nthreads) {
     const int64_t nqkv = (int64_t)(Hq + 2 * Hk) * D, nq = (int64_t)Hq * D, nkv = (int64_t)Hk * D;
     float *buf = malloc(sizeof(float) * T * (H + nqkv + nq + 3 * I));
     if (buf == NULL) return -2;
@@ -75,9 +78,10 @@ int wb_decode_layers_f32(float *x, int T, const int64_t *layers, int L, int H, i
     for (int l = 0; l < L && rc == 0; l++) {
         const int64_t *p = layers + (int64_t)l * PER_LAYER;
 #define F(i) ((const float *)(intptr_t)p[i])
+#define W(i) ((const void *)(intptr_t)p[i])
         void *k_buf = (void *)(intptr_t)p[K_BUF], *v_buf = (void *)(intptr_t)p[V_BUF];
         wb_rms_norm(x, H, F(W_IN), h, T, H, eps, 0, nthreads);
-        wb_gemv_f32(h, H, F(W_QKV), H, F(B_QKV), NULL, 0, qkv, nqkv, T, nqkv, H, nthreads);
+        wb_gemv(h, H, W(W_QKV), H, w_dt, F(B_QKV), NULL, 0, qkv, nqkv, T, nqkv, H, nthreads);
         wb_rope_inplace(qkv, nqkv, cos_t, sin_t, D, T, Hq + Hk, D, 0, nthreads);
         if (T == 1) {
             rc = paged_decode_attention(qkv, 0, nqkv / D, qkv + nq, nqkv / D, qkv + nq + nkv, nqkv / D, out_loc,
@@ -93,12 +97,13 @@ int wb_decode_layers_f32(float *x, int T, const int64_t *layers, int L, int H, i
             rc = paged_extend_attention(qkv, 0, nqkv / D, k_buf, v_buf, kv_dt, req_to_token, r2t_stride,
                                         req_pool_index, &prefix, &ext, &start, 1, Hq, Hk, D, scale, att, nthreads);
         }
-        wb_gemv_f32(att, nq, F(W_O), nq, F(B_O), x, H, x, H, T, H, nq, nthreads);
+        wb_gemv(att, nq, W(W_O), nq, w_dt, F(B_O), x, H, x, H, T, H, nq, nthreads);
         wb_rms_norm(x, H, F(W_POST), h, T, H, eps, 0, nthreads);
-        wb_gemv_f32(h, H, F(W_GU), H, F(B_GU), NULL, 0, gu, 2 * I, T, 2 * I, H, nthreads);
+        wb_gemv(h, H, W(W_GU), H, w_dt, F(B_GU), NULL, 0, gu, 2 * I, T, 2 * I, H, nthreads);
         for (int t = 0; t < T; t++) silu_mul(gu + t * 2 * I, act + t * I, I);
-        wb_gemv_f32(act, I, F(W_DOWN), I, F(B_DOWN), x, H, x, H, T, H, I, nthreads);
+        wb_gemv(act, I, W(W_DOWN), I, w_dt, F(B_DOWN), x, H, x, H, T, H, I, nthreads);
 #undef F
+#undef W
     }
     free(buf);
     return rc;
