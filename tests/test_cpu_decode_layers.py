@@ -109,9 +109,10 @@ def test_fused_decode_matches_transformers_and_frees_every_slot(tiny_dirs, monke
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_bfloat16_weights_take_the_call_and_equal_float32_on_their_values(tiny_dirs, arch, monkeypatch):
-    """A bfloat16 model decodes through the same call, widening its weights as it reads them: every
-    call's output equals, bit for bit, the float32 model's whose weights (and KV pool) hold the same
-    bfloat16 values, and so do the greedy tokens. Prompts of at most FUSED_MAX_TOKENS, one at a
+    """A bfloat16 model decodes through the same call: every call's output equals the float32 model's
+    whose weights (and KV pool) hold the same bfloat16 values (bit for bit where the weights are
+    widened as they are read; within the rounding of each projection's input where AVX512_BF16
+    multiplies in bfloat16), and so do the greedy tokens. Prompts of at most FUSED_MAX_TOKENS, one at a
     time, so that the prefill takes the call too (a longer one runs op by op in bfloat16)."""
     from workbench.core.model_executor.offline_harness import OfflineHarness
 
@@ -140,8 +141,14 @@ def test_bfloat16_weights_take_the_call_and_equal_float32_on_their_values(tiny_d
     tokens_f32 = [OfflineHarness(f32).generate([p], sp)[0].output_ids for p in prompts]
 
     assert len(outputs["bf16"]) == len(outputs["f32"]) == len(prompts) * 16  # the prefill and 15 decode steps
-    for a, b in zip(outputs["bf16"], outputs["f32"]):
-        assert torch.equal(a, b)
+    if cpu_ops.gemv_bf16_rounds_x():
+        # AVX512_BF16: each projection's input is rounded to bfloat16 (relative 2^-9), as oneDNN's
+        # bfloat16 GEMM rounds it; the float32 model's residual streams within that, the same tokens
+        for a, b in zip(outputs["bf16"], outputs["f32"]):
+            assert float((a - b).norm() / b.norm()) < 1e-2
+    else:  # widened weights: bit for bit
+        for a, b in zip(outputs["bf16"], outputs["f32"]):
+            assert torch.equal(a, b)
     assert tokens_bf16 == tokens_f32
 
 

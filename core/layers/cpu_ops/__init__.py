@@ -177,6 +177,7 @@ def _load() -> None:
         lib.wb_gemv.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64, ptr, i64, i32, i64, i64, i32]
         lib.wb_gemv.restype = None
         lib.wb_gemv_f32_available.restype = ctypes.c_int
+        lib.wb_gemv_bf16_rounds_x.restype = ctypes.c_int
         f32 = ctypes.c_float
         lib.wb_decode_layers.argtypes = [ptr, i32, ptr, i32, i32, i32, i32, i32, i32, i64, f32, ptr, ptr, i32]
         lib.wb_decode_layers.argtypes += [ptr, ptr, i64, ptr, ptr, f32, i32]
@@ -403,6 +404,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # and gate_up slower), so only a batch of one takes it.
 GEMV_MAX_ROWS = 1
 _GEMV_WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def gemv_bf16_rounds_x() -> bool:
+    """Whether `gemv` on bfloat16 weights rounds x to bfloat16 and multiplies with AVX512_BF16's
+    dot-product instruction (float32 sums, as oneDNN's bfloat16 GEMM does), rather than widening
+    the weights to float32 (then the result equals float32 on the same values, bit for bit)."""
+    return bool(_require().wb_gemv_bf16_rounds_x())
 
 
 def gemv_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
