@@ -183,7 +183,11 @@ def test_overlap_loop_gives_the_same_constrained_outputs():
     prompts = ["Answer in JSON."] * 6 + ["Answer:"] * 2
     results = []
     for overlap in (False, True):
-        engine = Engine(show_progress=False, disable_overlap_schedule=not overlap, max_total_tokens=8192)
+        # float32: the loops may run a step's last rows at batch 1 on one and 2 on the other, and in
+        # bfloat16 those are different kernels (docs/design.md); float32 sums the same values either way
+        engine = Engine(
+            show_progress=False, disable_overlap_schedule=not overlap, max_total_tokens=8192, dtype="float32"
+        )
         try:
             results.append([o["text"] for o in engine.generate(prompt=prompts, sampling_params=params)])
             assert_no_kv_leak(engine)

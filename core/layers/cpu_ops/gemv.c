@@ -16,7 +16,8 @@
  * (bfloat16: a zero-padded copy). The rows are split between threads in whole blocks.
  * M > 4 runs in groups of 4 rows of x (correct, but oneDNN is the faster path there).
  * Widening bfloat16 is exact, so a bfloat16 weight gives bit for bit the float32 result on the
- * same values.
+ * same values. Built for a CPU with AVX512_BF16, bfloat16 weights take a dot-product path instead
+ * (rows_dp below: x rounded to bfloat16, float32 sums); wb_gemv_bf16_rounds_x() says which.
  */
 #include <stdint.h>
 #include <stdlib.h>
