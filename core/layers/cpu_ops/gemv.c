@@ -109,9 +109,44 @@ static inline __attribute__((always_inline)) void block(const float *restrict x,
 }
 
 /* Rows [n0, n1) of the output for MM (1..4) rows of x; wdt: the weight's dtype code (common.h). */
+/* One x row against rows [n0, n1), each row read start to end before the next: the weight streams
+ * in address order, which the hardware prefetcher follows. Blocks of 8 rows read 8 rows side by side
+ * instead, and with the model's short rows (K = 576: 2.3 KB of float32) that pattern streamed at
+ * ~16 GB/s on one core of the AVX-512 EPYC against ~22 this way (docs/design.md). Two accumulators
+ * (even and odd 8-float steps) keep two FMA chains in flight. */
+static inline __attribute__((always_inline)) void rows_seq(const float *restrict x, const void *restrict w,
+                                                           int64_t ldw, const float *restrict bias,
+                                                           const float *restrict res, float *restrict out, int64_t n0,
+                                                           int64_t n1, int64_t K, __m256i mask, int WBF) {
+    const int64_t K8 = K & ~(int64_t)7, K16 = K & ~(int64_t)15;
+    for (int64_t n = n0; n < n1; n++) {
+        const int64_t base = n * ldw;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k < K16; k += 16) {
+            a0 = _mm256_fmadd_ps(wload(w, base + k, WBF), _mm256_loadu_ps(x + k), a0);
+            a1 = _mm256_fmadd_ps(wload(w, base + k + 8, WBF), _mm256_loadu_ps(x + k + 8), a1);
+        }
+        if (k < K8) a0 = _mm256_fmadd_ps(wload(w, base + k, WBF), _mm256_loadu_ps(x + k), a0);
+        if (K8 < K)
+            a1 = _mm256_fmadd_ps(wload_tail(w, base + K8, (int)(K - K8), mask, WBF), _mm256_maskload_ps(x + K8, mask), a1);
+        float s = hsum8f(_mm256_add_ps(a0, a1));
+        if (bias) s += bias[n];
+        if (res) s += res[n];
+        out[n] = s;
+    }
+}
+
 static void rows(const float *x, int64_t ldx, const void *w, int64_t ldw, int wdt, const float *bias,
                  const float *res, int64_t ldr, float *out, int64_t ldo, int MM, int64_t n0, int64_t n1, int64_t K) {
     const __m256i mask = tail_mask((int)(K & 7));
+    if (MM == 1) {   /* batch 1: one stream (rows_seq); widened bfloat16 the same order, so bit for bit */
+        if (wdt == 1)
+            rows_seq(x, w, ldw, bias, res, out, n0, n1, K, mask, 1);
+        else
+            rows_seq(x, w, ldw, bias, res, out, n0, n1, K, mask, 0);
+        return;
+    }
     int64_t n = n0;
 #define RUN(R, MMC, WBF) \
     for (; n + (R) <= n1; n += (R)) block(x, ldx, w, ldw, bias, res, ldr, out, ldo, n, K, mask, R, MMC, WBF)
@@ -141,6 +176,27 @@ int wb_gemv_f32_available(void) { return 1; }
  * oneDNN's own bfloat16 GEMM there). The sums are float32, as in oneDNN's bfloat16 path. */
 #define HAVE_BF16_DP 1
 
+/* The 8 horizontal sums of a0..a7 (16 floats each) as one 8-float vector, in a tree of shuffles and
+ * adds: at K = 576 a block of 8 rows is only 18 dot-product steps, and eight serial reductions
+ * (each a chain of dependent shuffles) took as long as the steps themselves, leaving the weight
+ * stream at ~10 GB/s on one core where long rows stream at ~20. */
+static inline __m256 hsum8x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3, __m512 a4, __m512 a5, __m512 a6,
+                              __m512 a7) {
+    /* pairs: lanes 0-7 hold a's two 8-lane halves summed, lanes 8-15 b's */
+#define PAIR(a, b) _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE))
+    const __m512 t01 = PAIR(a0, a1), t23 = PAIR(a2, a3), t45 = PAIR(a4, a5), t67 = PAIR(a6, a7);
+#undef PAIR
+    /* quads: 128-bit block j holds 4 partial sums of row j (u: rows 0-3, v: rows 4-7) */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
+    const __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(t45, t67, 0x88), _mm512_shuffle_f32x4(t45, t67, 0xDD));
+    /* within each block: [u0+u2, v0+v2, u1+u3, v1+v3], then + its 64-bit halves swapped */
+    __m512 s = _mm512_add_ps(_mm512_unpacklo_ps(u, v), _mm512_unpackhi_ps(u, v));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
+    /* block j: row j at lane 4j, row j+4 at lane 4j+1 */
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, s));
+}
+
 /* R weight rows from row n against MM bfloat16 x rows (xb, row stride ldxb, zero-padded to a
  * multiple of 32): out[m, n .. n+R). */
 static inline __attribute__((always_inline)) void block_dp(const uint16_t *restrict xb, int64_t ldxb,
@@ -157,6 +213,9 @@ static inline __attribute__((always_inline)) void block_dp(const uint16_t *restr
         for (int m = 0; m < MM; m++) xv[m] = _mm512_loadu_si512((const void *)(xb + m * ldxb + k));
         for (int r = 0; r < R; r++) {
             const __m512i wv = _mm512_loadu_si512((const void *)(w + (n + r) * ldw + k));
+#ifdef WB_PF_ROWS
+            _mm_prefetch((const char *)(w + (n + r + WB_PF_ROWS) * ldw + k), _MM_HINT_T0);
+#endif
             for (int m = 0; m < MM; m++)
                 acc[r][m] = _mm512_dpbf16_ps(acc[r][m], (__m512bh)wv, (__m512bh)xv[m]);
         }
@@ -170,18 +229,62 @@ static inline __attribute__((always_inline)) void block_dp(const uint16_t *restr
                 acc[r][m] = _mm512_dpbf16_ps(acc[r][m], (__m512bh)wv, (__m512bh)xv[m]);
         }
     }
-    for (int m = 0; m < MM; m++)
-        for (int r = 0; r < R; r++) {
+    for (int m = 0; m < MM; m++) {
+        int r = 0;
+        if (R == 8) {
+            __m256 s = hsum8x16(acc[0][m], acc[1][m], acc[2][m], acc[3][m], acc[4][m], acc[5][m], acc[6][m],
+                                acc[7][m]);
+            if (bias) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + n));
+            if (res) s = _mm256_add_ps(s, _mm256_loadu_ps(res + m * ldr + n));
+            _mm256_storeu_ps(out + m * ldo + n, s);
+            r = 8;
+        }
+        for (; r < R; r++) {
             float s = _mm512_reduce_add_ps(acc[r][m]);
             if (bias) s += bias[n + r];
             if (res) s += res[m * ldr + n + r];
             out[m * ldo + n + r] = s;
         }
+    }
+}
+
+/* One x row against rows [n0, n1), each row read start to end before the next: the weight is then
+ * read in address order, one stream the hardware prefetcher follows. */
+static void rows_dp_seq(const uint16_t *xb, const uint16_t *w, int64_t ldw, const float *bias, const float *res,
+                        float *out, int64_t n0, int64_t n1, int64_t K, __mmask32 tail) {
+    const int64_t K32 = K & ~(int64_t)31;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *wr = w + n * ldw;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
+               a3 = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 128 <= K32; k += 128) {
+#define DP(a, o) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(wr + k + o)), \
+                                      (__m512bh)_mm512_loadu_si512((const void *)(xb + k + o)))
+            DP(a0, 0);
+            DP(a1, 32);
+            DP(a2, 64);
+            DP(a3, 96);
+        }
+        for (; k < K32; k += 32) DP(a0, 0);
+#undef DP
+        if (K32 < K)
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(tail, (const void *)(wr + K32)),
+                                  (__m512bh)_mm512_loadu_si512((const void *)(xb + K32)));
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        if (bias) sum += bias[n];
+        if (res) sum += res[n];
+        out[n] = sum;
+    }
 }
 
 static void rows_dp(const uint16_t *xb, int64_t ldxb, const uint16_t *w, int64_t ldw, const float *bias,
                     const float *res, int64_t ldr, float *out, int64_t ldo, int MM, int64_t n0, int64_t n1, int64_t K) {
     const __mmask32 tail = (__mmask32)((1ull << (K & 31)) - 1);
+    if (MM == 1) {
+        rows_dp_seq(xb, w, ldw, bias, res, out, n0, n1, K, tail);
+        return;
+    }
     int64_t n = n0;
 #define RUN(R, MMC) for (; n + (R) <= n1; n += (R)) block_dp(xb, ldxb, w, ldw, bias, res, ldr, out, ldo, n, K, tail, R, MMC)
     switch (MM) {
