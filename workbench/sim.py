@@ -77,10 +77,17 @@ def _simulator(args, **overrides) -> Simulator:
     if args.chunked_prefill_size is not None:
         kw["chunked_prefill_size"] = args.chunked_prefill_size
     kw.update(overrides)
+    kw.setdefault("dp_size", args.dp_size)
+    kw.setdefault("load_balance_method", args.load_balance_method)
     sink = kw.pop("trace_sink", None)
     tp = int(kw.pop("tp_size", args.tp_size))
     hardware = kw.pop("simulate", args.simulate)
     return Simulator(args.model, hardware, tp_size=tp, seed=args.seed, trace_sink=sink, **kw)
+
+
+def _deployment(args) -> str:
+    devices = f"{args.simulate}x{args.tp_size * args.dp_size}"
+    return devices if args.dp_size == 1 else f"{devices} (dp {args.dp_size} x tp {args.tp_size})"
 
 
 def cmd_run(args) -> int:
@@ -89,7 +96,7 @@ def cmd_run(args) -> int:
     if args.record:
         from workbench.core.trace.recorder import Recorder
 
-        recorder = Recorder(args.record, model=f"SIMULATED {args.simulate}x{args.tp_size} {args.model}")
+        recorder = Recorder(args.record, model=f"SIMULATED {_deployment(args)} {args.model}")
     sim = _simulator(args, trace_sink=recorder) if recorder is not None else _simulator(args)
 
     def progress(done, total, now):
@@ -132,7 +139,7 @@ def cmd_sweep(args) -> int:
         rows.append((label, result))
     first = rows[0][1]
     print(
-        f"SIMULATED {first.hardware}x{first.tp_size}, {first.model}, {len(workload)} requests "
+        f"SIMULATED {first.deployment}, {first.model}, {len(workload)} requests "
         f"(simulated time; the scheduler is the real one)"
     )
     print("| setting | " + " | ".join(title for _, title, _ in COLUMNS) + " | real s |")
@@ -157,6 +164,18 @@ def add_parser(sub) -> None:
         )
         q.add_argument("--simulate", default="h100", choices=sorted(HARDWARE), help="the hardware simulated")
         q.add_argument("--tp-size", type=int, default=1, help="tensor-parallel devices per replica")
+        q.add_argument(
+            "--dp-size",
+            type=int,
+            default=1,
+            help="data-parallel replicas, each of --tp-size devices, behind one router",
+        )
+        q.add_argument(
+            "--load-balance-method",
+            default="round_robin",
+            choices=("round_robin", "shortest_queue", "prefix_aware"),
+            help="how the data-parallel controller picks a replica for each request (with --dp-size > 1)",
+        )
         q.add_argument("--schedule-policy", default="fcfs", help="the scheduler's admission order (fcfs, lpm, ...)")
         q.add_argument("--chunked-prefill-size", type=int, default=None, help="prompt piece per step (default 8192)")
         q.add_argument("--max-running-requests", type=int, default=256, help="most requests decoding at once")
@@ -174,7 +193,10 @@ def add_parser(sub) -> None:
             q.add_argument("--record", default=None, help="write the scheduler's trace (simulated time) as JSONL")
         if name == "sweep":
             q.add_argument(
-                "--vary", action="append", default=[], help="KEY=V1,V2: a ServerArgs field, tp_size or simulate"
+                "--vary",
+                action="append",
+                default=[],
+                help="KEY=V1,V2: a ServerArgs field, tp_size, dp_size, load_balance_method or simulate",
             )
         q.set_defaults(func=func)
     p.set_defaults(func=lambda a: p.print_help() or 2)

@@ -37,6 +37,7 @@ from workbench.core.simulation.calibration import Calibration, shipped
 from workbench.core.simulation.cost_model import CostModel
 from workbench.core.simulation.hardware import get_hardware
 from workbench.core.simulation.model_specs import model_spec
+from workbench.core.trace.events import ReqDispatched
 from workbench.core.trace.tracer import Tracer
 
 FIRST_TOKEN = 3  # sampled ids stay clear of the usual special ids 0-2
@@ -147,6 +148,14 @@ class SimResult:
     peak_kv_used: int = 0
     steps: int = 0
     retracted: int = 0
+    dp_size: int = 1
+    per_replica_requests: list[int] = field(default_factory=list)  # requests each replica served
+
+    @property
+    def deployment(self) -> str:
+        """'h100x8', or 'h100x8 (dp 2 x tp 4)' with data parallelism."""
+        devices = f"{self.hardware}x{self.tp_size * self.dp_size}"
+        return devices if self.dp_size == 1 else f"{devices} (dp {self.dp_size} x tp {self.tp_size})"
 
     def _pct(self, values: dict[str, float], q: float) -> float:
         v = sorted(values.values())
@@ -169,18 +178,49 @@ class SimResult:
     def summary(self) -> str:
         m = self.metrics()
         return (
-            f"SIMULATED {self.hardware}x{self.tp_size}, {self.model}: {m['requests']} requests in {self.sim_s:.1f} "
+            f"SIMULATED {self.deployment}, {self.model}: {m['requests']} requests in {self.sim_s:.1f} "
             f"simulated s ({self.wall_s:.1f} s real, {m['steps']} steps); {m['output_tok_s']:.0f} output tok/s; "
             f"TTFT p50 {m['ttft_p50_ms']:.0f} ms p99 {m['ttft_p99_ms']:.0f} ms; TPOT p50 {m['tpot_p50_ms']:.1f} ms "
             f"p99 {m['tpot_p99_ms']:.1f} ms; cache hit {m['cache_hit_rate']:.0%}; peak KV {m['peak_kv_frac']:.0%} of "
             f"{self.kv_pool_tokens} tokens; {m['retracted']} retracted"
+            + (f"; requests per replica {self.per_replica_requests}" if self.dp_size > 1 else "")
         )
+
+
+class _Replica:
+    """One scheduler with its own clock, pools, worker and inbox: the whole deployment, or one of
+    `dp_size` data-parallel replicas (traced as "scheduler.dp<rank>", as the real ones are)."""
+
+    def __init__(self, sim: "Simulator", rank: int, proc: str, seed: int, trace_sink):
+        self.rank = rank
+        self.clock = SimClock()
+        self.runner = SimRunner(sim.spec, sim.args.max_total_tokens, sim.args.max_running_requests, sim.context)
+        self.worker = SimWorker(self.runner, sim.cost, self.clock, seed)
+        self.io = _ListIO()
+        self.tracer = Tracer(proc, sink=trace_sink, enabled=trace_sink is not None, clock=self.clock.ns)
+        self.scheduler = Scheduler(
+            sim.args, None, worker=self.worker, io=self.io, tokenizer=_NoTokenizer(), tracer=self.tracer
+        )
+        self.requests = 0
+
+    def busy(self) -> bool:
+        return self.scheduler.has_work() or bool(self.io.inbox)
+
+    def kv_used(self) -> int:
+        alloc = self.runner.token_to_kv_pool_allocator
+        return self.runner.max_total_num_tokens - alloc.available_size() - self.scheduler.tree_cache.evictable_size()
 
 
 class Simulator:
     """A deployment that is not there: `model` (a name of model_specs.KNOWN or an HF config.json),
-    `hardware` (hardware.HARDWARE), `tp_size` devices per replica; the rest are ServerArgs fields
-    (schedule_policy, chunked_prefill_size, max_running_requests, ...), as the real engine takes them."""
+    `hardware` (hardware.HARDWARE), `tp_size` devices per replica, `dp_size` replicas behind the data-
+    parallel controller's `LoadBalancer` (`load_balance_method`: round_robin, shortest_queue,
+    prefix_aware); the rest are ServerArgs fields (schedule_policy, chunked_prefill_size,
+    max_running_requests, ...), as the real engine takes them, for each replica.
+
+    With dp_size > 1 every replica keeps its own simulated clock and the driver always steps the one
+    that is furthest behind, handing each request to the replica the balancer picks when the clocks
+    reach its arrival, so the replicas run side by side in simulated time."""
 
     def __init__(
         self,
@@ -192,8 +232,16 @@ class Simulator:
         scale: float = 1.0,
         trace_sink=None,
         calibration="auto",
+        dp_size: int = 1,
+        load_balance_method: str = "round_robin",
         **server_args,
     ):
+        from workbench.core.managers.data_parallel_controller import PROC_NAME, LoadBalancer, replica_proc_name
+
+        dp_size = int(server_args.pop("dp_size", dp_size))
+        load_balance_method = server_args.pop("load_balance_method", load_balance_method)
+        if dp_size < 1:
+            raise ValueError(f"dp_size must be at least 1, not {dp_size}")
         self.spec = model_spec(model)
         self.hw = get_hardware(hardware)
         self.tp_size = tp_size
@@ -205,20 +253,29 @@ class Simulator:
             calibration = Calibration.load(calibration)
         self.calibration = calibration
         self.cost = CostModel(self.spec, self.hw, tp_size, dtype_bytes, scale, calibration)
-        self.clock = SimClock()
         pool = self.cost.kv_pool_tokens()
         server_args.setdefault("max_total_tokens", pool)
         server_args.setdefault("chunked_prefill_size", 2048 if self.hw.name == "cpu-here" else 8192)
         server_args.setdefault("max_running_requests", 256 if self.hw.name != "cpu-here" else 128)
         self.args = ServerArgs(device="cpu", disable_overlap_schedule=True, **server_args)
-        context = min(self.spec.context_len, server_args.get("context_length") or self.spec.context_len)
-        self.runner = SimRunner(self.spec, self.args.max_total_tokens, self.args.max_running_requests, context)
-        self.worker = SimWorker(self.runner, self.cost, self.clock, seed)
-        self.io = _ListIO()
-        self.tracer = Tracer("scheduler", sink=trace_sink, enabled=trace_sink is not None, clock=self.clock.ns)
-        self.scheduler = Scheduler(
-            self.args, None, worker=self.worker, io=self.io, tokenizer=_NoTokenizer(), tracer=self.tracer
+        self.context = min(self.spec.context_len, server_args.get("context_length") or self.spec.context_len)
+        self.dp_size = dp_size
+        self.replicas = [
+            _Replica(self, r, replica_proc_name(r) if dp_size > 1 else "scheduler", seed + 7919 * r, trace_sink)
+            for r in range(dp_size)
+        ]
+        # The data-parallel controller's own routing and load bookkeeping, on simulated time.
+        self.balancer = LoadBalancer(dp_size, load_balance_method, pool) if dp_size > 1 else None
+        self._dispatch_clock = SimClock()
+        self.controller_tracer = (
+            Tracer(PROC_NAME, sink=trace_sink, enabled=trace_sink is not None, clock=self._dispatch_clock.ns)
+            if dp_size > 1
+            else None
         )
+        # Replica 0 under the single-scheduler names (what a dp_size=1 simulation is).
+        first = self.replicas[0]
+        self.clock, self.runner, self.worker = first.clock, first.runner, first.worker
+        self.io, self.tracer, self.scheduler = first.io, first.tracer, first.scheduler
         self.seed = seed
 
     def _prompt(self, i: int, r: SimRequest) -> list[int]:
@@ -233,58 +290,92 @@ class Simulator:
     def run(self, workload: list[SimRequest], progress=None) -> SimResult:
         """Run every request to the end; returns the simulated-time metrics."""
         t0 = time.perf_counter()
-        s, clock, io = self.scheduler, self.clock, self.io
+        reps = self.replicas
         order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
-        arrival: dict[str, float] = {}
+        self._arrival: dict[str, float] = {}
         first: dict[str, float] = {}
-        res = SimResult(self.hw.name, self.spec.name, self.tp_size, self.runner.max_total_num_tokens, 0.0, 0.0)
+        res = SimResult(
+            self.hw.name,
+            self.spec.name,
+            self.tp_size,
+            sum(r.runner.max_total_num_tokens for r in reps),
+            0.0,
+            0.0,
+            dp_size=self.dp_size,
+        )
         counts: dict[str, int] = {}
         nxt = 0
-        alloc = self.runner.token_to_kv_pool_allocator
-        total = self.runner.max_total_num_tokens
-        while nxt < len(order) or s.has_work() or io.inbox:
-            while nxt < len(order) and workload[order[nxt]].arrival <= clock.now:
+        while True:
+            t_arrival = workload[order[nxt]].arrival if nxt < len(order) else float("inf")
+            busy = [r for r in reps if r.busy()]
+            if not busy and nxt >= len(order):
+                break
+            rep = min(busy, key=lambda r: r.clock.now) if busy else None  # the replica furthest behind
+            if rep is None or t_arrival <= rep.clock.now:
                 i = order[nxt]
-                r = workload[i]
-                rid = f"r{i}"
-                arrival[rid] = r.arrival
-                params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-                io.inbox.append(
-                    TokenizedGenerateReqInput(
-                        rid=rid, input_text="", input_ids=self._prompt(i, r), sampling_params=params
-                    )
-                )
-                res.prompt_tokens += r.prompt_len
                 nxt += 1
-            if not s.has_work() and not io.inbox:
-                clock.now = max(clock.now, workload[order[nxt]].arrival)  # idle: jump to the next arrival
+                self._deliver(i, workload[i], res)
                 continue
-            s.step_normal()
+            rep.scheduler.step_normal()
             res.steps += 1
-            res.peak_kv_used = max(res.peak_kv_used, total - alloc.available_size() - s.tree_cache.evictable_size())
-            for msg in io.outbox:
+            res.peak_kv_used = max(res.peak_kv_used, sum(r.kv_used() for r in reps))
+            now = rep.clock.now
+            for msg in rep.io.outbox:
                 if not isinstance(msg, BatchTokenIDOut):
                     continue
                 for j, rid in enumerate(msg.rids):
+                    done = msg.finished_reasons[j] is not None
+                    if self.balancer is not None:
+                        self.balancer.on_output(rid, msg.new_token_ids[j], done)
                     if msg.new_token_ids[j] and rid not in first:
-                        first[rid] = clock.now
-                        res.ttft[rid] = clock.now - arrival[rid]
+                        first[rid] = now
+                        res.ttft[rid] = now - self._arrival[rid]
                     counts[rid] = msg.completion_tokens[j]
-                    if msg.finished_reasons[j] is not None:
-                        res.latency[rid] = clock.now - arrival[rid]
+                    if done:
+                        res.latency[rid] = now - self._arrival[rid]
                         res.cached_tokens += msg.cached_tokens[j]
                         n = msg.completion_tokens[j]
                         if n > 1:
-                            res.tpot[rid] = (clock.now - first[rid]) / (n - 1)
-            io.outbox.clear()
+                            res.tpot[rid] = (now - first[rid]) / (n - 1)
+            rep.io.outbox.clear()
             if progress is not None and res.steps % 500 == 0:
-                progress(len(res.latency), len(workload), clock.now)
+                progress(len(res.latency), len(workload), now)
         res.output_tokens = sum(counts.values())
-        res.retracted = s.num_retracted_total
+        res.retracted = sum(r.scheduler.num_retracted_total for r in reps)
+        res.per_replica_requests = [r.requests for r in reps]
         start = min((r.arrival for r in workload), default=0.0)
-        res.sim_s = clock.now - start
+        res.sim_s = max(r.clock.now for r in reps) - start
         res.wall_s = time.perf_counter() - t0
         return res
+
+    def _deliver(self, i: int, r: SimRequest, res: SimResult) -> None:
+        """Request i reaches the deployment: the balancer picks its replica (data parallel), whose
+        clock, if it was idle, moves on to the arrival."""
+        rid = f"r{i}"
+        ids = self._prompt(i, r)
+        rank = 0
+        if self.balancer is not None:
+            d = self.balancer.choose(rid, ids)
+            rank = d.dp_rank
+            if self.controller_tracer.enabled:
+                self._dispatch_clock.now = r.arrival
+                self.controller_tracer.emit(
+                    ReqDispatched(
+                        rid=rid,
+                        dp_rank=rank,
+                        method=self.balancer.method,
+                        matched_tokens=d.matched_tokens,
+                        loads=list(self.balancer.load),
+                    )
+                )
+                self.controller_tracer.flush()
+        rep = self.replicas[rank]
+        rep.clock.now = max(rep.clock.now, r.arrival)
+        rep.requests += 1
+        self._arrival[rid] = r.arrival
+        params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        rep.io.inbox.append(TokenizedGenerateReqInput(rid=rid, input_text="", input_ids=ids, sampling_params=params))
+        res.prompt_tokens += r.prompt_len
 
 
 def poisson_workload(
