@@ -78,6 +78,7 @@ def _simulator(args, **overrides) -> Simulator:
         kw["chunked_prefill_size"] = args.chunked_prefill_size
     kw.update(overrides)
     kw.setdefault("dp_size", args.dp_size)
+    kw.setdefault("disable_overlap_schedule", not args.overlap_schedule)
     kw.setdefault("load_balance_method", args.load_balance_method)
     sink = kw.pop("trace_sink", None)
     tp = int(kw.pop("tp_size", args.tp_size))
@@ -114,6 +115,8 @@ def cmd_run(args) -> int:
 
 
 def _coerce(value: str):
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
     for kind in (int, float):
         try:
             return kind(value)
@@ -177,6 +180,12 @@ def add_parser(sub) -> None:
             help="how the data-parallel controller picks a replica for each request (with --dp-size > 1)",
         )
         q.add_argument("--schedule-policy", default="fcfs", help="the scheduler's admission order (fcfs, lpm, ...)")
+        q.add_argument(
+            "--overlap-schedule",
+            action="store_true",
+            help="run the scheduler's overlap loop (SGLang's default on GPUs): a step's host work hides behind "
+            "the previous pass (sweep: --vary disable_overlap_schedule=true,false)",
+        )
         q.add_argument("--chunked-prefill-size", type=int, default=None, help="prompt piece per step (default 8192)")
         q.add_argument("--max-running-requests", type=int, default=256, help="most requests decoding at once")
         q.add_argument("--workload", default=None, help="a JSONL workload (see the module docstring)")

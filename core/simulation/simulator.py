@@ -83,22 +83,64 @@ class SimWorker:
         self.busy_s = 0.0  # simulated time spent in passes
         self.passes = 0
 
-    def forward_batch(self, mwb) -> ForwardOutput:
+    def compute(self, mwb):
+        """The pass's predicted cost and its sampled tokens; the clock is the caller's to move."""
         new = list(mwb.extend_seq_lens_cpu)
         rows = mwb.spec_rows or [1] * len(new)
-        dt = self.cost.step(new, list(mwb.seq_lens_cpu), logits_rows=sum(rows)).total
-        self.clock.now += dt
-        self.busy_s += dt
+        cost = self.cost.step(new, list(mwb.seq_lens_cpu), logits_rows=sum(rows))
+        self.busy_s += cost.total
         self.passes += 1
         vocab = self.model_runner.model_config.vocab_size
         ids = torch.randint(FIRST_TOKEN, vocab, (sum(rows),), generator=self.rng, dtype=torch.int64)
-        self._last_ms = dt * 1000
-        return ForwardOutput(LogitsOutput(next_token_logits=torch.zeros((len(ids), 1))), SamplerOutput(ids), None)
+        out = ForwardOutput(LogitsOutput(next_token_logits=torch.zeros((len(ids), 1))), SamplerOutput(ids), None)
+        return cost, out
+
+    def forward_batch(self, mwb) -> ForwardOutput:
+        cost, out = self.compute(mwb)
+        self.clock.now += cost.total  # the normal loop: host work and pass one after the other
+        self._last_ms = cost.total * 1000
+        return out
 
     def forward_batch_generation(self, mwb) -> GenerationBatchResult:
         out = self.forward_batch(mwb)
         ids = out.sampler_output.next_token_ids.tolist()
         return GenerationBatchResult(out.logits_output, out.sampler_output, ids, self._last_ms, None)
+
+
+class SimOverlapClient:
+    """The overlap loop's worker client (tp_worker_overlap_thread.TpModelWorkerClient's interface) on
+    two timelines: the host's (the SimClock: the scheduler's work, the trace, every stamp) and the
+    device's. A launch costs the host the pass's fixed overhead (batch preparation and launch) and
+    queues the pass on the device, which starts it when both it and the host are ready; resolving a
+    launch moves the host to the end of that pass. So the scheduler's work on batch N-1's result
+    hides behind pass N, as on a GPU, and a step takes max(host overhead, compute), not their sum.
+    Placeholder ids stand for tokens still in flight, as in the real client (the simulated worker
+    never reads its inputs)."""
+
+    def __init__(self, worker: SimWorker):
+        self.worker = worker
+        self.device_free = 0.0
+        self.num_threads = 1
+
+    def forward_batch_generation(self, mwb):
+        cost, out = self.worker.compute(mwb)
+        clock = self.worker.clock
+        clock.now += cost.overhead
+        start = max(clock.now, self.device_free)
+        self.device_free = start + cost.total - cost.overhead
+        ids = out.sampler_output.next_token_ids.tolist()
+        result = GenerationBatchResult(out.logits_output, out.sampler_output, ids, cost.total * 1000, None)
+        bs = len(mwb.seq_lens_cpu)
+        return [-(i + 1) for i in range(bs)], (self.device_free, result)
+
+    def resolve_batch_result(self, handle) -> GenerationBatchResult:
+        end, result = handle
+        clock = self.worker.clock
+        clock.now = max(clock.now, end)
+        return result
+
+    def shutdown(self) -> None:
+        pass
 
 
 class _ListIO:
@@ -201,6 +243,10 @@ class _Replica:
         self.scheduler = Scheduler(
             sim.args, None, worker=self.worker, io=self.io, tokenizer=_NoTokenizer(), tracer=self.tracer
         )
+        if sim.overlap:  # the scheduler's own overlap loop over the two-timeline client
+            self.scheduler.enable_overlap = True
+            self.scheduler.overlap_worker = SimOverlapClient(self.worker)
+        self.step = self.scheduler.step_overlap if sim.overlap else self.scheduler.step_normal
         self.requests = 0
 
     def busy(self) -> bool:
@@ -257,7 +303,10 @@ class Simulator:
         server_args.setdefault("max_total_tokens", pool)
         server_args.setdefault("chunked_prefill_size", 2048 if self.hw.name == "cpu-here" else 8192)
         server_args.setdefault("max_running_requests", 256 if self.hw.name != "cpu-here" else 128)
-        self.args = ServerArgs(device="cpu", disable_overlap_schedule=True, **server_args)
+        # The normal loop unless disable_overlap_schedule=False is given (SGLang's default on GPUs is
+        # the overlap loop; the shipped calibrations were measured with the normal one).
+        self.overlap = server_args.pop("disable_overlap_schedule", True) is False
+        self.args = ServerArgs(device="cpu", disable_overlap_schedule=not self.overlap, **server_args)
         self.context = min(self.spec.context_len, server_args.get("context_length") or self.spec.context_len)
         self.dp_size = dp_size
         self.replicas = [
@@ -316,7 +365,7 @@ class Simulator:
                 nxt += 1
                 self._deliver(i, workload[i], res)
                 continue
-            rep.scheduler.step_normal()
+            rep.step()
             res.steps += 1
             res.peak_kv_used = max(res.peak_kv_used, sum(r.kv_used() for r in reps))
             now = rep.clock.now
