@@ -10,9 +10,10 @@
  * streams at the bandwidth and a batch-1 step reads half as much.
  *
  * Shape: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) (+ res[m, n]) for m < M, n < N.
- * Blocks of R weight rows at a time with one 8-float accumulator per (row, x row): M=1 takes
- * 8 rows (8 independent FMA chains), M=2..3 four rows, M=4 two, so the accumulators and one
- * weight vector fit the 16 ymm registers. The K tail (K not a multiple of 8) is one masked load
+ * One row of x (M=1, batch-1 decode) reads each weight row start to end before the next, so the
+ * weight is one stream in address order (rows_seq). More rows of x take blocks of R weight rows
+ * with one 8-float accumulator per (row, x row): M=2..3 four rows, M=4 two, so the accumulators
+ * and one weight vector fit the 16 ymm registers. The K tail (K not a multiple of 8) is one masked load
  * (bfloat16: a zero-padded copy). The rows are split between threads in whole blocks.
  * M > 4 runs in groups of 4 rows of x (correct, but oneDNN is the faster path there).
  * Widening bfloat16 is exact, so a bfloat16 weight gives bit for bit the float32 result on the
@@ -70,7 +71,7 @@ static inline __attribute__((always_inline)) void block(const float *restrict x,
                                                         int64_t ldr, float *restrict out, int64_t ldo,
                                                         int64_t n, int64_t K, __m256i mask, int R, int MM,
                                                         int WBF) {
-    __m256 acc[8][4];
+    __m256 acc[4][4];   /* R <= 4: one row of x takes rows_seq */
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MM; m++) acc[r][m] = _mm256_setzero_ps();
     const int64_t K8 = K & ~(int64_t)7;
@@ -108,7 +109,6 @@ static inline __attribute__((always_inline)) void block(const float *restrict x,
     }
 }
 
-/* Rows [n0, n1) of the output for MM (1..4) rows of x; wdt: the weight's dtype code (common.h). */
 /* One x row against rows [n0, n1), each row read start to end before the next: the weight streams
  * in address order, which the hardware prefetcher follows. Blocks of 8 rows read 8 rows side by side
  * instead, and with the model's short rows (K = 576: 2.3 KB of float32) that pattern streamed at
@@ -137,6 +137,7 @@ static inline __attribute__((always_inline)) void rows_seq(const float *restrict
     }
 }
 
+/* Rows [n0, n1) of the output for MM (1..4) rows of x; wdt: the weight's dtype code (common.h). */
 static void rows(const float *x, int64_t ldx, const void *w, int64_t ldw, int wdt, const float *bias,
                  const float *res, int64_t ldr, float *out, int64_t ldo, int MM, int64_t n0, int64_t n1, int64_t K) {
     const __m256i mask = tail_mask((int)(K & 7));
@@ -152,7 +153,6 @@ static void rows(const float *x, int64_t ldx, const void *w, int64_t ldw, int wd
     for (; n + (R) <= n1; n += (R)) block(x, ldx, w, ldw, bias, res, ldr, out, ldo, n, K, mask, R, MMC, WBF)
 #define ALL_M(WBF)                                          \
     switch (MM) {                                           \
-    case 1: RUN(8, 1, WBF); RUN(1, 1, WBF); break;          \
     case 2: RUN(4, 2, WBF); RUN(1, 2, WBF); break;          \
     case 3: RUN(4, 3, WBF); RUN(1, 3, WBF); break;          \
     default: RUN(2, 4, WBF); RUN(1, 4, WBF); break;         \
@@ -176,27 +176,6 @@ int wb_gemv_f32_available(void) { return 1; }
  * oneDNN's own bfloat16 GEMM there). The sums are float32, as in oneDNN's bfloat16 path. */
 #define HAVE_BF16_DP 1
 
-/* The 8 horizontal sums of a0..a7 (16 floats each) as one 8-float vector, in a tree of shuffles and
- * adds: at K = 576 a block of 8 rows is only 18 dot-product steps, and eight serial reductions
- * (each a chain of dependent shuffles) took as long as the steps themselves, leaving the weight
- * stream at ~10 GB/s on one core where long rows stream at ~20. */
-static inline __m256 hsum8x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3, __m512 a4, __m512 a5, __m512 a6,
-                              __m512 a7) {
-    /* pairs: lanes 0-7 hold a's two 8-lane halves summed, lanes 8-15 b's */
-#define PAIR(a, b) _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE))
-    const __m512 t01 = PAIR(a0, a1), t23 = PAIR(a2, a3), t45 = PAIR(a4, a5), t67 = PAIR(a6, a7);
-#undef PAIR
-    /* quads: 128-bit block j holds 4 partial sums of row j (u: rows 0-3, v: rows 4-7) */
-    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
-    const __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(t45, t67, 0x88), _mm512_shuffle_f32x4(t45, t67, 0xDD));
-    /* within each block: [u0+u2, v0+v2, u1+u3, v1+v3], then + its 64-bit halves swapped */
-    __m512 s = _mm512_add_ps(_mm512_unpacklo_ps(u, v), _mm512_unpackhi_ps(u, v));
-    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
-    /* block j: row j at lane 4j, row j+4 at lane 4j+1 */
-    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, s));
-}
-
 /* R weight rows from row n against MM bfloat16 x rows (xb, row stride ldxb, zero-padded to a
  * multiple of 32): out[m, n .. n+R). */
 static inline __attribute__((always_inline)) void block_dp(const uint16_t *restrict xb, int64_t ldxb,
@@ -204,7 +183,7 @@ static inline __attribute__((always_inline)) void block_dp(const uint16_t *restr
                                                            const float *restrict bias, const float *restrict res,
                                                            int64_t ldr, float *restrict out, int64_t ldo, int64_t n,
                                                            int64_t K, __mmask32 tail, int R, int MM) {
-    __m512 acc[8][4];
+    __m512 acc[4][4];   /* R <= 4: one row of x takes rows_dp_seq */
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MM; m++) acc[r][m] = _mm512_setzero_ps();
     const int64_t K32 = K & ~(int64_t)31;
@@ -213,9 +192,6 @@ static inline __attribute__((always_inline)) void block_dp(const uint16_t *restr
         for (int m = 0; m < MM; m++) xv[m] = _mm512_loadu_si512((const void *)(xb + m * ldxb + k));
         for (int r = 0; r < R; r++) {
             const __m512i wv = _mm512_loadu_si512((const void *)(w + (n + r) * ldw + k));
-#ifdef WB_PF_ROWS
-            _mm_prefetch((const char *)(w + (n + r + WB_PF_ROWS) * ldw + k), _MM_HINT_T0);
-#endif
             for (int m = 0; m < MM; m++)
                 acc[r][m] = _mm512_dpbf16_ps(acc[r][m], (__m512bh)wv, (__m512bh)xv[m]);
         }
@@ -229,23 +205,13 @@ static inline __attribute__((always_inline)) void block_dp(const uint16_t *restr
                 acc[r][m] = _mm512_dpbf16_ps(acc[r][m], (__m512bh)wv, (__m512bh)xv[m]);
         }
     }
-    for (int m = 0; m < MM; m++) {
-        int r = 0;
-        if (R == 8) {
-            __m256 s = hsum8x16(acc[0][m], acc[1][m], acc[2][m], acc[3][m], acc[4][m], acc[5][m], acc[6][m],
-                                acc[7][m]);
-            if (bias) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + n));
-            if (res) s = _mm256_add_ps(s, _mm256_loadu_ps(res + m * ldr + n));
-            _mm256_storeu_ps(out + m * ldo + n, s);
-            r = 8;
-        }
-        for (; r < R; r++) {
+    for (int m = 0; m < MM; m++)
+        for (int r = 0; r < R; r++) {
             float s = _mm512_reduce_add_ps(acc[r][m]);
             if (bias) s += bias[n + r];
             if (res) s += res[m * ldr + n + r];
             out[m * ldo + n + r] = s;
         }
-    }
 }
 
 /* One x row against rows [n0, n1), each row read start to end before the next: the weight is then
@@ -288,7 +254,6 @@ static void rows_dp(const uint16_t *xb, int64_t ldxb, const uint16_t *w, int64_t
     int64_t n = n0;
 #define RUN(R, MMC) for (; n + (R) <= n1; n += (R)) block_dp(xb, ldxb, w, ldw, bias, res, ldr, out, ldo, n, K, tail, R, MMC)
     switch (MM) {
-    case 1: RUN(8, 1); RUN(1, 1); break;
     case 2: RUN(4, 2); RUN(1, 2); break;
     case 3: RUN(4, 3); RUN(1, 3); break;
     default: RUN(2, 4); RUN(1, 4); break;
