@@ -264,8 +264,8 @@ class StepTimePolicy:
 
     def probe_soon(self, n: int) -> bool:
         """Probe `n` threads next, as soon as four decode steps of one batch size at the current
-        count are in, counted from now (no wait for the period or a back-off). False (nothing changes) when `n` is out of range, the
-        current count, or a probe is running."""
+        count are in, counted from now (no wait for the period or a back-off). False (nothing
+        changes) when `n` is out of range, the current count, or a probe is running."""
         if self.probing is not None or not 1 <= n <= self.max_threads or n == self.threads:
             return False
         self._asked = n
