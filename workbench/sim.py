@@ -79,6 +79,9 @@ def _simulator(args, **overrides) -> Simulator:
     kw.update(overrides)
     kw.setdefault("dp_size", args.dp_size)
     kw.setdefault("disable_overlap_schedule", not args.overlap_schedule)
+    if args.speculative_accept_rate is not None:
+        kw.setdefault("speculative_accept_rate", args.speculative_accept_rate)
+        kw.setdefault("speculative_num_draft_tokens", args.speculative_num_draft_tokens)
     kw.setdefault("load_balance_method", args.load_balance_method)
     sink = kw.pop("trace_sink", None)
     tp = int(kw.pop("tp_size", args.tp_size))
@@ -188,6 +191,16 @@ def add_parser(sub) -> None:
         )
         q.add_argument("--chunked-prefill-size", type=int, default=None, help="prompt piece per step (default 8192)")
         q.add_argument("--max-running-requests", type=int, default=256, help="most requests decoding at once")
+        q.add_argument(
+            "--speculative-accept-rate",
+            type=float,
+            default=None,
+            help="speculative decoding: the scheduler's verify path with drafts the target agrees with at this "
+            "rate each (0-1); off when not given",
+        )
+        q.add_argument(
+            "--speculative-num-draft-tokens", type=int, default=4, help="drafts per request per step (default 4)"
+        )
         q.add_argument("--workload", default=None, help="a JSONL workload (see the module docstring)")
         q.add_argument(
             "--rate", type=float, default=10.0, help="Poisson arrivals per simulated second (0: all at once)"

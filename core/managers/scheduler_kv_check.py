@@ -98,7 +98,7 @@ class SchedulerKVCheckMixin:
             if radix and start and not torch.equal(table[r.req_pool_idx, :start].cpu(), r.prefix_indices.cpu()):
                 problems.append(f"request {r.rid}: its row does not start with its cached prefix's slots")
         drafter = getattr(self, "drafter", None)
-        if drafter is not None:  # STANDALONE's own pool: every slot free or held by a request's draft state
+        if drafter is not None and drafter.runner is not None:  # STANDALONE's own pool: every slot free or held
             d = drafter.runner
             d_free = d.token_to_kv_pool_allocator.available_size()
             if d_free + drafter.held_tokens() != d.max_total_num_tokens:

@@ -75,10 +75,14 @@ class SimRunner:
 class SimWorker:
     """The model worker's interface; a pass advances the clock by its predicted time."""
 
-    def __init__(self, runner: SimRunner, cost: CostModel, clock: SimClock, seed: int):
+    def __init__(
+        self, runner: SimRunner, cost: CostModel, clock: SimClock, seed: int, accept_rate: Optional[float] = None
+    ):
         self.model_runner = runner
         self.cost, self.clock = cost, clock
         self.rng = torch.Generator().manual_seed(seed)
+        self.accept_rate = accept_rate  # speculative decoding: each draft kept with this probability
+        self.accept_rng = random.Random(seed)
         self.tp_rank = 0
         self.busy_s = 0.0  # simulated time spent in passes
         self.passes = 0
@@ -92,8 +96,27 @@ class SimWorker:
         self.passes += 1
         vocab = self.model_runner.model_config.vocab_size
         ids = torch.randint(FIRST_TOKEN, vocab, (sum(rows),), generator=self.rng, dtype=torch.int64)
+        if mwb.spec_rows and self.accept_rate is not None:
+            ids = self._verify_tokens(mwb, ids, vocab)
         out = ForwardOutput(LogitsOutput(next_token_logits=torch.zeros((len(ids), 1))), SamplerOutput(ids), None)
         return cost, out
+
+    def _verify_tokens(self, mwb, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+        """A verify pass's tokens: row j of a request (its last token and drafts d1..dk) agrees with
+        d(j+1) with probability accept_rate while every earlier draft was agreed with; a row that
+        disagrees samples anything but the draft (the scheduler keeps drafts up to the first)."""
+        inputs, out, offset = mwb.input_ids.tolist(), ids.tolist(), 0
+        for n in mwb.spec_rows:
+            agreeing = True
+            for j in range(n - 1):
+                draft = inputs[offset + j + 1]
+                agreeing = agreeing and self.accept_rng.random() < self.accept_rate
+                if agreeing:
+                    out[offset + j] = draft
+                elif out[offset + j] == draft:
+                    out[offset + j] = FIRST_TOKEN + (draft - FIRST_TOKEN + 1) % (vocab - FIRST_TOKEN)
+            offset += n
+        return torch.tensor(out, dtype=torch.int64)
 
     def forward_batch(self, mwb) -> ForwardOutput:
         cost, out = self.compute(mwb)
@@ -105,6 +128,26 @@ class SimWorker:
         out = self.forward_batch(mwb)
         ids = out.sampler_output.next_token_ids.tolist()
         return GenerationBatchResult(out.logits_output, out.sampler_output, ids, self._last_ms, None)
+
+
+class SimDrafter:
+    """Speculative decoding's drafter in a simulated run: every request proposes its full budget of
+    draft tokens (random ids; an n-gram drafter's proposals cost no pass of their own), and the
+    SimWorker's verify pass keeps each with the given accept rate. The scheduler's own speculative
+    path (budgets, the verify batch, accepting up to the first disagreement, freeing the slots of
+    drafts thrown away) runs as it does for NGRAM."""
+
+    runner = None  # no draft-model KV pool of its own
+
+    def __init__(self, vocab: int, seed: int):
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, reqs, budgets: list[int]) -> list[list[int]]:
+        return [[self.rng.randrange(FIRST_TOKEN, self.vocab) for _ in range(b)] for b in budgets]
+
+    def release(self) -> None:
+        pass
 
 
 class SimOverlapClient:
@@ -237,12 +280,14 @@ class _Replica:
         self.rank = rank
         self.clock = SimClock()
         self.runner = SimRunner(sim.spec, sim.args.max_total_tokens, sim.args.max_running_requests, sim.context)
-        self.worker = SimWorker(self.runner, sim.cost, self.clock, seed)
+        self.worker = SimWorker(self.runner, sim.cost, self.clock, seed, sim.accept_rate)
         self.io = _ListIO()
         self.tracer = Tracer(proc, sink=trace_sink, enabled=trace_sink is not None, clock=self.clock.ns)
         self.scheduler = Scheduler(
             sim.args, None, worker=self.worker, io=self.io, tokenizer=_NoTokenizer(), tracer=self.tracer
         )
+        if sim.accept_rate is not None:  # in place of the NGRAM proposals (the running batch holds its own)
+            self.scheduler.drafter = self.scheduler.running_batch.drafter = SimDrafter(sim.spec.vocab, seed + 1)
         if sim.overlap:  # the scheduler's own overlap loop over the two-timeline client
             self.scheduler.enable_overlap = True
             self.scheduler.overlap_worker = SimOverlapClient(self.worker)
@@ -280,6 +325,7 @@ class Simulator:
         calibration="auto",
         dp_size: int = 1,
         load_balance_method: str = "round_robin",
+        speculative_accept_rate: Optional[float] = None,
         **server_args,
     ):
         from workbench.core.managers.data_parallel_controller import PROC_NAME, LoadBalancer, replica_proc_name
@@ -288,6 +334,14 @@ class Simulator:
         load_balance_method = server_args.pop("load_balance_method", load_balance_method)
         if dp_size < 1:
             raise ValueError(f"dp_size must be at least 1, not {dp_size}")
+        # Speculative decoding: drafts kept with this probability each (the scheduler's NGRAM path
+        # with a simulated drafter, `speculative_num_draft_tokens` drafts per request per step).
+        self.accept_rate = server_args.pop("speculative_accept_rate", speculative_accept_rate)
+        if self.accept_rate is not None:
+            self.accept_rate = float(self.accept_rate)
+            if not 0.0 <= self.accept_rate <= 1.0:
+                raise ValueError(f"speculative_accept_rate must be in [0, 1], not {self.accept_rate}")
+            server_args["speculative_algorithm"] = "NGRAM"
         self.spec = model_spec(model)
         self.hw = get_hardware(hardware)
         self.tp_size = tp_size
