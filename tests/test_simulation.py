@@ -139,6 +139,48 @@ def test_calibration_interpolates_and_scales_the_passes(tmp_path):
     assert slow.sim_s > 2 * plain.sim_s and slow.output_tokens == plain.output_tokens
 
 
+def test_prefill_calibration_fits_the_linear_and_attention_parts_apart():
+    """Prefill points that carry their predicted parts are fitted as a*linear + b*attention +
+    c*overhead (relative error, no negative weight), and the cost model weights a prefill's parts by
+    the fit (decode keeps its per-batch factor), so prompts of one token count but different shapes
+    are corrected differently."""
+    from workbench.core.simulation.calibration import Calibration
+    from workbench.core.simulation.cost_model import CostModel
+    from workbench.core.simulation.hardware import get_hardware
+    from workbench.core.simulation.model_specs import model_spec
+
+    raw = CostModel(model_spec("smollm2-135m"), get_hardware("cpu-here"), 1, 4)
+    points = [dict(kind="decode", batch=1, context=64, measured_s=0.05, predicted_s=0.025)]
+    for b, n in [(1, 32), (1, 512), (1, 2048), (4, 512), (16, 128), (32, 64)]:
+        c = raw.step([n] * b, [n] * b)
+        true = 2.0 * c.linear + 5.0 * c.attention + 1.5 * c.overhead
+        points.append(
+            dict(
+                kind="extend",
+                tokens=b * n,
+                batch=b,
+                context=n,
+                measured_s=true,
+                predicted_s=c.total,
+                pred_linear=c.linear,
+                pred_attention=c.attention,
+                pred_overhead=c.overhead,
+            )
+        )
+    cal = Calibration("cpu-here", "smollm2-135m", points)
+    assert cal.extend_fit() == pytest.approx((2.0, 5.0, 1.5), rel=1e-6)
+    fitted = CostModel(model_spec("smollm2-135m"), get_hardware("cpu-here"), 1, 4, calibration=cal)
+    for b, n in [(1, 2048), (32, 64), (8, 200)]:
+        c = raw.step([n] * b, [n] * b)
+        assert fitted.step([n] * b, [n] * b).total == pytest.approx(2 * c.linear + 5 * c.attention + 1.5 * c.overhead)
+    assert fitted.step([1], [64]).total == pytest.approx(2.0 * raw.step([1], [64]).total)  # decode: its factor
+    # a table without the parts (older files) keeps the per-token-count factor
+    older = [
+        {k: v for k, v in p.items() if k not in ("pred_linear", "pred_attention", "pred_overhead")} for p in points
+    ]
+    assert Calibration("cpu-here", "smollm2-135m", older).extend_fit() is None
+
+
 def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
     """The two commands end to end on a tiny model: a calibration file from real step times, then the
     simulator beside the real engine on the same workloads (figures printed, not asserted)."""
@@ -151,8 +193,10 @@ def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
     args = p.parse_args(["bench", "calibrate", "--quick", "--model", str(d), "--dtype", "float32", "--out", str(out)])
     assert args.func(args) == 0
     cal = Calibration.load(out)
-    assert [(pt["kind"], pt["batch"]) for pt in cal.points] == [("decode", 1), ("decode", 4)] + [("extend", 1)] * 2
+    shapes = [(pt["kind"], pt["batch"]) for pt in cal.points]
+    assert shapes == [("decode", 1), ("decode", 4)] + [("extend", 1)] * 2 + [("extend", 2), ("extend", 4)]
     assert all(pt["predicted_s"] > 0 for pt in cal.points) and cal.meta["load"]
+    assert all("pred_attention" in pt for pt in cal.points if pt["kind"] == "extend") and cal.extend_fit()
     args = p.parse_args(["bench", "sim-accuracy", "--quick", "--model", str(d), "--dtype", "float32", "--rates", "4"])
     assert args.func(args) == 0
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| (") or ln.startswith("| Poisson")]

@@ -20,6 +20,20 @@ from typing import Optional
 DATA = Path(__file__).parent / "data"
 
 
+def cpu_class() -> str:
+    """The CPU class a `cpu-here` calibration belongs to: 'avx512bf16' (bfloat16 dot products, the
+    engine's default dtype bfloat16), 'avx2' or 'other'. A calibration measured on one class does not
+    describe another (different kernels, different default dtype)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return "other"
+    if "avx512_bf16" in flags:
+        return "avx512bf16"
+    return "avx2" if "avx2" in flags else "other"
+
+
 @dataclass
 class Calibration:
     hardware: str
@@ -47,6 +61,38 @@ class Calibration:
                 by_x.setdefault(p[key], []).append(p["measured_s"] / p["predicted_s"])
         return sorted((math.log2(x), sum(r) / len(r)) for x, r in by_x.items())
 
+    def extend_fit(self) -> Optional[tuple[float, float, float]]:
+        """Weights (a, b, c) with measured ~ a*linear + b*attention + c*overhead over the prefill
+        points that carry the prediction's parts (`pred_linear`, `pred_attention`, `pred_overhead`),
+        fitted on relative error and none negative; None without at least four such points.
+
+        Why a fit and not one factor per token count: a batch of short prompts and one long prompt
+        of the same token count differ in attention, and one factor measured on single prompts made
+        32 short prompts at once about 1.7x slower in simulation than on the real engine."""
+        pts = [p for p in self.points if p["kind"] == "extend" and "pred_linear" in p and p["measured_s"] > 0]
+        if len(pts) < 4:
+            return None
+        if getattr(self, "_fit_key", None) == len(self.points):
+            return self._fit
+        import numpy as np
+
+        rows = np.array([[p["pred_linear"], p["pred_attention"], p["pred_overhead"]] for p in pts])
+        meas = np.array([p["measured_s"] for p in pts])
+        a_rel, ones = rows / meas[:, None], np.ones(len(pts))
+        best, best_err = None, float("inf")
+        for mask in range(1, 8):  # every subset of the three terms: the best fit with no negative weight
+            cols = [i for i in range(3) if mask >> i & 1]
+            sol, *_ = np.linalg.lstsq(a_rel[:, cols], ones, rcond=None)
+            if (sol < 0).any():
+                continue
+            w = np.zeros(3)
+            w[cols] = sol
+            err = float(((a_rel @ w - 1) ** 2).sum())
+            if err < best_err:
+                best, best_err = tuple(float(x) for x in w), err
+        self._fit_key, self._fit = len(self.points), best
+        return best
+
     def factor(self, new_tokens: list[int]) -> float:
         """measured / predicted for a pass: decode (every request one token) by its batch size,
         prefill by its token count; 1.0 without points of that kind."""
@@ -63,7 +109,15 @@ class Calibration:
         return curve[-1][1]
 
 
+def shipped_path(hardware: str, model: str) -> Path:
+    """Where the calibration of this hardware and model is shipped: data/HARDWARE--MODEL.json, and for
+    `cpu-here` data/cpu-here--MODEL--CPUCLASS.json (cpu_class(): this machine's kind of CPU)."""
+    if hardware == "cpu-here":
+        return DATA / f"{hardware}--{model}--{cpu_class()}.json"
+    return DATA / f"{hardware}--{model}.json"
+
+
 def shipped(hardware: str, model: str) -> Optional[Calibration]:
-    """The calibration shipped for this hardware and model, if any (data/HARDWARE--MODEL.json)."""
-    path = DATA / f"{hardware}--{model}.json"
+    """The calibration shipped for this hardware and model (and, for cpu-here, this CPU class), if any."""
+    path = shipped_path(hardware, model)
     return Calibration.load(path) if path.is_file() else None

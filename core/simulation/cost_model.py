@@ -96,5 +96,11 @@ class CostModel:
         if tp > 1:  # ring all-reduce after attention and after the MLP, every layer
             size = t * m.hidden * b
             comm = 2 * m.layers * (self.hw.link_latency_s + 2 * (tp - 1) / tp * size / self.hw.link_bw)
-        s = self.scale * (self.calibration.factor(new_tokens) if self.calibration is not None else 1.0)
-        return StepCost(linear * s, attention * s, comm * s, self.hw.step_overhead_s * s)
+        cal, overhead = self.calibration, self.hw.step_overhead_s
+        fit = cal.extend_fit() if cal is not None and any(n != 1 for n in new_tokens) else None
+        if fit is not None:  # a prefill: each part weighted by the calibration's fit
+            a, b, c = fit
+            s = self.scale
+            return StepCost(linear * a * s, attention * b * s, comm * s, overhead * c * s)
+        s = self.scale * (cal.factor(new_tokens) if cal is not None else 1.0)
+        return StepCost(linear * s, attention * s, comm * s, overhead * s)

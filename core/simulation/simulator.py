@@ -345,12 +345,13 @@ class Simulator:
         self.spec = model_spec(model)
         self.hw = get_hardware(hardware)
         self.tp_size = tp_size
-        if dtype_bytes is None:  # bf16 on GPUs; the CPU engine's float32 on this machine (no AVX-512 bf16)
-            dtype_bytes = 4 if self.hw.name == "cpu-here" else 2
         if calibration == "auto":  # the shipped table for this hardware and model, if there is one
             calibration = shipped(self.hw.name, self.spec.name) if tp_size == 1 else None
         elif isinstance(calibration, (str, Path)):
             calibration = Calibration.load(calibration)
+        if dtype_bytes is None:  # the calibrated engine's dtype; else bf16 on GPUs, float32 on CPU
+            measured = calibration.meta.get("dtype_bytes") if calibration is not None else None
+            dtype_bytes = int(measured) if measured else (4 if self.hw.name == "cpu-here" else 2)
         self.calibration = calibration
         self.cost = CostModel(self.spec, self.hw, tp_size, dtype_bytes, scale, calibration)
         pool = self.cost.kv_pool_tokens()

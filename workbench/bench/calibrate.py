@@ -20,6 +20,9 @@ import statistics
 import time
 
 NEW_DECODE = 16
+# Prefill batches of several prompts (count, tokens each), beside the single prompts; each fits one
+# step of the CPU's default chunked prefill (2,048 tokens).
+PREFILL_BATCHES = [(4, 512), (8, 128), (16, 128), (32, 64)]
 
 
 def _gen(engine, prompts: list[list[int]], new: int) -> float:
@@ -47,7 +50,7 @@ def run_calibrate(args) -> int:
     from workbench.bench.engine_bench import _progress
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
-    from workbench.core.simulation.calibration import DATA, Calibration
+    from workbench.core.simulation.calibration import Calibration, shipped_path
     from workbench.core.simulation.cost_model import CostModel
     from workbench.core.simulation.hardware import get_hardware
     from workbench.core.simulation.model_specs import model_spec
@@ -76,11 +79,27 @@ def run_calibrate(args) -> int:
                 pred = cost.step([1] * b, [c + NEW_DECODE // 2] * b).total
                 points.append(dict(kind="decode", batch=b, context=c, measured_s=t, predicted_s=pred))
                 _progress(f"decode batch {b}, context {c}: {1000 * t:.1f} ms/step (predicted {1000 * pred:.1f})")
-        for n in prompt_lens:
-            t = min(_gen(engine, _prompts(rng, 1, n, vocab), 1) for _ in range(2))
-            pred = cost.step([n], [n]).total
-            points.append(dict(kind="extend", tokens=n, batch=1, context=n, measured_s=t, predicted_s=pred))
-            _progress(f"prompt of {n} tokens: {1000 * t:.1f} ms to the first token (predicted {1000 * pred:.1f})")
+        # Prefill: single prompts, and batches of shorter ones of as many tokens in all (attention
+        # differs; Calibration.extend_fit separates it from the linear layers by their parts).
+        for b, n in [(1, n) for n in prompt_lens] + ([(2, 64), (4, 32)] if args.quick else PREFILL_BATCHES):
+            t = min(_gen(engine, _prompts(rng, b, n, vocab), 1) for _ in range(2))
+            parts = cost.step([n] * b, [n] * b)
+            points.append(
+                dict(
+                    kind="extend",
+                    tokens=b * n,
+                    batch=b,
+                    context=n,
+                    measured_s=t,
+                    predicted_s=parts.total,
+                    pred_linear=parts.linear + parts.comm,
+                    pred_attention=parts.attention,
+                    pred_overhead=parts.overhead,
+                )
+            )
+            _progress(
+                f"prefill {b} x {n} tokens: {1000 * t:.1f} ms to the first token (predicted {1000 * parts.total:.1f})"
+            )
         loads.append(f"{os.getloadavg()[0]:.2f}")
         meta = dict(
             dtype_bytes=dtype_bytes,
@@ -89,11 +108,15 @@ def run_calibrate(args) -> int:
             measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         )
     cal = Calibration(hw.name, spec.name, points, meta)
-    out = args.out or (DATA / f"{hw.name}--{spec.name}.json" if args.install else None)
+    out = args.out or (shipped_path(hw.name, spec.name) if args.install else None)
     print(f"calibration of {spec.name} on {hw.name} (load {meta['load']}):")
     print("| pass | measured ms | predicted ms | measured / predicted |\n|---|---|---|---|")
     for p in points:
-        what = f"decode bs {p['batch']} ctx {p['context']}" if p["kind"] == "decode" else f"prefill {p['tokens']}"
+        what = (
+            f"decode bs {p['batch']} ctx {p['context']}"
+            if p["kind"] == "decode"
+            else f"prefill {p['batch']} x {p['context']}"
+        )
         print(
             f"| {what} | {1000 * p['measured_s']:.1f} | {1000 * p['predicted_s']:.1f} | "
             f"{p['measured_s'] / p['predicted_s']:.2f} |"
