@@ -144,7 +144,7 @@ def test_prefill_calibration_fits_the_linear_and_attention_parts_apart():
     c*overhead (relative error, no negative weight), and the cost model weights a prefill's parts by
     the fit (decode keeps its per-batch factor), so prompts of one token count but different shapes
     are corrected differently."""
-    from workbench.core.simulation.calibration import Calibration
+    from workbench.core.simulation.calibration import Calibration, extend_point
     from workbench.core.simulation.cost_model import CostModel
     from workbench.core.simulation.hardware import get_hardware
     from workbench.core.simulation.model_specs import model_spec
@@ -154,19 +154,7 @@ def test_prefill_calibration_fits_the_linear_and_attention_parts_apart():
     for b, n in [(1, 32), (1, 512), (1, 2048), (4, 512), (16, 128), (32, 64)]:
         c = raw.step([n] * b, [n] * b)
         true = 2.0 * c.linear + 5.0 * c.attention + 1.5 * c.overhead
-        points.append(
-            dict(
-                kind="extend",
-                tokens=b * n,
-                batch=b,
-                context=n,
-                measured_s=true,
-                predicted_s=c.total,
-                pred_linear=c.linear,
-                pred_attention=c.attention,
-                pred_overhead=c.overhead,
-            )
-        )
+        points.append(extend_point(b, n, true, (c.linear, c.attention, c.overhead)))
     cal = Calibration("cpu-here", "smollm2-135m", points)
     assert cal.extend_fit() == pytest.approx((2.0, 5.0, 1.5), rel=1e-6)
     fitted = CostModel(model_spec("smollm2-135m"), get_hardware("cpu-here"), 1, 4, calibration=cal)

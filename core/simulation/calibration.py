@@ -34,6 +34,24 @@ def cpu_class() -> str:
     return "avx2" if "avx2" in flags else "other"
 
 
+def extend_point(batch: int, context: int, measured_s: float, parts: tuple, steps: int = 1) -> dict:
+    """A prefill point of a calibration: `batch` prompts of `context` tokens took `measured_s`; `parts`
+    is the prediction's (linear + comm, attention, overhead), summed over the `steps` the engine ran."""
+    lin, att, over = parts
+    return dict(
+        kind="extend",
+        tokens=batch * context,
+        batch=batch,
+        context=context,
+        steps=steps,
+        measured_s=measured_s,
+        predicted_s=lin + att + over,
+        pred_linear=lin,
+        pred_attention=att,
+        pred_overhead=over,
+    )
+
+
 @dataclass
 class Calibration:
     hardware: str

@@ -76,7 +76,7 @@ def run_calibrate(args) -> int:
     from workbench.bench.engine_bench import _progress
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
-    from workbench.core.simulation.calibration import Calibration, shipped_path
+    from workbench.core.simulation.calibration import Calibration, extend_point, shipped_path
     from workbench.core.simulation.cost_model import CostModel
     from workbench.core.simulation.hardware import get_hardware
     from workbench.core.simulation.model_specs import model_spec
@@ -119,20 +119,7 @@ def run_calibrate(args) -> int:
                     t = _gen(engine, ps, 1)
                     runs.append((t, _prefill_parts(cost, _drain(sub))))
                 t, (parts, steps) = min(runs, key=lambda r: r[0])
-                points.append(
-                    dict(
-                        kind="extend",
-                        tokens=b * n,
-                        batch=b,
-                        context=n,
-                        steps=steps,
-                        measured_s=t,
-                        predicted_s=sum(parts),
-                        pred_linear=parts[0],
-                        pred_attention=parts[1],
-                        pred_overhead=parts[2],
-                    )
-                )
+                points.append(extend_point(b, n, t, parts, steps))
                 _progress(
                     f"prefill {b} x {n} tokens in {steps} step(s): {1000 * t:.1f} ms to the first token "
                     f"(predicted {1000 * sum(parts):.1f})"
