@@ -32,24 +32,10 @@ def assert_no_kv_leak(engine, timeout: float = 20.0) -> dict:
 
 
 def drain_events(sub, settle: float = 0.3, until=None, timeout: float = 30.0) -> list:
-    """Everything a subscription has received, waiting until the stream is quiet.
+    """Everything a subscription has received, waiting until the stream is quiet (bus.drain_settled)."""
+    from workbench.core.trace.bus import drain_settled
 
-    The scheduler's trace events travel their own socket and may still be in flight when
-    generate() returns; with `until` (a predicate on the events so far), first wait up to
-    `timeout` s for it to hold, so a stalled machine cannot cut the collection short."""
-    out = []
-    deadline = time.monotonic() + timeout
-    quiet_since = time.monotonic()
-    while time.monotonic() - quiet_since < settle or (
-        until is not None and not until(out) and time.monotonic() < deadline
-    ):
-        got = sub.drain()
-        if got:
-            out.extend(got)
-            quiet_since = time.monotonic()
-        else:
-            time.sleep(0.02)
-    return out
+    return drain_settled(sub, settle, until, timeout)
 
 
 def generate_traced(engine, input_ids, sampling_params) -> tuple[list, list]:

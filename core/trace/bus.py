@@ -45,6 +45,25 @@ logger = logging.getLogger(__name__)
 Batch = list[Event]
 
 
+def drain_settled(sub, settle_s: float = 0.3, until=None, timeout_s: float = 30.0) -> list[Event]:
+    """Everything a subscription receives until it has been quiet for `settle_s`. Trace events travel
+    their own socket and may still be in flight when the request that caused them returns; with
+    `until` (a predicate on the events so far), first wait up to `timeout_s` for it to hold."""
+    out: list[Event] = []
+    deadline = time.monotonic() + timeout_s
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < settle_s or (
+        until is not None and not until(out) and time.monotonic() < deadline
+    ):
+        got = sub.drain()
+        if got:
+            out.extend(got)
+            quiet_since = time.monotonic()
+        else:
+            time.sleep(0.02)
+    return out
+
+
 class Subscription:
     """A bounded, thread-safe queue of events fed by the bus.
 

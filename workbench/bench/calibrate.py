@@ -33,19 +33,6 @@ def _gen(engine, prompts: list[list[int]], new: int) -> float:
     return time.perf_counter() - t0
 
 
-def _drain(sub, settle_s: float = 0.3) -> list:
-    """Every trace event the subscription received until it has been quiet for `settle_s`."""
-    out, quiet = [], time.monotonic()
-    while time.monotonic() - quiet < settle_s:
-        got = sub.drain()
-        if got:
-            out.extend(got)
-            quiet = time.monotonic()
-        else:
-            time.sleep(0.02)
-    return out
-
-
 def _prefill_parts(cost, events: list) -> tuple[tuple[float, float, float], int]:
     """The cost model's (linear + comm, attention, overhead) summed over the prefill steps in `events`,
     and how many there were."""
@@ -77,6 +64,7 @@ def run_calibrate(args) -> int:
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
     from workbench.core.simulation.calibration import Calibration, extend_point, shipped_path
+    from workbench.core.trace.bus import drain_settled
     from workbench.core.simulation.cost_model import CostModel
     from workbench.core.simulation.hardware import get_hardware
     from workbench.core.simulation.model_specs import model_spec
@@ -115,9 +103,9 @@ def run_calibrate(args) -> int:
                 ps = _prompts(rng, b, n, vocab)
                 runs = []
                 for _ in range(2):
-                    _drain(sub)
+                    drain_settled(sub)
                     t = _gen(engine, ps, 1)
-                    runs.append((t, _prefill_parts(cost, _drain(sub))))
+                    runs.append((t, _prefill_parts(cost, drain_settled(sub))))
                 t, (parts, steps) = min(runs, key=lambda r: r[0])
                 points.append(extend_point(b, n, t, parts, steps))
                 _progress(
