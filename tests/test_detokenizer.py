@@ -146,6 +146,18 @@ def test_random_text_and_chunking_roundtrip(tokenizer, text, data):
     assert "".join(deltas) == tokenizer.decode(ids)
 
 
+def test_a_long_window_ending_inside_a_character_commits_only_whole_characters(tokenizer):
+    """Found by the property test above: when every message ends inside a character, the window of
+    uncommitted ids grows past the 16-id bound; it is then committed up to its last whole character,
+    never with a U+FFFD that the next message completes."""
+    text = "a?a?\u0301?a語한?a日日"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = stream_one(detok, ids, chunks=[1, 4, 4, 3, 4, 2, 1])
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tokenizer.decode(ids)
+
+
 # ---- (2)/(3) stop strings -----------------------------------------------------
 
 

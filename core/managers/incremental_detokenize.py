@@ -34,9 +34,12 @@ REPLACEMENT_CHAR = "\ufffd"
 # at once; this only catches requests whose finish message never came).
 DEFAULT_MAX_STATES = 1 << 16
 
-# A real character needs at most 4 bytes, hence at most 4 byte tokens; a longer
-# run of ids still ending in U+FFFD is invalid UTF-8 from the model and is
-# committed as is, so the decode window cannot grow without bound.
+# A real character needs at most 4 bytes, hence at most 4 byte tokens. The window of
+# uncommitted ids can still grow past that when every message ends inside a character
+# (several ids per message: speculative steps), so past this many ids the window is
+# committed up to its last complete character (`_complete_end`); a tail that stays
+# U+FFFD even 4 ids back is invalid UTF-8 from the model and is committed as is, so
+# the window cannot grow without bound.
 _MAX_UNCOMMITTED_IDS = 16
 
 # (sequences, skip_special_tokens, spaces_between_special_tokens) -> texts
@@ -207,6 +210,16 @@ class IncrementalDetokenizer:
                 del st.decode_ids[k:]
             raise
 
+        for i in range(n):
+            st = statuses[i]
+            if (
+                batch.finished_reasons[i] is None
+                and ends[i] - st.read_offset > _MAX_UNCOMMITTED_IDS
+                and read_texts[i][len(surr_texts[i]) :].endswith(REPLACEMENT_CHAR)
+            ):
+                key = (bool(batch.skip_special_tokens[i]), bool(batch.spaces_between_special_tokens[i]))
+                ends[i], read_texts[i] = self._complete_end(st, ends[i], read_texts[i], *key)
+
         deltas = []
         for i in range(n):
             deltas.append(
@@ -224,6 +237,18 @@ class IncrementalDetokenizer:
             if batch.finished_reasons[i] is not None:
                 self.decode_status.pop(batch.rids[i], None)
         return deltas
+
+    def _complete_end(self, st: DecodeStatus, end: int, read_text: str, skip: bool, spaces: bool) -> tuple[int, str]:
+        """A long window ending inside a character: the end 1-4 ids back where the text is whole,
+        and that text (the last ids wait for their character's other bytes); `end` itself when
+        none is (invalid bytes: committed as they are)."""
+        for back in range(1, 5):
+            if end - back <= st.read_offset:
+                break
+            text = self._batch_decode([st.decode_ids[st.surr_offset : end - back]], skip, spaces)[0]
+            if not text.endswith(REPLACEMENT_CHAR):
+                return end - back, text
+        return end, read_text
 
     @staticmethod
     def _read_end(
