@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from pipeline_helpers import assert_no_kv_leak, drain_events
+from pipeline_helpers import assert_no_kv_leak, drain_events, generate_traced
 from workbench.core.engine import Engine
 from workbench.core.io_struct import (
     FlushCacheReqOutput,
@@ -207,12 +207,7 @@ class TestShortestQueue:
             yield e
 
     def test_32_concurrent_requests_equal_dp1_and_use_both_replicas(self, engine, prompts, dp1_outputs):
-        sub = engine.subscribe(with_snapshot=False)
-        try:
-            outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-            events = drain_events(sub)
-        finally:
-            sub.close()
+        outs, events = generate_traced(engine, prompts, GREEDY)
         assert [o["output_ids"] for o in outs] == dp1_outputs
         rids = {o["meta_info"]["id"] for o in outs}
         queued_on = {e.rid: e.proc for e in events if isinstance(e, ev.ReqQueued) and e.rid in rids}
