@@ -48,8 +48,14 @@ class OfflineHarness:
         prefix_lens: Optional[Sequence[int]] = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        share_prefix: bool = False,
     ) -> list[OfflineResult]:
-        """Generate for every prompt in one continuous batch; returns per-prompt results."""
+        """Generate for every prompt in one continuous batch; returns per-prompt results.
+
+        prefix_lens: each prompt's first n tokens are prefilled in a pass of their own first. With
+        share_prefix, prompts whose prefixes are equal point their pool rows at the same KV slots,
+        computed once, as the radix cache makes requests with a common system prompt do.
+        """
         r = self.runner
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -63,7 +69,9 @@ class OfflineHarness:
         try:
             if prefix_lens is not None:
                 with_prefix = [(s, list(s.prompt[:n])) for s, n in zip(seqs, prefix_lens) if n > 0]
-                if with_prefix:
+                if share_prefix:
+                    self._share_prefixes(with_prefix)
+                elif with_prefix:
                     self._extend([s for s, _ in with_prefix], [t for _, t in with_prefix], sample=False)
                 self._extend(
                     seqs,
@@ -78,10 +86,27 @@ class OfflineHarness:
             while any(not s.done for s in seqs):
                 self._decode([s for s in seqs if not s.done], return_logprob, top_logprobs_num)
         finally:
-            for s in seqs:
-                r.token_to_kv_pool_allocator.free(r.req_to_token_pool.req_to_token[s.row, : s.kv_len].clone())
+            used = [r.req_to_token_pool.req_to_token[s.row, : s.kv_len] for s in seqs]
+            if used:
+                r.token_to_kv_pool_allocator.free(torch.unique(torch.cat(used)))  # shared slots once
             r.req_to_token_pool.free(rows)
         return [s.result for s in seqs]
+
+    def _share_prefixes(self, with_prefix: list[tuple[_Seq, list[int]]]) -> None:
+        """Prefill each distinct prefix once (in one pass for its first holders); the later
+        holders' rows point at the same slots."""
+        first: dict[tuple[int, ...], _Seq] = {}
+        for s, toks in with_prefix:
+            first.setdefault(tuple(toks), s)
+        leaders = [(s, toks) for s, toks in with_prefix if first[tuple(toks)] is s]
+        if leaders:
+            self._extend([s for s, _ in leaders], [t for _, t in leaders], sample=False)
+        table = self.runner.req_to_token_pool.req_to_token
+        for s, toks in with_prefix:
+            lead = first[tuple(toks)]
+            if lead is not s:
+                table[s.row, : len(toks)] = table[lead.row, : len(toks)]
+                s.kv_len = len(toks)
 
     # ---- passes ---------------------------------------------------------------
     def _extend(

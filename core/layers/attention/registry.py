@@ -93,7 +93,7 @@ def create_attn_backend(
             raise ValueError(
                 f"the cpu_paged attention backend cannot run this model: {shape}; use --attention-backend torch_native"
             )
-        return CpuPagedAttnBackend()
+        return CpuPagedAttnBackend(group_size=num_q_heads // max(1, num_kv_heads))
     if name == "triton":
         from workbench.core.layers.attention.triton_backend import TritonAttnBackend
 

@@ -28,13 +28,23 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 HERE = Path(__file__).parent
 SOURCES = [
-    HERE / name for name in ("paged_attention.c", "paged_extend.c", "rope.c", "rms_norm.c", "gemv.c", "decode_layers.c")
+    HERE / name
+    for name in (
+        "paged_attention.c",
+        "prefix_attention.c",
+        "paged_extend.c",
+        "rope.c",
+        "rms_norm.c",
+        "gemv.c",
+        "decode_layers.c",
+    )
 ]
 HEADERS = [HERE / "common.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -148,6 +158,10 @@ def _load() -> None:
             ptr,
             i32,
         ]  # B, Hq, Hk, D, scale, out, threads
+        lib.paged_decode_attention_grouped.restype = ctypes.c_int
+        lib.paged_decode_attention_grouped.argtypes = fn.argtypes[:-1] + [ptr, ptr, i32, i32]
+        lib.wb_decode_prefix_groups.restype = ctypes.c_int
+        lib.wb_decode_prefix_groups.argtypes = [ptr, i64, ptr, ptr, i32, i64, i32, ptr, ptr]
         lib.paged_extend_attention.restype = ctypes.c_int
         lib.paged_extend_attention.argtypes = [
             ptr,
@@ -217,6 +231,45 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x, x.stride(0) // d
 
 
+@dataclass
+class PrefixGroups:
+    """Requests of one decode batch that share the first slots of their KV rows (a radix-cache
+    prefix): `paged_decode_attention` attends over those slots once per group."""
+
+    group_of: torch.Tensor  # [B] int32: the request's group, -1 for none
+    skip: torch.Tensor  # [B] int64: how many leading slots its group shares (0: none)
+    count: int  # groups
+
+
+def decode_prefix_groups(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    min_prefix: int = 64,
+    min_members: int = 2,
+) -> Optional[PrefixGroups]:
+    """The shared-prefix groups of a decode batch (prefix_attention.c's wb_decode_prefix_groups):
+    requests whose slot rows start alike, each group's shared length at least `min_prefix` with at
+    least `min_members` requests; None when there are none. req_pool_indices/seq_lens: [B] int64
+    contiguous, seq_lens counting this step's token."""
+    lib = _require()
+    bs = int(req_pool_indices.numel())
+    group_of = torch.empty(bs, dtype=torch.int32)
+    skip = torch.empty(bs, dtype=torch.int64)
+    n = lib.wb_decode_prefix_groups(
+        req_to_token.data_ptr(),
+        req_to_token.stride(0),
+        req_pool_indices.data_ptr(),
+        seq_lens.data_ptr(),
+        bs,
+        int(min_prefix),
+        int(min_members),
+        group_of.data_ptr(),
+        skip.data_ptr(),
+    )
+    return PrefixGroups(group_of, skip, n) if n > 0 else None
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -228,6 +281,7 @@ def paged_decode_attention(
     k_new: Optional[torch.Tensor] = None,
     v_new: Optional[torch.Tensor] = None,
     out_cache_loc: Optional[torch.Tensor] = None,
+    groups: Optional[PrefixGroups] = None,
 ) -> torch.Tensor:
     """Decode attention reading K/V in place from the pool.
 
@@ -235,6 +289,8 @@ def paged_decode_attention(
     req_to_token: [rows, max_context] int64, req_pool_indices/seq_lens: [B] int64 contiguous
     -> [B, Hq, D] in q's dtype. With k_new/v_new ([B, Hk, D], q's dtype) and out_cache_loc
     ([B] int64, each request's last slot), this step's K/V are stored into the pool first.
+    With `groups` (decode_prefix_groups of the same batch), each group's shared slots are
+    attended once for all its requests and merged with their own slots' part.
     """
     lib = _require()
     bs, hq, d = q.shape
@@ -250,7 +306,7 @@ def paged_decode_attention(
         v_new, v_stride = _rows(v_new)
         out_cache_loc = out_cache_loc.to(torch.int64).contiguous()
     out = torch.empty((bs, hq, d), dtype=q.dtype)
-    rc = lib.paged_decode_attention(
+    rc = lib.paged_decode_attention_grouped(
         q.data_ptr(),
         _DTYPE_CODES[q.dtype],
         q_stride,
@@ -272,6 +328,9 @@ def paged_decode_attention(
         d,
         float(scale),
         out.data_ptr(),
+        groups.group_of.data_ptr() if groups is not None else None,
+        groups.skip.data_ptr() if groups is not None else None,
+        groups.count if groups is not None else 0,
         torch.get_num_threads(),
     )
     if rc != 0:

@@ -161,8 +161,13 @@ static inline float hmax16(v16f v) {
  * the registers there are and GCC spills the accumulators to the stack (measured on AMD znver3:
  * extend 7x slower than torch SDPA). WB_AVX2 selects kernels written for 8-float vectors with
  * blocking that fits 16 registers; AVX-512 builds (and non-x86 builds) keep the v16f code. */
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* The 8-float helpers exist wherever AVX2 does (AVX-512 CPUs too: the per-request decode attention
+ * uses them there, measured faster than its 16-float code); WB_AVX2 marks builds without AVX-512. */
+#define WB_HAVE_AVX2 1
+#if !defined(__AVX512F__)
 #define WB_AVX2 1
+#endif
 #include <immintrin.h>
 
 typedef uint32_t v8u32 __attribute__((vector_size(32)));

@@ -45,6 +45,8 @@ typedef struct {
     int Hq, Hk, G;
     float scale;
     void *out;                     /* [B, Hq, D] contiguous */
+    const int64_t *skip;           /* NULL, or [B]: request b attends from its slot skip[b] on, and then */
+    float *part, *part_lse;        /* writes float32 rows to part and their log-sum-exp, not to out */
 } Call;
 
 /* Scratch one work item needs: queries and accumulators (nq * D floats each), one block of K rows
@@ -53,7 +55,7 @@ static size_t work_floats(int nq, int nh, int D, int64_t len) {
     return (size_t)nq * (size_t)D * 2 + (size_t)BLOCK * nh * D + (size_t)nq * (size_t)(len > 0 ? len : 1);
 }
 
-#ifdef WB_AVX2
+#ifdef WB_HAVE_AVX2
 /* AVX2 version of attend() below (see common.h's WB_AVX2 for why a second one). Same two passes,
  * blocked for 16 ymm registers instead of AVX-512's 32:
  * - scores: R <= 3 query rows of one KV head against 4 tokens at a time, as 12 running dot-product
@@ -137,9 +139,12 @@ attend_dt(const Call *c, int b, int h0, int nh, int D, float *restrict work, con
     const int G = c->G, Hk = c->Hk, q_dt = c->q_dt;
     const int nv = D / 16, nq = nh * G, eb = kv_dt == DT_F32 ? 4 : 2;
     const int row_elems = nh * D;                           /* elements of one slot this item reads */
-    const int64_t *restrict slots = c->req_to_token + c->req_pool_indices[b] * c->r2t_stride;
-    const int64_t len = c->seq_lens[b];
+    const int64_t skip = c->skip != NULL ? c->skip[b] : 0;
+    const int64_t *restrict slots = c->req_to_token + c->req_pool_indices[b] * c->r2t_stride + skip;
+    const int64_t len = c->seq_lens[b] - skip;
     const void *k_buf = c->k_buf, *v_buf = c->v_buf;
+    void *out = skip ? (void *)c->part : c->out;
+    const int out_dt = skip ? DT_F32 : q_dt;
     float *restrict qv = work;                              /* [nq, D], pre-scaled; work is 64-byte aligned */
     float *restrict scores = qv + nq * D;                   /* [nq, len] */
     float inv[nq];
@@ -202,6 +207,7 @@ attend_dt(const Call *c, int b, int h0, int nh, int D, float *restrict work, con
             sum += p;
         }
         inv[i] = len > 0 ? 1.0f / sum : 0.0f;              /* nothing to attend to gives 0 */
+        if (skip) c->part_lse[(int64_t)b * c->Hq + (int64_t)h0 * G + i] = m + logf(sum);
     }
     /* pass 2: weighted sum of V, R rows x 32 columns per sweep over the tokens */
     for (int hh = 0; hh < nh; hh++)
@@ -213,15 +219,15 @@ attend_dt(const Call *c, int b, int h0, int nh, int D, float *restrict work, con
                 const int h = h0 + hh;
                 if (D - d0 >= 32) {
                     switch (R) {
-                    case 1: pv_tile(p, len, 1, 4, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, c->out, q_dt, orow); break;
-                    case 2: pv_tile(p, len, 2, 4, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, c->out, q_dt, orow); break;
-                    default: pv_tile(p, len, 3, 4, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, c->out, q_dt, orow); break;
+                    case 1: pv_tile(p, len, 1, 4, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, out, out_dt, orow); break;
+                    case 2: pv_tile(p, len, 2, 4, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, out, out_dt, orow); break;
+                    default: pv_tile(p, len, 3, 4, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, out, out_dt, orow); break;
                     }
                 } else {                                   /* D % 32 == 16: the last 16 columns */
                     switch (R) {
-                    case 1: pv_tile(p, len, 1, 2, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, c->out, q_dt, orow); break;
-                    case 2: pv_tile(p, len, 2, 2, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, c->out, q_dt, orow); break;
-                    default: pv_tile(p, len, 3, 2, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, c->out, q_dt, orow); break;
+                    case 1: pv_tile(p, len, 1, 2, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, out, out_dt, orow); break;
+                    case 2: pv_tile(p, len, 2, 2, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, out, out_dt, orow); break;
+                    default: pv_tile(p, len, 3, 2, D, d0, v_buf, kv_dt, slots, Hk, h, inv + i, out, out_dt, orow); break;
                     }
                 }
             }
@@ -245,8 +251,9 @@ attend(const Call *c, int b, int h0, int nh, int D, float *restrict work) {
     const int G = c->G, Hk = c->Hk, kv_dt = c->kv_dt, q_dt = c->q_dt;
     const int nv = D / 16, nq = nh * G, eb = kv_dt == DT_F32 ? 4 : 2;
     const int row_elems = nh * D;                           /* elements of one slot this item reads */
-    const int64_t *restrict slots = c->req_to_token + c->req_pool_indices[b] * c->r2t_stride;
-    const int64_t len = c->seq_lens[b];
+    const int64_t skip = c->skip != NULL ? c->skip[b] : 0;
+    const int64_t *restrict slots = c->req_to_token + c->req_pool_indices[b] * c->r2t_stride + skip;
+    const int64_t len = c->seq_lens[b] - skip;
     const void *k_buf = c->k_buf, *v_buf = c->v_buf;
     v16f *qv = (v16f *)work, *acc = qv + nq * nv;           /* work is 64-byte aligned */
     v16f *kf = acc + nq * nv;                               /* [BLOCK, nh * nv]: a block of K rows */
@@ -330,7 +337,13 @@ attend(const Call *c, int b, int h0, int nh, int D, float *restrict work) {
         float row[MAX_D];
         for (int j = 0; j < nv; j++) memcpy(row + 16 * j, &acc[i * nv + j], sizeof(v16f));
         for (int d = 0; d < D; d++) row[d] *= inv[i];
-        store_row(c->out, (int64_t)b * c->Hq + (int64_t)h0 * G + i, q_dt, D, row);
+        const int64_t r = (int64_t)b * c->Hq + (int64_t)h0 * G + i;
+        if (skip) {
+            store_row(c->part, r, DT_F32, D, row);
+            c->part_lse[r] = mx[i] - logf(inv[i]);
+        } else {
+            store_row(c->out, r, q_dt, D, row);
+        }
     }
 }
 
@@ -346,41 +359,140 @@ static void attend_any(const Call *c, int b, int h0, int nh, int D, float *work)
     }
 }
 
+size_t wb_prefix_scratch_floats(int Rp, int D);
+void wb_prefix_attend(const void *q, int q_dt, const int64_t *qrow, const int64_t *orow, int rows, const void *k_buf,
+                      const void *v_buf, int kv_dt, int Hk, int h, int D, const int64_t *slots, int64_t P,
+                      float scale, float *pre_out, float *pre_lse, float *work);
+
+/* Row (b, hq) of out = the shared-prefix part and the own-token part weighted by their softmax mass. */
+static void merge_rows(const Call *c, int b, int h0, int nh, int D, const float *pre_out, const float *pre_lse) {
+    for (int i = 0; i < nh * c->G; i++) {
+        const int64_t r = (int64_t)b * c->Hq + (int64_t)h0 * c->G + i;
+        const float lp = pre_lse[r], ls = c->part_lse[r], mx = lp > ls ? lp : ls;
+        const float wp = expf(lp - mx), ws = expf(ls - mx), inv = 1.0f / (wp + ws);
+        float row[MAX_D];
+        for (int d = 0; d < D; d++) row[d] = (pre_out[r * D + d] * wp + c->part[r * D + d] * ws) * inv;
+        store_row(c->out, r, c->q_dt, D, row);
+    }
+}
+
 /* out[b, hq, :] = softmax(scale * q[b, hq] . K[slots_b, hq / G]) @ V[slots_b, hq / G]
  *
  * With k_new/v_new given, this step's K/V rows are first written to the pool at out_loc[b]
  * (which must be the last of request b's seq_lens[b] slots). See Call for the layouts.
  * Work is split by request when there are enough requests to keep every thread busy (each
  * slot's K/V rows are then read whole, once), else by (request, KV head).
+ * group_of/skip (NULL: none; see wb_decode_prefix_groups): the requests of group g share their
+ * first skip[b] slots; those are attended once for the whole group by wb_prefix_attend (split
+ * into items of query rows per KV head) before the per-request items attend over the rest and
+ * merge the two parts.
  * Returns 0; -1 for shapes outside what the kernel handles (D a multiple of 16, at most
  * 256; Hq a multiple of Hk); -2 when scratch memory could not be allocated.
  */
-int paged_decode_attention(const void *q, int q_dt, int64_t q_stride, const void *k_new, int64_t k_stride,
-                           const void *v_new, int64_t v_stride, const int64_t *out_loc, void *k_buf,
-                           void *v_buf, int kv_dt, const int64_t *req_to_token, int64_t r2t_stride,
-                           const int64_t *req_pool_indices, const int64_t *seq_lens, int B, int Hq, int Hk,
-                           int D, float scale, void *out, int num_threads) {
+int paged_decode_attention_grouped(const void *q, int q_dt, int64_t q_stride, const void *k_new, int64_t k_stride,
+                                   const void *v_new, int64_t v_stride, const int64_t *out_loc, void *k_buf,
+                                   void *v_buf, int kv_dt, const int64_t *req_to_token, int64_t r2t_stride,
+                                   const int64_t *req_pool_indices, const int64_t *seq_lens, int B, int Hq, int Hk,
+                                   int D, float scale, void *out, const int32_t *group_of, const int64_t *skip,
+                                   int n_groups, int num_threads) {
     if (Hk <= 0 || Hq % Hk != 0 || D <= 0 || D % 16 != 0 || D > MAX_D) return -1;
-    const Call call = {q, q_stride, q_dt, k_new, v_new, k_stride, v_stride, out_loc, k_buf, v_buf, kv_dt,
-                       req_to_token, r2t_stride, req_pool_indices, seq_lens, Hq, Hk, Hq / Hk, scale, out};
-    const int per_head = B < 2 * (num_threads > 0 ? num_threads : 1) && Hk > 1;
+    if (group_of == NULL || skip == NULL) n_groups = 0;
+    Call call = {q, q_stride, q_dt, k_new, v_new, k_stride, v_stride, out_loc, k_buf, v_buf, kv_dt,
+                 req_to_token, r2t_stride, req_pool_indices, seq_lens, Hq, Hk, Hq / Hk, scale, out,
+                 NULL, NULL, NULL};
+    const int G = call.G, nthreads = num_threads > 0 ? num_threads : 1;
+    const int per_head = B < 2 * nthreads && Hk > 1;
     const int nh = per_head ? 1 : Hk;
     const int64_t items = per_head ? (int64_t)B * Hk : B;
     int64_t max_len = 0;
     for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    const size_t bytes = (sizeof(float) * work_floats(nh * call.G, nh, D, max_len) + 63) / 64 * 64;
+    size_t floats = work_floats(nh * G, nh, D, max_len);
+
+    /* Shared-prefix items: (group, KV head, block of the group's query rows). A group's members are
+     * listed together (members[first[g] ...]); a block's rows are (member, q head) pairs. */
+    int *first = NULL, *members = NULL, *item_g = NULL, *item_r0 = NULL, *item_r1 = NULL, *item_h = NULL;
+    float *pre = NULL;
+    int n_items = 0;
+    if (n_groups > 0) {
+        first = calloc(n_groups + 1, sizeof(int));
+        members = malloc(sizeof(int) * B);
+        const int per_group = Hk * n_groups >= 3 * nthreads ? 1 : (3 * nthreads + Hk * n_groups - 1) / (Hk * n_groups);
+        const int cap = n_groups * Hk * per_group;
+        item_g = malloc(sizeof(int) * cap * 4);
+        pre = malloc(sizeof(float) * (size_t)B * Hq * (2 * D + 2));
+        if (first == NULL || members == NULL || item_g == NULL || pre == NULL) {
+            free(first), free(members), free(item_g), free(pre);
+            return -2;
+        }
+        item_r0 = item_g + cap, item_r1 = item_r0 + cap, item_h = item_r1 + cap;
+        for (int b = 0; b < B; b++)
+            if (group_of[b] >= 0) first[group_of[b] + 1]++;
+        for (int g = 0; g < n_groups; g++) first[g + 1] += first[g];
+        int fill[n_groups];
+        memcpy(fill, first, sizeof fill);
+        for (int b = 0; b < B; b++)
+            if (group_of[b] >= 0) members[fill[group_of[b]]++] = b;
+        int max_rows = 16;
+        for (int g = 0; g < n_groups; g++) {
+            const int rows = (first[g + 1] - first[g]) * G;
+            int blocks = per_group < (rows + 15) / 16 ? per_group : (rows + 15) / 16;
+            const int step = ((rows + blocks - 1) / blocks + 15) / 16 * 16;   /* rows per block, whole vectors */
+            for (int h = 0; h < Hk; h++)
+                for (int r0 = 0; r0 < rows; r0 += step) {
+                    item_g[n_items] = g, item_h[n_items] = h, item_r0[n_items] = r0;
+                    item_r1[n_items++] = r0 + step < rows ? r0 + step : rows;
+                }
+            max_rows = step > max_rows ? step : max_rows;
+        }
+        const size_t pf = wb_prefix_scratch_floats(max_rows, D) + (size_t)4 * max_rows;   /* + 2 int64 row tables */
+        floats = pf > floats ? pf : floats;
+        call.skip = skip, call.part = pre + (size_t)B * Hq * (D + 1), call.part_lse = pre + (size_t)B * Hq * D;
+    }
+    float *pre_out = pre, *pre_lse = pre != NULL ? pre + (size_t)B * Hq * (2 * D + 1) : NULL;
+    const size_t bytes = (sizeof(float) * floats + 63) / 64 * 64;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         float *work = aligned_alloc(64, bytes);
         if (work == NULL) failed = 1;
+        if (n_items > 0) {
+#pragma omp for schedule(dynamic, 1)
+            for (int w = 0; w < n_items; w++) {
+                if (work == NULL) continue;
+                const int g = item_g[w], h = item_h[w], r0 = item_r0[w], rows = item_r1[w] - r0;
+                const int lead = members[first[g]];
+                int64_t *qrow = (int64_t *)(work + wb_prefix_scratch_floats((rows + 15) / 16 * 16, D));
+                int64_t *orow = qrow + rows;
+                for (int j = 0; j < rows; j++) {
+                    const int b = members[first[g] + (r0 + j) / G], hq = h * G + (r0 + j) % G;
+                    qrow[j] = (int64_t)b * q_stride + hq;
+                    orow[j] = (int64_t)b * Hq + hq;
+                }
+                wb_prefix_attend(q, q_dt, qrow, orow, rows, k_buf, v_buf, kv_dt, Hk, h, D,
+                                 req_to_token + req_pool_indices[lead] * r2t_stride, skip[lead], scale, pre_out,
+                                 pre_lse, work);
+            }
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < items; w++) {
             if (work == NULL) continue;
             const int b = (int)(w / (items / B)), h0 = per_head ? (int)(w % Hk) : 0;
             attend_any(&call, b, h0, nh, D, work);
+            if (call.skip != NULL && skip[b] > 0) merge_rows(&call, b, h0, nh, D, pre_out, pre_lse);
         }
         free(work);
     }
+    free(first), free(members), free(item_g), free(pre);
     return failed ? -2 : 0;
+}
+
+/* paged_decode_attention_grouped without shared-prefix groups (the batch-1 decoder's call). */
+int paged_decode_attention(const void *q, int q_dt, int64_t q_stride, const void *k_new, int64_t k_stride,
+                           const void *v_new, int64_t v_stride, const int64_t *out_loc, void *k_buf,
+                           void *v_buf, int kv_dt, const int64_t *req_to_token, int64_t r2t_stride,
+                           const int64_t *req_pool_indices, const int64_t *seq_lens, int B, int Hq, int Hk,
+                           int D, float scale, void *out, int num_threads) {
+    return paged_decode_attention_grouped(q, q_dt, q_stride, k_new, k_stride, v_new, v_stride, out_loc, k_buf,
+                                          v_buf, kv_dt, req_to_token, r2t_stride, req_pool_indices, seq_lens, B,
+                                          Hq, Hk, D, scale, out, NULL, NULL, 0, num_threads);
 }
