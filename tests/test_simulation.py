@@ -185,6 +185,8 @@ def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
     assert shapes == [("decode", 1), ("decode", 4)] + [("extend", 1)] * 2 + [("extend", 2), ("extend", 4)]
     assert all(pt["predicted_s"] > 0 for pt in cal.points) and cal.meta["load"]
     assert all("pred_attention" in pt for pt in cal.points if pt["kind"] == "extend") and cal.extend_fit()
+    trip = [cal.meta[k] for k in ("tm_in_s", "tm_gap_s", "tm_out_s")]  # the pipeline's trip, measured
+    assert all(0 <= t < 1.0 for t in trip) and trip[1] > 0
     args = p.parse_args(["bench", "sim-accuracy", "--quick", "--model", str(d), "--dtype", "float32", "--rates", "4"])
     assert args.func(args) == 0
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| (") or ln.startswith("| Poisson")]
@@ -424,3 +426,36 @@ def test_speculative_decoding_keeps_drafts_at_the_given_rate():
             assert result.metrics()["tpot_p50_ms"] < 0.5 * plain.metrics()["tpot_p50_ms"]
     with pytest.raises(ValueError, match="speculative_accept_rate"):
         Simulator("llama-3.1-8b", "h100", speculative_accept_rate=1.5)
+
+
+def test_the_trip_through_the_tokenizer_manager_spreads_a_burst_and_delays_tokens():
+    """A calibration's tm_in_s / tm_gap_s / tm_out_s (what `bench calibrate` measures on the real
+    pipeline): requests sent at once reach the scheduler a gap apart, so the first is prefilled
+    alone, as the real engine's trace shows, and each TTFT counts both trips. Without them the burst
+    is one prefill step."""
+    from workbench.core.simulation.calibration import Calibration
+    from workbench.core.trace import events as ev
+
+    points = [
+        dict(kind="decode", batch=1, context=64, measured_s=1.0, predicted_s=1.0),
+        dict(kind="extend", tokens=64, batch=1, context=64, measured_s=1.0, predicted_s=1.0),
+    ]
+    work = [SimRequest(0.0, 64, 4) for _ in range(8)]
+    prefills, results, sims = {}, {}, {}
+    for trip in (False, True):
+        meta = dict(tm_in_s=0.002, tm_gap_s=0.001, tm_out_s=0.003) if trip else {}
+        events: list = []
+        sim = Simulator(
+            "llama-3.1-8b",
+            "h100",
+            calibration=Calibration("h100", "llama-3.1-8b", points, meta),
+            trace_sink=events.extend,
+        )
+        results[trip], sims[trip] = sim.run(work), sim
+        prefills[trip] = [e.batch_size for e in events if isinstance(e, ev.BatchStep) and e.mode == "extend"]
+    assert prefills[False] == [8]
+    assert prefills[True][0] == 1 and sum(prefills[True]) == 8
+    lone = sims[True].cost.step([64], [64]).total
+    assert results[True].ttft["r0"] == pytest.approx(0.002 + lone + 0.003)
+    assert results[False].ttft["r0"] == pytest.approx(sims[False].cost.step([64] * 8, [64] * 8).total)
+    assert results[True].output_tokens == results[False].output_tokens == 32

@@ -353,6 +353,15 @@ class Simulator:
             measured = calibration.meta.get("dtype_bytes") if calibration is not None else None
             dtype_bytes = int(measured) if measured else (4 if self.hw.name == "cpu-here" else 2)
         self.calibration = calibration
+        # The trip through the tokenizer manager and detokenizer, as calibrated on a real engine (0 where
+        # the calibration has none): a request reaches the scheduler tm_in_s after it is sent and at least
+        # tm_gap_s after the one before it (one loop hands requests over in turn), and a token reaches the
+        # client tm_out_s after the step that sampled it. With a gap, requests sent at once trickle in, and
+        # the first is prefilled alone, as the real engine's trace shows.
+        meta = calibration.meta if calibration is not None else {}
+        self.tm_in_s, self.tm_gap_s, self.tm_out_s = (
+            float(meta.get(k, 0.0)) for k in ("tm_in_s", "tm_gap_s", "tm_out_s")
+        )
         self.cost = CostModel(self.spec, self.hw, tp_size, dtype_bytes, scale, calibration)
         pool = self.cost.kv_pool_tokens()
         server_args.setdefault("max_total_tokens", pool)
@@ -408,9 +417,12 @@ class Simulator:
             dp_size=self.dp_size,
         )
         counts: dict[str, int] = {}
+        at, last = {}, float("-inf")  # when each request reaches a scheduler (after the trip in)
+        for i in order:
+            last = at[i] = max(workload[i].arrival + self.tm_in_s, last + self.tm_gap_s)
         nxt = 0
         while True:
-            t_arrival = workload[order[nxt]].arrival if nxt < len(order) else float("inf")
+            t_arrival = at[order[nxt]] if nxt < len(order) else float("inf")
             busy = [r for r in reps if r.busy()]
             if not busy and nxt >= len(order):
                 break
@@ -418,12 +430,12 @@ class Simulator:
             if rep is None or t_arrival <= rep.clock.now:
                 i = order[nxt]
                 nxt += 1
-                self._deliver(i, workload[i], res)
+                self._deliver(i, workload[i], res, at[i])
                 continue
             rep.step()
             res.steps += 1
             res.peak_kv_used = max(res.peak_kv_used, sum(r.kv_used() for r in reps))
-            now = rep.clock.now
+            now = rep.clock.now + self.tm_out_s  # when this step's tokens reach the client
             for msg in rep.io.outbox:
                 if not isinstance(msg, BatchTokenIDOut):
                     continue
@@ -448,13 +460,13 @@ class Simulator:
         res.retracted = sum(r.scheduler.num_retracted_total for r in reps)
         res.per_replica_requests = [r.requests for r in reps]
         start = min((r.arrival for r in workload), default=0.0)
-        res.sim_s = max(r.clock.now for r in reps) - start
+        res.sim_s = max(r.clock.now for r in reps) + self.tm_out_s - start
         res.wall_s = time.perf_counter() - t0
         return res
 
-    def _deliver(self, i: int, r: SimRequest, res: SimResult) -> None:
-        """Request i reaches the deployment: the balancer picks its replica (data parallel), whose
-        clock, if it was idle, moves on to the arrival."""
+    def _deliver(self, i: int, r: SimRequest, res: SimResult, at: float) -> None:
+        """Request i (sent at r.arrival) reaches the deployment at `at`: the balancer picks its replica
+        (data parallel), whose clock, if it was idle, moves on to that time."""
         rid = f"r{i}"
         ids = self._prompt(i, r)
         rank = 0
@@ -462,7 +474,7 @@ class Simulator:
             d = self.balancer.choose(rid, ids)
             rank = d.dp_rank
             if self.controller_tracer.enabled:
-                self._dispatch_clock.now = r.arrival
+                self._dispatch_clock.now = at
                 self.controller_tracer.emit(
                     ReqDispatched(
                         rid=rid,
@@ -474,7 +486,7 @@ class Simulator:
                 )
                 self.controller_tracer.flush()
         rep = self.replicas[rank]
-        rep.clock.now = max(rep.clock.now, r.arrival)
+        rep.clock.now = max(rep.clock.now, at)
         rep.requests += 1
         self._arrival[rid] = r.arrival
         params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)

@@ -5,6 +5,8 @@ model's prediction, written as a calibration file (core/simulation/calibration.p
 - decode batches of 1 to 64 requests at contexts of 64 and 512 tokens: (time for n new tokens -
   time for 1) / (n - 1), each the smaller of two runs, so prefill is left out;
 - prompts of 32 to 2048 tokens, one request: the time to its first token.
+- the trip through the tokenizer manager and detokenizer (a burst of one-token requests sent at
+  once, read off the trace): when requests reach the scheduler and when tokens reach the client.
 
 sim-accuracy: the engine benchmark's workloads run on the real Engine and in the simulator (the
 same lengths, the same shared prefixes, the same arrival times) in one command, side by side:
@@ -44,6 +46,43 @@ def _prefill_parts(cost, events: list) -> tuple[tuple[float, float, float], int]
         c = cost.step([r.computed for r in step.reqs], [r.cached + r.computed for r in step.reqs])
         lin, att, over = lin + c.linear + c.comm, att + c.attention, over + c.overhead
     return (lin, att, over), len(steps)
+
+
+def _trip(engine, sub, prompts: list[list[int]]) -> dict:
+    """The trip through the tokenizer manager and the detokenizer, from the trace of a burst of
+    one-token requests sent at once by as many client threads (as `sim-accuracy` sends them):
+    tm_gap_s, the spacing at which the tokenizer manager hands requests to the scheduler (its
+    req.tokenized events, one loop in turn); tm_in_s, from that hand-over to the scheduler's
+    req.queued for the first one (which finds the scheduler idle); tm_out_s, the median time from a
+    prefill step's batch.step to the tokenizer manager's req.first_token of a request it finished."""
+    from workbench.core.trace import events as ev
+    from workbench.core.trace.bus import drain_settled
+
+    engine.flush_cache()
+    drain_settled(sub)
+    sp = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+    with cf.ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        list(pool.map(lambda p: engine.generate(input_ids=p, sampling_params=sp), prompts))
+    events = drain_settled(sub)
+    handed = {e.rid: e.ts for e in events if isinstance(e, ev.ReqTokenized)}
+    queued = {e.rid: e.ts for e in events if isinstance(e, ev.ReqQueued)}
+    first = {e.rid: e.ts for e in events if isinstance(e, ev.ReqFirstToken)}
+    outs = [
+        (first[r.rid] - e.ts) / 1e9
+        for e in events
+        if isinstance(e, ev.BatchStep) and e.mode == "extend"
+        for r in e.reqs
+        if r.rid in first
+    ]
+    if len(handed) < 2 or not queued or not outs:
+        return {}
+    lead = min(queued, key=queued.get)
+    times = sorted(handed.values())
+    return dict(
+        tm_in_s=max(0.0, (queued[lead] - handed.get(lead, queued[lead])) / 1e9),
+        tm_gap_s=(times[-1] - times[0]) / 1e9 / (len(times) - 1),
+        tm_out_s=max(0.0, statistics.median(outs)),
+    )
 
 
 def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
@@ -112,10 +151,16 @@ def run_calibrate(args) -> int:
                     f"prefill {b} x {n} tokens in {steps} step(s): {1000 * t:.1f} ms to the first token "
                     f"(predicted {1000 * sum(parts):.1f})"
                 )
+            trip = _trip(engine, sub, _prompts(rng, 4 if args.quick else 32, 16, vocab))
+            _progress(
+                "the trip through the tokenizer manager: "
+                + ", ".join(f"{k} {1000 * v:.2f} ms" for k, v in trip.items())
+            )
         finally:
             sub.close()
         loads.append(f"{os.getloadavg()[0]:.2f}")
         meta = dict(
+            **trip,
             dtype_bytes=dtype_bytes,
             threads=engine.scheduler_info.get("threads", ""),
             load=" -> ".join(loads),
