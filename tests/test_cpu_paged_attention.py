@@ -62,15 +62,16 @@ def _exact(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale):
     return decode_attention(q.float(), k_buf.float(), v_buf.float(), meta, scale)
 
 
-@pytest.mark.parametrize(
-    "q_dtype,kv_dtype,atol",
-    [
-        (torch.float32, torch.float32, 1e-5),
-        (torch.bfloat16, torch.bfloat16, 2e-2),  # output rounded to bf16 once
-        (torch.float32, torch.bfloat16, 1e-5),  # a bf16 pool under a float32 model
-        (torch.float16, torch.float16, 3e-3),
-    ],
-)
+# (q dtype, pool dtype, tolerance against float32 attention): the kernels' dtype pairs
+DTYPE_TOLERANCES = [
+    (torch.float32, torch.float32, 1e-5),
+    (torch.bfloat16, torch.bfloat16, 2e-2),  # output rounded to bf16 once
+    (torch.float32, torch.bfloat16, 1e-5),  # a bf16 pool under a float32 model
+    (torch.float16, torch.float16, 3e-3),
+]
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype,atol", DTYPE_TOLERANCES)
 @pytest.mark.parametrize(
     "bs,hq,hk,d",
     [
@@ -265,15 +266,7 @@ def _extend_exact(q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, 
     return out
 
 
-@pytest.mark.parametrize(
-    "q_dtype,kv_dtype,atol",
-    [
-        (torch.float32, torch.float32, 1e-5),
-        (torch.bfloat16, torch.bfloat16, 2e-2),
-        (torch.float32, torch.bfloat16, 1e-5),
-        (torch.float16, torch.float16, 3e-3),
-    ],
-)
+@pytest.mark.parametrize("q_dtype,kv_dtype,atol", DTYPE_TOLERANCES)
 @pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (8, 8, 48), (12, 3, 128)])
 def test_extend_kernel_matches_float32_attention(q_dtype, kv_dtype, atol, hq, hk, d):
     # fresh prompts (one token, one block, several blocks), prefixes, and one-token extends (a mixed batch's

@@ -16,10 +16,11 @@ import torch
 
 from workbench.core.layers import cpu_ops
 from workbench.core.layers.attention import cpu_paged_backend
-from workbench.core.layers.attention.torch_native_backend import build_decode_metadata, decode_attention
 
 if shutil.which(os.environ.get("CC", "cc")) is None:
     pytest.skip("no C compiler: the cpu_paged kernels cannot be built here", allow_module_level=True)
+
+from test_cpu_paged_attention import DTYPE_TOLERANCES, _exact  # noqa: E402  (the decode kernel tests' reference)
 
 
 def _batch(groups, own, hq, hk, d, q_dtype, kv_dtype, seed=0):
@@ -51,25 +52,12 @@ def _batch(groups, own, hq, hk, d, q_dtype, kv_dtype, seed=0):
     return q, k_buf, v_buf, r2t, rpi, torch.tensor(lens, dtype=torch.int64)
 
 
-def _exact(q, k_buf, v_buf, r2t, rpi, seq_lens, scale):
-    meta = build_decode_metadata(r2t, rpi, seq_lens, seq_lens.tolist(), k_buf.shape[1])
-    return decode_attention(q.float(), k_buf.float(), v_buf.float(), meta, scale)
-
-
 ONE_GROUP = [(0, 300)] * 20
 TWO_GROUPS_AND_OUTSIDERS = [(0, 200)] * 7 + [None] + [(1, 129)] * 6 + [None, (0, 200)]
 SHORT_MEMBER = [(0, 260)] * 9 + [(0, 140)]  # shares only 140 of the 260 slots
 
 
-@pytest.mark.parametrize(
-    "q_dtype,kv_dtype,atol",
-    [
-        (torch.float32, torch.float32, 1e-5),
-        (torch.bfloat16, torch.bfloat16, 2e-2),
-        (torch.float32, torch.bfloat16, 1e-5),
-        (torch.float16, torch.float16, 3e-3),
-    ],
-)
+@pytest.mark.parametrize("q_dtype,kv_dtype,atol", DTYPE_TOLERANCES)
 @pytest.mark.parametrize(
     "layout,hq,hk,d",
     [

@@ -8,9 +8,9 @@ measured on the 2-core target at B=32, contexts 17-511 tokens, one layer takes
 Extend: one call for the whole batch, causal over each request's cached prefix and
 new tokens, all read through req_to_token (`cpu_ops/paged_extend.c`); torch's CPU
 flash kernel, called per request, was ~30 GFLOP/s on this model's head shapes.
-The extend kernel has an AVX-512 and an AVX2 path, each faster than torch's flash kernel
-(AVX2, znver3: ~6-8 vs ~10-13 ms per layer for a 512-token prompt, one thread); CPUs with
-neither prefill through the torch-native path (`cpu_ops.extend_kernel_preferred`).
+The extend kernel is faster than torch's flash kernel on AVX2 and AVX-512 CPUs (AVX2, znver3:
+~6-8 vs ~10-13 ms per layer for a 512-token prompt, one thread); CPUs with neither prefill
+through the torch-native path (`cpu_ops.extend_kernel_preferred`).
 Decode batches whose requests share a cached prefix (a system prompt) attend over it once per
 group (cascade attention, `cpu_ops/prefix_attention.c`); the groups are found once per step.
 """

@@ -413,7 +413,7 @@ int paged_decode_attention_grouped(const void *q, int q_dt, int64_t q_stride, co
     /* Shared-prefix items: (group, KV head, block of the group's query rows). A group's members are
      * listed together (members[first[g] ...]); a block's rows are (member, q head) pairs. */
     int *first = NULL, *members = NULL, *item_g = NULL, *item_r0 = NULL, *item_r1 = NULL, *item_h = NULL;
-    float *pre = NULL;
+    float *pre = NULL, *pre_out = NULL, *pre_lse = NULL;
     int n_items = 0;
     if (n_groups > 0) {
         first = calloc(n_groups + 1, sizeof(int));
@@ -448,9 +448,11 @@ int paged_decode_attention_grouped(const void *q, int q_dt, int64_t q_stride, co
         }
         const size_t pf = wb_prefix_scratch_floats(max_rows, D) + (size_t)4 * max_rows;   /* + 2 int64 row tables */
         floats = pf > floats ? pf : floats;
-        call.skip = skip, call.part = pre + (size_t)B * Hq * (D + 1), call.part_lse = pre + (size_t)B * Hq * D;
+        /* One buffer, [B * Hq] rows each: the shared part's outputs and log-sum-exps, then the own part's. */
+        const size_t rows = (size_t)B * Hq;
+        pre_out = pre, pre_lse = pre_out + rows * D;
+        call.skip = skip, call.part = pre_lse + rows, call.part_lse = call.part + rows * D;
     }
-    float *pre_out = pre, *pre_lse = pre != NULL ? pre + (size_t)B * Hq * (2 * D + 1) : NULL;
     const size_t bytes = (sizeof(float) * floats + 63) / 64 * 64;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
