@@ -152,6 +152,53 @@ def test_bfloat16_weights_take_the_call_and_equal_float32_on_their_values(tiny_d
     assert tokens_bf16 == tokens_f32
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_team_of_threads_gives_the_bits_of_one_thread(tmp_path, dtype, monkeypatch):
+    """On more than one thread a decode token runs every layer inside one parallel region, each
+    thread its rows of every projection and its KV heads of the attention (decode_layers.c's
+    decode_one_token_team); one thread (and a prompt piece of several tokens) runs the op-by-op loop.
+    Every call's output is the same bits on 1, 2, 3 and 5 threads: shapes where the row blocks and
+    the 3 KV heads split unevenly, a thread gets no head at all, and the intermediate size is not a
+    multiple of the 8-row blocks."""
+    from workbench.core.model_executor.offline_harness import OfflineHarness
+
+    model_dir = make_tiny_llama(
+        tmp_path / "wide",
+        seed=21,
+        hidden_size=192,
+        intermediate_size=344,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        num_hidden_layers=3,
+        tie_word_embeddings=False,
+    )
+    runner = _runner(model_dir, dtype_override=dtype)
+    h = OfflineHarness(runner)
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [p for p in PROMPTS if len(p) <= cpu_ops.FUSED_MAX_TOKENS]
+    real = cpu_ops.decode_layers_f32
+    seen: list[torch.Tensor] = []
+    monkeypatch.setattr(cpu_ops, "decode_layers_f32", lambda x, *a, **k: seen.append(real(x, *a, **k).clone()) or x)
+    runs = {}
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            seen.clear()
+            tokens = [h.generate([p], sp)[0].output_ids for p in prompts]
+            runs[n] = (tokens, list(seen))
+    finally:
+        torch.set_num_threads(threads)
+    tokens1, outs1 = runs[1]
+    assert len(outs1) == len(prompts) * 12  # the prefill and 11 decode steps each, all through the call
+    for n in (2, 3, 5):
+        tokens, outs = runs[n]
+        assert tokens == tokens1
+        assert len(outs) == len(outs1)
+        for a, b in zip(outs, outs1):
+            assert torch.equal(a, b), f"{n} threads differ from one by {float((a - b).abs().max())}"
+
+
 def test_a_bfloat16_models_norm_weight_update_reaches_the_call(tiny_dirs):
     """A bfloat16 model's table points at float32 copies of its norm weights: a weight update must
     drop them (an update copies into the same storage, so the table's key would not change)."""

@@ -300,6 +300,67 @@ static void rows(const float *x, int64_t ldx, const void *w, int64_t ldw, int wd
 int wb_gemv_f32_available(void) { return 0; }
 #endif
 
+/* The bfloat16 copy of up to 4 rows of x the VDPBF16PS path reads: its row stride (K rounded up to
+ * 32) and the elements a caller's scratch needs; 0 where bfloat16 weights are widened instead. */
+static int64_t xb_stride(int64_t K) { return (K + 31) & ~(int64_t)31; }
+
+int64_t wb_gemv_scratch_elems(int64_t K) {
+#ifdef HAVE_BF16_DP
+    return 4 * xb_stride(K);
+#else
+    (void)K;
+    return 0;
+#endif
+}
+
+/* Rows [n0, n1) of out for MM (<= 4) rows of x; xb: their bfloat16 copy (ldxb apart) when the weight
+ * takes the VDPBF16PS path, else NULL. */
+static void rows_any(const float *xm, int64_t ldx, const uint16_t *xb, int64_t ldxb, const void *w, int64_t ldw,
+                     int wdt, const float *bias, const float *rm, int64_t ldr, float *om, int64_t ldo, int MM,
+                     int64_t n0, int64_t n1, int64_t K) {
+#ifdef HAVE_BF16_DP
+    if (xb != NULL) {
+        rows_dp(xb, ldxb, w, ldw, bias, rm, ldr, om, ldo, MM, n0, n1, K);
+        return;
+    }
+#else
+    (void)xb, (void)ldxb;
+#endif
+    rows(xm, ldx, w, ldw, wdt, bias, rm, ldr, om, ldo, MM, n0, n1, K);
+}
+
+/* Rows [n0, n1) of the output on the calling thread only, for a caller that runs its own parallel
+ * region and splits the rows itself (decode_layers.c; wb_gemv_share gives a thread its part).
+ * Arguments as wb_gemv's; xb: wb_gemv_scratch_elems(K) uint16 of the caller's (NULL when that is 0).
+ * Each output element is the same sum whichever thread computes it, so the split never changes
+ * a result. */
+void wb_gemv_rows(const float *x, int64_t ldx, const void *w, int64_t ldw, int wdt, const float *bias,
+                  const float *res, int64_t ldr, float *out, int64_t ldo, int M, int64_t n0, int64_t n1, int64_t K,
+                  uint16_t *xb) {
+    const int64_t ldxb = xb_stride(K);
+#ifndef HAVE_BF16_DP
+    xb = NULL;
+#endif
+    if (wdt != 1) xb = NULL;
+    for (int m0 = 0; m0 < M; m0 += 4) {
+        const int MM = M - m0 < 4 ? M - m0 : 4;
+#ifdef HAVE_BF16_DP
+        if (xb) x_to_bf16(x + m0 * ldx, ldx, MM, K, xb, ldxb);
+#endif
+        rows_any(x + m0 * ldx, ldx, xb, ldxb, w, ldw, wdt, bias, res ? res + m0 * ldr : res, ldr, out + m0 * ldo,
+                 ldo, MM, n0, n1, K);
+    }
+}
+
+/* Thread t of T's part of N output rows: a contiguous run of whole 8-row blocks. */
+void wb_gemv_share(int64_t N, int t, int T, int64_t *n0, int64_t *n1) {
+    const int64_t blocks = (N + 7) / 8;
+    *n0 = blocks * t / T * 8;
+    *n1 = blocks * (t + 1) / T * 8;
+    if (*n1 > N) *n1 = N;
+    if (*n0 > *n1) *n0 = *n1;
+}
+
 /* x: [M, K] float32 at row stride ldx; w: [N, K] at row stride ldw (elements), float32 (wdt 0) or
  * bfloat16 (wdt 1); bias: [N] float32 or NULL; res: [M, N] float32 at row stride ldr or NULL; out:
  * [M, N] float32 at row stride ldo (may be res itself: each element is read before it is written).
@@ -310,14 +371,10 @@ void wb_gemv(const float *x, int64_t ldx, const void *w, int64_t ldw, int wdt, c
     int64_t most = (N * K) / 65536;
     int nt = nthreads < 1 ? 1 : nthreads;
     if (nt > most) nt = most < 1 ? 1 : (int)most;
+    const int64_t ldxb = xb_stride(K);
+    uint16_t *xb = NULL;
 #ifdef HAVE_BF16_DP
-    const int64_t ldxb = (K + 31) & ~(int64_t)31;
-    uint16_t *xb = wdt == 1 ? aligned_alloc(64, (size_t)(4 * ldxb) * sizeof(uint16_t)) : NULL;
-#define ROWS(n0, n1) \
-    (xb ? rows_dp(xb, ldxb, w, ldw, bias, rm, ldr, om, ldo, MM, n0, n1, K) \
-        : rows(xm, ldx, w, ldw, wdt, bias, rm, ldr, om, ldo, MM, n0, n1, K))
-#else
-#define ROWS(n0, n1) rows(xm, ldx, w, ldw, wdt, bias, rm, ldr, om, ldo, MM, n0, n1, K)
+    if (wdt == 1) xb = aligned_alloc(64, (size_t)wb_gemv_scratch_elems(K) * sizeof(uint16_t));
 #endif
     for (int m0 = 0; m0 < M; m0 += 4) {
         const int MM = M - m0 < 4 ? M - m0 : 4;
@@ -328,10 +385,9 @@ void wb_gemv(const float *x, int64_t ldx, const void *w, int64_t ldw, int wdt, c
         if (xb) x_to_bf16(xm, ldx, MM, K, xb, ldxb);
 #endif
         if (nt == 1) {
-            ROWS(0, N);
+            rows_any(xm, ldx, xb, ldxb, w, ldw, wdt, bias, rm, ldr, om, ldo, MM, 0, N, K);
             continue;
         }
-        const int64_t blocks = (N + 7) / 8;
 #pragma omp parallel num_threads(nt)
         {
 #ifdef _OPENMP
@@ -339,15 +395,12 @@ void wb_gemv(const float *x, int64_t ldx, const void *w, int64_t ldw, int wdt, c
 #else
             const int t = 0, T = 1;
 #endif
-            int64_t n0 = blocks * t / T * 8, n1 = blocks * (t + 1) / T * 8;
-            if (n1 > N) n1 = N;
-            if (n0 < n1) ROWS(n0, n1);
+            int64_t n0, n1;
+            wb_gemv_share(N, t, T, &n0, &n1);
+            if (n0 < n1) rows_any(xm, ldx, xb, ldxb, w, ldw, wdt, bias, rm, ldr, om, ldo, MM, n0, n1, K);
         }
     }
-#undef ROWS
-#ifdef HAVE_BF16_DP
     free(xb);
-#endif
 }
 
 /* 1 when bfloat16 weights take the VDPBF16PS path (x rounded to bfloat16), 0 when they are widened

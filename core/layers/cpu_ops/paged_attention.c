@@ -500,3 +500,26 @@ int paged_decode_attention(const void *q, int q_dt, int64_t q_stride, const void
                                           v_buf, kv_dt, req_to_token, r2t_stride, req_pool_indices, seq_lens, B,
                                           Hq, Hk, D, scale, out, NULL, NULL, 0, num_threads);
 }
+
+/* Scratch (floats) paged_decode_attention_head needs for a request of len tokens. */
+size_t paged_decode_head_work_floats(int Hq, int Hk, int D, int64_t len) {
+    return Hk > 0 ? work_floats(Hq / Hk, 1, D, len) : 0;
+}
+
+/* Request 0's KV head h alone, on the calling thread: stores that head's new K/V row, then attends
+ * with its query heads. For a caller inside its own parallel region that splits the heads between
+ * its threads (decode_layers.c at batch 1): the same work item paged_decode_attention runs for
+ * (request 0, head h), so the result is the same bit for bit. work: paged_decode_head_work_floats
+ * floats, 64-byte aligned. Returns 0, or -1 for an unsupported shape. */
+int paged_decode_attention_head(const void *q, int q_dt, int64_t q_stride, const void *k_new, int64_t k_stride,
+                                const void *v_new, int64_t v_stride, const int64_t *out_loc, void *k_buf,
+                                void *v_buf, int kv_dt, const int64_t *req_to_token, int64_t r2t_stride,
+                                const int64_t *req_pool_indices, const int64_t *seq_lens, int Hq, int Hk, int D,
+                                float scale, void *out, int h, float *work) {
+    if (Hk <= 0 || Hq % Hk != 0 || D <= 0 || D % 16 != 0 || D > MAX_D || h < 0 || h >= Hk) return -1;
+    Call call = {q, q_stride, q_dt, k_new, v_new, k_stride, v_stride, out_loc, k_buf, v_buf, kv_dt,
+                 req_to_token, r2t_stride, req_pool_indices, seq_lens, Hq, Hk, Hq / Hk, scale, out,
+                 NULL, NULL, NULL};
+    attend_any(&call, 0, h, 1, D, work);
+    return 0;
+}
