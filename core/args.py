@@ -32,6 +32,9 @@ FLAG_HELP = {
     "kv_cache_memory_gb": "CPU: memory budget of the KV pool in GiB (default 0.5)",
     "mem_fraction_static": "CUDA: fraction of free GPU memory for weights and the KV pool",
     "max_running_requests": "most requests in the running batch at once",
+    "stream_interval": "a streaming request's new tokens go out every this many tokens (the first at once); "
+    "larger trades smoothness for throughput. Non-streaming requests send every 50, or every token while "
+    "a view listens to the trace",
     "max_prefill_tokens": "token budget of one prefill (extend) batch",
     "chunked_prefill_size": "longest prompt piece one step prefills; longer prompts are chunked "
     "(default 2048 on CPU, 8192 on CUDA; -1 or 0 turns chunking off)",
@@ -124,6 +127,7 @@ class ServerArgs:
     kv_cache_memory_gb: Optional[float] = None  # CPU budget for the KV pool (default 0.5 GiB)
     mem_fraction_static: float = 0.85  # CUDA: fraction of free memory for weights + KV
     max_running_requests: int = 128
+    stream_interval: int = 1
     max_prefill_tokens: int = 8192
     chunked_prefill_size: Optional[int] = None  # None = per-device default; -1 or 0 disables
     schedule_policy: str = "fcfs"
@@ -213,6 +217,8 @@ class ServerArgs:
             bad(f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             bad("--max-total-tokens must be at least 16")
+        if self.stream_interval < 1:
+            bad("--stream-interval must be at least 1 (1 sends every token)")
         if self.max_running_requests < 1:
             bad("--max-running-requests must be at least 1")
         if self.max_prefill_tokens < 16:

@@ -178,16 +178,19 @@ class SchedulerHarness:
         self.check = check
         self.batches: list[tuple[str, list[tuple[str, int]]]] = []  # (mode, [(rid, extend_len)])
         self.out: dict[str, list[int]] = {}
+        self.sends: dict[str, list[int]] = {}  # per request: how many new tokens each message carried
         self.finish: dict[str, Optional[str]] = {}
         self.cached: dict[str, int] = {}
         self.errors: dict[str, Optional[str]] = {}
         self.replies: list = []
 
     # ---- input ---------------------------------------------------------------------
-    def submit(self, rid: str, prompt: list[int], max_new_tokens: int = 4, **sp) -> None:
+    def submit(self, rid: str, prompt: list[int], max_new_tokens: int = 4, stream: bool = False, **sp) -> None:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, **sp)
         self.io.inbox.append(
-            TokenizedGenerateReqInput(rid=rid, input_text="", input_ids=list(prompt), sampling_params=params)
+            TokenizedGenerateReqInput(
+                rid=rid, input_text="", input_ids=list(prompt), sampling_params=params, stream=stream
+            )
         )
 
     def send(self, msg) -> None:
@@ -223,6 +226,7 @@ class SchedulerHarness:
             if isinstance(msg, BatchTokenIDOut):
                 for i, rid in enumerate(msg.rids):
                     self.out.setdefault(rid, []).extend(msg.new_token_ids[i])
+                    self.sends.setdefault(rid, []).append(len(msg.new_token_ids[i]))
                     self.cached[rid] = msg.cached_tokens[i]
                     if msg.finished_reasons[i] is not None:
                         self.finish[rid] = msg.finished_reasons[i]

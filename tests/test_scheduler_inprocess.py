@@ -508,3 +508,29 @@ def test_schedule_conservativeness_scales_the_expected_decoding():
     eager, careful = SchedulerHarness(schedule_conservativeness=0.5), SchedulerHarness(schedule_conservativeness=2.0)
     assert eager.s.new_token_ratio == pytest.approx(0.35) and eager.s.min_new_token_ratio == pytest.approx(0.05)
     assert careful.s.new_token_ratio == 1.0
+
+
+@BOTH_LOOPS
+def test_tokens_go_out_by_sglangs_stream_rule_unless_a_view_listens(overlap):
+    """First token at once, the end at once; between them a streaming request sends every
+    --stream-interval tokens and a non-streaming one every 50 (SGLang's rule), unless the trace is on
+    (a view shows each request's text growing), when every token goes out. The tokens are the same."""
+    from workbench.core.managers.scheduler_output import NON_STREAM_INTERVAL
+
+    def run(trace: bool) -> SchedulerHarness:
+        h = SchedulerHarness(overlap=overlap, stream_interval=3)
+        h.s.tracer.set_enabled(trace)
+        h.submit("quiet", prompt(1, 20), max_new_tokens=2 * NON_STREAM_INTERVAL + 19)
+        h.submit("stream", prompt(2, 12), max_new_tokens=10, stream=True)
+        h.run_until_idle()
+        assert h.tokens("quiet") == expected_tokens(prompt(1, 20), 2 * NON_STREAM_INTERVAL + 19)
+        assert h.tokens("stream") == expected_tokens(prompt(2, 12), 10)
+        assert h.finish == {"quiet": "length", "stream": "length"}
+        return h
+
+    quiet = run(trace=False)
+    assert quiet.sends["quiet"] == [1, NON_STREAM_INTERVAL, NON_STREAM_INTERVAL, 18]
+    assert quiet.sends["stream"] == [1, 3, 3, 3]
+    watched = run(trace=True)
+    assert watched.sends["quiet"] == [1] * (2 * NON_STREAM_INTERVAL + 19)
+    assert watched.sends["stream"] == [1, 3, 3, 3]

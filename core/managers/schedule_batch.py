@@ -52,6 +52,7 @@ class Req:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         arrival_ts: int = 0,
+        stream: bool = False,
     ):
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -63,6 +64,7 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.logprob_start_len = logprob_start_len
         self.arrival_ts = arrival_ts
+        self.stream = stream  # the client reads tokens as they come (SchedulerOutputMixin.stream_output)
         self.generator = make_generator(sampling_params.seed) if sampling_params.seed is not None else None
         self.grammar = None  # structured outputs: its xgrammar GrammarMatcher (Scheduler.attach_grammar)
         # Speculative decoding: after a verify step that kept none of its drafts, the request proposes

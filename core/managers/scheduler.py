@@ -127,6 +127,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             server_args.schedule_policy, self.tree_cache, not server_args.disable_radix_cache, server_args.random_seed
         )
         self.chunked_prefill_size = server_args.resolved_chunked_prefill_size()
+        self.stream_interval = server_args.stream_interval
         self.max_prefill_tokens = server_args.max_prefill_tokens
         self.max_req_input_len = self.model_config.context_len - 1
 
@@ -308,6 +309,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             recv.top_logprobs_num,
             recv.logprob_start_len,
             recv.arrival_ts,
+            recv.stream,
         )
         error = None
         if not req.origin_input_ids:
