@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from workbench.core.mem_cache import huge_pages
+
 
 class ReqToTokenPool:
     """Rows of token-slot indices, one row per running request."""
@@ -99,8 +101,13 @@ class MHATokenToKVPool:
         self.layer_num = layer_num
         self.device = device
         shape = (size + 1, head_num, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        if str(device) == "cpu" and not huge_pages.unavailable_reason():
+            # attention reads each request's slots scattered over the pool: on 2 MiB pages, far fewer TLB misses
+            bufs, _ = huge_pages.huge_page_tensors([(shape, dtype)] * (2 * layer_num))
+            self.k_buffer, self.v_buffer = bufs[:layer_num], bufs[layer_num:]
+        else:
+            self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+            self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]

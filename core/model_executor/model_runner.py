@@ -26,6 +26,7 @@ from workbench.core.layers.logits_processor import LogitsOutput, LogitsProcessor
 from workbench.core.layers.moe import sparse_moe_blocks
 from workbench.core.layers.sampler import Sampler
 from workbench.core.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from workbench.core.mem_cache.huge_pages import Rehomed, rehome_parameters
 from workbench.core.model_executor.cpu_allocator import tune_glibc_malloc
 from workbench.core.model_executor.cpu_compile_runner import TorchCompileDecodeRunner
 from workbench.core.model_executor.cuda_graph_runner import maybe_create_cuda_graph_runner
@@ -68,6 +69,7 @@ class ModelRunner:
             torch.set_num_threads(server_args.num_threads)
         torch.manual_seed(server_args.random_seed)
 
+        self.huge_pages = Rehomed(skipped="not a CPU model")  # set by load_model on CPU
         t0 = time.monotonic()
         self.prepared = prepared or prepare_model(server_args.model_path, progress=server_args.show_progress)
         gen_eos = _generation_eos(self.prepared.model_dir)
@@ -122,6 +124,8 @@ class ModelRunner:
         # RoPE tables stay float32 (positions must be exact); everything else is in self.dtype.
         # Packed oneDNN weights: ~2x faster decode GEMMs on CPU (see layers/linear.py).
         pack = self.device == "cpu" and os.environ.get("WORKBENCH_CPU_PACK", "1") != "0"
+        if self.device == "cpu":  # batch-1 decode streams every weight: on 2 MiB pages it streams faster
+            self.huge_pages = rehome_parameters(self.model)
         self.model.process_weights_after_loading(pack=pack)
         if self.device == "cpu":
             tune_glibc_malloc()  # warm activation pages across passes (see cpu_allocator.py)
