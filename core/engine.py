@@ -156,10 +156,9 @@ class Engine:
         self._watchdog = threading.Thread(target=self._watch_children, name="workbench-watchdog", daemon=True)
         self._watchdog.start()
         self.ready_time_s = time.monotonic() - self.t_start
-        self._progress(
-            f"ready in {self.ready_time_s:.1f} s ({self.scheduler_info['dtype']}, "
-            f"KV pool {self.max_total_num_tokens} tokens; {self.scheduler_info.get('threads', '')})"
-        )
+        details = [f"KV pool {self.max_total_num_tokens} tokens"]
+        details += [self.scheduler_info[k] for k in ("huge_pages", "threads") if self.scheduler_info.get(k)]
+        self._progress(f"ready in {self.ready_time_s:.1f} s ({self.scheduler_info['dtype']}, {'; '.join(details)})")
 
     def _launch_schedulers(self, ctx, child_args: ServerArgs, readers: dict) -> None:
         """Start this node's scheduler ranks (one per TP rank; rank 0 is role "scheduler").

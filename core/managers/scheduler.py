@@ -826,6 +826,7 @@ def run_scheduler_process(
                 "kv_head_num": runner.token_to_kv_pool.head_num,
                 "threads": f"{plan.describe()}; {scheduler.loop_text()}",
                 "load_time_s": runner.load_time_s,
+                "huge_pages": runner.huge_pages.describe(),
             }
         )
     except Exception as exc:
