@@ -32,6 +32,9 @@ FLAG_HELP = {
     "kv_cache_memory_gb": "CPU: memory budget of the KV pool in GiB (default 0.5)",
     "mem_fraction_static": "CUDA: fraction of free GPU memory for weights and the KV pool",
     "max_running_requests": "most requests in the running batch at once",
+    "simulate": "serve a deployment that is not there: the real tokenizer manager, scheduler and detokenizer "
+    "over this hardware's cost model (h100, h200, a100-80g, l4, cpu-here), in real time; --model may then "
+    "name a known model (llama-3.1-70b, qwen3-32b, ...) or an HF config.json, --tp-size counts its devices",
     "stream_interval": "a streaming request's new tokens go out every this many tokens (the first at once); "
     "larger trades smoothness for throughput. Non-streaming requests send every 50, or every token while "
     "a view listens to the trace",
@@ -116,6 +119,7 @@ def flag_help(f: dataclasses.Field) -> str:
 class ServerArgs:
     # model
     model_path: Optional[str] = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    simulate: Optional[str] = None  # a hardware name: a simulated deployment (core/simulation/live.py)
     served_model_name: Optional[str] = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"  # auto = same as dtype

@@ -73,6 +73,10 @@ class Engine:
             server_args = ServerArgs(model_path=model_path, **kwargs)
         elif model_path is not None or kwargs:
             server_args = dataclasses.replace(server_args, model_path=model_path or server_args.model_path, **kwargs)
+        if server_args.simulate:  # a deployment that is not there (core/simulation/live.py)
+            from workbench.core.simulation.live import sized_args
+
+            server_args = sized_args(server_args)
         self.server_args = server_args
         self._progress = on_progress or (_print_progress if server_args.show_progress else (lambda msg: None))
         self._shutdown = False
@@ -99,16 +103,21 @@ class Engine:
                 "start it with `workbench serve --nnodes N --node-rank K --dist-init-addr HOST:PORT` "
                 "(or workbench.core.distributed.launch.run_worker_node); the Engine runs on node 0"
             )
-        self.prepared = prepare_model(sa.model_path, progress=sa.show_progress)
-        self.model_path = str(self.prepared.gguf_path or self.prepared.model_dir)
-        if sa.tp_size > 1:  # reading the config imports transformers: keep it off the TP-1 warm start
-            validate_tp_for_model(self.prepared.config, sa.tp_size)  # before any process starts
-        # Children load the converted directory, never the GGUF again.
-        child_args = with_dist_init_addr(dataclasses.replace(sa, model_path=str(self.prepared.model_dir)))
+        if sa.simulate:  # no weights: the default model's tokenizer stands in, the scheduler gets the name
+            self.prepared = prepare_model(None, progress=sa.show_progress)
+            self.model_path = str(sa.model_path)
+            child_args = sa
+        else:
+            self.prepared = prepare_model(sa.model_path, progress=sa.show_progress)
+            self.model_path = str(self.prepared.gguf_path or self.prepared.model_dir)
+            if sa.tp_size > 1:  # reading the config imports transformers: keep it off the TP-1 warm start
+                validate_tp_for_model(self.prepared.config, sa.tp_size)  # before any process starts
+            # Children load the converted directory, never the GGUF again.
+            child_args = with_dist_init_addr(dataclasses.replace(sa, model_path=str(self.prepared.model_dir)))
         if sa.speculative_draft_model_path:  # STANDALONE: the draft model is prepared here too (GGUF, hub)
             draft = prepare_model(sa.speculative_draft_model_path, progress=sa.show_progress)
             child_args.speculative_draft_model_path = str(draft.model_dir)
-        self.bus = TraceBus(self.port_args.trace_ipc_name, publish_addr=sa.trace_publish, model=self.served_model_name)
+        self.bus = TraceBus(self.port_args.trace_ipc_name, publish_addr=sa.trace_publish, model=self.trace_label)
         ctx = mp.get_context("spawn")
         self._progress("starting scheduler and detokenizer processes")
         from workbench.core.managers.detokenizer_manager import run_detokenizer_process
@@ -142,7 +151,7 @@ class Engine:
         if sa.record:
             from workbench.core.trace.recorder import Recorder
 
-            self._recorder = Recorder(sa.record, model=self.served_model_name)
+            self._recorder = Recorder(sa.record, model=self.trace_label)
             self.bus.subscribe_callback(self._recorder, name="recorder")
         self._otel = None
         if sa.otlp_traces_endpoint:
@@ -170,7 +179,12 @@ class Engine:
             from workbench.core.managers.data_parallel_controller import launch_data_parallel
 
             return launch_data_parallel(ctx, child_args, self.port_args, self.procs, readers)
-        ranks = tp_ranks_on_node(child_args.tp_size, child_args.nnodes, child_args.node_rank)
+        # A simulated deployment's devices are the cost model's: one scheduler process stands for them.
+        ranks = (
+            [0]
+            if child_args.simulate
+            else tp_ranks_on_node(child_args.tp_size, child_args.nnodes, child_args.node_rank)
+        )
         spawn_scheduler_ranks(ctx, child_args, self.port_args, ranks, self.procs, readers)
 
     async def _make_tokenizer_manager(self) -> TokenizerManager:
@@ -194,6 +208,16 @@ class Engine:
         info = infos.get("scheduler", {})
         self._progress(f"model loaded in {info.get('load_time_s', 0):.1f} s")
         return info
+
+    @property
+    def trace_label(self) -> str:
+        """The model as the trace's header, the recorder and the views name it: with a
+        `SIMULATED h100x8` badge in front for a simulated deployment."""
+        if not self.server_args.simulate:
+            return self.served_model_name
+        from workbench.core.simulation.live import badge
+
+        return f"{badge(self.server_args)} {self.served_model_name}"
 
     @property
     def served_model_name(self) -> str:

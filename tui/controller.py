@@ -152,7 +152,8 @@ class EngineController(Controller):
                     engine.shutdown()
                     raise ControlUnavailable("closed during start-up")
                 self.engine = engine
-        self.title = str(getattr(self.engine, "served_model_name", "") or "")
+        # a simulated deployment's label carries its badge ("SIMULATED h100x8 llama-3.1-70b")
+        self.title = str(getattr(self.engine, "trace_label", "") or getattr(self.engine, "served_model_name", "") or "")
         progress("engine ready; subscribing to the trace bus")
         self._sub = self.engine.subscribe(with_snapshot=True, name="tui")
         if self._start_paused:

@@ -67,8 +67,16 @@ class _Histogram:
 class ServerMetrics:
     """Folds trace event batches into SGLang-named Prometheus metrics; see the module docstring."""
 
-    def __init__(self, model_name: str, *, throughput_window_s: float = 10.0, max_remembered_rids: int = 50_000):
-        self.labels = {"model_name": model_name}
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        throughput_window_s: float = 10.0,
+        max_remembered_rids: int = 50_000,
+        simulated: str = "",
+    ):
+        # A simulated deployment's series carry it: simulated="h100x8" beside model_name.
+        self.labels = {"model_name": model_name, **({"simulated": simulated} if simulated else {})}
         self.window_ns = int(throughput_window_s * 1e9)
         self._lock = threading.Lock()
         self._finished: OrderedDict[str, None] = OrderedDict()  # dedupe req.finished per rid

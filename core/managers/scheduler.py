@@ -800,9 +800,14 @@ def run_scheduler_process(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     try:
         # Threads and cores before anything starts torch's OpenMP team: its threads inherit the affinity.
-        plan = _apply_thread_plan(server_args, tp_rank, tp_size)
-        scheduler = Scheduler(server_args, port_args, tp_rank, tp_size, proc_name=proc_name)
-        scheduler.init_adaptive_threads(plan)
+        if server_args.simulate:  # a deployment that is not there: a paced simulated worker (simulation/live.py)
+            from workbench.core.simulation.live import build_scheduler
+
+            plan, scheduler = None, build_scheduler(server_args, port_args, proc_name)
+        else:
+            plan = _apply_thread_plan(server_args, tp_rank, tp_size)
+            scheduler = Scheduler(server_args, port_args, tp_rank, tp_size, proc_name=proc_name)
+            scheduler.init_adaptive_threads(plan)
         runner = scheduler.tp_worker.model_runner
         if tp_rank == 0:
             scheduler.tracer.set_enabled(True)
@@ -823,10 +828,11 @@ def run_scheduler_process(
                 "device": str(runner.device),
                 "tp_rank": tp_rank,
                 "tp_size": tp_size,
-                "kv_head_num": runner.token_to_kv_pool.head_num,
-                "threads": f"{plan.describe()}; {scheduler.loop_text()}",
+                "kv_head_num": runner.token_to_kv_pool.head_num if plan else runner.kv_head_num,
+                "threads": f"{plan.describe() if plan else 'no compute threads'}; {scheduler.loop_text()}",
                 "load_time_s": runner.load_time_s,
-                "huge_pages": runner.huge_pages.describe(),
+                "huge_pages": runner.huge_pages.describe() if plan else "",
+                "simulated": getattr(runner, "simulated", ""),
             }
         )
     except Exception as exc:

@@ -108,7 +108,8 @@ def run_calibrate(args) -> int:
     from workbench.core.simulation.hardware import get_hardware
     from workbench.core.simulation.model_specs import model_spec
 
-    sa = ServerArgs.from_cli_args(args).replace(show_progress=False)
+    args.simulate = args.simulate or "cpu-here"  # here --simulate names the hardware entry being measured
+    sa = ServerArgs.from_cli_args(args).replace(show_progress=False, simulate=None)  # ... on the real engine
     batches = (1, 4) if args.quick else (1, 4, 16, 32, 64)
     contexts = (16,) if args.quick else (64, 512)
     prompt_lens = (32, 128) if args.quick else (32, 128, 512, 2048)
@@ -214,7 +215,8 @@ def run_sim_accuracy(args) -> int:
     from workbench.core.engine import Engine
     from workbench.core.simulation.simulator import SimRequest, Simulator
 
-    sa = ServerArgs.from_cli_args(args).replace(show_progress=False)
+    args.simulate = args.simulate or "cpu-here"  # here --simulate names the hardware entry being measured
+    sa = ServerArgs.from_cli_args(args).replace(show_progress=False, simulate=None)  # ... on the real engine
     rows = []
     loads = [f"{os.getloadavg()[0]:.2f}"]
     with Engine(server_args=sa) as engine:
@@ -284,8 +286,7 @@ def add_parsers(bench_sub) -> None:
         ("sim-accuracy", run_sim_accuracy, "the simulator against the real engine on the same workloads"),
     ):
         p = bench_sub.add_parser(name, help=text)
-        ServerArgs.add_cli_args(p)
-        p.add_argument("--simulate", default="cpu-here", help="the hardware entry this machine is (default cpu-here)")
+        ServerArgs.add_cli_args(p)  # its --simulate names the hardware entry this machine is (default cpu-here)
         p.add_argument("--sim-model", default=None, help="the model's name in the simulator (default: from --model)")
         p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
         p.set_defaults(func=func)

@@ -1,0 +1,118 @@
+"""A deployment that is not there, served live (core/simulation/live.py): the real tokenizer manager,
+scheduler process and detokenizer over a paced simulated worker. Checked: each pass takes, on the wall
+clock, the time the cost model predicts for its shape (the trace's forward_ms is that prediction and
+the steps' timestamps are at least that far apart); the SIMULATED badge in the trace's header, the
+recorder, the live TUI's status line and every /metrics series; bad combinations refused with what to
+do instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.core.args import ServerArgs
+from workbench.core.simulation import live
+from workbench.core.trace import events as ev
+
+pytestmark = pytest.mark.timeout(300)
+
+SIM = dict(simulate="h100", model_path="llama-3.1-70b", tp_size=8, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from workbench.core.engine import Engine
+
+    path = tmp_path_factory.mktemp("sim") / "live.jsonl"
+    eng = Engine(record=str(path), **SIM)
+    eng.recording = path
+    yield eng
+    eng.shutdown()
+
+
+def test_each_pass_takes_the_time_the_cost_model_predicts(engine):
+    from pipeline_helpers import generate_traced
+
+    prompt, new = list(range(100, 400)), 6
+    outs, events = generate_traced(engine, [prompt], {"max_new_tokens": new, "temperature": 0.0})
+    meta = outs[0]["meta_info"]
+    assert meta["completion_tokens"] == new and meta["prompt_tokens"] == len(prompt)
+    steps = [e for e in events if isinstance(e, ev.BatchStep) and e.mode != "idle"]
+    assert [s.mode for s in steps] == ["extend"] + ["decode"] * (new - 1)
+    cost = live._cost_model(engine.server_args)
+    n = len(prompt)
+    predicted = [cost.step([n], [n]).total] + [cost.step([1], [n + i + 1]).total for i in range(new - 1)]
+    assert [s.forward_ms for s in steps] == pytest.approx([1000 * p for p in predicted], rel=1e-9)
+    # paced on the wall clock: a step starts no sooner than the pass before it took
+    for before, after, p in zip(steps, steps[1:], predicted[1:]):
+        assert (after.ts - before.ts) / 1e6 >= 1000 * p - 0.5
+    assert meta["e2e_latency"] >= sum(predicted)
+    assert 0.002 < predicted[1] < 0.05  # a 70B decode step on 8 H100s: milliseconds, not this CPU's time
+    # the text decodes with the stand-in tokenizer
+    assert isinstance(outs[0]["text"], str) and outs[0]["text"]
+
+
+def test_the_badge_is_in_the_label_the_ready_info_the_recording_and_the_tui(engine):
+    from workbench.core.trace.replay import Replay
+
+    assert engine.trace_label == "SIMULATED h100x8 llama-3.1-70b"
+    assert engine.served_model_name == "llama-3.1-70b"  # the API's model name stays the model's
+    assert engine.scheduler_info["simulated"] == "SIMULATED h100x8"
+    assert engine.max_total_num_tokens == live._cost_model(engine.server_args).kv_pool_tokens()
+    engine.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 2})
+    assert Replay(str(engine.recording)).header.model == "SIMULATED h100x8 llama-3.1-70b"
+
+
+async def test_the_live_tui_says_simulated_in_its_status_line(engine):
+    from tests.tui_helpers import wait_for
+    from workbench.tui.app import WorkbenchApp
+    from workbench.tui.controller import EngineController
+
+    from textual.widgets import Static
+
+    app = WorkbenchApp(EngineController(engine=engine, max_new_tokens=4))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_for(app.ready.is_set, 30)
+        assert app.controller.status().startswith("LIVE SIMULATED h100x8 llama-3.1-70b")
+        app.controller.start_workload("shared-prefix", rate=50, max_requests=4, temperature=0.0)
+        await wait_for(lambda: len(app.model.state.steps) > 3, 60)  # the simulated steps reach the views
+        app.refresh_panels(force=True)
+        await pilot.pause()
+        assert "SIMULATED h100x8" in " ".join(str(w.render()) for w in app.query(Static))
+
+
+def test_metrics_carry_the_deployment(engine):
+    from fastapi.testclient import TestClient
+
+    from workbench.core.entrypoints.http_server import create_app
+
+    app = create_app(engine, engine.server_args)
+    try:
+        with TestClient(app) as client:
+            r = client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}})
+            assert r.status_code == 200, r.text
+            text = client.get("/metrics").text
+    finally:
+        app.state.metrics.close()
+    lines = [line for line in text.splitlines() if line.startswith("sglang:prompt_tokens_total")]
+    assert lines and all('simulated="h100x8"' in line and 'model_name="llama-3.1-70b"' in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(simulate="tpu9"), "--simulate must be one of"),
+        (dict(tp_size=1), "does not fit"),
+        (dict(dp_size=2), "workbench sim run"),
+        (dict(model_path="no-such-model"), "neither a known model"),
+    ],
+)
+def test_bad_combinations_say_what_to_do(changes, message):
+    with pytest.raises(ValueError, match=message):
+        live.sized_args(ServerArgs(**{**SIM, **changes}))
+
+
+def test_sizes_follow_the_hardware_unless_given():
+    sa = live.sized_args(ServerArgs(**SIM))
+    assert sa.chunked_prefill_size == 8192 and sa.max_running_requests == 256 and sa.disable_overlap_schedule
+    mine = live.sized_args(ServerArgs(**SIM, chunked_prefill_size=1024, max_total_tokens=5000, max_running_requests=64))
+    assert (mine.chunked_prefill_size, mine.max_total_tokens, mine.max_running_requests) == (1024, 5000, 64)
