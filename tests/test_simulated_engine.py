@@ -116,3 +116,20 @@ def test_sizes_follow_the_hardware_unless_given():
     assert sa.chunked_prefill_size == 8192 and sa.max_running_requests == 256 and sa.disable_overlap_schedule
     mine = live.sized_args(ServerArgs(**SIM, chunked_prefill_size=1024, max_total_tokens=5000, max_running_requests=64))
     assert (mine.chunked_prefill_size, mine.max_total_tokens, mine.max_running_requests) == (1024, 5000, 64)
+
+
+def test_the_live_dashboard_says_simulated_in_its_header(engine):
+    import time
+
+    from workbench.widgets.dashboard import Dashboard
+
+    d = Dashboard(engine)
+    try:
+        engine.generate(input_ids=[[7, 8, 9]], sampling_params={"max_new_tokens": 3})
+        deadline = time.monotonic() + 30
+        while not d.state.steps and time.monotonic() < deadline:
+            d.feed.pump(timeout=0.1)
+        d.refresh()
+        assert "SIMULATED h100x8 llama-3.1-70b" in d.header.value
+    finally:
+        d.close()

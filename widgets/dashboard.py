@@ -102,7 +102,7 @@ class Dashboard(W.VBox):
     def _update_header(self, state: TraceState, t0: Optional[int]) -> None:
         s = D.summary(state)
         kv = f"{s['kv_used']}/{s['kv_total']} used, {s['kv_evictable']} evictable" if s["kv_total"] else "–"
-        model = s["model"] or getattr(self.feed.engine, "served_model_name", "") or "workbench"
+        model = s["model"] or getattr(self.feed.engine, "trace_label", "") or "workbench"
         parts = [
             f"<b>{html.escape(model)}</b>",
             f"step {s['step'] if s['step'] is not None else '–'}",
