@@ -459,3 +459,28 @@ def test_the_trip_through_the_tokenizer_manager_spreads_a_burst_and_delays_token
     assert results[True].ttft["r0"] == pytest.approx(0.002 + lone + 0.003)
     assert results[False].ttft["r0"] == pytest.approx(sims[False].cost.step([64] * 8, [64] * 8).total)
     assert results[True].output_tokens == results[False].output_tokens == 32
+
+
+def test_a_draft_models_passes_are_costed_and_its_memory_taken():
+    """speculative_draft_model (STANDALONE): each proposal of k drafts costs k decode passes of the
+    draft model over the drafting requests, added to the verify pass that follows; the draft's weights
+    come off the KV budget and each token keeps the draft's KV too. The scheduling is the NGRAM run's
+    (same seed, same accept decisions, all requests at once): only the time differs, by exactly the
+    draft passes."""
+    work = [SimRequest(0.0, 200, 64) for _ in range(8)]
+    kw = dict(tp_size=8, calibration=None, speculative_accept_rate=0.8, speculative_num_draft_tokens=4)
+    ngram = Simulator("llama-3.1-70b", "h100", **kw)
+    draft = Simulator("llama-3.1-70b", "h100", speculative_draft_model="llama-3.1-8b", **kw)
+    t, d = draft.cost, draft.draft_cost
+    budget = t.hw.mem_bytes * t.hw.mem_fraction - t.weight_bytes_per_rank() - d.weight_bytes_per_rank()
+    want_pool = int(budget // (t.kv_bytes_per_token_per_rank() + d.kv_bytes_per_token_per_rank()))
+    assert draft.runner.max_total_num_tokens == want_pool < ngram.runner.max_total_num_tokens
+    plain_result, draft_result = ngram.run(work), draft.run(work)
+    assert draft_result.steps == plain_result.steps and draft_result.output_tokens == plain_result.output_tokens
+    drafter = draft.scheduler.drafter
+    # the first proposal: 8 requests, each 200 prompt tokens + 1 sampled, 4 draft passes
+    assert drafter.proposal_s[0] == pytest.approx(sum(d.step([1] * 8, [201 + j + 1] * 8).total for j in range(4)))
+    assert draft.worker.busy_s - ngram.worker.busy_s == pytest.approx(sum(drafter.proposal_s))
+    assert draft_result.metrics()["tpot_p50_ms"] > plain_result.metrics()["tpot_p50_ms"]
+    with pytest.raises(ValueError, match="needs speculative_accept_rate"):
+        Simulator("llama-3.1-70b", "h100", tp_size=8, speculative_draft_model="llama-3.1-8b")

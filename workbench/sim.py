@@ -82,6 +82,8 @@ def _simulator(args, **overrides) -> Simulator:
     if args.speculative_accept_rate is not None:
         kw.setdefault("speculative_accept_rate", args.speculative_accept_rate)
         kw.setdefault("speculative_num_draft_tokens", args.speculative_num_draft_tokens)
+        if args.speculative_draft_model:
+            kw.setdefault("speculative_draft_model", args.speculative_draft_model)
     kw.setdefault("load_balance_method", args.load_balance_method)
     sink = kw.pop("trace_sink", None)
     tp = int(kw.pop("tp_size", args.tp_size))
@@ -200,6 +202,12 @@ def add_parser(sub) -> None:
         )
         q.add_argument(
             "--speculative-num-draft-tokens", type=int, default=4, help="drafts per request per step (default 4)"
+        )
+        q.add_argument(
+            "--speculative-draft-model",
+            default=None,
+            help="STANDALONE: a draft model (a known name or an HF config.json) whose decode passes are costed "
+            "before each verify pass and whose weights and KV share the memory (needs --speculative-accept-rate)",
         )
         q.add_argument("--workload", default=None, help="a JSONL workload (see the module docstring)")
         q.add_argument(

@@ -17,6 +17,7 @@ the spec sheet, and a calibration (`scale`) multiplies the result.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from workbench.core.simulation.hardware import Hardware
 from workbench.core.simulation.model_specs import ModelSpec
@@ -30,10 +31,11 @@ class StepCost:
     attention: float
     comm: float
     overhead: float
+    draft: float = 0.0  # a STANDALONE draft model's passes before this verify pass (SimDrafter)
 
     @property
     def total(self) -> float:
-        return self.linear + self.attention + self.comm + self.overhead
+        return self.linear + self.attention + self.comm + self.overhead + self.draft
 
 
 class CostModel:
@@ -56,13 +58,19 @@ class CostModel:
         kv_heads = max(1, m.kv_heads // self.tp)  # fewer KV heads than ranks: each rank keeps one
         return 2 * m.layers * kv_heads * m.head_dim * self.dtype_bytes
 
-    def kv_pool_tokens(self) -> int:
-        """The KV pool a rank can hold: its KV budget, or its memory share minus its weights."""
+    def kv_pool_tokens(self, draft: Optional["CostModel"] = None) -> int:
+        """The KV pool a rank can hold: its KV budget, or its memory share minus its weights. With a
+        `draft` model beside it (STANDALONE speculative decoding) its weights come off the budget too
+        and every token keeps the draft's KV as well as the target's."""
         hw = self.hw
         budget = (
             hw.kv_bytes if hw.kv_bytes is not None else hw.mem_bytes * hw.mem_fraction - self.weight_bytes_per_rank()
         )
-        tokens = int(budget // self.kv_bytes_per_token_per_rank())
+        per_token = self.kv_bytes_per_token_per_rank()
+        if draft is not None:
+            budget -= draft.weight_bytes_per_rank()
+            per_token += draft.kv_bytes_per_token_per_rank()
+        tokens = int(budget // per_token)
         if tokens < 256:
             raise ValueError(
                 f"{self.model.name} does not fit {hw.name} x{self.tp}: {self.weight_bytes_per_rank() / 1e9:.1f} GB of "

@@ -84,6 +84,7 @@ class SimWorker:
         self.accept_rate = accept_rate  # speculative decoding: each draft kept with this probability
         self.accept_rng = random.Random(seed)
         self.tp_rank = 0
+        self.drafter: Optional["SimDrafter"] = None  # set when a STANDALONE draft model is costed
         self.busy_s = 0.0  # simulated time spent in passes
         self.passes = 0
 
@@ -92,6 +93,8 @@ class SimWorker:
         new = list(mwb.extend_seq_lens_cpu)
         rows = mwb.spec_rows or [1] * len(new)
         cost = self.cost.step(new, list(mwb.seq_lens_cpu), logits_rows=sum(rows))
+        if mwb.spec_rows and self.drafter is not None:  # the draft model's passes ran just before
+            cost.draft = self.drafter.take_pending()
         self.busy_s += cost.total
         self.passes += 1
         vocab = self.model_runner.model_config.vocab_size
@@ -132,19 +135,39 @@ class SimWorker:
 
 class SimDrafter:
     """Speculative decoding's drafter in a simulated run: every request proposes its full budget of
-    draft tokens (random ids; an n-gram drafter's proposals cost no pass of their own), and the
-    SimWorker's verify pass keeps each with the given accept rate. The scheduler's own speculative
-    path (budgets, the verify batch, accepting up to the first disagreement, freeing the slots of
-    drafts thrown away) runs as it does for NGRAM."""
+    draft tokens (random ids), and the SimWorker's verify pass keeps each with the given accept rate.
+    The scheduler's own speculative path (budgets, the verify batch, accepting up to the first
+    disagreement, freeing the slots of drafts thrown away) runs as it does for NGRAM.
 
-    runner = None  # no draft-model KV pool of its own
+    An n-gram drafter's proposals cost no pass of their own. With `draft_cost` (a STANDALONE draft
+    model's CostModel) a proposal of k drafts costs k decode passes of the draft model over the
+    requests that draft, one token each, at their growing contexts; the time is added to the next
+    verify pass (`take_pending`). The draft's catch-up on the tokens the last verify kept is folded
+    into its first pass's one token (a simplification: it is a short extend in the real drafter)."""
 
-    def __init__(self, vocab: int, seed: int):
+    runner = None  # no draft-model KV pool of its own (the simulator sizes the pool for both)
+
+    def __init__(self, vocab: int, seed: int, draft_cost: Optional[CostModel] = None):
         self.vocab = vocab
         self.rng = random.Random(seed)
+        self.draft_cost = draft_cost
+        self.pending_s = 0.0
+        self.proposal_s: list[float] = []  # each proposal's draft passes, in order
 
     def propose(self, reqs, budgets: list[int]) -> list[list[int]]:
+        if self.draft_cost is not None and any(budgets):
+            contexts = [len(r.origin_input_ids) + len(r.output_ids) for r, b in zip(reqs, budgets) if b > 0]
+            spent = sum(
+                self.draft_cost.step([1] * len(contexts), [c + j + 1 for c in contexts]).total
+                for j in range(max(budgets))
+            )
+            self.proposal_s.append(spent)
+            self.pending_s += spent
         return [[self.rng.randrange(FIRST_TOKEN, self.vocab) for _ in range(b)] for b in budgets]
+
+    def take_pending(self) -> float:
+        spent, self.pending_s = self.pending_s, 0.0
+        return spent
 
     def release(self) -> None:
         pass
@@ -287,7 +310,10 @@ class _Replica:
             sim.args, None, worker=self.worker, io=self.io, tokenizer=_NoTokenizer(), tracer=self.tracer
         )
         if sim.accept_rate is not None:  # in place of the NGRAM proposals (the running batch holds its own)
-            self.scheduler.drafter = self.scheduler.running_batch.drafter = SimDrafter(sim.spec.vocab, seed + 1)
+            drafter = SimDrafter(sim.spec.vocab, seed + 1, sim.draft_cost)
+            self.scheduler.drafter = self.scheduler.running_batch.drafter = drafter
+            if sim.draft_cost is not None:
+                self.worker.drafter = drafter
         if sim.overlap:  # the scheduler's own overlap loop over the two-timeline client
             self.scheduler.enable_overlap = True
             self.scheduler.overlap_worker = SimOverlapClient(self.worker)
@@ -326,6 +352,7 @@ class Simulator:
         dp_size: int = 1,
         load_balance_method: str = "round_robin",
         speculative_accept_rate: Optional[float] = None,
+        speculative_draft_model: Optional[str] = None,
         **server_args,
     ):
         from workbench.core.managers.data_parallel_controller import PROC_NAME, LoadBalancer, replica_proc_name
@@ -342,6 +369,10 @@ class Simulator:
             if not 0.0 <= self.accept_rate <= 1.0:
                 raise ValueError(f"speculative_accept_rate must be in [0, 1], not {self.accept_rate}")
             server_args["speculative_algorithm"] = "NGRAM"
+        # STANDALONE: a draft model (a known name or a config.json) whose passes are costed (SimDrafter)
+        draft_model = server_args.pop("speculative_draft_model", speculative_draft_model)
+        if draft_model and self.accept_rate is None:
+            raise ValueError("speculative_draft_model needs speculative_accept_rate: how often the target agrees")
         self.spec = model_spec(model)
         self.hw = get_hardware(hardware)
         self.tp_size = tp_size
@@ -363,7 +394,10 @@ class Simulator:
             float(meta.get(k, 0.0)) for k in ("tm_in_s", "tm_gap_s", "tm_out_s")
         )
         self.cost = CostModel(self.spec, self.hw, tp_size, dtype_bytes, scale, calibration)
-        pool = self.cost.kv_pool_tokens()
+        self.draft_cost = (
+            CostModel(model_spec(draft_model), self.hw, tp_size, dtype_bytes, scale, None) if draft_model else None
+        )
+        pool = self.cost.kv_pool_tokens(draft=self.draft_cost)
         server_args.setdefault("max_total_tokens", pool)
         server_args.setdefault("chunked_prefill_size", 2048 if self.hw.name == "cpu-here" else 8192)
         server_args.setdefault("max_running_requests", 256 if self.hw.name != "cpu-here" else 128)
