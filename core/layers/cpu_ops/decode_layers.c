@@ -102,8 +102,8 @@ static int decode_one_token_team(float *x, const int64_t *layers, int L, int w_d
     const size_t xb_bytes = ((size_t)wb_gemv_scratch_elems(kmax) * sizeof(uint16_t) + 63) / 64 * 64;
     const size_t work_bytes = (paged_decode_head_work_floats(Hq, Hk, D, seq_len[0]) * sizeof(float) + 63) / 64 * 64;
     const size_t h_bytes = ((size_t)H * sizeof(float) + 63) / 64 * 64;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    int failed = 0;   /* shared: a thread without scratch sets it before the first barrier */
+#pragma omp parallel num_threads(nthreads) shared(failed)
     {
 #ifdef _OPENMP
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
