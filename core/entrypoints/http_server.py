@@ -49,7 +49,6 @@ from workbench.core.entrypoints.errors import (
 )
 from workbench.core.entrypoints import openapi_doc
 from workbench.core.entrypoints.metrics import ServerMetrics
-from workbench.core.simulation.live import deployment
 from workbench.core.entrypoints.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from workbench.core.entrypoints.native_api import finite_json, native_generate
 from workbench.core.entrypoints.openai.protocol import (
@@ -204,7 +203,12 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
         aliases=aliases,
         abort=_make_abort(engine),
     )
-    metrics = ServerMetrics(name, simulated=deployment(server_args) if server_args.simulate else "")
+    simulated = ""
+    if server_args.simulate:
+        from workbench.core.simulation.live import deployment
+
+        simulated = deployment(server_args)
+    metrics = ServerMetrics(name, simulated=simulated)
     metrics.attach(engine)
 
     app = FastAPI(title="Serving Workbench", version="0.1.0", docs_url="/docs", redoc_url=None)

@@ -22,6 +22,7 @@ long as any tensor in it. WORKBENCH_HUGE_PAGES=0 turns it off.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import re
@@ -94,25 +95,20 @@ def huge_page_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple
     MADV_HUGEPAGE and starting on a 2 MiB boundary, each on a cache line; and the mapping's address
     of the first. The kernel fills a 2 MiB page at its first touch, so untouched parts cost no memory.
     Callers check `unavailable_reason()` first."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
     offsets, total = [], 0
-    for shape, dtype in specs:
+    for nbytes in sizes:
         offsets.append(total)
-        n = 1
-        for d in shape:
-            n *= d
-        total += -(-n * torch.empty(0, dtype=dtype).element_size() // ALIGN) * ALIGN
+        total += -(-nbytes // ALIGN) * ALIGN
     size = -(-max(total, 1) // HUGE) * HUGE + HUGE  # room to start on a 2 MiB boundary
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive while any view lives
     start = (-whole.data_ptr()) % HUGE
     region.madvise(mmap.MADV_HUGEPAGE, start, size - start)  # before the first touch: faults map 2 MiB
-    out = []
-    for (shape, dtype), off in zip(specs, offsets):
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.empty(0, dtype=dtype).element_size()
-        out.append(whole[start + off : start + off + nbytes].view(dtype).view(shape))
+    out = [
+        whole[start + off : start + off + nbytes].view(dtype).view(shape)
+        for (shape, dtype), off, nbytes in zip(specs, offsets, sizes)
+    ]
     return out, whole.data_ptr() + start
 
 

@@ -30,7 +30,7 @@ from workbench.core.simulation.calibration import shipped
 from workbench.core.simulation.cost_model import CostModel
 from workbench.core.simulation.hardware import HARDWARE, get_hardware
 from workbench.core.simulation.model_specs import model_spec
-from workbench.core.simulation.simulator import SimClock, SimRunner, SimWorker
+from workbench.core.simulation.simulator import SimClock, SimRunner, SimWorker, default_dtype_bytes
 
 
 def deployment(server_args: ServerArgs) -> str:
@@ -45,10 +45,8 @@ def badge(server_args: ServerArgs) -> str:
 
 def _cost_model(sa: ServerArgs) -> CostModel:
     spec, hw = model_spec(sa.model_path), get_hardware(sa.simulate)
-    calibration = shipped(hw.name, spec.name) if sa.tp_size == 1 else None
-    measured = calibration.meta.get("dtype_bytes") if calibration is not None else None
-    dtype_bytes = int(measured) if measured else (4 if hw.name == "cpu-here" else 2)
-    return CostModel(spec, hw, sa.tp_size, dtype_bytes, 1.0, calibration)
+    calibration = shipped(hw.name, spec.name) if sa.tp_size == 1 else None  # as Simulator's "auto"
+    return CostModel(spec, hw, sa.tp_size, default_dtype_bytes(calibration, hw.name), 1.0, calibration)
 
 
 def sized_args(sa: ServerArgs) -> ServerArgs:

@@ -43,6 +43,12 @@ from workbench.core.trace.tracer import Tracer
 FIRST_TOKEN = 3  # sampled ids stay clear of the usual special ids 0-2
 
 
+def default_dtype_bytes(calibration: Optional[Calibration], hardware: str) -> int:
+    """Bytes per weight/KV element: the calibrated engine's dtype; else bfloat16 on GPUs, float32 on CPU."""
+    measured = calibration.meta.get("dtype_bytes") if calibration is not None else None
+    return int(measured) if measured else (4 if hardware == "cpu-here" else 2)
+
+
 class SimClock:
     """Simulated seconds since the run began; `ns()` is the trace's clock."""
 
@@ -380,9 +386,8 @@ class Simulator:
             calibration = shipped(self.hw.name, self.spec.name) if tp_size == 1 else None
         elif isinstance(calibration, (str, Path)):
             calibration = Calibration.load(calibration)
-        if dtype_bytes is None:  # the calibrated engine's dtype; else bf16 on GPUs, float32 on CPU
-            measured = calibration.meta.get("dtype_bytes") if calibration is not None else None
-            dtype_bytes = int(measured) if measured else (4 if self.hw.name == "cpu-here" else 2)
+        if dtype_bytes is None:
+            dtype_bytes = default_dtype_bytes(calibration, self.hw.name)
         self.calibration = calibration
         # The trip through the tokenizer manager and detokenizer, as calibrated on a real engine (0 where
         # the calibration has none): a request reaches the scheduler tm_in_s after it is sent and at least
