@@ -33,8 +33,10 @@ FLAG_HELP = {
     "mem_fraction_static": "CUDA: fraction of free GPU memory for weights and the KV pool",
     "max_running_requests": "most requests in the running batch at once",
     "simulate": "serve a deployment that is not there: the real tokenizer manager, scheduler and detokenizer "
-    "over this hardware's cost model (h100, h200, a100-80g, l4, cpu-here), in real time; --model may then "
-    "name a known model (llama-3.1-70b, qwen3-32b, ...) or an HF config.json, --tp-size counts its devices",
+    "over this hardware's cost model (h100, h200, a100-80g, l4, cpu-here), on a simulated clock; --model may "
+    "then name a known model (llama-3.1-70b, qwen3-32b, ...) or an HF config.json, --tp-size counts its devices",
+    "sim_speed": "with --simulate: simulated seconds per wall second (1 real time, 10 ten times faster); 0 runs "
+    "as fast as this host can and skips idle gaps to the next request a replaying driver announces",
     "stream_interval": "a streaming request's new tokens go out every this many tokens (the first at once); "
     "larger trades smoothness for throughput. Non-streaming requests send every 50, or every token while "
     "a view listens to the trace",
@@ -120,6 +122,7 @@ class ServerArgs:
     # model
     model_path: Optional[str] = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
     simulate: Optional[str] = None  # a hardware name: a simulated deployment (core/simulation/live.py)
+    sim_speed: float = 1.0  # simulated seconds per wall second (0: as fast as possible)
     served_model_name: Optional[str] = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"  # auto = same as dtype
@@ -202,6 +205,8 @@ class ServerArgs:
         def bad(msg: str):
             raise ValueError(msg)
 
+        if self.sim_speed < 0:
+            bad(f"--sim-speed must be 0 (as fast as possible) or a positive factor, not {self.sim_speed}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             bad(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):

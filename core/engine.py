@@ -42,6 +42,7 @@ from workbench.core.sampling.sampling_params import SamplingParams, sampling_par
 from workbench.core.trace import events as ev
 from workbench.core.trace.bus import TraceBus
 from workbench.core.trace.tracer import Tracer
+from workbench.core.trace import clock as trace_clock
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,10 @@ class Engine:
         if sa.speculative_draft_model_path:  # STANDALONE: the draft model is prepared here too (GGUF, hub)
             draft = prepare_model(sa.speculative_draft_model_path, progress=sa.show_progress)
             child_args.speculative_draft_model_path = str(draft.model_dir)
+        if sa.simulate:  # simulated time for every process's stamps (trace/clock.py)
+            path = os.path.join(self.port_args.ipc_dir, "sim-clock")
+            self.port_args.extra["sim_clock"] = path
+            self._clock_before = trace_clock.install(trace_clock.SharedClock(path, create=True))
         self.bus = TraceBus(self.port_args.trace_ipc_name, publish_addr=sa.trace_publish, model=self.trace_label)
         ctx = mp.get_context("spawn")
         self._progress("starting scheduler and detokenizer processes")
@@ -593,7 +598,7 @@ class Engine:
             self.bus.publish_batch(
                 [
                     ev.ProcExited(
-                        ts=time.monotonic_ns(),
+                        ts=trace_clock.now_ns(),
                         proc="engine",
                         pid=proc.pid or 0,
                         role=role,
@@ -643,6 +648,8 @@ class Engine:
             self._recorder.close()
         if getattr(self, "_otel", None) is not None:
             self._otel.close()
+        if getattr(self, "_clock_before", None) is not None:
+            trace_clock.install(self._clock_before)  # this process's stamps are the host's again
         self.port_args.cleanup()
         try:
             atexit.unregister(self.shutdown)

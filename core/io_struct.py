@@ -73,6 +73,7 @@ class GetInternalStateReqOutput(Msg):
     spec_verified: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    kv_used_peak: int = 0  # a simulated deployment's most KV tokens in use after a step (0: not kept)
     # Data parallel: the fields above are summed over replicas; here each replica's own figures.
     per_replica: Optional[list[dict[str, Union[int, float]]]] = None
 
@@ -183,6 +184,7 @@ class BatchTokenIDOut(Msg):
     output_top_logprobs: Optional[list[list[list[tuple[int, float]]]]] = None
     input_token_logprobs: Optional[list[Optional[list[Optional[float]]]]] = None
     error_messages: Optional[list[Optional[str]]] = None
+    ts: int = 0  # the trace clock when the step's output left the scheduler (a simulated deployment's stamp)
 
 
 class BatchStrOut(Msg):
@@ -200,6 +202,7 @@ class BatchStrOut(Msg):
     output_top_logprobs: Optional[list[list[list[tuple[int, float]]]]] = None
     input_token_logprobs: Optional[list[Optional[list[Optional[float]]]]] = None
     error_messages: Optional[list[Optional[str]]] = None
+    ts: int = 0  # BatchTokenIDOut's
 
 
 AnyMsg = Union[

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from workbench.core.trace import clock as trace_clock
 from workbench.core.trace.events import Event
 
 Progress = Callable[[str], None]
@@ -63,7 +64,7 @@ class Controller:
         return []
 
     def now_ns(self) -> int:
-        return time.monotonic_ns()
+        return trace_clock.now_ns()  # a simulated deployment in this process: its simulated time
 
     def status(self) -> str:
         return self.mode

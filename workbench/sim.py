@@ -1,6 +1,7 @@
 """`workbench sim run` and `workbench sim sweep`: the real scheduler over a cost model (issue #19).
 
     workbench sim run --model llama-3.1-70b --simulate h100 --tp-size 8 --rate 20 --num-requests 2000
+    workbench sim run --live --model llama-3.1-70b --simulate h100 --tp-size 8 --rate 20 --compare
     workbench sim sweep --model llama-3.1-8b --simulate h100 --rate 30 \\
         --vary schedule_policy=fcfs,lpm --vary chunked_prefill_size=2048,8192
 
@@ -15,10 +16,11 @@ import argparse
 import itertools
 import json
 import sys
+import time
 
 from workbench.core.simulation.hardware import HARDWARE
 from workbench.core.simulation.model_specs import KNOWN
-from workbench.core.simulation.simulator import SimRequest, Simulator, poisson_workload
+from workbench.core.simulation.simulator import SimRequest, Simulator, poisson_workload, request_prompt
 
 COLUMNS = (
     ("output_tok_s", "out tok/s", "{:.0f}"),
@@ -96,8 +98,59 @@ def _deployment(args) -> str:
     return devices if args.dp_size == 1 else f"{devices} (dp {args.dp_size} x tp {args.tp_size})"
 
 
+def _run_live(args, workload: list[SimRequest]) -> int:
+    """`sim run --live`: the workload through a live simulated engine's whole pipeline (live.replay)."""
+    given = [f for f, on in (("--dp-size", args.dp_size > 1), ("--overlap-schedule", args.overlap_schedule)) if on]
+    if args.speculative_accept_rate is not None:
+        given.append("--speculative-accept-rate")
+    if given:
+        raise SystemExit(f"sim run --live runs one scheduler with the normal loop; drop {', '.join(given)} or --live")
+    from workbench.core.engine import Engine
+    from workbench.core.simulation.live import replay
+
+    kw = dict(max_running_requests=args.max_running_requests, schedule_policy=args.schedule_policy)
+    if args.chunked_prefill_size is not None:
+        kw["chunked_prefill_size"] = args.chunked_prefill_size
+    if args.record:
+        kw["record"] = args.record
+    last = {"at": 0.0}
+
+    def progress(done, total, now):
+        if done == total or time.monotonic() - last["at"] > 2.0:
+            last["at"] = time.monotonic()
+            print(f"[sim] {done}/{total} requests finished, {now:.1f} simulated s", file=sys.stderr, flush=True)
+
+    try:
+        engine = Engine(
+            simulate=args.simulate,
+            model_path=args.model,
+            tp_size=args.tp_size,
+            sim_speed=args.sim_speed,
+            random_seed=args.seed,
+            **kw,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"workbench sim run --live: {exc}") from None
+    with engine:
+        vocab = len(engine.tokenizer)  # the stand-in tokenizer's: the prompts must be ids it accepts
+        for i, r in enumerate(workload):
+            r.prompt_ids = request_prompt(i, r, args.seed, vocab)
+        result = replay(engine, workload, seed=args.seed, progress=progress)
+    print(f"{result.summary()} [live pipeline, --sim-speed {args.sim_speed:g}]")
+    if args.record:
+        print(f"trace (simulated time) in {args.record}: workbench replay {args.record}")
+    if args.compare:
+        offline = _simulator(args).run(workload)
+        print(f"{offline.summary()} [offline Simulator]")
+        worst = max((abs(result.ttft[k] - offline.ttft.get(k, float("inf"))) for k in result.ttft), default=0.0)
+        print(f"largest per-request TTFT difference, live against offline: {worst * 1000:.3f} ms")
+    return 0
+
+
 def cmd_run(args) -> int:
     workload = load_workload(args)
+    if args.live:
+        return _run_live(args, workload)
     recorder = None
     if args.record:
         from workbench.core.trace.recorder import Recorder
@@ -221,6 +274,24 @@ def add_parser(sub) -> None:
         q.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampled tokens")
         if name == "run":
             q.add_argument("--record", default=None, help="write the scheduler's trace (simulated time) as JSONL")
+            q.add_argument(
+                "--live",
+                action="store_true",
+                help="run the workload through a live simulated engine (the real tokenizer manager, scheduler "
+                "process and detokenizer, as `serve --simulate`), every stamp in simulated time",
+            )
+            q.add_argument(
+                "--sim-speed",
+                type=float,
+                default=0.0,
+                help="with --live: simulated seconds per wall second (0, the default: as fast as this host can)",
+            )
+            q.add_argument(
+                "--compare",
+                action="store_true",
+                help="with --live: also run the offline Simulator on the same workload and print the largest "
+                "per-request TTFT difference",
+            )
         if name == "sweep":
             q.add_argument(
                 "--vary",

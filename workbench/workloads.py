@@ -27,6 +27,8 @@ import threading
 import time
 from typing import Any, Iterable, Iterator, Optional
 
+from workbench.core.trace import clock as trace_clock
+
 KINDS = ("chat", "shared-prefix", "long-prompt", "burst")
 _SHORT = {"chat": "chat", "shared-prefix": "sp", "long-prompt": "long", "burst": "burst"}
 
@@ -186,6 +188,11 @@ class WorkloadRunner:
         if prompts is None and kind not in KINDS and (not use_plugins or _plugin_prompts(kind) is None):
             raise ValueError(f"unknown workload {kind!r}; choose one of {', '.join(KINDS)}")
         self.engine = engine
+        # A simulated deployment in this process (Engine(simulate=...)): arrivals on its clock, and each
+        # announced so its scheduler holds time for it (core/simulation/live.py); else the host's clock.
+        sa = getattr(engine, "server_args", None)
+        self._sim = trace_clock.current() if getattr(sa, "simulate", None) and trace_clock.current().simulated else None
+        self._speed = (sa.sim_speed or 1.0) if self._sim is not None else 1.0
         self.kind = kind
         self.label = label or kind
         self.rate = min(MAX_RATE, max(MIN_RATE, float(rate)))
@@ -213,7 +220,7 @@ class WorkloadRunner:
         # The active clock: monotonic time minus time spent paused.
         self._clock_lock = threading.Lock()
         self._paused_total = 0.0
-        self._paused_at: Optional[float] = time.monotonic() if paused else None
+        self._paused_at: Optional[float] = self._clock_s() if paused else None
         self._t0 = self._active_now()
         self._done_at: collections.deque[float] = collections.deque()
 
@@ -243,13 +250,13 @@ class WorkloadRunner:
         """Hold arrivals back until `resume()` (requests in flight go on)."""
         with self._clock_lock:
             if self._paused_at is None:
-                self._paused_at = time.monotonic()
+                self._paused_at = self._clock_s()
         self._poke()
 
     def resume(self) -> None:
         with self._clock_lock:
             if self._paused_at is not None:
-                self._paused_total += time.monotonic() - self._paused_at
+                self._paused_total += self._clock_s() - self._paused_at
                 self._paused_at = None
         self._poke()
 
@@ -285,9 +292,18 @@ class WorkloadRunner:
             except RuntimeError:
                 pass  # the loop already closed
 
+    def _clock_s(self) -> float:
+        return self._sim.now_ns() / 1e9 if self._sim is not None else time.monotonic()
+
+    def _announce(self, due: Optional[float]) -> None:
+        """Tell a simulated deployment when the next request comes (active time; None: not sure one does)."""
+        if self._sim is not None:
+            ok = due is not None and math.isfinite(due) and not self.paused and not self._stop.is_set()
+            self._sim.announce(int((due + self._paused_total) * 1e9) if ok else None)
+
     def _active_now(self) -> float:
         with self._clock_lock:
-            now = time.monotonic()
+            now = self._clock_s()
             held = self._paused_total + (now - self._paused_at if self._paused_at is not None else 0.0)
         return now - held
 
@@ -363,6 +379,7 @@ class WorkloadRunner:
         while not self._stop.is_set():
             self._wake.clear()
             if self.paused:
+                self._announce(None)
                 await self._sleep(ADAPT_PERIOD_S)
                 continue
             now = self._active_now()
@@ -381,7 +398,11 @@ class WorkloadRunner:
                 else:
                     due = now + ADAPT_PERIOD_S  # at a limit: a completion (or stop) wakes us
             # Never sleep past an adaptive update (a rate of 0.05/s would otherwise wait 20 s).
-            await self._sleep(min(due - now, ADAPT_PERIOD_S) if self.adaptive else due - now)
+            wait = min(due - now, ADAPT_PERIOD_S) if self.adaptive else due - now
+            # Only an arrival that will come: a send is allowed and this sleep ends at it.
+            self._announce(due if self._how_many() and due - now <= wait + 1e-9 else None)
+            await self._sleep(wait)
+        self._announce(None)
         if tasks:
             # Aborted requests finish quickly; do not wait forever on a dead engine.
             await asyncio.wait(tasks, timeout=3.0)
@@ -389,6 +410,8 @@ class WorkloadRunner:
                 t.cancel()
 
     async def _sleep(self, seconds: float) -> None:
+        if self._sim is not None and not self.paused:  # simulated seconds: 1/speed of it, checking often
+            seconds = min(seconds / self._speed, 0.002)
         try:
             await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, seconds))
         except asyncio.TimeoutError:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import threading
-import time
 from collections import OrderedDict, deque
 from typing import Any, Iterable, Optional
 
@@ -32,6 +31,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from workbench.core.trace import events as ev
+from workbench.core.trace import clock as trace_clock
 
 PREFIX = "sglang:"
 
@@ -194,7 +194,7 @@ class ServerMetrics:
 
     def gen_throughput(self, now_ns: Optional[int] = None) -> float:
         """Decode tokens/s over the last window (0 when idle for a whole window)."""
-        now = time.monotonic_ns() if now_ns is None else now_ns
+        now = trace_clock.now_ns() if now_ns is None else now_ns
         lo = now - self.window_ns
         total = sum(n for ts, n in self._decode_steps if lo < ts <= now)
         return total / (self.window_ns / 1e9)

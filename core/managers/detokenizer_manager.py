@@ -26,6 +26,7 @@ from workbench.core.managers.incremental_detokenize import (
     IncrementalDetokenizer,
     load_decode_tokenizer,
 )
+from workbench.core.trace import clock as trace_clock
 from workbench.core.trace.events import ProcStarted
 from workbench.core.trace.tracer import Tracer
 
@@ -127,6 +128,7 @@ def _str_out(recv_obj: BatchTokenIDOut, text_deltas: list[str]) -> BatchStrOut:
         output_top_logprobs=recv_obj.output_top_logprobs,
         input_token_logprobs=recv_obj.input_token_logprobs,
         error_messages=recv_obj.error_messages,
+        ts=recv_obj.ts,
     )
 
 
@@ -189,6 +191,7 @@ def run_detokenizer_process(model_dir: str, port_args: PortArgs, pipe_writer) ->
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="[detokenizer %(process)d] %(levelname)s %(message)s")
     manager = None
+    trace_clock.attach(port_args.extra.get("sim_clock"))  # a simulated deployment's stamps
     try:
         try:
             tokenizer = load_decode_tokenizer(model_dir)

@@ -277,7 +277,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.tracer.begin_step(self.forward_ct)
         self._kv_checked_idle = False
         self._step_start = time.perf_counter()
-        self.narrator.begin()
+        self.narrator.begin(self.tracer.clock())
 
     def finish_step(self, batch: Optional[ScheduleBatch]) -> None:
         # Trace first: a client that steps the scheduler and then reads the trace should
@@ -802,6 +802,9 @@ def run_scheduler_process(
         # Threads and cores before anything starts torch's OpenMP team: its threads inherit the affinity.
         if server_args.simulate:  # a deployment that is not there: a paced simulated worker (simulation/live.py)
             from workbench.core.simulation.live import build_scheduler
+            from workbench.core.trace import clock as trace_clock
+
+            trace_clock.attach(port_args.extra.get("sim_clock"))
 
             plan, scheduler = None, build_scheduler(server_args, port_args, proc_name)
         else:

@@ -36,16 +36,16 @@ class StepNarrator:
         self.mask_ms = 0.0
         self.begin()
 
-    def begin(self) -> None:
-        """A new step: forget the last admission (evictions and retractions of a step that ran no
-        batch are told with the next one that does)."""
+    def begin(self, now_ns: int = 0) -> None:
+        """A new step, begun at `now_ns` on the trace's clock: forget the last admission (evictions
+        and retractions of a step that ran no batch are told with the next one that does)."""
         self.admitted: list[str] = []
         self.chunk_continued = ""
         self.stop_reason = ""
         self.held: list[str] = []
         self.budget = 0
         self.budget_used = 0
-        self.start_ts = time.monotonic_ns()  # the trace clock (events' ts), not perf_counter
+        self.start_ts = now_ns or time.monotonic_ns()  # the trace's clock (events' ts), not perf_counter
 
     # ---- what the scheduler reports ------------------------------------------------------
     def admission(

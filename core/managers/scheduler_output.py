@@ -16,6 +16,7 @@ from workbench.core.io_struct import BatchTokenIDOut
 from workbench.core.layers.logits_processor import token_logprobs
 from workbench.core.managers.schedule_batch import FinishReason
 from workbench.core.model_executor.forward_batch_info import ForwardMode
+from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 
 if TYPE_CHECKING:
@@ -247,6 +248,7 @@ class SchedulerOutputMixin:
                 error_messages=[(fr_msg if r == "abort" else None) for r, fr_msg in zip(reasons, matched)]
                 if any(r == "abort" for r in reasons)
                 else None,
+                ts=trace_clock.now_ns(),
             )
         )
 

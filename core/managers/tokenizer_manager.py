@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
@@ -21,6 +20,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from workbench.core.trace import clock as trace_clock
 from workbench.core.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -76,6 +76,9 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[str] = None
+    # When the request arrived, on the trace clock; None: now. A driver replaying a workload on a
+    # simulated deployment sets it (core/simulation/live.py `drive`): the request arrived mid-step.
+    arrival_ns: Optional[int] = None
 
 
 @dataclass
@@ -153,7 +156,7 @@ class TokenizerManager:
         """Yield result dicts for one request: chunks when streaming, else one final dict."""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
-        created = time.monotonic_ns()
+        created = obj.arrival_ns if obj.arrival_ns is not None else trace_clock.now_ns()
         if not self._weights_gate.is_set():
             await self._hold_for_weights_update()
         rid = obj.rid or uuid.uuid4().hex
@@ -193,6 +196,7 @@ class TokenizerManager:
             logprob_start_len=obj.logprob_start_len,
             input_ids=input_ids if obj.return_logprob and obj.logprob_start_len >= 0 else None,
         )
+        trace_clock.current().note_sent()  # a simulated deployment's scheduler waits for it before stepping
         self.rid_to_state[rid] = state
         self.num_requests_total += 1
         if self.tracer.enabled:
@@ -271,7 +275,7 @@ class TokenizerManager:
             "completion_tokens": state.completion_tokens,
             "cached_tokens": state.cached_tokens,
             "finish_reason": state.finish_reason,
-            "e2e_latency": ((state.finished_ns or time.monotonic_ns()) - state.created_ns) / 1e9,
+            "e2e_latency": ((state.finished_ns or trace_clock.now_ns()) - state.created_ns) / 1e9,
             "ttft": (state.first_token_ns - state.created_ns) / 1e9 if state.first_token_ns else None,
         }
         if state.return_logprob:  # SGLang: present (maybe []) whenever logprobs were asked for
@@ -308,7 +312,9 @@ class TokenizerManager:
                         fut.set_result(msg)
 
     def _handle_batch_output(self, out: BatchStrOut) -> None:
-        now = time.monotonic_ns()
+        # A simulated deployment's tokens are out when its step ends (the scheduler's stamp); this
+        # host's trip through the detokenizer is not the deployment's. A real engine: on arrival here.
+        now = out.ts if out.ts and trace_clock.current().simulated else trace_clock.now_ns()
         tracing = self.tracer.enabled
         for i, rid in enumerate(out.rids):
             state = self.rid_to_state.get(rid)

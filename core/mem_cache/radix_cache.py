@@ -34,7 +34,7 @@ never shows stale lock counts or hits, at no more than one event per snapshot.
 from __future__ import annotations
 
 import heapq
-import time
+
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -47,6 +47,7 @@ from workbench.core.mem_cache.base_prefix_cache import (
     free_req_without_caching,
     record_unfinished_req_without_caching,
 )
+from workbench.core.trace import clock as trace_clock
 from workbench.core.trace.events import CacheEvict, CacheInsert, CacheTouch, Event
 from workbench.core.trace.events import TreeNode as TreeNodeInfo
 
@@ -165,8 +166,9 @@ class RadixCache(BasePrefixCache):
         return nid
 
     def _tick(self) -> int:
-        # Strictly increasing stamps so LRU order is total even within one ns.
-        now = time.monotonic_ns()
+        # Strictly increasing stamps so LRU order is total even within one ns; on the trace's clock,
+        # as the views show a node's age against the events' times.
+        now = trace_clock.now_ns()
         if now <= self._clock:
             now = self._clock + 1
         self._clock = now

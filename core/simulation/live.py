@@ -1,17 +1,26 @@
 """A deployment that is not there, served live (issue #19):
 
-    workbench serve --simulate h100 --model llama-3.1-70b --tp-size 8
-    workbench tui --simulate h100 --model llama-3.1-70b --tp-size 8
-    Engine(simulate="h100", model_path="llama-3.1-70b", tp_size=8)
+    workbench serve --simulate h100 --model llama-3.1-70b --tp-size 8 [--sim-speed 10]
+    workbench tui --simulate h100 --model llama-3.1-70b --tp-size 8 [--sim-speed 10]
+    workbench sim run --live --simulate h100 --model llama-3.1-70b --tp-size 8 --rate 20
+    Engine(simulate="h100", model_path="llama-3.1-70b", tp_size=8, sim_speed=0)
 
 The tokenizer manager, the scheduler process and the detokenizer are the real ones, joined by ZMQ as
-always, so the TUI, the Dashboard, the recorder, /metrics and the HTTP API work unchanged. Only the
-scheduler's model worker is replaced: `PacedSimWorker` computes nothing, samples its tokens from a
-seeded generator and lets each pass take, on the wall clock, the time the cost model predicts for its
-shape on the simulated hardware (the scheduler's own work counts inside it, as a real host's does).
-So simulated time is wall time in a live deployment, and every stamp a user sees (the trace,
-`meta_info` latencies, /metrics) is the simulated deployment's. Faster-than-real-time runs over a
-workload are `workbench sim run` (simulator.py), which steps the same Scheduler on a simulated clock.
+always, so the TUI, the Dashboard, the recorder, /metrics and the HTTP API work unchanged. The
+scheduler's model worker is replaced (`WarpSimWorker` computes nothing and samples its tokens from a
+seeded generator) and every process stamps with one simulated clock (trace/clock.py `SharedClock`):
+
+- the clock stands still while the scheduler works and moves by each pass's predicted duration
+  (`CostModel`, which counts the deployment's per-pass host overhead), so a request's TTFT is the
+  deployment's, whatever this host's Python costs;
+- with `--sim-speed X` a pass also takes 1/X of its duration on the wall clock, and idle time runs X
+  times faster: the deployment plays X times faster than real time (1: real time, the default);
+- with `--sim-speed 0` passes take only what this host needs, and a driver that announces its next
+  arrival (`replay`, `workbench sim run --live`) has the idle gaps skipped: a whole workload runs
+  through the real pipeline as fast as this host can, stamped in simulated time;
+- the scheduler does not start a pass while a request the tokenizer manager sent has not reached it
+  or an announced arrival is due, so arrivals land between the same passes as in `Simulator.run`,
+  which steps the same Scheduler offline (the two agree request by request: tests).
 
 The weights are not there, so neither is the simulated model's tokenizer: the default model's stands
 in (prompts are tokenized with it, and the sampled ids are drawn from its vocabulary so the text
@@ -21,16 +30,32 @@ decodes); a prompt's length and cost are what the cost model sees. Every view ca
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
+import math
 import time
 from typing import Optional
 
 from workbench.core.args import ServerArgs
+from workbench.core.io_struct import TokenizedGenerateReqInput
+from workbench.core.managers.scheduler import Scheduler
+from workbench.core.managers.tokenizer_manager import GenerateReqInput
+from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.simulation.calibration import shipped
 from workbench.core.simulation.cost_model import CostModel
 from workbench.core.simulation.hardware import HARDWARE, get_hardware
 from workbench.core.simulation.model_specs import model_spec
-from workbench.core.simulation.simulator import SimClock, SimRunner, SimWorker, default_dtype_bytes
+from workbench.core.simulation.simulator import (
+    SimClock,
+    SimRequest,
+    SimResult,
+    SimRunner,
+    SimWorker,
+    default_dtype_bytes,
+    request_prompt,
+)
+from workbench.core.trace import clock as trace_clock
 
 
 def deployment(server_args: ServerArgs) -> str:
@@ -83,22 +108,108 @@ def sized_args(sa: ServerArgs) -> ServerArgs:
     )
 
 
-class PacedSimWorker(SimWorker):
-    """`SimWorker` on the wall clock: a pass returns when the time the cost model predicts for it has
-    passed since the pass began (it sleeps the rest), so the deployment runs at its own speed."""
+ANNOUNCE_WAIT_S = 1.0  # wall seconds a working scheduler waits for an announced arrival before going on
+logger = logging.getLogger(__name__)
+
+
+class WarpSimWorker(SimWorker):
+    """`SimWorker` on the shared simulated clock: a pass moves the clock by its predicted duration
+    when it ends; at a speed X > 0 it first lasts 1/X of that on the wall clock (counted from the
+    end of the pass before, so the scheduler's own work fits inside, as a real host's does)."""
+
+    def __init__(self, *args, shared: trace_clock.SharedClock, speed: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shared, self.speed = shared, speed
+        self.pace_from = time.monotonic()  # wall time the next pass's duration counts from
 
     def forward_batch(self, mwb):
-        start = time.monotonic()
         cost, out = self.compute(mwb)
         self.clock.now += cost.total
         self._last_ms = cost.total * 1000
-        rest = start + cost.total - time.monotonic()
-        if rest > 0:
-            time.sleep(rest)
+        if self.speed > 0:
+            due = self.pace_from + cost.total / self.speed
+            rest = due - time.monotonic()
+            if rest > 0:
+                time.sleep(rest)
+            self.pace_from = max(due, time.monotonic() - 0.001)  # behind: catch up by at most 1 ms
+        self.shared.advance(round(cost.total * 1e9))
         return out
 
 
-def build_worker(sa: ServerArgs, vocab: int, seed: Optional[int] = None) -> PacedSimWorker:
+class SimScheduler(Scheduler):
+    """The real Scheduler with one change at the top of its loop: it keeps the simulated clock.
+
+    Working, it holds the clock and does not start a pass while a request the tokenizer manager sent
+    is still on its way or an announced arrival is due (it waits for them on its socket). Idle, it
+    lets the clock run at the speed, or, at speed 0 with an arrival announced, jumps it there."""
+
+    def __init__(self, *args, shared: trace_clock.SharedClock, speed: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shared, self.speed = shared, speed
+        self.received = 0  # generate requests that reached this scheduler (the clock counts those sent)
+        self._idle = True
+        self.kv_used_peak = 0
+        self._waiting_for, self._given_up = (0, 0.0), 0  # the announced arrival waited for, and since when
+
+    def finish_step(self, batch) -> None:
+        if batch is not None:
+            alloc = self.token_to_kv_pool_allocator
+            used = self.max_total_num_tokens - alloc.available_size() - self.tree_cache.evictable_size()
+            self.kv_used_peak = max(self.kv_used_peak, used)
+        super().finish_step(batch)
+
+    def get_internal_state(self):
+        out = super().get_internal_state()
+        out.kv_used_peak = self.kv_used_peak
+        return out
+
+    def _take(self, msgs: list) -> list:
+        self.received += sum(isinstance(m, TokenizedGenerateReqInput) for m in msgs)
+        return msgs
+
+    def recv_requests(self) -> list:
+        clock = self.shared
+        msgs = self._take(self.io.recv(0))
+        while True:
+            arriving = any(isinstance(m, TokenizedGenerateReqInput) for m in msgs)
+            stepping = not (self.paused and self.step_credits == 0)
+            due, on_way = clock.announced(), self.received < clock.sent()
+            if not stepping or not (arriving or self.has_work()):
+                self.tracer.flush()
+                self._idle = True
+                if not stepping or on_way:  # paused by a view, or a request on its way: time waits
+                    clock.hold()
+                    wait_ms = 50 if not stepping else 1
+                elif due is not None and (self.speed == 0 or due <= clock.now_ns()):
+                    clock.jump_to(due)  # nothing runs until then: skip the gap; the driver sends now
+                    wait_ms = 1
+                else:  # time flows, and stops at an announced arrival until the request is in
+                    clock.run(self.speed or 1.0, until=due)
+                    left_ms = 50 if due is None else (due - clock.now_ns()) / 1e6 / (self.speed or 1.0)
+                    wait_ms = max(1, min(50, math.ceil(left_ms)))
+                return msgs or self._take(self.io.recv(wait_ms))
+            if self._idle:  # work begins: the next pass's wall time counts from here
+                self._idle = False
+                self.tp_worker.pace_from = time.monotonic()
+            now = clock.hold()
+            if on_way or (due is not None and due <= now and not self._gave_up_on(due)):
+                msgs += self._take(self.io.recv(1))
+                continue
+            return msgs
+
+    def _gave_up_on(self, due: int) -> bool:
+        """Whether the announced arrival `due` was waited for ANNOUNCE_WAIT_S of wall time in vain (a
+        driver that announced and then stopped must not freeze the deployment)."""
+        if self._waiting_for[0] != due:
+            self._waiting_for = (due, time.monotonic())
+        late = time.monotonic() - self._waiting_for[1] > ANNOUNCE_WAIT_S
+        if late and self._waiting_for[0] != self._given_up:
+            self._given_up = due
+            logger.warning("an announced arrival did not come within %.0f s; the deployment goes on", ANNOUNCE_WAIT_S)
+        return late
+
+
+def build_worker(sa: ServerArgs, vocab: int, shared: trace_clock.SharedClock, seed: Optional[int] = None):
     """The scheduler process's worker for `sa` (already `sized_args`); tokens are drawn from [3, vocab)."""
     cost = _cost_model(sa)
     spec = cost.model
@@ -108,7 +219,8 @@ def build_worker(sa: ServerArgs, vocab: int, seed: Optional[int] = None) -> Pace
     runner.model_config.eos_token_ids = []  # random ids never mean "stop": requests run to their limit
     runner.simulated = badge(sa)
     runner.kv_head_num = max(1, spec.kv_heads // sa.tp_size)
-    return PacedSimWorker(runner, cost, SimClock(), sa.random_seed if seed is None else seed)
+    seed = sa.random_seed if seed is None else seed
+    return WarpSimWorker(runner, cost, SimClock(), seed, shared=shared, speed=sa.sim_speed)
 
 
 def stand_in_model_dir():
@@ -118,12 +230,83 @@ def stand_in_model_dir():
     return prepare_model(ServerArgs().model_path, progress=False).model_dir
 
 
-def build_scheduler(sa: ServerArgs, port_args, proc_name: str = "scheduler"):
-    """The scheduler process's Scheduler over a `PacedSimWorker` (run_scheduler_process calls this
-    for --simulate): the real class with its ZMQ I/O and tracer; the stand-in tokenizer decodes
-    for stop strings and previews."""
-    from workbench.core.managers.scheduler import Scheduler, _load_fast_tokenizer
+def build_scheduler(sa: ServerArgs, port_args, proc_name: str = "scheduler") -> SimScheduler:
+    """The scheduler process's Scheduler (run_scheduler_process calls this for --simulate): the real
+    class with its ZMQ I/O and tracer, keeping the clock the engine shared (trace/clock.py); the
+    stand-in tokenizer decodes for stop strings and previews."""
+    from workbench.core.managers.scheduler import _load_fast_tokenizer
 
+    shared = trace_clock.current()
+    if not isinstance(shared, trace_clock.SharedClock):
+        raise RuntimeError("a simulated scheduler needs the engine's shared clock (PortArgs.extra['sim_clock'])")
     tokenizer = _load_fast_tokenizer(stand_in_model_dir())
-    worker = build_worker(sa, tokenizer.get_vocab_size())
-    return Scheduler(sa, port_args, 0, 1, proc_name=proc_name, worker=worker, tokenizer=tokenizer)
+    worker = build_worker(sa, tokenizer.get_vocab_size(), shared)
+    return SimScheduler(
+        sa, port_args, 0, 1, proc_name=proc_name, worker=worker, tokenizer=tokenizer, shared=shared, speed=sa.sim_speed
+    )
+
+
+def replay(engine, workload: list[SimRequest], seed: int = 0, progress=None) -> SimResult:
+    """Run `workload` through a simulated engine's whole pipeline (tokenizer manager, scheduler
+    process, detokenizer): each request is sent when the simulated clock reaches its arrival, which is
+    announced first so the scheduler holds time for it (at --sim-speed 0 the idle gaps are skipped).
+    Returns the run's figures in simulated time, from each request's `meta_info` (what a client of
+    the engine sees), like `Simulator.run`'s. Prompts as `Simulator` draws them (`request_prompt`),
+    from the stand-in tokenizer's vocabulary; `progress(done, total, sim_s)` is called as requests end."""
+    if not engine.server_args.simulate:
+        raise ValueError("replay drives a simulated engine: start it with simulate=HARDWARE (--simulate)")
+    return engine._run(_replay(engine, workload, seed, progress))
+
+
+async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> SimResult:
+    tm, clock, sa = engine.tokenizer_manager, trace_clock.current(), engine.server_args
+    vocab = len(engine.tokenizer)
+    t0 = time.perf_counter()
+    clock.announce(clock.now_ns())  # an arrival due now: the scheduler holds the clock, the run starts there
+    while clock.running:
+        await asyncio.sleep(0.0002)
+    base = clock.now_ns()
+    order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
+    metas: dict[int, dict] = {}
+
+    async def one(i: int, obj: GenerateReqInput) -> None:
+        async for out in tm.generate_request(obj):
+            metas[i] = out["meta_info"]
+        if progress is not None:
+            progress(len(metas), len(workload), (clock.now_ns() - base) / 1e9)
+
+    tasks, prompt_tokens = [], 0
+    try:
+        for i in order:
+            r = workload[i]
+            due = base + round(r.arrival * 1e9)
+            clock.announce(due)  # the scheduler will not step past it before the request is in
+            while clock.now_ns() < due:
+                await asyncio.sleep(0.0002)
+            ids = request_prompt(i, r, seed, vocab)
+            prompt_tokens += len(ids)
+            params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            rid = f"r{i}"
+            obj = GenerateReqInput(input_ids=ids, sampling_params=params, rid=rid, arrival_ns=due)
+            tasks.append(asyncio.ensure_future(one(i, obj)))
+            while rid not in tm.rid_to_state and not tasks[-1].done():  # counted as sent: the next may be announced
+                await asyncio.sleep(0)
+        clock.announce(None)
+        await asyncio.gather(*tasks)
+    finally:
+        clock.announce(None)
+    state = await tm.get_internal_state()
+    res = SimResult(sa.simulate, str(sa.model_path), sa.tp_size, engine.max_total_num_tokens, 0.0, 0.0)
+    for i, m in metas.items():
+        rid, n = f"r{i}", m["completion_tokens"]
+        res.ttft[rid], res.latency[rid] = m["ttft"], m["e2e_latency"]
+        if n > 1:
+            res.tpot[rid] = (m["e2e_latency"] - m["ttft"]) / (n - 1)
+        res.output_tokens += n
+        res.cached_tokens += m.get("cached_tokens", 0)
+    res.prompt_tokens = prompt_tokens
+    res.peak_kv_used, res.steps = state.kv_used_peak, state.step
+    start = min((r.arrival for r in workload), default=0.0)
+    res.sim_s = max((workload[i].arrival + m["e2e_latency"] for i, m in metas.items()), default=start) - start
+    res.wall_s = time.perf_counter() - t0
+    return res

@@ -243,6 +243,20 @@ class SimRequest:
     output_len: int
     group: Optional[int] = None
     prefix_len: int = 0
+    prompt_ids: Optional[list[int]] = None  # the prompt itself (else drawn: `request_prompt`)
+
+
+def request_prompt(i: int, r: SimRequest, seed: int, vocab: int) -> list[int]:
+    """Request i's prompt: its own `prompt_ids`, else ids drawn from [3, vocab) by `seed`, the
+    group's shared prefix first (the same ids for every request of the group)."""
+    if r.prompt_ids is not None:
+        return list(r.prompt_ids)
+    shared = min(r.prefix_len, r.prompt_len) if r.group is not None else 0
+    own = np.random.default_rng(seed * 1_000_003 + i).integers(FIRST_TOKEN, vocab, r.prompt_len - shared)
+    if not shared:
+        return own.tolist()
+    prefix = np.random.default_rng(seed * 7919 + 104729 * (r.group + 1)).integers(FIRST_TOKEN, vocab, shared)
+    return prefix.tolist() + own.tolist()
 
 
 @dataclass
@@ -431,13 +445,7 @@ class Simulator:
         self.seed = seed
 
     def _prompt(self, i: int, r: SimRequest) -> list[int]:
-        vocab = self.spec.vocab
-        shared = min(r.prefix_len, r.prompt_len) if r.group is not None else 0
-        own = np.random.default_rng(self.seed * 1_000_003 + i).integers(FIRST_TOKEN, vocab, r.prompt_len - shared)
-        if not shared:
-            return own.tolist()
-        prefix = np.random.default_rng(self.seed * 7919 + 104729 * (r.group + 1)).integers(FIRST_TOKEN, vocab, shared)
-        return prefix.tolist() + own.tolist()
+        return request_prompt(i, r, self.seed, self.spec.vocab)
 
     def run(self, workload: list[SimRequest], progress=None) -> SimResult:
         """Run every request to the end; returns the simulated-time metrics."""
@@ -530,7 +538,7 @@ class Simulator:
         self._arrival[rid] = r.arrival
         params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
         rep.io.inbox.append(TokenizedGenerateReqInput(rid=rid, input_text="", input_ids=ids, sampling_params=params))
-        res.prompt_tokens += r.prompt_len
+        res.prompt_tokens += len(ids)
 
 
 def poisson_workload(

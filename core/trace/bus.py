@@ -39,6 +39,7 @@ from workbench.core.trace.events import (
     encode_batch,
 )
 from workbench.core.trace.state import TraceState
+from workbench.core.trace import clock as trace_clock
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class Subscription:
                 return
             room = self.maxsize - len(self._q)
             if self._pending_dropped and room >= 1:
-                self._q.append(TraceDropped(ts=time.monotonic_ns(), proc="bus", count=self._pending_dropped))
+                self._q.append(TraceDropped(ts=trace_clock.now_ns(), proc="bus", count=self._pending_dropped))
                 self._pending_dropped = 0
                 room -= 1
             take = max(0, min(room, len(batch)))
@@ -323,7 +324,7 @@ class TraceBus:
     def _pump_inproc(self) -> None:
         if self._inproc_pending_dropped:
             n, self._inproc_pending_dropped = self._inproc_pending_dropped, 0
-            self._deliver([TraceDropped(ts=time.monotonic_ns(), proc="bus", count=n)])
+            self._deliver([TraceDropped(ts=trace_clock.now_ns(), proc="bus", count=n)])
         while self._inproc:
             self._deliver(self._inproc.popleft())
 
@@ -353,7 +354,9 @@ class TraceBus:
                 self._update_listeners()
                 with self._lock:
                     snap = [
-                        TraceHeader(ts=time.monotonic_ns(), proc="bus", schema_version=SCHEMA_VERSION, model=self.model)
+                        TraceHeader(
+                            ts=trace_clock.now_ns(), proc="bus", schema_version=SCHEMA_VERSION, model=self.model
+                        )
                     ]
                     snap += self.state.snapshot_events()
                 self._send_pub(snap, None)

@@ -24,6 +24,7 @@ from workbench.core.trace.events import (
     decode_json,
     encode_json,
 )
+from workbench.core.trace import clock as trace_clock
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -60,7 +61,7 @@ class Recorder:
         self._closed = False
         self._f.write(
             encode_json(
-                TraceHeader(ts=time.monotonic_ns(), proc="recorder", schema_version=SCHEMA_VERSION, model=model)
+                TraceHeader(ts=trace_clock.now_ns(), proc="recorder", schema_version=SCHEMA_VERSION, model=model)
             )
             + b"\n"
         )

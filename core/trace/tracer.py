@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import zmq
 
+from workbench.core.trace import clock as trace_clock
 from workbench.core.trace.events import Event, TraceDropped, encode_batch
 
 logger = logging.getLogger(__name__)
@@ -57,10 +58,12 @@ class Tracer:
         sndhwm: int = 32,
         flush_interval_s: Optional[float] = 0.25,
         max_buffer: int = 4096,
-        clock: Callable[[], int] = time.monotonic_ns,
+        clock: Optional[Callable[[], int]] = None,
     ):
         self.proc = proc
-        self.clock = clock  # events' ts; the simulator's clock in simulated runs (core/simulation)
+        # Events' ts: the process's trace clock (trace/clock.py: simulated time in a simulated deployment's
+        # processes) unless given (the offline simulator's own clock).
+        self.clock = clock if clock is not None else trace_clock.now_ns
         self.endpoint = endpoint
         self.step = -1
         self.enabled = bool(enabled) and (endpoint is not None or sink is not None)
@@ -99,11 +102,12 @@ class Tracer:
             if event.step == -1:
                 event.step = self.step
             buf = self._buf
+            wall = time.monotonic_ns()  # the flush interval is this host's time, whatever the events' clock
             if not buf:
-                self._buf_first_ts = event.ts
+                self._buf_first_ts = wall
             buf.append(event)
             if len(buf) >= self._max_buffer or (
-                self._flush_interval_ns is not None and event.ts - self._buf_first_ts >= self._flush_interval_ns
+                self._flush_interval_ns is not None and wall - self._buf_first_ts >= self._flush_interval_ns
             ):
                 self.flush()
         except Exception as e:  # tracing must never break serving
