@@ -1,11 +1,15 @@
 """A deployment that is not there, served live (core/simulation/live.py): the real tokenizer manager,
-scheduler process and detokenizer over a paced simulated worker. Checked: each pass takes, on the wall
-clock, the time the cost model predicts for its shape (the trace's forward_ms is that prediction and
-the steps' timestamps are at least that far apart); the SIMULATED badge in the trace's header, the
-recorder, the live TUI's status line and every /metrics series; bad combinations refused with what to
-do instead."""
+scheduler process and detokenizer over a simulated worker, every stamp on the shared simulated clock
+(trace/clock.py). Checked: each pass moves simulated time by exactly the cost model's prediction and,
+at --sim-speed 1, takes that long on the wall clock; a workload replayed through the whole pipeline at
+--sim-speed 0 (as fast as this host can) and 10 gives every request the TTFT and latency the offline
+`Simulator` gives it, in less wall time than simulated time; the TUI's workload runner keeps its rate in
+simulated time; the SIMULATED badge in the trace's header, the recorder, the live TUI's status line and
+every /metrics series; bad combinations refused with what to do instead."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -42,10 +46,16 @@ def test_each_pass_takes_the_time_the_cost_model_predicts(engine):
     n = len(prompt)
     predicted = [cost.step([n], [n]).total] + [cost.step([1], [n + i + 1]).total for i in range(new - 1)]
     assert [s.forward_ms for s in steps] == pytest.approx([1000 * p for p in predicted], rel=1e-9)
-    # paced on the wall clock: a step starts no sooner than the pass before it took
+    # simulated time: each step ends exactly its predicted pass after the one before (this host's own
+    # work between passes is not the deployment's), and the client's latencies are the passes' sum
     for before, after, p in zip(steps, steps[1:], predicted[1:]):
-        assert (after.ts - before.ts) / 1e6 >= 1000 * p - 0.5
-    assert meta["e2e_latency"] >= sum(predicted)
+        assert after.ts - before.ts == pytest.approx(p * 1e9, abs=2)
+    assert meta["ttft"] == pytest.approx(predicted[0], abs=1e-6)
+    assert meta["e2e_latency"] == pytest.approx(sum(predicted), abs=1e-6)
+    # --sim-speed 1 (the default): the passes also take their time on the wall clock
+    t0 = time.monotonic()
+    again = engine.generate(input_ids=[list(range(500, 800))], sampling_params={"max_new_tokens": new})
+    assert time.monotonic() - t0 >= 0.95 * again[0]["meta_info"]["e2e_latency"] > 0.95 * sum(predicted[1:])
     assert 0.002 < predicted[1] < 0.05  # a 70B decode step on 8 H100s: milliseconds, not this CPU's time
     # the text decodes with the stand-in tokenizer
     assert isinstance(outs[0]["text"], str) and outs[0]["text"]
@@ -119,8 +129,6 @@ def test_sizes_follow_the_hardware_unless_given():
 
 
 def test_the_live_dashboard_says_simulated_in_its_header(engine):
-    import time
-
     from workbench.widgets.dashboard import Dashboard
 
     d = Dashboard(engine)
@@ -133,3 +141,61 @@ def test_the_live_dashboard_says_simulated_in_its_header(engine):
         assert "SIMULATED h100x8 llama-3.1-70b" in d.header.value
     finally:
         d.close()
+
+
+@pytest.fixture(scope="module", params=[0.0, 10.0], ids=["speed-max", "speed-10"])
+def warped(request):
+    from workbench.core.engine import Engine
+
+    eng = Engine(sim_speed=request.param, **SIM)
+    yield eng
+    eng.shutdown()
+
+
+def test_a_replayed_workload_gets_the_offline_simulators_figures_faster_than_real_time(warped):
+    from workbench.core.simulation.simulator import Simulator, poisson_workload, request_prompt
+
+    workload = poisson_workload(20, 40, (128, 2048), (16, 128), seed=1, groups=3, prefix_len=256)
+    for i, r in enumerate(workload):  # the same prompts for both: ids the stand-in tokenizer accepts
+        r.prompt_ids = request_prompt(i, r, 0, len(warped.tokenizer))
+    got = live.replay(warped, workload)
+    want = Simulator("llama-3.1-70b", "h100", tp_size=8).run(workload)
+    assert set(got.ttft) == set(want.ttft) and len(got.ttft) == len(workload)
+    for rid in want.ttft:  # request by request: the pipeline's figures are the deployment's
+        assert got.ttft[rid] == pytest.approx(want.ttft[rid], abs=1e-6), rid
+        assert got.latency[rid] == pytest.approx(want.latency[rid], abs=1e-6), rid
+    assert (got.steps, got.output_tokens, got.cached_tokens) == (want.steps, want.output_tokens, want.cached_tokens)
+    assert got.peak_kv_used == want.peak_kv_used > 0
+    assert got.sim_s == pytest.approx(want.sim_s, abs=1e-6)
+    speed = warped.server_args.sim_speed
+    # faster than real time; at speed 10 about a tenth of it (the passes are paced), at 0 far less
+    assert got.wall_s < (got.sim_s / 4 if speed == 0 else got.sim_s / 10 * 2.5)
+    if speed:
+        assert got.wall_s >= 0.9 * got.sim_s / speed
+    assert not warped.get_internal_state()["num_running"]  # nothing left behind
+
+
+def test_the_tuis_workload_runner_keeps_its_rate_in_simulated_time(warped):
+    from workbench.core.trace import clock as trace_clock
+    from workbench.workloads import WorkloadRunner
+
+    from pipeline_helpers import drain_events
+
+    sub = warped.subscribe(with_snapshot=False)
+    try:
+        start = trace_clock.now_ns()
+        runner = WorkloadRunner(warped, "chat", rate=20, max_requests=12, max_new_tokens=8, ignore_eos=True)
+        runner.start()
+        deadline = time.monotonic() + 60
+        while runner.completed + runner.failed < 12 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        runner.stop()
+        assert runner.completed == 12, runner.last_error
+        events = drain_events(sub, until=lambda evs: sum(isinstance(e, ev.ReqFinished) for e in evs) >= 12)
+    finally:
+        sub.close()
+    arrived = sorted(e.ts for e in events if isinstance(e, ev.ReqArrived) and e.ts >= start)
+    assert len(arrived) == 12
+    gaps = [(b - a) / 1e9 for a, b in zip(arrived, arrived[1:])]
+    # one every 1/20 s of simulated time, each at most one pass late (a request arriving mid-pass)
+    assert all(0.045 <= g <= 0.05 + 0.03 for g in gaps), gaps  # the first: sent as its time was read

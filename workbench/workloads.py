@@ -392,7 +392,9 @@ class WorkloadRunner:
             if now >= due:
                 n = self._how_many()
                 if n:
+                    noted = self._sim.sent() + n if self._sim is not None else 0
                     self._send(n, tasks)
+                    await self._until_noted(noted)
                     last_send = now
                     due = now + per
                 else:
@@ -408,6 +410,13 @@ class WorkloadRunner:
             await asyncio.wait(tasks, timeout=3.0)
             for t in tasks:
                 t.cancel()
+
+    async def _until_noted(self, sent: int) -> None:
+        """A simulated deployment: wait (1 s at most) until the tokenizer manager has taken what was just
+        sent, so the next arrival is announced only then (the scheduler holds time for this one)."""
+        deadline = time.monotonic() + 1.0
+        while self._sim is not None and self._sim.sent() < sent and time.monotonic() < deadline:
+            await asyncio.sleep(0.0005)
 
     async def _sleep(self, seconds: float) -> None:
         if self._sim is not None and not self.paused:  # simulated seconds: 1/speed of it, checking often

@@ -156,47 +156,54 @@ class TokenizerManager:
         """Yield result dicts for one request: chunks when streaming, else one final dict."""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
-        created = obj.arrival_ns if obj.arrival_ns is not None else trace_clock.now_ns()
-        if not self._weights_gate.is_set():
-            await self._hold_for_weights_update()
-        rid = obj.rid or uuid.uuid4().hex
-        if rid in self.rid_to_state:
-            raise ValueError(f"request id {rid!r} is already in use")
-        if self.tracer.enabled:
-            preview = (obj.text or "")[:80]
-            self.tracer.emit(ev.ReqArrived(rid=rid, prompt_preview=preview, ts=created))
-        input_ids = self._tokenize(obj)
-        sp = obj.sampling_params
-        self._validate(input_ids, sp, obj)
+        # A simulated deployment's clock stops here, and its scheduler will not step before this request
+        # is in: this host's trip is not the deployment's (trace/clock.py). A no-op on a real engine.
+        clock = trace_clock.current()
+        clock.note_sent()
         try:
-            # Encoded before the state exists: a value msgpack cannot carry is a bad request, not a leak.
-            wire = encode_msg(
-                TokenizedGenerateReqInput(
-                    rid=rid,
-                    input_text=(obj.text or "")[:200],
-                    input_ids=input_ids,
-                    sampling_params=sp,
-                    return_logprob=obj.return_logprob,
-                    top_logprobs_num=obj.top_logprobs_num,
-                    logprob_start_len=obj.logprob_start_len,
-                    stream=obj.stream,
-                    arrival_ts=created,
+            created = obj.arrival_ns if obj.arrival_ns is not None else trace_clock.now_ns()
+            if not self._weights_gate.is_set():
+                await self._hold_for_weights_update()
+            rid = obj.rid or uuid.uuid4().hex
+            if rid in self.rid_to_state:
+                raise ValueError(f"request id {rid!r} is already in use")
+            if self.tracer.enabled:
+                preview = (obj.text or "")[:80]
+                self.tracer.emit(ev.ReqArrived(rid=rid, prompt_preview=preview, ts=created))
+            input_ids = self._tokenize(obj)
+            sp = obj.sampling_params
+            self._validate(input_ids, sp, obj)
+            try:
+                # Encoded before the state exists: a value msgpack cannot carry is a bad request, not a leak.
+                wire = encode_msg(
+                    TokenizedGenerateReqInput(
+                        rid=rid,
+                        input_text=(obj.text or "")[:200],
+                        input_ids=input_ids,
+                        sampling_params=sp,
+                        return_logprob=obj.return_logprob,
+                        top_logprobs_num=obj.top_logprobs_num,
+                        logprob_start_len=obj.logprob_start_len,
+                        stream=obj.stream,
+                        arrival_ts=created,
+                    )
                 )
+            except (OverflowError, TypeError, msgspec.EncodeError) as e:
+                raise ValueError(f"a request parameter cannot be represented: {e}") from None
+            state = ReqState(
+                rid=rid,
+                prompt_tokens=len(input_ids),
+                stream=obj.stream,
+                created_ns=created,
+                event=asyncio.Event(),
+                return_logprob=obj.return_logprob,
+                return_text_in_logprobs=obj.return_text_in_logprobs,
+                logprob_start_len=obj.logprob_start_len,
+                input_ids=input_ids if obj.return_logprob and obj.logprob_start_len >= 0 else None,
             )
-        except (OverflowError, TypeError, msgspec.EncodeError) as e:
-            raise ValueError(f"a request parameter cannot be represented: {e}") from None
-        state = ReqState(
-            rid=rid,
-            prompt_tokens=len(input_ids),
-            stream=obj.stream,
-            created_ns=created,
-            event=asyncio.Event(),
-            return_logprob=obj.return_logprob,
-            return_text_in_logprobs=obj.return_text_in_logprobs,
-            logprob_start_len=obj.logprob_start_len,
-            input_ids=input_ids if obj.return_logprob and obj.logprob_start_len >= 0 else None,
-        )
-        trace_clock.current().note_sent()  # a simulated deployment's scheduler waits for it before stepping
+        except BaseException:
+            clock.note_unsent()  # never sent: the scheduler must not wait for it
+            raise
         self.rid_to_state[rid] = state
         self.num_requests_total += 1
         if self.tracer.enabled:

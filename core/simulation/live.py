@@ -184,10 +184,15 @@ class SimScheduler(Scheduler):
                     clock.jump_to(due)  # nothing runs until then: skip the gap; the driver sends now
                     wait_ms = 1
                 else:  # time flows, and stops at an announced arrival until the request is in
-                    clock.run(self.speed or 1.0, until=due)
+                    clock.run(self.speed or 1.0, until=due, received=self.received)
                     left_ms = 50 if due is None else (due - clock.now_ns()) / 1e6 / (self.speed or 1.0)
                     wait_ms = max(1, min(50, math.ceil(left_ms)))
-                return msgs or self._take(self.io.recv(wait_ms))
+                if msgs:
+                    return msgs
+                msgs = self._take(self.io.recv(wait_ms))
+                if not any(isinstance(m, TokenizedGenerateReqInput) for m in msgs):
+                    return msgs
+                continue  # a request came: hold the clock and check the gate before it is scheduled
             if self._idle:  # work begins: the next pass's wall time counts from here
                 self._idle = False
                 self.tp_worker.pace_from = time.monotonic()

@@ -9,14 +9,17 @@ simulated seconds per wall second) only while it has nothing to do. So a deploym
 than real time when asked and every stamp stays the deployment's, not this host's.
 
 Two counters ride along so that no request is "in flight" while simulated time moves:
-`note_sent` (the tokenizer manager, before it sends a request to the scheduler) and `announce`
-(a driver that replays a workload: the arrival time of the next request it will send). The
-scheduler does not start a step while a sent request has not reached it or an announced arrival
-is due: what a request waits for is the deployment's work, never this host's.
+`note_sent` (the tokenizer manager, as a request arrives: it also stops the clock, so the request's
+trip through this host's tokenizer manager and sockets takes no simulated time) and `announce` (a
+driver that replays a workload: the arrival time of the next request it will send; running time
+stops there). The scheduler does not start a step while a sent request has not reached it or an
+announced arrival is due: what a request waits for is the deployment's work, never this host's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import mmap
 import os
 import struct
@@ -41,7 +44,10 @@ class TraceClock:
         return time.monotonic_ns()
 
     def note_sent(self) -> None:
-        """The tokenizer manager is about to send a request to the scheduler."""
+        """A request arrived at the tokenizer manager, which will send it to the scheduler."""
+
+    def note_unsent(self) -> None:
+        """...but it failed before it was sent (a bad request)."""
 
     def announce(self, arrival_ns: Optional[int]) -> None:
         """A driver's next request arrives at `arrival_ns` (None: none is coming)."""
@@ -50,10 +56,10 @@ class TraceClock:
 class SharedClock(TraceClock):
     """Simulated time shared by an engine's processes through a 56-byte mapped file.
 
-    Only the scheduler writes time (`hold`, `advance`, `run`, `jump_to`), only the tokenizer
-    manager writes its sent count and only a driver announces; time is read under a sequence lock,
-    so a reader never sees half a write. A fresh clock starts still at the host's monotonic time,
-    so simulated stamps look like the trace's usual ones."""
+    The scheduler moves time (`hold`, `advance`, `run`, `jump_to`), the tokenizer manager stops it
+    and counts its requests (`note_sent`), a driver announces arrivals. Writers of time take the
+    file's lock; readers read under a sequence lock, so a reader never sees half a write. A fresh
+    clock starts still at the host's monotonic time, so simulated stamps look like the usual ones."""
 
     simulated = True
 
@@ -62,24 +68,31 @@ class SharedClock(TraceClock):
         if create:
             with open(path, "wb") as f:
                 f.write(_LAYOUT.pack(0, time.monotonic_ns(), time.monotonic_ns(), 0.0, NEVER, 0, NEVER))
-        fd = os.open(path, os.O_RDWR)
+        self._fd = os.open(path, os.O_RDWR)
+        self._m = mmap.mmap(self._fd, _LAYOUT.size)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
-            self._m = mmap.mmap(fd, _LAYOUT.size)
+            yield
         finally:
-            os.close(fd)
-        self._seq = 0  # the writer's own copy (one writer of time per clock)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     # ---- reading ---------------------------------------------------------------
-    def _state(self) -> tuple[int, int, float, int]:
+    def _state(self) -> tuple[int, int, float, int, int]:
+        """(simulated anchor, wall anchor, rate, cap, the wall time it was read at): consistent, and
+        the wall time read before the counter is checked again, so no write began before it."""
         while True:
             seq, sim, wall, rate, cap = _STATE.unpack_from(self._m, 0)
+            read_at = time.monotonic_ns()
             if seq % 2 == 0 and struct.unpack_from("<q", self._m, 0)[0] == seq:
-                return sim, wall, rate, cap
+                return sim, wall, rate, cap, read_at
             time.sleep(0)  # a write is under way (a few microseconds)
 
     @staticmethod
-    def _at(sim: int, wall: int, rate: float, cap: int) -> int:
-        return sim if rate == 0.0 else min(cap, sim + int((time.monotonic_ns() - wall) * rate))
+    def _at(sim: int, wall: int, rate: float, cap: int, read_at: int) -> int:
+        return sim if rate == 0.0 else min(cap, sim + int((read_at - wall) * rate))
 
     def now_ns(self) -> int:
         return self._at(*self._state())
@@ -98,49 +111,70 @@ class SharedClock(TraceClock):
 
     # ---- the scheduler ---------------------------------------------------------
     def _write(self, sim: int, rate: float, cap: int = NEVER) -> None:
+        """Publish a new state (under the file lock). `_hold` turns the counter odd before it reads
+        the time it publishes, so no reader sees a later time than the one held."""
         seq = struct.unpack_from("<q", self._m, 0)[0]
-        struct.pack_into("<q", self._m, 0, seq + 1)  # odd: readers wait
-        _STATE.pack_into(self._m, 0, seq + 1, sim, time.monotonic_ns(), rate, cap)
-        struct.pack_into("<q", self._m, 0, seq + 2)
+        if seq % 2 == 0:
+            seq += 1
+            struct.pack_into("<q", self._m, 0, seq)  # odd: readers wait
+        _STATE.pack_into(self._m, 0, seq, sim, time.monotonic_ns(), rate, cap)
+        struct.pack_into("<q", self._m, 0, seq + 1)
 
-    def hold(self) -> int:
-        """Stop time where it is (the scheduler has work); returns the simulated now."""
+    def _hold(self) -> int:
         state = self._state()
         if state[2] == 0.0:
             return state[0]
-        now = self._at(*state)
+        seq = struct.unpack_from("<q", self._m, 0)[0]
+        struct.pack_into("<q", self._m, 0, seq + 1)  # odd from here: the time read below is the latest
+        now = self._at(*state[:4], time.monotonic_ns())
         self._write(now, 0.0)
         return now
+
+    def hold(self) -> int:
+        """Stop time where it is (the scheduler has work); returns the simulated now."""
+        with self._locked():
+            return self._hold()
 
     def advance(self, ns: int) -> int:
         """Held time moves on by `ns` (a pass's predicted duration); returns the new now."""
-        now = self.hold() + max(0, int(ns))
-        self._write(now, 0.0)
-        return now
+        with self._locked():
+            now = self._hold() + max(0, int(ns))
+            self._write(now, 0.0)
+            return now
 
     def jump_to(self, ns: int) -> None:
         """Held at `ns` if that is later (an idle gap skipped)."""
-        now = self.hold()
-        if ns > now:
-            self._write(ns, 0.0)
+        with self._locked():
+            if ns > self._hold():
+                self._write(ns, 0.0)
 
-    def run(self, rate: float, until: Optional[int] = None) -> None:
+    def run(self, rate: float, until: Optional[int] = None, received: Optional[int] = None) -> None:
         """Let time flow at `rate` simulated seconds per wall second from now (the scheduler idles),
-        stopping at `until` if given (an announced arrival: time waits there for the request)."""
+        stopping at `until` if given (an announced arrival: time waits there for the request); not
+        if more than `received` requests were sent (one arrived since the caller looked)."""
         cap = NEVER if until is None else int(until)
-        _, _, current, current_cap = self._state()
+        _, _, current, current_cap, _ = self._state()
         if current != rate or current_cap != cap:
-            self._write(self.hold(), rate, cap)
+            with self._locked():
+                if received is None or self.sent() <= received:
+                    self._write(self._hold(), rate, cap)
 
     # ---- the tokenizer manager and a driver ------------------------------------
     def note_sent(self) -> None:
-        struct.pack_into("<q", self._m, _SENT, self.sent() + 1)
+        with self._locked():
+            self._hold()
+            struct.pack_into("<q", self._m, _SENT, self.sent() + 1)
+
+    def note_unsent(self) -> None:
+        with self._locked():
+            struct.pack_into("<q", self._m, _SENT, self.sent() - 1)
 
     def announce(self, arrival_ns: Optional[int]) -> None:
         struct.pack_into("<q", self._m, _ANNOUNCED, NEVER if arrival_ns is None else int(arrival_ns))
 
     def close(self) -> None:
         self._m.close()
+        os.close(self._fd)
 
 
 _clock: TraceClock = TraceClock()
