@@ -5,6 +5,7 @@ simulated timestamps in the trace, determinism), and the CLI's sweep table."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -484,3 +485,33 @@ def test_a_draft_models_passes_are_costed_and_its_memory_taken():
     assert draft_result.metrics()["tpot_p50_ms"] > plain_result.metrics()["tpot_p50_ms"]
     with pytest.raises(ValueError, match="needs speculative_accept_rate"):
         Simulator("llama-3.1-70b", "h100", tp_size=8, speculative_draft_model="llama-3.1-8b")
+
+
+def test_a_recorded_run_is_a_workload(tmp_path, capsys):
+    """`sim run --workload FILE` takes a real engine's recording: its finished requests, at their
+    arrival times, with their prompt and output lengths."""
+    from workbench.cli import build_parser
+    from workbench.core.simulation.recorded import is_recording, workload_from_trace
+    from workbench.core.trace.events import ReqArrived, ReqFinished
+    from workbench.core.trace.recorder import read_trace
+
+    path = Path(__file__).parent / "data" / "tui_trace.jsonl"
+    _, events = read_trace(path)
+    finished = {e.rid: e for e in events if isinstance(e, ReqFinished)}
+    arrived = {e.rid: e.ts for e in events if isinstance(e, ReqArrived) and e.rid in finished}
+    wl = workload_from_trace(path)
+    order = sorted(arrived, key=arrived.get)
+    assert len(wl) == len(finished) == 7 and is_recording(path)
+    first = arrived[order[0]]
+    for r, rid in zip(wl, order):
+        assert r.arrival == pytest.approx((arrived[rid] - first) / 1e9)
+        assert (r.prompt_len, r.output_len) == (finished[rid].prompt_tokens, finished[rid].completion_tokens)
+    args = build_parser().parse_args(["sim", "run", "--model", "llama-3.1-8b", "--workload", str(path)])
+    assert args.func(args) == 0
+    assert "SIMULATED h100x1, llama-3.1-8b: 7 requests" in capsys.readouterr().out
+    # a recording with nothing finished says what to record instead
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(path.read_text().splitlines()[0] + "\n")
+    assert is_recording(empty) and not is_recording(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="no finished requests"):
+        workload_from_trace(empty)

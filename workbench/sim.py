@@ -7,7 +7,8 @@
 
 Workloads: a Poisson stream (--rate, --num-requests, --prompt-len, --output-len, --groups and
 --prefix-len for shared prefixes), or --workload FILE, a JSONL of {"arrival", "prompt_tokens",
-"output_tokens", optional "group" and "prefix_tokens"}.
+"output_tokens", optional "group" and "prefix_tokens"}, or a real engine's recording (`--record`:
+its finished requests' arrivals and lengths, core/simulation/recorded.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 
 from workbench.core.simulation.hardware import HARDWARE
 from workbench.core.simulation.model_specs import KNOWN
+from workbench.core.simulation.recorded import is_recording, workload_from_trace
 from workbench.core.simulation.simulator import SimRequest, Simulator, poisson_workload, request_prompt
 
 COLUMNS = (
@@ -40,6 +42,11 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def load_workload(args) -> list[SimRequest]:
+    if args.workload and is_recording(args.workload):  # a real engine's --record file
+        try:
+            return workload_from_trace(args.workload)
+        except (ValueError, OSError) as exc:
+            raise SystemExit(f"--workload {args.workload}: {exc}") from None
     if args.workload:
         out = []
         with open(args.workload) as f:
@@ -262,7 +269,12 @@ def add_parser(sub) -> None:
             help="STANDALONE: a draft model (a known name or an HF config.json) whose decode passes are costed "
             "before each verify pass and whose weights and KV share the memory (needs --speculative-accept-rate)",
         )
-        q.add_argument("--workload", default=None, help="a JSONL workload (see the module docstring)")
+        q.add_argument(
+            "--workload",
+            default=None,
+            help="a JSONL workload (see the module docstring), or a real engine's --record file: its "
+            "finished requests' arrivals and lengths",
+        )
         q.add_argument(
             "--rate", type=float, default=10.0, help="Poisson arrivals per simulated second (0: all at once)"
         )

@@ -1,0 +1,59 @@
+"""A recorded run as a simulation workload (issue #19):
+
+    workbench serve --record run.jsonl ...            # a real engine, a real workload
+    workbench sim run --workload run.jsonl --simulate h100 --model llama-3.1-8b
+
+Each request the recording saw finish becomes a `SimRequest`: it arrives when the tokenizer manager
+stamped it (`req.arrived`, else when the scheduler queued it), with the prompt's length
+(`req.tokenized` / `req.queued`) and the output length it had (`req.finished`), so the same stream of
+arrivals and lengths meets the simulated deployment. What a recording does not carry is left out:
+the token ids (shared prefixes are not recovered: the simulated requests share nothing) and the
+requests that did not finish (aborted ones, or those cut off by the end of the recording).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from workbench.core.simulation.simulator import SimRequest
+from workbench.core.trace.events import ReqArrived, ReqFinished, ReqQueued, ReqTokenized
+from workbench.core.trace.recorder import read_trace
+
+
+def is_recording(path) -> bool:
+    """Whether `path` is a workbench trace recording (its first line is a trace.header)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if head == b"\x1f\x8b":  # gzip: only the recorder writes those
+            return True
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        return json.loads(first).get("kind") == "trace.header"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def workload_from_trace(path) -> list[SimRequest]:
+    """The finished requests of a recording, by arrival (seconds from the first)."""
+    _, events = read_trace(path)
+    arrival: dict[str, int] = {}
+    prompt: dict[str, int] = {}
+    output: dict[str, int] = {}
+    for e in events:
+        if isinstance(e, (ReqArrived, ReqQueued)):
+            arrival[e.rid] = min(e.ts, arrival.get(e.rid, e.ts))
+        if isinstance(e, (ReqTokenized, ReqQueued)):
+            prompt.setdefault(e.rid, e.prompt_tokens)
+        elif isinstance(e, ReqFinished) and e.reason != "abort":
+            output[e.rid] = e.completion_tokens
+    rids = [r for r in arrival if prompt.get(r, 0) > 0 and output.get(r, 0) > 0]
+    if not rids:
+        raise ValueError(
+            f"{Path(path).name}: no finished requests in this recording; record a real engine's run "
+            "(`workbench serve --record FILE`, `workbench tui --record FILE`) while it serves a workload"
+        )
+    rids.sort(key=lambda r: arrival[r])
+    t0 = arrival[rids[0]]
+    return [SimRequest((arrival[r] - t0) / 1e9, prompt[r], output[r]) for r in rids]
