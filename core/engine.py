@@ -118,10 +118,13 @@ class Engine:
         if sa.speculative_draft_model_path:  # STANDALONE: the draft model is prepared here too (GGUF, hub)
             draft = prepare_model(sa.speculative_draft_model_path, progress=sa.show_progress)
             child_args.speculative_draft_model_path = str(draft.model_dir)
-        if sa.simulate:  # simulated time for every process's stamps (trace/clock.py)
+        # The trace's clock for this engine's stamps: a simulated deployment's processes share one
+        # (trace/clock.py; the children attach to it by path), a real engine's is the host's.
+        self.clock: trace_clock.TraceClock = trace_clock.TraceClock()
+        if sa.simulate:
             path = os.path.join(self.port_args.ipc_dir, "sim-clock")
             self.port_args.extra["sim_clock"] = path
-            self._clock_before = trace_clock.install(trace_clock.SharedClock(path, create=True))
+            self.clock = trace_clock.SharedClock(path, create=True)
         self.bus = TraceBus(self.port_args.trace_ipc_name, publish_addr=sa.trace_publish, model=self.trace_label)
         ctx = mp.get_context("spawn")
         self._progress("starting scheduler and detokenizer processes")
@@ -149,7 +152,7 @@ class Engine:
         self.loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="workbench-engine-loop", daemon=True)
         self._loop_thread.start()
-        self.tracer = Tracer("tokenizer", sink=self.bus.publish_batch)
+        self.tracer = Tracer("tokenizer", sink=self.bus.publish_batch, clock=self.clock.now_ns)
         self.tokenizer_manager: TokenizerManager = self._run(self._make_tokenizer_manager())
         self.bus.on_listeners_changed = self._on_listeners_changed
         self._recorder = None
@@ -201,6 +204,7 @@ class Engine:
             self.max_total_num_tokens,
             self.tracer,
             asyncio.get_running_loop(),
+            clock=self.clock,
         )
 
     def _wait_ready(self, readers: dict) -> dict:
@@ -598,7 +602,7 @@ class Engine:
             self.bus.publish_batch(
                 [
                     ev.ProcExited(
-                        ts=trace_clock.now_ns(),
+                        ts=self.clock.now_ns(),
                         proc="engine",
                         pid=proc.pid or 0,
                         role=role,
@@ -648,8 +652,6 @@ class Engine:
             self._recorder.close()
         if getattr(self, "_otel", None) is not None:
             self._otel.close()
-        if getattr(self, "_clock_before", None) is not None:
-            trace_clock.install(self._clock_before)  # this process's stamps are the host's again
         self.port_args.cleanup()
         try:
             atexit.unregister(self.shutdown)

@@ -62,8 +62,11 @@ def test_an_arriving_request_holds_the_clock_and_is_counted(tmp_path, shared):
     assert shared.running
     other.note_unsent()  # a bad request that was never sent
     assert shared.sent() == 0
-    other.announce(12345)
-    assert shared.announced() == 12345
+    shared.hold()
+    other.announce(shared.now_ns() + 12345)
+    assert shared.announced() == shared.now_ns() + 12345
+    other.announce(12345)  # in the past: announced as now (time never goes back for a reader)
+    assert shared.announced() == shared.now_ns()
     other.announce(None)
     assert shared.announced() is None
     other.close()

@@ -19,7 +19,6 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from workbench.core.trace import clock as trace_clock
 from workbench.core.trace.events import Event
 
 Progress = Callable[[str], None]
@@ -64,7 +63,8 @@ class Controller:
         return []
 
     def now_ns(self) -> int:
-        return trace_clock.now_ns()  # a simulated deployment in this process: its simulated time
+        engine = getattr(self, "engine", None)  # a live engine's clock: simulated time for a simulated one
+        return engine.clock.now_ns() if getattr(engine, "clock", None) is not None else time.monotonic_ns()
 
     def status(self) -> str:
         return self.mode

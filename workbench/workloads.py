@@ -27,7 +27,6 @@ import threading
 import time
 from typing import Any, Iterable, Iterator, Optional
 
-from workbench.core.trace import clock as trace_clock
 
 KINDS = ("chat", "shared-prefix", "long-prompt", "burst")
 _SHORT = {"chat": "chat", "shared-prefix": "sp", "long-prompt": "long", "burst": "burst"}
@@ -190,8 +189,9 @@ class WorkloadRunner:
         self.engine = engine
         # A simulated deployment in this process (Engine(simulate=...)): arrivals on its clock, and each
         # announced so its scheduler holds time for it (core/simulation/live.py); else the host's clock.
+        clock = getattr(engine, "clock", None)
+        self._sim = clock if clock is not None and clock.simulated else None
         sa = getattr(engine, "server_args", None)
-        self._sim = trace_clock.current() if getattr(sa, "simulate", None) and trace_clock.current().simulated else None
         self._speed = (sa.sim_speed or 1.0) if self._sim is not None else 1.0
         self.kind = kind
         self.label = label or kind
@@ -299,7 +299,7 @@ class WorkloadRunner:
         """Tell a simulated deployment when the next request comes (active time; None: not sure one does)."""
         if self._sim is not None:
             ok = due is not None and math.isfinite(due) and not self.paused and not self._stop.is_set()
-            self._sim.announce(int((due + self._paused_total) * 1e9) if ok else None)
+            self._sim.announce(math.ceil((due + self._paused_total) * 1e9) if ok else None)
 
     def _active_now(self) -> float:
         with self._clock_lock:
@@ -374,7 +374,9 @@ class WorkloadRunner:
     async def _run(self) -> None:
         self._wake = asyncio.Event()
         tasks: set[asyncio.Task] = set()
-        last_send = -math.inf  # active time of the last send: the first goes at once
+        last_send = -math.inf  # active time of the last send: the first goes at once ...
+        if self._sim is not None:  # ... but on a simulated clock one period in, announced like the rest
+            last_send = self._active_now()
         last_adapt = self._active_now()
         while not self._stop.is_set():
             self._wake.clear()
@@ -389,7 +391,7 @@ class WorkloadRunner:
                 last_adapt = now
             per = (self.burst_size if self.kind == "burst" else 1) / self.rate
             due = last_send + per
-            if now >= due:
+            if now >= due - 1e-9:  # a nanosecond's slack: a simulated clock stops exactly at an announced due
                 n = self._how_many()
                 if n:
                     noted = self._sim.sent() + n if self._sim is not None else 0

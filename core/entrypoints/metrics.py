@@ -75,6 +75,7 @@ class ServerMetrics:
         max_remembered_rids: int = 50_000,
         simulated: str = "",
     ):
+        self.clock: trace_clock.TraceClock = trace_clock.TraceClock()  # attach() takes the engine's
         # A simulated deployment's series carry it: simulated="h100x8" beside model_name.
         self.labels = {"model_name": model_name, **({"simulated": simulated} if simulated else {})}
         self.window_ns = int(throughput_window_s * 1e9)
@@ -106,6 +107,7 @@ class ServerMetrics:
 
     def attach(self, engine: Any) -> None:
         """Subscribe to the engine's trace (switches tracing on for the server's lifetime)."""
+        self.clock = getattr(engine, "clock", self.clock)  # the events' clock (simulated time, if so)
         sub = getattr(engine, "subscribe_callback", None)
         if sub is not None:
             self._handle = sub(self.on_events)
@@ -194,7 +196,7 @@ class ServerMetrics:
 
     def gen_throughput(self, now_ns: Optional[int] = None) -> float:
         """Decode tokens/s over the last window (0 when idle for a whole window)."""
-        now = trace_clock.now_ns() if now_ns is None else now_ns
+        now = self.clock.now_ns() if now_ns is None else now_ns
         lo = now - self.window_ns
         total = sum(n for ts, n in self._decode_steps if lo < ts <= now)
         return total / (self.window_ns / 1e9)

@@ -121,8 +121,12 @@ class TokenizerManager:
         max_total_tokens: int,
         tracer,
         loop: asyncio.AbstractEventLoop,
+        clock: Optional[trace_clock.TraceClock] = None,
     ):
         self.server_args = server_args
+        # Every stamp (meta_info latencies, req.* events): the engine's clock, simulated for a simulated
+        # deployment (trace/clock.py); the host's monotonic clock otherwise.
+        self.clock = clock if clock is not None else trace_clock.current()
         self.tokenizer = tokenizer
         self.context_len = context_len
         self.max_total_tokens = max_total_tokens
@@ -158,10 +162,10 @@ class TokenizerManager:
             raise EngineDeadError(self.dead_reason)
         # A simulated deployment's clock stops here, and its scheduler will not step before this request
         # is in: this host's trip is not the deployment's (trace/clock.py). A no-op on a real engine.
-        clock = trace_clock.current()
+        clock = self.clock
         clock.note_sent()
         try:
-            created = obj.arrival_ns if obj.arrival_ns is not None else trace_clock.now_ns()
+            created = obj.arrival_ns if obj.arrival_ns is not None else clock.now_ns()
             if not self._weights_gate.is_set():
                 await self._hold_for_weights_update()
             rid = obj.rid or uuid.uuid4().hex
@@ -282,7 +286,7 @@ class TokenizerManager:
             "completion_tokens": state.completion_tokens,
             "cached_tokens": state.cached_tokens,
             "finish_reason": state.finish_reason,
-            "e2e_latency": ((state.finished_ns or trace_clock.now_ns()) - state.created_ns) / 1e9,
+            "e2e_latency": ((state.finished_ns or self.clock.now_ns()) - state.created_ns) / 1e9,
             "ttft": (state.first_token_ns - state.created_ns) / 1e9 if state.first_token_ns else None,
         }
         if state.return_logprob:  # SGLang: present (maybe []) whenever logprobs were asked for
@@ -321,7 +325,7 @@ class TokenizerManager:
     def _handle_batch_output(self, out: BatchStrOut) -> None:
         # A simulated deployment's tokens are out when its step ends (the scheduler's stamp); this
         # host's trip through the detokenizer is not the deployment's. A real engine: on arrival here.
-        now = out.ts if out.ts and trace_clock.current().simulated else trace_clock.now_ns()
+        now = out.ts if out.ts and self.clock.simulated else self.clock.now_ns()
         tracing = self.tracer.enabled
         for i, rid in enumerate(out.rids):
             state = self.rid_to_state.get(rid)

@@ -180,10 +180,11 @@ class SimScheduler(Scheduler):
                 if not stepping or on_way:  # paused by a view, or a request on its way: time waits
                     clock.hold()
                     wait_ms = 50 if not stepping else 1
-                elif due is not None and (self.speed == 0 or due <= clock.now_ns()):
+                elif due is not None and (self.speed == 0 or due <= clock.now_ns()) and not self._gave_up_on(due):
                     clock.jump_to(due)  # nothing runs until then: skip the gap; the driver sends now
                     wait_ms = 1
                 else:  # time flows, and stops at an announced arrival until the request is in
+                    due = None if due is not None and due <= clock.now_ns() else due  # given up on
                     clock.run(self.speed or 1.0, until=due, received=self.received)
                     left_ms = 50 if due is None else (due - clock.now_ns()) / 1e6 / (self.speed or 1.0)
                     wait_ms = max(1, min(50, math.ceil(left_ms)))
@@ -264,7 +265,7 @@ def replay(engine, workload: list[SimRequest], seed: int = 0, progress=None) -> 
 
 
 async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> SimResult:
-    tm, clock, sa = engine.tokenizer_manager, trace_clock.current(), engine.server_args
+    tm, clock, sa = engine.tokenizer_manager, engine.clock, engine.server_args
     vocab = len(engine.tokenizer)
     t0 = time.perf_counter()
     clock.announce(clock.now_ns())  # an arrival due now: the scheduler holds the clock, the run starts there

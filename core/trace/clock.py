@@ -94,8 +94,15 @@ class SharedClock(TraceClock):
     def _at(sim: int, wall: int, rate: float, cap: int, read_at: int) -> int:
         return sim if rate == 0.0 else min(cap, sim + int((read_at - wall) * rate))
 
+    def _capped(self, sim: int, cap: int) -> int:
+        """Running time stops at the cap or at an announced arrival still ahead, whichever is first:
+        readers apply the announcement at once, before the scheduler next looks."""
+        due = struct.unpack_from("<q", self._m, _ANNOUNCED)[0]
+        return due if sim <= due < cap else cap
+
     def now_ns(self) -> int:
-        return self._at(*self._state())
+        sim, wall, rate, cap, read_at = self._state()
+        return self._at(sim, wall, rate, self._capped(sim, cap) if rate else cap, read_at)
 
     @property
     def running(self) -> bool:
@@ -126,7 +133,8 @@ class SharedClock(TraceClock):
             return state[0]
         seq = struct.unpack_from("<q", self._m, 0)[0]
         struct.pack_into("<q", self._m, 0, seq + 1)  # odd from here: the time read below is the latest
-        now = self._at(*state[:4], time.monotonic_ns())
+        sim, wall, rate, cap = state[:4]
+        now = self._at(sim, wall, rate, self._capped(sim, cap), time.monotonic_ns())
         self._write(now, 0.0)
         return now
 
@@ -170,11 +178,21 @@ class SharedClock(TraceClock):
             struct.pack_into("<q", self._m, _SENT, self.sent() - 1)
 
     def announce(self, arrival_ns: Optional[int]) -> None:
-        struct.pack_into("<q", self._m, _ANNOUNCED, NEVER if arrival_ns is None else int(arrival_ns))
+        # Never behind now: readers stop running time at an announcement, and time never goes back.
+        due = NEVER if arrival_ns is None else max(int(arrival_ns), self.now_ns())
+        struct.pack_into("<q", self._m, _ANNOUNCED, due)
 
     def close(self) -> None:
-        self._m.close()
-        os.close(self._fd)
+        if self._fd >= 0:
+            self._m.close()
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass  # interpreter shutdown
 
 
 _clock: TraceClock = TraceClock()
