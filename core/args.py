@@ -35,6 +35,8 @@ FLAG_HELP = {
     "simulate": "serve a deployment that is not there: the real tokenizer manager, scheduler and detokenizer "
     "over this hardware's cost model (h100, h200, a100-80g, l4, cpu-here), on a simulated clock; --model may "
     "then name a known model (llama-3.1-70b, qwen3-32b, ...) or an HF config.json, --tp-size counts its devices",
+    "trace_token_ids": "the trace (and a --record file) carries each request's prompt and output token ids, so "
+    "`workbench sim run --workload FILE` replays the recorded run token for token (shared prefixes included)",
     "sim_speed": "with --simulate: simulated seconds per wall second (1 real time, 10 ten times faster); 0 runs "
     "as fast as this host can and skips idle gaps to the next request a replaying driver announces",
     "stream_interval": "a streaming request's new tokens go out every this many tokens (the first at once); "
@@ -123,6 +125,7 @@ class ServerArgs:
     model_path: Optional[str] = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
     simulate: Optional[str] = None  # a hardware name: a simulated deployment (core/simulation/live.py)
     sim_speed: float = 1.0  # simulated seconds per wall second (0: as fast as possible)
+    trace_token_ids: bool = False  # req.tokenized / req.finished carry the token ids
     served_model_name: Optional[str] = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"  # auto = same as dtype

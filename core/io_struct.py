@@ -30,6 +30,7 @@ class TokenizedGenerateReqInput(Msg):
     logprob_start_len: int = -1  # -1: no prompt logprobs
     stream: bool = False
     arrival_ts: int = 0  # monotonic ns at the tokenizer manager
+    replay_output_ids: Optional[list[int]] = None  # a simulated deployment returns these instead of sampling
 
 
 class AbortReq(Msg):

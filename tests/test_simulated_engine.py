@@ -198,3 +198,31 @@ def test_the_tuis_workload_runner_keeps_its_rate_in_simulated_time(warped):
     gaps = [(b - a) / 1e9 for a, b in zip(arrived, arrived[1:])]
     # one every 1/20 s of simulated time, each at most one pass late (a request arriving mid-pass)
     assert all(0.05 - 1e-6 <= g <= 0.05 + 0.03 for g in gaps), gaps
+
+
+def test_a_run_recorded_with_its_token_ids_replays_token_for_token(tmp_path, warped):
+    """A real engine's run recorded with --trace-token-ids is a workload whose prompts and outputs are
+    the recorded ones: the offline Simulator and the live pipeline return the recorded tokens, and the
+    shared system prompt hits the simulated radix cache."""
+    from workbench.core.engine import Engine
+    from workbench.core.simulation.recorded import workload_from_trace
+    from workbench.core.simulation.simulator import Simulator
+
+    path = tmp_path / "run.jsonl"
+    system = "You are a careful assistant who answers in one short sentence. " * 4
+    prompts = [system + q for q in ("What is a radix tree?", "Why batch requests?", "What is KV cache?")]
+    with Engine(record=str(path), trace_token_ids=True, show_progress=False) as real:
+        first = real.generate(prompt=prompts[0], sampling_params={"max_new_tokens": 6, "temperature": 0.0})
+        rest = real.generate(prompt=prompts[1:], sampling_params={"max_new_tokens": 6, "temperature": 0.0})
+        want_prompts = [real.tokenizer.encode(p) for p in prompts]
+    outs = [first] + rest
+    workload = workload_from_trace(path)
+    by_len = sorted(workload, key=lambda r: r.arrival)
+    assert [r.prompt_ids for r in by_len][:1] == want_prompts[:1]
+    assert sorted(map(tuple, (r.prompt_ids for r in workload))) == sorted(map(tuple, want_prompts))
+    assert sorted(map(tuple, (r.output_ids for r in workload))) == sorted(tuple(o["output_ids"]) for o in outs)
+    offline = Simulator("smollm2-135m", "h100").run(workload)
+    live_run = live.replay(warped, workload)
+    for got in (offline, live_run):
+        assert sorted(map(tuple, got.outputs.values())) == sorted(tuple(o["output_ids"]) for o in outs)
+        assert got.cached_tokens > 0  # the shared system prompt, recovered from the recorded ids

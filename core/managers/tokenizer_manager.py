@@ -76,6 +76,8 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[str] = None
+    # A simulated deployment returns these tokens in turn instead of sampling (a recorded run's output).
+    replay_output_ids: Optional[list[int]] = None
     # When the request arrived, on the trace clock; None: now. A driver replaying a workload on a
     # simulated deployment sets it (core/simulation/live.py `drive`): the request arrived mid-step.
     arrival_ns: Optional[int] = None
@@ -190,6 +192,7 @@ class TokenizerManager:
                         logprob_start_len=obj.logprob_start_len,
                         stream=obj.stream,
                         arrival_ts=created,
+                        replay_output_ids=obj.replay_output_ids,
                     )
                 )
             except (OverflowError, TypeError, msgspec.EncodeError) as e:
@@ -211,7 +214,10 @@ class TokenizerManager:
         self.rid_to_state[rid] = state
         self.num_requests_total += 1
         if self.tracer.enabled:
-            self.tracer.emit(ev.ReqTokenized(rid=rid, prompt_tokens=len(input_ids), max_new_tokens=sp.max_new_tokens))
+            ids = list(input_ids) if self.server_args.trace_token_ids else None
+            self.tracer.emit(
+                ev.ReqTokenized(rid=rid, prompt_tokens=len(input_ids), max_new_tokens=sp.max_new_tokens, input_ids=ids)
+            )
             self.tracer.flush()
         try:
             await self.send_to_scheduler.send(wire)
@@ -398,6 +404,7 @@ class TokenizerManager:
                 tpot=tpot,
                 e2e=e2e,
                 ts=now,
+                output_ids=list(state.output_ids) if self.server_args.trace_token_ids else None,
             )
         )
 

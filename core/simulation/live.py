@@ -39,7 +39,6 @@ from typing import Optional
 
 from workbench.core.args import ServerArgs
 from workbench.core.io_struct import TokenizedGenerateReqInput
-from workbench.core.managers.scheduler import Scheduler
 from workbench.core.managers.tokenizer_manager import GenerateReqInput
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.simulation.calibration import shipped
@@ -52,6 +51,7 @@ from workbench.core.simulation.simulator import (
     SimResult,
     SimRunner,
     SimWorker,
+    TokenReplayScheduler,
     default_dtype_bytes,
     request_prompt,
 )
@@ -136,7 +136,7 @@ class WarpSimWorker(SimWorker):
         return out
 
 
-class SimScheduler(Scheduler):
+class SimScheduler(TokenReplayScheduler):
     """The real Scheduler with one change at the top of its loop: it keeps the simulated clock.
 
     Working, it holds the clock and does not start a pass while a request the tokenizer manager sent
@@ -162,6 +162,11 @@ class SimScheduler(Scheduler):
         out = super().get_internal_state()
         out.kv_used_peak = self.kv_used_peak
         return out
+
+    def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
+        if recv.replay_output_ids:  # a recorded run's tokens, returned in turn
+            self.tp_worker.replay[recv.rid] = list(recv.replay_output_ids)
+        super().handle_generate_request(recv)
 
     def _take(self, msgs: list) -> list:
         self.received += sum(isinstance(m, TokenizedGenerateReqInput) for m in msgs)
@@ -275,9 +280,13 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     metas: dict[int, dict] = {}
 
+    outputs: dict[str, list[int]] = {}
+
     async def one(i: int, obj: GenerateReqInput) -> None:
         async for out in tm.generate_request(obj):
             metas[i] = out["meta_info"]
+            if obj.replay_output_ids:
+                outputs[obj.rid] = out["output_ids"]
         if progress is not None:
             progress(len(metas), len(workload), (clock.now_ns() - base) / 1e9)
 
@@ -293,7 +302,9 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
             prompt_tokens += len(ids)
             params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
             rid = f"r{i}"
-            obj = GenerateReqInput(input_ids=ids, sampling_params=params, rid=rid, arrival_ns=due)
+            obj = GenerateReqInput(
+                input_ids=ids, sampling_params=params, rid=rid, arrival_ns=due, replay_output_ids=r.output_ids
+            )
             tasks.append(asyncio.ensure_future(one(i, obj)))
             while rid not in tm.rid_to_state and not tasks[-1].done():  # counted as sent: the next may be announced
                 await asyncio.sleep(0)
@@ -310,7 +321,7 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
             res.tpot[rid] = (m["e2e_latency"] - m["ttft"]) / (n - 1)
         res.output_tokens += n
         res.cached_tokens += m.get("cached_tokens", 0)
-    res.prompt_tokens = prompt_tokens
+    res.prompt_tokens, res.outputs = prompt_tokens, outputs
     res.peak_kv_used, res.steps = state.kv_used_peak, state.step
     start = min((r.arrival for r in workload), default=0.0)
     res.sim_s = max((workload[i].arrival + m["e2e_latency"] for i, m in metas.items()), default=start) - start

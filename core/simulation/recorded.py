@@ -6,9 +6,11 @@
 Each request the recording saw finish becomes a `SimRequest`: it arrives when the tokenizer manager
 stamped it (`req.arrived`, else when the scheduler queued it), with the prompt's length
 (`req.tokenized` / `req.queued`) and the output length it had (`req.finished`), so the same stream of
-arrivals and lengths meets the simulated deployment. What a recording does not carry is left out:
-the token ids (shared prefixes are not recovered: the simulated requests share nothing) and the
-requests that did not finish (aborted ones, or those cut off by the end of the recording).
+arrivals and lengths meets the simulated deployment. A run recorded with `--trace-token-ids` also
+carries the token ids: the prompts are then the recorded ones (so shared prefixes and multi-turn
+histories hit the simulated radix cache as they hit the real one) and the simulated worker returns
+the recorded output tokens in turn. Without them the prompts are drawn and share nothing. Requests
+that did not finish (aborted, or cut off by the end of the recording) are left out.
 """
 
 from __future__ import annotations
@@ -41,13 +43,19 @@ def workload_from_trace(path) -> list[SimRequest]:
     arrival: dict[str, int] = {}
     prompt: dict[str, int] = {}
     output: dict[str, int] = {}
+    prompt_ids: dict[str, list[int]] = {}
+    output_ids: dict[str, list[int]] = {}
     for e in events:
         if isinstance(e, (ReqArrived, ReqQueued)):
             arrival[e.rid] = min(e.ts, arrival.get(e.rid, e.ts))
         if isinstance(e, (ReqTokenized, ReqQueued)):
             prompt.setdefault(e.rid, e.prompt_tokens)
+            if isinstance(e, ReqTokenized) and e.input_ids:
+                prompt_ids[e.rid] = e.input_ids
         elif isinstance(e, ReqFinished) and e.reason != "abort":
             output[e.rid] = e.completion_tokens
+            if e.output_ids:
+                output_ids[e.rid] = e.output_ids
     rids = [r for r in arrival if prompt.get(r, 0) > 0 and output.get(r, 0) > 0]
     if not rids:
         raise ValueError(
@@ -56,4 +64,13 @@ def workload_from_trace(path) -> list[SimRequest]:
         )
     rids.sort(key=lambda r: arrival[r])
     t0 = arrival[rids[0]]
-    return [SimRequest((arrival[r] - t0) / 1e9, prompt[r], output[r]) for r in rids]
+    return [
+        SimRequest(
+            (arrival[r] - t0) / 1e9,
+            prompt[r],
+            output[r],
+            prompt_ids=prompt_ids.get(r),
+            output_ids=output_ids.get(r)[: output[r]] if r in output_ids else None,
+        )
+        for r in rids
+    ]

@@ -91,6 +91,7 @@ class SimWorker:
         self.accept_rng = random.Random(seed)
         self.tp_rank = 0
         self.drafter: Optional["SimDrafter"] = None  # set when a STANDALONE draft model is costed
+        self.replay: dict[str, list[int]] = {}  # rid -> the output tokens it gets (a recorded run's)
         self.busy_s = 0.0  # simulated time spent in passes
         self.passes = 0
 
@@ -107,8 +108,21 @@ class SimWorker:
         ids = torch.randint(FIRST_TOKEN, vocab, (sum(rows),), generator=self.rng, dtype=torch.int64)
         if mwb.spec_rows and self.accept_rate is not None:
             ids = self._verify_tokens(mwb, ids, vocab)
+        elif self.replay:
+            self._replay_tokens(getattr(mwb, "sim_reqs", None) or [], ids)
         out = ForwardOutput(LogitsOutput(next_token_logits=torch.zeros((len(ids), 1))), SamplerOutput(ids), None)
         return cost, out
+
+    def _replay_tokens(self, reqs: list, ids: torch.Tensor) -> None:
+        """Rows of requests with recorded output get their next recorded token (one row per request;
+        the rest keep their sampled ones, drawn all the same so the generator's stream does not shift)."""
+        for j, req in enumerate(reqs):
+            want = self.replay.get(req.rid)
+            pos = len(req.output_ids)
+            if want is not None and pos < len(want):
+                ids[j] = want[pos]
+                if pos == len(want) - 1:
+                    del self.replay[req.rid]  # its last token: done
 
     def _verify_tokens(self, mwb, ids: torch.Tensor, vocab: int) -> torch.Tensor:
         """A verify pass's tokens: row j of a request (its last token and drafts d1..dk) agrees with
@@ -244,6 +258,7 @@ class SimRequest:
     group: Optional[int] = None
     prefix_len: int = 0
     prompt_ids: Optional[list[int]] = None  # the prompt itself (else drawn: `request_prompt`)
+    output_ids: Optional[list[int]] = None  # the tokens to return in turn (a recorded run's), else sampled
 
 
 def request_prompt(i: int, r: SimRequest, seed: int, vocab: int) -> list[int]:
@@ -278,6 +293,7 @@ class SimResult:
     retracted: int = 0
     dp_size: int = 1
     per_replica_requests: list[int] = field(default_factory=list)  # requests each replica served
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # the tokens of requests given output_ids
 
     @property
     def deployment(self) -> str:
@@ -315,6 +331,16 @@ class SimResult:
         )
 
 
+class TokenReplayScheduler(Scheduler):
+    """The real Scheduler, telling a simulated worker which requests a pass's rows belong to (so it
+    can return a recorded run's tokens for them): the one change, after `prepare_launch`."""
+
+    def prepare_launch(self, batch):
+        mwb, step_reqs = super().prepare_launch(batch)
+        mwb.sim_reqs = batch.reqs
+        return mwb, step_reqs
+
+
 class _Replica:
     """One scheduler with its own clock, pools, worker and inbox: the whole deployment, or one of
     `dp_size` data-parallel replicas (traced as "scheduler.dp<rank>", as the real ones are)."""
@@ -326,7 +352,7 @@ class _Replica:
         self.worker = SimWorker(self.runner, sim.cost, self.clock, seed, sim.accept_rate)
         self.io = _ListIO()
         self.tracer = Tracer(proc, sink=trace_sink, enabled=trace_sink is not None, clock=self.clock.ns)
-        self.scheduler = Scheduler(
+        self.scheduler = TokenReplayScheduler(
             sim.args, None, worker=self.worker, io=self.io, tokenizer=_NoTokenizer(), tracer=self.tracer
         )
         if sim.accept_rate is not None:  # in place of the NGRAM proposals (the running batch holds its own)
@@ -453,6 +479,7 @@ class Simulator:
         reps = self.replicas
         order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
         self._arrival: dict[str, float] = {}
+        self._replayed: set[str] = set()
         first: dict[str, float] = {}
         res = SimResult(
             self.hw.name,
@@ -494,6 +521,8 @@ class Simulator:
                         first[rid] = now
                         res.ttft[rid] = now - self._arrival[rid]
                     counts[rid] = msg.completion_tokens[j]
+                    if rid in self._replayed:
+                        res.outputs.setdefault(rid, []).extend(msg.new_token_ids[j])
                     if done:
                         res.latency[rid] = now - self._arrival[rid]
                         res.cached_tokens += msg.cached_tokens[j]
@@ -535,6 +564,9 @@ class Simulator:
         rep = self.replicas[rank]
         rep.clock.now = max(rep.clock.now, at)
         rep.requests += 1
+        if r.output_ids:
+            rep.worker.replay[rid] = list(r.output_ids)
+            self._replayed.add(rid)
         self._arrival[rid] = r.arrival
         params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
         rep.io.inbox.append(TokenizedGenerateReqInput(rid=rid, input_text="", input_ids=ids, sampling_params=params))

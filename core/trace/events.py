@@ -37,6 +37,7 @@ class ReqTokenized(Event, tag="req.tokenized"):
     rid: str
     prompt_tokens: int
     max_new_tokens: int
+    input_ids: Optional[list[int]] = None  # with --trace-token-ids (a recording to replay in simulation)
 
 
 class ReqQueued(Event, tag="req.queued"):
@@ -80,6 +81,7 @@ class ReqFinished(Event, tag="req.finished"):
     ttft: float  # seconds
     tpot: float  # seconds per output token after the first
     e2e: float  # seconds
+    output_ids: Optional[list[int]] = None  # with --trace-token-ids
 
 
 class ReqAborted(Event, tag="req.aborted"):
