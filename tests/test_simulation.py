@@ -109,6 +109,15 @@ def test_sim_sweep_prints_one_row_per_setting(capsys, tmp_path):
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.startswith("| schedule_policy=")]
     assert len(rows) == 4 and "SIMULATED h100x1" in out
+    # and as a plot: one bar per setting in each panel
+    page = tmp_path / "sweep.html"
+    args = build_parser().parse_args(
+        ["sim", "sweep", "--model", "llama-3.1-8b", "--workload", str(wl), "--vary", "schedule_policy=fcfs,lpm"]
+        + ["--plot", str(page)]
+    )
+    assert args.func(args) == 0
+    html = page.read_text()
+    assert "plotly" in html and html.count("schedule_policy=lpm") >= 7 and "TTFT ms" in html
     # replicas as a swept setting: TP 2 on one replica against two replicas of one device each
     args = build_parser().parse_args(
         ["sim", "sweep", "--model", "llama-3.1-8b", "--workload", str(wl), "--vary", "dp_size=1,2", "--tp-size", "1"]

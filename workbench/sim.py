@@ -216,7 +216,34 @@ def cmd_sweep(args) -> int:
         m = result.metrics()
         cells = " | ".join(fmt.format(m[key]) for key, _, fmt in COLUMNS)
         print(f"| {label} | {cells} | {result.wall_s:.1f} |")
+    if args.plot:
+        plot_sweep(rows, args.plot, title=f"SIMULATED {first.deployment}, {first.model}, {len(workload)} requests")
+        print(f"plot in {args.plot}")
     return 0
+
+
+def plot_sweep(rows: list, path: str, title: str = "") -> None:
+    """The sweep's figures as one HTML page of bar charts (plotly), one bar per setting."""
+    try:
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+    except ImportError:
+        raise SystemExit("--plot needs plotly: pip install -e '.[jupyter]' (or pip install plotly)") from None
+
+    panels = (
+        ("output tok/s", ("output_tok_s",)),
+        ("TTFT ms", ("ttft_p50_ms", "ttft_p99_ms")),
+        ("TPOT ms", ("tpot_p50_ms", "tpot_p99_ms")),
+        ("cache hit / peak KV", ("cache_hit_rate", "peak_kv_frac")),
+    )
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[name for name, _ in panels])
+    labels = [label for label, _ in rows]
+    for col, (_, keys) in enumerate(panels, 1):
+        for key in keys:
+            values = [result.metrics()[key] for _, result in rows]
+            fig.add_trace(go.Bar(name=key, x=labels, y=values), row=1, col=col)
+    fig.update_layout(title=title, barmode="group", height=480, width=420 * len(panels))
+    fig.write_html(path, include_plotlyjs="cdn")
 
 
 def add_parser(sub) -> None:
@@ -305,6 +332,7 @@ def add_parser(sub) -> None:
                 "per-request TTFT difference",
             )
         if name == "sweep":
+            q.add_argument("--plot", default=None, help="also write the figures as an HTML page of bar charts (plotly)")
             q.add_argument(
                 "--vary",
                 action="append",
