@@ -75,6 +75,7 @@ class GetInternalStateReqOutput(Msg):
     spec_proposed: int = 0
     spec_accepted: int = 0
     kv_used_peak: int = 0  # a simulated deployment's most KV tokens in use after a step (0: not kept)
+    retracted_total: int = 0  # requests retracted (sent back to wait) since the scheduler began
     # Data parallel: the fields above are summed over replicas; here each replica's own figures.
     per_replica: Optional[list[dict[str, Union[int, float]]]] = None
 

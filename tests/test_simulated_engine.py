@@ -165,7 +165,7 @@ def test_a_replayed_workload_gets_the_offline_simulators_figures_faster_than_rea
         assert got.ttft[rid] == pytest.approx(want.ttft[rid], abs=1e-6), rid
         assert got.latency[rid] == pytest.approx(want.latency[rid], abs=1e-6), rid
     assert (got.steps, got.output_tokens, got.cached_tokens) == (want.steps, want.output_tokens, want.cached_tokens)
-    assert got.peak_kv_used == want.peak_kv_used > 0
+    assert got.peak_kv_used == want.peak_kv_used > 0 and got.retracted == want.retracted
     assert got.sim_s == pytest.approx(want.sim_s, abs=1e-6)
     speed = warped.server_args.sim_speed
     # faster than real time (a loaded 2-core machine included); at speed 10 no faster than a tenth of it

@@ -297,6 +297,7 @@ _SUMMED = (
     "spec_verified",
     "spec_proposed",
     "spec_accepted",
+    "retracted_total",
 )
 
 

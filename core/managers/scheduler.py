@@ -690,6 +690,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             spec_verified=self.spec_verified_total,
             spec_proposed=self.spec_proposed_total,
             spec_accepted=self.spec_accepted_total,
+            retracted_total=self.num_retracted_total,
         )
 
     def kv_check_error_now(self) -> str:

@@ -277,7 +277,7 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
     while clock.running:
         await asyncio.sleep(0.0002)
     base = clock.now_ns()
-    steps_before = (await tm.get_internal_state()).step
+    before = await tm.get_internal_state()
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     metas: dict[int, dict] = {}
     outputs: dict[str, list[int]] = {}
@@ -322,7 +322,8 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
         res.output_tokens += n
         res.cached_tokens += m.get("cached_tokens", 0)
     res.prompt_tokens, res.outputs = prompt_tokens, outputs
-    res.peak_kv_used, res.steps = state.kv_used_peak, state.step - steps_before  # peak: since the engine began
+    res.peak_kv_used, res.steps = state.kv_used_peak, state.step - before.step  # peak: since the engine began
+    res.retracted = state.retracted_total - before.retracted_total
     start = min((r.arrival for r in workload), default=0.0)
     res.sim_s = max((workload[i].arrival + m["e2e_latency"] for i, m in metas.items()), default=start) - start
     res.wall_s = time.perf_counter() - t0
