@@ -27,7 +27,6 @@ import threading
 import time
 from typing import Any, Iterable, Iterator, Optional
 
-
 KINDS = ("chat", "shared-prefix", "long-prompt", "burst")
 _SHORT = {"chat": "chat", "shared-prefix": "sp", "long-prompt": "long", "burst": "burst"}
 
