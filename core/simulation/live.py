@@ -40,6 +40,7 @@ from typing import Optional
 from workbench.core.args import ServerArgs
 from workbench.core.io_struct import TokenizedGenerateReqInput
 from workbench.core.managers.tokenizer_manager import GenerateReqInput
+from workbench.core.managers.tp_worker import GenerationBatchResult
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.simulation.calibration import shipped
 from workbench.core.simulation.cost_model import CostModel
@@ -86,13 +87,12 @@ def sized_args(sa: ServerArgs) -> ServerArgs:
         "--nnodes": sa.nnodes > 1,
         "--speculative-algorithm": bool(sa.speculative_algorithm),
         "--enable-torch-compile": sa.enable_torch_compile,
-        "--overlap-schedule": sa.disable_overlap_schedule is False,
     }
     given = [flag for flag, on in unsupported.items() if on]
     if given:
         raise ValueError(
             f"a live simulated engine runs one scheduler with the normal loop; {', '.join(given)} "
-            "is simulated by `workbench sim run` (data parallel, the overlap loop, speculative decoding)"
+            "is simulated by `workbench sim run` (data parallel, speculative decoding)"
         )
     cost = _cost_model(sa)  # raises with what to change when the model does not fit
     gpu = sa.simulate != "cpu-here"
@@ -103,7 +103,7 @@ def sized_args(sa: ServerArgs) -> ServerArgs:
         if sa.chunked_prefill_size is not None
         else (8192 if gpu else 2048),
         max_running_requests=sa.max_running_requests if sa.max_running_requests != 128 or not gpu else 256,
-        disable_overlap_schedule=True,
+        disable_overlap_schedule=sa.disable_overlap_schedule is not False,  # the normal loop unless asked
         num_threads=1,  # nothing to compute: one thread, the cores stay with the views
     )
 
@@ -134,6 +134,42 @@ class WarpSimWorker(SimWorker):
             self.pace_from = max(due, time.monotonic() - 0.001)  # behind: catch up by at most 1 ms
         self.shared.advance(round(cost.total * 1e9))
         return out
+
+
+class LiveSimOverlapClient:
+    """The overlap loop's worker client for a live simulated deployment: `SimOverlapClient`'s two
+    timelines with the host's on the shared clock. A launch moves the host by the pass's fixed overhead
+    and queues the pass on the device (free again at `device_free`); resolving a launch moves the host to
+    the end of that pass. At a speed X > 0 each move also takes 1/X of it on the wall clock."""
+
+    def __init__(self, worker: "WarpSimWorker"):
+        self.worker, self.shared, self.speed = worker, worker.shared, worker.speed
+        self.device_free = 0
+        self.num_threads = 1
+
+    def _pace(self, ns: int) -> None:
+        if self.speed > 0 and ns > 0:
+            time.sleep(ns / 1e9 / self.speed)
+
+    def forward_batch_generation(self, mwb):
+        cost, out = self.worker.compute(mwb)
+        overhead = round(cost.overhead * 1e9)
+        self._pace(overhead)
+        host = self.shared.advance(overhead)
+        start = max(host, self.device_free)
+        self.device_free = start + round((cost.total - cost.overhead) * 1e9)
+        ids = out.sampler_output.next_token_ids.tolist()
+        result = GenerationBatchResult(out.logits_output, out.sampler_output, ids, cost.total * 1000, None)
+        return [-(i + 1) for i in range(len(mwb.seq_lens_cpu))], (self.device_free, result)
+
+    def resolve_batch_result(self, handle) -> GenerationBatchResult:
+        end, result = handle
+        self._pace(end - self.shared.now_ns())
+        self.shared.jump_to(end)
+        return result
+
+    def shutdown(self) -> None:
+        pass
 
 
 class SimScheduler(TokenReplayScheduler):
@@ -252,9 +288,12 @@ def build_scheduler(sa: ServerArgs, port_args, proc_name: str = "scheduler") -> 
         raise RuntimeError("a simulated scheduler needs the engine's shared clock (PortArgs.extra['sim_clock'])")
     tokenizer = _load_fast_tokenizer(stand_in_model_dir())
     worker = build_worker(sa, tokenizer.get_vocab_size(), shared)
-    return SimScheduler(
+    scheduler = SimScheduler(
         sa, port_args, 0, 1, proc_name=proc_name, worker=worker, tokenizer=tokenizer, shared=shared, speed=sa.sim_speed
     )
+    if scheduler.enable_overlap:  # --no-disable-overlap-schedule: the overlap loop over two timelines
+        scheduler.overlap_worker = LiveSimOverlapClient(worker)
+    return scheduler
 
 
 def replay(engine, workload: list[SimRequest], seed: int = 0, progress=None) -> SimResult:
