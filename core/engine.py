@@ -39,10 +39,10 @@ from workbench.core.managers.tokenizer_manager import EngineDeadError, GenerateR
 from workbench.core.model_executor.cpu_threads import omp_wait_env
 from workbench.core.model_loader import load_tokenizer, prepare_model
 from workbench.core.sampling.sampling_params import SamplingParams, sampling_params_from_dict
+from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 from workbench.core.trace.bus import TraceBus
 from workbench.core.trace.tracer import Tracer
-from workbench.core.trace import clock as trace_clock
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from typing import Any, Iterable, Optional
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from workbench.core.trace import events as ev
 from workbench.core.trace import clock as trace_clock
+from workbench.core.trace import events as ev
 
 PREFIX = "sglang:"
 

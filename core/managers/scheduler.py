@@ -801,7 +801,7 @@ def run_scheduler_process(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     try:
         # Threads and cores before anything starts torch's OpenMP team: its threads inherit the affinity.
-        if server_args.simulate:  # a deployment that is not there: a paced simulated worker (simulation/live.py)
+        if server_args.simulate:  # a deployment that is not there: a simulated worker on the engine's shared clock
             from workbench.core.simulation.live import build_scheduler
             from workbench.core.trace import clock as trace_clock
 

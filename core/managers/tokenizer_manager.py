@@ -20,7 +20,6 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from workbench.core.trace import clock as trace_clock
 from workbench.core.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -47,6 +46,7 @@ from workbench.core.io_struct import (
 from workbench.core.ipc import PortArgs
 from workbench.core.constrained.grammar import GrammarBackend, grammar_of
 from workbench.core.sampling.sampling_params import SamplingParams
+from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class GenerateReqInput:
     # A simulated deployment returns these tokens in turn instead of sampling (a recorded run's output).
     replay_output_ids: Optional[list[int]] = None
     # When the request arrived, on the trace clock; None: now. A driver replaying a workload on a
-    # simulated deployment sets it (core/simulation/live.py `drive`): the request arrived mid-step.
+    # simulated deployment sets it (core/simulation/live.py `replay`): the request arrived mid-step.
     arrival_ns: Optional[int] = None
 
 

@@ -34,7 +34,6 @@ never shows stale lock counts or hits, at no more than one event per snapshot.
 from __future__ import annotations
 
 import heapq
-
 from typing import Callable, Iterator, Optional
 
 import torch

@@ -124,7 +124,6 @@ class WarpSimWorker(SimWorker):
 
     def forward_batch(self, mwb):
         cost, out = self.compute(mwb)
-        self.clock.now += cost.total
         self._last_ms = cost.total * 1000
         if self.speed > 0:
             due = self.pace_from + cost.total / self.speed
@@ -267,6 +266,7 @@ def build_worker(sa: ServerArgs, vocab: int, shared: trace_clock.SharedClock, se
     runner.simulated = badge(sa)
     runner.kv_head_num = max(1, spec.kv_heads // sa.tp_size)
     seed = sa.random_seed if seed is None else seed
+    # SimWorker's own clock stays unused here: every pass moves the shared one.
     return WarpSimWorker(runner, cost, SimClock(), seed, shared=shared, speed=sa.sim_speed)
 
 

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import zmq
 
+from workbench.core.trace import clock as trace_clock
 from workbench.core.trace.events import (
     SCHEMA_VERSION,
     Event,
@@ -39,7 +40,6 @@ from workbench.core.trace.events import (
     encode_batch,
 )
 from workbench.core.trace.state import TraceState
-from workbench.core.trace import clock as trace_clock
 
 logger = logging.getLogger(__name__)
 

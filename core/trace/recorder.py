@@ -17,6 +17,7 @@ from typing import IO, Iterable, Union
 
 import msgspec
 
+from workbench.core.trace import clock as trace_clock
 from workbench.core.trace.events import (
     SCHEMA_VERSION,
     Event,
@@ -24,7 +25,6 @@ from workbench.core.trace.events import (
     decode_json,
     encode_json,
 )
-from workbench.core.trace import clock as trace_clock
 
 PathLike = Union[str, "os.PathLike[str]"]
 
