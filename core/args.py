@@ -71,6 +71,9 @@ FLAG_HELP = {
     "speculative_draft_model_path": "STANDALONE: a small draft model with the target's tokenizer",
     "speculative_num_steps": "STANDALONE: draft model passes per step (default: as many as the draft tokens)",
     "speculative_num_draft_tokens": "the most draft tokens verified per request per step (default 4)",
+    "speculative_accept_rate": "with --simulate and --speculative-algorithm: the chance the target model agrees "
+    "with each draft token (the simulated drafts are not computed; STANDALONE then costs the passes of the "
+    "draft model --speculative-draft-model-path names, a known model or an HF config.json)",
     "tp_size": "tensor-parallel ranks (one scheduler process each)",
     "ep_size": "expert parallelism inside the tensor-parallel group: the experts of each mixture-of-experts layer "
     "are split into this many groups of whole experts, each group's intermediate size over tp-size / ep-size "
@@ -172,6 +175,7 @@ class ServerArgs:
     speculative_draft_model_path: Optional[str] = None  # STANDALONE: the small draft model
     speculative_num_steps: Optional[int] = None  # STANDALONE: draft model passes per step
     speculative_num_draft_tokens: Optional[int] = None  # most draft tokens verified per request per step
+    speculative_accept_rate: Optional[float] = None  # --simulate: each draft kept with this probability
     # parallelism
     tp_size: int = 1
     ep_size: int = 1
@@ -289,11 +293,19 @@ class ServerArgs:
             self.speculative_algorithm = algo
             if algo == "STANDALONE" and not self.speculative_draft_model_path:
                 bad("--speculative-algorithm STANDALONE needs --speculative-draft-model-path (a small model)")
-            if algo == "STANDALONE" and self.tp_size > 1:
+            if algo == "STANDALONE" and self.tp_size > 1 and not self.simulate:
                 bad(
                     "--speculative-algorithm STANDALONE runs its draft model beside one scheduler rank: use "
                     "--tp-size 1 (or NGRAM, which needs no second model)"
                 )
+        if self.speculative_accept_rate is not None:
+            if not self.simulate or self.speculative_algorithm is None:
+                bad(
+                    "--speculative-accept-rate is for a simulated engine's drafts: use it with --simulate and "
+                    "--speculative-algorithm (a real engine's drafts are accepted or not by its model)"
+                )
+            if not 0.0 <= self.speculative_accept_rate <= 1.0:
+                bad(f"--speculative-accept-rate must be between 0 and 1, not {self.speculative_accept_rate}")
         for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
             value = getattr(self, name)
             if value is not None and not 1 <= value <= 64:

@@ -115,7 +115,8 @@ class Engine:
                 validate_tp_for_model(self.prepared.config, sa.tp_size)  # before any process starts
             # Children load the converted directory, never the GGUF again.
             child_args = with_dist_init_addr(dataclasses.replace(sa, model_path=str(self.prepared.model_dir)))
-        if sa.speculative_draft_model_path:  # STANDALONE: the draft model is prepared here too (GGUF, hub)
+        # STANDALONE: the draft model is prepared here too (GGUF, hub); a simulated one is a name the cost model knows
+        if sa.speculative_draft_model_path and not sa.simulate:
             draft = prepare_model(sa.speculative_draft_model_path, progress=sa.show_progress)
             child_args.speculative_draft_model_path = str(draft.model_dir)
         # The trace's clock for this engine's stamps: a simulated deployment's processes share one
@@ -124,7 +125,7 @@ class Engine:
         if sa.simulate:
             path = os.path.join(self.port_args.ipc_dir, "sim-clock")
             self.port_args.extra["sim_clock"] = path
-            self.clock = trace_clock.SharedClock(path, create=True)
+            self.clock = trace_clock.SharedClock(path, create=True, replicas=sa.dp_size)
         self.bus = TraceBus(self.port_args.trace_ipc_name, publish_addr=sa.trace_publish, model=self.trace_label)
         ctx = mp.get_context("spawn")
         self._progress("starting scheduler and detokenizer processes")

@@ -76,6 +76,7 @@ class GetInternalStateReqOutput(Msg):
     spec_accepted: int = 0
     kv_used_peak: int = 0  # a simulated deployment's most KV tokens in use after a step (0: not kept)
     retracted_total: int = 0  # requests retracted (sent back to wait) since the scheduler began
+    received_total: int = 0  # a simulated deployment's generate requests received (0: not kept)
     # Data parallel: the fields above are summed over replicas; here each replica's own figures.
     per_replica: Optional[list[dict[str, Union[int, float]]]] = None
 

@@ -4,8 +4,10 @@ scheduler process and detokenizer over a simulated worker, every stamp on the sh
 at --sim-speed 1, takes that long on the wall clock; a workload replayed through the whole pipeline at
 --sim-speed 0 (as fast as this host can) and 10 gives every request the TTFT and latency the offline
 `Simulator` gives it, in less wall time than simulated time; the TUI's workload runner keeps its rate in
-simulated time; the SIMULATED badge in the trace's header, the recorder, the live TUI's status line and
-every /metrics series; bad combinations refused with what to do instead."""
+simulated time; data-parallel replicas behind the real controller run side by side in simulated time
+and agree with the offline Simulator request by request, as does speculative decoding (NGRAM and a
+costed STANDALONE draft model); the SIMULATED badge in the trace's header, the recorder, the live TUI's
+status line and every /metrics series; bad combinations refused with what to do instead."""
 
 from __future__ import annotations
 
@@ -112,7 +114,8 @@ def test_metrics_carry_the_deployment(engine):
     [
         (dict(simulate="tpu9"), "--simulate must be one of"),
         (dict(tp_size=1), "does not fit"),
-        (dict(dp_size=2), "workbench sim run"),
+        (dict(dp_size=2, disable_overlap_schedule=False), "workbench sim run"),
+        (dict(speculative_algorithm="NGRAM"), "--speculative-accept-rate"),
         (dict(model_path="no-such-model"), "neither a known model"),
     ],
 )
@@ -247,3 +250,82 @@ def test_the_overlap_loop_runs_live_and_agrees_with_the_offline_overlap_simulati
     for rid in want.ttft:
         assert got.ttft[rid] == pytest.approx(want.ttft[rid], abs=1e-6), rid
         assert got.latency[rid] == pytest.approx(want.latency[rid], abs=1e-6), rid
+
+
+def _assert_same_requests(got, want) -> None:
+    """The live pipeline's figures are the offline Simulator's, request by request."""
+    assert set(got.ttft) == set(want.ttft) and got.ttft
+    for rid in want.ttft:
+        assert got.ttft[rid] == pytest.approx(want.ttft[rid], abs=1e-6), rid
+        assert got.latency[rid] == pytest.approx(want.latency[rid], abs=1e-6), rid
+    assert (got.steps, got.output_tokens, got.cached_tokens) == (want.steps, want.output_tokens, want.cached_tokens)
+    assert got.peak_kv_used == want.peak_kv_used > 0 and got.retracted == want.retracted
+
+
+@pytest.fixture(scope="module", params=[0.0, 10.0], ids=["speed-max", "speed-10"])
+def replicated(request):
+    from workbench.core.engine import Engine
+
+    eng = Engine(sim_speed=request.param, dp_size=2, load_balance_method="prefix_aware", **{**SIM, "tp_size": 4})
+    yield eng
+    eng.shutdown()
+
+
+def test_data_parallel_replicas_run_side_by_side_as_the_offline_simulator_steps_them(replicated):
+    """--dp-size 2: the real data-parallel controller routes (prefix_aware, whose choice depends on the
+    replicas' loads and outputs) to two replica processes, each keeping its own simulated time; every
+    request gets the offline Simulator's TTFT and latency, each replica the same requests, and the
+    replicas' passes overlap in simulated time (their busy time adds up to more than the run)."""
+    from workbench.core.simulation.simulator import Simulator, poisson_workload, request_prompt
+
+    from pipeline_helpers import drain_events
+
+    assert replicated.trace_label == "SIMULATED h100x8 (dp 2 x tp 4) llama-3.1-70b"
+    workload = poisson_workload(25, 50, (128, 2048), (16, 128), seed=3, groups=4, prefix_len=512)
+    for i, r in enumerate(workload):
+        r.prompt_ids = request_prompt(i, r, 0, len(replicated.tokenizer))
+    sub = replicated.subscribe(with_snapshot=False)
+    try:
+        got = live.replay(replicated, workload)
+        events = drain_events(sub, until=lambda evs: sum(isinstance(e, ev.ReqFinished) for e in evs) >= 50)
+    finally:
+        sub.close()
+    want = Simulator("llama-3.1-70b", "h100", tp_size=4, dp_size=2, load_balance_method="prefix_aware").run(workload)
+    _assert_same_requests(got, want)
+    assert got.per_replica_requests == want.per_replica_requests and min(want.per_replica_requests) > 0
+    steps = [e for e in events if isinstance(e, ev.BatchStep) and e.mode != "idle"]
+    assert {s.proc for s in steps} == {"scheduler.dp0", "scheduler.dp1"}
+    for proc in ("scheduler.dp0", "scheduler.dp1"):  # each replica's stamps: its own passes, in order
+        mine = [s for s in steps if s.proc == proc]
+        assert all(b.ts - a.ts >= b.forward_ms * 1e6 - 2 for a, b in zip(mine, mine[1:]))
+    assert sum(s.forward_ms for s in steps) / 1000 > 1.2 * got.sim_s  # side by side, not one after the other
+    speed = replicated.server_args.sim_speed
+    assert got.wall_s < got.sim_s / 2
+    if speed:  # one pacing for both replicas: at least a tenth of the simulated time, once
+        assert got.wall_s >= 0.9 * got.sim_s / speed
+    assert not replicated.get_internal_state()["num_running"]
+
+
+@pytest.mark.parametrize("draft", [None, "llama-3.1-8b"], ids=["ngram", "standalone-8b"])
+def test_speculative_decoding_runs_live_and_agrees_with_the_offline_simulator(draft):
+    """--speculative-algorithm with --speculative-accept-rate on a live simulated engine: the scheduler's
+    own verify path with simulated drafts (a STANDALONE draft model's passes costed before each verify),
+    the offline Simulator's figures for every request, and the drafts really kept at about the rate."""
+    from workbench.core.engine import Engine
+    from workbench.core.simulation.simulator import Simulator, poisson_workload, request_prompt
+
+    workload = poisson_workload(20, 30, (128, 1024), (32, 128), seed=4)
+    algo = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=draft) if draft else {}
+    with Engine(sim_speed=0.0, speculative_accept_rate=0.7, **{"speculative_algorithm": "NGRAM", **algo}, **SIM) as eng:
+        for i, r in enumerate(workload):
+            r.prompt_ids = request_prompt(i, r, 0, len(eng.tokenizer))
+        got = live.replay(eng, workload)
+        state = eng.get_internal_state()
+    want = Simulator(
+        "llama-3.1-70b", "h100", tp_size=8, speculative_accept_rate=0.7, speculative_draft_model=draft
+    ).run(workload)
+    plain = Simulator("llama-3.1-70b", "h100", tp_size=8).run(workload)
+    assert want.steps < plain.steps  # drafts kept: fewer passes, the comparison means something
+    _assert_same_requests(got, want)
+    proposed, accepted = state["spec_proposed"], state["spec_accepted"]
+    assert proposed > 100 and 0.3 < accepted / proposed < 0.7  # kept until the first miss: below 0.7 each

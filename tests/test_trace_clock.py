@@ -120,3 +120,46 @@ def test_a_tracer_stamps_with_the_installed_clock(shared):
         trace_clock.install(before)
     assert not trace_clock.current().simulated
     assert abs(trace_clock.now_ns() - time.monotonic_ns()) < 10**9
+
+
+def test_data_parallel_replicas_keep_their_own_time_and_the_one_furthest_behind_goes_next(tmp_path):
+    """Data parallel: each replica's time in its slot; the shared time is the earliest busy replica's
+    and never goes back; only the busy replica furthest behind may start a pass; time runs (idle) only
+    when no replica is busy; a pass's outputs are pending until the replica says it sent them."""
+    c = trace_clock.SharedClock(str(tmp_path / "clock"), create=True, replicas=3)
+    try:
+        t = c.now_ns()
+        assert c.replicas == 3 and c.all_idle() and not c.replica_turn(0)
+        assert c.replica_begin(1, t) == t and c.replica_begin(0, t) == t
+        assert c.replica_turn(0) and not c.replica_turn(1)  # a tie: the lowest rank
+        assert c.replica_advance(0, 300) == t + 300 and c.outputs_of(0) is None  # pending until sent
+        c.outputs_sent(0, 1)
+        assert c.outputs_of(0) == 1
+        assert c.now_ns() == t and c.replica_turn(1)  # replica 1 is behind now: shared time stays
+        c.replica_advance(1, 100)
+        assert c.now_ns() == t + 100 and c.replica_turn(1)
+        c.replica_advance(1, 500)
+        assert c.now_ns() == t + 300 and c.replica_turn(0)
+        assert trace_clock.ReplicaClock(c, 1).now_ns() == t + 600
+        assert trace_clock.ReplicaClock(c, 2).now_ns() == t + 300  # an idle replica reads the shared time
+        c.replica_begin(2, t + 50)  # a request that arrived at t+50 to an idle replica: its time, not now
+        assert c.replica_turn(2) and c.now_ns() == t + 300  # behind the shared time, which never goes back
+        c.replica_end(2)
+        c.run(1.0)
+        assert not c.running  # replicas are busy: time does not run
+        c.replica_end(0)
+        assert c.now_ns() == t + 600  # the only busy replica's
+        c.jump_to(t + 10**9)
+        assert c.now_ns() == t + 600
+        c.replica_end(1)
+        assert c.all_idle() and c.now_ns() == t + 600
+        c.jump_to(t + 10**9)
+        assert c.now_ns() == t + 10**9
+        c.replica_begin(0, t)  # idle since t+300, but its last pass ended later than this arrival
+        assert trace_clock.ReplicaClock(c, 0).now_ns() == t + 300
+        c.set_received(0, 2)
+        c.set_received(2, 1)
+        assert c.received_total() == 3
+        assert c.note_kv(0, 100) == 100 and c.note_kv(1, 50) == 150 and c.note_kv(0, 10) == 150
+    finally:
+        c.close()

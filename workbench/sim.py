@@ -107,17 +107,23 @@ def _deployment(args) -> str:
 
 def _run_live(args, workload: list[SimRequest]) -> int:
     """`sim run --live`: the workload through a live simulated engine's whole pipeline (live.replay)."""
-    given = [f for f, on in (("--dp-size", args.dp_size > 1), ("--overlap-schedule", args.overlap_schedule)) if on]
-    if args.speculative_accept_rate is not None:
-        given.append("--speculative-accept-rate")
-    if given:
-        raise SystemExit(f"sim run --live runs one scheduler with the normal loop; drop {', '.join(given)} or --live")
     from workbench.core.engine import Engine
     from workbench.core.simulation.live import replay
 
     kw = dict(max_running_requests=args.max_running_requests, schedule_policy=args.schedule_policy)
     if args.chunked_prefill_size is not None:
         kw["chunked_prefill_size"] = args.chunked_prefill_size
+    if args.dp_size > 1:
+        kw.update(dp_size=args.dp_size, load_balance_method=args.load_balance_method)
+    if args.overlap_schedule:
+        kw["disable_overlap_schedule"] = False
+    if args.speculative_accept_rate is not None:  # the scheduler's own speculative path, drafts simulated
+        kw.update(
+            speculative_algorithm="STANDALONE" if args.speculative_draft_model else "NGRAM",
+            speculative_draft_model_path=args.speculative_draft_model,
+            speculative_accept_rate=args.speculative_accept_rate,
+            speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        )
     if args.record:
         kw["record"] = args.record
     last = {"at": 0.0}

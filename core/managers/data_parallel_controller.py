@@ -65,6 +65,7 @@ from workbench.core.io_struct import (
     decode_msg,
 )
 from workbench.core.ipc import PortArgs, get_zmq_socket, send_msg
+from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 from workbench.core.trace.tracer import Tracer
 
@@ -298,6 +299,7 @@ _SUMMED = (
     "spec_proposed",
     "spec_accepted",
     "retracted_total",
+    "received_total",
 )
 
 
@@ -308,6 +310,7 @@ def _merge_internal_state(replies: list[GetInternalStateReqOutput]) -> GetIntern
     return GetInternalStateReqOutput(
         **merged,
         step=max(r.step for r in replies),
+        kv_used_peak=max(r.kv_used_peak for r in replies),  # a simulated deployment's: each reports the whole
         max_req_input_len=min(r.max_req_input_len for r in replies),
         kv_check_error="; ".join(f"dp{i}: {r.kv_check_error}" for i, r in enumerate(replies) if r.kv_check_error),
         per_replica=[{name: getattr(r, name) for name in _SUMMED + ("step",)} for r in replies],
@@ -353,6 +356,9 @@ class DataParallelController:
         # Broadcast control requests awaiting replies, oldest first. Each replica answers its
         # requests in order, so a reply belongs to the oldest entry of its type it has not answered.
         self.pending: list[_PendingReply] = []
+        self.outputs_seen = [0] * self.dp_size  # token outputs received from each replica
+        clock = trace_clock.current()  # a simulated deployment's replicas publish what they sent
+        self.sim_clock = clock if getattr(clock, "replicas", 1) > 1 else None
 
     # ---- the loop --------------------------------------------------------------------------
     def event_loop(self, parent_alive: Callable[[], bool] = lambda: True) -> None:
@@ -418,6 +424,8 @@ class DataParallelController:
             self._broadcast(data)
 
     def dispatch(self, req: TokenizedGenerateReqInput, data: bytes) -> None:
+        if self.sim_clock is not None:
+            self._catch_up(self.sim_clock)
         d = self.balancer.choose(req.rid, req.input_ids)
         self.send_to_replica[d.dp_rank].send(data, copy=False)
         if self.tracer.enabled:
@@ -431,6 +439,19 @@ class DataParallelController:
                 )
             )
 
+    def _catch_up(self, clock) -> None:
+        """A simulated deployment: take in every output its replicas' finished passes sent before routing,
+        so the load counts are those of the simulated moment, not of this host's socket timing (the
+        offline Simulator's balancer sees each pass's outputs as it ends). Gives up after a wall second."""
+        deadline = time.monotonic() + 1.0
+        for r, sock in enumerate(self.recv_from_replica):
+            while time.monotonic() < deadline:
+                sent = clock.outputs_of(r)
+                if sent is not None and self.outputs_seen[r] >= sent:
+                    break
+                if sock.poll(1):
+                    self._drain(sock, lambda data, r=r: self.handle_replica_output(r, data))
+
     def _broadcast(self, data: bytes) -> None:
         for sock in self.send_to_replica:
             sock.send(data, copy=False)
@@ -443,6 +464,7 @@ class DataParallelController:
             logger.warning("dp controller: dropped an undecodable message from replica %d", rank)
             return
         if isinstance(msg, BatchTokenIDOut):
+            self.outputs_seen[rank] += 1
             for rid, new_ids, reason in zip(msg.rids, msg.new_token_ids, msg.finished_reasons):
                 self.balancer.on_output(rid, new_ids, reason is not None)
             self.send_to_detokenizer.send(data, copy=False)
@@ -484,7 +506,7 @@ def launch_data_parallel(ctx, server_args: ServerArgs, port_args: PortArgs, proc
     equal share of the CPU threads unless --num-threads says otherwise.
     """
     dp = server_args.dp_size
-    if server_args.tp_size > 1:
+    if server_args.tp_size > 1 and not server_args.simulate:  # a simulated replica's TP is its cost model's
         raise ValueError("--dp-size > 1 together with --tp-size > 1 is not supported yet: use one of them")
     if server_args.nnodes > 1:
         raise ValueError("--dp-size > 1 across several nodes (--nnodes > 1) is not supported yet")
@@ -506,7 +528,11 @@ def run_dp_scheduler_process(server_args: ServerArgs, port_args: PortArgs, dp_ra
     from workbench.core.managers.scheduler import run_scheduler_process
 
     run_scheduler_process(
-        server_args, replica_port_args(port_args, dp_rank), pipe_writer, proc_name=replica_proc_name(dp_rank)
+        server_args,
+        replica_port_args(port_args, dp_rank),
+        pipe_writer,
+        proc_name=replica_proc_name(dp_rank),
+        dp_rank=dp_rank,
     )
 
 
@@ -517,6 +543,7 @@ def run_data_parallel_controller_process(server_args: ServerArgs, port_args: Por
     parent_alive = parent_watch()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     signal.signal(signal.SIGTERM, _raise_system_exit)
+    trace_clock.attach(port_args.extra.get("sim_clock"))  # a simulated deployment's dispatches in its time
     controller = None
     try:
         try:
@@ -525,7 +552,7 @@ def run_data_parallel_controller_process(server_args: ServerArgs, port_args: Por
             pipe_writer.send({"status": "error", "role": PROC_NAME, "error": f"{type(exc).__name__}: {exc}"})
             raise SystemExit(1)
         controller.tracer.set_enabled(True)
-        controller.tracer.emit(ev.ProcStarted(pid=os.getpid(), role=PROC_NAME, ts=time.monotonic_ns()))
+        controller.tracer.emit(ev.ProcStarted(pid=os.getpid(), role=PROC_NAME, ts=trace_clock.now_ns()))
         controller.tracer.flush()
         controller.tracer.set_enabled(False)
         pipe_writer.send({"status": "ready", "role": PROC_NAME, "pid": os.getpid()})

@@ -796,6 +796,7 @@ def run_scheduler_process(
     tp_rank: int = 0,
     tp_size: int = 1,
     proc_name: str = "scheduler",
+    dp_rank: int = 0,
 ) -> None:
     """Spawn target: build the Scheduler, report ready (or the error), run the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
@@ -807,7 +808,7 @@ def run_scheduler_process(
 
             trace_clock.attach(port_args.extra.get("sim_clock"))
 
-            plan, scheduler = None, build_scheduler(server_args, port_args, proc_name)
+            plan, scheduler = None, build_scheduler(server_args, port_args, proc_name, dp_rank)
         else:
             plan = _apply_thread_plan(server_args, tp_rank, tp_size)
             scheduler = Scheduler(server_args, port_args, tp_rank, tp_size, proc_name=proc_name)

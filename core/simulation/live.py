@@ -38,7 +38,7 @@ import time
 from typing import Optional
 
 from workbench.core.args import ServerArgs
-from workbench.core.io_struct import TokenizedGenerateReqInput
+from workbench.core.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from workbench.core.managers.tokenizer_manager import GenerateReqInput
 from workbench.core.managers.tp_worker import GenerationBatchResult
 from workbench.core.sampling.sampling_params import SamplingParams
@@ -48,6 +48,7 @@ from workbench.core.simulation.hardware import HARDWARE, get_hardware
 from workbench.core.simulation.model_specs import model_spec
 from workbench.core.simulation.simulator import (
     SimClock,
+    SimDrafter,
     SimRequest,
     SimResult,
     SimRunner,
@@ -60,19 +61,30 @@ from workbench.core.trace import clock as trace_clock
 
 
 def deployment(server_args: ServerArgs) -> str:
-    """'h100x8': the simulated hardware and how many devices serve the model."""
-    return f"{server_args.simulate}x{server_args.tp_size}"
+    """'h100x8': the simulated hardware and how many devices serve the model (all replicas')."""
+    return f"{server_args.simulate}x{server_args.tp_size * server_args.dp_size}"
 
 
 def badge(server_args: ServerArgs) -> str:
     """What every view and the trace's header say of a simulated engine ('' for a real one)."""
-    return f"SIMULATED {deployment(server_args)}" if server_args.simulate else ""
+    if not server_args.simulate:
+        return ""
+    dp = f" (dp {server_args.dp_size} x tp {server_args.tp_size})" if server_args.dp_size > 1 else ""
+    return f"SIMULATED {deployment(server_args)}{dp}"
 
 
 def _cost_model(sa: ServerArgs) -> CostModel:
     spec, hw = model_spec(sa.model_path), get_hardware(sa.simulate)
     calibration = shipped(hw.name, spec.name) if sa.tp_size == 1 else None  # as Simulator's "auto"
     return CostModel(spec, hw, sa.tp_size, default_dtype_bytes(calibration, hw.name), 1.0, calibration)
+
+
+def _draft_cost(sa: ServerArgs, target: CostModel) -> Optional[CostModel]:
+    """STANDALONE: the draft model's cost (a known model or a config.json), on the target's devices."""
+    if sa.speculative_algorithm != "STANDALONE":
+        return None
+    draft = model_spec(sa.speculative_draft_model_path)
+    return CostModel(draft, target.hw, sa.tp_size, target.dtype_bytes, 1.0, None)
 
 
 def sized_args(sa: ServerArgs) -> ServerArgs:
@@ -83,22 +95,26 @@ def sized_args(sa: ServerArgs) -> ServerArgs:
     if not sa.model_path:
         raise ValueError("--simulate needs --model: a known model (e.g. llama-3.1-70b) or an HF config.json")
     unsupported = {
-        "--dp-size": sa.dp_size > 1,
-        "--nnodes": sa.nnodes > 1,
-        "--speculative-algorithm": bool(sa.speculative_algorithm),
+        "--nnodes": sa.nnodes > 1,  # a simulated deployment's devices are the cost model's: one host runs it
         "--enable-torch-compile": sa.enable_torch_compile,
+        "--dp-size with --no-disable-overlap-schedule": sa.dp_size > 1 and sa.disable_overlap_schedule is False,
     }
     given = [flag for flag, on in unsupported.items() if on]
     if given:
         raise ValueError(
-            f"a live simulated engine runs one scheduler with the normal loop; {', '.join(given)} "
-            "is simulated by `workbench sim run` (data parallel, speculative decoding)"
+            f"a live simulated engine does not run {', '.join(given)}; `workbench sim run` simulates the "
+            "overlap loop with data parallel offline"
+        )
+    if sa.speculative_algorithm and sa.speculative_accept_rate is None:
+        raise ValueError(
+            "a simulated engine's draft tokens are not computed: give --speculative-accept-rate, the chance "
+            "the target agrees with each draft (e.g. 0.7)"
         )
     cost = _cost_model(sa)  # raises with what to change when the model does not fit
     gpu = sa.simulate != "cpu-here"
     return dataclasses.replace(
         sa,
-        max_total_tokens=sa.max_total_tokens or cost.kv_pool_tokens(),
+        max_total_tokens=sa.max_total_tokens or cost.kv_pool_tokens(draft=_draft_cost(sa, cost)),
         chunked_prefill_size=sa.chunked_prefill_size
         if sa.chunked_prefill_size is not None
         else (8192 if gpu else 2048),
@@ -132,6 +148,31 @@ class WarpSimWorker(SimWorker):
                 time.sleep(rest)
             self.pace_from = max(due, time.monotonic() - 0.001)  # behind: catch up by at most 1 ms
         self.shared.advance(round(cost.total * 1e9))
+        return out
+
+
+class ReplicaSimWorker(WarpSimWorker):
+    """One data-parallel replica's worker: a pass moves the replica's own time (the shared time follows
+    the replica furthest behind: trace/clock.py). At a speed X > 0 a pass ends on the wall clock when the
+    deployment's one mapping of simulated to wall time says, so two replicas' overlapping passes take
+    their time once between them, not once each."""
+
+    def __init__(self, *args, dp_rank: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dp_rank = dp_rank
+
+    def forward_batch(self, mwb):
+        cost, out = self.compute(mwb)
+        self._last_ms = cost.total * 1000
+        ns = round(cost.total * 1e9)
+        if self.speed > 0:
+            end = self.shared.replica_now(self.dp_rank) + ns
+            rest = self.shared.pace_deadline(end, self.speed) - time.monotonic()
+            if rest > 0:
+                time.sleep(rest)
+            elif rest < -0.001:  # behind: catch up by at most 1 ms
+                self.shared.repace(end, time.monotonic() - 0.001)
+        self.shared.replica_advance(self.dp_rank, ns)
         return out
 
 
@@ -189,13 +230,15 @@ class SimScheduler(TokenReplayScheduler):
     def finish_step(self, batch) -> None:
         if batch is not None:
             alloc = self.token_to_kv_pool_allocator
-            used = self.max_total_num_tokens - alloc.available_size() - self.tree_cache.evictable_size()
-            self.kv_used_peak = max(self.kv_used_peak, used)
+            self._note_kv(self.max_total_num_tokens - alloc.available_size() - self.tree_cache.evictable_size())
         super().finish_step(batch)
+
+    def _note_kv(self, used: int) -> None:
+        self.kv_used_peak = max(self.kv_used_peak, used)
 
     def get_internal_state(self):
         out = super().get_internal_state()
-        out.kv_used_peak = self.kv_used_peak
+        out.kv_used_peak, out.received_total = self.kv_used_peak, self.received
         return out
 
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
@@ -217,17 +260,7 @@ class SimScheduler(TokenReplayScheduler):
             if not stepping or not (arriving or self.has_work()):
                 self.tracer.flush()
                 self._idle = True
-                if not stepping or on_way:  # paused by a view, or a request on its way: time waits
-                    clock.hold()
-                    wait_ms = 50 if not stepping else 1
-                elif due is not None and (self.speed == 0 or due <= clock.now_ns()) and not self._gave_up_on(due):
-                    clock.jump_to(due)  # nothing runs until then: skip the gap; the driver sends now
-                    wait_ms = 1
-                else:  # time flows, and stops at an announced arrival until the request is in
-                    due = None if due is not None and due <= clock.now_ns() else due  # given up on
-                    clock.run(self.speed or 1.0, until=due, received=self.received)
-                    left_ms = 50 if due is None else (due - clock.now_ns()) / 1e6 / (self.speed or 1.0)
-                    wait_ms = max(1, min(50, math.ceil(left_ms)))
+                wait_ms = self._let_time_pass(stepping, on_way, due, self.received)
                 if msgs:
                     return msgs
                 msgs = self._take(self.io.recv(wait_ms))
@@ -243,6 +276,21 @@ class SimScheduler(TokenReplayScheduler):
                 continue
             return msgs
 
+    def _let_time_pass(self, stepping: bool, on_way: bool, due: Optional[int], received: int) -> int:
+        """The deployment is idle: hold, skip or run the clock; returns how long to wait for a message (ms)."""
+        clock = self.shared
+        if not stepping or on_way:  # paused by a view, or a request on its way: time waits
+            clock.hold()
+            return 50 if not stepping else 1
+        if due is not None and (self.speed == 0 or due <= clock.now_ns()) and not self._gave_up_on(due):
+            clock.jump_to(due)  # nothing runs until then: skip the gap; the driver sends now
+            return 1
+        # time flows, and stops at an announced arrival until the request is in
+        due = None if due is not None and due <= clock.now_ns() else due  # given up on
+        clock.run(self.speed or 1.0, until=due, received=received)
+        left_ms = 50 if due is None else (due - clock.now_ns()) / 1e6 / (self.speed or 1.0)
+        return max(1, min(50, math.ceil(left_ms)))
+
     def _gave_up_on(self, due: int) -> bool:
         """Whether the announced arrival `due` was waited for ANNOUNCE_WAIT_S of wall time in vain (a
         driver that announced and then stopped must not freeze the deployment)."""
@@ -255,8 +303,108 @@ class SimScheduler(TokenReplayScheduler):
         return late
 
 
-def build_worker(sa: ServerArgs, vocab: int, shared: trace_clock.SharedClock, seed: Optional[int] = None):
-    """The scheduler process's worker for `sa` (already `sized_args`); tokens are drawn from [3, vocab)."""
+class _CountingIO:
+    """A replica's scheduler I/O, counting the token outputs it sends (`SharedClock.outputs_sent`)."""
+
+    def __init__(self, io):
+        self.inner, self.outputs = io, 0
+
+    def recv(self, timeout_ms: int = 0) -> list:
+        return self.inner.recv(timeout_ms)
+
+    def send(self, msg) -> None:
+        self.inner.send(msg)
+        self.outputs += isinstance(msg, BatchTokenIDOut)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class ReplicaSimScheduler(SimScheduler):
+    """`SimScheduler` as one of `--dp-size` replicas behind the real data-parallel controller. Each
+    replica keeps its own simulated time (trace/clock.py): an idle replica begins at its request's
+    arrival, a working one starts a pass only when it is the busy one furthest behind, no request is
+    on its way to any replica and no announced arrival is due by its time, and a request that reaches
+    it before its time has come to the request's arrival waits (`future`). So the replicas run side by
+    side in simulated time, one at a time on this host, in the order the offline Simulator steps them;
+    the deployment idles (the clock runs or skips) only when every replica does."""
+
+    def __init__(self, *args, dp_rank: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dp_rank = dp_rank
+        self._busy = False
+        self.future: list[TokenizedGenerateReqInput] = []  # arrived after this replica's time: not yet
+        self.io = _CountingIO(self.io)
+
+    def finish_step(self, batch) -> None:
+        super().finish_step(batch)
+        self.shared.outputs_sent(self.dp_rank, self.io.outputs)  # this pass's outputs are on their way
+
+    def _note_kv(self, used: int) -> None:
+        self.kv_used_peak = self.shared.note_kv(self.dp_rank, used)  # the deployment's peak (every replica's)
+
+    def _begin(self, at: int) -> None:
+        self.shared.replica_begin(self.dp_rank, at)
+        self._busy = True
+
+    def _take(self, msgs: list) -> list:
+        reqs = [m for m in msgs if isinstance(m, TokenizedGenerateReqInput)]
+        if not reqs:
+            return msgs
+        if not self._busy:  # busy before counted: whoever sees the request received sees this replica busy
+            self._begin(min(m.arrival_ts or self.shared.now_ns() for m in reqs))
+        self.received += len(reqs)
+        self.shared.set_received(self.dp_rank, self.received)
+        now = self.shared.replica_now(self.dp_rank)
+        self.future += [m for m in reqs if m.arrival_ts > now]
+        return [m for m in msgs if not (isinstance(m, TokenizedGenerateReqInput) and m.arrival_ts > now)]
+
+    def _arrived(self) -> list:
+        """Requests from `future` whose arrival this replica's time has reached."""
+        now = self.shared.replica_now(self.dp_rank)
+        ready = [m for m in self.future if m.arrival_ts <= now]
+        self.future = [m for m in self.future if m.arrival_ts > now]
+        return ready
+
+    def recv_requests(self) -> list:
+        clock, rank = self.shared, self.dp_rank
+        msgs = self._take(self.io.recv(0))
+        while True:
+            msgs += self._arrived() if self.future and self._busy else []
+            arriving = any(isinstance(m, TokenizedGenerateReqInput) for m in msgs)
+            stepping = not (self.paused and self.step_credits == 0)
+            due, on_way = clock.announced(), clock.received_total() < clock.sent()
+            if not stepping or not (arriving or self.has_work() or self.future):
+                if self._busy:
+                    self._busy = False
+                    clock.replica_end(rank)
+                self.tracer.flush()
+                self._idle = True
+                wait_ms = self._let_time_pass(stepping, on_way, due, clock.received_total()) if clock.all_idle() else 50
+                if msgs:
+                    return msgs
+                msgs = self._take(self.io.recv(wait_ms))
+                if not any(isinstance(m, TokenizedGenerateReqInput) for m in msgs):
+                    return msgs
+                continue
+            if not self._busy:  # work left over from before a pause
+                self._begin(clock.now_ns())
+            if not (arriving or self.has_work()):  # only requests of later: nothing runs here until the first
+                self._begin(min(m.arrival_ts for m in self.future))
+                continue
+            self._idle = False
+            late = due is not None and due <= clock.replica_now(rank) and not self._gave_up_on(due)
+            if on_way or late or not clock.replica_turn(rank):
+                msgs += self._take(self.io.recv(1))
+                continue
+            return msgs
+
+
+def build_worker(
+    sa: ServerArgs, vocab: int, shared: trace_clock.SharedClock, seed: Optional[int] = None, dp_rank: int = 0
+):
+    """The scheduler process's worker for `sa` (already `sized_args`); tokens are drawn from [3, vocab).
+    Replica r of a data-parallel deployment draws from seed + 7919 r, as the offline Simulator's."""
     cost = _cost_model(sa)
     spec = cost.model
     context = min(spec.context_len, sa.context_length or spec.context_len)
@@ -265,9 +413,12 @@ def build_worker(sa: ServerArgs, vocab: int, shared: trace_clock.SharedClock, se
     runner.model_config.eos_token_ids = []  # random ids never mean "stop": requests run to their limit
     runner.simulated = badge(sa)
     runner.kv_head_num = max(1, spec.kv_heads // sa.tp_size)
-    seed = sa.random_seed if seed is None else seed
+    seed = (sa.random_seed if seed is None else seed) + 7919 * dp_rank
     # SimWorker's own clock stays unused here: every pass moves the shared one.
-    return WarpSimWorker(runner, cost, SimClock(), seed, shared=shared, speed=sa.sim_speed)
+    common = dict(shared=shared, speed=sa.sim_speed)
+    if sa.dp_size > 1:
+        return ReplicaSimWorker(runner, cost, SimClock(), seed, sa.speculative_accept_rate, dp_rank=dp_rank, **common)
+    return WarpSimWorker(runner, cost, SimClock(), seed, sa.speculative_accept_rate, **common)
 
 
 def stand_in_model_dir():
@@ -277,20 +428,33 @@ def stand_in_model_dir():
     return prepare_model(ServerArgs().model_path, progress=False).model_dir
 
 
-def build_scheduler(sa: ServerArgs, port_args, proc_name: str = "scheduler") -> SimScheduler:
+def build_scheduler(sa: ServerArgs, port_args, proc_name: str = "scheduler", dp_rank: int = 0) -> SimScheduler:
     """The scheduler process's Scheduler (run_scheduler_process calls this for --simulate): the real
     class with its ZMQ I/O and tracer, keeping the clock the engine shared (trace/clock.py); the
-    stand-in tokenizer decodes for stop strings and previews."""
+    stand-in tokenizer decodes for stop strings and previews. A data-parallel replica stamps with its
+    own time (`ReplicaClock`). Speculative decoding runs the scheduler's NGRAM path with `SimDrafter`'s
+    drafts, each kept with --speculative-accept-rate, and STANDALONE costs the draft model's passes."""
     from workbench.core.managers.scheduler import _load_fast_tokenizer
 
     shared = trace_clock.current()
     if not isinstance(shared, trace_clock.SharedClock):
         raise RuntimeError("a simulated scheduler needs the engine's shared clock (PortArgs.extra['sim_clock'])")
     tokenizer = _load_fast_tokenizer(stand_in_model_dir())
-    worker = build_worker(sa, tokenizer.get_vocab_size(), shared)
-    scheduler = SimScheduler(
-        sa, port_args, 0, 1, proc_name=proc_name, worker=worker, tokenizer=tokenizer, shared=shared, speed=sa.sim_speed
-    )
+    worker = build_worker(sa, tokenizer.get_vocab_size(), shared, dp_rank=dp_rank)
+    common = dict(proc_name=proc_name, worker=worker, tokenizer=tokenizer, shared=shared, speed=sa.sim_speed)
+    # The scheduler's own speculative path, NGRAM's (no draft model is loaded: the drafter is simulated)
+    args = dataclasses.replace(sa, speculative_algorithm="NGRAM") if sa.speculative_algorithm else sa
+    if sa.dp_size > 1:
+        trace_clock.install(trace_clock.ReplicaClock(shared, dp_rank))
+        scheduler = ReplicaSimScheduler(args, port_args, 0, 1, dp_rank=dp_rank, **common)
+    else:
+        scheduler = SimScheduler(args, port_args, 0, 1, **common)
+    if sa.speculative_algorithm:
+        draft_cost = _draft_cost(sa, worker.cost)
+        drafter = SimDrafter(worker.model_runner.model_config.vocab_size, worker.seed + 1, draft_cost)
+        scheduler.drafter = scheduler.running_batch.drafter = drafter
+        if draft_cost is not None:
+            worker.drafter = drafter
     if scheduler.enable_overlap:  # --no-disable-overlap-schedule: the overlap loop over two timelines
         scheduler.overlap_worker = LiveSimOverlapClient(worker)
     return scheduler
@@ -352,7 +516,8 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
     finally:
         clock.announce(None)
     state = await tm.get_internal_state()
-    res = SimResult(sa.simulate, str(sa.model_path), sa.tp_size, engine.max_total_num_tokens, 0.0, 0.0)
+    pool = engine.max_total_num_tokens * sa.dp_size  # each replica's pool is replica 0's
+    res = SimResult(sa.simulate, str(sa.model_path), sa.tp_size, pool, 0.0, 0.0, dp_size=sa.dp_size)
     for i, m in metas.items():
         rid, n = f"r{i}", m["completion_tokens"]
         res.ttft[rid], res.latency[rid] = m["ttft"], m["e2e_latency"]
@@ -361,9 +526,18 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
         res.output_tokens += n
         res.cached_tokens += m.get("cached_tokens", 0)
     res.prompt_tokens, res.outputs = prompt_tokens, outputs
-    res.peak_kv_used, res.steps = state.kv_used_peak, state.step - before.step  # peak: since the engine began
+    res.peak_kv_used, res.steps = state.kv_used_peak, _steps(state) - _steps(before)  # peak: since the engine began
     res.retracted = state.retracted_total - before.retracted_total
+    if state.per_replica:  # data parallel: how many requests the controller sent each replica
+        res.per_replica_requests = [
+            now["received_total"] - then["received_total"] for now, then in zip(state.per_replica, before.per_replica)
+        ]
     start = min((r.arrival for r in workload), default=0.0)
     res.sim_s = max((workload[i].arrival + m["e2e_latency"] for i, m in metas.items()), default=start) - start
     res.wall_s = time.perf_counter() - t0
     return res
+
+
+def _steps(state) -> int:
+    """Passes the deployment ran: every replica's (a data-parallel state's `step` is the largest)."""
+    return sum(r["step"] for r in state.per_replica) if state.per_replica else state.step

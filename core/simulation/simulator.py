@@ -85,7 +85,7 @@ class SimWorker:
         self, runner: SimRunner, cost: CostModel, clock: SimClock, seed: int, accept_rate: Optional[float] = None
     ):
         self.model_runner = runner
-        self.cost, self.clock = cost, clock
+        self.cost, self.clock, self.seed = cost, clock, seed
         self.rng = torch.Generator().manual_seed(seed)
         self.accept_rate = accept_rate  # speculative decoding: each draft kept with this probability
         self.accept_rng = random.Random(seed)

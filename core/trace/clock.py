@@ -14,6 +14,12 @@ trip through this host's tokenizer manager and sockets takes no simulated time) 
 driver that replays a workload: the arrival time of the next request it will send; running time
 stops there). The scheduler does not start a step while a sent request has not reached it or an
 announced arrival is due: what a request waits for is the deployment's work, never this host's.
+
+Data parallel (`--dp-size N`): the replicas' passes overlap in simulated time, so each replica keeps
+its own time in a slot of the file (`replica_begin`, `replica_advance`, `replica_end`; its process
+stamps with `ReplicaClock`) and the shared time is the earliest of the busy replicas' times: every
+event before it has happened. Only the replica furthest behind may start a pass (`replica_turn`), so
+the host runs them one at a time in simulated-time order, as the offline Simulator steps them.
 """
 
 from __future__ import annotations
@@ -33,6 +39,14 @@ NEVER = 2**63 - 1  # "no arrival announced"
 _LAYOUT = struct.Struct("<qqqdqqq")
 _STATE = struct.Struct("<qqqdq")
 _SENT, _ANNOUNCED = 40, 48
+# Data parallel, after the layout: the number of replica slots, the wall-pacing anchor (simulated ns,
+# wall ns) and the deployment's peak KV use; then per replica: its time (ns), busy (0/1), requests it
+# received, KV tokens it uses, token outputs it has sent, and whether a pass of its ended whose
+# outputs are not sent yet (0/1).
+_DP = struct.Struct("<qqqq")
+_SLOT = struct.Struct("<qqqqqq")
+_DP_AT = _LAYOUT.size
+_SLOTS_AT = _DP_AT + _DP.size
 
 
 class TraceClock:
@@ -63,13 +77,17 @@ class SharedClock(TraceClock):
 
     simulated = True
 
-    def __init__(self, path: str, create: bool = False):
+    def __init__(self, path: str, create: bool = False, replicas: int = 1):
         self.path = path
         if create:
+            now = time.monotonic_ns()
             with open(path, "wb") as f:
-                f.write(_LAYOUT.pack(0, time.monotonic_ns(), time.monotonic_ns(), 0.0, NEVER, 0, NEVER))
+                f.write(_LAYOUT.pack(0, now, now, 0.0, NEVER, 0, NEVER))
+                f.write(_DP.pack(replicas, now, now, 0))
+                f.write(b"".join(_SLOT.pack(now, 0, 0, 0, 0, 0) for _ in range(replicas)))
         self._fd = os.open(path, os.O_RDWR)
-        self._m = mmap.mmap(self._fd, _LAYOUT.size)
+        self._m = mmap.mmap(self._fd, os.fstat(self._fd).st_size)
+        self.replicas = struct.unpack_from("<q", self._m, _DP_AT)[0]
 
     @contextlib.contextmanager
     def _locked(self):
@@ -151,9 +169,9 @@ class SharedClock(TraceClock):
             return now
 
     def jump_to(self, ns: int) -> None:
-        """Held at `ns` if that is later (an idle gap skipped)."""
+        """Held at `ns` if that is later (an idle gap skipped; not while a replica is busy)."""
         with self._locked():
-            if ns > self._hold():
+            if ns > self._hold() and not self._busy_times():
                 self._write(ns, 0.0)
 
     def run(self, rate: float, until: Optional[int] = None, received: Optional[int] = None) -> None:
@@ -164,8 +182,116 @@ class SharedClock(TraceClock):
         _, _, current, current_cap, _ = self._state()
         if current != rate or current_cap != cap:
             with self._locked():
-                if received is None or self.sent() <= received:
+                if (received is None or self.sent() <= received) and not self._busy_times():
                     self._write(self._hold(), rate, cap)
+
+    # ---- data-parallel replicas (each in its own scheduler process) -------------
+    def _slot(self, rank: int) -> tuple[int, ...]:
+        return _SLOT.unpack_from(self._m, _SLOTS_AT + rank * _SLOT.size)
+
+    def _set_slot(self, rank: int, local: int, busy: int) -> None:
+        struct.pack_into("<qq", self._m, _SLOTS_AT + rank * _SLOT.size, local, busy)
+
+    def _busy_times(self) -> list[tuple[int, int]]:
+        """(time, rank) of every busy replica."""
+        out = []
+        for r in range(self.replicas):
+            local, busy = self._slot(r)[:2]
+            if busy:
+                out.append((local, r))
+        return out
+
+    def _settle(self) -> None:
+        """Shared time becomes the earliest busy replica's (it never goes back: a replica that began
+        at an arrival before it is behind it for a while; none busy: it stays)."""
+        busy = self._busy_times()
+        now = self._hold()
+        if busy and min(busy)[0] > now:
+            self._write(min(busy)[0], 0.0)
+
+    def replica_begin(self, rank: int, at: int) -> int:
+        """Replica `rank` has work from simulated time `at` (its request's arrival): it goes on from
+        there, or from its own time if that is later (its last pass ended after it). Time is held; the
+        first busy replica anchors the wall pacing. Returns the replica's time."""
+        with self._locked():
+            local = self._slot(rank)[0]
+            now = self._hold()
+            if not self._busy_times():
+                struct.pack_into("<qq", self._m, _DP_AT + 8, now, time.monotonic_ns())
+            local = max(local, at)
+            self._set_slot(rank, local, 1)
+            return local
+
+    def replica_advance(self, rank: int, ns: int) -> int:
+        """Replica `rank`'s pass of `ns` ended: its time moves on (its outputs are pending until
+        `outputs_sent`); returns it."""
+        with self._locked():
+            local = self._slot(rank)[0] + max(0, int(ns))
+            self._set_slot(rank, local, 1)
+            struct.pack_into("<q", self._m, _SLOTS_AT + rank * _SLOT.size + 40, 1)
+            self._settle()
+            return local
+
+    def outputs_sent(self, rank: int, n: int) -> None:
+        """Replica `rank` has sent `n` token outputs in all, those of its last pass included."""
+        at = _SLOTS_AT + rank * _SLOT.size
+        struct.pack_into("<q", self._m, at + 32, n)
+        struct.pack_into("<q", self._m, at + 40, 0)  # after the count: a reader that sees 0 sees the count
+
+    def outputs_of(self, rank: int) -> Optional[int]:
+        """Token outputs replica `rank` has sent, or None while a pass of its has ended and its
+        outputs are still being sent (the data-parallel controller waits for them before it routes:
+        its load counts are then those the offline Simulator's balancer has)."""
+        sent, pending = self._slot(rank)[4:]
+        return None if pending else sent
+
+    def replica_end(self, rank: int) -> None:
+        """Replica `rank` has nothing to do: the shared time may move on to the next busy replica's."""
+        with self._locked():
+            local, busy = self._slot(rank)[:2]
+            if busy:
+                self._set_slot(rank, local, 0)
+                self._settle()
+
+    def replica_turn(self, rank: int) -> bool:
+        """Whether replica `rank` is the busy one furthest behind (ties: the lowest rank), the one
+        that may start a pass."""
+        busy = self._busy_times()
+        return bool(busy) and min(busy)[1] == rank
+
+    def replica_now(self, rank: int) -> int:
+        """Replica `rank`'s time while it is busy, else the shared time."""
+        local, busy = self._slot(rank)[:2]
+        return local if busy else self.now_ns()
+
+    def set_received(self, rank: int, n: int) -> None:
+        """Replica `rank` has received `n` generate requests (after `replica_begin`, so a replica that
+        sees every sent request received also sees the new one's replica busy)."""
+        struct.pack_into("<q", self._m, _SLOTS_AT + rank * _SLOT.size + 16, n)
+
+    def received_total(self) -> int:
+        return sum(self._slot(r)[2] for r in range(self.replicas))
+
+    def all_idle(self) -> bool:
+        return not self._busy_times()
+
+    def pace_deadline(self, sim_ns: int, speed: float) -> float:
+        """The wall time (monotonic s) a pass ending at `sim_ns` is due at `speed`."""
+        sim, wall = struct.unpack_from("<qq", self._m, _DP_AT + 8)
+        return (wall + (sim_ns - sim) / speed) / 1e9
+
+    def repace(self, sim_ns: int, wall_s: float) -> None:
+        """Re-anchor the pacing: simulated `sim_ns` is wall time `wall_s` (the host fell behind)."""
+        struct.pack_into("<qq", self._m, _DP_AT + 8, sim_ns, int(wall_s * 1e9))
+
+    def note_kv(self, rank: int, used: int) -> int:
+        """Replica `rank` uses `used` KV tokens now; returns the deployment's peak (all replicas' sum)."""
+        with self._locked():
+            struct.pack_into("<q", self._m, _SLOTS_AT + rank * _SLOT.size + 24, used)
+            total = sum(self._slot(r)[3] for r in range(self.replicas))
+            peak = max(total, struct.unpack_from("<q", self._m, _DP_AT + 24)[0])
+            struct.pack_into("<q", self._m, _DP_AT + 24, peak)
+            return peak
 
     # ---- the tokenizer manager and a driver ------------------------------------
     def note_sent(self) -> None:
@@ -193,6 +319,18 @@ class SharedClock(TraceClock):
             self.close()
         except Exception:
             pass  # interpreter shutdown
+
+
+class ReplicaClock(TraceClock):
+    """A data-parallel replica's process clock: its own time while it is busy, else the shared time."""
+
+    simulated = True
+
+    def __init__(self, shared: SharedClock, rank: int):
+        self.shared, self.rank = shared, rank
+
+    def now_ns(self) -> int:
+        return self.shared.replica_now(self.rank)
 
 
 _clock: TraceClock = TraceClock()
