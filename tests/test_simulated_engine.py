@@ -329,3 +329,22 @@ def test_speculative_decoding_runs_live_and_agrees_with_the_offline_simulator(dr
     _assert_same_requests(got, want)
     proposed, accepted = state["spec_proposed"], state["spec_accepted"]
     assert proposed > 100 and 0.3 < accepted / proposed < 0.7  # kept until the first miss: below 0.7 each
+
+
+def test_sim_run_live_takes_data_parallel_and_speculative_decoding_from_the_command_line(capsys):
+    """`workbench sim run --live --dp-size 2 --speculative-accept-rate ... --speculative-draft-model ...
+    --compare`: the flags reach the live engine (replicas, costed draft model) and the offline Simulator
+    alike, and the command prints that they agree request by request."""
+    from workbench.cli import build_parser
+
+    args = build_parser().parse_args(
+        "sim run --live --compare --model llama-3.1-70b --simulate h100 --tp-size 4 --dp-size 2 --rate 20 "
+        "--num-requests 24 --output-len 16,64 --load-balance-method shortest_queue --speculative-accept-rate 0.6 "
+        "--speculative-draft-model llama-3.1-8b".split()
+    )
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    live_line, offline_line = [ln for ln in out.splitlines() if ln.startswith("SIMULATED h100x8 (dp 2 x tp 4)")]
+    assert "[live pipeline" in live_line and "[offline Simulator]" in offline_line
+    assert live_line.split("[")[0].split(" s real")[1] == offline_line.split("[")[0].split(" s real")[1]
+    assert "largest per-request TTFT difference, live against offline: 0.000 ms" in out
