@@ -5,6 +5,7 @@ simulated timestamps in the trace, determinism), and the CLI's sweep table."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -197,10 +198,18 @@ def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
     assert all("pred_attention" in pt for pt in cal.points if pt["kind"] == "extend") and cal.extend_fit()
     trip = [cal.meta[k] for k in ("tm_in_s", "tm_gap_s", "tm_out_s")]  # the pipeline's trip, measured
     assert all(0 <= t < 1.0 for t in trip) and trip[1] > 0
-    args = p.parse_args(["bench", "sim-accuracy", "--quick", "--model", str(d), "--dtype", "float32", "--rates", "4"])
+    args = p.parse_args(
+        ["bench", "sim-accuracy", "--quick", "--model", str(d), "--dtype", "float32", "--rates", "4", "--repeats", "2"]
+    )
     assert args.func(args) == 0
-    table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| (") or ln.startswith("| Poisson")]
-    assert len(table) == 3
+    out = capsys.readouterr().out
+    table = [ln for ln in out.splitlines() if ln.startswith("| (") or ln.startswith("| Poisson")]
+    assert len(table) == 3 and "the median of 2 runs" in out
+    for row in table:  # each real figure is the median, within the range of its two runs
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        for cell in (cells[1], cells[4]):
+            median, lo, hi = (float(x) for x in re.fullmatch(r"([\d.]+) \((\d+)-(\d+)\)", cell).groups())
+            assert lo - 0.5 <= median <= hi + 0.5
 
 
 def test_a_simulated_run_records_a_trace_the_views_read(tmp_path):
