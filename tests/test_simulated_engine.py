@@ -114,7 +114,7 @@ def test_metrics_carry_the_deployment(engine):
     [
         (dict(simulate="tpu9"), "--simulate must be one of"),
         (dict(tp_size=1), "does not fit"),
-        (dict(dp_size=2, disable_overlap_schedule=False), "workbench sim run"),
+        (dict(nnodes=2, dist_init_addr="127.0.0.1:5000"), "workbench sim run"),
         (dict(speculative_algorithm="NGRAM"), "--speculative-accept-rate"),
         (dict(model_path="no-such-model"), "neither a known model"),
     ],
@@ -231,21 +231,23 @@ def test_a_run_recorded_with_its_token_ids_replays_token_for_token(tmp_path, war
         assert got.cached_tokens > 0  # the shared system prompt, recovered from the recorded ids
 
 
-def test_the_overlap_loop_runs_live_and_agrees_with_the_offline_overlap_simulation():
+@pytest.mark.parametrize("dp", [1, 2], ids=["one-scheduler", "dp-2"])
+def test_the_overlap_loop_runs_live_and_agrees_with_the_offline_overlap_simulation(dp):
     """--no-disable-overlap-schedule on a live simulated engine: the scheduler's own overlap loop over
     a client with two timelines (the host's on the shared clock), as `Simulator(disable_overlap_schedule=
     False)` steps it offline: the same TTFT and latency for every request."""
     from workbench.core.engine import Engine
     from workbench.core.simulation.simulator import Simulator, poisson_workload, request_prompt
 
-    workload = poisson_workload(20, 30, (128, 2048), (16, 128), seed=2, groups=2, prefix_len=256)
-    with Engine(sim_speed=0.0, disable_overlap_schedule=False, **SIM) as eng:
+    workload = poisson_workload(20 * dp, 30 * dp, (128, 2048), (16, 128), seed=2, groups=2, prefix_len=256)
+    deployment = dict(tp_size=8 // dp, dp_size=dp)  # with dp 2: each replica's host timeline its own
+    with Engine(sim_speed=0.0, disable_overlap_schedule=False, **{**SIM, **deployment}) as eng:
         assert "overlap" in eng.scheduler_info["threads"]
         for i, r in enumerate(workload):
             r.prompt_ids = request_prompt(i, r, 0, len(eng.tokenizer))
         got = live.replay(eng, workload)
-    want = Simulator("llama-3.1-70b", "h100", tp_size=8, disable_overlap_schedule=False).run(workload)
-    normal = Simulator("llama-3.1-70b", "h100", tp_size=8).run(workload)
+    want = Simulator("llama-3.1-70b", "h100", disable_overlap_schedule=False, **deployment).run(workload)
+    normal = Simulator("llama-3.1-70b", "h100", **deployment).run(workload)
     assert want.ttft != normal.ttft  # the overlap loop schedules differently: the comparison means something
     for rid in want.ttft:
         assert got.ttft[rid] == pytest.approx(want.ttft[rid], abs=1e-6), rid

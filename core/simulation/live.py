@@ -97,13 +97,12 @@ def sized_args(sa: ServerArgs) -> ServerArgs:
     unsupported = {
         "--nnodes": sa.nnodes > 1,  # a simulated deployment's devices are the cost model's: one host runs it
         "--enable-torch-compile": sa.enable_torch_compile,
-        "--dp-size with --no-disable-overlap-schedule": sa.dp_size > 1 and sa.disable_overlap_schedule is False,
     }
     given = [flag for flag, on in unsupported.items() if on]
     if given:
         raise ValueError(
-            f"a live simulated engine does not run {', '.join(given)}; `workbench sim run` simulates the "
-            "overlap loop with data parallel offline"
+            f"a live simulated engine does not run {', '.join(given)} (one host runs the simulated devices; "
+            "`workbench sim run` simulates the same deployment offline)"
         )
     if sa.speculative_algorithm and sa.speculative_accept_rate is None:
         raise ValueError(
@@ -164,38 +163,50 @@ class ReplicaSimWorker(WarpSimWorker):
     def forward_batch(self, mwb):
         cost, out = self.compute(mwb)
         self._last_ms = cost.total * 1000
-        ns = round(cost.total * 1e9)
-        if self.speed > 0:
-            end = self.shared.replica_now(self.dp_rank) + ns
-            rest = self.shared.pace_deadline(end, self.speed) - time.monotonic()
-            if rest > 0:
-                time.sleep(rest)
-            elif rest < -0.001:  # behind: catch up by at most 1 ms
-                self.shared.repace(end, time.monotonic() - 0.001)
-        self.shared.replica_advance(self.dp_rank, ns)
+        _replica_move(self.shared, self.dp_rank, round(cost.total * 1e9), self.speed)
         return out
+
+
+def _replica_move(shared: trace_clock.SharedClock, rank: int, ns: int, speed: float) -> int:
+    """Replica `rank`'s time moves on by `ns`; at a speed > 0, once the deployment's wall pacing says the
+    new time is due (behind: catch up by at most 1 ms). Returns the replica's new time."""
+    if speed > 0:
+        end = shared.replica_now(rank) + ns
+        rest = shared.pace_deadline(end, speed) - time.monotonic()
+        if rest > 0:
+            time.sleep(rest)
+        elif rest < -0.001:
+            shared.repace(end, time.monotonic() - 0.001)
+    return shared.replica_advance(rank, ns)
 
 
 class LiveSimOverlapClient:
     """The overlap loop's worker client for a live simulated deployment: `SimOverlapClient`'s two
     timelines with the host's on the shared clock. A launch moves the host by the pass's fixed overhead
     and queues the pass on the device (free again at `device_free`); resolving a launch moves the host to
-    the end of that pass. At a speed X > 0 each move also takes 1/X of it on the wall clock."""
+    the end of that pass. At a speed X > 0 each move also takes 1/X of it on the wall clock. A data-parallel
+    replica's host timeline is its own time (`dp_rank`; trace/clock.py)."""
 
-    def __init__(self, worker: "WarpSimWorker"):
+    def __init__(self, worker: "WarpSimWorker", dp_rank: Optional[int] = None):
         self.worker, self.shared, self.speed = worker, worker.shared, worker.speed
+        self.dp_rank = dp_rank
         self.device_free = 0
         self.num_threads = 1
 
-    def _pace(self, ns: int) -> None:
+    def _now(self) -> int:
+        return self.shared.now_ns() if self.dp_rank is None else self.shared.replica_now(self.dp_rank)
+
+    def _move(self, ns: int) -> int:
+        """The host timeline moves on by `ns` (paced at the speed); returns the new time."""
+        if self.dp_rank is not None:
+            return _replica_move(self.shared, self.dp_rank, ns, self.speed)
         if self.speed > 0 and ns > 0:
             time.sleep(ns / 1e9 / self.speed)
+        return self.shared.advance(ns)
 
     def forward_batch_generation(self, mwb):
         cost, out = self.worker.compute(mwb)
-        overhead = round(cost.overhead * 1e9)
-        self._pace(overhead)
-        host = self.shared.advance(overhead)
+        host = self._move(round(cost.overhead * 1e9))
         start = max(host, self.device_free)
         self.device_free = start + round((cost.total - cost.overhead) * 1e9)
         ids = out.sampler_output.next_token_ids.tolist()
@@ -204,8 +215,7 @@ class LiveSimOverlapClient:
 
     def resolve_batch_result(self, handle) -> GenerationBatchResult:
         end, result = handle
-        self._pace(end - self.shared.now_ns())
-        self.shared.jump_to(end)
+        self._move(max(0, end - self._now()))
         return result
 
     def shutdown(self) -> None:
@@ -456,7 +466,7 @@ def build_scheduler(sa: ServerArgs, port_args, proc_name: str = "scheduler", dp_
         if draft_cost is not None:
             worker.drafter = drafter
     if scheduler.enable_overlap:  # --no-disable-overlap-schedule: the overlap loop over two timelines
-        scheduler.overlap_worker = LiveSimOverlapClient(worker)
+        scheduler.overlap_worker = LiveSimOverlapClient(worker, dp_rank if sa.dp_size > 1 else None)
     return scheduler
 
 
