@@ -333,6 +333,7 @@ def test_speculative_decoding_runs_live_and_agrees_with_the_offline_simulator(dr
     assert proposed > 100 and 0.3 < accepted / proposed < 0.7  # kept until the first miss: below 0.7 each
 
 
+@pytest.mark.e2e  # the command starts a live engine's processes
 def test_sim_run_live_takes_data_parallel_and_speculative_decoding_from_the_command_line(capsys):
     """`workbench sim run --live --dp-size 2 --speculative-accept-rate ... --speculative-draft-model ...
     --compare`: the flags reach the live engine (replicas, costed draft model) and the offline Simulator
