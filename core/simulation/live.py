@@ -48,13 +48,13 @@ from workbench.core.simulation.hardware import HARDWARE, get_hardware
 from workbench.core.simulation.model_specs import model_spec
 from workbench.core.simulation.simulator import (
     SimClock,
-    SimDrafter,
     SimRequest,
     SimResult,
     SimRunner,
     SimWorker,
     TokenReplayScheduler,
     default_dtype_bytes,
+    install_drafter,
     request_prompt,
 )
 from workbench.core.trace import clock as trace_clock
@@ -465,11 +465,7 @@ def build_scheduler(sa: ServerArgs, port_args, proc_name: str = "scheduler", dp_
     else:
         scheduler = SimScheduler(args, port_args, 0, 1, **common)
     if sa.speculative_algorithm:
-        draft_cost = _draft_cost(sa, worker.cost)
-        drafter = SimDrafter(worker.model_runner.model_config.vocab_size, worker.seed + 1, draft_cost)
-        scheduler.drafter = scheduler.running_batch.drafter = drafter
-        if draft_cost is not None:
-            worker.drafter = drafter
+        install_drafter(scheduler, worker, worker.model_runner.model_config.vocab_size, _draft_cost(sa, worker.cost))
     if scheduler.enable_overlap:  # --no-disable-overlap-schedule: the overlap loop over two timelines
         scheduler.overlap_worker = LiveSimOverlapClient(worker, dp_rank if sa.dp_size > 1 else None)
     return scheduler

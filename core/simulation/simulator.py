@@ -193,6 +193,16 @@ class SimDrafter:
         pass
 
 
+def install_drafter(scheduler: Scheduler, worker: SimWorker, vocab: int, draft_cost: Optional[CostModel]) -> None:
+    """Speculative decoding's drafts from a `SimDrafter` (seeded from the worker's seed) in place of the
+    NGRAM proposals (the running batch holds its own reference); a draft model's passes, if costed, go
+    into the worker's verify passes."""
+    drafter = SimDrafter(vocab, worker.seed + 1, draft_cost)
+    scheduler.drafter = scheduler.running_batch.drafter = drafter
+    if draft_cost is not None:
+        worker.drafter = drafter
+
+
 class SimOverlapClient:
     """The overlap loop's worker client (tp_worker_overlap_thread.TpModelWorkerClient's interface) on
     two timelines: the host's (the SimClock: the scheduler's work, the trace, every stamp) and the
@@ -355,11 +365,8 @@ class _Replica:
         self.scheduler = TokenReplayScheduler(
             sim.args, None, worker=self.worker, io=self.io, tokenizer=_NoTokenizer(), tracer=self.tracer
         )
-        if sim.accept_rate is not None:  # in place of the NGRAM proposals (the running batch holds its own)
-            drafter = SimDrafter(sim.spec.vocab, seed + 1, sim.draft_cost)
-            self.scheduler.drafter = self.scheduler.running_batch.drafter = drafter
-            if sim.draft_cost is not None:
-                self.worker.drafter = drafter
+        if sim.accept_rate is not None:
+            install_drafter(self.scheduler, self.worker, sim.spec.vocab, sim.draft_cost)
         if sim.overlap:  # the scheduler's own overlap loop over the two-timeline client
             self.scheduler.enable_overlap = True
             self.scheduler.overlap_worker = SimOverlapClient(self.worker)
