@@ -31,6 +31,7 @@ class TokenizedGenerateReqInput(Msg):
     stream: bool = False
     arrival_ts: int = 0  # monotonic ns at the tokenizer manager
     replay_output_ids: Optional[list[int]] = None  # a simulated deployment returns these instead of sampling
+    replay_drafts: Optional[dict[int, list[int]]] = None  # ... and proposes these drafts (by output length)
 
 
 class AbortReq(Msg):

@@ -231,6 +231,101 @@ def test_a_run_recorded_with_its_token_ids_replays_token_for_token(tmp_path, war
         assert got.cached_tokens > 0  # the shared system prompt, recovered from the recorded ids
 
 
+def _verdicts(path) -> list[tuple]:
+    """Each request's speculative verdicts, (output length, drafts, accepted) in order, one tuple of
+    them per request (sorted: the real and simulated runs name requests differently)."""
+    from workbench.core.trace.recorder import read_trace
+
+    by_rid: dict[str, list] = {}
+    for e in read_trace(path)[1]:
+        if isinstance(e, ev.SpecVerify) and not e.snapshot:
+            for v in e.reqs:
+                if v.drafts:
+                    by_rid.setdefault(v.rid, []).append((v.at, tuple(v.drafts), v.accepted))
+    return sorted(tuple(v) for v in by_rid.values())
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_a_speculative_runs_drafts_replay_and_stand_as_they_stood(tmp_path, capsys, algorithm):
+    """A real engine's speculative run (tiny models, greedy), recorded with --trace-token-ids, replayed on
+    a simulated deployment offline and through the live pipeline: each request proposes, at each output
+    length, the drafts its real drafter proposed there (n-grams, or a one-layer draft model's), and they
+    stand exactly as far as they stood: the same verdicts request by request, the same outputs and
+    totals. `sim run --workload` replays them by itself; without them, drafts at the recording's accept
+    rate give other verdicts (so the comparison means something)."""
+    from tiny_models import make_tiny_llama
+    from workbench.cli import build_parser
+    from workbench.core.engine import Engine
+    from workbench.core.simulation.recorded import recorded_speculation, workload_from_trace
+    from workbench.core.simulation.simulator import Simulator
+    from workbench.core.trace.recorder import Recorder
+
+    target = make_tiny_llama(tmp_path / "target", tie_word_embeddings=False, seed=3)
+    spec = dict(speculative_algorithm=algorithm, speculative_num_draft_tokens=3)
+    if algorithm == "STANDALONE":
+        spec["speculative_draft_model_path"] = str(make_tiny_llama(tmp_path / "draft", num_hidden_layers=1, seed=11))
+    units = [[10 + (7 * i + j) % 200 for j in range(2 + i % 4)] for i in range(12)]
+    prompts = [(u * 20)[: 6 + 3 * i] for i, u in enumerate(units)]  # repetitive: n-grams match
+    real_path = tmp_path / "real.jsonl"
+    with Engine(
+        model_path=str(target),
+        dtype="float32",
+        record=str(real_path),
+        trace_token_ids=True,
+        show_progress=False,
+        max_total_tokens=4096,
+        **spec,
+    ) as real:
+        outs = real.generate(
+            input_ids=prompts, sampling_params={"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+        )
+        state = real.get_internal_state()
+    assert 0 < state["spec_accepted"] < state["spec_proposed"]  # some drafts stood, some fell
+    recorded = recorded_speculation(real_path)
+    assert (recorded.algorithm, recorded.num_draft_tokens) == (algorithm, 3)
+    assert (recorded.proposed, recorded.accepted) == (state["spec_proposed"], state["spec_accepted"])
+    want, outputs = _verdicts(real_path), sorted(tuple(o["output_ids"]) for o in outs)
+    workload = workload_from_trace(real_path)
+    assert all(r.drafts for r in workload) and len(want) == len(prompts)
+    sim = dict(speculative_accept_rate=recorded.accept_rate, speculative_num_draft_tokens=3)
+
+    offline_path = tmp_path / "offline.jsonl"
+    with Recorder(str(offline_path), model="sim") as rec:
+        offline = Simulator("llama-3.1-8b", "l4", trace_sink=rec, **sim).run(workload)
+    live_path = tmp_path / "live.jsonl"
+    with Engine(
+        simulate="l4",
+        model_path="llama-3.1-8b",
+        sim_speed=0.0,
+        record=str(live_path),
+        show_progress=False,
+        speculative_algorithm="NGRAM",
+        **sim,
+    ) as eng:
+        live_run = live.replay(eng, workload)
+    for got, path in ((offline, offline_path), (live_run, live_path)):
+        assert _verdicts(path) == want
+        assert sorted(map(tuple, got.outputs.values())) == outputs
+        assert (got.spec_proposed, got.spec_accepted) == (recorded.proposed, recorded.accepted)
+
+    # the command: the recording's drafts replayed by default, and left out when asked
+    args_line = f"sim run --workload {real_path} --model llama-3.1-8b --simulate l4".split()
+    args = build_parser().parse_args(args_line)
+    assert args.func(args) == 0
+    captured = capsys.readouterr()
+    assert f"drafts kept {recorded.accepted} of {recorded.proposed} " in captured.out
+    assert f"ran {algorithm} speculative decoding" in captured.err and "--ignore-recorded-drafts" in captured.err
+    args = build_parser().parse_args([*args_line, "--ignore-recorded-drafts"])
+    assert args.func(args) == 0
+    assert "drafts kept" not in capsys.readouterr().out  # speculative decoding off
+    for r in workload:
+        r.drafts = None
+    sampled_path = tmp_path / "sampled.jsonl"
+    with Recorder(str(sampled_path), model="sim") as rec:
+        Simulator("llama-3.1-8b", "l4", trace_sink=rec, **sim).run(workload)
+    assert _verdicts(sampled_path) != want
+
+
 @pytest.mark.parametrize("dp", [1, 2], ids=["one-scheduler", "dp-2"])
 def test_the_overlap_loop_runs_live_and_agrees_with_the_offline_overlap_simulation(dp):
     """--no-disable-overlap-schedule on a live simulated engine: the scheduler's own overlap loop over

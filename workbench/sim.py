@@ -21,7 +21,7 @@ import time
 
 from workbench.core.simulation.hardware import HARDWARE
 from workbench.core.simulation.model_specs import KNOWN
-from workbench.core.simulation.recorded import is_recording, workload_from_trace
+from workbench.core.simulation.recorded import is_recording, recorded_speculation, workload_from_trace
 from workbench.core.simulation.simulator import SimRequest, Simulator, poisson_workload, request_prompt
 
 COLUMNS = (
@@ -44,9 +44,11 @@ def _pair(text: str) -> tuple[int, int]:
 def load_workload(args) -> list[SimRequest]:
     if args.workload and is_recording(args.workload):  # a real engine's --record file
         try:
-            return workload_from_trace(args.workload)
+            workload = workload_from_trace(args.workload)
         except (ValueError, OSError) as exc:
             raise SystemExit(f"--workload {args.workload}: {exc}") from None
+        _recorded_drafts(args, workload)
+        return workload
     if args.workload:
         out = []
         with open(args.workload) as f:
@@ -81,6 +83,34 @@ def load_workload(args) -> list[SimRequest]:
     )
 
 
+def _recorded_drafts(args, workload: list[SimRequest]) -> None:
+    """A recording of a run with speculative decoding, with its token ids: its drafts are replayed
+    (speculative decoding on, at the recording's drafts per step; requests without a recording of
+    their own would keep drafts at its accept rate), unless --ignore-recorded-drafts."""
+    if not any(r.drafts for r in workload):
+        return
+    if args.ignore_recorded_drafts:
+        for r in workload:
+            r.drafts = None
+        return
+    spec = recorded_speculation(args.workload)
+    if args.speculative_accept_rate is None:
+        args.speculative_accept_rate = round(spec.accept_rate, 4)
+    args.speculative_num_draft_tokens = args.speculative_num_draft_tokens or spec.num_draft_tokens
+    print(
+        f"[sim] the recording ran {spec.algorithm} speculative decoding ({spec.accepted} of {spec.proposed} "
+        f"drafts kept): its drafts are replayed, {args.speculative_num_draft_tokens} per step at most "
+        "(--ignore-recorded-drafts to decode without them)",
+        file=sys.stderr,
+    )
+    if spec.algorithm == "STANDALONE" and not args.speculative_draft_model:
+        print(
+            "[sim] the draft model's passes cost nothing: name it with --speculative-draft-model "
+            "(a known model or its config.json) to cost them",
+            file=sys.stderr,
+        )
+
+
 def _simulator(args, **overrides) -> Simulator:
     kw = dict(max_running_requests=args.max_running_requests, schedule_policy=args.schedule_policy)
     if args.chunked_prefill_size is not None:
@@ -90,7 +120,7 @@ def _simulator(args, **overrides) -> Simulator:
     kw.setdefault("disable_overlap_schedule", not args.overlap_schedule)
     if args.speculative_accept_rate is not None:
         kw.setdefault("speculative_accept_rate", args.speculative_accept_rate)
-        kw.setdefault("speculative_num_draft_tokens", args.speculative_num_draft_tokens)
+        kw.setdefault("speculative_num_draft_tokens", args.speculative_num_draft_tokens or 4)
         if args.speculative_draft_model:
             kw.setdefault("speculative_draft_model", args.speculative_draft_model)
     kw.setdefault("load_balance_method", args.load_balance_method)
@@ -122,7 +152,7 @@ def _run_live(args, workload: list[SimRequest]) -> int:
             speculative_algorithm="STANDALONE" if args.speculative_draft_model else "NGRAM",
             speculative_draft_model_path=args.speculative_draft_model,
             speculative_accept_rate=args.speculative_accept_rate,
-            speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+            speculative_num_draft_tokens=args.speculative_num_draft_tokens or 4,
         )
     if args.record:
         kw["record"] = args.record
@@ -294,7 +324,10 @@ def add_parser(sub) -> None:
             "rate each (0-1); off when not given",
         )
         q.add_argument(
-            "--speculative-num-draft-tokens", type=int, default=4, help="drafts per request per step (default 4)"
+            "--speculative-num-draft-tokens",
+            type=int,
+            default=None,
+            help="drafts per request per step (default 4; a recording's own with its drafts)",
         )
         q.add_argument(
             "--speculative-draft-model",
@@ -306,7 +339,14 @@ def add_parser(sub) -> None:
             "--workload",
             default=None,
             help="a JSONL workload (see the module docstring), or a real engine's --record file: its "
-            "finished requests' arrivals and lengths",
+            "finished requests' arrivals and lengths (with --trace-token-ids: their tokens, and the "
+            "speculative drafts of a run that drafted)",
+        )
+        q.add_argument(
+            "--ignore-recorded-drafts",
+            action="store_true",
+            help="with a recording of a speculative run: decode without its drafts (speculative decoding "
+            "off unless --speculative-accept-rate)",
         )
         q.add_argument(
             "--rate", type=float, default=10.0, help="Poisson arrivals per simulated second (0: all at once)"

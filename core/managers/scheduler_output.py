@@ -96,7 +96,7 @@ class SchedulerOutputMixin:
             offset += n
             if batch.future_ids is not None and req.future_token_id == batch.future_ids[i]:
                 req.future_token_id = None  # overlap loop: its tokens are real now
-            accepted = 0
+            at, accepted = len(req.output_ids), 0  # drafts follow its output so far (the trace's SpecReq.at)
             while accepted < len(drafts) and rows[accepted] == drafts[accepted]:
                 accepted += 1
             if drafts and not accepted:  # back off: 1, 2, 4, ... steps without drafts
@@ -116,17 +116,18 @@ class SchedulerOutputMixin:
             req.kv_len = start + appended
             if appended < n:
                 self.token_to_kv_pool_allocator.free(table[req.req_pool_idx, start + appended : start + n].clone())
-            verdicts.append((req.rid, drafts, accepted))
+            verdicts.append((req.rid, drafts, accepted, at))
             if req.finished():
                 self.tree_cache.cache_finished_req(req)
             fresh.append(req)
         self.note_spec_verdicts(verdicts)
         self.stream_output(fresh)
 
-    def note_spec_verdicts(self, verdicts: list[tuple[str, list[int], int]]) -> None:
-        """Per request of a verify step: (rid, the drafts proposed, how many were accepted)."""
+    def note_spec_verdicts(self, verdicts: list[tuple[str, list[int], int, int]]) -> None:
+        """Per request of a verify step: (rid, the drafts proposed, how many were accepted, the output
+        tokens it had when they were proposed)."""
         self.spec_verify_steps += 1
-        for _, drafts, accepted in verdicts:
+        for _, drafts, accepted, _ in verdicts:
             self.spec_proposed_total += len(drafts)
             self.spec_accepted_total += accepted
             self.spec_verified_total += 1
@@ -134,7 +135,7 @@ class SchedulerOutputMixin:
             self.tracer.emit(
                 ev.SpecVerify(
                     algorithm=self.server_args.speculative_algorithm or "NGRAM",
-                    reqs=[ev.SpecReq(rid, drafts, accepted) for rid, drafts, accepted in verdicts],
+                    reqs=[ev.SpecReq(rid, drafts, accepted, at=at) for rid, drafts, accepted, at in verdicts],
                 )
             )
 

@@ -78,6 +78,8 @@ class GenerateReqInput:
     rid: Optional[str] = None
     # A simulated deployment returns these tokens in turn instead of sampling (a recorded run's output).
     replay_output_ids: Optional[list[int]] = None
+    # ... and, with speculative decoding on, proposes these drafts: output length -> the recorded drafts.
+    replay_drafts: Optional[dict[int, list[int]]] = None
     # When the request arrived, on the trace clock; None: now. A driver replaying a workload on a
     # simulated deployment sets it (core/simulation/live.py `replay`): the request arrived mid-step.
     arrival_ns: Optional[int] = None
@@ -193,6 +195,7 @@ class TokenizerManager:
                         stream=obj.stream,
                         arrival_ts=created,
                         replay_output_ids=obj.replay_output_ids,
+                        replay_drafts=obj.replay_drafts,
                     )
                 )
             except (OverflowError, TypeError, msgspec.EncodeError) as e:

@@ -48,6 +48,7 @@ from workbench.core.simulation.hardware import HARDWARE, get_hardware
 from workbench.core.simulation.model_specs import model_spec
 from workbench.core.simulation.simulator import (
     SimClock,
+    SimDrafter,
     SimRequest,
     SimResult,
     SimRunner,
@@ -254,6 +255,8 @@ class SimScheduler(TokenReplayScheduler):
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         if recv.replay_output_ids:  # a recorded run's tokens, returned in turn
             self.tp_worker.replay[recv.rid] = list(recv.replay_output_ids)
+            if recv.replay_drafts and isinstance(self.drafter, SimDrafter):  # and its drafts, when drafting
+                self.drafter.recorded[recv.rid] = dict(recv.replay_drafts)
         super().handle_generate_request(recv)
 
     def _take(self, msgs: list) -> list:
@@ -517,7 +520,12 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
             params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
             rid = f"r{i}"
             obj = GenerateReqInput(
-                input_ids=ids, sampling_params=params, rid=rid, arrival_ns=due, replay_output_ids=r.output_ids
+                input_ids=ids,
+                sampling_params=params,
+                rid=rid,
+                arrival_ns=due,
+                replay_output_ids=r.output_ids,
+                replay_drafts=r.drafts if r.output_ids else None,
             )
             tasks.append(asyncio.ensure_future(one(i, obj)))
             while rid not in tm.rid_to_state and not tasks[-1].done():  # counted as sent: the next may be announced
@@ -539,6 +547,8 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
     res.prompt_tokens, res.outputs = prompt_tokens, outputs
     res.peak_kv_used, res.steps = state.kv_used_peak, _steps(state) - _steps(before)  # peak: since the engine began
     res.retracted = state.retracted_total - before.retracted_total
+    res.spec_proposed = state.spec_proposed - before.spec_proposed
+    res.spec_accepted = state.spec_accepted - before.spec_accepted
     if state.per_replica:  # data parallel: how many requests the controller sent each replica
         res.per_replica_requests = [
             now["received_total"] - then["received_total"] for now, then in zip(state.per_replica, before.per_replica)

@@ -11,15 +11,23 @@ carries the token ids: the prompts are then the recorded ones (so shared prefixe
 histories hit the simulated radix cache as they hit the real one) and the simulated worker returns
 the recorded output tokens in turn. Without them the prompts are drawn and share nothing. Requests
 that did not finish (aborted, or cut off by the end of the recording) are left out.
+
+A run with speculative decoding also left each verify step's drafts in the trace (`spec.verify`,
+with the output length they followed): replayed token for token with speculative decoding on, each
+request proposes the drafts its real drafter proposed (NGRAM's or a draft model's), and they stand
+exactly as far as they did in the real run (`recorded_speculation` gives the run's algorithm, drafts
+per step and how many stood, the simulator's defaults for it).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from workbench.core.simulation.simulator import SimRequest
-from workbench.core.trace.events import ReqArrived, ReqFinished, ReqQueued, ReqTokenized
+from workbench.core.trace.events import ReqArrived, ReqFinished, ReqQueued, ReqTokenized, SpecVerify
 from workbench.core.trace.recorder import read_trace
 
 
@@ -45,7 +53,12 @@ def workload_from_trace(path) -> list[SimRequest]:
     output: dict[str, int] = {}
     prompt_ids: dict[str, list[int]] = {}
     output_ids: dict[str, list[int]] = {}
+    drafts: dict[str, dict[int, list[int]]] = {}
     for e in events:
+        if isinstance(e, SpecVerify) and not e.snapshot:
+            for v in e.reqs:
+                if v.drafts and v.at >= 0:  # older recordings did not say where drafts went
+                    drafts.setdefault(v.rid, {})[v.at] = list(v.drafts)
         if isinstance(e, (ReqArrived, ReqQueued)):
             arrival[e.rid] = min(e.ts, arrival.get(e.rid, e.ts))
         if isinstance(e, (ReqTokenized, ReqQueued)):
@@ -71,6 +84,36 @@ def workload_from_trace(path) -> list[SimRequest]:
             output[r],
             prompt_ids=prompt_ids.get(r),
             output_ids=output_ids.get(r)[: output[r]] if r in output_ids else None,
+            drafts=drafts.get(r) if r in output_ids else None,  # drafts stand or fall by the recorded tokens
         )
         for r in rids
     ]
+
+
+@dataclass
+class RecordedSpeculation:
+    """A recording's speculative decoding, from its `spec.verify` events."""
+
+    algorithm: str  # "NGRAM" or "STANDALONE"
+    num_draft_tokens: int  # the most drafts a request proposed in one step
+    proposed: int  # drafts proposed ...
+    accepted: int  # ... and kept
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+def recorded_speculation(path) -> Optional[RecordedSpeculation]:
+    """What speculative decoding did in a recording (None: it was off)."""
+    _, events = read_trace(path)
+    verifies = [e for e in events if isinstance(e, SpecVerify) and not e.snapshot]
+    if not verifies:
+        return None
+    reqs = [v for e in verifies for v in e.reqs]
+    return RecordedSpeculation(
+        verifies[-1].algorithm,
+        max((len(v.drafts) for v in reqs), default=0),
+        sum(len(v.drafts) for v in reqs),
+        sum(v.accepted for v in reqs),
+    )

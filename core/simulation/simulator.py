@@ -107,7 +107,7 @@ class SimWorker:
         vocab = self.model_runner.model_config.vocab_size
         ids = torch.randint(FIRST_TOKEN, vocab, (sum(rows),), generator=self.rng, dtype=torch.int64)
         if mwb.spec_rows and self.accept_rate is not None:
-            ids = self._verify_tokens(mwb, ids, vocab)
+            ids = self._verify_tokens(mwb, getattr(mwb, "sim_reqs", None), ids, vocab)
         elif self.replay:
             self._replay_tokens(getattr(mwb, "sim_reqs", None) or [], ids)
         out = ForwardOutput(LogitsOutput(next_token_logits=torch.zeros((len(ids), 1))), SamplerOutput(ids), None)
@@ -124,12 +124,22 @@ class SimWorker:
                 if pos == len(want) - 1:
                     del self.replay[req.rid]  # its last token: done
 
-    def _verify_tokens(self, mwb, ids: torch.Tensor, vocab: int) -> torch.Tensor:
-        """A verify pass's tokens: row j of a request (its last token and drafts d1..dk) agrees with
-        d(j+1) with probability accept_rate while every earlier draft was agreed with; a row that
-        disagrees samples anything but the draft (the scheduler keeps drafts up to the first)."""
+    def _verify_tokens(self, mwb, reqs: Optional[list], ids: torch.Tensor, vocab: int) -> torch.Tensor:
+        """A verify pass's tokens. A request replaying a recorded run gets its recorded tokens in its
+        rows (its last token and drafts d1..dk: row j holds the output that followed d1..dj), so its
+        drafts stand exactly as far as they agree with what the real target chose. Any other request:
+        row j agrees with d(j+1) with probability accept_rate while every earlier draft was agreed
+        with; a row that disagrees samples anything but the draft (the scheduler keeps drafts up to
+        the first)."""
         inputs, out, offset = mwb.input_ids.tolist(), ids.tolist(), 0
-        for n in mwb.spec_rows:
+        for i, n in enumerate(mwb.spec_rows):
+            want = self.replay.get(reqs[i].rid) if reqs and self.replay else None
+            if want is not None:
+                pos = len(reqs[i].output_ids)
+                recorded = want[pos : pos + n]
+                out[offset : offset + len(recorded)] = recorded
+                offset += n
+                continue
             agreeing = True
             for j in range(n - 1):
                 draft = inputs[offset + j + 1]
@@ -159,11 +169,17 @@ class SimDrafter:
     The scheduler's own speculative path (budgets, the verify batch, accepting up to the first
     disagreement, freeing the slots of drafts thrown away) runs as it does for NGRAM.
 
+    A request replaying a recorded run (`recorded[rid]`: the drafts the real drafter proposed, by
+    the output length they followed, from the trace's `spec.verify`) proposes those instead, cut to
+    its budget, and nothing where the recording has none (there the real request drafted nothing:
+    its budget was 0 or its n-grams matched nothing); its verify rows are its recorded tokens.
+
     An n-gram drafter's proposals cost no pass of their own. With `draft_cost` (a STANDALONE draft
-    model's CostModel) a proposal of k drafts costs k decode passes of the draft model over the
-    requests that draft, one token each, at their growing contexts; the time is added to the next
-    verify pass (`take_pending`). The draft's catch-up on the tokens the last verify kept is folded
-    into its first pass's one token (a simplification: it is a short extend in the real drafter)."""
+    model's CostModel) a proposal costs as many decode passes of the draft model as its longest
+    draft, over the requests that draft, one token each, at their growing contexts; the time is
+    added to the next verify pass (`take_pending`). The draft's catch-up on the tokens the last
+    verify kept is folded into its first pass's one token (a simplification: it is a short extend
+    in the real drafter)."""
 
     runner = None  # no draft-model KV pool of its own (the simulator sizes the pool for both)
 
@@ -173,17 +189,30 @@ class SimDrafter:
         self.draft_cost = draft_cost
         self.pending_s = 0.0
         self.proposal_s: list[float] = []  # each proposal's draft passes, in order
+        self.recorded: dict[str, dict[int, list[int]]] = {}  # rid -> output length -> recorded drafts
+        self.replayed = 0  # proposals taken from a recording
+
+    def _draft(self, req, budget: int) -> list[int]:
+        if budget <= 0:
+            return []
+        book = self.recorded.get(req.rid)
+        if book is None:
+            return [self.rng.randrange(FIRST_TOKEN, self.vocab) for _ in range(budget)]
+        drafts = book.get(len(req.output_ids), [])[:budget]
+        self.replayed += bool(drafts)
+        return drafts
 
     def propose(self, reqs, budgets: list[int]) -> list[list[int]]:
-        if self.draft_cost is not None and any(budgets):
-            contexts = [len(r.origin_input_ids) + len(r.output_ids) for r, b in zip(reqs, budgets) if b > 0]
+        drafts = [self._draft(r, b) for r, b in zip(reqs, budgets)]
+        if self.draft_cost is not None and any(drafts):
+            contexts = [len(r.origin_input_ids) + len(r.output_ids) for r, d in zip(reqs, drafts) if d]
             spent = sum(
                 self.draft_cost.step([1] * len(contexts), [c + j + 1 for c in contexts]).total
-                for j in range(max(budgets))
+                for j in range(max(map(len, drafts)))
             )
             self.proposal_s.append(spent)
             self.pending_s += spent
-        return [[self.rng.randrange(FIRST_TOKEN, self.vocab) for _ in range(b)] for b in budgets]
+        return drafts
 
     def take_pending(self) -> float:
         spent, self.pending_s = self.pending_s, 0.0
@@ -269,6 +298,8 @@ class SimRequest:
     prefix_len: int = 0
     prompt_ids: Optional[list[int]] = None  # the prompt itself (else drawn: `request_prompt`)
     output_ids: Optional[list[int]] = None  # the tokens to return in turn (a recorded run's), else sampled
+    # a recorded run's speculative drafts, by the output length they followed (with output_ids)
+    drafts: Optional[dict[int, list[int]]] = None
 
 
 def request_prompt(i: int, r: SimRequest, seed: int, vocab: int) -> list[int]:
@@ -304,6 +335,8 @@ class SimResult:
     dp_size: int = 1
     per_replica_requests: list[int] = field(default_factory=list)  # requests each replica served
     outputs: dict[str, list[int]] = field(default_factory=dict)  # the tokens of requests given output_ids
+    spec_proposed: int = 0  # speculative decoding: drafts proposed ...
+    spec_accepted: int = 0  # ... and kept
 
     @property
     def deployment(self) -> str:
@@ -338,6 +371,12 @@ class SimResult:
             f"p99 {m['tpot_p99_ms']:.1f} ms; cache hit {m['cache_hit_rate']:.0%}; peak KV {m['peak_kv_frac']:.0%} of "
             f"{self.kv_pool_tokens} tokens; {m['retracted']} retracted"
             + (f"; requests per replica {self.per_replica_requests}" if self.dp_size > 1 else "")
+            + (
+                f"; drafts kept {self.spec_accepted} of {self.spec_proposed} "
+                f"({self.spec_accepted / self.spec_proposed:.0%})"
+                if self.spec_proposed
+                else ""
+            )
         )
 
 
@@ -541,6 +580,8 @@ class Simulator:
                 progress(len(res.latency), len(workload), now)
         res.output_tokens = sum(counts.values())
         res.retracted = sum(r.scheduler.num_retracted_total for r in reps)
+        res.spec_proposed = sum(r.scheduler.spec_proposed_total for r in reps)
+        res.spec_accepted = sum(r.scheduler.spec_accepted_total for r in reps)
         res.per_replica_requests = [r.requests for r in reps]
         start = min((r.arrival for r in workload), default=0.0)
         res.sim_s = max(r.clock.now for r in reps) + self.tm_out_s - start
@@ -574,6 +615,8 @@ class Simulator:
         if r.output_ids:
             rep.worker.replay[rid] = list(r.output_ids)
             self._replayed.add(rid)
+            if r.drafts and isinstance(rep.scheduler.drafter, SimDrafter):  # speculative decoding is on
+                rep.scheduler.drafter.recorded[rid] = r.drafts
         self._arrival[rid] = r.arrival
         params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
         rep.io.inbox.append(TokenizedGenerateReqInput(rid=rid, input_text="", input_ids=ids, sampling_params=params))

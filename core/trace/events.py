@@ -190,6 +190,7 @@ class SpecReq(msgspec.Struct, array_like=True):
     accepted: int  # how many of them the target agreed with (it adds one token of its own)
     verified: int = 1  # verify steps this record covers (a view's snapshot folds many)
     proposed: int = -1  # drafts proposed, when `drafts` is left out (a snapshot); -1: len(drafts)
+    at: int = -1  # output tokens the request had when they were proposed (-1: a snapshot or older recording)
 
 
 class SpecVerify(Event, tag="spec.verify"):
