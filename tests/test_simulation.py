@@ -210,6 +210,10 @@ def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
         for cell in (cells[1], cells[4]):
             median, lo, hi = (float(x) for x in re.fullmatch(r"([\d.]+) \((\d+)-(\d+)\)", cell).groups())
             assert lo - 0.5 <= median <= hi + 0.5
+        # against the best run: the most tokens/s and the earliest first tokens of the two
+        tok_best, ttft_best = (float(x) for x in cells[8].split(","))
+        assert tok_best <= float(cells[3]) + 0.005 and ttft_best >= float(cells[6]) - 0.005
+    assert re.search(r"within 15%: \d of 6 figures against the median, \d against the best run", out)
 
 
 def test_a_simulated_run_records_a_trace_the_views_read(tmp_path):

@@ -265,7 +265,9 @@ def run_sim_accuracy(args) -> int:
         _real_stream(engine, wl["i"].prompts, [8] * len(wl["i"].prompts), [0.0] * len(wl["i"].prompts))
         # The real engine's figures move by up to +-30% from one run to the next on a shared machine: each
         # case runs --repeats times, the cases interleaved (all once, then all again), and the simulator is
-        # compared with the median, the spread printed beside it.
+        # compared with the median and with the best run, the spread printed beside them. The best run is
+        # the like-for-like reference: the calibration keeps each shape's fastest run (`run_calibrate`), and
+        # a slow spell on a shared host only ever slows a run down.
         repeats = max(1, args.repeats)
         runs: dict[str, list[dict]] = {label: [] for label, *_ in cases}
         for k in range(repeats):
@@ -295,28 +297,47 @@ def run_sim_accuracy(args) -> int:
                 chunked_prefill_size=sa.resolved_chunked_prefill_size() or -1,
             ).run(work)
             m = sim.metrics()
+            best = (hi["tok_s"], 1000 * lo["ttft_p50"])  # the fastest run's throughput and first tokens
             rows.append(
-                (label, real["tok_s"], m["output_tok_s"], 1000 * real["ttft_p50"], m["ttft_p50_ms"], ranges, own)
+                (label, real["tok_s"], m["output_tok_s"], 1000 * real["ttft_p50"], m["ttft_p50_ms"], ranges, own, best)
             )
     what = f"the median of {repeats} runs (their range beside it)" if repeats > 1 else "one run"
     print(
         f"\nsimulator ({args.simulate}, {name}, {args.calibration or 'shipped calibration'}) against the real engine in the same command, "
         f"{what}; load {' -> '.join(loads)}"
     )
+    several = repeats > 1
+    extra = " sim / best run (tok/s, TTFT) | within 15% of the best | real runs' own spread (max / min) |"
     print(
-        "| workload | real out tok/s | simulated | sim / real | real TTFT p50 ms | simulated | sim / real | "
-        "within 15% | real runs' own spread (max / min) |\n|---|---|---|---|---|---|---|---|---|"
+        "| workload | real out tok/s | simulated | sim / real | real TTFT p50 ms | simulated | sim / real | within 15% |"
+        + (extra if several else "")
+        + "\n"
+        + "|---" * (11 if several else 8)
+        + "|"
     )
-    for label, rt, st, rf, sf, (tok_range, ttft_range), own in rows:
-        ok = abs(st / rt - 1) <= 0.15 and abs(sf / rf - 1) <= 0.15
-        rt_s, rf_s = (
-            (f"{rt:.1f}", f"{rf:.0f}") if repeats == 1 else (f"{rt:.1f} ({tok_range})", f"{rf:.0f} ({ttft_range})")
+    close = {"median": 0, "best": 0}  # figures within 15%, against the median and against the best run
+    for label, rt, st, rf, sf, (tok_range, ttft_range), own, (bt, bf) in rows:
+        near = [abs(st / rt - 1) <= 0.15, abs(sf / rf - 1) <= 0.15]
+        near_best = [abs(st / bt - 1) <= 0.15, abs(sf / bf - 1) <= 0.15]
+        close["median"] += sum(near)
+        close["best"] += sum(near_best)
+        rt_s, rf_s = (f"{rt:.1f} ({tok_range})", f"{rf:.0f} ({ttft_range})") if several else (f"{rt:.1f}", f"{rf:.0f}")
+        line = f"| {label} | {rt_s} | {st:.1f} | {st / rt:.2f} | {rf_s} | {sf:.0f} | {sf / rf:.2f} | {_yes(near)} |"
+        if several:
+            line += f" {st / bt:.2f}, {sf / bf:.2f} | {_yes(near_best)} | {own:.2f} |"
+        print(line)
+    summary = f"within 15%: {close['median']} of {2 * len(rows)} figures against the median"
+    if several:
+        summary += (
+            f", {close['best']} against the best run (the calibration keeps each shape's fastest run; a slow "
+            "spell on a shared host only slows a run down)"
         )
-        print(
-            f"| {label} | {rt_s} | {st:.1f} | {st / rt:.2f} | {rf_s} | {sf:.0f} | {sf / rf:.2f} | "
-            f"{'yes' if ok else 'no'} | {own:.2f} |"
-        )
+    print(summary)
     return 0
+
+
+def _yes(flags: list[bool]) -> str:
+    return "yes" if all(flags) else "no"
 
 
 def add_parsers(bench_sub) -> None:
