@@ -480,9 +480,10 @@ class Simulator:
         # tm_gap_s after the one before it (one loop hands requests over in turn), and a token reaches the
         # client tm_out_s after the step that sampled it. With a gap, requests sent at once trickle in, and
         # the first is prefilled alone, as the real engine's trace shows.
+        # `scale` stretches the trip with the passes: this host's Python, slowed down alike.
         meta = calibration.meta if calibration is not None else {}
         self.tm_in_s, self.tm_gap_s, self.tm_out_s = (
-            float(meta.get(k, 0.0)) for k in ("tm_in_s", "tm_gap_s", "tm_out_s")
+            scale * float(meta.get(k, 0.0)) for k in ("tm_in_s", "tm_gap_s", "tm_out_s")
         )
         self.cost = CostModel(self.spec, self.hw, tp_size, dtype_bytes, scale, calibration)
         self.draft_cost = (
