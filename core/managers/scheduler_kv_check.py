@@ -187,6 +187,12 @@ class SchedulerKVCheckMixin:
                 )
             if cache.root_node.lock_ref != 1:
                 problems.append(f"radix root lock_ref {cache.root_node.lock_ref} != 1")
+            leaves = {id(n) for n in cache._iter_nodes() if not n.children and n.lock_ref == 0}
+            kept = {id(n) for n in cache.evictable_leaves()}
+            if leaves != kept:
+                problems.append(
+                    f"radix evictable leaves: {len(kept - leaves)} kept that are not, {len(leaves - kept)} missing"
+                )
 
         if problems:
             raise KVInvariantError("KV invariant violated at step %d: %s" % (self.forward_ct, "; ".join(problems)))

@@ -157,6 +157,9 @@ class RadixCache(BasePrefixCache):
         self.root_node.lock_ref = 1
         self._evictable_size = 0
         self._protected_size = 0
+        # Unlocked nodes without children: what eviction takes from, kept as the tree changes so an
+        # eviction does not walk the whole tree (a full pool evicts at every prefill step).
+        self._evictable_leaves: set[TreeNode] = set()
         self._touched = False  # a CacheTouch went out since the last snapshot()
 
     def _new_id(self) -> int:
@@ -281,6 +284,8 @@ class RadixCache(BasePrefixCache):
                 new = TreeNode(self._new_id(), node, key[pos:], value[pos:].to(torch.int64).clone())
                 new.last_access = now
                 node.children[key[pos]] = new
+                self._evictable_leaves.discard(node)
+                self._evictable_leaves.add(new)
                 self._evictable_size += len(new.key)
                 self._emit_insert(new)
                 return pos
@@ -358,6 +363,7 @@ class RadixCache(BasePrefixCache):
                 self._evictable_size -= len(node.key)
                 self._protected_size += len(node.key)
                 delta -= len(node.key)
+                self._evictable_leaves.discard(node)
             node.lock_ref += 1
             node = node.parent
         return delta
@@ -376,6 +382,8 @@ class RadixCache(BasePrefixCache):
                 self._evictable_size += len(node.key)
                 self._protected_size -= len(node.key)
                 delta += len(node.key)
+                if not node.children:
+                    self._evictable_leaves.add(node)
             node.lock_ref -= 1
             node = node.parent
         return delta
@@ -389,7 +397,7 @@ class RadixCache(BasePrefixCache):
         """
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
+        heap = [(n.last_access, n.id, n) for n in self._evictable_leaves]
         heapq.heapify(heap)
         evicted = 0
         freed: list[torch.Tensor] = []
@@ -398,6 +406,7 @@ class RadixCache(BasePrefixCache):
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             del parent.children[node.key[0]]
+            self._evictable_leaves.discard(node)
             node.parent = None
             freed.append(node.value)
             ids.append(node.id)
@@ -405,6 +414,7 @@ class RadixCache(BasePrefixCache):
             self._evictable_size -= len(node.key)
             # The root is locked permanently, so it is never pushed here.
             if not parent.children and parent.lock_ref == 0:
+                self._evictable_leaves.add(parent)
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         if freed:
             self.token_to_kv_pool_allocator.free(torch.cat(freed))
@@ -416,6 +426,10 @@ class RadixCache(BasePrefixCache):
     def evictable_size(self) -> int:
         """Tokens in nodes with lock_ref == 0."""
         return self._evictable_size
+
+    def evictable_leaves(self) -> set[TreeNode]:
+        """The unlocked nodes without children, as kept (the KV invariant check walks the tree for them)."""
+        return set(self._evictable_leaves)
 
     def protected_size(self) -> int:
         """Tokens in locked nodes."""
