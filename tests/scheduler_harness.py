@@ -16,7 +16,9 @@ and computes every row's next token from the token ids it reads back through the
 `req_to_token` row, exactly as attention reads K/V. So a wrong prefix hit, a chunk written to the
 wrong slots or a slot reused while still referenced changes the tokens, and `expected_tokens`
 (the same rule over a plain list) is the reference. Slots given back to the allocator are
-poisoned; reading one yields POISON, which the rule never produces.
+poisoned from the next pass on (as a real KV slot keeps its contents until a later pass writes
+it: in the overlap loop the scheduler frees slots while the pass in flight may still read them);
+reading one yields POISON, which the rule never produces.
 """
 
 from __future__ import annotations
@@ -69,16 +71,25 @@ def expected_tokens(prompt: list[int], n: int, rule=next_token) -> list[int]:
 
 
 class PoisoningAllocator(TokenToKVPoolAllocator):
-    """The real allocator; slots it takes back are marked unwritten in the stand-in KV."""
+    """The real allocator; slots it takes back are marked unwritten in the stand-in KV when the next
+    pass starts (`poison_freed`). Poisoning them at once was stricter than a real KV pool: in the
+    overlap loop the scheduler thread frees a request's duplicate prompt slots (the tree had them
+    already) while the pass in flight may still read the row it was launched with, whose slots
+    still hold their K/V on a real device until a later pass writes them."""
 
     def __init__(self, size: int, kv_tokens: torch.Tensor):
         self.kv_tokens = kv_tokens
+        self.freed: list[torch.Tensor] = []  # appended by the scheduler's thread, taken by the worker's
         super().__init__(size)
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel():
-            self.kv_tokens[free_index] = -1
+            self.freed.append(free_index.clone())
         super().free(free_index)
+
+    def poison_freed(self) -> None:
+        while self.freed:
+            self.kv_tokens[self.freed.pop(0)] = -1
 
 
 class StandInRunner:
@@ -115,6 +126,7 @@ class StandInWorker:
 
     def forward_batch(self, mwb) -> ForwardOutput:
         r = self.model_runner
+        r.token_to_kv_pool_allocator.poison_freed()  # slots freed before this pass hold nothing now
         r.kv_tokens[mwb.out_cache_loc] = mwb.input_ids  # "write K/V" of this pass's tokens
         table = r.req_to_token_pool.req_to_token
         ids = []
