@@ -190,7 +190,6 @@ class SimDrafter:
         self.pending_s = 0.0
         self.proposal_s: list[float] = []  # each proposal's draft passes, in order
         self.recorded: dict[str, dict[int, list[int]]] = {}  # rid -> output length -> recorded drafts
-        self.replayed = 0  # proposals taken from a recording
 
     def _draft(self, req, budget: int) -> list[int]:
         if budget <= 0:
@@ -198,9 +197,7 @@ class SimDrafter:
         book = self.recorded.get(req.rid)
         if book is None:
             return [self.rng.randrange(FIRST_TOKEN, self.vocab) for _ in range(budget)]
-        drafts = book.get(len(req.output_ids), [])[:budget]
-        self.replayed += bool(drafts)
-        return drafts
+        return book.get(len(req.output_ids), [])[:budget]
 
     def propose(self, reqs, budgets: list[int]) -> list[list[int]]:
         drafts = [self._draft(r, b) for r, b in zip(reqs, budgets)]

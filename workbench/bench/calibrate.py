@@ -111,11 +111,11 @@ def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[i
 PROBE = (8, 128, 8)  # requests, prompt tokens, new tokens: a burst of about a second here
 
 
-def _probe(engine, vocab: int) -> float:
+def _probe(engine) -> float:
     """Wall seconds of one fixed burst (PROBE: a prefill of 8 prompts, then decode at batch 8), the
     faster of two: how fast this machine runs the engine right now."""
     n, length, new = PROBE
-    prompts = _prompts(random.Random(7), n, length, vocab)
+    prompts = _prompts(random.Random(7), n, length, len(engine.tokenizer))
     return min(_gen(engine, prompts, new) for _ in range(2))
 
 
@@ -152,7 +152,7 @@ def run_calibrate(args) -> int:
         hw = get_hardware(args.simulate)
         cost = CostModel(spec, hw, 1, dtype_bytes)
         vocab = spec.vocab
-        probes = [_probe(engine, len(engine.tokenizer))]  # the machine's speed at the start, middle and end
+        probes = [_probe(engine)]  # the machine's speed at the start, middle and end
         points = []
         for b in batches:
             for c in contexts:
@@ -165,7 +165,7 @@ def run_calibrate(args) -> int:
                 pred = cost.step([1] * b, [c + NEW_DECODE // 2] * b).total
                 points.append(dict(kind="decode", batch=b, context=c, measured_s=t, predicted_s=pred))
                 _progress(f"decode batch {b}, context {c}: {1000 * t:.1f} ms/step (predicted {1000 * pred:.1f})")
-        probes.append(_probe(engine, len(engine.tokenizer)))
+        probes.append(_probe(engine))
         # Prefill: single prompts, and batches of shorter ones of as many tokens in all (attention
         # differs; Calibration.extend_fit separates it from the linear layers by their parts).
         # The prediction is summed over the prefill steps the trace shows the engine ran: prompts sent
@@ -192,7 +192,7 @@ def run_calibrate(args) -> int:
             )
         finally:
             sub.close()
-        probes.append(_probe(engine, len(engine.tokenizer)))
+        probes.append(_probe(engine))
         _progress(f"probe ({PROBE[0]} x {PROBE[1]} tokens, {PROBE[2]} new): " + ", ".join(f"{t:.3f}" for t in probes))
         loads.append(f"{os.getloadavg()[0]:.2f}")
         meta = dict(
@@ -298,7 +298,7 @@ def run_sim_accuracy(args) -> int:
         for k in range(repeats):
             for label, prompts, news, arrivals, _ in cases:
                 _progress(f"real engine: {label} (run {k + 1} of {repeats})")
-                probes[label].append(_probe(engine, len(engine.tokenizer)))
+                probes[label].append(_probe(engine))
                 runs[label].append(_real_stream(engine, prompts, news, arrivals or [0.0] * len(prompts)))
                 loads.append(f"{os.getloadavg()[0]:.2f}")
         for label, prompts, news, arrivals, _ in cases:
