@@ -125,7 +125,8 @@ def test_a_tracer_stamps_with_the_installed_clock(shared):
 def test_data_parallel_replicas_keep_their_own_time_and_the_one_furthest_behind_goes_next(tmp_path):
     """Data parallel: each replica's time in its slot; the shared time is the earliest busy replica's
     and never goes back; only the busy replica furthest behind may start a pass; time runs (idle) only
-    when no replica is busy; a pass's outputs are pending until the replica says it sent them."""
+    when no replica is busy; a pass's outputs are pending until the replica says it sent them, and
+    until then no other replica may begin a pass."""
     c = trace_clock.SharedClock(str(tmp_path / "clock"), create=True, replicas=3)
     try:
         t = c.now_ns()
@@ -137,9 +138,12 @@ def test_data_parallel_replicas_keep_their_own_time_and_the_one_furthest_behind_
         assert c.outputs_of(0) == 1
         assert c.now_ns() == t and c.replica_turn(1)  # replica 1 is behind now: shared time stays
         c.replica_advance(1, 100)
-        assert c.now_ns() == t + 100 and c.replica_turn(1)
+        # Its step is not done (outputs unsent, KV not noted): it may go on, no other replica may begin.
+        assert c.now_ns() == t + 100 and c.replica_turn(1) and not c.replica_turn(0)
         c.replica_advance(1, 500)
-        assert c.now_ns() == t + 300 and c.replica_turn(0)
+        assert c.now_ns() == t + 300 and not c.replica_turn(0)
+        c.outputs_sent(1, 2)
+        assert c.replica_turn(0) and not c.replica_turn(1)
         assert trace_clock.ReplicaClock(c, 1).now_ns() == t + 600
         assert trace_clock.ReplicaClock(c, 2).now_ns() == t + 300  # an idle replica reads the shared time
         c.replica_begin(2, t + 50)  # a request that arrived at t+50 to an idle replica: its time, not now

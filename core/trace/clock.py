@@ -227,8 +227,9 @@ class SharedClock(TraceClock):
         `outputs_sent`); returns it."""
         with self._locked():
             local = self._slot(rank)[0] + max(0, int(ns))
-            self._set_slot(rank, local, 1)
+            # Pending before the time: a `replica_turn` (not locked) that sees the new time sees it too.
             struct.pack_into("<q", self._m, _SLOTS_AT + rank * _SLOT.size + 40, 1)
+            self._set_slot(rank, local, 1)
             self._settle()
             return local
 
@@ -255,8 +256,14 @@ class SharedClock(TraceClock):
 
     def replica_turn(self, rank: int) -> bool:
         """Whether replica `rank` is the busy one furthest behind (ties: the lowest rank), the one
-        that may start a pass."""
-        busy = self._busy_times()
+        that may start a pass, and no other replica's pass has ended without its step being done (its
+        outputs sent, its KV noted): the offline Simulator finishes a replica's step before it picks
+        the next, so the deployment's KV peak sums the same states (a replica that went on while the
+        one before still noted its KV summed that one's old use: 32,790 tokens against 32,813)."""
+        slots = [self._slot(r) for r in range(self.replicas)]
+        if any(s[5] for r, s in enumerate(slots) if r != rank):
+            return False
+        busy = [(s[0], r) for r, s in enumerate(slots) if s[1]]
         return bool(busy) and min(busy)[1] == rank
 
     def replica_now(self, rank: int) -> int:
