@@ -260,6 +260,8 @@ class SharedClock(TraceClock):
         outputs sent, its KV noted): the offline Simulator finishes a replica's step before it picks
         the next, so the deployment's KV peak sums the same states (a replica that went on while the
         one before still noted its KV summed that one's old use: 32,790 tokens against 32,813)."""
+        # One read of each slot, its time and flag together: a replica whose pass ends between a read of
+        # the flags and a read of the times would look done and ahead at once.
         slots = [self._slot(r) for r in range(self.replicas)]
         if any(s[5] for r, s in enumerate(slots) if r != rank):
             return False
