@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native", "cpu_paged", "triton", "flashinfer")  # see layers/attention/registry.py
@@ -125,29 +124,29 @@ def flag_help(f: dataclasses.Field) -> str:
 @dataclass
 class ServerArgs:
     # model
-    model_path: Optional[str] = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
-    simulate: Optional[str] = None  # a hardware name: a simulated deployment (core/simulation/live.py)
+    model_path: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    simulate: str | None = None  # a hardware name: a simulated deployment (core/simulation/live.py)
     sim_speed: float = 1.0  # simulated seconds per wall second (0: as fast as possible)
     trace_token_ids: bool = False  # req.tokenized / req.finished carry the token ids
-    served_model_name: Optional[str] = None
+    served_model_name: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"  # auto = same as dtype
-    context_length: Optional[int] = None
+    context_length: int | None = None
     device: str = "auto"  # auto | cpu | cuda
     random_seed: int = 0
     # memory and scheduling
-    max_total_tokens: Optional[int] = None  # KV pool size in tokens; None = from the memory budget
-    kv_cache_memory_gb: Optional[float] = None  # CPU budget for the KV pool (default 0.5 GiB)
+    max_total_tokens: int | None = None  # KV pool size in tokens; None = from the memory budget
+    kv_cache_memory_gb: float | None = None  # CPU budget for the KV pool (default 0.5 GiB)
     mem_fraction_static: float = 0.85  # CUDA: fraction of free memory for weights + KV
     max_running_requests: int = 128
     stream_interval: int = 1
     max_prefill_tokens: int = 8192
-    chunked_prefill_size: Optional[int] = None  # None = per-device default; -1 or 0 disables
+    chunked_prefill_size: int | None = None  # None = per-device default; -1 or 0 disables
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     # None: the overlap loop when a core is spare beside a fixed thread count (cpu_threads.overlap_by_default)
-    disable_overlap_schedule: Optional[bool] = None
+    disable_overlap_schedule: bool | None = None
     enable_kv_invariant_check: bool = field(
         default=False,
         metadata={
@@ -159,23 +158,23 @@ class ServerArgs:
         },
     )
     # execution
-    attention_backend: Optional[str] = None  # None = cpu_paged (else torch_native) on CPU, flashinfer/triton on CUDA
+    attention_backend: str | None = None  # None = cpu_paged (else torch_native) on CPU, flashinfer/triton on CUDA
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
-    cuda_graph_bs: Optional[list[int]] = None
+    cuda_graph_bs: list[int] | None = None
     cuda_graph_stand_in: bool = False  # CPU: decode through the graph runner with a stand-in graph
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
-    num_threads: Optional[int] = None  # torch intra-op threads in the scheduler process (None: adaptive)
-    cpu_omp_threads_bind: Optional[str] = (
+    num_threads: int | None = None  # torch intra-op threads in the scheduler process (None: adaptive)
+    cpu_omp_threads_bind: str | None = (
         None  # pin each scheduler rank to cores, e.g. 0-1 or 0-1|2-3 (SGLang's SGLANG_CPU_OMP_THREADS_BIND)
     )
     # speculative decoding
-    speculative_algorithm: Optional[str] = None  # NGRAM (drafts from the request's own text) | STANDALONE
-    speculative_draft_model_path: Optional[str] = None  # STANDALONE: the small draft model
-    speculative_num_steps: Optional[int] = None  # STANDALONE: draft model passes per step
-    speculative_num_draft_tokens: Optional[int] = None  # most draft tokens verified per request per step
-    speculative_accept_rate: Optional[float] = None  # --simulate: each draft kept with this probability
+    speculative_algorithm: str | None = None  # NGRAM (drafts from the request's own text) | STANDALONE
+    speculative_draft_model_path: str | None = None  # STANDALONE: the small draft model
+    speculative_num_steps: int | None = None  # STANDALONE: draft model passes per step
+    speculative_num_draft_tokens: int | None = None  # most draft tokens verified per request per step
+    speculative_accept_rate: float | None = None  # --simulate: each draft kept with this probability
     # parallelism
     tp_size: int = 1
     ep_size: int = 1
@@ -183,21 +182,21 @@ class ServerArgs:
     load_balance_method: str = "round_robin"
     nnodes: int = 1
     node_rank: int = 0
-    dist_init_addr: Optional[str] = None
+    dist_init_addr: str | None = None
     # server
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: Optional[str] = None
+    api_key: str | None = None
     enable_cors: bool = False
     max_request_body_bytes: int = 8 * 1024 * 1024
     max_n: int = 16
     max_top_logprobs: int = 20
     tool_call_parser: str = "hermes"
     # trace
-    trace_publish: Optional[str] = None  # e.g. tcp://127.0.0.1:5557
-    record: Optional[str] = None  # write a JSONL recording of the trace
+    trace_publish: str | None = None  # e.g. tcp://127.0.0.1:5557
+    record: str | None = None  # write a JSONL recording of the trace
     trace_mode: str = "auto"  # auto: emit while anything listens; on: always; off: never
-    otlp_traces_endpoint: Optional[str] = (
+    otlp_traces_endpoint: str | None = (
         None  # OpenTelemetry spans per request (OTLP/HTTP), e.g. http://127.0.0.1:4318/v1/traces
     )
     log_level: str = "warning"
@@ -331,7 +330,7 @@ class ServerArgs:
             return 0
         return self.speculative_num_draft_tokens or self.speculative_num_steps or 4
 
-    def resolved_chunked_prefill_size(self) -> Optional[int]:
+    def resolved_chunked_prefill_size(self) -> int | None:
         """None means chunking is off."""
         if self.chunked_prefill_size is None:
             return 2048 if self.resolved_device() == "cpu" else 8192
@@ -370,11 +369,11 @@ class ServerArgs:
                 group.add_argument(*names, dest=f.name, type=str, default=default, help=text, **extra)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
-    def replace(self, **changes) -> "ServerArgs":
+    def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)
 
 

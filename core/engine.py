@@ -19,11 +19,11 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing.connection import wait as mp_wait
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
+from typing import Any
 
 import msgspec
-
 from workbench.core.args import ServerArgs
 from workbench.core.distributed.launch import (
     MAIN_GUARD_EXIT,
@@ -63,10 +63,10 @@ class Engine:
 
     def __init__(
         self,
-        model_path: Optional[str] = None,
+        model_path: str | None = None,
         *,
-        server_args: Optional[ServerArgs] = None,
-        on_progress: Optional[Callable[[str], None]] = None,
+        server_args: ServerArgs | None = None,
+        on_progress: Callable[[str], None] | None = None,
         **kwargs,
     ):
         _exit_if_starting_child()
@@ -239,14 +239,14 @@ class Engine:
     # ==== generation ===================================================================
     def generate(
         self,
-        prompt: Union[str, list[str], None] = None,
+        prompt: str | list[str] | None = None,
         sampling_params: Any = None,
-        input_ids: Union[list[int], list[list[int]], None] = None,
+        input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         stream: bool = False,
-        rid: Optional[str] = None,
+        rid: str | None = None,
         return_text_in_logprobs: bool = False,
     ):
         """Generate for one prompt (dict), a batch (list of dicts) or stream chunks (iterator).
@@ -414,7 +414,7 @@ class Engine:
             asyncio.run_coroutine_threadsafe(agen.aclose(), self.loop)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list[dict]] = None
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> list[int]:
         """Messages -> prompt token ids through the model's chat template (`tools`: OpenAI tool
         definitions, for a template that renders them; see chat_template_renders_tools)."""
@@ -659,7 +659,7 @@ class Engine:
         except Exception:
             pass
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

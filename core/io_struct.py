@@ -6,10 +6,9 @@ msgpack over ZMQ (see ipc.py): typed on both ends, and never pickle.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import msgspec
-
 from workbench.core.sampling.sampling_params import SamplingParams
 
 
@@ -30,8 +29,8 @@ class TokenizedGenerateReqInput(Msg):
     logprob_start_len: int = -1  # -1: no prompt logprobs
     stream: bool = False
     arrival_ts: int = 0  # monotonic ns at the tokenizer manager
-    replay_output_ids: Optional[list[int]] = None  # a simulated deployment returns these instead of sampling
-    replay_drafts: Optional[dict[int, list[int]]] = None  # ... and proposes these drafts (by output length)
+    replay_output_ids: list[int] | None = None  # a simulated deployment returns these instead of sampling
+    replay_drafts: dict[int, list[int]] | None = None  # ... and proposes these drafts (by output length)
 
 
 class AbortReq(Msg):
@@ -79,7 +78,7 @@ class GetInternalStateReqOutput(Msg):
     retracted_total: int = 0  # requests retracted (sent back to wait) since the scheduler began
     received_total: int = 0  # a simulated deployment's generate requests received (0: not kept)
     # Data parallel: the fields above are summed over replicas; here each replica's own figures.
-    per_replica: Optional[list[dict[str, Union[int, float]]]] = None
+    per_replica: list[dict[str, int | float]] | None = None
 
 
 class SetTraceReq(Msg):
@@ -159,7 +158,7 @@ class GetWeightsByNameReq(Msg):
 
 
 class GetWeightsByNameReqOutput(Msg):
-    values: Optional[list[float]] = None
+    values: list[float] | None = None
     message: str = ""
 
 
@@ -175,8 +174,8 @@ class BatchTokenIDOut(Msg):
 
     rids: list[str]
     new_token_ids: list[list[int]]
-    finished_reasons: list[Optional[str]]  # None while running; "stop" | "length" | "abort"
-    matched_stops: list[Optional[Union[int, str]]]
+    finished_reasons: list[str | None]  # None while running; "stop" | "length" | "abort"
+    matched_stops: list[int | str | None]
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
@@ -184,10 +183,10 @@ class BatchTokenIDOut(Msg):
     spaces_between_special_tokens: list[bool]
     no_stop_trim: list[bool]
     stop_strs: list[list[str]]
-    output_token_logprobs: Optional[list[list[float]]] = None
-    output_top_logprobs: Optional[list[list[list[tuple[int, float]]]]] = None
-    input_token_logprobs: Optional[list[Optional[list[Optional[float]]]]] = None
-    error_messages: Optional[list[Optional[str]]] = None
+    output_token_logprobs: list[list[float]] | None = None
+    output_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    input_token_logprobs: list[list[float | None] | None] | None = None
+    error_messages: list[str | None] | None = None
     ts: int = 0  # the trace clock when the step's output left the scheduler (a simulated deployment's stamp)
 
 
@@ -197,19 +196,19 @@ class BatchStrOut(Msg):
     rids: list[str]
     text_deltas: list[str]
     new_token_ids: list[list[int]]
-    finished_reasons: list[Optional[str]]
-    matched_stops: list[Optional[Union[int, str]]]
+    finished_reasons: list[str | None]
+    matched_stops: list[int | str | None]
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
-    output_token_logprobs: Optional[list[list[float]]] = None
-    output_top_logprobs: Optional[list[list[list[tuple[int, float]]]]] = None
-    input_token_logprobs: Optional[list[Optional[list[Optional[float]]]]] = None
-    error_messages: Optional[list[Optional[str]]] = None
+    output_token_logprobs: list[list[float]] | None = None
+    output_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    input_token_logprobs: list[list[float | None] | None] | None = None
+    error_messages: list[str | None] | None = None
     ts: int = 0  # BatchTokenIDOut's
 
 
-AnyMsg = Union[
+AnyMsg = Union[  # noqa: UP007 (a runtime alias msgspec decodes)
     TokenizedGenerateReqInput,
     AbortReq,
     FlushCacheReq,

@@ -6,10 +6,8 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Optional
 
 import zmq
-
 from workbench.core.io_struct import Msg, decode_msg, encode_msg
 
 
@@ -25,7 +23,7 @@ class PortArgs:
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def create(cls) -> "PortArgs":
+    def create(cls) -> PortArgs:
         # mkdtemp creates the directory with mode 0700: only this user can connect.
         d = tempfile.mkdtemp(prefix="workbench-ipc-")
         os.chmod(d, 0o700)
@@ -64,7 +62,7 @@ def send_msg(sock: zmq.Socket, msg: Msg, flags: int = 0) -> None:
     sock.send(encode_msg(msg), flags=flags, copy=False)
 
 
-def recv_msg_nowait(sock: zmq.Socket) -> Optional[Msg]:
+def recv_msg_nowait(sock: zmq.Socket) -> Msg | None:
     """One message if one is waiting, else None. Undecodable messages are skipped."""
     try:
         data = sock.recv(zmq.NOBLOCK)

@@ -21,9 +21,10 @@ from __future__ import annotations
 import importlib
 import logging
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Callable, Optional
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class PanelSpec:
     plugin: str = ""
     # When set, the panel is left out of the default layout until when(trace_state) is true (the
     # experts heatmap appears with the first moe.routing event); naming it in --panels shows it at once.
-    when: Optional[Callable[[Any], bool]] = None
+    when: Callable[[Any], bool] | None = None
 
 
 @dataclass
@@ -80,7 +81,7 @@ class PluginInfo:
     name: str
     module: str
     distribution: str = ""
-    error: Optional[str] = None
+    error: str | None = None
     contributed: list[str] = field(default_factory=list)
 
 
@@ -92,7 +93,7 @@ class PluginRegistry:
         self.policies: dict[str, PolicySpec] = {}
         self.missing: list[tuple[str, str]] = []  # (module, why) of built-in parts not loaded
         self.plugins: list[PluginInfo] = []
-        self._current: Optional[PluginInfo] = None
+        self._current: PluginInfo | None = None
 
     def _add(self, table: dict, spec, kind: str):
         if self._current is not None:
@@ -102,7 +103,7 @@ class PluginRegistry:
         return spec
 
     def add_panel(
-        self, name: str, title: str, factory: Callable, help: str = "", when: Optional[Callable[[Any], bool]] = None
+        self, name: str, title: str, factory: Callable, help: str = "", when: Callable[[Any], bool] | None = None
     ) -> PanelSpec:
         return self._add(self.panels, PanelSpec(name, title, factory, help, when=when), "panel")
 
@@ -120,7 +121,7 @@ class PluginRegistry:
         self.missing.append((module, why))
 
     def load(
-        self, register: Callable[["PluginRegistry"], None], name: str, module: str, distribution: str = ""
+        self, register: Callable[[PluginRegistry], None], name: str, module: str, distribution: str = ""
     ) -> PluginInfo:
         """Run one plugin's register function, recording (not raising) its failure."""
         info = PluginInfo(name=name, module=module, distribution=distribution)
@@ -136,7 +137,7 @@ class PluginRegistry:
         return info
 
 
-_REGISTRY: Optional[PluginRegistry] = None
+_REGISTRY: PluginRegistry | None = None
 
 
 def load_plugins(reload: bool = False) -> PluginRegistry:
@@ -164,7 +165,7 @@ def load_plugins(reload: bool = False) -> PluginRegistry:
     return reg
 
 
-def policy_factory(name: str) -> Optional[Callable[..., Any]]:
+def policy_factory(name: str) -> Callable[..., Any] | None:
     """The factory of the scheduling policy a plugin registered as `name` (None if none did)."""
     spec = load_plugins().policies.get(name)
     return spec.factory if spec is not None else None

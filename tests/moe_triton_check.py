@@ -7,7 +7,6 @@ import json
 import os
 
 import torch
-
 from workbench.core.distributed import parallel_state as ps
 from workbench.core.layers.moe import FusedMoE, TopKRouter
 
@@ -59,7 +58,6 @@ def run_case(tokens: int, experts: int, top_k: int, ep: int, seed: int) -> dict:
 def run_model(model_dir: str) -> dict:
     """A tiny Qwen3-MoE's greedy tokens with the Triton experts against transformers."""
     from transformers import AutoModelForCausalLM
-
     from workbench.core.args import ServerArgs
     from workbench.core.model_executor.model_runner import ModelRunner
     from workbench.core.model_executor.offline_harness import OfflineHarness

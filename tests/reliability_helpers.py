@@ -17,7 +17,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
@@ -54,7 +54,7 @@ class Reference:
 
 
 def fetch_reference(
-    client: httpx.Client, input_ids: list[int], sampling: dict[str, Any], headers: Optional[dict] = None
+    client: httpx.Client, input_ids: list[int], sampling: dict[str, Any], headers: dict | None = None
 ) -> Reference:
     """The server's own /generate answer for `input_ids` (non-streaming)."""
     r = client.post(
@@ -78,7 +78,7 @@ class Outcome:
     body: Any = None  # parsed JSON (non-streaming)
     events: list[Any] = field(default_factory=list)  # parsed SSE events (streaming), [DONE] excluded
     done: bool = False  # the stream ended with [DONE]
-    error: Optional[str] = None  # transport error, if any
+    error: str | None = None  # transport error, if any
 
 
 async def post(client: httpx.AsyncClient, path: str, body: Any, stream: bool, **kw) -> Outcome:
@@ -115,7 +115,7 @@ def stream_errors(events: list[Any]) -> list[dict]:
     return [e["error"] for e in events if isinstance(e, dict) and "error" in e]
 
 
-def openai_text(kind: str, out: Outcome) -> tuple[str, Optional[str], Optional[int]]:
+def openai_text(kind: str, out: Outcome) -> tuple[str, str | None, int | None]:
     """(text, finish_reason, completion_tokens or None) of a chat/completions answer, streamed or not."""
     if out.events or out.done:
         text, finish, usage = "", None, None
@@ -132,7 +132,7 @@ def openai_text(kind: str, out: Outcome) -> tuple[str, Optional[str], Optional[i
     return text, ch["finish_reason"], out.body["usage"]["completion_tokens"]
 
 
-def generate_result(out: Outcome) -> tuple[list[int], Optional[str]]:
+def generate_result(out: Outcome) -> tuple[list[int], str | None]:
     """(output_ids, finish type) of a native /generate answer, streamed or not."""
     final = out.events[-1] if out.events else out.body
     fr = final["meta_info"]["finish_reason"]
@@ -142,7 +142,7 @@ def generate_result(out: Outcome) -> tuple[list[int], Optional[str]]:
 # ---------------------------------------------------------------- server state
 
 
-def server_info(url: str, headers: Optional[dict] = None) -> dict:
+def server_info(url: str, headers: dict | None = None) -> dict:
     r = httpx.get(url + "/get_server_info", headers=headers, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
@@ -160,7 +160,7 @@ def wait_for(cond, timeout: float = 60.0, what: str = "condition", interval: flo
         time.sleep(interval)
 
 
-def assert_server_clean(url: str, headers: Optional[dict] = None, timeout: float = 60.0) -> dict:
+def assert_server_clean(url: str, headers: dict | None = None, timeout: float = 60.0) -> dict:
     """Idle: no request state left, every request row free, every KV slot free or cached;
     after /flush_cache every KV slot is free."""
 
@@ -199,7 +199,7 @@ class BackgroundLoad:
     requests are still running: they hung)."""
 
     def __init__(self, url: str, specs: list[tuple]):
-        self._outs: Optional[list[Outcome]] = None
+        self._outs: list[Outcome] | None = None
 
         async def send_all():
             async with httpx.AsyncClient(base_url=url, timeout=600) as client:
@@ -211,6 +211,6 @@ class BackgroundLoad:
         self._thread = threading.Thread(target=run, name="background-load")
         self._thread.start()
 
-    def join(self, timeout: float) -> Optional[list[Outcome]]:
+    def join(self, timeout: float) -> list[Outcome] | None:
         self._thread.join(timeout)
         return None if self._thread.is_alive() else self._outs

@@ -24,10 +24,8 @@ reading one yields POISON, which the rule never produces.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Optional
 
 import torch
-
 from workbench.core.args import ServerArgs
 from workbench.core.io_struct import BatchTokenIDOut, Msg, TokenizedGenerateReqInput, decode_msg, encode_msg
 from workbench.core.layers.logits_processor import LogitsOutput
@@ -191,9 +189,9 @@ class SchedulerHarness:
         self.batches: list[tuple[str, list[tuple[str, int]]]] = []  # (mode, [(rid, extend_len)])
         self.out: dict[str, list[int]] = {}
         self.sends: dict[str, list[int]] = {}  # per request: how many new tokens each message carried
-        self.finish: dict[str, Optional[str]] = {}
+        self.finish: dict[str, str | None] = {}
         self.cached: dict[str, int] = {}
-        self.errors: dict[str, Optional[str]] = {}
+        self.errors: dict[str, str | None] = {}
         self.replies: list = []
 
     # ---- input ---------------------------------------------------------------------

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from workbench.core.args import FLAG_HELP, ServerArgs
 
 from workbench.cli import build_parser, main
-from workbench.core.args import FLAG_HELP, ServerArgs
 
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
 

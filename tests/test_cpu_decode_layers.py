@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tiny_models import make_tiny_llama, make_tiny_qwen2
 from workbench.core.layers import cpu_ops
 from workbench.core.layers.linear import can_pack_for_cpu
@@ -83,7 +82,6 @@ def test_fused_decode_equals_the_op_by_op_path(tiny_dirs, arch, monkeypatch):
 
 def test_fused_decode_matches_transformers_and_frees_every_slot(tiny_dirs, monkeypatch):
     from transformers import AutoModelForCausalLM
-
     from workbench.core.model_executor.offline_harness import OfflineHarness
 
     n = 24

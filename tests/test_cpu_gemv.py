@@ -13,7 +13,6 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-
 from workbench.core.layers import cpu_ops
 
 if shutil.which(os.environ.get("CC", "cc")) is None:

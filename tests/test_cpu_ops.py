@@ -13,7 +13,6 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-
 from workbench.core.layers import cpu_ops
 from workbench.core.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 

@@ -17,7 +17,6 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-
 from workbench.core.layers import cpu_ops
 from workbench.core.layers.attention.registry import (
     choose_attention_backend,

@@ -13,7 +13,6 @@ import shutil
 
 import pytest
 import torch
-
 from workbench.core.layers import cpu_ops
 from workbench.core.layers.attention import cpu_paged_backend
 

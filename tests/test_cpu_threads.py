@@ -7,13 +7,12 @@ its core, and the flags that fix the count or pin the cores.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import argparse
+import multiprocessing as mp
 import os
 import time
 
 import pytest
-
 from workbench.core.args import ServerArgs
 from workbench.core.model_executor.cpu_threads import (
     OMP_SPINCOUNT,
@@ -25,11 +24,10 @@ from workbench.core.model_executor.cpu_threads import (
     omp_wait_env,
     omp_wait_text,
     omp_wait_values,
-    parse_core_list,
     overlap_by_default,
+    parse_core_list,
     plan_threads,
 )
-
 
 # ---- the pure parts ------------------------------------------------------------------------------
 
@@ -336,6 +334,7 @@ def _environ_of(pid: int) -> dict:
 def test_engine_probes_thread_counts_beside_a_busy_neighbour_and_keeps_serving(default_prepared, hf_model):
     """Real scheduler, real neighbours: it measures (probes) and its tokens stay transformers' tokens."""
     from conftest import hf_greedy
+
     from workbench import Engine
 
     prompt = [1, 504, 3003, 2380, 281, 260]

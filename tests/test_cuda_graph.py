@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
+from workbench.core.layers.attention.registry import default_attention_backend
 from workbench.core.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
     StandInGraphMechanism,
@@ -20,7 +20,6 @@ from workbench.core.model_executor.cuda_graph_runner import (
     maybe_create_cuda_graph_runner,
 )
 from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from workbench.core.layers.attention.registry import default_attention_backend
 from workbench.core.sampling.sampling_params import SamplingParams
 
 
@@ -296,6 +295,7 @@ def test_bench_compare_compile_runs_end_to_end(tmp_path):
     if not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("torch.compile needs a C++ compiler")
     from tiny_models import make_tiny_llama
+
     from workbench.bench.model_bench import add_parser, format_compile_table, run_compile_bench
 
     model_dir = make_tiny_llama(tmp_path / "tiny", seed=2, num_hidden_layers=1)

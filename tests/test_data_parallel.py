@@ -13,7 +13,6 @@ import threading
 
 import pytest
 import torch
-
 from pipeline_helpers import assert_no_kv_leak, drain_events, generate_traced
 from workbench.core.engine import Engine
 from workbench.core.io_struct import (

@@ -17,7 +17,6 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from workbench.core.io_struct import (
     BatchStrOut,
     BatchTokenIDOut,

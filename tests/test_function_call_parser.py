@@ -9,7 +9,6 @@ import json
 import random
 
 import pytest
-
 from workbench.core.function_call.parser import FunctionCallParser
 
 WEATHER = '{"city": "Paris", "unit": "celsius", "note": "a } and a \\" inside"}'

@@ -20,13 +20,11 @@ import threading
 
 import httpx
 import pytest
-
 from pipeline_helpers import served_engine
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
 from reliability_helpers import assert_server_clean, count, fetch_reference, stream_errors  # noqa: E402
 
 BODY_LIMIT = 128 * 1024
@@ -87,7 +85,7 @@ class Canary:
                 if r.status_code != 200 or tuple(r.json()["output_ids"]) != self.ref.output_ids:
                     self.failures.append(f"{r.status_code} {r.text[:300]}")
 
-    def __enter__(self) -> "Canary":
+    def __enter__(self) -> Canary:
         self._thread.start()
         return self
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf_greedy_from_dir
 from tiny_models import FAMILIES, GGUF_FAMILIES, make_tiny_family_gguf
 from workbench.core.model_loader import prepare_model

@@ -11,7 +11,6 @@ import importlib.util
 
 import pytest
 import torch
-
 from workbench.core.layers.attention.flashinfer_backend import kv_indices_from_rows
 from workbench.core.sampling.sampling_params import SamplingParams
 
@@ -75,10 +74,11 @@ def test_triton_backend_on_gpu_matches_torch_native(default_prepared, reference_
 
 def _greedy_bf16(default_prepared, prompts=PROMPTS, **server_args):
     """bfloat16 greedy with each step's top-2 logprobs (FlashInfer's kernels are 16-bit only)."""
-    from workbench.core.model_executor.offline_harness import OfflineHarness
-    from workbench.selftest import Greedy
     from workbench.core.args import ServerArgs
     from workbench.core.model_executor.model_runner import ModelRunner
+    from workbench.core.model_executor.offline_harness import OfflineHarness
+
+    from workbench.selftest import Greedy
 
     runner = ModelRunner(
         ServerArgs(
@@ -129,6 +129,7 @@ def test_flashinfer_tensor_core_decode_on_a_gqa4_model(tmp_path, graphs):
     # (use_tensor_cores); the default model has three, so this needs a model of its own.
     from tiny_models import make_tiny_llama
     from workbench.core.model_loader import prepare_model
+
     from workbench.selftest import compare_greedy
 
     model_dir = make_tiny_llama(
@@ -195,6 +196,7 @@ def test_overlap_worker_uses_a_forward_stream(default_prepared):
 def _engine_run(model_dir, prompts, **kw):
     """(outputs, trace events) of one three-process Engine on CUDA, float32, greedy."""
     from pipeline_helpers import assert_no_kv_leak, generate_traced
+
     from workbench import Engine
 
     sp = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from workbench.core.constrained.grammar import ANY_JSON, constraint_kind, unpack_bitmask
 from workbench.core.layers.sampler import Sampler
 from workbench.core.sampling.sampling_batch_info import SamplingBatchInfo, make_generator

@@ -13,7 +13,6 @@ import time
 
 import httpx
 import pytest
-
 from pipeline_helpers import served_engine
 
 openai = pytest.importorskip("openai")

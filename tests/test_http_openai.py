@@ -11,7 +11,6 @@ import json
 
 import httpx
 import pytest
-
 from pipeline_helpers import served_engine
 
 openai = pytest.importorskip("openai")

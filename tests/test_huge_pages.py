@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tiny_models import make_tiny_llama
 from workbench.core.mem_cache import huge_pages
 from workbench.core.mem_cache.memory_pool import MHATokenToKVPool

@@ -10,12 +10,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
 from workbench.core.args import ServerArgs
 from workbench.core.managers import scheduler as scheduler_mod
 from workbench.core.managers.schedule_batch import Req
 from workbench.core.managers.schedule_policy import (
     IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD as THRESHOLD,
+)
+from workbench.core.managers.schedule_policy import (
     AddReqResult,
     PrefillAdder,
 )

@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import hf_greedy_from_dir
 from tiny_models import FAMILIES, make_tiny_family
 from workbench.core.sampling.sampling_params import SamplingParams

@@ -24,18 +24,18 @@ from tiny_models import (
     make_tiny_qwen2,
     make_tiny_qwen2_sharded,
 )
-
 from workbench.core.model_loader import (
     DEFAULT_MODEL_NAME,
     SUPPORTED_ARCHITECTURES,
     ModelLoadError,
     cache_root,
     default_gguf_path,
+    gguf_loader,
     iter_weights,
     load_tokenizer,
     prepare_model,
+    resolve,
 )
-from workbench.core.model_loader import gguf_loader, resolve
 from workbench.core.model_loader.gguf_loader import unpermute_qk
 
 CHAT = [

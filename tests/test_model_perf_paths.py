@@ -9,15 +9,14 @@ step against eager, and a smoke run of `bench model`.
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import math
+import os
 import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from tiny_models import make_tiny_llama, make_tiny_qwen2
 from workbench.core.layers.attention.torch_native_backend import (
     SMALL_DECODE_KV_ELEMENTS,

@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import chat_ids, hf_greedy
 from workbench.core.model_executor.offline_harness import OfflineHarness
 from workbench.core.sampling.sampling_params import SamplingParams

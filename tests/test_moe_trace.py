@@ -4,13 +4,13 @@ the reducer's expert load against the events, and the tokens' routing against th
 from __future__ import annotations
 
 import pytest
-
 from pipeline_helpers import assert_no_kv_leak, assert_routing_counts_real_tokens, expert_totals, generate_traced
 from tiny_models import make_tiny_family
-from workbench import Engine
 from workbench.core.trace import events as ev
 from workbench.core.trace.experts import ExpertLoad, imbalance
 from workbench.core.trace.state import TraceState
+
+from workbench import Engine
 
 PROMPTS = [[5, 6, 7, 8, 9, 60, 61], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tiny_models import make_tiny_family
 from workbench.core.layers.attention.triton_backend import triton_interpreter_unsupported_reason
 

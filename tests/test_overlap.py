@@ -12,7 +12,6 @@ import os
 import time
 
 import pytest
-
 from conftest import chat_ids
 from pipeline_helpers import assert_no_kv_leak, drain_events
 from reliability_helpers import wait_for

@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 
 import pytest
-
 from conftest import chat_ids, hf_greedy
 from pipeline_helpers import assert_no_kv_leak, drain_events
 from workbench.core.engine import Engine

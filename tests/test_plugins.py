@@ -17,9 +17,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from workbench.core.trace.replay import Replay
 from synthetic import synthetic_trace
+from workbench.core.trace.replay import Replay
+
 from workbench.plugins import GROUP, load_plugins
 
 EVENTS = synthetic_trace(n_requests=5, seed=2)
@@ -237,8 +237,8 @@ def test_the_scheduler_runs_a_plugin_policy(plugin_dir, monkeypatch, tmp_path):
 
 
 def test_cli_says_which_builtin_parts_did_not_load(monkeypatch):
-    from workbench.plugins import PluginRegistry
     import workbench.builtin_plugins as builtin
+    from workbench.plugins import PluginRegistry
 
     real_import = __import__
 

@@ -8,8 +8,8 @@ import json
 import math
 
 import pytest
-
 from tiny_models import make_tiny_llama
+
 from workbench.bench import profile_bench
 from workbench.bench.model_bench import add_parser
 
@@ -91,9 +91,10 @@ def test_profiling_leaves_the_model_untouched(tiny_llama):
     module global is wrapped, so the unprofiled path is the plain code."""
     import sys
 
-    from workbench.bench.model_bench import _Workbench, _prompts
     from workbench.core.layers import cpu_ops
     from workbench.core.model_loader import prepare_model
+
+    from workbench.bench.model_bench import _prompts, _Workbench
 
     wb = _Workbench(prepare_model(str(tiny_llama), progress=False), "float32", 512, False)
     model_mod = sys.modules[type(wb.runner.model).__module__]

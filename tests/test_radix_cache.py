@@ -8,14 +8,13 @@ questions without any tree logic. All tests use the real KV pools.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from workbench.core.mem_cache.base_prefix_cache import MatchResult
 from workbench.core.mem_cache.chunk_cache import ChunkCache
 from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
@@ -198,7 +197,7 @@ class FakeReq:
     output_ids: list[int] = field(default_factory=list)
     fill_ids: list[int] = field(default_factory=list)
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    last_node: Optional[Any] = None
+    last_node: Any | None = None
     written: int = 0  # row entries holding valid slots
     chunk: int = 4
     max_new: int = 1

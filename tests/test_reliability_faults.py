@@ -26,7 +26,6 @@ import time
 
 import httpx
 import pytest
-
 from reliability_helpers import (
     BackgroundLoad,
     Outcome,

@@ -20,7 +20,6 @@ import random
 
 import httpx
 import pytest
-
 from conftest import chat_ids
 from reliability_helpers import (
     Outcome,

@@ -19,7 +19,6 @@ import time
 
 import httpx
 import pytest
-
 from pipeline_helpers import assert_no_kv_leak
 from workbench.core.entrypoints.server_process import free_port
 
@@ -193,7 +192,6 @@ def test_two_workers_behind_sglang_router(tmp_path):
 
 async def _tui_shows_both_workers(pub: list[str], router: str) -> None:
     from textual.widgets import DataTable
-
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import MultiAttachController
 

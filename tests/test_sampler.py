@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from workbench.core.layers.logits_processor import LogitsProcessor, compute_prompt_logprobs, token_logprobs
-from unittest import mock
-
 from workbench.core.layers import sampler as sampler_mod
+from workbench.core.layers.logits_processor import LogitsProcessor, compute_prompt_logprobs, token_logprobs
 from workbench.core.layers.sampler import Sampler
 from workbench.core.sampling.sampling_batch_info import SamplingBatchInfo, make_generator
 from workbench.core.sampling.sampling_params import SamplingParams

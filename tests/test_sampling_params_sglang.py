@@ -5,7 +5,6 @@ name when set. Pure: no engine."""
 from __future__ import annotations
 
 import pytest
-
 from workbench.core.sampling.sampling_params import (
     UNSUPPORTED_SGLANG_KEYS,
     SamplingParams,
@@ -82,7 +81,6 @@ def test_logit_bias_reads_json_keys_as_ids_and_is_checked():
 
 def test_logit_bias_rows_survive_merge_and_filter():
     import torch
-
     from workbench.core.layers.sampler import Sampler
     from workbench.core.sampling.sampling_batch_info import SamplingBatchInfo
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from workbench.core.trace import events as ev
 
 from tests.tui_helpers import wait_for
-from workbench.core.trace import events as ev
 from workbench.scenarios import get_scenario, record_run
 
 # Each test starts its own engine (with the scenario's settings).

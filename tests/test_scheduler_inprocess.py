@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from scheduler_harness import SchedulerHarness, expected_tokens
 from workbench.core.io_struct import AbortReq, GetInternalStateReqOutput, StepGateReq, StepGateReqOutput
 from workbench.core.managers.schedule_policy import IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD as THRESHOLD

@@ -8,7 +8,6 @@ import json
 
 import jsonschema
 import pytest
-
 from workbench.core.entrypoints.errors import APIError
 from workbench.core.entrypoints.openai.protocol import ChatCompletionRequest
 from workbench.core.entrypoints.openai.serving_chat import chat_messages

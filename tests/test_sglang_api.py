@@ -15,7 +15,6 @@ import re
 
 import httpx
 import pytest
-
 from pipeline_helpers import assert_no_kv_leak, served_engine
 
 pytestmark = pytest.mark.e2e

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from workbench.core.args import ServerArgs
 from workbench.core.simulation import live
 from workbench.core.trace import events as ev
@@ -75,11 +74,11 @@ def test_the_badge_is_in_the_label_the_ready_info_the_recording_and_the_tui(engi
 
 
 async def test_the_live_tui_says_simulated_in_its_status_line(engine):
-    from tests.tui_helpers import wait_for
+    from textual.widgets import Static
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import EngineController
 
-    from textual.widgets import Static
+    from tests.tui_helpers import wait_for
 
     app = WorkbenchApp(EngineController(engine=engine, max_new_tokens=4))
     async with app.run_test(size=(160, 48)) as pilot:
@@ -94,7 +93,6 @@ async def test_the_live_tui_says_simulated_in_its_status_line(engine):
 
 def test_metrics_carry_the_deployment(engine):
     from fastapi.testclient import TestClient
-
     from workbench.core.entrypoints.http_server import create_app
 
     app = create_app(engine, engine.server_args)
@@ -179,9 +177,9 @@ def test_a_replayed_workload_gets_the_offline_simulators_figures_faster_than_rea
 
 
 def test_the_tuis_workload_runner_keeps_its_rate_in_simulated_time(warped):
-    from workbench.workloads import WorkloadRunner
-
     from pipeline_helpers import drain_events
+
+    from workbench.workloads import WorkloadRunner
 
     sub = warped.subscribe(with_snapshot=False)
     try:
@@ -254,11 +252,12 @@ def test_a_speculative_runs_drafts_replay_and_stand_as_they_stood(tmp_path, caps
     totals. `sim run --workload` replays them by itself; without them, drafts at the recording's accept
     rate give other verdicts (so the comparison means something)."""
     from tiny_models import make_tiny_llama
-    from workbench.cli import build_parser
     from workbench.core.engine import Engine
     from workbench.core.simulation.recorded import recorded_speculation, workload_from_trace
     from workbench.core.simulation.simulator import Simulator
     from workbench.core.trace.recorder import Recorder
+
+    from workbench.cli import build_parser
 
     target = make_tiny_llama(tmp_path / "target", tie_word_embeddings=False, seed=3)
     spec = dict(speculative_algorithm=algorithm, speculative_num_draft_tokens=3)
@@ -373,9 +372,8 @@ def test_data_parallel_replicas_run_side_by_side_as_the_offline_simulator_steps_
     replicas' loads and outputs) to two replica processes, each keeping its own simulated time; every
     request gets the offline Simulator's TTFT and latency, each replica the same requests, and the
     replicas' passes overlap in simulated time (their busy time adds up to more than the run)."""
-    from workbench.core.simulation.simulator import Simulator, poisson_workload, request_prompt
-
     from pipeline_helpers import drain_events
+    from workbench.core.simulation.simulator import Simulator, poisson_workload, request_prompt
 
     assert replicated.trace_label == "SIMULATED h100x8 (dp 2 x tp 4) llama-3.1-70b"
     workload = poisson_workload(25, 50, (128, 2048), (16, 128), seed=3, groups=4, prefix_len=512)

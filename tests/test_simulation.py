@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny_models import make_tiny_family, make_tiny_llama
 from workbench.core.simulation.cost_model import CostModel
 from workbench.core.simulation.hardware import get_hardware
@@ -183,8 +182,9 @@ def test_prefill_calibration_fits_the_linear_and_attention_parts_apart():
 def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
     """The two commands end to end on a tiny model: a calibration file from real step times, then the
     simulator beside the real engine on the same workloads (figures printed, not asserted)."""
-    from workbench.cli import build_parser
     from workbench.core.simulation.calibration import Calibration
+
+    from workbench.cli import build_parser
 
     d = make_tiny_llama(tmp_path / "tiny")
     out = tmp_path / "cal.json"
@@ -225,9 +225,10 @@ def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
 
 def test_a_simulated_run_records_a_trace_the_views_read(tmp_path):
     """`sim run --record`: a recording whose header says SIMULATED, folded by the views' reducer."""
-    from workbench.cli import build_parser
     from workbench.core.trace.recorder import read_trace
     from workbench.core.trace.state import TraceState
+
+    from workbench.cli import build_parser
 
     path = tmp_path / "sim.jsonl"
     args = build_parser().parse_args(
@@ -309,8 +310,9 @@ def test_a_real_run_and_its_simulation_schedule_the_same_batches(tmp_path):
 
     from pipeline_helpers import drain_events
     from reliability_helpers import wait_for
-    from workbench import Engine
     from workbench.core.trace import events as ev
+
+    from workbench import Engine
 
     d = make_tiny_llama(tmp_path / "tiny")
     rng = random.Random(4)
@@ -519,10 +521,11 @@ def test_a_draft_models_passes_are_costed_and_its_memory_taken():
 def test_a_recorded_run_is_a_workload(tmp_path, capsys):
     """`sim run --workload FILE` takes a real engine's recording: its finished requests, at their
     arrival times, with their prompt and output lengths."""
-    from workbench.cli import build_parser
     from workbench.core.simulation.recorded import is_recording, workload_from_trace
     from workbench.core.trace.events import ReqArrived, ReqFinished
     from workbench.core.trace.recorder import read_trace
+
+    from workbench.cli import build_parser
 
     path = Path(__file__).parent / "data" / "tui_trace.jsonl"
     _, events = read_trace(path)

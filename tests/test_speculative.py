@@ -12,12 +12,12 @@ import math
 from collections import Counter
 
 import pytest
-
 from pipeline_helpers import assert_no_kv_leak
 from tiny_models import make_tiny_llama
-from workbench import Engine
 from workbench.core.args import ServerArgs
 from workbench.core.speculative.ngram import propose_ngram
+
+from workbench import Engine
 
 
 # ---- the proposer ---------------------------------------------------------------------------

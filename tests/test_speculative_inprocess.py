@@ -9,7 +9,6 @@ overlap loop), max_new_tokens and a stop token landing inside a run of accepted 
 from __future__ import annotations
 
 import pytest
-
 from scheduler_harness import SchedulerHarness, expected_tokens, repetitive_token
 from workbench.core.io_struct import AbortReq
 from workbench.core.trace import events as ev

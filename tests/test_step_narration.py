@@ -10,11 +10,11 @@
 from __future__ import annotations
 
 import pytest
+from workbench.core.trace import events as ev
+from workbench.core.trace.state import TraceState
 
 from tests.scheduler_harness import SchedulerHarness
 from tests.synthetic import synthetic_trace
-from workbench.core.trace import events as ev
-from workbench.core.trace.state import TraceState
 
 
 def _by_step(h: SchedulerHarness, kind) -> dict[int, object]:

@@ -13,7 +13,6 @@ import re
 
 import httpx
 import pytest
-
 from pipeline_helpers import assert_no_kv_leak, served_engine
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -200,7 +199,6 @@ def test_trace_and_views_show_the_constraint_and_the_mask_cost(served):
     """req.queued carries the constraint kind, batch.decision the constrained rows and their mask
     time; the reducer, the narrated step and the Queues badge say so; a free request has none."""
     from pipeline_helpers import drain_events
-
     from workbench.core.trace import events as ev
     from workbench.core.trace.state import TraceState
 

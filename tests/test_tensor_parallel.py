@@ -18,7 +18,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-
 from conftest import chat_ids, hf_greedy
 from test_weight_updates import free_port, trainer_group_process
 from tiny_models import make_tiny_family, make_tiny_llama, make_tiny_qwen2
@@ -83,10 +82,9 @@ def test_tp3_a_trainer_written_the_openrlhf_way_updates_every_rank(
     default_tp3, tp3_prompts, default_prepared, hf_model
 ):
     """World of 4: the trainer (rank 0, torch only) and TP ranks 1-3, each keeping its shard."""
+    from openrlhf_trainer import trainer_main
     from safetensors import safe_open
     from safetensors.torch import load_file
-
-    from openrlhf_trainer import trainer_main
     from test_weight_updates import hf_greedy_with, perturbed
 
     engine, prompts, model_dir = default_tp3, tp3_prompts, Path(default_prepared.model_dir)
@@ -223,7 +221,6 @@ def _perturbed_tiny(state: dict) -> dict:
 def _tiny_trainer(model_dir: str, port: int, world_size: int, result_q, done) -> None:
     """Rank 0 of the weight-update group: broadcast every weight, some of them perturbed."""
     from safetensors.torch import load_file
-
     from workbench.core.managers.weight_updater import TrainerWeightSync
 
     torch.set_num_threads(1)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from tiny_models import make_tiny_llama, make_tiny_llama_sharded, make_tiny_mistral, make_tiny_qwen2
+from transformers import AutoModelForCausalLM
 from workbench.core.args import ServerArgs
 from workbench.core.model_executor.model_runner import ModelRunner
 from workbench.core.model_executor.offline_harness import OfflineHarness

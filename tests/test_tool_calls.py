@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from pipeline_helpers import assert_no_kv_leak, served_engine
 
 openai = pytest.importorskip("openai")

@@ -11,11 +11,10 @@ import time
 
 import pytest
 import zmq
-
+from synthetic import synthetic_trace
 from workbench.core.trace import events as ev
 from workbench.core.trace.bus import RemoteSubscription, TraceBus
 from workbench.core.trace.state import TraceState
-from synthetic import synthetic_trace
 from workbench.core.trace.tracer import Tracer
 
 

@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-
 from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 from workbench.core.trace.tracer import Tracer

@@ -7,7 +7,6 @@ snapshot), so whether the pipeline emitted while nobody listened is visible afte
 from __future__ import annotations
 
 import pytest
-
 from pipeline_helpers import drain_events
 from workbench.core.args import ServerArgs
 from workbench.core.trace.events import ReqFinished, ReqSnapshot

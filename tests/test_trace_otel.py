@@ -11,7 +11,6 @@ import pytest
 pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from opentelemetry.trace import StatusCode  # noqa: E402
-
 from workbench.core.trace import events as ev  # noqa: E402
 from workbench.core.trace.otel import OtelExporter  # noqa: E402
 

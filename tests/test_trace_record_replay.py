@@ -8,15 +8,14 @@ import tempfile
 import time
 
 import pytest
-
 from reliability_helpers import wait_for
+from synthetic import synthetic_trace
 from workbench.core.trace import events as ev
 from workbench.core.trace.bus import TraceBus
 from workbench.core.trace.perfetto import export_perfetto
 from workbench.core.trace.recorder import Recorder, TraceFormatError, load_trace, read_trace
 from workbench.core.trace.replay import Replay
 from workbench.core.trace.state import TraceState
-from synthetic import synthetic_trace
 from workbench.core.trace.tracer import Tracer
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-
+from synthetic import synthetic_trace
 from workbench.core.trace import events as ev
 from workbench.core.trace.state import TraceState
-from synthetic import synthetic_trace
 
 MS = 1_000_000
 S = 1_000_000_000

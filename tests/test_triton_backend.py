@@ -17,7 +17,6 @@ import sys
 
 import pytest
 import torch
-
 from tiny_models import make_tiny_llama
 from workbench.core.layers.attention.registry import create_attn_backend, default_attention_backend, unavailable_reason
 

@@ -17,14 +17,14 @@ import threading
 import time
 
 import pytest
-
-from tests.scheduler_harness import SchedulerHarness
-from tests.synthetic import synthetic_trace
-from tests.tui_helpers import FIXTURE
 from workbench.core.trace import events as ev
 from workbench.core.trace.recorder import load_trace
 from workbench.core.trace.state import TraceState
 from workbench.core.trace.ttft import PART_KINDS, StepIndex, step_start
+
+from tests.scheduler_harness import SchedulerHarness
+from tests.synthetic import synthetic_trace
+from tests.tui_helpers import FIXTURE
 
 T = 10**12
 MS = 10**6

@@ -7,16 +7,16 @@ import subprocess
 import sys
 
 import pytest
+from synthetic import synthetic_trace
 from textual.widgets import DataTable, Input, RichLog, Static
-
-from tests.tui_helpers import FIXTURE, replay_app, show_at, step_ts, wait_for
 from workbench.core.trace import events as ev
 from workbench.core.trace.replay import Replay
 from workbench.core.trace.state import TraceState
-from synthetic import synthetic_trace
 from workbench.core.trace.views import TreeNodeView
 from workbench.tui.fmt import plain_text
 from workbench.tui.model import TuiModel
+
+from tests.tui_helpers import FIXTURE, replay_app, show_at, step_ts, wait_for
 
 PANELS = ("queues", "batch", "tree", "kv", "latency", "events", "detail", "experts")
 
@@ -29,8 +29,9 @@ def test_builtin_panels_register_lazily():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[0] == str(sorted(PANELS))
     assert out[1] == "False", "registering the panels must not import Textual"
-    from workbench.plugins import load_plugins
     from workbench.tui.panels.base import TracePanel
+
+    from workbench.plugins import load_plugins
 
     for name in PANELS:
         widget = load_plugins().panels[name].factory()
@@ -243,11 +244,12 @@ async def test_startup_error_is_a_message_not_a_traceback():
 
 
 async def test_a_broken_plugin_panel_does_not_take_the_app_down():
-    from workbench.plugins import PluginRegistry
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import ReplayController
     from workbench.tui.panels.base import TracePanel
     from workbench.tui.registration import register_builtin
+
+    from workbench.plugins import PluginRegistry
 
     class Exploding(TracePanel):
         PANEL_NAME = "boom"
@@ -332,7 +334,6 @@ def test_unknown_panel_is_rejected():
 async def test_tabs_layout_mounts_every_panel():
     # Small terminals get one tab per panel; the tabs must mount and switch like the grid.
     from textual.widgets import TabbedContent
-
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import ReplayController
 

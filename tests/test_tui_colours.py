@@ -12,9 +12,9 @@ import pathlib
 import re
 
 import pytest
+from workbench.core.trace.palette import MEANINGS, PALETTE
 
 from tests.tui_helpers import replay_app, show_at, step_ts
-from workbench.core.trace.palette import MEANINGS, PALETTE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Colours with no meaning of the palette's: chrome (white, greys, black) and the error red of a banner.

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 from textual.widgets import DataTable, Static
+from workbench.tui.fmt import fmt_count, fmt_s, plain_text
 
 from tests.tui_helpers import wait_for
-from workbench.tui.fmt import fmt_count, fmt_s, plain_text
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -193,6 +193,7 @@ async def test_tree_is_never_stale_and_one_evictable_figure(engine):
     KV panel follows every step."""
     import re
     import threading
+
     from workbench.core.trace import events as ev
     from workbench.tui.workload import chat_text, make_prompts
 
@@ -303,6 +304,7 @@ async def test_last_step_line_names_what_one_step_did(engine):
     budget and the KV it allocated, and why the other request still waits; Queues highlights the
     admitted request."""
     import threading
+
     from rich.text import Text
     from workbench.tui.workload import chat_text
 

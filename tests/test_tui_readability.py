@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from rich.cells import cell_len
 from rich.text import Text
-from textual.widgets import DataTable, Static
-
 from synthetic import synthetic_trace
-from tests.tui_helpers import replay_app, show_at, step_ts
+from textual.widgets import DataTable, Static
 from workbench.core.trace import events as ev
 from workbench.core.trace.replay import Replay
 from workbench.core.trace.state import TraceState
 from workbench.core.trace.views import TreeNodeView
 from workbench.tui.fmt import fmt_count, fmt_s
 from workbench.tui.model import TuiModel
+
+from tests.tui_helpers import replay_app, show_at, step_ts
 
 NOW = 10**12
 S = 10**9

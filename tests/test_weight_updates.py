@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import chat_ids
 from pipeline_helpers import drain_events
 from workbench.core.engine import Engine
@@ -60,7 +59,6 @@ def perturbed(state: dict) -> dict:
 def _trainer(model_dir: str, port: int, result_q, done) -> None:
     """Rank 0 of the weight-update group: perturb every weight's copy, broadcast them all."""
     from safetensors.torch import load_file
-
     from workbench.core.managers.weight_updater import TrainerWeightSync
 
     torch.set_num_threads(1)
@@ -245,9 +243,8 @@ def test_a_trainer_written_the_openrlhf_way_updates_the_engine(
 
     Runs after the failed attempt above with the same group name: a failure leaves nothing behind.
     """
-    from safetensors import safe_open
-
     from openrlhf_trainer import trainer_main
+    from safetensors import safe_open
 
     new = perturbed(original)
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
@@ -401,7 +398,6 @@ def test_hf_names_map_to_tp_shards(tmp_path, rank):
     from safetensors.torch import load_file
     from tiny_models import make_tiny_qwen2
     from transformers import AutoConfig
-
     from workbench.core.distributed.parallel_state import set_tp_group
     from workbench.core.managers.weight_updater import check_weights, weight_specs
     from workbench.core.models.registry import get_model_class
@@ -431,7 +427,6 @@ def test_hf_names_map_to_tp_shards(tmp_path, rank):
 
 def test_http_weight_routes(engine, model_dir, original):
     import httpx
-
     from workbench.core.entrypoints.http_server import bind_socket, start_server
 
     running = start_server(engine, engine.server_args, bind_socket("127.0.0.1", 0))

@@ -16,11 +16,11 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 from reliability_helpers import wait_for  # noqa: E402
+from synthetic import synthetic_trace  # noqa: E402
 from workbench.core.trace import events as ev  # noqa: E402
 from workbench.core.trace.recorder import Recorder  # noqa: E402
 from workbench.core.trace.replay import Replay  # noqa: E402
 from workbench.core.trace.state import TraceState  # noqa: E402
-from synthetic import synthetic_trace  # noqa: E402
 from workbench.core.trace.views import percentile  # noqa: E402
 from workbench.widgets import (  # noqa: E402
     BatchView,

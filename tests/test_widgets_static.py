@@ -11,7 +11,6 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 import pytest
-
 from synthetic import synthetic_trace
 from workbench.core.trace import events as ev
 from workbench.core.trace.palette import PALETTE

@@ -13,18 +13,17 @@ import asyncio
 import queue
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.css.query import NoMatches
 from textual.containers import Container, Vertical
+from textual.css.query import NoMatches
 from textual.widget import Widget
 from textual.widgets import Footer, Input, LoadingIndicator, Static, TabbedContent
 from textual.worker import get_current_worker
-
 from workbench.core.trace.palette import PALETTE
 from workbench.tui.controller import Controller, friendly
 from workbench.tui.fmt import shorten
@@ -84,14 +83,14 @@ class WorkbenchApp(App):
         self,
         controller: Controller,
         *,
-        panels: Optional[list[str]] = None,
+        panels: list[str] | None = None,
         registry=None,
         layout: str = "auto",
         refresh_hz: float = 10.0,
-        select: Optional[str] = None,
+        select: str | None = None,
         chat_max_new_tokens: int = 128,
         max_events_per_tick: int = 50_000,
-        log_path: Optional[str] = None,
+        log_path: str | None = None,
     ):
         super().__init__()
         if registry is None:
@@ -118,11 +117,11 @@ class WorkbenchApp(App):
         self.log_path = log_path
         self.panels: dict[str, Widget] = {}
         self.ready = threading.Event()  # the controller has started
-        self.startup_error: Optional[str] = None
+        self.startup_error: str | None = None
         self.startup_traceback = ""
         self.chat_done = threading.Event()
         self.last_answer = ""
-        self.last_step_result: Optional[int] = None
+        self.last_step_result: int | None = None
         self.control_results = 0  # control commands completed (tests wait on it)
         self._progress: queue.SimpleQueue = queue.SimpleQueue()
         self._chat_q: queue.SimpleQueue = queue.SimpleQueue()
@@ -130,7 +129,7 @@ class WorkbenchApp(App):
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._progress_lines: list[str] = []
         self._started_at = time.monotonic()
-        self._last_tail: Optional[str] = None  # None: the start-up box is not drawn yet
+        self._last_tail: str | None = None  # None: the start-up box is not drawn yet
         self._chat_prompt = ""
         self._broken_panels: set[str] = set()
         self._quitting = False
@@ -355,7 +354,7 @@ class WorkbenchApp(App):
         self.model.note("error", msg)
         self.notify(msg, severity="error", timeout=6)
 
-    def check_action(self, action: str, parameters: tuple) -> Optional[bool]:
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
         """Hide key bindings that mean nothing for this source (e.g. workloads while replaying)."""
         c = self.controller
         if action in ("toggle_workload", "cycle_workload"):
@@ -550,7 +549,7 @@ class WorkbenchApp(App):
     def on_request_selected(self, message: RequestSelected) -> None:
         self.select_request(message.rid)
 
-    def select_request(self, rid: Optional[str]) -> None:
+    def select_request(self, rid: str | None) -> None:
         self.model.selected = rid
         self.refresh_panels()
 

@@ -13,7 +13,7 @@ import contextlib
 import os
 import sys
 import tempfile
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 LAYOUTS = ("auto", "grid", "tabs")
 
@@ -159,7 +159,7 @@ def run_tui(args: argparse.Namespace) -> int:
         return 2
     panels = [p.strip() for p in (getattr(args, "panels", None) or "").split(",") if p.strip()] or None
     live = controller.mode == "live"
-    log_path: Optional[str] = getattr(args, "tui_log", None)
+    log_path: str | None = getattr(args, "tui_log", None)
     if live and not log_path:
         log_path = os.path.join(tempfile.gettempdir(), f"workbench-tui-{os.getpid()}.log")
     try:
@@ -189,7 +189,7 @@ def run_tui(args: argparse.Namespace) -> int:
     return int(app.return_code or 0)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """`python -m workbench.tui` (the same flags as `workbench tui`)."""
     from workbench.core.args import ServerArgs
 

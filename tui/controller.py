@@ -17,7 +17,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from workbench.core.trace.events import Event
 
@@ -45,11 +46,11 @@ class Controller:
 
     def __init__(self) -> None:
         self.paused = False
-        self.workload: Optional[str] = None
+        self.workload: str | None = None
         self.rate = 1.0
         self.title = ""
         #: trace time shown as 0 (the events log's times); None: the first event's
-        self.origin_ns: Optional[int] = None
+        self.origin_ns: int | None = None
 
     # ---- lifecycle ------------------------------------------------------------
     def start(self, progress: Progress) -> None:
@@ -59,7 +60,7 @@ class Controller:
         """Release everything (idempotent): stop workloads, shut down an owned engine."""
 
     # ---- events and time ------------------------------------------------------
-    def drain(self, max_items: Optional[int] = None) -> list[Event]:
+    def drain(self, max_items: int | None = None) -> list[Event]:
         return []
 
     def now_ns(self) -> int:
@@ -87,7 +88,7 @@ class Controller:
     ) -> dict:
         raise ControlUnavailable(f"chat needs a live engine (this is {self.mode} mode)")
 
-    def start_workload(self, kind: Optional[str] = None, rate: Optional[float] = None, **options) -> None:
+    def start_workload(self, kind: str | None = None, rate: float | None = None, **options) -> None:
         raise ControlUnavailable(f"workloads need a live engine (this is {self.mode} mode)")
 
     def stop_workload(self) -> None:
@@ -112,8 +113,8 @@ class EngineController(Controller):
         engine: Any = None,
         *,
         server_args: Any = None,
-        workload: Optional[str] = None,
-        rate: Optional[float] = None,
+        workload: str | None = None,
+        rate: float | None = None,
         max_new_tokens: int = 32,
         start_paused: bool = False,
         scenario: Any = None,
@@ -163,7 +164,7 @@ class EngineController(Controller):
             # --paused: the workload waits with the scheduler (p starts both)
             self.start_workload(rate=self.rate, paused=self._start_paused)
 
-    def drain(self, max_items: Optional[int] = None) -> list[Event]:
+    def drain(self, max_items: int | None = None) -> list[Event]:
         return self._sub.drain(max_items) if self._sub is not None else []
 
     def status(self) -> str:
@@ -219,7 +220,7 @@ class EngineController(Controller):
             self._chat_rids.discard(rid)
         return last
 
-    def start_workload(self, kind: Optional[str] = None, rate: Optional[float] = None, **options) -> None:
+    def start_workload(self, kind: str | None = None, rate: float | None = None, **options) -> None:
         """Start (or restart) a workload: `kind` (a workload kind, run at a fixed rate), or with no
         kind the scenario (adaptive) or the last kind. `options` go to WorkloadRunner
         (max_requests, temperature, paused...)."""
@@ -299,7 +300,7 @@ class ReplayController(Controller):
     mode = "replay"
     can_step = True
 
-    def __init__(self, replay: Any, *, autoplay: bool = True, speed: Optional[float] = None, title: str = ""):
+    def __init__(self, replay: Any, *, autoplay: bool = True, speed: float | None = None, title: str = ""):
         super().__init__()
         self.replay = replay
         if speed is not None:
@@ -314,7 +315,7 @@ class ReplayController(Controller):
         self.origin_ns = replay.origin_ns
 
     @classmethod
-    def from_file(cls, path: str, **kw) -> "ReplayController":
+    def from_file(cls, path: str, **kw) -> ReplayController:
         from workbench.core.trace.replay import Replay
 
         return cls(Replay(path), title=kw.pop("title", str(path)), **kw)
@@ -333,7 +334,7 @@ class ReplayController(Controller):
         if self._autoplay:
             self.replay.play()
 
-    def drain(self, max_items: Optional[int] = None) -> list[Event]:
+    def drain(self, max_items: int | None = None) -> list[Event]:
         return self.replay.drain(max_items)
 
     def now_ns(self) -> int:
@@ -380,7 +381,7 @@ class AttachController(Controller):
         self.addr = addr
         self.title = addr
         self._sub = None
-        self._offset: Optional[int] = None  # remote clock - local clock
+        self._offset: int | None = None  # remote clock - local clock
 
     def start(self, progress: Progress) -> None:
         from workbench.core.trace.bus import RemoteSubscription
@@ -388,7 +389,7 @@ class AttachController(Controller):
         progress(f"connecting to {self.addr}")
         self._sub = RemoteSubscription(self.addr)
 
-    def drain(self, max_items: Optional[int] = None) -> list[Event]:
+    def drain(self, max_items: int | None = None) -> list[Event]:
         if self._sub is None:
             return []
         out = self._sub.drain(max_items)
@@ -440,7 +441,7 @@ class MultiAttachController(Controller):
             progress(f"connecting to worker {i}: {addr}")
             self._subs.append(RemoteSubscription(addr))
 
-    def drain(self, max_items: Optional[int] = None) -> list[Event]:
+    def drain(self, max_items: int | None = None) -> list[Event]:
         from workbench.core.trace import events as ev
 
         out: list[Event] = []

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
 
 
-def fmt_s(seconds: Optional[float], compact: bool = False) -> str:
+def fmt_s(seconds: float | None, compact: bool = False) -> str:
     """A latency: '850 µs', '12.3 ms', '1.24 s' ('12.3ms' when compact); '–' when unknown."""
     if seconds is None:
         return "–"
@@ -19,7 +19,7 @@ def fmt_s(seconds: Optional[float], compact: bool = False) -> str:
     return f"{seconds:.2f}{sp}s" if seconds < 100 else f"{seconds:.0f}{sp}s"
 
 
-def fmt_age(ns: Optional[int]) -> str:
+def fmt_age(ns: int | None) -> str:
     """An age in ns as '0.4s', '12s', '3m05s'."""
     if ns is None or ns < 0:
         return "–"
@@ -40,7 +40,7 @@ def fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def spark(values: Sequence[float], width: Optional[int] = None, hi: Optional[float] = None) -> str:
+def spark(values: Sequence[float], width: int | None = None, hi: float | None = None) -> str:
     """A one-line sparkline of the last `width` values, scaled to [0, hi] (hi: their max)."""
     vals = list(values)[-width:] if width else list(values)
     if not vals:

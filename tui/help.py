@@ -8,7 +8,6 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
-
 from workbench.core.trace.palette import MEANINGS, PALETTE
 
 KEYS = (

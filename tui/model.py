@@ -9,8 +9,8 @@ picture as the built-in ones.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional
 
 from workbench.core.trace import events as ev
 from workbench.core.trace.state import TraceState
@@ -29,7 +29,7 @@ class LogLine:
     ts: int
     category: str
     text: str
-    rid: Optional[str] = None
+    rid: str | None = None
     step: int = -1
 
 
@@ -43,7 +43,7 @@ class EventLog:
     def clear(self) -> None:
         self.lines.clear()
 
-    def add(self, ts: int, category: str, text: str, rid: Optional[str] = None, step: int = -1) -> LogLine:
+    def add(self, ts: int, category: str, text: str, rid: str | None = None, step: int = -1) -> LogLine:
         self.seq += 1
         line = LogLine(self.seq, ts, category, text, rid, step)
         self.lines.append(line)
@@ -102,14 +102,14 @@ class TuiModel:
     clock, trace time), `selected` (a rid or None), `version` (bumps when events are
     folded) and `epoch` (bumps when the state is reset, e.g. a replay seeks back)."""
 
-    def __init__(self, state: Optional[TraceState] = None, log_len: int = 2000):
+    def __init__(self, state: TraceState | None = None, log_len: int = 2000):
         self.state = state if state is not None else TraceState()
         self.log = EventLog(log_len)
         self.now_ns = 0
-        self.selected: Optional[str] = None
+        self.selected: str | None = None
         self.version = 0
         self.epoch = 0
-        self.t0_ns: Optional[int] = None  # trace time shown as +0.000 s
+        self.t0_ns: int | None = None  # trace time shown as +0.000 s
 
     def apply(self, events: Iterable[ev.Event]) -> int:
         """Fold events into the state and the log; returns how many were folded."""
@@ -145,12 +145,12 @@ class TuiModel:
                 if r is not None and r.steps:
                     lines[i] = replace(line, step=r.steps[-1])
 
-    def note(self, category: str, text: str, rid: Optional[str] = None) -> None:
+    def note(self, category: str, text: str, rid: str | None = None) -> None:
         """Add an app-side line (errors, workload changes) to the log at the current clock."""
         self.log.add(self.now_ns or self.state.last_ts, category, text, rid)
         self.version += 1
 
-    def rel_s(self, ts: Optional[int]) -> float:
+    def rel_s(self, ts: int | None) -> float:
         """Seconds since the start of the trace."""
         if ts is None or self.t0_ns is None:
             return 0.0

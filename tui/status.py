@@ -9,11 +9,8 @@ a terminal too narrow for either line cuts, and then the source's title shrinks 
 
 from __future__ import annotations
 
-from typing import Optional
-
 from rich.cells import cell_len
 from rich.text import Text
-
 from workbench.core.trace.state import TraceState
 from workbench.tui.fmt import fmt_count
 
@@ -78,7 +75,7 @@ def _join(out: Text, segments: list[Segment], lead: bool = True) -> None:
         out.append(text, style=style)
 
 
-def status_line(head: str, st: Optional[TraceState], now_ns: int, *, ready: bool, paused: bool, width: int) -> Text:
+def status_line(head: str, st: TraceState | None, now_ns: int, *, ready: bool, paused: bool, width: int) -> Text:
     """The status line for a terminal `width` cells wide (the widget's content width): one line
     when it fits, else two (head and step, then the figures)."""
     out = Text(no_wrap=True, overflow="ellipsis")

@@ -11,10 +11,10 @@ Play and a slider whose position is "after scheduler step k".
 from __future__ import annotations
 
 import html
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ipywidgets as W
-
 from workbench.core.trace.state import TraceState
 from workbench.widgets import data as D
 from workbench.widgets.feed import TraceFeed
@@ -43,7 +43,7 @@ class Dashboard(W.VBox):
     def __init__(
         self,
         engine_or_source: Any,
-        views: Optional[Sequence[str]] = None,
+        views: Sequence[str] | None = None,
         *,
         max_hz: float = 5.0,
         columns: int = 2,
@@ -69,7 +69,7 @@ class Dashboard(W.VBox):
         self.feed.attach(self._update_header)
 
     @classmethod
-    def from_trace(cls, path, **kw) -> "Dashboard":
+    def from_trace(cls, path, **kw) -> Dashboard:
         """Replay a recording (`Recorder` JSONL, optionally .gz) with Play/slider controls."""
         return cls(str(path), **kw)
 
@@ -99,7 +99,7 @@ class Dashboard(W.VBox):
 
     # ---- header and controls ------------------------------------------------------------------
 
-    def _update_header(self, state: TraceState, t0: Optional[int]) -> None:
+    def _update_header(self, state: TraceState, t0: int | None) -> None:
         s = D.summary(state)
         kv = f"{s['kv_used']}/{s['kv_total']} used, {s['kv_evictable']} evictable" if s["kv_total"] else "–"
         model = s["model"] or getattr(self.feed.engine, "trace_label", "") or "workbench"
@@ -156,7 +156,7 @@ class Dashboard(W.VBox):
 
     # ---- static pictures ---------------------------------------------------------------------
 
-    def snapshot(self, views: Optional[Sequence[str]] = None, name: str = "", **kw):
+    def snapshot(self, views: Sequence[str] | None = None, name: str = "", **kw):
         """Static pictures of this dashboard's views as they are now (default: those of its views that
         have one: gantt, batch, radix, kv, queues), under the header's line and the narrated last
         step. Unlike the live widgets, the picture stays in the notebook's saved outputs and does not

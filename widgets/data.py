@@ -10,7 +10,6 @@ ns) that the caller keeps stable across renders.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from workbench.core.trace import ttft as T
 from workbench.core.trace.experts import imbalance
@@ -23,7 +22,7 @@ SPAN_KINDS = ("queued", "prefill", "decode")
 NODE_STATES = ("evicted", "locked", "new", "hit", "cached")
 
 
-def time_origin(state: TraceState) -> Optional[int]:
+def time_origin(state: TraceState) -> int | None:
     """The earliest moment any view has something to draw at (monotonic ns), or None."""
     cands = [r.arrival_ts if r.arrival_ts is not None else r.queued_ts for r in state.requests.values()]
     if state.steps:

@@ -20,12 +20,12 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from workbench.core.trace.events import BatchStep, Event, TraceReset
 from workbench.core.trace.replay import Replay
 from workbench.core.trace.state import TraceState
-
 from workbench.widgets.data import time_origin
 
 logger = logging.getLogger(__name__)
@@ -66,12 +66,12 @@ class TraceFeed:
         self.min_interval = 1.0 / max_hz if max_hz > 0 else 0.0
         self.clock = clock
         self.state = TraceState()
-        self.t0: Optional[int] = None
+        self.t0: int | None = None
         self.renders = 0  # how many times the views were rendered
         self.events_applied = 0
-        self.last_error: Optional[str] = None
+        self.last_error: str | None = None
         self.engine = None
-        self.replay: Optional[Replay] = None
+        self.replay: Replay | None = None
         self.subscription = None
         self._views: list = []
         self._lock = threading.RLock()
@@ -79,7 +79,7 @@ class TraceFeed:
         self._last_render = float("-inf")
         self._last_event = clock()
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._step_release: list[int] = []
         self._last_keyframe = float("-inf")
         self._idle_keyframes = 0
@@ -111,7 +111,7 @@ class TraceFeed:
             self.apply(self.replay.drain())
 
     @classmethod
-    def of(cls, source: Any, **kw) -> "TraceFeed":
+    def of(cls, source: Any, **kw) -> TraceFeed:
         """`source` itself when it already is a feed, else a new feed over it."""
         return source if isinstance(source, TraceFeed) else cls(source, **kw)
 

@@ -11,7 +11,7 @@ an arrow labelled with the ZMQ message that carried it:
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from workbench.core.trace import events as ev
 
@@ -57,7 +57,7 @@ def _label(e: ev.Event, rid: str) -> str:
     return kind
 
 
-def sequence_figure(events: Iterable[ev.Event], rid: str, max_text_events: int = 6, height: Optional[int] = None):
+def sequence_figure(events: Iterable[ev.Event], rid: str, max_text_events: int = 6, height: int | None = None):
     """A plotly Figure: one row per trace event of the request (in time order, the time on the
     left), in the lane of the process that emitted it; hand-overs between processes are arrows
     labelled with the ZMQ message that carried them.

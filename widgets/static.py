@@ -21,8 +21,8 @@ from __future__ import annotations
 import html
 import inspect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 from workbench.core.trace.palette import PALETTE as P
 from workbench.core.trace.state import TraceState
@@ -161,10 +161,10 @@ class _Svg:
 
 def gantt_svg(
     state: TraceState,
-    t0: Optional[int] = None,
+    t0: int | None = None,
     *,
     width: int = 900,
-    height: Optional[int] = None,
+    height: int | None = None,
     max_requests: int = 40,
 ) -> str:
     """Request timeline: a row per request with its queued, prefill (one bar per chunk) and decode
@@ -287,7 +287,7 @@ def batch_svg(state: TraceState, *, width: int = 900, height: int = 260, max_ste
     return svg.render(steps=n)
 
 
-def tree_svg(state: TraceState, *, width: int = 900, height: Optional[int] = None, row_h: int = 30) -> str:
+def tree_svg(state: TraceState, *, width: int = 900, height: int | None = None, row_h: int = 30) -> str:
     """The radix cache as an icicle, root on top: each node is as wide as the tokens under it
     (its own edge and its descendants'), coloured by state (locked by a running request, just
     inserted, hit, evictable, evicted); a locked node shows its lock count. Tooltips: the text."""
@@ -359,7 +359,7 @@ def tree_svg(state: TraceState, *, width: int = 900, height: Optional[int] = Non
     return svg.render(nodes=len(d.ids) - 1, locked=locked)
 
 
-def kv_svg(state: TraceState, t0: Optional[int] = None, *, width: int = 900, height: int = 240) -> str:
+def kv_svg(state: TraceState, t0: int | None = None, *, width: int = 900, height: int = 240) -> str:
     """The KV pool over time, stacked to its capacity: held by requests (used), kept by the radix
     cache (evictable), free. The axis is the pool's size, so a small `used` looks small."""
     t0 = _origin(state, t0)
@@ -389,7 +389,7 @@ def kv_svg(state: TraceState, t0: Optional[int] = None, *, width: int = 900, hei
     return svg.render(points=len(k.t), capacity=k.total[-1])
 
 
-def queues_svg(state: TraceState, t0: Optional[int] = None, *, width: int = 900, height: int = 220) -> str:
+def queues_svg(state: TraceState, t0: int | None = None, *, width: int = 900, height: int = 220) -> str:
     """Waiting (queued for prefill), new (arrived, not yet queued) and running requests over time."""
     t0 = _origin(state, t0)
     q = D.queue_data(state, t0)
@@ -425,7 +425,7 @@ def _step_area(ts, lower, upper, xs, ys, t_end) -> str:
     return "M" + " L".join(top + bottom[::-1]) + " Z"
 
 
-def _origin(state: TraceState, t0: Optional[int]) -> int:
+def _origin(state: TraceState, t0: int | None) -> int:
     if t0 is not None:
         return t0
     o = D.time_origin(state)
@@ -504,7 +504,7 @@ def snapshot(
     views: Sequence[str] = ("gantt", "batch", "radix"),
     *,
     name: str = "",
-    t0: Optional[int] = None,
+    t0: int | None = None,
     width: int = 900,
     **kw,
 ) -> Snapshot:

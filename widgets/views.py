@@ -10,13 +10,13 @@ refresh is a single message to the browser; the data come from
 from __future__ import annotations
 
 import html
-from typing import Any, Optional
+from typing import Any
 
 import ipywidgets as W
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
-
-from workbench.core.trace.palette import METRIC_COLORS, PALETTE as P
+from workbench.core.trace.palette import METRIC_COLORS
+from workbench.core.trace.palette import PALETTE as P
 from workbench.core.trace.state import TraceState
 from workbench.widgets import data as D
 from workbench.widgets.feed import RENDER_LOCK, TraceFeed
@@ -60,7 +60,7 @@ class TraceFigure(go.FigureWidget):
             super().set_state(sync_data)
 
 
-def _layout(title: str, height: int, width: Optional[int], **kw) -> dict:
+def _layout(title: str, height: int, width: int | None, **kw) -> dict:
     lay = dict(
         title=dict(text=title, x=0.01, font=dict(size=14)),
         height=height,
@@ -86,7 +86,7 @@ class TraceView(W.VBox):
     name = ""
     title = ""
 
-    def __init__(self, source: Any = None, *, height: int = 320, width: Optional[int] = None, **kw):
+    def __init__(self, source: Any = None, *, height: int = 320, width: int | None = None, **kw):
         super().__init__()
         self.figure = TraceFigure()
         self._build(height, width, **kw)
@@ -94,18 +94,18 @@ class TraceView(W.VBox):
         self.add_class("workbench-view")
         if self.name:
             self.add_class(f"workbench-view-{self.name}")
-        self.feed: Optional[TraceFeed] = None
+        self.feed: TraceFeed | None = None
         if source is not None:
             self.feed = TraceFeed.of(source)
             self.feed.attach(self)
 
-    def _build(self, height: int, width: Optional[int], **kw) -> None:
+    def _build(self, height: int, width: int | None, **kw) -> None:
         raise NotImplementedError
 
     def _extras(self) -> list:
         return []
 
-    def update(self, state: TraceState, t0: Optional[int] = None) -> None:
+    def update(self, state: TraceState, t0: int | None = None) -> None:
         """Redraw from `state`; times are relative to t0 (default: the state's own origin)."""
         if t0 is None:
             t0 = D.time_origin(state) or state.last_ts
@@ -164,8 +164,8 @@ class GanttView(TraceView):
 
     def _build(self, height, width, max_requests: int = 40):
         self.max_requests = max_requests
-        self._state: Optional[TraceState] = None
-        self.selected: Optional[str] = None
+        self._state: TraceState | None = None
+        self.selected: str | None = None
         for kind in D.SPAN_KINDS:
             self.figure.add_bar(
                 name=kind,
@@ -517,7 +517,7 @@ class ExpertsView(TraceView):
         )
         self.which = W.Dropdown(options=list(D.EXPERT_MAPS), value=D.EXPERT_MAPS[0], description="show")
         self.which.observe(lambda _: None if self._syncing else self._redraw(), names="value")
-        self._state: Optional[TraceState] = None
+        self._state: TraceState | None = None
         self._syncing = False  # the selector's choices are being refreshed by a draw, not by a user
 
     def _extras(self) -> list:

@@ -26,8 +26,9 @@ import dataclasses
 import itertools
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 from workbench.workloads import KINDS, WorkloadRunner, fmt_rate, make_prompts
 
@@ -82,7 +83,7 @@ class Scenario:
             else:
                 yield {"messages": next(main), "rid_prefix": prefix}
 
-    def runner(self, engine: Any, *, rate: Optional[float] = None, seed: int = 0, **overrides) -> WorkloadRunner:
+    def runner(self, engine: Any, *, rate: float | None = None, seed: int = 0, **overrides) -> WorkloadRunner:
         """A WorkloadRunner for this scenario on `engine` (not started). `rate`: the starting rate
         (it adapts from there); `overrides`: any other WorkloadRunner argument."""
         kw = dict(
@@ -275,10 +276,10 @@ def record_run(
     output: str,
     make_runner: Callable[[Any], WorkloadRunner],
     *,
-    num_requests: Optional[int] = None,
-    duration_s: Optional[float] = None,
-    stop_when: Optional[Callable[[Sightings], bool]] = None,
-    progress: Optional[Callable[[str], None]] = None,
+    num_requests: int | None = None,
+    duration_s: float | None = None,
+    stop_when: Callable[[Sightings], bool] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> RecordResult:
     """Start an engine, record its trace to `output` while `make_runner(engine)` runs, until
     `num_requests` completed or failed, `duration_s` passed, or `stop_when(sightings)` holds

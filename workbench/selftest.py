@@ -27,8 +27,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 NEAR_TIE_NATS = 0.05
 PROMPT_TEXTS = ["What is a radix tree?", "Write a haiku about the sea.", "Name three prime numbers."]
@@ -81,7 +81,7 @@ def compare_greedy(ref: Greedy, out: Greedy, near_tie: float = NEAR_TIE_NATS) ->
 class _Bench:
     """The default model prepared once, prompts tokenized with its chat template."""
 
-    def __init__(self, device: str, dtype: str, model: Optional[str], new_tokens: tuple[int, ...] = NEW_TOKENS):
+    def __init__(self, device: str, dtype: str, model: str | None, new_tokens: tuple[int, ...] = NEW_TOKENS):
         from workbench.core.model_loader import load_tokenizer, prepare_model
 
         self.device, self.dtype, self.model = device, dtype, model
@@ -139,9 +139,9 @@ def _replays(graph_runner) -> str:
 # ---- the checks ---------------------------------------------------------------------------------
 def run_selftest(
     device: str,
-    dtype: Optional[str] = None,
-    model: Optional[str] = None,
-    checks: Optional[list[str]] = None,
+    dtype: str | None = None,
+    model: str | None = None,
+    checks: list[str] | None = None,
     progress: bool = True,
     quick: bool = False,
 ) -> list[CheckResult]:

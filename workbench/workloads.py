@@ -25,7 +25,8 @@ import math
 import random
 import threading
 import time
-from typing import Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 KINDS = ("chat", "shared-prefix", "long-prompt", "burst")
 _SHORT = {"chat": "chat", "shared-prefix": "sp", "long-prompt": "long", "burst": "burst"}
@@ -135,7 +136,7 @@ def chat_text(engine: Any, messages: list[dict]) -> str:
         return tok.decode(engine.apply_chat_template(messages))
 
 
-def _plugin_prompts(kind: str) -> Optional[Iterator[Any]]:
+def _plugin_prompts(kind: str) -> Iterator[Any] | None:
     try:
         from workbench.plugins import load_plugins
 
@@ -173,12 +174,12 @@ class WorkloadRunner:
         burst_size: int = 8,
         max_in_flight: int = 256,
         use_plugins: bool = True,
-        max_requests: Optional[int] = None,
+        max_requests: int | None = None,
         temperature: float = 0.7,
         ignore_eos: bool = False,
-        prompts: Optional[Iterable[Any]] = None,
-        ids: Optional[Iterator[int]] = None,
-        label: Optional[str] = None,
+        prompts: Iterable[Any] | None = None,
+        ids: Iterator[int] | None = None,
+        label: str | None = None,
         adaptive: bool = False,
         target_in_flight: float = 8.0,
         paused: bool = False,
@@ -213,13 +214,13 @@ class WorkloadRunner:
         self._ids = ids if ids is not None else itertools.count(1)
         self._rids: set[str] = set()
         self._stop = threading.Event()
-        self._wake: Optional[asyncio.Event] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._thread: Optional[threading.Thread] = None
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         # The active clock: monotonic time minus time spent paused.
         self._clock_lock = threading.Lock()
         self._paused_total = 0.0
-        self._paused_at: Optional[float] = self._clock_s() if paused else None
+        self._paused_at: float | None = self._clock_s() if paused else None
         self._t0 = self._active_now()
         self._done_at: collections.deque[float] = collections.deque()
 
@@ -294,7 +295,7 @@ class WorkloadRunner:
     def _clock_s(self) -> float:
         return self._sim.now_ns() / 1e9 if self._sim is not None else time.monotonic()
 
-    def _announce(self, due: Optional[float]) -> None:
+    def _announce(self, due: float | None) -> None:
         """Tell a simulated deployment when the next request comes (active time; None: not sure one does)."""
         if self._sim is not None:
             ok = due is not None and math.isfinite(due) and not self.paused and not self._stop.is_set()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -26,7 +26,7 @@ ANY_JSON = "$$ANY$$"  # json_schema value meaning "any JSON object" (OpenAI's js
 INSTALL_HINT = "structured outputs need xgrammar: pip install xgrammar (or the project's [structured] extra)"
 
 
-def grammar_of(sampling_params: Any) -> Optional[tuple[str, str]]:
+def grammar_of(sampling_params: Any) -> tuple[str, str] | None:
     """The (kind, text) constraining a request, or None."""
     for kind in GRAMMAR_KINDS:
         value = getattr(sampling_params, kind, None)
@@ -74,9 +74,7 @@ def _first_line(e: Exception) -> str:
 class GrammarBackend:
     """Compiles grammars for one tokenizer and vocabulary (the logits' width) and makes matchers."""
 
-    def __init__(
-        self, tokenizer: Any, vocab_size: int, stop_token_ids: Optional[list[int]] = None, cache_size: int = 256
-    ):
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None, cache_size: int = 256):
         try:
             import xgrammar
         except ImportError as e:
@@ -128,7 +126,7 @@ class GrammarBackend:
         """A fresh matcher (the state of one request's output) for the grammar."""
         return self._xgr.GrammarMatcher(self.compile(kind, text))
 
-    def fill_bitmask(self, matchers: list[Optional[Any]]) -> Optional[torch.Tensor]:
+    def fill_bitmask(self, matchers: list[Any | None]) -> torch.Tensor | None:
         """The int32 bitmask of a batch: each constrained row from its matcher's state, every
         other row all allowed. None when no row is constrained."""
         if all(m is None for m in matchers):

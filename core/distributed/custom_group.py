@@ -20,7 +20,7 @@ with `rank_offset + tp_rank`) and, through `TrainerWeightSync`, the project's tr
 from __future__ import annotations
 
 import datetime
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["init_custom_process_group", "destroy_custom_process_group"]
 
@@ -31,7 +31,7 @@ def init_custom_process_group(
     world_size: int,
     rank: int,
     group_name: str,
-    timeout: Optional[datetime.timedelta] = None,
+    timeout: datetime.timedelta | None = None,
 ) -> Any:
     """Join (rank > 0) or host (rank 0) the group `group_name`; returns the ProcessGroup.
 

@@ -18,7 +18,6 @@ import socket
 import sys
 import time
 from multiprocessing.connection import wait as mp_wait
-from typing import Optional
 
 from workbench.core.distributed.topology import split_addr, tp_ranks_on_node, validate_tp_for_model  # noqa: F401
 from workbench.core.model_executor.cpu_threads import omp_wait_env
@@ -190,7 +189,7 @@ def run_worker_node(server_args, on_ready=None) -> int:
             signal.signal(s, h)
 
 
-def worker_node_main(argv: Optional[list[str]] = None) -> int:
+def worker_node_main(argv: list[str] | None = None) -> int:
     """`python -m workbench.core.distributed.launch --nnodes 2 --node-rank 1 ...`."""
     import argparse
 

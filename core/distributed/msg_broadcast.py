@@ -8,10 +8,7 @@ never pickle.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import msgspec
-
 from workbench.core.distributed.parallel_state import broadcast_bytes, get_tp_size
 from workbench.core.io_struct import AnyMsg, Msg
 
@@ -19,7 +16,7 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(list[AnyMsg])
 
 
-def broadcast_msgs(msgs: Optional[list[Msg]]) -> list[Msg]:
+def broadcast_msgs(msgs: list[Msg] | None) -> list[Msg]:
     """TP rank 0 passes what it received (possibly []), the other ranks None; all get rank 0's list."""
     if get_tp_size() == 1:
         return list(msgs or [])

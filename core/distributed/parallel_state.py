@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
-
 from workbench.core.distributed.topology import split_addr
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -27,8 +25,8 @@ DEFAULT_TIMEOUT_S = 1800.0
 class TPGroup:
     rank: int = 0
     size: int = 1
-    group: Optional[object] = None  # torch.distributed ProcessGroup for the model's collectives
-    cpu_group: Optional[object] = None  # gloo ProcessGroup for message broadcast (None when size 1)
+    group: object | None = None  # torch.distributed ProcessGroup for the model's collectives
+    cpu_group: object | None = None  # gloo ProcessGroup for message broadcast (None when size 1)
 
 
 _TP = TPGroup()
@@ -133,7 +131,7 @@ def tensor_model_parallel_broadcast_(x: torch.Tensor, src: int = 0) -> torch.Ten
 # ---- scheduler-level agreement (CPU group) ------------------------------------------------------
 
 
-def broadcast_bytes(data: Optional[bytes], src: int = 0) -> bytes:
+def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
     """Rank `src`'s `data` on every rank (others pass None). Two small broadcasts, one if empty.
 
     The payload is opaque bytes (the caller encodes typed messages with msgspec), so nothing

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import re
 from http import HTTPStatus
-from typing import Any, Optional
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -78,9 +78,9 @@ class APIError(Exception):
         status: int,
         message: str,
         *,
-        param: Optional[str] = None,
-        code: Optional[str] = None,
-        err_type: Optional[str] = None,
+        param: str | None = None,
+        code: str | None = None,
+        err_type: str | None = None,
     ):
         super().__init__(message)
         self.status = int(status)
@@ -96,18 +96,16 @@ class APIError(Exception):
         return JSONResponse(self.to_dict(), status_code=self.status)
 
 
-def error_body(message: str, err_type: str, param: Optional[str] = None, code: Optional[str] = None) -> dict[str, Any]:
+def error_body(message: str, err_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """The OpenAI error envelope."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def error_response(
-    status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None
-) -> JSONResponse:
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
     return APIError(status, message, param=param, code=code).response()
 
 
-def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 

@@ -30,15 +30,15 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from workbench.core.args import ServerArgs
+from workbench.core.entrypoints import openapi_doc
 from workbench.core.entrypoints.errors import (
     APIError,
     bad_request,
@@ -47,7 +47,6 @@ from workbench.core.entrypoints.errors import (
     http_status_error,
     validation_error,
 )
-from workbench.core.entrypoints import openapi_doc
 from workbench.core.entrypoints.metrics import ServerMetrics
 from workbench.core.entrypoints.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from workbench.core.entrypoints.native_api import finite_json, native_generate
@@ -178,7 +177,7 @@ def _running_loop():
 # ---------------------------------------------------------------- the app
 
 
-def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI:
+def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
     """The FastAPI app over a started Engine (routes, errors, metrics; see the module
     docstring). `app.state.metrics.close()` unsubscribes the metrics from the trace bus."""
     server_args = server_args or getattr(engine, "server_args", None) or ServerArgs()
@@ -485,7 +484,7 @@ class RunningServer:
 
 
 def start_server(
-    engine: Any, server_args: Optional[ServerArgs] = None, sock: Optional[socket.socket] = None, timeout_s: float = 30.0
+    engine: Any, server_args: ServerArgs | None = None, sock: socket.socket | None = None, timeout_s: float = 30.0
 ) -> RunningServer:
     """Serve an already started Engine over HTTP from its own loop, in the background.
 
@@ -532,7 +531,7 @@ def _in_flight(engine: Any) -> int:
     return len(getattr(tm, "rid_to_state", ())) if tm is not None else 0
 
 
-def _drain(engine: Any, running: "RunningServer", signals: dict, announce: bool) -> int:
+def _drain(engine: Any, running: RunningServer, signals: dict, announce: bool) -> int:
     """The drain window of a shutdown; returns how many requests were stopped unfinished."""
     running.app.state.draining = True  # new requests get 503 shutting_down
     n = _in_flight(engine)
@@ -641,7 +640,7 @@ def launch_server(server_args: ServerArgs) -> int:
             signal.signal(s, h)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="workbench serve", description="OpenAI-compatible server over the workbench engine"
     )

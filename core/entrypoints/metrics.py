@@ -25,11 +25,11 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import OrderedDict, deque
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
 from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 
@@ -194,7 +194,7 @@ class ServerMetrics:
     def cache_hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    def gen_throughput(self, now_ns: Optional[int] = None) -> float:
+    def gen_throughput(self, now_ns: int | None = None) -> float:
         """Decode tokens/s over the last window (0 when idle for a whole window)."""
         now = self.clock.now_ns() if now_ns is None else now_ns
         lo = now - self.window_ns

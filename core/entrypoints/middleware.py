@@ -5,7 +5,6 @@ from __future__ import annotations
 import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
-
 from workbench.core.entrypoints.errors import error_response
 
 HEALTH_EXEMPT = ("/health", "/health_generate")

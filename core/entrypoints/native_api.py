@@ -7,12 +7,9 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-
 from workbench.core.entrypoints.errors import bad_request, engine_error_to_api
 from workbench.core.entrypoints.openai.protocol import GenerateReqInput
-from workbench.core.sampling.sampling_params import sampling_params_from_dict
 from workbench.core.entrypoints.openai.serving_common import (
-    refuse_off_only,
     MAX_CHOICES_PER_REQUEST,
     SSE_DONE,
     ChoiceSpec,
@@ -21,10 +18,12 @@ from workbench.core.entrypoints.openai.serving_common import (
     StreamGuard,
     generate_all,
     new_rid,
+    refuse_off_only,
     sse,
     sse_error,
     stop_aware,
 )
+from workbench.core.sampling.sampling_params import sampling_params_from_dict
 
 
 def finite_json(obj: Any) -> Any:

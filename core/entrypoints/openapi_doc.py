@@ -11,12 +11,11 @@ client can get (docs/http_server.md, "Errors").
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
-
 from workbench.core.entrypoints.openai.protocol import (
     AbortReqInput,
     ChatCompletionRequest,
@@ -32,8 +31,8 @@ from workbench.core.entrypoints.openai.protocol import (
 class ErrorDetail(BaseModel):
     message: str
     type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
+    param: str | None = None
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):
@@ -49,12 +48,12 @@ class GenerateOutput(BaseModel):
     text: str
     output_ids: list[int]
     meta_info: dict[str, Any]
-    delta: Optional[str] = None
+    delta: str | None = None
 
 
 class AbortOutput(BaseModel):
     success: bool
-    rid: Optional[str] = None
+    rid: str | None = None
     abort_all: bool = False
 
 
@@ -62,7 +61,7 @@ class AbortOutput(BaseModel):
 BODIES: dict[tuple[str, str], tuple[type, Any, bool]] = {
     ("/v1/chat/completions", "post"): (ChatCompletionRequest, ChatCompletionResponse, True),
     ("/v1/completions", "post"): (CompletionRequest, CompletionResponse, True),
-    ("/generate", "post"): (GenerateReqInput, Union[GenerateOutput, list[GenerateOutput]], True),
+    ("/generate", "post"): (GenerateReqInput, Union[GenerateOutput, list[GenerateOutput]], True),  # noqa: UP007
     ("/abort_request", "post"): (AbortReqInput, AbortOutput, False),
 }
 ANSWERS: dict[tuple[str, str], Any] = {

@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -35,9 +35,9 @@ class ServerProcess:
         self,
         args: Sequence[str] = (),
         *,
-        port: Optional[int] = None,
+        port: int | None = None,
         host: str = "127.0.0.1",
-        env: Optional[dict] = None,
+        env: dict | None = None,
         start_timeout_s: float = 300.0,
         wait: bool = True,
     ):
@@ -119,7 +119,7 @@ class ServerProcess:
             pass
         self.proc.wait(10)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -26,7 +26,6 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional
 
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "json_array")
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
@@ -38,8 +37,8 @@ class ToolCallDelta:
     """One streamed piece of a tool call (OpenAI's `delta.tool_calls[i]`)."""
 
     index: int
-    id: Optional[str] = None  # the first delta of a call only
-    name: Optional[str] = None  # the first delta of a call only
+    id: str | None = None  # the first delta of a call only
+    name: str | None = None  # the first delta of a call only
     arguments: str = ""
 
     def to_openai(self) -> dict:
@@ -61,7 +60,7 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def _value_end(text: str) -> Optional[int]:
+def _value_end(text: str) -> int | None:
     """Where the JSON value at the start of `text` ends (index after it), or None while it is
     still open. Only objects and arrays are tracked (arguments are objects)."""
     depth, in_str, esc = 0, False, False
@@ -95,7 +94,7 @@ class _Call:
     index: int
     text: str = ""  # the call's JSON text so far
     id: str = field(default_factory=_new_id)
-    name: Optional[str] = None  # set once its first delta went out
+    name: str | None = None  # set once its first delta went out
     args_start: int = -1  # where the arguments value starts in `text`
     args_sent: int = 0  # characters of the arguments already streamed
     args_done: bool = False
@@ -104,7 +103,7 @@ class _Call:
 class FunctionCallParser:
     """Incremental tool-call parser for one choice (see the module docstring)."""
 
-    def __init__(self, parser: str, tool_names: Optional[set[str]] = None):
+    def __init__(self, parser: str, tool_names: set[str] | None = None):
         if parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"unknown tool call parser {parser!r}; one of {', '.join(TOOL_CALL_PARSERS)}")
         self.parser = parser
@@ -113,7 +112,7 @@ class FunctionCallParser:
         self._start, self._end = ("<tool_call>", "</tool_call>") if not self._whole else ("", "")
         self._buf = ""  # text not yet classified
         self._mode = "start" if self._whole else "text"  # start | text | call | between
-        self._call: Optional[_Call] = None
+        self._call: _Call | None = None
         self._calls: list[ToolCall] = []
         self._count = 0
 

@@ -5,7 +5,7 @@ template has no place for them."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 
 def tool_names(tools: list[dict]) -> list[str]:
@@ -22,7 +22,7 @@ def _call_schema(tool: dict) -> dict:
     }
 
 
-def forced_call_schema(tools: list[dict], tool_choice: Any, parallel: bool = True) -> Optional[str]:
+def forced_call_schema(tools: list[dict], tool_choice: Any, parallel: bool = True) -> str | None:
     """The JSON Schema (as text) that makes the output a JSON array of calls, for `required` (one
     or more calls to any of the tools; exactly one without `parallel`) or a named function
     (exactly one call to it); None for `auto`, `none` or no choice. The output is then read by

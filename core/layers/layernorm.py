@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from workbench.core.layers import cpu_ops
 
 
@@ -17,7 +14,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Return norm(x) or, with a residual, (norm(x + residual), x + residual)."""
         if residual is not None:
             x = x + residual

@@ -23,12 +23,9 @@ GEMM (AVX2 CPUs, where they stay unpacked). WORKBENCH_CPU_GEMV=0 turns it off.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from workbench.core.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from workbench.core.layers import cpu_ops
 
@@ -65,7 +62,7 @@ def _mkldnn_bf16_supported() -> bool:
         return False
 
 
-def pack_linear_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The oneDNN-blocked copy of a [out, in] weight, or None where that path is unavailable."""
     if not can_pack_for_cpu(weight):
         return None
@@ -73,7 +70,7 @@ def pack_linear_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor] = None
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x @ W.T (+ bias) (+ residual) on a weight from `pack_linear_weight`."""
     if residual is not None:
@@ -85,11 +82,11 @@ class LinearBase(nn.Module):
     """Holds `weight`/`bias` and the optional packed copy; subclasses define the sharding."""
 
     weight: nn.Parameter
-    bias: Optional[nn.Parameter]
+    bias: nn.Parameter | None
 
     def __init__(self):
         super().__init__()
-        self.packed_weight: Optional[torch.Tensor] = None
+        self.packed_weight: torch.Tensor | None = None
         # The CPU fast paths were asked for (packing, the batch-1 GEMV). Kept apart from
         # packed_weight, which stays None where oneDNN cannot pack this dtype.
         self.cpu_fast_path = False
@@ -99,9 +96,7 @@ class LinearBase(nn.Module):
         self.cpu_fast_path = pack and self.weight.device.type == "cpu"
         self.packed_weight = pack_linear_weight(self.weight) if pack else None
 
-    def _matmul(
-        self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None) -> torch.Tensor:
         # Under torch.compile the plain weight is traced (inductor does its own packing).
         if self.cpu_fast_path and cpu_ops.gemv_ready(x, self.weight):
             return cpu_ops.gemv(x, self.weight, bias, residual).to(x.dtype)
@@ -177,9 +172,9 @@ class RowParallelLinear(LinearBase):
         n = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias), all-reduced across ranks, then + residual if given."""
-        bias: Optional[torch.Tensor] = self.bias if self.tp_rank == 0 else None
+        bias: torch.Tensor | None = self.bias if self.tp_rank == 0 else None
         if self.tp_size == 1:
             return self._matmul(x, bias, residual)
         # Partial sums must be reduced before the residual joins (it is not split).

@@ -8,8 +8,8 @@ caller asks for every position (prompt logprobs), which costs T x V floats.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -20,9 +20,9 @@ class LogitsOutput:
     """Logits of one forward pass."""
 
     next_token_logits: torch.Tensor  # [B, V] float32, at each request's last position
-    all_logits: Optional[torch.Tensor] = None  # [T, V] float32, every position (when asked)
+    all_logits: torch.Tensor | None = None  # [T, V] float32, every position (when asked)
     # mixtures of experts: each sparse layer's [T, top_k] expert ids for this pass (trace: moe.routing)
-    routing: Optional[list[torch.Tensor]] = None
+    routing: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -35,7 +35,7 @@ class PromptLogprobs:
 
     token_ids: torch.Tensor  # [L - 1] int64, the tokens scored
     token_logprobs: torch.Tensor  # [L - 1] float32
-    top_logprobs: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (values, ids), [L - 1, k]
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # (values, ids), [L - 1, k]
 
 
 class LogitsProcessor(nn.Module):

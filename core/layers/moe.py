@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from workbench.core.distributed.parallel_state import (
     get_moe_ep_size,
     get_tp_rank,
@@ -83,8 +81,8 @@ class FusedMoE(nn.Module):
         i, e = self.intermediate_per_rank, self.num_local_experts
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
-        self.last_counts: Optional[torch.Tensor] = None  # [E] int64: tokens per expert, last call (CPU loop)
-        self.last_topk_ids: Optional[torch.Tensor] = None  # [T, k]: each token's experts, last call
+        self.last_counts: torch.Tensor | None = None  # [E] int64: tokens per expert, last call (CPU loop)
+        self.last_topk_ids: torch.Tensor | None = None  # [T, k]: each token's experts, last call
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard: str) -> None:
         """One expert's HF tensor: shard "w1" (gate [I, H]), "w3" (up [I, H]) or "w2" (down [H, I]).
@@ -157,7 +155,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
         return out if residual is None else out + residual

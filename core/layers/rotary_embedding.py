@@ -8,7 +8,6 @@ plain linear scaling and Phi-3's LongRoPE ("longrope").
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import nn
@@ -65,7 +64,7 @@ class RotaryEmbedding(nn.Module):
     each layer indexing the table and rotating q and k separately.
     """
 
-    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: Optional[dict] = None):
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None):
         super().__init__()
         self.head_dim = head_dim
         # Every model instance with this config uses the same table: compute it once per process.
@@ -134,7 +133,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos).add_(swapped.mul_(sin))
 
 
-def rope_config(config) -> tuple[float, Optional[dict]]:
+def rope_config(config) -> tuple[float, dict | None]:
     """(base, scaling dict) from either transformers 5's `rope_parameters` or the older fields."""
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and params:

@@ -22,11 +22,9 @@ by default). They describe the model, not the sampling procedure.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
-
 from workbench.core.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -35,8 +33,8 @@ class SamplerOutput:
     """What one sampling step returns (all tensors on the logits' device)."""
 
     next_token_ids: torch.Tensor  # [B] int64
-    logprobs: Optional[torch.Tensor] = None  # [B] float32, raw logprob of the chosen id
-    top_logprobs: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (values [B, k], ids [B, k]), sorted
+    logprobs: torch.Tensor | None = None  # [B] float32, raw logprob of the chosen id
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # (values [B, k], ids [B, k]), sorted
 
 
 class Sampler(nn.Module):
@@ -47,7 +45,7 @@ class Sampler(nn.Module):
     global generator.
     """
 
-    def __init__(self, generator: Optional[torch.Generator] = None):
+    def __init__(self, generator: torch.Generator | None = None):
         super().__init__()
         self.generator = generator
 

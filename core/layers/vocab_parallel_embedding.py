@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from workbench.core.distributed.parallel_state import (
     get_tp_rank,
     get_tp_size,

@@ -35,12 +35,11 @@ import os
 import signal
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import msgspec
 import zmq
-
 from workbench.core.args import ServerArgs
 from workbench.core.io_struct import (
     AbortReq,
@@ -240,7 +239,7 @@ class LoadBalancer:
             index = self.indexes[r]
             index.insert(index.block_keys(seq))
 
-    def rank_of(self, rid: str) -> Optional[int]:
+    def rank_of(self, rid: str) -> int | None:
         return self.rid_to_rank.get(rid)
 
     def clear_prefix_indexes(self) -> None:

@@ -15,10 +15,9 @@ import os
 import signal
 import time
 import traceback
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import zmq
-
 from workbench.core.io_struct import BatchStrOut, BatchTokenIDOut, Msg
 from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_msg
 from workbench.core.managers.incremental_detokenize import (
@@ -89,7 +88,7 @@ class DetokenizerManager:
         """Make event_loop return after its current poll (at most poll_interval_s)."""
         self._stopped = True
 
-    def event_loop(self, poll_interval_s: float = 1.0, parent_alive: Optional[Callable[[], bool]] = None) -> None:
+    def event_loop(self, poll_interval_s: float = 1.0, parent_alive: Callable[[], bool] | None = None) -> None:
         """Serve until stop(), or until `parent_alive()` (checked every poll_interval_s) is False."""
         poller = zmq.Poller()
         poller.register(self.recv_from_scheduler, zmq.POLLIN)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
 
 from workbench.core.io_struct import BatchTokenIDOut
 
@@ -252,7 +252,7 @@ class IncrementalDetokenizer:
 
     @staticmethod
     def _read_end(
-        st: DecodeStatus, finished_reason: Optional[str], matched_stop: Optional[Union[int, str]], no_stop_trim: bool
+        st: DecodeStatus, finished_reason: str | None, matched_stop: int | str | None, no_stop_trim: bool
     ) -> int:
         """End of the ids to decode this step: all of them, except a matched stop token."""
         end = len(st.decode_ids)
@@ -273,8 +273,8 @@ class IncrementalDetokenizer:
         end: int,
         surr_text: str,
         read_text: str,
-        finished_reason: Optional[str],
-        matched_stop: Optional[Union[int, str]],
+        finished_reason: str | None,
+        matched_stop: int | str | None,
         no_stop_trim: bool,
         stop_strs: Sequence[str],
     ) -> str:

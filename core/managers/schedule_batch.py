@@ -18,10 +18,8 @@ replaces with the real id just before the forward pass.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 import torch
-
 from workbench.core.model_executor.forward_batch_info import ForwardMode
 from workbench.core.sampling.sampling_batch_info import SamplingBatchInfo, make_generator
 from workbench.core.sampling.sampling_params import SamplingParams
@@ -31,7 +29,7 @@ from workbench.core.speculative.ngram import propose_ngram
 @dataclass
 class FinishReason:
     type: str  # "stop" | "length" | "abort"
-    matched: Optional[Union[int, str]] = None  # the stop token id or stop string
+    matched: int | str | None = None  # the stop token id or stop string
     message: str = ""
 
 
@@ -77,21 +75,21 @@ class Req:
         self.fill_ids: list[int] = []  # tokens whose KV is wanted after this round
         self.prefix_indices: torch.Tensor = _EMPTY
         self.last_node = None
-        self.req_pool_idx: Optional[int] = None
+        self.req_pool_idx: int | None = None
         self.kv_len = 0  # tokens whose KV is in the pool (or being written)
         # Overlap loop: the placeholder of this request's last token while the batch sampling it
         # is still in flight (None once the token is known, and always in the normal loop).
-        self.future_token_id: Optional[int] = None
+        self.future_token_id: int | None = None
         self.extend_input_len = 0
         self.cached_tokens = 0  # prefix-cache hit of the first prefill
         self.is_retracted = False
         self.num_chunks_done = 0  # prefill chunks run in this round
-        self.finished_reason: Optional[FinishReason] = None
-        self.to_abort: Optional[str] = None
+        self.finished_reason: FinishReason | None = None
+        self.to_abort: str | None = None
         self.sent_len = 0  # output tokens already sent to the detokenizer
         self.output_token_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
-        self.input_token_logprobs: list[Optional[float]] = []
+        self.input_token_logprobs: list[float | None] = []
         self.input_logprobs_sent = False
 
     # ---- lifecycle -------------------------------------------------------------
@@ -178,7 +176,7 @@ class ModelWorkerBatch:
     return_all_logits: bool = False
     sample: bool = True
     # Speculative verify pass: each request's rows (its last token + its drafts), sampled one row each.
-    spec_rows: Optional[list[int]] = None
+    spec_rows: list[int] | None = None
 
 
 @dataclass
@@ -192,19 +190,19 @@ class ScheduleBatch:
     vocab_size: int
     eos_token_ids: list[int]
     forward_mode: ForwardMode = ForwardMode.DECODE
-    chunked_req: Optional[Req] = None  # the request whose prefill is cut in this batch
+    chunked_req: Req | None = None  # the request whose prefill is cut in this batch
     cuda_graph: bool = False
     padded_size: int = 0
     extend_logprob_reqs: list[int] = field(default_factory=list)
     # Recorded at launch (prepare_for_*), read when the result is processed: by then the
     # requests' own fields may already describe the next batch (overlap loop).
-    out_cache_loc: Optional[torch.Tensor] = None
+    out_cache_loc: torch.Tensor | None = None
     prefix_lens: list[int] = field(default_factory=list)  # per row: KV tokens before this pass
     extend_lens: list[int] = field(default_factory=list)  # per row: tokens computed in this pass
-    future_ids: Optional[list[int]] = None  # per row: placeholder of its sampled token
+    future_ids: list[int] | None = None  # per row: placeholder of its sampled token
     spec_num_draft: int = 0  # speculative decoding: the most draft tokens per request per step (0: off)
-    spec_drafts: Optional[list[list[int]]] = None  # per request: the drafts this launch verifies
-    drafter: Optional[object] = None  # STANDALONE: the draft model (speculative/standalone.py); None: NGRAM
+    spec_drafts: list[list[int]] | None = None  # per request: the drafts this launch verifies
+    drafter: object | None = None  # STANDALONE: the draft model (speculative/standalone.py); None: NGRAM
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -313,7 +311,7 @@ class ScheduleBatch:
         )
 
     # ---- speculative decoding (NGRAM) ---------------------------------------------------
-    def _propose_drafts(self) -> Optional[list[list[int]]]:
+    def _propose_drafts(self) -> list[list[int]] | None:
         """Each request's drafts for this step, or None to decode plainly. A step with a request that
         wants logprobs, has a grammar or waits on an in-flight token decodes plainly (its rows would
         need per-row logprobs / masks); drafts never pass max_new_tokens or the KV room left.
@@ -372,7 +370,7 @@ class ScheduleBatch:
             spec_rows=rows,
         )
 
-    def _sampling_info(self, per_row: Optional[list[tuple[Req, list[int]]]] = None) -> SamplingBatchInfo:
+    def _sampling_info(self, per_row: list[tuple[Req, list[int]]] | None = None) -> SamplingBatchInfo:
         """One row per request, or per (request, output so far) in `per_row` (a verify pass's rows)."""
         per_row = per_row if per_row is not None else [(r, r.output_ids) for r in self.reqs]
         return SamplingBatchInfo.from_reqs(
@@ -386,14 +384,14 @@ class ScheduleBatch:
         )
 
     # ---- membership ----------------------------------------------------------------
-    def filter_batch(self, keep: Optional[list[Req]] = None) -> None:
+    def filter_batch(self, keep: list[Req] | None = None) -> None:
         """Drop finished requests (or keep exactly `keep`)."""
         self.reqs = [r for r in self.reqs if not r.finished()] if keep is None else keep
 
-    def merge_batch(self, other: "ScheduleBatch") -> None:
+    def merge_batch(self, other: ScheduleBatch) -> None:
         self.reqs.extend(other.reqs)
 
-    def copy(self) -> "ScheduleBatch":
+    def copy(self) -> ScheduleBatch:
         """A snapshot of this launch (its rows and what was recorded for them).
 
         The running batch object is reused from step to step (filtered, merged, launched

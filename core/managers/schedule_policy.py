@@ -23,10 +23,8 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Optional
 
 import torch
-
 from workbench.core.managers.schedule_batch import Req
 from workbench.core.mem_cache.radix_cache import RadixCache
 
@@ -152,7 +150,7 @@ class InBatchPrefixIndex:
         self.tree.insert(key, torch.full((len(key),), len(self.rids), dtype=torch.int64))
         self.rids.append(req.rid)
 
-    def blocker(self, req: Req) -> Optional[HeldBack]:
+    def blocker(self, req: Req) -> HeldBack | None:
         """Whom `req` should wait for, if waiting saves it >= threshold tokens; else None.
 
         `req.prefix_indices` must be its current radix-cache match (init_next_round_input):
@@ -192,7 +190,7 @@ class PrefillAdder:
         running_reqs: list[Req],
         new_token_ratio: float,
         max_prefill_tokens: int,
-        chunked_prefill_size: Optional[int],
+        chunked_prefill_size: int | None,
         in_batch_prefix_caching: bool = False,
     ):
         self.tree_cache = tree_cache
@@ -208,12 +206,12 @@ class PrefillAdder:
         self.rem_chunk_tokens = chunked_prefill_size
         self.new_token_ratio = new_token_ratio
         self.can_run_list: list[Req] = []
-        self.new_chunked_req: Optional[Req] = None
+        self.new_chunked_req: Req | None = None
         self._locked_delta = 0
         # For the trace (events.StepDecision): this step's prefill token budget, and why admission
         # stopped ("budget" | "kv" | "running" | "held"; None while everyone tried got in).
         self.budget = min(max_prefill_tokens, chunked_prefill_size) if chunked_prefill_size else max_prefill_tokens
-        self.stop_reason: Optional[str] = None
+        self.stop_reason: str | None = None
 
     def note_stop(self, reason: str) -> None:
         """Admission stopped for `reason` (the first reason given sticks)."""
@@ -240,7 +238,7 @@ class PrefillAdder:
         if self.in_batch_prefix is not None:
             self.in_batch_prefix.add(req)
 
-    def add_chunked_req(self, req: Req) -> Optional[Req]:
+    def add_chunked_req(self, req: Req) -> Req | None:
         """Continue a request whose prefill was cut in the previous step."""
         # Its later chunks are still to come: who shares them waits until they are cached.
         self.add_pending(req)

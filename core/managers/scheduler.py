@@ -31,28 +31,27 @@ import os
 import signal
 import time
 from contextlib import contextmanager
-from typing import Optional
 
 import zmq
-
 from workbench.core.args import ServerArgs
+from workbench.core.constrained.grammar import GrammarBackend, constraint_kind, grammar_of
 from workbench.core.distributed.msg_broadcast import broadcast_msgs
 from workbench.core.io_struct import (
     AbortReq,
+    DestroyWeightsUpdateGroupReq,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
     GetWeightsByNameReq,
+    InitWeightsUpdateGroupReq,
     SetTraceReq,
     StepGateReq,
     StepGateReqOutput,
     TokenizedGenerateReqInput,
     UpdateWeightsFromDiskReq,
-    UpdateWeightsFromTensorReq,
-    InitWeightsUpdateGroupReq,
     UpdateWeightsFromDistributedReq,
-    DestroyWeightsUpdateGroupReq,
+    UpdateWeightsFromTensorReq,
 )
 from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_msg
 from workbench.core.managers.schedule_batch import FinishReason, Req, ScheduleBatch
@@ -60,7 +59,6 @@ from workbench.core.managers.schedule_policy import AddReqResult, HeldBack, Pref
 from workbench.core.managers.scheduler_kv_check import SchedulerKVCheckMixin, kv_check_enabled
 from workbench.core.managers.scheduler_narration import StepNarrator
 from workbench.core.managers.scheduler_output import SchedulerOutputMixin
-from workbench.core.constrained.grammar import GrammarBackend, constraint_kind, grammar_of
 from workbench.core.managers.scheduler_overlap import InflightBatch, SchedulerOverlapMixin
 from workbench.core.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from workbench.core.mem_cache.chunk_cache import ChunkCache
@@ -83,7 +81,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
     def __init__(
         self,
         server_args: ServerArgs,
-        port_args: Optional[PortArgs],
+        port_args: PortArgs | None,
         tp_rank: int = 0,
         tp_size: int = 1,
         prepared=None,
@@ -92,7 +90,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         worker=None,
         io=None,
         tokenizer=None,
-        tracer: Optional[Tracer] = None,
+        tracer: Tracer | None = None,
     ):
         """`worker` (a TpModelWorker or a stand-in with the same interface), `io` (recv/send, see
         ZmqSchedulerIO), `tokenizer` (`decode(ids, skip_special_tokens=)`) and `tracer`: built here
@@ -150,8 +148,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.spec_proposed_total = 0  # ... the drafts they proposed ...
         self.spec_accepted_total = 0  # ... and kept
         self.running_batch: ScheduleBatch = self._new_batch([])
-        self.chunked_req: Optional[Req] = None
-        self.last_batch: Optional[ScheduleBatch] = None
+        self.chunked_req: Req | None = None
+        self.last_batch: ScheduleBatch | None = None
         # --schedule-conservativeness scales how much decoding admission expects (SGLang's rule).
         c = server_args.schedule_conservativeness
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * c, 1.0)
@@ -171,7 +169,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         # Overlap loop: the launch whose result is not processed yet (always None in the normal loop).
         # None (undecided) starts normal; init_adaptive_threads may turn it on once the thread plan is known.
         self.enable_overlap = server_args.disable_overlap_schedule is False
-        self.inflight: Optional[InflightBatch] = None
+        self.inflight: InflightBatch | None = None
         self.overlap_worker = None
         # KV integrity check when the loop goes idle (scheduler_kv_check.py); once per idle period.
         self.kv_check_enabled = kv_check_enabled(server_args)
@@ -279,7 +277,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self._step_start = time.perf_counter()
         self.narrator.begin(self.tracer.clock())
 
-    def finish_step(self, batch: Optional[ScheduleBatch]) -> None:
+    def finish_step(self, batch: ScheduleBatch | None) -> None:
         # Trace first: a client that steps the scheduler and then reads the trace should
         # find this step's events already on their way (they travel a separate socket).
         if batch is not None:
@@ -342,7 +340,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                     )
                 )
 
-    def attach_grammar(self, req: Req) -> Optional[str]:
+    def attach_grammar(self, req: Req) -> str | None:
         """Give a constrained request (json_schema / regex / ebnf) its grammar matcher; returns
         why it cannot have one (a grammar xgrammar cannot read, or no xgrammar), else None."""
         grammar = grammar_of(req.sampling_params)
@@ -404,7 +402,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         )
 
     # ==== choosing the next batch ========================================================
-    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
         # Requests that just finished their prefill join the running (decode) batch.
         done_prefill = self.just_prefilled_reqs()
         if done_prefill:
@@ -423,7 +421,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             return self.running_batch if not self.running_batch.is_empty() else None
         return None
 
-    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
         self.held_back = []
         if self.chunked_req is not None:
             self.continue_chunked_req()
@@ -483,7 +481,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                 req.cached_tokens = len(req.prefix_indices)
         return batch
 
-    def _fit_prefill_to_pool(self, adder: PrefillAdder, chunk_carry: Optional[Req]) -> None:
+    def _fit_prefill_to_pool(self, adder: PrefillAdder, chunk_carry: Req | None) -> None:
         """Give admitted requests back (last first) until the batch's new tokens fit in the pool.
 
         PrefillAdder's budget already accounts for locked prefixes and running requests' reserves,
@@ -862,7 +860,6 @@ def run_scheduler_process(
 def _apply_thread_plan(server_args: ServerArgs, tp_rank: int, tp_size: int):
     """Pin this rank's cores (if asked) and set its starting thread count; returns the ThreadPlan."""
     import torch
-
     from workbench.core.model_executor.cpu_threads import plan_threads
 
     ranks_here = max(1, tp_size // server_args.nnodes)  # TP ranks on one node share its cores

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
-
 from workbench.core.mem_cache.radix_cache import RadixCache
 from workbench.core.model_executor.forward_batch_info import ForwardMode
 
@@ -56,7 +55,7 @@ def kv_check_enabled(server_args) -> bool:
 class SchedulerKVCheckMixin:
     kv_check_error: str = ""  # the last idle check's violation ("" = none seen)
 
-    def live_kv_reqs(self) -> list["Req"]:
+    def live_kv_reqs(self) -> list[Req]:
         """Requests that hold a request row (and so may hold KV slots and a cache lock) now."""
         cands = list(self.running_batch.reqs)
         if self.chunked_req is not None:
@@ -195,7 +194,7 @@ class SchedulerKVCheckMixin:
                 )
 
         if problems:
-            raise KVInvariantError("KV invariant violated at step %d: %s" % (self.forward_ct, "; ".join(problems)))
+            raise KVInvariantError(f"KV invariant violated at step {self.forward_ct}: {'; '.join(problems)}")
         return {
             "total": total,
             "free": free,
@@ -222,7 +221,7 @@ class SchedulerKVCheckMixin:
             logger.error("%s", exc)
 
 
-def _where(slot: Optional[int], free_slots, cached_slots, live, table, radix) -> str:
+def _where(slot: int | None, free_slots, cached_slots, live, table, radix) -> str:
     """Where a doubly counted slot is (for the message)."""
     if slot is None:
         return ""

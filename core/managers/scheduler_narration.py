@@ -10,7 +10,7 @@ since the previous decision, so every slot handed out or taken back is counted i
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from workbench.core.model_executor.forward_batch_info import ForwardMode
 from workbench.core.trace import events as ev
@@ -48,9 +48,7 @@ class StepNarrator:
         self.start_ts = now_ns or time.monotonic_ns()  # the trace's clock (events' ts), not perf_counter
 
     # ---- what the scheduler reports ------------------------------------------------------
-    def admission(
-        self, adder: Optional["PrefillAdder"], continued: Optional["Req"], stop_reason: Optional[str] = None
-    ) -> None:
+    def admission(self, adder: PrefillAdder | None, continued: Req | None, stop_reason: str | None = None) -> None:
         """The prefill admission of this step (adder None: not attempted, for `stop_reason`)."""
         if adder is None:
             self.stop_reason = stop_reason or ""
@@ -76,7 +74,7 @@ class StepNarrator:
         self.mask_ms += ms
 
     # ---- the event ---------------------------------------------------------------------------
-    def end_step(self, tracer, batch: "ScheduleBatch", waiting: list["Req"], running: list["Req"]) -> None:
+    def end_step(self, tracer, batch: ScheduleBatch, waiting: list[Req], running: list[Req]) -> None:
         """A step that ran `batch` ends: emit its decision (or, tracing off, just start afresh)."""
         if tracer.enabled:
             tracer.emit(self.decision(batch, waiting, running))
@@ -84,7 +82,7 @@ class StepNarrator:
             self._marks = (self.allocator.num_allocated, self.allocator.num_freed)
             self._reset()
 
-    def decision(self, batch: "ScheduleBatch", waiting: list["Req"], running: list["Req"]) -> ev.StepDecision:
+    def decision(self, batch: ScheduleBatch, waiting: list[Req], running: list[Req]) -> ev.StepDecision:
         """This step's StepDecision (`waiting`: the queue after the step; `running`: the running
         batch's requests, which an extend step does not advance)."""
         alloc, freed = self.allocator.num_allocated, self.allocator.num_freed

@@ -8,10 +8,9 @@ stream to the detokenizer, and the trace events that describe the step.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
-
 from workbench.core.io_struct import BatchTokenIDOut
 from workbench.core.layers.logits_processor import token_logprobs
 from workbench.core.managers.schedule_batch import FinishReason
@@ -33,13 +32,13 @@ NON_STREAM_INTERVAL = 50
 
 class SchedulerOutputMixin:
     # ==== results ====================================================================
-    def process_batch_result(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
+    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         if batch.forward_mode == ForwardMode.DECODE:
             self.process_batch_result_decode(batch, result)
         else:
             self.process_batch_result_prefill(batch, result)
 
-    def process_batch_result_prefill(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
+    def process_batch_result_prefill(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         # KV lengths and chunk counts moved at launch; a cut request's computed part is handed to
         # the cache when its next chunk is scheduled (Scheduler.get_new_batch_prefill).
         for i, req in enumerate(batch.reqs):
@@ -60,7 +59,7 @@ class SchedulerOutputMixin:
                 self.tree_cache.cache_unfinished_req(req)
         self.stream_output([r for r in batch.reqs if r is not batch.chunked_req or r.finished()])
 
-    def process_batch_result_decode(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
+    def process_batch_result_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         if batch.spec_drafts is not None:
             self.process_verify_result(batch, result)
             return
@@ -78,7 +77,7 @@ class SchedulerOutputMixin:
             fresh.append(req)
         self.stream_output(fresh)
 
-    def process_verify_result(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
+    def process_verify_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         """Speculative decoding: keep each request's drafts up to the first the target disagrees with.
 
         Row j of a request holds the token the target chose after its last token and drafts[:j]
@@ -139,7 +138,7 @@ class SchedulerOutputMixin:
                 )
             )
 
-    def _append_token(self, req: "Req", i: int, result: "GenerationBatchResult", batch: "ScheduleBatch") -> None:
+    def _append_token(self, req: Req, i: int, result: GenerationBatchResult, batch: ScheduleBatch) -> None:
         req.output_ids.append(result.next_token_ids[i])
         if batch.future_ids is not None and req.future_token_id == batch.future_ids[i]:
             req.future_token_id = None  # a later launch may have put its own placeholder there
@@ -163,7 +162,7 @@ class SchedulerOutputMixin:
     def _decode_tail(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _add_input_logprobs(self, req: "Req", i: int, result: "GenerationBatchResult", start: int, n: int) -> None:
+    def _add_input_logprobs(self, req: Req, i: int, result: GenerationBatchResult, start: int, n: int) -> None:
         """Prompt logprobs of the `n` tokens after `start` computed by row i (launch-time values)."""
         if not req.input_token_logprobs:
             req.input_token_logprobs = [None] * (start + 1)  # nothing predicts the first / cached tokens
@@ -177,7 +176,7 @@ class SchedulerOutputMixin:
             req.input_token_logprobs.append(float(token_logprobs(row, nxt)[0]))
 
     # ==== output ======================================================================
-    def stream_output(self, reqs: list["Req"]) -> None:
+    def stream_output(self, reqs: list[Req]) -> None:
         """Send the requests' new tokens (and final state) to the detokenizer.
 
         A request's first tokens and its end always go out at once (TTFT and the result). In between,
@@ -254,7 +253,7 @@ class SchedulerOutputMixin:
         )
 
     # ==== trace ======================================================================
-    def describe_batch_step(self, batch: "ScheduleBatch") -> list:
+    def describe_batch_step(self, batch: ScheduleBatch) -> list:
         """Each request's share of a batch about to launch; emits its cache.match / req.scheduled."""
         t = self.tracer
         decode = batch.forward_mode == ForwardMode.DECODE
@@ -293,10 +292,10 @@ class SchedulerOutputMixin:
 
     def emit_batch_step(
         self,
-        batch: "ScheduleBatch",
+        batch: ScheduleBatch,
         schedule_ms: float,
         forward_ms: float,
-        step_reqs: Optional[list] = None,
+        step_reqs: list | None = None,
         step: int = -1,
     ) -> None:
         """The `batch.step` event; `step_reqs` from `describe_batch_step` at launch (computed now if None)."""
@@ -318,7 +317,7 @@ class SchedulerOutputMixin:
             )
         )
 
-    def emit_moe_routing(self, step_reqs: Optional[list], routing: Optional[list], step: int = -1) -> None:
+    def emit_moe_routing(self, step_reqs: list | None, routing: list | None, step: int = -1) -> None:
         """The `moe.routing` event of a step of a mixture-of-experts model: tokens per expert in each
         sparse layer, and each request's share. `step_reqs` (describe_batch_step, every row of the
         batch) gives each request's tokens in the pass, in the order the pass laid them out."""

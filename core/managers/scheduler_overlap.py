@@ -35,7 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from workbench.core.managers.schedule_batch import ScheduleBatch
@@ -45,11 +45,11 @@ if TYPE_CHECKING:
 class InflightBatch:
     """A launch whose result is not processed yet."""
 
-    batch: "ScheduleBatch"  # snapshot of the launch (ScheduleBatch.copy)
+    batch: ScheduleBatch  # snapshot of the launch (ScheduleBatch.copy)
     handle: concurrent.futures.Future  # TpModelWorkerClient's handle
     step: int  # the scheduler step that launched it (for the trace)
     schedule_ms: float
-    step_reqs: Optional[list] = None  # trace: each request's share, taken at launch
+    step_reqs: list | None = None  # trace: each request's share, taken at launch
 
 
 class SchedulerOverlapMixin:
@@ -91,7 +91,7 @@ class SchedulerOverlapMixin:
             self.overlap_worker = TpModelWorkerClient(self.tp_worker, rows)
 
     # ==== launch and result ============================================================
-    def launch_batch(self, batch: "ScheduleBatch") -> InflightBatch:
+    def launch_batch(self, batch: ScheduleBatch) -> InflightBatch:
         """Prepare `batch` and queue it on the worker thread; returns at once."""
         mwb, step_reqs = self.prepare_launch(batch)
         schedule_ms = (time.perf_counter() - self._step_start) * 1000
@@ -127,7 +127,7 @@ class SchedulerOverlapMixin:
         return True
 
     # ==== when to wait ===================================================================
-    def needs_output_history(self, batch: "ScheduleBatch") -> bool:
+    def needs_output_history(self, batch: ScheduleBatch) -> bool:
         """Whether sampling this batch reads output tokens that may still be in flight.
 
         Only a decode batch can hold a request with an in-flight token (a prefill batch's
@@ -147,7 +147,7 @@ class SchedulerOverlapMixin:
                 return True
         return False
 
-    def _without_finished(self, batch: "ScheduleBatch") -> Optional["ScheduleBatch"]:
+    def _without_finished(self, batch: ScheduleBatch) -> ScheduleBatch | None:
         # The result just processed may have finished requests of the decode batch built before it.
         if batch is self.running_batch:
             batch.filter_batch()

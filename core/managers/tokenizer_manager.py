@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
-
+from workbench.core.constrained.grammar import GrammarBackend, grammar_of
 from workbench.core.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -44,7 +45,6 @@ from workbench.core.io_struct import (
     encode_msg,
 )
 from workbench.core.ipc import PortArgs
-from workbench.core.constrained.grammar import GrammarBackend, grammar_of
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
@@ -67,22 +67,22 @@ class EngineDeadError(RuntimeError):
 class GenerateReqInput:
     """One request as the TokenizerManager receives it (after batch/n expansion)."""
 
-    text: Optional[str] = None
-    input_ids: Optional[list[int]] = None
+    text: str | None = None
+    input_ids: list[int] | None = None
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     stream: bool = False
-    rid: Optional[str] = None
+    rid: str | None = None
     # A simulated deployment returns these tokens in turn instead of sampling (a recorded run's output).
-    replay_output_ids: Optional[list[int]] = None
+    replay_output_ids: list[int] | None = None
     # ... and, with speculative decoding on, proposes these drafts: output length -> the recorded drafts.
-    replay_drafts: Optional[dict[int, list[int]]] = None
+    replay_drafts: dict[int, list[int]] | None = None
     # When the request arrived, on the trace clock; None: now. A driver replaying a workload on a
     # simulated deployment sets it (core/simulation/live.py `replay`): the request arrived mid-step.
-    arrival_ns: Optional[int] = None
+    arrival_ns: int | None = None
 
 
 @dataclass
@@ -97,22 +97,22 @@ class ReqState:
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: Optional[dict] = None
+    finish_reason: dict | None = None
     first_token_ns: int = 0
     finished_ns: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
-    input_token_logprobs: Optional[list] = None
+    input_token_logprobs: list | None = None
     # Logprobs in SGLang's shape: [logprob, token_id, text or None]; prompt positions from
     # logprob_start_len on (input_ids kept for their ids only when prompt logprobs were asked for).
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     logprob_start_len: int = -1
-    input_ids: Optional[list[int]] = None
+    input_ids: list[int] | None = None
     pending_delta: str = ""
-    error: Optional[str] = None
+    error: str | None = None
 
 
 class TokenizerManager:
@@ -125,7 +125,7 @@ class TokenizerManager:
         max_total_tokens: int,
         tracer,
         loop: asyncio.AbstractEventLoop,
-        clock: Optional[trace_clock.TraceClock] = None,
+        clock: trace_clock.TraceClock | None = None,
     ):
         self.server_args = server_args
         # Every stamp (meta_info latencies, req.* events): the engine's clock, simulated for a simulated
@@ -146,7 +146,7 @@ class TokenizerManager:
         self.recv_from_detokenizer.setsockopt(zmq.RCVHWM, 0)
         self.recv_from_detokenizer.bind(port_args.tokenizer_ipc_name)
         self.rid_to_state: dict[str, ReqState] = {}
-        self.dead_reason: Optional[str] = None
+        self.dead_reason: str | None = None
         # Control replies come back in order on the same socket; one waiter per type.
         self._control_waiters: dict[type, list[asyncio.Future]] = {}
         self._control_lock = asyncio.Lock()
@@ -288,7 +288,7 @@ class TokenizerManager:
                     yield self._result(state, None)
                 return
 
-    def _result(self, state: ReqState, delta: Optional[str]) -> dict:
+    def _result(self, state: ReqState, delta: str | None) -> dict:
         meta: dict[str, Any] = {
             "id": state.rid,
             "prompt_tokens": state.prompt_tokens,

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
-
 from workbench.core.layers.logits_processor import LogitsOutput, compute_prompt_logprobs
 from workbench.core.layers.sampler import SamplerOutput
 from workbench.core.managers.schedule_batch import ModelWorkerBatch
@@ -24,10 +22,10 @@ from workbench.core.model_executor.model_runner import ModelRunner
 @dataclass
 class GenerationBatchResult:
     logits_output: LogitsOutput
-    sampler_output: Optional[SamplerOutput]
+    sampler_output: SamplerOutput | None
     next_token_ids: list[int]
     forward_ms: float
-    prompt_logprobs: Optional[list] = None  # per request, from compute_prompt_logprobs
+    prompt_logprobs: list | None = None  # per request, from compute_prompt_logprobs
 
 
 @dataclass
@@ -36,7 +34,7 @@ class ForwardOutput:
 
     logits_output: LogitsOutput
     sampler_output: SamplerOutput
-    prompt_logprobs: Optional[list]
+    prompt_logprobs: list | None
 
 
 class TpModelWorker:

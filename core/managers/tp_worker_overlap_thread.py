@@ -25,10 +25,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any
 
 import torch
-
 from workbench.core.managers.schedule_batch import ModelWorkerBatch
 from workbench.core.managers.tp_worker import ForwardOutput, GenerationBatchResult, TpModelWorker
 
@@ -73,7 +72,7 @@ class TpModelWorkerClient:
         self.future_token_ids_ct = 0
         self.forward_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
         self.num_threads = torch.get_num_threads()
-        self.input_queue: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
+        self.input_queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.forward_thread = threading.Thread(target=self._forward_thread_func, daemon=True, name="overlap-forward")
         self.forward_thread.start()
 

@@ -33,11 +33,11 @@ import datetime
 import difflib
 import logging
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any
 
 import torch
-
 from workbench.core.distributed.custom_group import destroy_custom_process_group, init_custom_process_group
 from workbench.core.distributed.parallel_state import all_gather_bytes, tensor_model_parallel_all_gather
 from workbench.core.io_struct import (
@@ -135,7 +135,7 @@ class WeightSpec:
     param_name: str
     shard_id: Any
     full_shape: tuple[int, ...]
-    split_dim: Optional[int]
+    split_dim: int | None
     local_offset: int = 0
     local_size: int = -1
 
@@ -212,7 +212,7 @@ def _dtype_name(dtype: Any) -> str:
 def check_weights(
     model: torch.nn.Module,
     metas: Iterable[tuple[str, Sequence[int], Any]],
-    specs: Optional[dict[str, WeightSpec]] = None,
+    specs: dict[str, WeightSpec] | None = None,
 ) -> dict[str, WeightSpec]:
     """Check (name, shape, dtype) triples against `model`; raise WeightUpdateError listing the problems.
 
@@ -319,7 +319,6 @@ def _repack(model: torch.nn.Module, loaded: set[str]) -> None:
 def update_weights_from_disk(runner, model_path: str) -> UpdateResult:
     """Load a checkpoint of the running model's architecture in place (all weights, or nothing)."""
     from safetensors import safe_open
-
     from workbench.core.model_loader import iter_weights, prepare_model
     from workbench.core.model_loader.hf_loader import list_safetensors
 
@@ -636,7 +635,7 @@ class TrainerWeightSync:
         if self.group.pg is not None:
             _shutdown(self.group)
 
-    def __enter__(self) -> "TrainerWeightSync":
+    def __enter__(self) -> TrainerWeightSync:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -656,7 +655,7 @@ WEIGHT_MESSAGES = (
 _CHANGES_WEIGHTS = (UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq, UpdateWeightsFromDistributedReq)
 
 
-def handle_request(runner, msg: Msg, busy: bool = False) -> tuple[Msg, Optional[str]]:
+def handle_request(runner, msg: Msg, busy: bool = False) -> tuple[Msg, str | None]:
     """Answer one weight message in the scheduler; never raises.
 
     Returns (reply, source): source is set when the weights changed (the scheduler then
@@ -671,7 +670,7 @@ def handle_request(runner, msg: Msg, busy: bool = False) -> tuple[Msg, Optional[
     return reply, source
 
 
-def _agree_across_ranks(reply: UpdateWeightsReqOutput, source: Optional[str]) -> tuple[Msg, Optional[str]]:
+def _agree_across_ranks(reply: UpdateWeightsReqOutput, source: str | None) -> tuple[Msg, str | None]:
     """One outcome for all TP ranks: a failure on any rank fails the call, naming the rank(s).
 
     When the weights changed on any rank, `source` is set on every rank, so that all flush
@@ -694,7 +693,7 @@ def _agree_across_ranks(reply: UpdateWeightsReqOutput, source: Optional[str]) ->
     return UpdateWeightsReqOutput(success=False, message=text), source
 
 
-def _handle_on_this_rank(runner, msg: Msg, busy: bool) -> tuple[Msg, Optional[str]]:
+def _handle_on_this_rank(runner, msg: Msg, busy: bool) -> tuple[Msg, str | None]:
     if isinstance(msg, GetWeightsByNameReq):
         try:
             return GetWeightsByNameReqOutput(values=get_weights_by_name(runner, msg.name, msg.truncate_size)), None

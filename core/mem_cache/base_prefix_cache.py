@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
 from workbench.core.trace.events import TreeNode as TreeNodeInfo
 
 

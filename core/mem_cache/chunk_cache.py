@@ -8,10 +8,9 @@ chunks it has computed so the next chunk continues after them.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
-
 from workbench.core.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     MatchResult,
@@ -34,8 +33,8 @@ class ChunkCache(BasePrefixCache):
         req_to_token_pool,
         token_to_kv_pool_allocator,
         disable: bool = True,
-        on_event: Optional[Callable[[Event], None]] = None,
-        decode_text: Optional[Callable[[list[int]], str]] = None,
+        on_event: Callable[[Event], None] | None = None,
+        decode_text: Callable[[list[int]], str] | None = None,
     ):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator

@@ -28,7 +28,6 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -46,7 +45,7 @@ class Rehomed:
     pages right after the copy (from /proc/self/smaps; None where that cannot be read)."""
 
     bytes: int = 0
-    huge_bytes: Optional[int] = None
+    huge_bytes: int | None = None
     address: int = 0  # where the mapping's first tensor starts
     skipped: str = ""  # why nothing was moved, when nothing was
 
@@ -74,7 +73,7 @@ def unavailable_reason() -> str:
     return ""
 
 
-def _huge_bytes_of(address: int, length: int) -> Optional[int]:
+def _huge_bytes_of(address: int, length: int) -> int | None:
     """AnonHugePages of the mapping that contains `address` (from /proc/self/smaps)."""
     try:
         text = Path("/proc/self/smaps").read_text()

@@ -10,10 +10,7 @@ Slot 0 is never handed out: it is the scratch slot padded (dummy) requests write
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-
 from workbench.core.mem_cache import huge_pages
 
 
@@ -30,7 +27,7 @@ class ReqToTokenPool:
     def available_size(self) -> int:
         return len(self.free_slots)
 
-    def alloc(self, need_size: int = 1) -> Optional[list[int]]:
+    def alloc(self, need_size: int = 1) -> list[int] | None:
         if need_size > len(self.free_slots):
             return None
         out, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
@@ -70,7 +67,7 @@ class TokenToKVPoolAllocator:
     def available_size(self) -> int:
         return int(self.free_slots.numel())
 
-    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+    def alloc(self, need_size: int) -> torch.Tensor | None:
         if need_size > self.free_slots.numel():
             return None
         out = self.free_slots[:need_size]

@@ -34,10 +34,9 @@ never shows stale lock counts or hits, at no more than one event per snapshot.
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 import torch
-
 from workbench.core.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     MatchResult,
@@ -67,9 +66,9 @@ class TreeNode:
     def __init__(
         self,
         node_id: int,
-        parent: Optional["TreeNode"] = None,
-        key: Optional[list[int]] = None,
-        value: Optional[torch.Tensor] = None,
+        parent: TreeNode | None = None,
+        key: list[int] | None = None,
+        value: torch.Tensor | None = None,
     ):
         self.id = node_id
         self.parent = parent
@@ -77,11 +76,11 @@ class TreeNode:
         # never share a first token, so this is a complete index.
         self.children: dict[int, TreeNode] = {}
         self.key: list[int] = key if key is not None else []
-        self.value: Optional[torch.Tensor] = value
+        self.value: torch.Tensor | None = value
         self.lock_ref = 0
         self.hits = 0
         self.last_access = 0
-        self._text: Optional[str] = None
+        self._text: str | None = None
 
     def __len__(self) -> int:
         return len(self.key)
@@ -133,8 +132,8 @@ class RadixCache(BasePrefixCache):
         req_to_token_pool,
         token_to_kv_pool_allocator,
         disable: bool = False,
-        on_event: Optional[Callable[[Event], None]] = None,
-        decode_text: Optional[Callable[[list[int]], str]] = None,
+        on_event: Callable[[Event], None] | None = None,
+        decode_text: Callable[[list[int]], str] | None = None,
     ):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
@@ -351,7 +350,7 @@ class RadixCache(BasePrefixCache):
 
     # ---- locking and eviction -----------------------------------------------
 
-    def inc_lock_ref(self, node: Optional[TreeNode]) -> int:
+    def inc_lock_ref(self, node: TreeNode | None) -> int:
         """Lock `node` and its ancestors; return the change in evictable size (<= 0)."""
         if self.disable or node is None:
             return 0
@@ -368,7 +367,7 @@ class RadixCache(BasePrefixCache):
             node = node.parent
         return delta
 
-    def dec_lock_ref(self, node: Optional[TreeNode]) -> int:
+    def dec_lock_ref(self, node: TreeNode | None) -> int:
         """Undo one `inc_lock_ref(node)`; return the change in evictable size (>= 0)."""
         if self.disable or node is None:
             return 0

@@ -6,10 +6,7 @@ The device-neutral bucket and padding logic is shared with the CUDA graph runner
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-
 from workbench.core.model_executor.cuda_graph_runner import get_batch_size_buckets, pad_decode_batch, pick_bucket
 
 # Attention is one opaque custom op: dynamo sees fixed shapes (q, k, v: [bucket, H, D]),
@@ -89,7 +86,7 @@ class TorchCompileDecodeRunner:
     def can_run(self, fb) -> bool:
         return fb.forward_mode.is_decode() and not fb.return_all_logits and fb.batch_size <= self.buckets[-1]
 
-    def bucket_for(self, bs: int) -> Optional[int]:
+    def bucket_for(self, bs: int) -> int | None:
         """The compiled batch size a bs-row decode pads to (None: too big, eager)."""
         return pick_bucket(bs, self.buckets)
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def cores_for_rank(spec: str, local_rank: int, local_ranks: int) -> list[int]:
     return cores
 
 
-def _allowed_cores() -> Optional[set[int]]:
+def _allowed_cores() -> set[int] | None:
     try:
         return set(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -156,7 +156,7 @@ class CpuLoadMeter:
 
     def __init__(
         self,
-        cores: Optional[list[int]] = None,
+        cores: list[int] | None = None,
         stat_path: str = "/proc/stat",
         clock: Callable[[], float] = time.monotonic,
         own_cpu: Callable[[], float] = None,
@@ -169,7 +169,7 @@ class CpuLoadMeter:
         self.ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._last = self._sample()
 
-    def _busy_seconds(self) -> Optional[float]:
+    def _busy_seconds(self) -> float | None:
         wanted = {f"cpu{c}" for c in self.cores}
         try:
             with open(self.stat_path) as f:
@@ -185,11 +185,11 @@ class CpuLoadMeter:
                 busy += v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
         return busy / self.ticks
 
-    def _sample(self) -> Optional[tuple[float, float, float]]:
+    def _sample(self) -> tuple[float, float, float] | None:
         busy = self._busy_seconds()
         return None if busy is None else (self.clock(), busy, self.own_cpu())
 
-    def read(self) -> Optional[float]:
+    def read(self) -> float | None:
         """Cores kept busy by everything but this process since the last read (>= 0)."""
         now = self._sample()
         last, self._last = self._last, now
@@ -241,7 +241,7 @@ class StepTimePolicy:
     max_backoff: int = 16
     max_wait_ms: float = 4000.0
     threads: int = 0
-    probing: Optional[int] = None  # the count being tried, or None
+    probing: int | None = None  # the count being tried, or None
     probes: int = 0  # probes started (reported in get_internal_state)
     _since: int = field(default=0, repr=False)
     _recent: list = field(default_factory=list, repr=False)  # (bs, ms) at `threads`
@@ -250,7 +250,7 @@ class StepTimePolicy:
     _next_try: int = field(default=0, repr=False)  # alternates down / up for N > 2
     _up_backoff: int = field(default=1, repr=False)  # periods to wait before probing more threads
     _since_ms: float = field(default=0.0, repr=False)  # decode time since the last probe
-    _asked: Optional[int] = field(default=None, repr=False)  # the count probe_soon asked for
+    _asked: int | None = field(default=None, repr=False)  # the count probe_soon asked for
 
     def __post_init__(self):
         self.max_threads = max(1, int(self.max_threads))
@@ -274,7 +274,7 @@ class StepTimePolicy:
             self._up_backoff = 1
         return True
 
-    def _candidate(self) -> Optional[int]:
+    def _candidate(self) -> int | None:
         if self._asked is not None:
             n, self._asked = self._asked, None
             return n
@@ -339,7 +339,7 @@ class ThreadPlan:
 
     threads: int  # the starting thread count
     adaptive: bool  # whether AdaptiveThreads may change it
-    cores: Optional[list[int]]  # pinned cores (None: wherever the OS puts us)
+    cores: list[int] | None  # pinned cores (None: wherever the OS puts us)
     reason: str  # said in the start-up log and get_server_info
     spare_cores: int = 0  # cores this node's ranks leave without a compute thread (fixed plans only)
 
@@ -361,7 +361,7 @@ def _ranges(cores: list[int]) -> str:
 
 
 def plan_threads(
-    num_threads: Optional[int], bind: Optional[str], local_rank: int, local_ranks: int, device: str = "cpu"
+    num_threads: int | None, bind: str | None, local_rank: int, local_ranks: int, device: str = "cpu"
 ) -> ThreadPlan:
     """The thread plan for one scheduler rank from the flags (pure but for the affinity lookup).
 
@@ -427,9 +427,9 @@ class AdaptiveThreads:
         plan: ThreadPlan,
         apply: Callable[[int], None],
         interval_s: float = 0.25,
-        meter: Optional[CpuLoadMeter] = None,
+        meter: CpuLoadMeter | None = None,
         clock: Callable[[], float] = time.monotonic,
-        policy: Optional[StepTimePolicy] = None,
+        policy: StepTimePolicy | None = None,
         rise: float = 0.5,
     ):
         self.plan = plan
@@ -439,9 +439,9 @@ class AdaptiveThreads:
         self.policy = policy or StepTimePolicy(plan.threads, threads=plan.threads)
         self.meter = meter if meter is not None else (CpuLoadMeter(plan.cores) if plan.adaptive else None)
         self.next_at = clock() + interval_s
-        self.others: Optional[float] = None
+        self.others: float | None = None
         self.rise = rise
-        self.calm: Optional[float] = None  # the neighbours' use when last looked at (a trigger or the first read)
+        self.calm: float | None = None  # the neighbours' use when last looked at (a trigger or the first read)
         self.triggers = 0  # probes the load meter asked for
         self.changes: list[tuple[float, int, float]] = []
         self.applied = plan.threads
@@ -450,7 +450,7 @@ class AdaptiveThreads:
     def threads(self) -> int:
         return self.policy.threads
 
-    def on_decode_step(self, bs: int, forward_ms: float) -> Optional[int]:
+    def on_decode_step(self, bs: int, forward_ms: float) -> int | None:
         """Feed one decode step; returns the new count when it changed (probe or decision)."""
         now = self.clock()
         if self.meter is not None and now >= self.next_at:

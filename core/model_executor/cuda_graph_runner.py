@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -40,7 +39,7 @@ def get_batch_size_buckets(max_bs: int) -> list[int]:
     return sorted(sizes)
 
 
-def pick_bucket(bs: int, buckets: list[int]) -> Optional[int]:
+def pick_bucket(bs: int, buckets: list[int]) -> int | None:
     """The smallest bucket >= bs, or None when bs is larger than every bucket (run eagerly)."""
     if bs < 1:
         raise ValueError(f"batch size must be at least 1, got {bs}")
@@ -99,7 +98,7 @@ def pad_decode_batch(
 CUDA_GRAPH_STEP = 8
 
 
-def get_cuda_graph_batch_sizes(max_bs: int, explicit: Optional[list[int]] = None) -> list[int]:
+def get_cuda_graph_batch_sizes(max_bs: int, explicit: list[int] | None = None) -> list[int]:
     """Captured batch sizes: `explicit` (--cuda-graph-bs) capped at `max_bs`, else 1, 2, 4, 8 and
     every 8 up to `max_bs` (--cuda-graph-max-bs), which is always included."""
     if max_bs < 1:
@@ -198,7 +197,7 @@ class StaticDecodeBuffers:
     pad_row: int  # the req_to_token row padded requests point at (all slot 0)
 
     @classmethod
-    def allocate(cls, max_bs: int, device, pad_row: int) -> "StaticDecodeBuffers":
+    def allocate(cls, max_bs: int, device, pad_row: int) -> StaticDecodeBuffers:
         def z():
             return torch.zeros(max_bs, dtype=torch.int64, device=device)
 
@@ -288,7 +287,7 @@ class CudaGraphRunner:
         and, with verify graphs, verify passes of up to max_bs requests."""
         return self.plan(fb.forward_mode, fb.batch_size, fb.return_all_logits) is not None
 
-    def plan(self, forward_mode, bs: int, return_all_logits: bool = False) -> Optional[int]:
+    def plan(self, forward_mode, bs: int, return_all_logits: bool = False) -> int | None:
         """The bucket a pass of this mode and batch size replays, or None (eager)."""
         if not 1 <= bs <= self.max_bs:
             return None
@@ -296,7 +295,7 @@ class CudaGraphRunner:
         verify = forward_mode.is_target_verify() and self.verify_tokens_per_req
         return self.bucket_for(bs) if decode or verify else None
 
-    def bucket_for(self, bs: int) -> Optional[int]:
+    def bucket_for(self, bs: int) -> int | None:
         """The captured batch size a bs-row decode pads to (None: too big, eager)."""
         return pick_bucket(bs, self.batch_sizes)
 
@@ -441,7 +440,7 @@ class CudaGraphRunner:
         return graph.output[0][: fb.batch_size].clone()
 
 
-def maybe_create_cuda_graph_runner(model_runner) -> Optional[CudaGraphRunner]:
+def maybe_create_cuda_graph_runner(model_runner) -> CudaGraphRunner | None:
     """The runner for `--disable-cuda-graph` off on CUDA, or None (CPU, disabled, or unsupported).
 
     `--cuda-graph-stand-in` builds it on any device with the stand-in mechanism: the whole

@@ -65,7 +65,7 @@ class StaticVerifyBuffers:
     pad_row: int
 
     @classmethod
-    def allocate(cls, max_bs: int, tokens_per_req: int, device, pad_row: int) -> "StaticVerifyBuffers":
+    def allocate(cls, max_bs: int, tokens_per_req: int, device, pad_row: int) -> StaticVerifyBuffers:
         n = max_bs * tokens_per_req
 
         def z(size: int) -> torch.Tensor:

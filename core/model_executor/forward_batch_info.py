@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum, auto
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,8 +55,8 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]  # [B] new tokens per request (1 for decode)
     extend_prefix_lens_cpu: list[int]  # [B] tokens already in the pool per request
     return_all_logits: bool = False
-    req_to_token_pool: Optional["ReqToTokenPool"] = None
-    token_to_kv_pool: Optional["MHATokenToKVPool"] = None
+    req_to_token_pool: ReqToTokenPool | None = None
+    token_to_kv_pool: MHATokenToKVPool | None = None
     attn_backend: Any = None
     # Filled by the attention backend's init_forward_metadata.
     attn_metadata: Any = None
@@ -70,7 +70,7 @@ class ForwardBatch:
                 start += n
             self.extend_start_loc_cpu = locs
 
-    def to(self, device) -> "ForwardBatch":
+    def to(self, device) -> ForwardBatch:
         """Move the per-token / per-request tensors to `device` in place (the scheduler and the
         offline harness build them on the host). Returns self."""
         device = torch.device(device)

@@ -19,9 +19,7 @@ class ModelConfig:
     hf_config: object
 
     @classmethod
-    def from_hf(
-        cls, config, context_length: int | None = None, generation_eos: list[int] | None = None
-    ) -> "ModelConfig":
+    def from_hf(cls, config, context_length: int | None = None, generation_eos: list[int] | None = None) -> ModelConfig:
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

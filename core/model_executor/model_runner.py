@@ -9,12 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Optional
 
 import torch
-
 from workbench.core.args import ServerArgs, choose_cpu_dtype
-from workbench.core.distributed.topology import validate_tp_for_model
 from workbench.core.distributed.parallel_state import (
     all_reduce_min_int,
     init_tp_group,
@@ -22,11 +19,12 @@ from workbench.core.distributed.parallel_state import (
     set_tp_group,
     tensor_model_parallel_broadcast_,
 )
+from workbench.core.distributed.topology import validate_tp_for_model
 from workbench.core.layers.logits_processor import LogitsOutput, LogitsProcessor
 from workbench.core.layers.moe import sparse_moe_blocks
 from workbench.core.layers.sampler import Sampler
-from workbench.core.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from workbench.core.mem_cache.huge_pages import Rehomed, rehome_parameters
+from workbench.core.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from workbench.core.model_executor.cpu_allocator import tune_glibc_malloc
 from workbench.core.model_executor.cpu_compile_runner import TorchCompileDecodeRunner
 from workbench.core.model_executor.cuda_graph_runner import maybe_create_cuda_graph_runner
@@ -54,7 +52,7 @@ class ModelRunner:
         tp_rank: int = 0,
         tp_size: int = 1,
         prepared=None,
-        max_req_rows: Optional[int] = None,
+        max_req_rows: int | None = None,
     ):
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -83,7 +81,7 @@ class ModelRunner:
         self.attn_backend = self._make_attn_backend()
         self.logits_processor = LogitsProcessor(self.model_config.vocab_size)
         self.sampler = Sampler()
-        self.decode_runner: Optional[TorchCompileDecodeRunner] = None
+        self.decode_runner: TorchCompileDecodeRunner | None = None
         if server_args.enable_torch_compile and self.tp_size == 1:
             self.decode_runner = TorchCompileDecodeRunner(
                 self, min(server_args.torch_compile_max_bs, self.max_running_requests)
@@ -130,7 +128,7 @@ class ModelRunner:
         if self.device == "cpu":
             tune_glibc_malloc()  # warm activation pages across passes (see cpu_allocator.py)
 
-    def init_memory_pool(self, max_req_rows: Optional[int]) -> None:
+    def init_memory_pool(self, max_req_rows: int | None) -> None:
         mc = self.model_config
         kv_heads = max(1, mc.num_key_value_heads // self.tp_size)
         bytes_per_token = 2 * mc.num_layers * kv_heads * mc.head_dim * torch.finfo(self.kv_dtype).bits // 8

@@ -8,11 +8,10 @@ then the rest on top of it), then batched decode passes until every request stop
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import torch
-
 from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from workbench.core.model_executor.model_runner import ModelRunner
 from workbench.core.sampling.sampling_batch_info import SamplingBatchInfo, make_generator
@@ -33,7 +32,7 @@ class _Seq:
     row: int
     kv_len: int = 0  # tokens whose K/V is in the pool
     result: OfflineResult = field(default_factory=OfflineResult)
-    generator: Optional[torch.Generator] = None
+    generator: torch.Generator | None = None
     done: bool = False
 
 
@@ -45,7 +44,7 @@ class OfflineHarness:
         self,
         prompts: Sequence[list[int]],
         params: SamplingParams | Sequence[SamplingParams],
-        prefix_lens: Optional[Sequence[int]] = None,
+        prefix_lens: Sequence[int] | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         share_prefix: bool = False,

@@ -23,11 +23,11 @@ supply the second; this module holds both, per family:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
-
 from workbench.core.model_loader.errors import ModelLoadError
 
 _ATTENTION = {

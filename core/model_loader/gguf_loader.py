@@ -34,17 +34,23 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-
 from workbench.core.model_loader.errors import ModelLoadError, describe
-from workbench.core.model_loader.gguf_families import CONFIG_TENSORS, FAMILIES, GgufFamily, expected_tensors
-from workbench.core.model_loader.gguf_families import family_key, hf_tensors
+from workbench.core.model_loader.gguf_families import (
+    CONFIG_TENSORS,
+    FAMILIES,
+    GgufFamily,
+    expected_tensors,
+    family_key,
+    hf_tensors,
+)
 
 logger = logging.getLogger(__name__)
 

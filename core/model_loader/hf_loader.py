@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
-
 from workbench.core.model_loader.errors import ModelLoadError, describe
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ Accepted, in this order:
 from __future__ import annotations
 
 import importlib.util
-import re
 import json
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -98,7 +98,7 @@ class SavedConfig(SimpleNamespace):
     """
 
     @classmethod
-    def read(cls, model_dir: Path) -> "SavedConfig":
+    def read(cls, model_dir: Path) -> SavedConfig:
         return cls(**json.loads((Path(model_dir) / "config.json").read_text()))
 
 

@@ -16,12 +16,9 @@ The window and the attention cap are RadixAttention's `sliding_window_size` and 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from workbench.core.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from workbench.core.layers.radix_attention import RadixAttention
 from workbench.core.layers.rotary_embedding import RotaryEmbedding, rope_config
@@ -113,7 +110,7 @@ class Gemma3DecoderLayer(GemmaDecoderLayer):
     attention_cls = Gemma3Attention
 
 
-def _rope_of(config, layer_type: str) -> tuple[float, Optional[dict]]:
+def _rope_of(config, layer_type: str) -> tuple[float, dict | None]:
     """(base, scaling) for one kind of layer: Gemma 3 keeps one rope_parameters entry per layer type."""
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and isinstance(params.get(layer_type), dict):

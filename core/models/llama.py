@@ -10,12 +10,11 @@ lives in the token-slot pool), and every linear is tensor-parallel-aware.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from workbench.core.distributed.parallel_state import tensor_model_parallel_all_gather
 from workbench.core.layers import cpu_ops
 from workbench.core.layers.activation import SiluAndMul, silu_and_mul
@@ -32,7 +31,6 @@ from workbench.core.layers.radix_attention import RadixAttention
 from workbench.core.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_config
 from workbench.core.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-
 _EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 
 
@@ -43,7 +41,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """down(silu(gate) * up) (+ residual, added inside the down projection)."""
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)), residual)
 
@@ -77,7 +75,7 @@ class LlamaAttention(nn.Module):
         hidden_states: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         forward_batch,
-        residual: Optional[torch.Tensor] = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """rope: (cos, signed sin) from RotaryEmbedding.get_cos_sin, gathered once per pass."""
         T = hidden_states.shape[0]
@@ -93,7 +91,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(T, self.q_size), residual)
 
 
-def layer_window(config, layer_id: int) -> Optional[int]:
+def layer_window(config, layer_id: int) -> int | None:
     """The sliding window layer `layer_id` attends within, or None for full attention.
 
     A config turns a window on with `sliding_window` (Mistral v0.1's 4096; Qwen2/Qwen3 name one but
@@ -156,7 +154,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, base, scaling)
         # Batch-1 float32 decode on CPU runs every layer in one compiled call (cpu_ops/decode_layers.c)
         # over this table of weight and pool pointers, built at its first use (see _decode_table).
-        self._decode_table: Optional[tuple[tuple[int, ...], torch.Tensor, list[torch.Tensor]]] = None
+        self._decode_table: tuple[tuple[int, ...], torch.Tensor, list[torch.Tensor]] | None = None
 
     def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
@@ -210,7 +208,7 @@ class LlamaModel(nn.Module):
             return self._decode_table[1]
         keep: list[torch.Tensor] = []
 
-        def f32(t: Optional[torch.Tensor]) -> int:
+        def f32(t: torch.Tensor | None) -> int:
             if t is None:
                 return 0
             if t.dtype != torch.float32 or not t.is_contiguous():
@@ -306,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.vocab_size = config.vocab_size
-        self._packed_head: Optional[torch.Tensor] = None
+        self._packed_head: torch.Tensor | None = None
         self._head_fast_path = False  # the batch-1 GEMV may compute the head (process_weights_after_loading)
 
     def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:

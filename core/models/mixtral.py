@@ -5,7 +5,6 @@ HF calls the block `block_sparse_moe`; here it is the layer's `mlp` like every o
 from __future__ import annotations
 
 from torch import nn
-
 from workbench.core.layers.moe import SparseMoeBlock
 from workbench.core.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 

@@ -5,7 +5,6 @@ on every layer whose top-k weights are renormalised only when `norm_topk_prob` (
 from __future__ import annotations
 
 from torch import nn
-
 from workbench.core.layers.moe import SparseMoeBlock
 from workbench.core.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from workbench.core.models.qwen3 import QKNormAttention

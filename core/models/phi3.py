@@ -5,10 +5,9 @@ heads and its share of the MLP under tensor parallelism."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
-
 from workbench.core.models.llama import LlamaForCausalLM
 
 

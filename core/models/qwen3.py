@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
 from workbench.core.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from workbench.core.layers import cpu_ops
 from workbench.core.layers.layernorm import RMSNorm

@@ -6,7 +6,6 @@ of `num_experts`, renormalised when `norm_topk_prob`."""
 from __future__ import annotations
 
 from torch import nn
-
 from workbench.core.layers.moe import SparseMoeBlock
 from workbench.core.models.llama import LlamaForCausalLM
 from workbench.core.models.qwen3 import Qwen3DecoderLayer

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from torch import nn
-
 from workbench.core.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from workbench.core.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from workbench.core.models.mixtral import MixtralForCausalLM

@@ -15,14 +15,14 @@ and pass it back in `generators`; `make_generator` creates one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence, Union
+from typing import Union
 
 import torch
-
 from workbench.core.sampling.sampling_params import SamplingParams
 
-DeviceLike = Union[str, torch.device]
+DeviceLike = Union[str, torch.device]  # noqa: UP007
 
 
 def make_generator(seed: int, device: DeviceLike = "cpu") -> torch.Generator:
@@ -49,26 +49,26 @@ class SamplingBatchInfo:
     min_ps: torch.Tensor  # [B] float32
     is_greedy: torch.Tensor  # [B] bool
     output_lens: torch.Tensor  # [B] int64, tokens generated so far
-    generators: list[Optional[torch.Generator]]  # per row; None = the sampler's shared generator
+    generators: list[torch.Generator | None]  # per row; None = the sampler's shared generator
     is_all_greedy: bool = False
     need_top_p: bool = False
     need_top_k: bool = False
     need_min_p: bool = False
     # Penalties (None when no row uses that penalty).
-    frequency_penalties: Optional[torch.Tensor] = None  # [B, 1] float32
-    presence_penalties: Optional[torch.Tensor] = None  # [B, 1] float32
-    repetition_penalties: Optional[torch.Tensor] = None  # [B, 1] float32
-    output_counts: Optional[torch.Tensor] = None  # [B, V] int32, counts in the OUTPUT
-    seen_tokens: Optional[torch.Tensor] = None  # [B, V] bool, in prompt + output
+    frequency_penalties: torch.Tensor | None = None  # [B, 1] float32
+    presence_penalties: torch.Tensor | None = None  # [B, 1] float32
+    repetition_penalties: torch.Tensor | None = None  # [B, 1] float32
+    output_counts: torch.Tensor | None = None  # [B, V] int32, counts in the OUTPUT
+    seen_tokens: torch.Tensor | None = None  # [B, V] bool, in prompt + output
     # min_new_tokens (None when no row asks for it).
-    min_new_tokens: Optional[torch.Tensor] = None  # [B] int64
-    stop_token_mask: Optional[torch.Tensor] = None  # [B, V] bool, ids to hold back
+    min_new_tokens: torch.Tensor | None = None  # [B] int64
+    stop_token_mask: torch.Tensor | None = None  # [B, V] bool, ids to hold back
     # logit_bias (None when no row has one): added to the logits after the penalties.
-    logit_bias: Optional[torch.Tensor] = None  # [B, V] float32, 0 where a row sets nothing
+    logit_bias: torch.Tensor | None = None  # [B, V] float32, 0 where a row sets nothing
     # Structured outputs: the grammar's allowed tokens this step (core/constrained/grammar.py),
     # set fresh before every step by the scheduler (None: no row constrained). Not carried by
     # filter/merge: it is only valid for the step it was filled for.
-    vocab_mask: Optional[torch.Tensor] = None  # [B, ceil(V/32)] int32 bitmask: bit j of word w allows 32w+j
+    vocab_mask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 bitmask: bit j of word w allows 32w+j
 
     # ------------------------------------------------------------------ build
 
@@ -76,13 +76,13 @@ class SamplingBatchInfo:
     def from_reqs(
         cls,
         params: Sequence[SamplingParams],
-        output_ids: Optional[Sequence[Sequence[int]]] = None,
-        prompt_ids: Optional[Sequence[Sequence[int]]] = None,
+        output_ids: Sequence[Sequence[int]] | None = None,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
         vocab_size: int = 0,
         device: DeviceLike = "cpu",
-        eos_ids: Optional[Sequence[Sequence[int]]] = None,
-        generators: Optional[Sequence[Optional[torch.Generator]]] = None,
-    ) -> "SamplingBatchInfo":
+        eos_ids: Sequence[Sequence[int]] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> SamplingBatchInfo:
         """Build the batch's tensors.
 
         params: one `SamplingParams` per request (assumed verified).
@@ -119,7 +119,7 @@ class SamplingBatchInfo:
         sampled = [not g for g in greedy]
 
         if generators is None:
-            gens: list[Optional[torch.Generator]] = [
+            gens: list[torch.Generator | None] = [
                 make_generator(p.seed, device) if p.seed is not None else None for p in params
             ]
         else:
@@ -268,7 +268,7 @@ class SamplingBatchInfo:
         if self.seen_tokens is not None:
             self.seen_tokens[rows, ids] = True
 
-    def filter_batch(self, keep_indices: Union[Sequence[int], torch.Tensor]) -> None:
+    def filter_batch(self, keep_indices: Sequence[int] | torch.Tensor) -> None:
         """Keep only the given rows (in that order), e.g. after requests finish."""
         keep_list = [int(i) for i in keep_indices]
         keep = torch.tensor(keep_list, dtype=torch.int64, device=self.device)
@@ -279,7 +279,7 @@ class SamplingBatchInfo:
         self.generators = [self.generators[i] for i in keep_list]
         self._refresh_flags()
 
-    def merge_batch(self, other: "SamplingBatchInfo") -> None:
+    def merge_batch(self, other: SamplingBatchInfo) -> None:
         """Append `other`'s rows after this batch's rows (running batch + new prefill)."""
         if other.vocab_size != self.vocab_size:
             raise ValueError(f"cannot merge batches with vocab sizes {self.vocab_size} and {other.vocab_size}")

@@ -15,9 +15,8 @@ Conventions shared with the sampler:
 from __future__ import annotations
 
 import json
-
 import math
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
 
 import msgspec
 
@@ -45,22 +44,22 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
-    seed: Optional[int] = None
+    seed: int | None = None
     # token id -> a value added to its logit before the choice (OpenAI's and SGLang's logit_bias;
     # JSON's string keys are read as ids). Logprobs stay those of the model, unbiased.
-    logit_bias: Optional[dict[int, float]] = None
+    logit_bias: dict[int, float] | None = None
     # Structured outputs (at most one; core/constrained/grammar.py): a JSON Schema (as a string,
     # "$$ANY$$" for any JSON object), a regular expression, or an xgrammar EBNF grammar.
-    json_schema: Optional[str] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     # ------------------------------------------------------------------ derived
 
@@ -89,7 +88,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             ids.extend(tokenizer_eos_ids)
         return list(dict.fromkeys(int(i) for i in ids))
 
-    def normalize(self) -> "SamplingParams":
+    def normalize(self) -> SamplingParams:
         """Put the loosely typed fields into one canonical shape, in place; returns self.
 
         `stop` becomes a list of non-empty strings (or None) and `stop_token_ids` a
@@ -105,7 +104,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     # ------------------------------------------------------------------ checks
 
-    def verify(self, vocab_size: Optional[int] = None, max_context: Optional[int] = None) -> None:
+    def verify(self, vocab_size: int | None = None, max_context: int | None = None) -> None:
         """Raise ValueError naming the first invalid parameter.
 
         `vocab_size` bounds `stop_token_ids`; `max_context` (the model's context
@@ -204,7 +203,7 @@ SGLANG_ALIASES = {"sampling_seed": "seed"}
 _FIXED_KEYS = {"stream_interval": (None, 1)}
 
 
-def sampling_params_from_dict(sp: Optional[dict]) -> SamplingParams:
+def sampling_params_from_dict(sp: dict | None) -> SamplingParams:
     """A request's `sampling_params` dict -> SamplingParams, with SGLang's rules: a null value means
     the default, `sampling_seed` is `seed`, and the keys of UNSUPPORTED_SGLANG_KEYS are accepted while
     unset. Raises ValueError naming the key for an unknown key, a set unsupported one, or a bad type."""

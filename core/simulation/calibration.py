@@ -15,7 +15,6 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 DATA = Path(__file__).parent / "data"
 
@@ -60,7 +59,7 @@ class Calibration:
     meta: dict = field(default_factory=dict)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Calibration":
+    def load(cls, path: str | Path) -> Calibration:
         d = json.loads(Path(path).read_text())
         return cls(d["hardware"], d["model"], d["points"], d.get("meta", {}))
 
@@ -79,7 +78,7 @@ class Calibration:
                 by_x.setdefault(p[key], []).append(p["measured_s"] / p["predicted_s"])
         return sorted((math.log2(x), sum(r) / len(r)) for x, r in by_x.items())
 
-    def extend_fit(self) -> Optional[tuple[float, float, float]]:
+    def extend_fit(self) -> tuple[float, float, float] | None:
         """Weights (a, b, c) with measured ~ a*linear + b*attention + c*overhead over the prefill
         points that carry the prediction's parts (`pred_linear`, `pred_attention`, `pred_overhead`),
         fitted on relative error and none negative; None without at least four such points.
@@ -135,7 +134,7 @@ def shipped_path(hardware: str, model: str) -> Path:
     return DATA / f"{hardware}--{model}.json"
 
 
-def shipped(hardware: str, model: str) -> Optional[Calibration]:
+def shipped(hardware: str, model: str) -> Calibration | None:
     """The calibration shipped for this hardware and model (and, for cpu-here, this CPU class), if any."""
     path = shipped_path(hardware, model)
     return Calibration.load(path) if path.is_file() else None

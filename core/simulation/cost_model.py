@@ -17,7 +17,6 @@ the spec sheet, and a calibration (`scale`) multiplies the result.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from workbench.core.simulation.hardware import Hardware
 from workbench.core.simulation.model_specs import ModelSpec
@@ -58,7 +57,7 @@ class CostModel:
         kv_heads = max(1, m.kv_heads // self.tp)  # fewer KV heads than ranks: each rank keeps one
         return 2 * m.layers * kv_heads * m.head_dim * self.dtype_bytes
 
-    def kv_pool_tokens(self, draft: Optional["CostModel"] = None) -> int:
+    def kv_pool_tokens(self, draft: CostModel | None = None) -> int:
         """The KV pool a rank can hold: its KV budget, or its memory share minus its weights. With a
         `draft` model beside it (STANDALONE speculative decoding) its weights come off the budget too
         and every token keeps the draft's KV as well as the target's."""

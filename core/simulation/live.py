@@ -35,7 +35,6 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Optional
 
 from workbench.core.args import ServerArgs
 from workbench.core.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
@@ -80,7 +79,7 @@ def _cost_model(sa: ServerArgs) -> CostModel:
     return CostModel(spec, hw, sa.tp_size, default_dtype_bytes(calibration, hw.name), 1.0, calibration)
 
 
-def _draft_cost(sa: ServerArgs, target: CostModel) -> Optional[CostModel]:
+def _draft_cost(sa: ServerArgs, target: CostModel) -> CostModel | None:
     """STANDALONE: the draft model's cost (a known model or a config.json), on the target's devices."""
     if sa.speculative_algorithm != "STANDALONE":
         return None
@@ -188,7 +187,7 @@ class LiveSimOverlapClient:
     the end of that pass. At a speed X > 0 each move also takes 1/X of it on the wall clock. A data-parallel
     replica's host timeline is its own time (`dp_rank`; trace/clock.py)."""
 
-    def __init__(self, worker: "WarpSimWorker", dp_rank: Optional[int] = None):
+    def __init__(self, worker: WarpSimWorker, dp_rank: int | None = None):
         self.worker, self.shared, self.speed = worker, worker.shared, worker.speed
         self.dp_rank = dp_rank
         self.device_free = 0
@@ -289,7 +288,7 @@ class SimScheduler(TokenReplayScheduler):
                 continue
             return msgs
 
-    def _let_time_pass(self, stepping: bool, on_way: bool, due: Optional[int], received: int) -> int:
+    def _let_time_pass(self, stepping: bool, on_way: bool, due: int | None, received: int) -> int:
         """The deployment is idle: hold, skip or run the clock; returns how long to wait for a message (ms)."""
         clock = self.shared
         if not stepping or on_way:  # paused by a view, or a request on its way: time waits
@@ -419,7 +418,7 @@ class ReplicaSimScheduler(SimScheduler):
 
 
 def build_worker(
-    sa: ServerArgs, vocab: int, shared: trace_clock.SharedClock, seed: Optional[int] = None, dp_rank: int = 0
+    sa: ServerArgs, vocab: int, shared: trace_clock.SharedClock, seed: int | None = None, dp_rank: int = 0
 ):
     """The scheduler process's worker for `sa` (already `sized_args`); tokens are drawn from [3, vocab).
     Replica r of a data-parallel deployment draws from seed + 7919 r, as the offline Simulator's."""

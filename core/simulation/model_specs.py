@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -26,7 +25,7 @@ class ModelSpec:
     top_k: int = 0
     tied_embeddings: bool = False
     context_len: int = 131072
-    sparse_layers: Optional[int] = None  # MoE: layers with experts (None: all); the rest are dense
+    sparse_layers: int | None = None  # MoE: layers with experts (None: all); the rest are dense
     dense_intermediate: int = 0  # MoE: the dense layers' MLP width
 
     # ---- sizes (parameters, not bytes) --------------------------------------------------------
@@ -93,7 +92,7 @@ def model_spec(name_or_path: str) -> ModelSpec:
     return spec_from_config(json.loads(path.read_text()), name=path.parent.name or path.name)
 
 
-def spec_from_config(cfg: dict, name: Optional[str] = None) -> ModelSpec:
+def spec_from_config(cfg: dict, name: str | None = None) -> ModelSpec:
     cfg = cfg.get("text_config", cfg)  # multimodal wrappers keep the LM's config inside
     heads = cfg["num_attention_heads"]
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0

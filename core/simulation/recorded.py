@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from workbench.core.simulation.simulator import SimRequest
 from workbench.core.trace.events import ReqArrived, ReqFinished, ReqQueued, ReqTokenized, SpecVerify
@@ -104,7 +103,7 @@ class RecordedSpeculation:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
-def recorded_speculation(path) -> Optional[RecordedSpeculation]:
+def recorded_speculation(path) -> RecordedSpeculation | None:
     """What speculative decoding did in a recording (None: it was off)."""
     _, events = read_trace(path)
     verifies = [e for e in events if isinstance(e, SpecVerify) and not e.snapshot]

@@ -20,11 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
 
 import numpy as np
 import torch
-
 from workbench.core.args import ServerArgs
 from workbench.core.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from workbench.core.layers.logits_processor import LogitsOutput
@@ -43,7 +41,7 @@ from workbench.core.trace.tracer import Tracer
 FIRST_TOKEN = 3  # sampled ids stay clear of the usual special ids 0-2
 
 
-def default_dtype_bytes(calibration: Optional[Calibration], hardware: str) -> int:
+def default_dtype_bytes(calibration: Calibration | None, hardware: str) -> int:
     """Bytes per weight/KV element: the calibrated engine's dtype; else bfloat16 on GPUs, float32 on CPU."""
     measured = calibration.meta.get("dtype_bytes") if calibration is not None else None
     return int(measured) if measured else (4 if hardware == "cpu-here" else 2)
@@ -82,7 +80,7 @@ class SimWorker:
     """The model worker's interface; a pass advances the clock by its predicted time."""
 
     def __init__(
-        self, runner: SimRunner, cost: CostModel, clock: SimClock, seed: int, accept_rate: Optional[float] = None
+        self, runner: SimRunner, cost: CostModel, clock: SimClock, seed: int, accept_rate: float | None = None
     ):
         self.model_runner = runner
         self.cost, self.clock, self.seed = cost, clock, seed
@@ -90,7 +88,7 @@ class SimWorker:
         self.accept_rate = accept_rate  # speculative decoding: each draft kept with this probability
         self.accept_rng = random.Random(seed)
         self.tp_rank = 0
-        self.drafter: Optional["SimDrafter"] = None  # set when a STANDALONE draft model is costed
+        self.drafter: SimDrafter | None = None  # set when a STANDALONE draft model is costed
         self.replay: dict[str, list[int]] = {}  # rid -> the output tokens it gets (a recorded run's)
         self.busy_s = 0.0  # simulated time spent in passes
         self.passes = 0
@@ -124,7 +122,7 @@ class SimWorker:
                 if pos == len(want) - 1:
                     del self.replay[req.rid]  # its last token: done
 
-    def _verify_tokens(self, mwb, reqs: Optional[list], ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    def _verify_tokens(self, mwb, reqs: list | None, ids: torch.Tensor, vocab: int) -> torch.Tensor:
         """A verify pass's tokens. A request replaying a recorded run gets its recorded tokens in its
         rows (its last token and drafts d1..dk: row j holds the output that followed d1..dj), so its
         drafts stand exactly as far as they agree with what the real target chose. Any other request:
@@ -183,7 +181,7 @@ class SimDrafter:
 
     runner = None  # no draft-model KV pool of its own (the simulator sizes the pool for both)
 
-    def __init__(self, vocab: int, seed: int, draft_cost: Optional[CostModel] = None):
+    def __init__(self, vocab: int, seed: int, draft_cost: CostModel | None = None):
         self.vocab = vocab
         self.rng = random.Random(seed)
         self.draft_cost = draft_cost
@@ -219,7 +217,7 @@ class SimDrafter:
         pass
 
 
-def install_drafter(scheduler: Scheduler, worker: SimWorker, vocab: int, draft_cost: Optional[CostModel]) -> None:
+def install_drafter(scheduler: Scheduler, worker: SimWorker, vocab: int, draft_cost: CostModel | None) -> None:
     """Speculative decoding's drafts from a `SimDrafter` (seeded from the worker's seed) in place of the
     NGRAM proposals (the running batch holds its own reference); a draft model's passes, if costed, go
     into the worker's verify passes."""
@@ -291,12 +289,12 @@ class SimRequest:
     arrival: float
     prompt_len: int
     output_len: int
-    group: Optional[int] = None
+    group: int | None = None
     prefix_len: int = 0
-    prompt_ids: Optional[list[int]] = None  # the prompt itself (else drawn: `request_prompt`)
-    output_ids: Optional[list[int]] = None  # the tokens to return in turn (a recorded run's), else sampled
+    prompt_ids: list[int] | None = None  # the prompt itself (else drawn: `request_prompt`)
+    output_ids: list[int] | None = None  # the tokens to return in turn (a recorded run's), else sampled
     # a recorded run's speculative drafts, by the output length they followed (with output_ids)
-    drafts: Optional[dict[int, list[int]]] = None
+    drafts: dict[int, list[int]] | None = None
 
 
 def request_prompt(i: int, r: SimRequest, seed: int, vocab: int) -> list[int]:
@@ -391,7 +389,7 @@ class _Replica:
     """One scheduler with its own clock, pools, worker and inbox: the whole deployment, or one of
     `dp_size` data-parallel replicas (traced as "scheduler.dp<rank>", as the real ones are)."""
 
-    def __init__(self, sim: "Simulator", rank: int, proc: str, seed: int, trace_sink):
+    def __init__(self, sim: Simulator, rank: int, proc: str, seed: int, trace_sink):
         self.rank = rank
         self.clock = SimClock()
         self.runner = SimRunner(sim.spec, sim.args.max_total_tokens, sim.args.max_running_requests, sim.context)
@@ -433,15 +431,15 @@ class Simulator:
         model: str,
         hardware: str,
         tp_size: int = 1,
-        dtype_bytes: Optional[int] = None,
+        dtype_bytes: int | None = None,
         seed: int = 0,
         scale: float = 1.0,
         trace_sink=None,
         calibration="auto",
         dp_size: int = 1,
         load_balance_method: str = "round_robin",
-        speculative_accept_rate: Optional[float] = None,
-        speculative_draft_model: Optional[str] = None,
+        speculative_accept_rate: float | None = None,
+        speculative_draft_model: str | None = None,
         **server_args,
     ):
         from workbench.core.managers.data_parallel_controller import PROC_NAME, LoadBalancer, replica_proc_name

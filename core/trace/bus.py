@@ -26,10 +26,9 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import zmq
-
 from workbench.core.trace import clock as trace_clock
 from workbench.core.trace.events import (
     SCHEMA_VERSION,
@@ -71,7 +70,7 @@ class Subscription:
     Events are shared with other subscribers: treat them as read-only.
     """
 
-    def __init__(self, bus: Optional["TraceBus"], maxsize: int = 100_000, name: str = ""):
+    def __init__(self, bus: TraceBus | None, maxsize: int = 100_000, name: str = ""):
         self.name = name
         self.maxsize = max(1, maxsize)
         self.dropped = 0  # events this subscriber lost
@@ -105,14 +104,14 @@ class Subscription:
             if take:
                 self._cond.notify_all()
 
-    def get(self, timeout: Optional[float] = None) -> Optional[Event]:
+    def get(self, timeout: float | None = None) -> Event | None:
         """The next event; waits up to `timeout` s (None: until one comes or close). None if none."""
         with self._cond:
             if not self._q and not self.closed and timeout != 0:
                 self._cond.wait_for(lambda: self._q or self.closed, timeout)
             return self._q.popleft() if self._q else None
 
-    def drain(self, max_items: Optional[int] = None) -> list[Event]:
+    def drain(self, max_items: int | None = None) -> list[Event]:
         """Everything queued (at most max_items), without waiting."""
         with self._cond:
             n = len(self._q) if max_items is None else min(max_items, len(self._q))
@@ -126,7 +125,7 @@ class Subscription:
             self._bus._remove_subscription(self)
             self._bus = None
 
-    def __enter__(self) -> "Subscription":
+    def __enter__(self) -> Subscription:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -136,7 +135,7 @@ class Subscription:
 class CallbackHandle:
     """Returned by `subscribe_callback`; `close()` unsubscribes."""
 
-    def __init__(self, bus: "TraceBus", fn: Callable[[Batch], None], name: str):
+    def __init__(self, bus: TraceBus, fn: Callable[[Batch], None], name: str):
         self.fn, self.name, self._bus = fn, name, bus
 
     def close(self) -> None:
@@ -158,7 +157,7 @@ class TraceBus:
     def __init__(
         self,
         pull_endpoint: str,
-        publish_addr: Optional[str] = None,
+        publish_addr: str | None = None,
         *,
         model: str = "",
         rcvhwm: int = 1000,
@@ -166,7 +165,7 @@ class TraceBus:
         max_inproc_batches: int = 10_000,
     ):
         self.model = model
-        self.on_listeners_changed: Optional[Callable[[bool], None]] = None
+        self.on_listeners_changed: Callable[[bool], None] | None = None
         self.state = TraceState()
         self.malformed = 0  # undecodable messages received and ignored
         self.received_batches = 0
@@ -179,8 +178,8 @@ class TraceBus:
         self._pull.setsockopt(zmq.RCVHWM, rcvhwm)
         self._pull.bind(pull_endpoint)
         self.pull_endpoint = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._pub: Optional[zmq.Socket] = None
-        self.publish_endpoint: Optional[str] = None
+        self._pub: zmq.Socket | None = None
+        self.publish_endpoint: str | None = None
         if publish_addr:
             pub = self._ctx.socket(zmq.XPUB)
             pub.setsockopt(zmq.LINGER, 0)
@@ -364,7 +363,7 @@ class TraceBus:
                 self._remote = max(0, self._remote - 1)
                 self._update_listeners()
 
-    def _deliver(self, batch: Batch, raw: Optional[bytes] = None) -> None:
+    def _deliver(self, batch: Batch, raw: bytes | None = None) -> None:
         self.received_batches += 1
         self.received_events += len(batch)
         with self._lock:
@@ -384,7 +383,7 @@ class TraceBus:
         if self._pub is not None and self._remote > 0:
             self._send_pub(batch, raw)
 
-    def _send_pub(self, batch: Batch, raw: Optional[bytes]) -> None:
+    def _send_pub(self, batch: Batch, raw: bytes | None) -> None:
         try:
             self._pub.send(raw if raw is not None else encode_batch(batch), zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -415,7 +414,7 @@ class TraceBus:
         self._wake_r.close()
         self._wake_w.close()
 
-    def __enter__(self) -> "TraceBus":
+    def __enter__(self) -> TraceBus:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -437,7 +436,7 @@ class RemoteSubscription:
         self.malformed = 0
         self.dropped = 0
         self.closed = False
-        self.header: Optional[TraceHeader] = None
+        self.header: TraceHeader | None = None
         self._q: deque[Event] = deque()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
@@ -470,7 +469,7 @@ class RemoteSubscription:
                         )
             self._q.extend(batch)
 
-    def get(self, timeout: Optional[float] = None) -> Optional[Event]:
+    def get(self, timeout: float | None = None) -> Event | None:
         """The next event, waiting up to `timeout` s (None: until one comes)."""
         if not self._q:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -481,7 +480,7 @@ class RemoteSubscription:
                     break
         return self._q.popleft() if self._q else None
 
-    def drain(self, max_items: Optional[int] = None) -> list[Event]:
+    def drain(self, max_items: int | None = None) -> list[Event]:
         self._pump(0)
         n = len(self._q) if max_items is None else min(max_items, len(self._q))
         return [self._q.popleft() for _ in range(n)]
@@ -492,7 +491,7 @@ class RemoteSubscription:
             self._sock.close(linger=0)
             self._ctx.term()
 
-    def __enter__(self) -> "RemoteSubscription":
+    def __enter__(self) -> RemoteSubscription:
         return self
 
     def __exit__(self, *exc) -> None:

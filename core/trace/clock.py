@@ -30,7 +30,6 @@ import mmap
 import os
 import struct
 import time
-from typing import Optional
 
 NEVER = 2**63 - 1  # "no arrival announced"
 # Slots (int64 unless said): 0 seqlock counter, 1 simulated anchor (ns), 2 wall anchor (ns),
@@ -63,7 +62,7 @@ class TraceClock:
     def note_unsent(self) -> None:
         """...but it failed before it was sent (a bad request)."""
 
-    def announce(self, arrival_ns: Optional[int]) -> None:
+    def announce(self, arrival_ns: int | None) -> None:
         """A driver's next request arrives at `arrival_ns` (None: none is coming)."""
 
 
@@ -130,7 +129,7 @@ class SharedClock(TraceClock):
     def sent(self) -> int:
         return struct.unpack_from("<q", self._m, _SENT)[0]
 
-    def announced(self) -> Optional[int]:
+    def announced(self) -> int | None:
         v = struct.unpack_from("<q", self._m, _ANNOUNCED)[0]
         return None if v == NEVER else v
 
@@ -174,7 +173,7 @@ class SharedClock(TraceClock):
             if ns > self._hold() and not self._busy_times():
                 self._write(ns, 0.0)
 
-    def run(self, rate: float, until: Optional[int] = None, received: Optional[int] = None) -> None:
+    def run(self, rate: float, until: int | None = None, received: int | None = None) -> None:
         """Let time flow at `rate` simulated seconds per wall second from now (the scheduler idles),
         stopping at `until` if given (an announced arrival: time waits there for the request); not
         if more than `received` requests were sent (one arrived since the caller looked)."""
@@ -239,7 +238,7 @@ class SharedClock(TraceClock):
         struct.pack_into("<q", self._m, at + 32, n)
         struct.pack_into("<q", self._m, at + 40, 0)  # after the count: a reader that sees 0 sees the count
 
-    def outputs_of(self, rank: int) -> Optional[int]:
+    def outputs_of(self, rank: int) -> int | None:
         """Token outputs replica `rank` has sent, or None while a pass of its has ended and its
         outputs are still being sent (the data-parallel controller waits for them before it routes:
         its load counts are then those the offline Simulator's balancer has)."""
@@ -312,7 +311,7 @@ class SharedClock(TraceClock):
         with self._locked():
             struct.pack_into("<q", self._m, _SENT, self.sent() - 1)
 
-    def announce(self, arrival_ns: Optional[int]) -> None:
+    def announce(self, arrival_ns: int | None) -> None:
         # Never behind now: readers stop running time at an announcement, and time never goes back.
         due = NEVER if arrival_ns is None else max(int(arrival_ns), self.now_ns())
         struct.pack_into("<q", self._m, _ANNOUNCED, due)
@@ -355,14 +354,14 @@ def current() -> TraceClock:
     return _clock
 
 
-def install(clock: Optional[TraceClock]) -> TraceClock:
+def install(clock: TraceClock | None) -> TraceClock:
     """Make `clock` this process's trace clock (None: the host's again); returns the one before."""
     global _clock
     before, _clock = _clock, clock if clock is not None else TraceClock()
     return before
 
 
-def attach(path: Optional[str]) -> None:
+def attach(path: str | None) -> None:
     """In an engine's child process: use the shared clock at `path` if the engine made one."""
     if path:
         install(SharedClock(path))

@@ -12,7 +12,7 @@ Bump SCHEMA_VERSION when a field changes meaning or disappears.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import msgspec
 
@@ -37,7 +37,7 @@ class ReqTokenized(Event, tag="req.tokenized"):
     rid: str
     prompt_tokens: int
     max_new_tokens: int
-    input_ids: Optional[list[int]] = None  # with --trace-token-ids (a recording to replay in simulation)
+    input_ids: list[int] | None = None  # with --trace-token-ids (a recording to replay in simulation)
 
 
 class ReqQueued(Event, tag="req.queued"):
@@ -81,7 +81,7 @@ class ReqFinished(Event, tag="req.finished"):
     ttft: float  # seconds
     tpot: float  # seconds per output token after the first
     e2e: float  # seconds
-    output_ids: Optional[list[int]] = None  # with --trace-token-ids
+    output_ids: list[int] | None = None  # with --trace-token-ids
 
 
 class ReqAborted(Event, tag="req.aborted"):
@@ -290,7 +290,7 @@ class ProcStarted(Event, tag="proc.started"):
 class ProcExited(Event, tag="proc.exited"):
     pid: int
     role: str
-    exitcode: Optional[int] = None
+    exitcode: int | None = None
     reason: str = ""
 
 
@@ -335,14 +335,14 @@ class ReqSnapshot(Event, tag="req.snapshot"):
     output_tokens: int = 0
     chunk_index: int = 0
     num_chunks: int = 1
-    arrival_ts: Optional[int] = None
-    queued_ts: Optional[int] = None
-    first_token_ts: Optional[int] = None
-    finish_ts: Optional[int] = None
-    finish_reason: Optional[str] = None
-    ttft: Optional[float] = None
-    tpot: Optional[float] = None
-    e2e: Optional[float] = None
+    arrival_ts: int | None = None
+    queued_ts: int | None = None
+    first_token_ts: int | None = None
+    finish_ts: int | None = None
+    finish_reason: str | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
     retractions: int = 0
     text: str = ""
     timeline: list[TimelineItem] = []
@@ -375,7 +375,7 @@ class TraceReset(Event, tag="trace.reset"):
     """Forget everything: the events that follow rebuild the picture (replay seek)."""
 
 
-AnyEvent = Union[
+AnyEvent = Union[  # noqa: UP007 (a runtime alias msgspec decodes)
     ReqArrived,
     ReqTokenized,
     ReqQueued,

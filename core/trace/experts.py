@@ -9,7 +9,6 @@ over the mean, 1.0 when even, num_experts / top_k at worst (every token on the s
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
 
 from workbench.core.trace import events as ev
 
@@ -74,11 +73,11 @@ class ExpertLoad:
         """The requests with routing seen, least recently routed first."""
         return list(self._by_request)
 
-    def request(self, rid: str) -> Optional[list[list[int]]]:
+    def request(self, rid: str) -> list[list[int]] | None:
         """[layer][expert]: the tokens of `rid` routed to each expert so far (None: none seen)."""
         return self._by_request.get(rid)
 
-    def snapshot_event(self, ts: int) -> Optional[ev.MoeRouting]:
+    def snapshot_event(self, ts: int) -> ev.MoeRouting | None:
         """One event that rebuilds this picture in a fresh state (its counts cover `steps` steps)."""
         if not self.present:
             return None

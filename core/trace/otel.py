@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 from workbench.core.trace import events as ev
 from workbench.core.trace.state import TraceState
@@ -153,7 +153,7 @@ class OtelExporter:
         self.provider.shutdown()
 
 
-def make_exporter(endpoint: Optional[str], model: str = "") -> Optional[OtelExporter]:
+def make_exporter(endpoint: str | None, model: str = "") -> OtelExporter | None:
     """The exporter for `--otlp-traces-endpoint` (None when no endpoint is given)."""
     if not endpoint:
         return None

@@ -16,11 +16,10 @@ Timestamps are microseconds relative to the first event.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
 
 import msgspec
-
 from workbench.core.trace import events as ev
 
 REQUESTS_PID = 1
@@ -29,15 +28,15 @@ _MAX_STEP_REQS_IN_ARGS = 64
 
 @dataclass
 class _ReqSpan:
-    arrival: Optional[int] = None
-    queued: Optional[int] = None
-    prefill_start: Optional[int] = None
-    prefill_end: Optional[int] = None
+    arrival: int | None = None
+    queued: int | None = None
+    prefill_start: int | None = None
+    prefill_end: int | None = None
     decoded: bool = False
-    first_token: Optional[int] = None
-    finish: Optional[int] = None
+    first_token: int | None = None
+    finish: int | None = None
     reason: str = ""
-    first_seen: Optional[int] = None
+    first_seen: int | None = None
     last_seen: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -245,7 +244,7 @@ def _request_slices(rid: str, r: _ReqSpan, us) -> list[dict]:
     end = max(x for x in (r.finish, r.last_seen, start) if x is not None)
     res: list[dict] = []
 
-    def slice_(name: str, a: int, b: int, args: Optional[dict] = None) -> None:
+    def slice_(name: str, a: int, b: int, args: dict | None = None) -> None:
         a, b = max(a, start), min(b, end)
         if b < a:
             return
@@ -279,7 +278,7 @@ def _request_slices(rid: str, r: _ReqSpan, us) -> list[dict]:
     return res
 
 
-def export_perfetto(events: Iterable[ev.Event], out_path: Union[str, "os.PathLike[str]"]) -> dict:
+def export_perfetto(events: Iterable[ev.Event], out_path: str | os.PathLike[str]) -> dict:
     """Write `events` as Chrome trace-event JSON to out_path; returns the document."""
     doc = build_trace_events(events)
     with open(out_path, "wb") as f:

@@ -12,11 +12,11 @@ import gzip
 import os
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Iterable, Union
+from typing import IO, Union
 
 import msgspec
-
 from workbench.core.trace import clock as trace_clock
 from workbench.core.trace.events import (
     SCHEMA_VERSION,
@@ -95,7 +95,7 @@ class Recorder:
                 self._closed = True
                 self._f.close()
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, *exc) -> None:

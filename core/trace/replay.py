@@ -27,13 +27,12 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
 
 from workbench.core.trace import events as ev
 from workbench.core.trace.events import BatchStep, Event, TraceHeader, TraceReset
 from workbench.core.trace.recorder import read_trace
 from workbench.core.trace.state import TraceState
-
 
 # What counts as the run having begun: a request event or a scheduler step. Engine start-up
 # (proc.started, the empty tree and queues, model loading) comes before and is not part of it.
@@ -67,12 +66,12 @@ class Replay:
 
     def __init__(
         self,
-        source: Union[str, "os.PathLike[str]", Iterable[Event]],
+        source: str | os.PathLike[str] | Iterable[Event],
         speed: float = 1.0,
-        max_idle_s: Optional[float] = 2.0,
+        max_idle_s: float | None = 2.0,
         clock: Callable[[], int] = time.monotonic_ns,
     ):
-        self.header: Optional[TraceHeader] = None
+        self.header: TraceHeader | None = None
         if isinstance(source, (str, os.PathLike)):
             self.header, events = read_trace(source)
         else:
@@ -83,7 +82,7 @@ class Replay:
         self._header_pending = self.header is not None
         # A header is stamped when recording starts, which need not relate to the events'
         # clock: it is due with the event after it and never moves the replay clock.
-        release: list[Optional[int]] = []
+        release: list[int | None] = []
         m = None
         for e in events:
             if type(e) is TraceHeader:
@@ -208,7 +207,7 @@ class Replay:
         self.advance()  # bank the time played at the old speed
         self.speed = float(speed)
 
-    def advance(self, now_ns: Optional[int] = None) -> list[Event]:
+    def advance(self, now_ns: int | None = None) -> list[Event]:
         """While playing, move the clock by (now - last call) * speed and release what is due."""
         if not self.playing:
             return []
@@ -226,7 +225,7 @@ class Replay:
 
     # ---- Subscription-like interface ------------------------------------------------
 
-    def get(self, timeout: Optional[float] = None) -> Optional[Event]:
+    def get(self, timeout: float | None = None) -> Event | None:
         """The next released event. Paused: never waits. Playing: waits up to
         `timeout` s (None: until one is due or the replay ends), sleeping in real
         time, so with a fake clock pass a timeout or use drain()."""
@@ -245,14 +244,14 @@ class Replay:
                 time.sleep(min(max(wait, 0.0), 0.05))
         return self._q.popleft() if self._q else None
 
-    def drain(self, max_items: Optional[int] = None) -> list[Event]:
+    def drain(self, max_items: int | None = None) -> list[Event]:
         """Released events not consumed yet (advancing the clock first while playing)."""
         self.advance()
         n = len(self._q) if max_items is None else min(max_items, len(self._q))
         return [self._q.popleft() for _ in range(n)]
 
     def run_realtime(
-        self, callback: Callable[[list[Event]], None], tick_s: float = 0.05, stop: Optional[threading.Event] = None
+        self, callback: Callable[[list[Event]], None], tick_s: float = 0.05, stop: threading.Event | None = None
     ) -> None:
         """Play at `speed`, calling callback(batch) every tick until done or `stop` is set.
         Blocks; run it in a thread to keep a UI responsive."""

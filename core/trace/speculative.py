@@ -7,7 +7,6 @@ verified drafts), `proposed`, `accepted`, `accept_length` (tokens a request gain
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
 
 from workbench.core.trace import events as ev
 
@@ -47,12 +46,12 @@ class SpecStats:
             acc[1] += n
             acc[2] += r.accepted
 
-    def request(self, rid: str) -> Optional[tuple[int, int, int]]:
+    def request(self, rid: str) -> tuple[int, int, int] | None:
         """(verify steps, drafts proposed, drafts accepted) of `rid`, or None if it verified none."""
         acc = self._by_request.get(rid)
         return None if acc is None else (acc[0], acc[1], acc[2])
 
-    def snapshot_event(self, ts: int) -> Optional[ev.SpecVerify]:
+    def snapshot_event(self, ts: int) -> ev.SpecVerify | None:
         if not self.present:
             return None
         reqs = [ev.SpecReq(rid, [], a, verified=v, proposed=p) for rid, (v, p, a) in self._by_request.items()]

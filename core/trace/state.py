@@ -20,14 +20,12 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
 
 import msgspec
-
 from workbench.core.trace import events as ev
 from workbench.core.trace.experts import ExpertLoad
 from workbench.core.trace.speculative import SpecStats, drafts_proposed
-
+from workbench.core.trace.ttft import StepIndex, TtftBreakdown, ttft_breakdown
 from workbench.core.trace.views import (  # noqa: F401  (re-exported for views)
     LATENCY_METRICS,
     REQ_STATES,
@@ -45,8 +43,6 @@ from workbench.core.trace.views import (  # noqa: F401  (re-exported for views)
     TreeNodeView,
     percentile,
 )
-from workbench.core.trace.ttft import StepIndex, TtftBreakdown, ttft_breakdown
-
 
 # Names the trace machinery itself stamps on events it makes (drop markers,
 # headers, replay resets): not engine processes, so not listed in `procs`.
@@ -121,12 +117,12 @@ class TraceState:
         self.chunked: list[str] = []
         self.held: list[ev.HeldReq] = []  # waiting requests held back (in-batch prefix caching)
         self.steps: deque[StepView] = deque(maxlen=max_steps)
-        self.kv: Optional[ev.KVUsage] = None
+        self.kv: ev.KVUsage | None = None
         self.kv_by_proc: dict[str, ev.KVUsage] = {}
         self.kv_history: deque[KVPoint] = deque(maxlen=max_history)
         self.queue_history: deque[QueuePoint] = deque(maxlen=max_history)
         self.trees: dict[str, dict[int, TreeNodeView]] = {}
-        self.tree_proc: Optional[str] = None
+        self.tree_proc: str | None = None
         self.tree_evictable_size = 0
         self.tree_protected_size = 0
         self.counters = Counters()
@@ -140,8 +136,8 @@ class TraceState:
         self._books: dict[str, _Book] = {}
         self._finished_order: dict[str, None] = {}  # insertion-ordered set
         self._queues: dict[str, ev.QueueState] = {}
-        self._latency: deque[tuple[int, float, Optional[float], float]] = deque(maxlen=max_latency_samples)
-        self._first_step_start: Optional[int] = None
+        self._latency: deque[tuple[int, float, float | None, float]] = deque(maxlen=max_latency_samples)
+        self._first_step_start: int | None = None
         # batch.decision events whose batch.step has not come yet (overlap loop), by (proc, step).
         self._pending_decisions: dict[tuple[str, int], ev.StepDecision] = {}
         self._last_decision: dict[str, ev.StepDecision] = {}  # per scheduler, its latest
@@ -196,7 +192,7 @@ class TraceState:
         (no batch.decision) get the part the batch.step alone tells."""
         return narrate_step(sv)
 
-    def step_rids(self, sv: Optional[StepView] = None) -> set[str]:
+    def step_rids(self, sv: StepView | None = None) -> set[str]:
         """The requests a step (default: the last) touched beyond decoding one token: those it
         prefilled (admitted, or a chunk continued) and those it retracted."""
         if sv is None:
@@ -208,7 +204,7 @@ class TraceState:
             out.update(sv.decision.retracted)
         return out
 
-    def wait_reason(self, rid: str) -> Optional[str]:
+    def wait_reason(self, rid: str) -> str | None:
         """Why a waiting request was not admitted by the last step that could have admitted it
         (a WAIT_REASONS key, or "held" for in-batch prefix caching); None if it was not turned
         away (it came after that step, or no batch.decision is known)."""
@@ -224,7 +220,7 @@ class TraceState:
                 return d.stop_reason
         return None
 
-    def ttft_parts(self, rid: str, index: Optional[StepIndex] = None) -> Optional[TtftBreakdown]:
+    def ttft_parts(self, rid: str, index: StepIndex | None = None) -> TtftBreakdown | None:
         """The request's TTFT in parts that sum to it exactly: arrived → queued (and the step the
         scheduler was busy in), queued (passed over by which steps, why, and who got the prefill),
         each prefill chunk (with whom it shared the step), first token; see core/trace/ttft.py.
@@ -232,7 +228,7 @@ class TraceState:
         `StepIndex(state)` to explain many requests at once."""
         return ttft_breakdown(self, rid, index)
 
-    def held_reason(self, rid: str) -> Optional[str]:
+    def held_reason(self, rid: str) -> str | None:
         """Why a waiting request was held back in the last step, or None if it was not."""
         return next((h.reason() for h in self.held if h.rid == rid), None)
 
@@ -307,7 +303,7 @@ class TraceState:
             "chunked": len(self.chunked),
         }
 
-    def throughput(self, window_s: float = 5.0, now_ns: Optional[int] = None) -> Throughput:
+    def throughput(self, window_s: float = 5.0, now_ns: int | None = None) -> Throughput:
         """Prefill and decode tokens/s over steps in (now - window, now].
 
         now_ns defaults to the last event's ts (so an idle engine keeps its last
@@ -329,7 +325,7 @@ class TraceState:
                 dec += s.decode_tokens
         return Throughput(pre / span, dec / span)
 
-    def latency_percentiles(self, window_s: float, now_ns: int) -> dict[str, Optional[tuple[float, float, float]]]:
+    def latency_percentiles(self, window_s: float, now_ns: int) -> dict[str, tuple[float, float, float] | None]:
         """(p50, p90, p99) of ttft/tpot/e2e for requests finished in (now - window, now];
         None for a metric with no samples. Aborted requests are left out, and so is
         tpot of single-token outputs."""
@@ -341,7 +337,7 @@ class TraceState:
                 if tpot is not None:
                     cols["tpot"].append(tpot)
                 cols["e2e"].append(e2e)
-        out: dict[str, Optional[tuple[float, float, float]]] = {}
+        out: dict[str, tuple[float, float, float] | None] = {}
         for m, vals in cols.items():
             vals.sort()
             out[m] = (percentile(vals, 50), percentile(vals, 90), percentile(vals, 99)) if vals else None

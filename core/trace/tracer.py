@@ -22,10 +22,9 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import zmq
-
 from workbench.core.trace import clock as trace_clock
 from workbench.core.trace.events import Event, TraceDropped, encode_batch
 
@@ -51,14 +50,14 @@ class Tracer:
     def __init__(
         self,
         proc: str,
-        endpoint: Optional[str] = None,
-        sink: Optional[Callable[[list[Event]], None]] = None,
+        endpoint: str | None = None,
+        sink: Callable[[list[Event]], None] | None = None,
         *,
         enabled: bool = False,
         sndhwm: int = 32,
-        flush_interval_s: Optional[float] = 0.25,
+        flush_interval_s: float | None = 0.25,
         max_buffer: int = 4096,
-        clock: Optional[Callable[[], int]] = None,
+        clock: Callable[[], int] | None = None,
     ):
         self.proc = proc
         # Events' ts: the process's trace clock (trace/clock.py: simulated time in a simulated deployment's
@@ -76,7 +75,7 @@ class Tracer:
         self._buf: deque[Event] = deque()
         self._buf_first_ts = 0
         self._lock = threading.Lock()
-        self._sock: Optional[zmq.Socket] = None
+        self._sock: zmq.Socket | None = None
         self._broken = False
         self._logged: set[str] = set()
         self._pending_dropped = 0  # events lost since the last successful send
@@ -178,7 +177,7 @@ class Tracer:
         self.sent_batches += 1
         self.sent_events += len(batch)
 
-    def _socket(self) -> Optional[zmq.Socket]:
+    def _socket(self) -> zmq.Socket | None:
         if self._sock is None and not self._broken:
             try:
                 sock = zmq.Context.instance().socket(zmq.PUSH)

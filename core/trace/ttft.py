@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from workbench.core.trace.views import TERMINAL_STATES, StepView
 
@@ -80,7 +80,7 @@ class StepIndex:
     """The steps still in a TraceState's ring, by id and by time. Build it once to explain many
     requests (a Gantt of 40 rows) instead of scanning the ring for each."""
 
-    def __init__(self, state: "TraceState"):
+    def __init__(self, state: TraceState):
         self._by_id: dict[tuple[str, int], StepView] = {}
         self._by_step: dict[int, StepView] = {}
         rows = []
@@ -93,17 +93,17 @@ class StepIndex:
         self._starts = [row[0] for row in rows]
         self._longest = max((e - s for s, e, _ in rows), default=0)
 
-    def get(self, step: int, proc: Optional[str] = None) -> Optional[StepView]:
+    def get(self, step: int, proc: str | None = None) -> StepView | None:
         """Step `step` of scheduler `proc` (any scheduler when None: there is one without data parallelism)."""
         return self._by_step.get(step) if proc is None else self._by_id.get((proc, step))
 
-    def overlapping(self, lo: int, hi: int, proc: Optional[str] = None) -> list[tuple[int, int, StepView]]:
+    def overlapping(self, lo: int, hi: int, proc: str | None = None) -> list[tuple[int, int, StepView]]:
         """(start, end, step) of the steps whose time overlaps [lo, hi], by start."""
         i = bisect.bisect_right(self._starts, hi)
         j = bisect.bisect_left(self._starts, lo - self._longest)
         return [row for row in self._rows[j:i] if row[1] >= lo and (proc is None or row[2].proc == proc)]
 
-    def starting(self, lo: int, hi: int, proc: Optional[str] = None) -> list[StepView]:
+    def starting(self, lo: int, hi: int, proc: str | None = None) -> list[StepView]:
         """The steps that began in [lo, hi), by start."""
         i, j = bisect.bisect_left(self._starts, lo), bisect.bisect_left(self._starts, hi)
         return [row[2] for row in self._rows[i:j] if proc is None or row[2].proc == proc]
@@ -163,7 +163,7 @@ class TtftBreakdown:
         return f"{head} {fmt_dur(self.ttft_ns)} = " + " + ".join(terms)
 
 
-def ttft_breakdown(state: "TraceState", rid: str, index: Optional[StepIndex] = None) -> Optional[TtftBreakdown]:
+def ttft_breakdown(state: TraceState, rid: str, index: StepIndex | None = None) -> TtftBreakdown | None:
     """The TTFT of request `rid` in parts (TraceState.ttft_parts); None when its arrival is not
     in the trace. A request without a first token yet gets the parts so far (`partial`)."""
     r = state.requests.get(rid)
@@ -234,7 +234,7 @@ def ttft_breakdown(state: "TraceState", rid: str, index: Optional[StepIndex] = N
     return TtftBreakdown(rid, t0, end, tuple(parts), partial)
 
 
-def _arrived_part(idx: StepIndex, proc: Optional[str], t0: int, t1: int, not_queued: bool) -> TtftPart:
+def _arrived_part(idx: StepIndex, proc: str | None, t0: int, t1: int, not_queued: bool) -> TtftPart:
     label = "arrived (not queued yet)" if not_queued else "arrived → queued"
     busy = idx.overlapping(t0, t1, proc) if t1 > t0 else []
     if not busy:
@@ -256,7 +256,7 @@ def _arrived_part(idx: StepIndex, proc: Optional[str], t0: int, t1: int, not_que
 
 
 def _queued_part(
-    idx: StepIndex, proc: Optional[str], rid: str, t1: int, t2: int, admitted_by: Optional[StepView]
+    idx: StepIndex, proc: str | None, rid: str, t1: int, t2: int, admitted_by: StepView | None
 ) -> TtftPart:
     passed = [sv for sv in idx.starting(t1, t2, proc) if sv is not admitted_by]
     if not passed:
@@ -302,9 +302,7 @@ def _queued_part(
     return TtftPart("queued", "queued", t1, t2, detail, tuple(sv.step for sv in passed), tuple(went_to))
 
 
-def _chunk_part(
-    rid: str, e, sv: Optional[StepView], k: int, n: int, t1: int, t2: int, prev_step: Optional[int]
-) -> TtftPart:
+def _chunk_part(rid: str, e, sv: StepView | None, k: int, n: int, t1: int, t2: int, prev_step: int | None) -> TtftPart:
     # The chunks are counted here, after the fact: n is what really ran, not the scheduler's estimate.
     label = f"chunk {k + 1}/{n}" if n > 1 else "prefill"
     if sv is None:

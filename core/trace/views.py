@@ -7,7 +7,6 @@ views read them, only the reducer in state.py writes them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Optional
 
 from workbench.core.trace import events as ev
 
@@ -49,14 +48,14 @@ class RequestView:
     output_tokens: int = 0
     chunk_index: int = 0  # current/last prefill chunk k (0-based) ...
     num_chunks: int = 1  # ... of n
-    arrival_ts: Optional[int] = None
-    queued_ts: Optional[int] = None
-    first_token_ts: Optional[int] = None
-    finish_ts: Optional[int] = None
-    finish_reason: Optional[str] = None
-    ttft: Optional[float] = None
-    tpot: Optional[float] = None
-    e2e: Optional[float] = None
+    arrival_ts: int | None = None
+    queued_ts: int | None = None
+    first_token_ts: int | None = None
+    finish_ts: int | None = None
+    finish_reason: str | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
     retractions: int = 0
     constraint: str = ""  # structured outputs: "json_schema" | "json_object" | "regex" | "ebnf" ("" free)
     text: str = ""
@@ -84,7 +83,7 @@ class ReplicaView:
     dp_rank: int
     waiting: list[str]
     running: list[str]
-    kv: Optional[ev.KVUsage]
+    kv: ev.KVUsage | None
     requests: int  # requests known to have gone to it
     steps: int  # its scheduler steps still in the step ring
 
@@ -107,8 +106,8 @@ class StepView:
     prefill_tokens: int = 0  # prompt tokens computed in this step
     cached_tokens: int = 0  # prefix tokens reused by first chunks in this step
     decode_tokens: int = 0  # tokens from decode entries
-    decision: Optional[ev.StepDecision] = None  # its `batch.decision` (what was decided and why), once known
-    spec: Optional[ev.SpecVerify] = None  # speculative decoding: its drafts' verdicts (`spec.verify`)
+    decision: ev.StepDecision | None = None  # its `batch.decision` (what was decided and why), once known
+    spec: ev.SpecVerify | None = None  # speculative decoding: its drafts' verdicts (`spec.verify`)
 
 
 @dataclass
@@ -131,11 +130,11 @@ class TreeNodeView:
 class ProcView:
     name: str
     role: str = ""
-    pid: Optional[int] = None
+    pid: int | None = None
     alive: bool = True
-    started_ts: Optional[int] = None
-    exited_ts: Optional[int] = None
-    exitcode: Optional[int] = None
+    started_ts: int | None = None
+    exited_ts: int | None = None
+    exitcode: int | None = None
     reason: str = ""
     last_ts: int = 0
     events: int = 0

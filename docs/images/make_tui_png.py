@@ -34,9 +34,10 @@ async def _until(pred, timeout: float, what: str) -> None:
 
 async def shoot(name: str) -> str:
     from workbench.core.args import ServerArgs
-    from workbench.scenarios import get_scenario
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import EngineController
+
+    from workbench.scenarios import get_scenario
 
     scn = get_scenario("shared-prefix" if name == "tui" else "kv-pressure")
     ctl = EngineController(server_args=scn.server_args(ServerArgs(show_progress=False)), scenario=scn)

@@ -24,6 +24,7 @@ QUESTIONS = ["What is a radix tree?", "Why is the sky blue?", "Name three prime 
 def main() -> int:
     from workbench.core.engine import Engine
     from workbench.core.trace.recorder import Recorder
+
     from workbench.workloads import _LONG_TEXT, SHARED_SYSTEM, chat_text
 
     engine = Engine(show_progress=False, chunked_prefill_size=64, max_running_requests=8, random_seed=0)

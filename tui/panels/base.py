@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from textual.containers import Vertical
 from textual.message import Message
-
 from workbench.tui.model import TuiModel
 
 

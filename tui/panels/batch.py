@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import DataTable
-
 from workbench.core.trace.palette import CACHED, COMPUTED, DECODE
 from workbench.core.trace.views import StepView
 from workbench.tui.model import TuiModel
@@ -45,7 +42,7 @@ def token_bar(sv: StepView, width: int = 10) -> Text:
 
 
 def composition(
-    sv: StepView, selected: Optional[str] = None, max_decode_names: int = 6, max_prefill_names: int = 4
+    sv: StepView, selected: str | None = None, max_decode_names: int = 6, max_prefill_names: int = 4
 ) -> Text:
     """Per-request segments: `rid ░cached+█computed k/n` for prefill chunks (the first
     `max_prefill_names` and the selected one, then `+N more`), then the decode group."""
@@ -96,7 +93,7 @@ def composition(
     return text
 
 
-def step_cells(sv: StepView, selected: Optional[str] = None) -> tuple:
+def step_cells(sv: StepView, selected: str | None = None) -> tuple:
     badge = Text("CG", style="bold reverse") if sv.cuda_graph else Text("–", style="dim")
     bs = f"{sv.batch_size}/{sv.padded_size}" if sv.padded_size != sv.batch_size else str(sv.batch_size)
     return (
@@ -134,8 +131,8 @@ class BatchPanel(TracePanel):
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self._keys: list[str] = []
-        self._last: Optional[tuple[int, int]] = None  # (ts, step) of the newest row shown
-        self._selected: Optional[str] = None
+        self._last: tuple[int, int] | None = None  # (ts, step) of the newest row shown
+        self._selected: str | None = None
         self._epoch = -1
 
     def update_view(self, model: TuiModel) -> None:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
-
 from workbench.core.trace.palette import COMPUTED, DECODE, RETRACTED, WAITING
 from workbench.core.trace.ttft import TtftBreakdown
 from workbench.core.trace.views import RequestView
@@ -79,7 +77,7 @@ def render_ttft(b: TtftBreakdown) -> Text:
     return out
 
 
-def render_detail(model: TuiModel, rid: Optional[str], text_chars: int = 1200) -> Text:
+def render_detail(model: TuiModel, rid: str | None, text_chars: int = 1200) -> Text:
     out = Text()
     r = model.state.requests.get(rid) if rid else None
     if r is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Input, RichLog
-
 from workbench.core.trace.palette import EVICTED, RETRACTED, WAITING
 from workbench.tui.model import LogLine, TuiModel
 from workbench.tui.panels.base import TracePanel

@@ -9,12 +9,9 @@ The panel mounts itself the first time a `moe.routing` event arrives (dense mode
 
 from __future__ import annotations
 
-from typing import Optional
-
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
-
 from workbench.core.trace.experts import imbalance
 from workbench.core.trace.palette import COMPUTED, DECODE
 from workbench.tui.fmt import fmt_count
@@ -51,7 +48,7 @@ def heatmap(rows: list[list[int]], layers: list[int], columns: int, style: str) 
     return out
 
 
-def render_experts(model: TuiModel, width: int = 60, rid: Optional[str] = None) -> Text:
+def render_experts(model: TuiModel, width: int = 60, rid: str | None = None) -> Text:
     load = model.state.experts
     out = Text()
     if not load.present:

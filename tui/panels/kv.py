@@ -5,7 +5,6 @@ from __future__ import annotations
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
-
 from workbench.core.trace.palette import EVICTABLE, EVICTED, FREE, LOCKED, RETRACTED
 from workbench.tui.fmt import fmt_count, resample, spark
 from workbench.tui.model import TuiModel

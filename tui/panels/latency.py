@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from rich.table import Table
 from rich.console import Group
+from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
-
 from workbench.core.trace.palette import COMPUTED, DECODE, METRIC_COLORS
 from workbench.core.trace.views import LATENCY_METRICS
 from workbench.tui.fmt import fmt_count, fmt_s, spark

@@ -6,7 +6,6 @@ from rich.cells import cell_len
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import DataTable
-
 from workbench.core.trace.palette import COMPUTED, DECODE, WAITING
 from workbench.core.trace.views import RequestView
 from workbench.tui.fmt import fmt_age, fmt_s

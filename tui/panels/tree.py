@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from rich.cells import cell_len
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
-
 from workbench.core.trace.palette import CACHED, COMPUTED, EVICTABLE, EVICTED, LOCKED
 from workbench.core.trace.views import RequestView, TreeNodeView
 from workbench.tui.fmt import fmt_age, fmt_count
@@ -48,7 +46,7 @@ def subtree_stats(tree: dict[int, TreeNodeView]) -> dict[int, _Sub]:
     return out
 
 
-def request_path(tree: dict[int, TreeNodeView], r: Optional[RequestView]) -> set[int]:
+def request_path(tree: dict[int, TreeNodeView], r: RequestView | None) -> set[int]:
     """The nodes that hold the request's tokens, matched by text (edge previews may be cut
     short with '…', so the walk stops at the first cut edge)."""
     if r is None or not tree:
@@ -102,7 +100,7 @@ def render_tree(
     max_children: int = 12,
     preview_chars: int = 28,
     touched: set[int] = frozenset(),
-    width: Optional[int] = None,
+    width: int | None = None,
 ) -> tuple[Text, int]:
     """The tree as indented lines; returns (text, lines). A subtree with no locked node whose
     newest access is older than `cold_s` (and that is not highlighted or touched) is folded into
@@ -186,7 +184,7 @@ def _node_line(
     selected: bool,
     preview_chars: int,
     touched: bool = False,
-    room: Optional[int] = None,
+    room: int | None = None,
 ) -> None:
     """One node: “text” Nt [lock N] [hits N] age. With `room` (cells left on its line) the text
     takes what the figures after it leave; else `preview_chars`."""
@@ -240,7 +238,7 @@ class TreePanel(TracePanel):
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        self._model: Optional[TuiModel] = None
+        self._model: TuiModel | None = None
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():

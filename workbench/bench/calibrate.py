@@ -133,10 +133,10 @@ def run_calibrate(args) -> int:
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
     from workbench.core.simulation.calibration import Calibration, extend_point, shipped_path
-    from workbench.core.trace.bus import drain_settled
     from workbench.core.simulation.cost_model import CostModel
     from workbench.core.simulation.hardware import get_hardware
     from workbench.core.simulation.model_specs import model_spec
+    from workbench.core.trace.bus import drain_settled
 
     args.simulate = args.simulate or "cpu-here"  # here --simulate names the hardware entry being measured
     sa = ServerArgs.from_cli_args(args).replace(show_progress=False, simulate=None)  # ... on the real engine

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 PREFILL_ROWS = 512  # rows of the timed prefill pass (a chunk as the scheduler builds them)
 
@@ -38,7 +37,7 @@ class LinearShapes:
     head: tuple[int, int]
 
     @classmethod
-    def from_config(cls, cfg) -> "LinearShapes":
+    def from_config(cls, cfg) -> LinearShapes:
         """From an HF config (Llama/Qwen2-style: fused qkv and gate_up, as the project packs them)."""
         hidden = int(cfg.hidden_size)
         heads = int(cfg.num_attention_heads)
@@ -86,7 +85,7 @@ class WorkloadWork:
     output_tokens: int  # requests * new_tokens
 
     @classmethod
-    def of(cls, prompts: list[list[int]], new_tokens: int) -> "WorkloadWork":
+    def of(cls, prompts: list[list[int]], new_tokens: int) -> WorkloadWork:
         n = len(prompts)
         return cls(unique_prompt_tokens(prompts), n, max(0, new_tokens - 1), n * new_tokens)
 
@@ -121,7 +120,7 @@ class LinearTimes:
         return work.output_tokens / self.ceiling_seconds(work)
 
 
-def needed_fraction(vllm_tok_s: float, ceiling_tok_s: float, goal: float) -> Optional[float]:
+def needed_fraction(vllm_tok_s: float, ceiling_tok_s: float, goal: float) -> float | None:
     """The share of the ceiling `goal` times vLLM's figure would take (> 1: above the ceiling)."""
     if not ceiling_tok_s or ceiling_tok_s != ceiling_tok_s or vllm_tok_s != vllm_tok_s:
         return None

@@ -23,7 +23,6 @@ import random
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 
 @dataclass
@@ -33,7 +32,7 @@ class BenchRow:
     seconds: float
     output_tokens: int
     tok_per_s: float
-    ratio_vs_transformers: Optional[float] = None
+    ratio_vs_transformers: float | None = None
     note: str = ""
 
 
@@ -258,7 +257,7 @@ def _cold_start(sa) -> float:
                 os.environ["WORKBENCH_CACHE_DIR"] = old
 
 
-def _print(rows: list[BenchRow], rss: dict, warm: float, cold: Optional[float]) -> None:
+def _print(rows: list[BenchRow], rss: dict, warm: float, cold: float | None) -> None:
     print()
     print(f"{'workload':<20} {'system':<28} {'seconds':>8} {'out tok':>8} {'tok/s':>8} {'vs transformers':>16}")
     for r in rows:

@@ -36,7 +36,6 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from workbench.bench.llamacpp_peer import (
     FIRST_IDS,
@@ -60,7 +59,7 @@ RUN_TIMEOUT_S = 600
 CONVERT_TIMEOUT_S = 1800
 
 
-def install_recipe(python: Optional[str]) -> str:
+def install_recipe(python: str | None) -> str:
     """How to make a venv that can serve as `--peer-python`, as commands."""
     venv = "~/llama-venv"
     if python and Path(python).parent.name == "bin":
@@ -89,7 +88,7 @@ def _progress(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
 
 
-def check_peer(python: Optional[str]) -> tuple[bool, dict | str]:
+def check_peer(python: str | None) -> tuple[bool, dict | str]:
     """(True, the driver's --check reply) when `python` can import llama_cpp, else (False, why not)."""
     if not python:
         return False, "no --peer-python given (nor WORKBENCH_LLAMACPP_PYTHON)"
@@ -177,7 +176,7 @@ def llamacpp_cache() -> Path:
     return Path(base).expanduser() / "llamacpp"
 
 
-def gguf_path_for(hf_dir: Path, dtype: str, cache: Optional[Path] = None) -> Path:
+def gguf_path_for(hf_dir: Path, dtype: str, cache: Path | None = None) -> Path:
     """The GGUF a conversion of `hf_dir` to `dtype` is (or will be) stored as. The converted-model directory's
     name carries its source's cache key, so a changed source gets a new file."""
     if dtype not in GGUF_TYPES:
@@ -185,7 +184,7 @@ def gguf_path_for(hf_dir: Path, dtype: str, cache: Optional[Path] = None) -> Pat
     return (cache or llamacpp_cache()) / f"{Path(hf_dir).name}-{GGUF_TYPES[dtype]}.gguf"
 
 
-def converter_dir(version: str, cache: Optional[Path] = None) -> Path:
+def converter_dir(version: str, cache: Path | None = None) -> Path:
     return (cache or llamacpp_cache()) / f"llama.cpp-{version}"
 
 
@@ -207,7 +206,7 @@ def _converter_members(names: list[str]) -> dict[str, str]:
     return wanted
 
 
-def ensure_converter(version: str, pip_python: str, cache: Optional[Path] = None) -> Path:
+def ensure_converter(version: str, pip_python: str, cache: Path | None = None) -> Path:
     """llama.cpp's convert_hf_to_gguf.py of llama-cpp-python `version`, from its sdist (pip download, once)."""
     target = converter_dir(version, cache)
     script = target / "convert_hf_to_gguf.py"
@@ -259,7 +258,7 @@ def ensure_converter(version: str, pip_python: str, cache: Optional[Path] = None
     return script
 
 
-def _sentencepiece_stub(cache: Path) -> Optional[Path]:
+def _sentencepiece_stub(cache: Path) -> Path | None:
     """A directory to put on the converter's PYTHONPATH when this Python has no `sentencepiece`.
 
     For a Llama model the converter tries a SentencePiece vocabulary first, importing `sentencepiece` before
@@ -279,7 +278,7 @@ def _sentencepiece_stub(cache: Path) -> Optional[Path]:
     return stub
 
 
-def ensure_gguf(hf_dir: Path, dtype: str, version: str, pip_python: str, cache: Optional[Path] = None) -> Path:
+def ensure_gguf(hf_dir: Path, dtype: str, version: str, pip_python: str, cache: Path | None = None) -> Path:
     """The `dtype` GGUF of the HF directory `hf_dir`, converted by llama.cpp's convert_hf_to_gguf.py once
     and reused afterwards (published by an atomic rename, so an interrupted conversion leaves no file)."""
     cache = cache or llamacpp_cache()
@@ -322,7 +321,7 @@ def ensure_gguf(hf_dir: Path, dtype: str, version: str, pip_python: str, cache: 
 
 
 # ---- pure helpers (tested without llama.cpp) ------------------------------------------------------------
-def thread_counts(text: Optional[str], ncpu: int) -> list[int]:
+def thread_counts(text: str | None, ncpu: int) -> list[int]:
     """`--threads`: None or "both" -> [1, ncpu] (one thread, then every CPU); "all" -> [ncpu]; "1,2" -> [1, 2]."""
     if text is None or str(text).strip() in ("", "both"):
         return sorted({1, max(1, ncpu)})
@@ -345,14 +344,14 @@ class LlamaRow:
     workbench_tok_s: float
     llamacpp_tok_s: float
     ratio: float
-    first_equal: Optional[bool] = None
+    first_equal: bool | None = None
     workbench_samples: list[float] = field(default_factory=list)
     llamacpp_samples: list[float] = field(default_factory=list)
     load_1m: list[float] = field(default_factory=list)
 
 
 def make_row(
-    dtype: str, threads: int, wb: list[float], lc: list[float], loads: list[float], first_equal: Optional[bool] = None
+    dtype: str, threads: int, wb: list[float], lc: list[float], loads: list[float], first_equal: bool | None = None
 ) -> LlamaRow:
     w, v = statistics.median(wb), statistics.median(lc)
     return LlamaRow(
@@ -434,8 +433,8 @@ def run_llamacpp_bench(args) -> int:
             f"rebuild it as the recipe says"
         )
 
-    from workbench.core.args import ServerArgs
     from workbench.bench.peer_bench import _workbench_run, build_workloads
+    from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
     from workbench.core.model_loader.resolve import prepare_model
 
@@ -457,7 +456,7 @@ def run_llamacpp_bench(args) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="workbench-llamacpp-peer-"))
     rows: list[LlamaRow] = []
     failures: list[str] = []
-    workload: Optional[Workload] = None
+    workload: Workload | None = None
 
     def save() -> None:
         if getattr(args, "json", None):

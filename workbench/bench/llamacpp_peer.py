@@ -33,7 +33,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any
 
 FIRST_IDS = 16  # how many output ids a `run` reply carries (the equality check)
 OPS = ("load", "run", "quit")
@@ -67,7 +67,7 @@ def decode_message(line: str) -> dict:
     return msg
 
 
-def load_request(gguf: str, n_threads: int, n_ctx: int = 512, seed: int = 0, kv_type: Optional[str] = None) -> dict:
+def load_request(gguf: str, n_threads: int, n_ctx: int = 512, seed: int = 0, kv_type: str | None = None) -> dict:
     """The `load` request: one llama.cpp model from a GGUF file, on n_threads threads."""
     return {
         "op": "load",
@@ -241,7 +241,7 @@ def _protocol_stdout():
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Serve requests from stdin until `quit` or end of input; `--check` only tests the import."""
     argv = sys.argv[1:] if argv is None else argv
     out = _protocol_stdout()

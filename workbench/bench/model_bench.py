@@ -35,7 +35,6 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 import torch
 
@@ -49,12 +48,12 @@ class Row:
     metric: str  # "decode bs=1", "decode bs=32", "prefill 512"
     dtype: str
     workbench_tok_s: float
-    transformers_tok_s: Optional[float]  # None with --no-reference
-    ratio: Optional[float]  # workbench / transformers
+    transformers_tok_s: float | None  # None with --no-reference
+    ratio: float | None  # workbench / transformers
     detail: str = ""
     # Decode on CPU: tokens/s if a step cost only its linear layers (the same packed weights,
     # chained as in one step, nothing else): the most any engine built on these GEMMs can reach.
-    linears_ceiling_tok_s: Optional[float] = None
+    linears_ceiling_tok_s: float | None = None
 
 
 @dataclass
@@ -67,7 +66,7 @@ class BenchSizes:
     repeats: int = 2
 
     @classmethod
-    def quick(cls) -> "BenchSizes":
+    def quick(cls) -> BenchSizes:
         return cls(prompt_len=8, decode_tokens_bs1=4, batch=4, decode_tokens_batch=3, prefill_len=32, repeats=1)
 
 
@@ -126,7 +125,7 @@ class _Workbench:
 
         self.runner.sample = stamped_sample
 
-    def linears_step_seconds(self, bs: int, repeats: int) -> Optional[float]:
+    def linears_step_seconds(self, bs: int, repeats: int) -> float | None:
         """Best time of one decode step's linear layers alone at batch `bs` (CPU packed weights
         only; None where the weights are not packed, e.g. on CUDA)."""
         from workbench.core.layers.linear import LinearBase, packed_linear
@@ -225,7 +224,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(low, min(vocab, 30000), (n, length), generator=g).tolist()
 
 
-def _measure(engines: list, bs: int, sizes: "BenchSizes", one, many, long_prompt) -> dict[str, float]:
+def _measure(engines: list, bs: int, sizes: BenchSizes, one, many, long_prompt) -> dict[str, float]:
     """tokens/s per engine for one metric (bs 0 = prefill); engines alternate within each repeat
     so a burst of load from other processes does not land on one engine only.
 
@@ -426,7 +425,7 @@ def format_compile_table(rows: list[CompileRow]) -> str:
     return "\n".join(lines)
 
 
-def _busy_warning() -> Optional[str]:
+def _busy_warning() -> str | None:
     """A warning when other processes keep the CPU busy: then every engine's multi-threaded
     kernels wait at thread barriers for descheduled threads, and timings stop meaning much."""
     if not hasattr(os, "getloadavg"):
@@ -441,7 +440,7 @@ def _busy_warning() -> Optional[str]:
     )
 
 
-def _parse_dtypes(text: Optional[str]) -> list[str]:
+def _parse_dtypes(text: str | None) -> list[str]:
     if not text:
         return list(DEFAULT_DTYPES)
     out = [d.strip() for d in text.split(",") if d.strip()]
@@ -592,7 +591,7 @@ def _cli_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """`python -m workbench.bench.model_bench [options]`."""
     p = argparse.ArgumentParser(
         prog="workbench bench model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

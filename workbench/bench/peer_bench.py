@@ -34,9 +34,9 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 from workbench.bench.ceiling import WorkloadWork, measure_linears, needed_fraction
 from workbench.bench.vllm_peer import (
@@ -55,7 +55,7 @@ LOAD_TIMEOUT_S = 1800  # vLLM compiles the model at load: minutes on a busy 2-co
 RUN_TIMEOUT_S = 1200
 
 
-def install_recipe(python: Optional[str]) -> str:
+def install_recipe(python: str | None) -> str:
     """How to make a venv that can serve as `--peer-python`, as commands."""
     venv = str(Path(python).parent.parent) if python and Path(python).parent.name == "bin" else "~/vllm-venv"
     return "\n".join(
@@ -75,7 +75,7 @@ class PeerError(RuntimeError):
     """The vLLM driver failed, exited or did not answer; the message ends with its log's tail."""
 
 
-def check_peer(python: Optional[str]) -> tuple[bool, str]:
+def check_peer(python: str | None) -> tuple[bool, str]:
     """(True, vLLM version) when `python` can import vllm, else (False, why not)."""
     if not python:
         return False, "no --peer-python given (nor WORKBENCH_VLLM_PYTHON)"
@@ -159,8 +159,8 @@ class VllmPeer:
 @dataclass(frozen=True)
 class ThreadConfig:
     name: str  # "default" | "all N"
-    workbench_threads: Optional[int]  # ServerArgs.num_threads (None: the engine's default)
-    vllm_bind: Optional[str]  # VLLM_CPU_OMP_THREADS_BIND (None: vLLM's default, "auto")
+    workbench_threads: int | None  # ServerArgs.num_threads (None: the engine's default)
+    vllm_bind: str | None  # VLLM_CPU_OMP_THREADS_BIND (None: vLLM's default, "auto")
 
 
 def cpu_bind_string(cpus) -> str:
@@ -195,7 +195,7 @@ def count_equal(a: list[list[int]], b: list[list[int]], n: int = FIRST_IDS) -> i
     return sum(1 for x, y in zip(a, b) if list(x[:n]) == list(y[:n]))
 
 
-def goal_text(ratio: Optional[float], goal: float = GOAL) -> str:
+def goal_text(ratio: float | None, goal: float = GOAL) -> str:
     if ratio is None:
         return "n/a"
     return "met" if ratio >= goal else "not met"
@@ -237,10 +237,10 @@ class PeerRow:
     vllm_samples: list[float] = field(default_factory=list)
     load_1m: list[float] = field(default_factory=list)
     # the GEMM-only ceiling of the workload on these cores (ceiling.py), filled in after the run
-    ceiling_tok_s: Optional[float] = None
+    ceiling_tok_s: float | None = None
     # CPU the idle engine's processes used while the other engine ran (cores, mean): the fairness check
-    workbench_idle_cores: Optional[float] = None
-    vllm_idle_cores: Optional[float] = None
+    workbench_idle_cores: float | None = None
+    vllm_idle_cores: float | None = None
 
 
 def make_row(wl: Workload, dtype: str, threads: str, wb: list[float], vl: list[float], loads: list[float]) -> PeerRow:
@@ -387,7 +387,7 @@ def _vllm_run(peer: VllmPeer) -> RunFn:
     return run
 
 
-def run_peer_bench(args) -> Optional[list[PeerRow]]:
+def run_peer_bench(args) -> list[PeerRow] | None:
     """The vLLM comparison; None (after printing the install recipe) when the peer cannot run."""
     python = getattr(args, "peer_python", None) or os.environ.get("WORKBENCH_VLLM_PYTHON")
     _progress(f"checking the vLLM peer: {python or '(none)'} ...")

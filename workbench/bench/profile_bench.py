@@ -37,8 +37,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 # Component keys in table order, with their printed labels.
 COMPONENTS = (
@@ -278,7 +278,7 @@ def profile_shapes(
     return rows
 
 
-def run_profile(args: argparse.Namespace) -> tuple[list[ProfileRow], Optional[EngineSplit]]:
+def run_profile(args: argparse.Namespace) -> tuple[list[ProfileRow], EngineSplit | None]:
     """`bench model --profile`: the tables for every dtype, then (unless skipped) the engine split."""
     from workbench.bench import model_bench as mb
     from workbench.core.model_loader import prepare_model
@@ -345,7 +345,7 @@ def run_profile(args: argparse.Namespace) -> tuple[list[ProfileRow], Optional[En
 
 
 # ---- the engine-level split --------------------------------------------------------------
-def _cpu_seconds(stat_path: str) -> Optional[float]:
+def _cpu_seconds(stat_path: str) -> float | None:
     """utime + stime of a process or thread from its /proc stat file (None where unreadable)."""
     try:
         with open(stat_path) as f:
@@ -355,7 +355,7 @@ def _cpu_seconds(stat_path: str) -> Optional[float]:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15 of stat
 
 
-def _cpu_snapshot(engine) -> dict[str, Optional[float]]:
+def _cpu_snapshot(engine) -> dict[str, float | None]:
     pids = engine.get_server_info()["pids"]
     out = {role: _cpu_seconds(f"/proc/{pid}/stat") for role, pid in sorted(pids.items())}
     loop_thread = getattr(engine, "_loop_thread", None)
@@ -366,7 +366,7 @@ def _cpu_snapshot(engine) -> dict[str, Optional[float]]:
 
 
 def run_engine_split(
-    model: Optional[str], dtype: str, prompts: list[list[int]], new_tokens: int, max_tokens: int, threads: Optional[int]
+    model: str | None, dtype: str, prompts: list[list[int]], new_tokens: int, max_tokens: int, threads: int | None
 ) -> EngineSplit:
     """Run `prompts` through a real Engine with the trace on; average its decode steps."""
     from workbench.core.engine import Engine
@@ -477,6 +477,7 @@ def cli_main(args: argparse.Namespace) -> int:
     """Print the profile (and write it with --json); called from `bench model --profile`."""
     import json
     from dataclasses import asdict
+
     from workbench.bench.model_bench import environment
 
     rows, split = run_profile(args)

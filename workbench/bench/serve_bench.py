@@ -31,7 +31,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 # ---------------------------------------------------------------- CLI
 
@@ -324,7 +324,7 @@ async def run_benchmark(
                 raise RuntimeError(f"the warm-up request failed: {res.error}")
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         bar = _progress(len(requests), args.disable_tqdm)
-        results: list[Optional[RequestResult]] = [None] * len(requests)
+        results: list[RequestResult | None] = [None] * len(requests)
 
         async def one(i: int, req: BenchRequest):
             if sem is not None:
@@ -368,7 +368,7 @@ def _progress(total: int, disable: bool):
 # ---------------------------------------------------------------- statistics
 
 
-def _dist(values: list[float]) -> dict[str, Optional[float]]:
+def _dist(values: list[float]) -> dict[str, float | None]:
     """mean/p50/p90/p99 in milliseconds (None without samples)."""
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
@@ -450,7 +450,7 @@ def format_table(res: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- entry point
 
 
-def _load_tokenizer(spec: Optional[str]):
+def _load_tokenizer(spec: str | None):
     if spec and spec.lower() == "none":
         return None
     from workbench.core.model_loader import load_tokenizer, prepare_model
@@ -491,7 +491,7 @@ def run_serve_bench(args: argparse.Namespace, tokenizer: Any = "auto") -> dict[s
     return res
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="workbench bench serve", description=__doc__.split("\n\n")[0])
     add_serve_bench_args(parser)
     res = run_serve_bench(parser.parse_args(argv))

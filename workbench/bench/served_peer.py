@@ -24,7 +24,6 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from workbench.bench.peer_bench import (
     GOAL,
@@ -197,7 +196,7 @@ def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float, log_path
     raise PeerError(f"{base_url} not ready in {timeout_s:.0f} s; log {log_path}")
 
 
-def _stop(proc: Optional[subprocess.Popen]) -> None:
+def _stop(proc: subprocess.Popen | None) -> None:
     if proc is None or proc.poll() is not None:
         return
     proc.terminate()
@@ -208,7 +207,7 @@ def _stop(proc: Optional[subprocess.Popen]) -> None:
         proc.wait()
 
 
-def run_served_peer(args) -> Optional[list[ServedRow]]:
+def run_served_peer(args) -> list[ServedRow] | None:
     """The served comparison; None (after printing the install recipe) when the peer cannot run."""
     python = args.peer_python or os.environ.get("WORKBENCH_VLLM_PYTHON")
     _progress(f"checking the vLLM peer: {python or '(none)'} ...")
@@ -332,7 +331,7 @@ def run_served_peer(args) -> Optional[list[ServedRow]]:
 
 def _run_client(
     python: str, base_url: str, tokenizer: str, args, work: Path, name: str, warmup: bool = False
-) -> Optional[dict]:
+) -> dict | None:
     """One `vllm bench serve` run against `base_url`; its metrics (None for a warm-up)."""
     if warmup:  # a few prompts, so both servers have compiled and cached what they need
         args = type(args)(

@@ -35,7 +35,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 NEIGHBOURS = ("quiet", "busy", "tui")
 GOAL = 0.6
@@ -82,12 +81,12 @@ app.run(headless=True, size=(160, 48))
 class Neighbour:
     """Starts and stops one kind of neighbour process(es)."""
 
-    def __init__(self, kind: str, attach: Optional[str]):
+    def __init__(self, kind: str, attach: str | None):
         self.kind, self.attach = kind, attach
         self.procs: list = []
         self.stop_event = None
 
-    def __enter__(self) -> "Neighbour":
+    def __enter__(self) -> Neighbour:
         if self.kind == "busy":
             ctx = mp.get_context("spawn")
             self.stop_event = ctx.Event()

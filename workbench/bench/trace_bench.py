@@ -165,8 +165,8 @@ def _one_run(base, mode: str, trace_mode: str, prompts, new: int, row: TraceBenc
 def run_trace_bench(args: argparse.Namespace) -> list[TraceBenchRow]:
     """Run the modes in `args.rounds` interleaved rounds, one engine at a time (an idle engine
     beside the measured one would share its cores); print and return the rows."""
-    from workbench.core.args import ServerArgs
     from workbench.bench.engine_bench import _progress
+    from workbench.core.args import ServerArgs
     from workbench.core.model_loader import load_tokenizer, prepare_model
 
     base = ServerArgs.from_cli_args(args)

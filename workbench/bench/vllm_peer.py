@@ -35,7 +35,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any
 
 FIRST_IDS = 16  # how many output ids of each prompt a `run` reply carries (the equality check)
 OPS = ("load", "run", "quit")
@@ -72,8 +72,8 @@ def load_request(
     dtype: str,
     max_model_len: int,
     seed: int = 0,
-    threads_bind: Optional[str] = None,
-    kv_cache_gib: Optional[float] = None,
+    threads_bind: str | None = None,
+    kv_cache_gib: float | None = None,
 ) -> dict:
     """The `load` request: one vLLM engine on `model` (an HF directory), prefix caching on."""
     return {
@@ -232,7 +232,7 @@ def _protocol_stdout():
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Serve requests from stdin until `quit` or end of input; `--check` only tests the import."""
     argv = sys.argv[1:] if argv is None else argv
     out = _protocol_stdout()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -41,50 +41,50 @@ class _Out(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: Optional[bool] = False
-    continuous_usage_stats: Optional[bool] = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingExtras(_Strict):
     """SGLang/vLLM sampling extensions that clients send via `extra_body`."""
 
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    ignore_eos: Optional[bool] = None
-    min_tokens: Optional[int] = None
-    stop_token_ids: Optional[list[int]] = None
-    skip_special_tokens: Optional[bool] = None
-    spaces_between_special_tokens: Optional[bool] = None
-    no_stop_trim: Optional[bool] = None
-    rid: Optional[str] = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    rid: str | None = None
     # structured outputs, as SGLang's OpenAI routes take them (at most one, and not with a
     # response_format that constrains): a JSON Schema (object or its text), a regex, an EBNF grammar
-    json_schema: Optional[Union[str, dict[str, Any]]] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CommonOpenAIFields(SamplingExtras):
-    model: Optional[str] = None
-    frequency_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
-    response_format: Optional[dict[str, Any]] = None  # text, json_object, json_schema
-    n: Optional[int] = None
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    user: Optional[str] = None
+    model: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
     # accepted and ignored (no effect on a local server)
-    store: Optional[bool] = None
-    metadata: Optional[dict[str, Any]] = None
-    service_tier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    safety_identifier: Optional[str] = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 # ---------------------------------------------------------------- chat requests
@@ -92,49 +92,49 @@ class CommonOpenAIFields(SamplingExtras):
 
 class TextContentPart(_Lenient):
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[TextContentPart]]] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
-    tool_call_id: Optional[str] = None  # a tool message: the call it answers
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(CommonOpenAIFields):
     messages: list[ChatMessage]
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[bool] = None
-    modalities: Optional[list[str]] = None
-    reasoning_effort: Optional[str] = None
-    verbosity: Optional[str] = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
     # chat-template controls (SGLang/vLLM extensions)
-    add_generation_prompt: Optional[bool] = True
-    continue_final_message: Optional[bool] = False
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
     # SGLang's reasoning switches (sglang-router sends them on): no reasoning parser here, so
     # reasoning stays in the content either way
-    separate_reasoning: Optional[bool] = None
-    stream_reasoning: Optional[bool] = None
-    return_hidden_states: Optional[bool] = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    return_hidden_states: bool | None = None
 
 
 # ---------------------------------------------------------------- completion requests
 
 
 class CompletionRequest(CommonOpenAIFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    best_of: Optional[int] = None
-    echo: Optional[bool] = False
-    logprobs: Optional[int] = None
-    max_tokens: Optional[int] = 16
-    suffix: Optional[str] = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None
+    echo: bool | None = False
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    suffix: str | None = None
 
 
 # ---------------------------------------------------------------- native /generate
@@ -143,25 +143,25 @@ class CompletionRequest(CommonOpenAIFields):
 class GenerateReqInput(_Strict):
     """SGLang's /generate body: `text` or `input_ids` (one or a batch)."""
 
-    text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
-    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
-    stream: Optional[bool] = False
-    return_logprob: Optional[bool] = False
-    top_logprobs_num: Optional[int] = 0
-    logprob_start_len: Optional[int] = -1
-    return_text_in_logprobs: Optional[bool] = False
-    rid: Optional[str] = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool | None = False
+    return_logprob: bool | None = False
+    top_logprobs_num: int | None = 0
+    logprob_start_len: int | None = -1
+    return_text_in_logprobs: bool | None = False
+    rid: str | None = None
     # Sent by sglang-router (which re-serialises bodies with SGLang's defaults) and SGLang's
     # clients: logging switches and the model name have no effect here; the features below
     # (OFF_ONLY_FIELDS) are accepted while off and refused by name when asked for.
-    model: Optional[str] = None
-    log_metrics: Optional[bool] = None
-    no_logs: Optional[bool] = None
-    return_hidden_states: Optional[bool] = None
-    background: Optional[bool] = None
-    return_bytes: Optional[bool] = None
-    return_entropy: Optional[bool] = None
+    model: str | None = None
+    log_metrics: bool | None = None
+    no_logs: bool | None = None
+    return_hidden_states: bool | None = None
+    background: bool | None = None
+    return_bytes: bool | None = None
+    return_entropy: bool | None = None
 
 
 # Request fields of features this server does not have: accepted while false or null (as
@@ -185,46 +185,46 @@ class UsageInfo(_Out):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: Optional[PromptTokensDetails] = None
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(_Out):
     token: str
     logprob: float
-    bytes: Optional[list[int]] = None
+    bytes: list[int] | None = None
 
 
 class ChatTokenLogprob(_Out):
     token: str
     logprob: float
-    bytes: Optional[list[int]] = None
+    bytes: list[int] | None = None
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChoiceLogprobs(_Out):
-    content: Optional[list[ChatTokenLogprob]] = None
+    content: list[ChatTokenLogprob] | None = None
 
 
 class CompletionLogprobs(_Out):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
 class ChatResponseMessage(_Out):
     role: str = "assistant"
-    content: Optional[str] = None
-    refusal: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionChoice(_Out):
     index: int
     message: ChatResponseMessage
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
-    matched_stop: Optional[Union[int, str]] = None
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
 
 
 class ChatCompletionResponse(_Out):
@@ -234,21 +234,21 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
-    system_fingerprint: Optional[str] = None
+    system_fingerprint: str | None = None
 
 
 class DeltaMessage(_Out):
-    role: Optional[str] = None
-    content: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionStreamChoice(_Out):
     index: int
     delta: DeltaMessage
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
-    matched_stop: Optional[Union[int, str]] = None
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
 
 
 class ChatCompletionChunk(_Out):
@@ -257,16 +257,16 @@ class ChatCompletionChunk(_Out):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionStreamChoice]
-    usage: Optional[UsageInfo] = None
-    system_fingerprint: Optional[str] = None
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
 
 
 class CompletionChoice(_Out):
     index: int
     text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-    matched_stop: Optional[Union[int, str]] = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
 
 
 class CompletionResponse(_Out):
@@ -275,8 +275,8 @@ class CompletionResponse(_Out):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
-    system_fingerprint: Optional[str] = None
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
 
 
 class ModelCard(_Out):
@@ -284,8 +284,8 @@ class ModelCard(_Out):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "workbench"
-    root: Optional[str] = None
-    max_model_len: Optional[int] = None
+    root: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(_Out):

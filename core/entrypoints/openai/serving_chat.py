@@ -8,11 +8,11 @@ chunk with `finish_reason`, a usage chunk (`choices: []`) when
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Optional
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-
 from workbench.core.entrypoints.errors import APIError, bad_request
 from workbench.core.entrypoints.openai.protocol import (
     ChatCompletionChoice,
@@ -171,7 +171,7 @@ async def _stream(
     want_logprobs: bool,
     include_usage: bool,
     guard: StreamGuard,
-    plan: Optional[ToolPlan] = None,
+    plan: ToolPlan | None = None,
 ) -> AsyncIterator[str]:
     seen_ids: dict[int, int] = {}
     finals: dict[int, dict] = {}

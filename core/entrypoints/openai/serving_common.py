@@ -14,17 +14,17 @@ import asyncio
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterable, Optional
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-
 from workbench.core.constrained.grammar import ANY_JSON
 from workbench.core.entrypoints.errors import APIError, bad_request, engine_error_to_api
 from workbench.core.entrypoints.openai.protocol import (
-    ChatTokenLogprob,
     OFF_ONLY_FIELDS,
+    ChatTokenLogprob,
     CommonOpenAIFields,
     CompletionLogprobs,
     PromptTokensDetails,
@@ -48,7 +48,7 @@ class ServingContext:
     model_name: str
     model_path: str
     context_len: int
-    vocab_size: Optional[int]
+    vocab_size: int | None
     max_n: int = 16
     max_top_logprobs: int = 20
     tool_call_parser: str = "hermes"  # --tool-call-parser
@@ -63,7 +63,7 @@ class ServingContext:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def check_model(self, name: Optional[str]) -> None:
+    def check_model(self, name: str | None) -> None:
         """Unknown model name -> 404 (None means the served model)."""
         if name is None or name == self.model_name or name in self.aliases:
             return
@@ -99,7 +99,7 @@ def new_rid(prefix: str) -> str:
 # ---------------------------------------------------------------- request checks
 
 
-def response_format_grammar(response_format: Optional[dict]) -> Optional[tuple[str, str]]:
+def response_format_grammar(response_format: dict | None) -> tuple[str, str] | None:
     """OpenAI's response_format -> the sampling param that constrains the output, or None:
     text: none; json_object: any JSON object; json_schema: `json_schema.schema` (strict or not,
     the output follows it)."""
@@ -148,7 +148,7 @@ def structured_output(req: CommonOpenAIFields) -> dict[str, str]:
 
 
 def sampling_params_from(
-    req: CommonOpenAIFields, ctx: ServingContext, max_new_tokens: Optional[int], allow_zero: bool = False
+    req: CommonOpenAIFields, ctx: ServingContext, max_new_tokens: int | None, allow_zero: bool = False
 ) -> dict[str, Any]:
     """OpenAI request fields -> SGLang sampling_params (only what the client set). `allow_zero`:
     max_tokens 0 is allowed (completions with echo: scoring a prompt, as lm-eval does)."""
@@ -206,7 +206,7 @@ def sampling_params_from(
     return {k: v for k, v in sp.items() if v is not None}
 
 
-def check_prompt_fits(ctx: ServingContext, prompt_len: int, max_new_tokens: Optional[int]) -> int:
+def check_prompt_fits(ctx: ServingContext, prompt_len: int, max_new_tokens: int | None) -> int:
     """Resolve max_new_tokens (None: up to the context) and check prompt + output fits."""
     room = ctx.context_len - prompt_len
     if room <= 0 or (max_new_tokens is not None and max_new_tokens > room):
@@ -345,7 +345,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 async def open_streams(
     ctx: ServingContext, specs: list[ChoiceSpec]
-) -> list[tuple[ChoiceSpec, Optional[dict], Optional[AsyncIterator[dict]]]]:
+) -> list[tuple[ChoiceSpec, dict | None, AsyncIterator[dict] | None]]:
     """Start every choice as a stream and wait for its first chunk, so that a bad
     request fails with a status code before any SSE byte is sent."""
 
@@ -371,7 +371,7 @@ async def open_streams(
         raise
 
 
-async def merge_streams(opened, ctx: Optional[ServingContext] = None) -> AsyncIterator[tuple[ChoiceSpec, dict]]:
+async def merge_streams(opened, ctx: ServingContext | None = None) -> AsyncIterator[tuple[ChoiceSpec, dict]]:
     """Interleave the chunks of several choices as they come (first chunks first); with `ctx`, end
     with APIError 503 when the server stops serving before they finish."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -408,7 +408,7 @@ async def merge_streams(opened, ctx: Optional[ServingContext] = None) -> AsyncIt
             t.cancel()
 
 
-def is_finished(chunk: Optional[dict]) -> bool:
+def is_finished(chunk: dict | None) -> bool:
     return bool(chunk and chunk.get("meta_info", {}).get("finish_reason"))
 
 
@@ -469,7 +469,7 @@ def sse_error(exc: BaseException) -> str:
 # ---------------------------------------------------------------- results
 
 
-def finish_reason_of(meta: dict) -> tuple[Optional[str], Any]:
+def finish_reason_of(meta: dict) -> tuple[str | None, Any]:
     fr = meta.get("finish_reason")
     if not fr:
         return None, None
@@ -478,7 +478,7 @@ def finish_reason_of(meta: dict) -> tuple[Optional[str], Any]:
     return fr.get("type"), fr.get("matched")
 
 
-def usage_from(results: list[dict], n: int, prompt_lens: Optional[list[int]] = None) -> UsageInfo:
+def usage_from(results: list[dict], n: int, prompt_lens: list[int] | None = None) -> UsageInfo:
     """Prompt tokens and cached tokens count once per prompt (the largest reuse among
     its n choices); completion tokens count every choice."""
     prompt = cached = completion = 0
@@ -526,14 +526,14 @@ def completion_logprobs(
     tops: list,
     top_n: int,
     start_offset: int = 0,
-    prompt_ids: Optional[list[int]] = None,
-    input_lps: Optional[list] = None,
+    prompt_ids: list[int] | None = None,
+    input_lps: list | None = None,
 ) -> CompletionLogprobs:
     """Completions-shaped logprobs; with `prompt_ids` (echo) the prompt tokens come first,
     their logprobs from `input_lps` (the first prompt token has none)."""
     out = CompletionLogprobs()
     offset = start_offset
-    rows: list[tuple[Optional[float], int, Any]] = []
+    rows: list[tuple[float | None, int, Any]] = []
     if prompt_ids is not None:
         in_lps = [it[0] if isinstance(it, (list, tuple)) else it for it in (input_lps or [])]
         in_lps = [None] * (len(prompt_ids) - len(in_lps)) + in_lps[-len(prompt_ids) :] if prompt_ids else []

@@ -7,11 +7,11 @@ null means "up to the context length".
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Optional
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-
 from workbench.core.entrypoints.errors import APIError, bad_request
 from workbench.core.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -149,9 +149,9 @@ async def _stream(
     model: str,
     opened,
     n: int,
-    top_n: Optional[int],
-    echo_texts: Optional[list[str]],
-    echo_ids: Optional[list],
+    top_n: int | None,
+    echo_texts: list[str] | None,
+    echo_ids: list | None,
     include_usage: bool,
     guard: StreamGuard,
 ) -> AsyncIterator[str]:

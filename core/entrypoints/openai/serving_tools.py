@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from workbench.core.entrypoints.errors import bad_request
 from workbench.core.entrypoints.openai.protocol import ChatCompletionRequest
@@ -38,13 +38,13 @@ class ToolPlan:
 
     tools: list[dict]
     parser: str  # the parser that reads the output: --tool-call-parser, or json_array when forced
-    forced_schema: Optional[str] = None  # required / named: the grammar of the output
+    forced_schema: str | None = None  # required / named: the grammar of the output
 
     def new_parser(self) -> FunctionCallParser:
         return FunctionCallParser(self.parser, set(tool_names(self.tools)))
 
 
-def plan_tools(req: ChatCompletionRequest, default_parser: str) -> Optional[ToolPlan]:
+def plan_tools(req: ChatCompletionRequest, default_parser: str) -> ToolPlan | None:
     """Check `tools` and `tool_choice` (400s naming what is wrong); None when the request has no
     tools to offer (none given, or tool_choice none)."""
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
@@ -85,8 +85,8 @@ def plan_tools(req: ChatCompletionRequest, default_parser: str) -> Optional[Tool
 
 
 def render_tool_messages(
-    messages: list[dict], plan: Optional[ToolPlan], native: bool, parser: str
-) -> tuple[list[dict], Optional[list[dict]]]:
+    messages: list[dict], plan: ToolPlan | None, native: bool, parser: str
+) -> tuple[list[dict], list[dict] | None]:
     """Chat messages (with `tool_calls` / tool turns) -> (messages for the template, `tools` for
     a template that renders them). `native`: the template renders tools itself."""
     out = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-
 from workbench.core.layers.attention.masked_attention import masked_attention, needs_masked_path
 
 if TYPE_CHECKING:
@@ -32,11 +31,11 @@ class AttentionBackend:
     # read its extend metadata from the graph runner's static buffers (cuda_graph_verify.py).
     verify_cuda_graph_capturable = False
 
-    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Precompute per-pass metadata (index tables, masks) shared by every layer."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch"
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         if (layer.sliding_window_size or layer.logit_cap) and needs_masked_path(layer, forward_batch):
             return masked_attention(q, k, v, layer, forward_batch)  # a window or a soft cap: explicit scores
@@ -59,7 +58,7 @@ class AttentionBackend:
         raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")
 
     def init_forward_metadata_capture_cuda_graph(
-        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, forward_batch: "ForwardBatch"
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, forward_batch: ForwardBatch
     ) -> None:
         """Before capturing bucket `bs`: point `forward_batch.attn_metadata` at static buffers.
 
@@ -74,7 +73,7 @@ class AttentionBackend:
         req_pool_indices: torch.Tensor,
         seq_lens: torch.Tensor,
         seq_lens_cpu: list[int],
-        forward_batch: "ForwardBatch",
+        forward_batch: ForwardBatch,
     ) -> None:
         """Before replaying bucket `bs`: refresh the static metadata for the (padded) batch now
         in the input buffers; `seq_lens_cpu` are the same lengths on the host."""
@@ -84,10 +83,10 @@ class AttentionBackend:
     # The defaults build the metadata on the host like an eager pass: right for the CPU stand-in
     # graph, which re-runs Python at replay; a backend that sets verify_cuda_graph_capturable
     # points the metadata at `buffers` (StaticVerifyBuffers) instead.
-    def init_forward_metadata_capture_verify_cuda_graph(self, bs: int, buffers, forward_batch: "ForwardBatch") -> None:
+    def init_forward_metadata_capture_verify_cuda_graph(self, bs: int, buffers, forward_batch: ForwardBatch) -> None:
         """Before capturing the verify graph of bucket `bs` (dummy requests in `buffers`)."""
         self.init_forward_metadata(forward_batch)
 
-    def init_forward_metadata_replay_verify_cuda_graph(self, bs: int, buffers, forward_batch: "ForwardBatch") -> None:
+    def init_forward_metadata_replay_verify_cuda_graph(self, bs: int, buffers, forward_batch: ForwardBatch) -> None:
         """Before replaying it: `buffers` and the batch's host lengths hold the padded batch."""
         self.init_forward_metadata(forward_batch)

@@ -20,10 +20,8 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
-
 from workbench.core.layers import cpu_ops
 from workbench.core.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
@@ -33,7 +31,7 @@ class PagedDecodeMetadata:
     req_pool_indices: torch.Tensor  # [B] int64, contiguous: each request's row of req_to_token
     seq_lens: torch.Tensor  # [B] int64, contiguous: its context length, this step's token included
     out_cache_loc: torch.Tensor  # [B] int64, contiguous: the slot this step's K/V go to
-    groups: Optional[cpu_ops.PrefixGroups] = None  # requests sharing a prefix of slots, if any
+    groups: cpu_ops.PrefixGroups | None = None  # requests sharing a prefix of slots, if any
 
 
 def cpu_paged_unavailable_reason(device: str, dtype=None) -> str | None:

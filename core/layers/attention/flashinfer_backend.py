@@ -22,16 +22,15 @@ guarded so the module loads anywhere (`flashinfer_unavailable_reason`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
-
 from workbench.core.layers.attention.base_attn_backend import AttentionBackend
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's float workspace, shared by all wrappers (as SGLang)
 
 
-def flashinfer_unavailable_reason(device: str, dtype=None) -> Optional[str]:
+def flashinfer_unavailable_reason(device: str, dtype=None) -> str | None:
     """None when the flashinfer backend can run on `device` (and `dtype`, a torch.dtype or a
     --dtype name, if given), else what to do about it."""
     if device != "cuda":
@@ -60,7 +59,7 @@ class FlashInferDecodeMetadata:
 @dataclass
 class FlashInferExtendMetadata:
     ragged: Any  # planned BatchPrefillWithRaggedKVCacheWrapper (new tokens, causal)
-    paged: Optional[Any]  # planned BatchPrefillWithPagedKVCacheWrapper (prefixes), or None
+    paged: Any | None  # planned BatchPrefillWithPagedKVCacheWrapper (prefixes), or None
 
 
 def kv_indices_from_rows(
@@ -118,9 +117,9 @@ class FlashInferAttnBackend(AttentionBackend):
         self.prefill_ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self.prefill_paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._graph_wrappers: dict[int, Any] = {}
-        self._graph_indptr: Optional[torch.Tensor] = None
-        self._graph_indices: Optional[torch.Tensor] = None
-        self._graph_last_page_len: Optional[torch.Tensor] = None
+        self._graph_indptr: torch.Tensor | None = None
+        self._graph_indices: torch.Tensor | None = None
+        self._graph_last_page_len: torch.Tensor | None = None
         self._ones = torch.ones(1, dtype=torch.int32, device=self.device)
 
     # ---- planning (once per pass) ------------------------------------------------------

@@ -7,15 +7,12 @@ for a backend the device cannot run is an error that says what to pick instead.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-
 from workbench.core.args import ATTENTION_BACKENDS
 from workbench.core.layers.attention.base_attn_backend import AttentionBackend
 
 
-def unavailable_reason(name: str, device: str, dtype=None) -> Optional[str]:
+def unavailable_reason(name: str, device: str, dtype=None) -> str | None:
     """None when backend `name` can run on `device` ("cpu" / "cuda") with `dtype` (a torch.dtype or a
     --dtype name; None: any), else why not and what to do."""
     if name == "torch_native":
@@ -45,7 +42,7 @@ def default_attention_backend(device: str, dtype=None) -> str:
 
 
 def choose_attention_backend(
-    requested: Optional[str], device: str, dtype, num_q_heads: int, num_kv_heads: int, head_dim: int
+    requested: str | None, device: str, dtype, num_q_heads: int, num_kv_heads: int, head_dim: int
 ) -> str:
     """`requested` if given, else the device default, stepping down from cpu_paged to torch_native
     for head shapes its kernel does not handle (a request for cpu_paged itself is not changed)."""

@@ -11,13 +11,10 @@ A request with no cached prefix attends to its own new K/V directly (no gather).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
 from workbench.core.layers.attention.base_attn_backend import AttentionBackend
-
 
 # Below this many K elements per layer, low-precision decode attention upcasts and
 # uses the float32 SDPA kernel (measured crossover on the 2-core target: ~B*L = 200).
@@ -28,14 +25,14 @@ SMALL_DECODE_KV_ELEMENTS = 32768
 class DecodeMetadata:
     kv_indices: torch.Tensor  # [B * Hk * L] rows of the pool viewed as [slots * Hk, D] (slot 0 = padding)
     max_len: int  # L
-    mask: Optional[torch.Tensor]  # [B, 1, 1, L] True where a key is valid; None if no padding
-    invalid: Optional[torch.Tensor] = None  # ~mask, for the low-precision path's masked_fill
+    mask: torch.Tensor | None  # [B, 1, 1, L] True where a key is valid; None if no padding
+    invalid: torch.Tensor | None = None  # ~mask, for the low-precision path's masked_fill
 
 
 @dataclass
 class ExtendMetadata:
-    kv_indices: list[Optional[torch.Tensor]]  # per request: all its KV slots; None = use the new K/V
-    masks: list[Optional[torch.Tensor]]  # per request: [E, S] causal mask offset by the prefix, or None
+    kv_indices: list[torch.Tensor | None]  # per request: all its KV slots; None = use the new K/V
+    masks: list[torch.Tensor | None]  # per request: [E, S] causal mask offset by the prefix, or None
 
 
 def build_decode_metadata(
@@ -95,7 +92,7 @@ def decode_attention(
 
 
 def _decode_attention_lowp(
-    q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, invalid: Optional[torch.Tensor], scaling: float
+    q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, invalid: torch.Tensor | None, scaling: float
 ) -> torch.Tensor:
     """bf16/fp16 decode attention as two batched GEMMs with a float32 softmax.
 

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
-
 from workbench.core.layers.attention.base_attn_backend import AttentionBackend
 
 # Splits of the KV sequence per (request, KV head) in decode. More splits keep a GPU busy at small
@@ -31,7 +29,7 @@ DEFAULT_NUM_KV_SPLITS = {"cuda": 8, "cpu": 2}
 MIN_INTERPRETER_TRITON = (3, 7)
 
 
-def triton_interpreter_unsupported_reason() -> Optional[str]:
+def triton_interpreter_unsupported_reason() -> str | None:
     """None when the installed triton's interpreter (TRITON_INTERPRET=1) runs these kernels, else why not.
 
     Reads the version from package metadata: importing triton here would fix TRITON_INTERPRET
@@ -51,7 +49,7 @@ def triton_interpreter_unsupported_reason() -> Optional[str]:
     return None
 
 
-def triton_unavailable_reason(device: str) -> Optional[str]:
+def triton_unavailable_reason(device: str) -> str | None:
     """None when the triton backend can run on `device`, else what to do about it."""
     try:
         import triton  # noqa: F401
@@ -96,7 +94,7 @@ class TritonAttnBackend(AttentionBackend):
     cuda_graph_capturable = True
     verify_cuda_graph_capturable = True  # the extend kernel reads every length from device buffers
 
-    def __init__(self, num_q_heads: int, head_dim: int, device: str, num_kv_splits: Optional[int] = None):
+    def __init__(self, num_q_heads: int, head_dim: int, device: str, num_kv_splits: int | None = None):
         reason = triton_unavailable_reason(torch.device(device).type)
         if reason:
             raise RuntimeError(reason)
@@ -107,8 +105,8 @@ class TritonAttnBackend(AttentionBackend):
         self.head_dim = head_dim
         self.device = torch.device(device)
         self.num_kv_splits = num_kv_splits or DEFAULT_NUM_KV_SPLITS.get(self.device.type, 4)
-        self._graph_att_out: Optional[torch.Tensor] = None
-        self._graph_att_lse: Optional[torch.Tensor] = None
+        self._graph_att_out: torch.Tensor | None = None
+        self._graph_att_lse: torch.Tensor | None = None
 
     # ---- metadata ------------------------------------------------------------------------
     def _decode_scratch(self, bs: int) -> TritonDecodeMetadata:

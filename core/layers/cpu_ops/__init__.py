@@ -27,9 +27,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from pathlib import Path
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
 
 import torch
 
@@ -52,8 +51,8 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_error: Optional[str] = None
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
 _tried = False
 _gemv_ok = False  # the library has gemv.c's AVX2 + FMA path and WORKBENCH_CPU_GEMV is not 0
 
@@ -201,7 +200,7 @@ def _load() -> None:
         _lib = lib
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     """None once the kernel library is built and loaded (building it if needed), else why not."""
     _load()
     return _error
@@ -215,7 +214,7 @@ def supports(dtype: torch.dtype) -> bool:
 MAX_HEAD_DIM = 256  # MAX_D in common.h
 
 
-def shape_unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int) -> Optional[str]:
+def shape_unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
     """None when the attention kernels handle these heads (see their C files), else why not."""
     if head_dim % 16 or head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} is not a multiple of 16 up to {MAX_HEAD_DIM}"
@@ -248,7 +247,7 @@ def decode_prefix_groups(
     seq_lens: torch.Tensor,
     min_prefix: int = 64,
     min_members: int = 2,
-) -> Optional[PrefixGroups]:
+) -> PrefixGroups | None:
     """The shared-prefix groups of a decode batch (prefix_attention.c's wb_decode_prefix_groups):
     requests whose slot rows start alike, each group's shared length at least `min_prefix` with at
     least `min_members` requests; None when there are none. req_pool_indices/seq_lens: [B] int64
@@ -279,10 +278,10 @@ def paged_decode_attention(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    k_new: Optional[torch.Tensor] = None,
-    v_new: Optional[torch.Tensor] = None,
-    out_cache_loc: Optional[torch.Tensor] = None,
-    groups: Optional[PrefixGroups] = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    out_cache_loc: torch.Tensor | None = None,
+    groups: PrefixGroups | None = None,
 ) -> torch.Tensor:
     """Decode attention reading K/V in place from the pool.
 
@@ -493,7 +492,7 @@ def gemv_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) (+ residual), summed in float32: x [M, K], weight [N, K] float32 or
     bfloat16 (rows may be strided, elements contiguous), bias [N], residual [M, N] -> a new
