@@ -28,45 +28,59 @@ below without llama.cpp.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
-import traceback
 from typing import Any
 
-FIRST_IDS = 16  # how many output ids a `run` reply carries (the equality check)
-OPS = ("load", "run", "quit")
+if __package__:
+    from workbench.bench.peer_wire import (
+        FIRST_IDS,
+        ProtocolError,
+        check_op,
+        decode_message,
+        encode_message,
+        error_reply,
+        is_int,
+        parse_reply,
+        quit_request,
+        serve,
+    )
+else:  # a script in the llama.cpp venv, where workbench is not installed: its folder is sys.path[0]
+    from peer_wire import (
+        FIRST_IDS,
+        ProtocolError,
+        check_op,
+        decode_message,
+        encode_message,
+        error_reply,
+        is_int,
+        parse_reply,
+        quit_request,
+        serve,
+    )
+
+__all__ = [
+    "CPU_FEATURES",
+    "FIRST_IDS",
+    "KV_TYPES",
+    "ProtocolError",
+    "check_request",
+    "decode_message",
+    "encode_message",
+    "error_reply",
+    "load_request",
+    "missing_cpu_features",
+    "parse_reply",
+    "quit_request",
+    "run_request",
+    "summarize_output",
+]
+
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml_type values (ggml.h: GGML_TYPE_F32, _F16, _BF16)
 CPU_FEATURES = ("AVX2", "FMA", "F16C")  # what a native build on this machine must report
 
 
-class ProtocolError(ValueError):
-    """A line that is not a well-formed request or reply."""
-
-
 # ---- protocol: pure functions, shared by the driver and the bench ---------------------------------
-def encode_message(msg: dict) -> str:
-    """One JSON object on one line, newline-terminated (the wire form of every request and reply)."""
-    if not isinstance(msg, dict):
-        raise ProtocolError(f"a message is a JSON object, not {type(msg).__name__}")
-    return json.dumps(msg, separators=(",", ":")) + "\n"
-
-
-def decode_message(line: str) -> dict:
-    """Parse one line into a JSON object; ProtocolError says what is wrong with it."""
-    text = line.strip()
-    if not text:
-        raise ProtocolError("empty line")
-    try:
-        msg = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ProtocolError(f"not JSON ({exc.msg} at column {exc.colno}): {text[:80]!r}") from None
-    if not isinstance(msg, dict):
-        raise ProtocolError(f"a message is a JSON object, not {type(msg).__name__}: {text[:80]!r}")
-    return msg
-
-
 def load_request(gguf: str, n_threads: int, n_ctx: int = 512, seed: int = 0, kv_type: str | None = None) -> dict:
     """The `load` request: one llama.cpp model from a GGUF file, on n_threads threads."""
     return {
@@ -89,34 +103,23 @@ def run_request(prompt: list[int], max_new_tokens: int, greedy: bool = True) -> 
     }
 
 
-def quit_request() -> dict:
-    """The `quit` request."""
-    return {"op": "quit"}
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def check_request(msg: dict) -> dict:
     """Validate a decoded request and return it; ProtocolError names the first bad field."""
-    op = msg.get("op")
-    if op not in OPS:
-        raise ProtocolError(f"unknown op {op!r} (expected one of {', '.join(OPS)})")
+    op = check_op(msg)
     if op == "load":
         if not isinstance(msg.get("gguf"), str) or not msg["gguf"]:
             raise ProtocolError("load needs 'gguf': a GGUF file")
-        if not _is_int(msg.get("n_threads")) or msg["n_threads"] < 1:
+        if not is_int(msg.get("n_threads")) or msg["n_threads"] < 1:
             raise ProtocolError("load needs 'n_threads': an integer >= 1")
-        if not _is_int(msg.get("n_ctx")) or msg["n_ctx"] < 16:
+        if not is_int(msg.get("n_ctx")) or msg["n_ctx"] < 16:
             raise ProtocolError("load needs 'n_ctx': an integer >= 16")
         if msg.get("kv_type") is not None and msg["kv_type"] not in KV_TYPES:
             raise ProtocolError(f"load: 'kv_type' is null or one of {', '.join(KV_TYPES)}, not {msg['kv_type']!r}")
     elif op == "run":
         prompt = msg.get("prompt")
-        if not isinstance(prompt, list) or not prompt or not all(_is_int(t) and t >= 0 for t in prompt):
+        if not isinstance(prompt, list) or not prompt or not all(is_int(t) and t >= 0 for t in prompt):
             raise ProtocolError("run needs 'prompt': a non-empty list of token ids")
-        if not _is_int(msg.get("max_new_tokens")) or msg["max_new_tokens"] < 1:
+        if not is_int(msg.get("max_new_tokens")) or msg["max_new_tokens"] < 1:
             raise ProtocolError("run needs 'max_new_tokens': an integer >= 1")
     return msg
 
@@ -129,23 +132,6 @@ def summarize_output(output_ids: list[int], seconds: float, first_n: int = FIRST
         "output_tokens": len(output_ids),
         "first_ids": [int(t) for t in output_ids[:first_n]],
     }
-
-
-def error_reply(exc: BaseException) -> dict:
-    """A failed request's reply: the error in one line, and the traceback."""
-    return {
-        "ok": False,
-        "error": f"{type(exc).__name__}: {exc}",
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-    }
-
-
-def parse_reply(line: str) -> dict:
-    """A reply line as a dict; ProtocolError when it is not one (no boolean "ok" field)."""
-    msg = decode_message(line)
-    if not isinstance(msg.get("ok"), bool):
-        raise ProtocolError(f"a reply carries a boolean 'ok': {line.strip()[:80]!r}")
-    return msg
 
 
 def missing_cpu_features(system_info: str, wanted=CPU_FEATURES) -> list[str]:
@@ -173,14 +159,6 @@ class _Driver:
 
     def __init__(self) -> None:
         self.llm: Any = None
-
-    def handle(self, msg: dict) -> dict:
-        op = msg["op"]
-        if op == "quit":
-            return {"ok": True}
-        if op == "load":
-            return self.load(msg)
-        return self.run(msg)
 
     def load(self, msg: dict) -> dict:
         if self.llm is not None:
@@ -233,50 +211,15 @@ class _Driver:
         return summarize_output(out, time.perf_counter() - t0)
 
 
-def _protocol_stdout():
-    """Keep the real stdout for replies only; everything else written to fd 1 goes to stderr."""
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return out
+def _check_import() -> dict:
+    import llama_cpp
+
+    return {"llama_cpp_version": llama_cpp.__version__, "system_info": _system_info()}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Serve requests from stdin until `quit` or end of input; `--check` only tests the import."""
-    argv = sys.argv[1:] if argv is None else argv
-    out = _protocol_stdout()
-    if "--check" in argv:
-        try:
-            import llama_cpp
-
-            out.write(
-                encode_message(
-                    {
-                        "ok": True,
-                        "llama_cpp_version": llama_cpp.__version__,
-                        "system_info": _system_info(),
-                        "python": sys.executable,
-                    }
-                )
-            )
-            return 0
-        except BaseException as exc:  # ImportError, or a shared library that does not load
-            out.write(encode_message(error_reply(exc)))
-            return 1
-    driver = _Driver()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            msg = check_request(decode_message(line))
-            reply = driver.handle(msg)
-        except Exception as exc:
-            msg, reply = {}, error_reply(exc)
-        out.write(encode_message(reply))
-        out.flush()
-        if msg.get("op") == "quit":
-            break
-    return 0
+    return serve(_Driver(), check_request, _check_import, argv)
 
 
 if __name__ == "__main__":

@@ -30,43 +30,52 @@ functions below without vLLM.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
 from typing import Any
 
-FIRST_IDS = 16  # how many output ids of each prompt a `run` reply carries (the equality check)
-OPS = ("load", "run", "quit")
+if __package__:
+    from workbench.bench.peer_wire import (
+        FIRST_IDS,
+        ProtocolError,
+        check_op,
+        decode_message,
+        encode_message,
+        error_reply,
+        parse_reply,
+        quit_request,
+        serve,
+    )
+else:  # a script in the vLLM venv, where workbench is not installed: its folder is sys.path[0]
+    from peer_wire import (
+        FIRST_IDS,
+        ProtocolError,
+        check_op,
+        decode_message,
+        encode_message,
+        error_reply,
+        parse_reply,
+        quit_request,
+        serve,
+    )
 
-
-class ProtocolError(ValueError):
-    """A line that is not a well-formed request or reply."""
+__all__ = [
+    "FIRST_IDS",
+    "ProtocolError",
+    "check_request",
+    "decode_message",
+    "encode_message",
+    "error_reply",
+    "load_request",
+    "parse_reply",
+    "quit_request",
+    "run_request",
+    "summarize_outputs",
+]
 
 
 # ---- protocol: pure functions, shared by the driver and the bench ---------------------------------
-def encode_message(msg: dict) -> str:
-    """One JSON object on one line, newline-terminated (the wire form of every request and reply)."""
-    if not isinstance(msg, dict):
-        raise ProtocolError(f"a message is a JSON object, not {type(msg).__name__}")
-    return json.dumps(msg, separators=(",", ":")) + "\n"
-
-
-def decode_message(line: str) -> dict:
-    """Parse one line into a JSON object; ProtocolError says what is wrong with it."""
-    text = line.strip()
-    if not text:
-        raise ProtocolError("empty line")
-    try:
-        msg = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ProtocolError(f"not JSON ({exc.msg} at column {exc.colno}): {text[:80]!r}") from None
-    if not isinstance(msg, dict):
-        raise ProtocolError(f"a message is a JSON object, not {type(msg).__name__}: {text[:80]!r}")
-    return msg
-
-
 def load_request(
     model: str,
     dtype: str,
@@ -105,16 +114,9 @@ def run_request(
     }
 
 
-def quit_request() -> dict:
-    """The `quit` request."""
-    return {"op": "quit"}
-
-
 def check_request(msg: dict) -> dict:
     """Validate a decoded request and return it; ProtocolError names the first bad field."""
-    op = msg.get("op")
-    if op not in OPS:
-        raise ProtocolError(f"unknown op {op!r} (expected one of {', '.join(OPS)})")
+    op = check_op(msg)
     if op == "load":
         if not isinstance(msg.get("model"), str) or not msg["model"]:
             raise ProtocolError("load needs 'model': a model directory")
@@ -150,37 +152,12 @@ def summarize_outputs(output_ids: list[list[int]], seconds: float, first_n: int 
     }
 
 
-def error_reply(exc: BaseException) -> dict:
-    """A failed request's reply: the error in one line, and the traceback."""
-    return {
-        "ok": False,
-        "error": f"{type(exc).__name__}: {exc}",
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-    }
-
-
-def parse_reply(line: str) -> dict:
-    """A reply line as a dict; ProtocolError when it is not one (no "ok" field)."""
-    msg = decode_message(line)
-    if not isinstance(msg.get("ok"), bool):
-        raise ProtocolError(f"a reply carries a boolean 'ok': {line.strip()[:80]!r}")
-    return msg
-
-
 # ---- the driver (runs in the vLLM venv) -------------------------------------------------------------
 class _Driver:
     """Holds the one vLLM engine of this process."""
 
     def __init__(self) -> None:
         self.llm: Any = None
-
-    def handle(self, msg: dict) -> dict:
-        op = msg["op"]
-        if op == "quit":
-            return {"ok": True}
-        if op == "load":
-            return self.load(msg)
-        return self.run(msg)
 
     def load(self, msg: dict) -> dict:
         if self.llm is not None:
@@ -224,41 +201,15 @@ class _Driver:
         return summarize_outputs([list(o.outputs[0].token_ids) for o in outs], seconds)
 
 
-def _protocol_stdout():
-    """Keep the real stdout for replies only; everything else written to fd 1 goes to stderr."""
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return out
+def _check_import() -> dict:
+    import vllm
+
+    return {"vllm_version": vllm.__version__}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Serve requests from stdin until `quit` or end of input; `--check` only tests the import."""
-    argv = sys.argv[1:] if argv is None else argv
-    out = _protocol_stdout()
-    if "--check" in argv:
-        try:
-            import vllm
-
-            out.write(encode_message({"ok": True, "vllm_version": vllm.__version__, "python": sys.executable}))
-            return 0
-        except BaseException as exc:  # ImportError, or anything vLLM raises while importing
-            out.write(encode_message(error_reply(exc)))
-            return 1
-    driver = _Driver()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            msg = check_request(decode_message(line))
-            reply = driver.handle(msg)
-        except Exception as exc:
-            msg, reply = {}, error_reply(exc)
-        out.write(encode_message(reply))
-        out.flush()
-        if msg.get("op") == "quit":
-            break
-    return 0
+    return serve(_Driver(), check_request, _check_import, argv)
 
 
 if __name__ == "__main__":
