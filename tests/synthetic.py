@@ -15,6 +15,8 @@ import random
 from dataclasses import dataclass, field
 
 from workbench.core.trace import events as ev
+from workbench.core.trace.state import TraceState
+from workbench.core.trace.ttft import PART_KINDS
 
 
 @dataclass
@@ -259,3 +261,21 @@ def synthetic_trace(
         out.extend(finishes + sched + others if reorder else sched + tok)
         step += 1
     return out
+
+
+def check_ttft_sums(st: TraceState, rid: str):
+    """TraceState.ttft_parts of a finished request (tests/fast/test_ttft_parts.py, the e2e scenarios).
+
+    The invariant: parts in order, none negative, contiguous, summing exactly to the TTFT."""
+    r = st.requests[rid]
+    b = st.ttft_parts(rid)
+    assert b is not None and not b.partial
+    assert b.parts[0].start_ts == r.arrival_ts and b.parts[-1].end_ts == r.first_token_ts
+    for p, q in zip(b.parts, b.parts[1:]):
+        assert p.end_ts == q.start_ts
+    assert all(p.ns >= 0 for p in b.parts)
+    assert sum(p.ns for p in b.parts) == b.ttft_ns == r.first_token_ts - r.arrival_ts
+    assert abs(b.ttft - r.ttft) <= 1e-9
+    kinds = [p.kind for p in b.parts]
+    assert kinds == sorted(kinds, key=PART_KINDS.index) and kinds[0] == "arrived" and kinds[-1] == "first_token"
+    return b

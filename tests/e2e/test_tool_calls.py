@@ -1,0 +1,190 @@
+"""Tool calls on /v1/chat/completions (issue #17 item 3), through the official openai client on
+a real server over the default model:
+
+- auto: the Hermes `<tool_call>` format read from the output, streamed and not, the same calls
+  either way (the output is steered into that format with an EBNF grammar: SmolLM2-135M was
+  never trained to call tools, and the point here is the parser on real generated text);
+- required and a named function: the grammar makes the output calls, whose arguments validate
+  against the tool's parameters; streamed as OpenAI's deltas;
+- none, a history with assistant tool_calls and tool results, and bad tools as 400s;
+- the Llama 3 JSON format with `--tool-call-parser llama3`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pipeline_helpers import assert_no_kv_leak, served_engine
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar", reason="tool_choice required/named needs xgrammar (the test tier installs it)")
+pytestmark = pytest.mark.e2e
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a timezone",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Steers the output into one Hermes tool call with text before it (auto mode's input).
+HERMES_EBNF = (
+    'root ::= "Checking.\\n<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": '
+    '{\\"city\\": \\"" [A-Za-z]{1,8} "\\", \\"unit\\": \\"celsius\\"}}\\n</tool_call>"'
+)
+LLAMA3_EBNF = 'root ::= "{\\"name\\": \\"get_time\\", \\"parameters\\": {\\"tz\\": \\"" ("UTC" | "CET") "\\"}}"'
+
+
+@pytest.fixture(scope="module")
+def served():
+    with served_engine(max_total_tokens=16384) as pair:
+        yield pair
+
+
+def _client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _streamed(client, **kw):
+    """(content, [(id, name, arguments)], finish_reason) from a stream, joined as clients do."""
+    content, calls, reason = "", {}, None
+    for chunk in client.chat.completions.create(model="smollm2-135m", stream=True, **kw):
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        content += ch.delta.content or ""
+        for d in ch.delta.tool_calls or []:
+            slot = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+            if d.id:
+                assert slot["id"] is None, "a call's id came twice"
+                slot.update(id=d.id, name=d.function.name)
+            slot["arguments"] += d.function.arguments or ""
+        reason = ch.finish_reason or reason
+    return content, [(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())], reason
+
+
+def test_auto_reads_hermes_calls_streamed_and_not(served):
+    engine, url = served
+    client = _client(url)
+    kw = dict(messages=ASK, tools=TOOLS, temperature=0, max_tokens=60, extra_body={"ebnf": HERMES_EBNF})
+    out = client.chat.completions.create(model="smollm2-135m", **kw)
+    msg = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert msg.content == "Checking.\n"
+    (call,) = msg.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    content, calls, reason = _streamed(client, **kw)
+    assert (content, reason) == ("Checking.\n", "tool_calls")
+    assert [(n, a) for _, n, a in calls] == [("get_weather", call.function.arguments)]
+    assert_no_kv_leak(engine)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_required_and_named_choice_are_enforced_by_the_grammar(served, choice):
+    engine, url = served
+    client = _client(url)
+    kw = dict(messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=120, parallel_tool_calls=False)
+    for seed in (1, 2, 3):
+        out = client.chat.completions.create(model="smollm2-135m", temperature=0.8, seed=seed, **kw)
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        assert c.message.tool_calls, c
+        assert len(c.message.tool_calls) == 1
+        if isinstance(choice, dict):
+            assert c.message.tool_calls[0].function.name == "get_time"
+        for t in c.message.tool_calls:
+            tool = {x["function"]["name"]: x for x in TOOLS}[t.function.name]
+            jsonschema.validate(json.loads(t.function.arguments), tool["function"]["parameters"])
+    content, calls, reason = _streamed(client, temperature=0, **kw)
+    assert content == "" and reason == "tool_calls" and len(calls) == 1
+    # parallel calls allowed (the default): one or more, each complete one valid; a small model
+    # may keep calling until max_tokens, and what is cut off there is never content (a call whose
+    # name was read keeps its partial arguments, as OpenAI's do at finish_reason length)
+    kw["parallel_tool_calls"] = True
+    out = client.chat.completions.create(model="smollm2-135m", temperature=0, **kw)
+    c = out.choices[0]
+    assert c.message.content is None and c.finish_reason in ("tool_calls", "length") and c.message.tool_calls
+    complete = c.message.tool_calls[:-1] if c.finish_reason == "length" else c.message.tool_calls
+    for _, name, args in calls + [(t.id, t.function.name, t.function.arguments) for t in complete]:
+        tool = {x["function"]["name"]: x for x in TOOLS}[name]
+        jsonschema.validate(json.loads(args), tool["function"]["parameters"])
+    assert_no_kv_leak(engine)
+
+
+def test_none_history_and_bad_tools(served):
+    engine, url = served
+    client = _client(url)
+    plain = client.chat.completions.create(
+        model="smollm2-135m", messages=ASK, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=8
+    )
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+    history = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    after = client.chat.completions.create(
+        model="smollm2-135m", messages=history, tools=TOOLS, temperature=0, max_tokens=8
+    )
+    assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    for bad, words in (
+        (dict(tools=[{"type": "function", "function": {}}]), "each tool is"),
+        (dict(tools=TOOLS, tool_choice="sometimes"), "one of none, auto, required"),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "not in tools"),
+        (dict(tool_choice="required"), "tool_choice needs tools"),
+        (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "constrains"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=4, **bad)
+    assert_no_kv_leak(engine)
+
+
+def test_llama3_parser_reads_json_calls():
+    with served_engine(max_total_tokens=8192, tool_call_parser="llama3") as (engine, url):
+        client = _client(url)
+        kw = dict(messages=ASK, tools=TOOLS, temperature=0, max_tokens=40, extra_body={"ebnf": LLAMA3_EBNF})
+        out = client.chat.completions.create(model="smollm2-135m", **kw)
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        (call,) = c.message.tool_calls
+        assert call.function.name == "get_time" and json.loads(call.function.arguments)["tz"] in ("UTC", "CET")
+        content, calls, reason = _streamed(client, **kw)
+        assert (content, reason) == ("", "tool_calls")
+        assert [(n, a) for _, n, a in calls] == [("get_time", call.function.arguments)]
+        assert_no_kv_leak(engine)

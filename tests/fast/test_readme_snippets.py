@@ -1,0 +1,53 @@
+"""The README's snippets run as written: each ```python block saved as a script and run (one whose
+first line says it needs a server runs against a real `workbench serve` on its default port), and every
+`workbench` command line in a ```sh block accepted by the CLI's own parser (parsed in-process, so nothing
+starts; an unknown subcommand or flag fails, as it would on the command line)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, flags=re.S)
+PYTHON = [body for lang, body in BLOCKS if lang == "python"]
+
+
+def _commands() -> list[str]:
+    out = []
+    for lang, body in BLOCKS:
+        if lang != "sh":
+            continue
+        for line in body.splitlines():
+            line = line.split("  #", 1)[0].strip().rstrip("&").strip()
+            if line.startswith(".venv/bin/workbench "):
+                out.append(line[len(".venv/bin/workbench ") :])
+    return out
+
+
+def test_the_readme_has_snippets_to_check():
+    assert PYTHON and len(_commands()) >= 5
+
+
+@pytest.mark.parametrize("cmd", _commands())
+def test_readme_workbench_command_parses(cmd):
+    from workbench.cli import build_parser
+
+    args = shlex.split(cmd.replace("~", str(Path.home())))
+    try:
+        parsed, extras = build_parser().parse_known_args(args)
+    except SystemExit as exc:  # argparse: an unknown subcommand or a bad value
+        pytest.fail(f"`workbench {cmd}` is not accepted by the CLI (exit {exc.code})")
+    assert not extras, f"`workbench {cmd}`: unknown arguments {extras}"
+    assert getattr(parsed, "func", None), f"`workbench {cmd}` names no command"
+
+
+def test_the_command_check_fails_on_a_mistyped_flag():
+    from workbench.cli import build_parser
+
+    _, extras = build_parser().parse_known_args(["serve", "--prot", "3"])
+    assert extras == ["--prot", "3"]
