@@ -21,10 +21,12 @@ at that speed (`Simulator(scale=...)`), as a benchmark compares two engines meas
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import random
 import statistics
 import time
+
+from workbench.bench.harness import load_text, progress
+from workbench.bench.prompts import build_workloads, random_ids
 
 NEW_DECODE = 24
 # Prefill batches of several prompts (count, tokens each), beside the single prompts; each fits one
@@ -105,7 +107,7 @@ def _trip(engine, sub, prompts: list[list[int]]) -> dict:
 
 
 def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
-    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
+    return random_ids(rng, n, length, 10, vocab - 10)
 
 
 PROBE = (8, 128, 8)  # requests, prompt tokens, new tokens: a burst of about a second here
@@ -129,7 +131,6 @@ def _sim_name(engine, given) -> str:
 
 
 def run_calibrate(args) -> int:
-    from workbench.bench.engine_bench import _progress
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
     from workbench.core.simulation.calibration import Calibration, extend_point, shipped_path
@@ -144,7 +145,7 @@ def run_calibrate(args) -> int:
     contexts = (16,) if args.quick else (64, 512)
     prompt_lens = (32, 128) if args.quick else (32, 128, 512, 2048)
     rng = random.Random(0)
-    loads = [f"{os.getloadavg()[0]:.2f}"]
+    loads = [load_text(2)]
     with Engine(server_args=sa) as engine:
         name = _sim_name(engine, args.sim_model)
         spec = model_spec(name if name != str(engine.model_path) else str(engine.prepared.model_dir))
@@ -159,12 +160,12 @@ def run_calibrate(args) -> int:
                 ps = _prompts(rng, b, c, vocab)
                 if b * (c + NEW_DECODE) > engine.max_total_num_tokens or b > engine.server_args.max_running_requests:
                     # Not all of them fit in the KV pool (or the batch) at once: the step would be a smaller one.
-                    _progress(f"decode batch {b}, context {c}: skipped, {b} x {c + NEW_DECODE} tokens do not fit")
+                    progress(f"decode batch {b}, context {c}: skipped, {b} x {c + NEW_DECODE} tokens do not fit")
                     continue
                 t = max(min(_decode_step(engine, ps, NEW_DECODE) for _ in range(2)), 1e-5)
                 pred = cost.step([1] * b, [c + NEW_DECODE // 2] * b).total
                 points.append(dict(kind="decode", batch=b, context=c, measured_s=t, predicted_s=pred))
-                _progress(f"decode batch {b}, context {c}: {1000 * t:.1f} ms/step (predicted {1000 * pred:.1f})")
+                progress(f"decode batch {b}, context {c}: {1000 * t:.1f} ms/step (predicted {1000 * pred:.1f})")
         probes.append(_probe(engine))
         # Prefill: single prompts, and batches of shorter ones of as many tokens in all (attention
         # differs; Calibration.extend_fit separates it from the linear layers by their parts).
@@ -181,20 +182,20 @@ def run_calibrate(args) -> int:
                     runs.append((t, _prefill_parts(cost, drain_settled(sub))))
                 t, (parts, steps) = min(runs, key=lambda r: r[0])
                 points.append(extend_point(b, n, t, parts, steps))
-                _progress(
+                progress(
                     f"prefill {b} x {n} tokens in {steps} step(s): {1000 * t:.1f} ms to the first token "
                     f"(predicted {1000 * sum(parts):.1f})"
                 )
             trip = _trip(engine, sub, _prompts(rng, 4 if args.quick else 32, 16, vocab))
-            _progress(
+            progress(
                 "the trip through the tokenizer manager: "
                 + ", ".join(f"{k} {1000 * v:.2f} ms" for k, v in trip.items())
             )
         finally:
             sub.close()
         probes.append(_probe(engine))
-        _progress(f"probe ({PROBE[0]} x {PROBE[1]} tokens, {PROBE[2]} new): " + ", ".join(f"{t:.3f}" for t in probes))
-        loads.append(f"{os.getloadavg()[0]:.2f}")
+        progress(f"probe ({PROBE[0]} x {PROBE[1]} tokens, {PROBE[2]} new): " + ", ".join(f"{t:.3f}" for t in probes))
+        loads.append(load_text(2))
         meta = dict(
             **trip,
             probe_s=statistics.median(probes),
@@ -245,8 +246,6 @@ def _real_stream(engine, prompts: list[list[int]], news: list[int], arrivals: li
 
 
 def run_sim_accuracy(args) -> int:
-    from workbench.bench.engine_bench import _progress
-    from workbench.bench.peer_bench import build_workloads
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
     from workbench.core.simulation.calibration import Calibration, shipped
@@ -255,7 +254,7 @@ def run_sim_accuracy(args) -> int:
     args.simulate = args.simulate or "cpu-here"  # here --simulate names the hardware entry being measured
     sa = ServerArgs.from_cli_args(args).replace(show_progress=False, simulate=None)  # ... on the real engine
     rows = []
-    loads = [f"{os.getloadavg()[0]:.2f}"]
+    loads = [load_text(2)]
     with Engine(server_args=sa) as engine:
         name = _sim_name(engine, args.sim_model)
         wl = {w.key: w for w in build_workloads(engine.tokenizer, args.quick)}
@@ -283,7 +282,7 @@ def run_sim_accuracy(args) -> int:
             )
         # Warm the engine first, as the calibration's passes are measured warm: the first burst after start-up
         # pays for its shapes once (its first prefill took 2.4x its later ones here), which no run repeats.
-        _progress("real engine: warming up on (i) (not measured)")
+        progress("real engine: warming up on (i) (not measured)")
         _real_stream(engine, wl["i"].prompts, [8] * len(wl["i"].prompts), [0.0] * len(wl["i"].prompts))
         # The real engine's figures move by up to +-30% from one run to the next on a shared machine: each
         # case runs --repeats times, the cases interleaved (all once, then all again), and the simulator is
@@ -297,10 +296,10 @@ def run_sim_accuracy(args) -> int:
         probes: dict[str, list[float]] = {label: [] for label, *_ in cases}
         for k in range(repeats):
             for label, prompts, news, arrivals, _ in cases:
-                _progress(f"real engine: {label} (run {k + 1} of {repeats})")
+                progress(f"real engine: {label} (run {k + 1} of {repeats})")
                 probes[label].append(_probe(engine))
                 runs[label].append(_real_stream(engine, prompts, news, arrivals or [0.0] * len(prompts)))
-                loads.append(f"{os.getloadavg()[0]:.2f}")
+                loads.append(load_text(2))
         for label, prompts, news, arrivals, _ in cases:
             real = {key: statistics.median(r[key] for r in runs[label]) for key in ("tok_s", "ttft_p50")}
             lo = {key: min(r[key] for r in runs[label]) for key in real}

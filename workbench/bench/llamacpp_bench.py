@@ -1,7 +1,7 @@
 """`workbench bench engine --peer llamacpp --peer-python PATH`: the Engine beside llama.cpp at batch 1, in one run.
 
 llama.cpp (`llama-cpp-python`, built from source with native CPU flags) lives in a separate venv; this process
-never imports it. It starts `llamacpp_peer.py` (same folder) with PATH and drives it over line-delimited JSON.
+never imports it. It starts `llamacpp_peer.py` (same folder) with PATH and drives it over line-delimited JSON (peers.py's LlamaCppPeer).
 
 Both sides run the same weights: the engine serves the default model's GGUF dequantized into an HF directory
 (the converted-model cache of core/model_loader); that directory is converted once more, by llama.cpp's own
@@ -24,149 +24,26 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import queue
 import shutil
-import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from workbench.bench.llamacpp_peer import (
-    FIRST_IDS,
-    ProtocolError,
-    encode_message,
-    load_request,
-    missing_cpu_features,
-    parse_reply,
-    quit_request,
-    run_request,
-)
-from workbench.bench.peer_bench import Workload, goal_text, measure
+from workbench.bench import harness
+from workbench.bench.llamacpp_peer import missing_cpu_features
+from workbench.bench.peer_wire import FIRST_IDS
+from workbench.bench.peers import LlamaCppPeer, LlamaCppPeerError, RunFn, measure, workbench_run
+from workbench.bench.prompts import Workload, build_workloads
 
-DRIVER = Path(__file__).with_name("llamacpp_peer.py")
-PEER_VERSION = "0.3.36"  # the llama-cpp-python release the recipe installs
 GOAL = 1.0  # workbench decode tok/s over llama.cpp's: stay ahead (printed, never asserted)
 GOAL_TEXT = "stay ahead of llama.cpp at equal dtype (ratio >= 1.0×)"
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}  # --dtype -> convert_hf_to_gguf.py --outtype
-LOAD_TIMEOUT_S = 600
-RUN_TIMEOUT_S = 600
 CONVERT_TIMEOUT_S = 1800
-
-
-def install_recipe(python: str | None) -> str:
-    """How to make a venv that can serve as `--peer-python`, as commands."""
-    venv = "~/llama-venv"
-    if python and Path(python).parent.name == "bin":
-        root = Path(python).expanduser().parent.parent  # a venv to make, or one that is there
-        if not Path(python).expanduser().exists() or (root / "pyvenv.cfg").is_file():
-            venv = str(Path(python).parent.parent)
-    return "\n".join(
-        [
-            "Build llama-cpp-python from source, with native CPU flags, in a separate venv (never the project's own):",
-            f"  python3 -m venv {venv}",
-            f"  {venv}/bin/pip install numpy",
-            "  CMAKE_ARGS='-DGGML_NATIVE=ON -DGGML_BLAS=OFF' CMAKE_BUILD_PARALLEL_LEVEL=2 \\",
-            f"    {venv}/bin/pip install --no-binary llama-cpp-python llama-cpp-python=={PEER_VERSION}",
-            "  (a compile of 6-15 minutes on 2 cores; it needs cmake and a C/C++ compiler)",
-            f"then: workbench bench engine --peer llamacpp --peer-python {venv}/bin/python --dtype float32",
-            "(the GGUF files are made by the bench itself, with llama.cpp's convert_hf_to_gguf.py, on first use)",
-        ]
-    )
-
-
-class LlamaCppPeerError(RuntimeError):
-    """The llama.cpp driver failed, exited or did not answer, or a GGUF could not be made."""
-
-
-def _progress(msg: str) -> None:
-    print(f"[bench] {msg}", flush=True)
-
-
-def check_peer(python: str | None) -> tuple[bool, dict | str]:
-    """(True, the driver's --check reply) when `python` can import llama_cpp, else (False, why not)."""
-    if not python:
-        return False, "no --peer-python given (nor WORKBENCH_LLAMACPP_PYTHON)"
-    exe = shutil.which(os.path.expanduser(python))
-    if exe is None:
-        return False, f"{python} is not an executable file"
-    try:
-        proc = subprocess.run([exe, str(DRIVER), "--check"], capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, f"{python} could not run the driver ({type(exc).__name__}: {exc})"
-    lines = proc.stdout.strip().splitlines()
-    try:
-        reply = parse_reply(lines[-1]) if lines else None
-    except ProtocolError:
-        reply = None
-    if reply is None:
-        return False, f"{python} could not run the driver: {proc.stderr.strip()[-400:]}"
-    if not reply["ok"]:
-        return False, f"{python} cannot import llama_cpp ({reply['error']})"
-    return True, reply
-
-
-class LlamaCppPeer:
-    """One driver process (one llama.cpp model): requests on its stdin, replies on its stdout."""
-
-    def __init__(self, python: str, log_path: Path):
-        self.log_path = Path(log_path)
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [python, str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1
-        )
-        self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def request(self, msg: dict, timeout: float) -> dict:
-        """Send one request, wait for its reply; LlamaCppPeerError if it fails or does not come."""
-        try:
-            self.proc.stdin.write(encode_message(msg))
-            self.proc.stdin.flush()
-            line = self._lines.get(timeout=timeout)
-        except (BrokenPipeError, OSError, queue.Empty) as exc:
-            why = f"no reply in {timeout:.0f} s" if isinstance(exc, queue.Empty) else type(exc).__name__
-            raise LlamaCppPeerError(
-                f"llama.cpp driver: {msg['op']}: {why}; log {self.log_path}:\n{self.log_tail()}"
-            ) from None
-        if line is None:
-            raise LlamaCppPeerError(
-                f"llama.cpp driver exited (status {self.proc.wait()}) during {msg['op']}; "
-                f"log {self.log_path}:\n{self.log_tail()}"
-            )
-        reply = parse_reply(line)
-        if not reply["ok"]:
-            raise LlamaCppPeerError(
-                f"llama.cpp driver: {msg['op']} failed: {reply.get('error')}\n"
-                f"{reply.get('traceback', '')}log {self.log_path}:\n{self.log_tail()}"
-            )
-        return reply
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.request(quit_request(), timeout=60)
-                self.proc.wait(timeout=60)
-            except (LlamaCppPeerError, ProtocolError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 # ---- GGUF files of the engine's weights ---------------------------------------------------------------
@@ -214,7 +91,7 @@ def ensure_converter(version: str, pip_python: str, cache: Path | None = None) -
         return script
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".sdist-") as tmp:
-        _progress(
+        harness.progress(
             f"downloading the llama-cpp-python {version} sdist for llama.cpp's convert_hf_to_gguf.py "
             f"(once; kept in {target})"
         )
@@ -284,7 +161,7 @@ def ensure_gguf(hf_dir: Path, dtype: str, version: str, pip_python: str, cache: 
     cache = cache or llamacpp_cache()
     out = gguf_path_for(hf_dir, dtype, cache)
     if out.is_file():
-        _progress(f"GGUF {GGUF_TYPES[dtype]}: {out} (cached)")
+        harness.progress(f"GGUF {GGUF_TYPES[dtype]}: {out} (cached)")
         return out
     script = ensure_converter(version, pip_python, cache)
     tmp = out.with_name(f".{out.stem}.{uuid.uuid4().hex[:8]}.tmp.gguf")
@@ -293,7 +170,7 @@ def ensure_gguf(hf_dir: Path, dtype: str, version: str, pip_python: str, cache: 
     stub = _sentencepiece_stub(cache)
     if stub is not None:
         env["PYTHONPATH"] = str(stub)
-    _progress(
+    harness.progress(
         f"converting {hf_dir} to a {GGUF_TYPES[dtype]} GGUF with llama.cpp's convert_hf_to_gguf.py "
         f"(once; log {log}) ..."
     )
@@ -314,7 +191,7 @@ def ensure_gguf(hf_dir: Path, dtype: str, version: str, pip_python: str, cache: 
             f"{log.read_text(errors='replace')[-2000:]}"
         )
     os.replace(tmp, out)
-    _progress(
+    harness.progress(
         f"GGUF {GGUF_TYPES[dtype]}: {out} ({out.stat().st_size / 2**20:.0f} MiB, {time.perf_counter() - t0:.0f} s)"
     )
     return out
@@ -353,35 +230,27 @@ class LlamaRow:
 def make_row(
     dtype: str, threads: int, wb: list[float], lc: list[float], loads: list[float], first_equal: bool | None = None
 ) -> LlamaRow:
-    w, v = statistics.median(wb), statistics.median(lc)
-    return LlamaRow(
-        dtype, threads, w, v, w / v if v > 0 else float("nan"), first_equal, list(wb), list(lc), list(loads)
-    )
-
-
-def ratio_text(ratio: float) -> str:
-    return f"{ratio:.2f}×" if ratio == ratio else "n/a"
-
-
-def _goal(ratio: float) -> str:
-    return goal_text(ratio if ratio == ratio else None, GOAL)  # NaN (a side measured nothing): n/a
+    return LlamaRow(dtype, threads, *harness.median_ratio(wb, lc), first_equal, list(wb), list(lc), list(loads))
 
 
 def format_table(rows: list[LlamaRow]) -> str:
     """The result as a Markdown table (paste-able into the README)."""
-    lines = [
-        f"| dtype | threads | workbench tok/s | llama.cpp tok/s | ratio | goal ≥{GOAL:g}× | first {FIRST_IDS} equal "
-        f"| load 1m |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["dtype", "threads", "workbench tok/s", "llama.cpp tok/s", "ratio", f"goal ≥{GOAL:g}×"]
+    header += [f"first {FIRST_IDS} equal", "load 1m"]
+    lines = []
     for r in rows:
-        load = f"{min(r.load_1m):.2f}–{max(r.load_1m):.2f}" if r.load_1m else ""
         eq = {True: "yes", False: "no", None: ""}[r.first_equal]
         lines.append(
-            f"| {r.dtype} | {r.threads} | {r.workbench_tok_s:.1f} | {r.llamacpp_tok_s:.1f} "
-            f"| **{ratio_text(r.ratio)}** | {_goal(r.ratio)} | {eq} | {load} |"
+            [
+                r.dtype,
+                str(r.threads),
+                f"{r.workbench_tok_s:.1f}",
+                f"{r.llamacpp_tok_s:.1f}",
+                f"**{harness.ratio_text(r.ratio)}**",
+            ]
+            + [harness.goal_text(r.ratio, GOAL), eq, harness.load_range(r.load_1m)]
         )
-    return "\n".join(lines)
+    return harness.markdown_table(header, lines)
 
 
 def summary_lines(rows: list[LlamaRow], repeats: int) -> list[str]:
@@ -394,46 +263,31 @@ def summary_lines(rows: list[LlamaRow], repeats: int) -> list[str]:
     for r in rows:
         where = "ahead" if r.ratio >= GOAL else "behind" if r.ratio == r.ratio else "not measured"
         out.append(
-            f"  {r.dtype}, {r.threads} thread{'s' if r.threads != 1 else ''}: {ratio_text(r.ratio)} — "
-            f"{where} ({_goal(r.ratio)})"
+            f"  {r.dtype}, {r.threads} thread{'s' if r.threads != 1 else ''}: {harness.ratio_text(r.ratio)} — "
+            f"{where} ({harness.goal_text(r.ratio, GOAL)})"
         )
     return out
 
 
 # ---- the run --------------------------------------------------------------------------------------------
-def _peer_run(peer: LlamaCppPeer):
-    def run(prompts, new):
-        if len(prompts) != 1:
-            raise ValueError("the llama.cpp peer runs batch 1 only")
-        reply = peer.request(run_request(prompts[0], new), timeout=RUN_TIMEOUT_S)
-        return reply["seconds"], reply["output_tokens"], [reply["first_ids"]]
-
-    return run
-
-
 def run_llamacpp_bench(args) -> int:
     """The llama.cpp comparison; exit status 0 when every configuration was measured. Without a usable peer
     it prints the install recipe and returns 1."""
-    python = getattr(args, "peer_python", None) or os.environ.get("WORKBENCH_LLAMACPP_PYTHON")
-    _progress(f"checking the llama.cpp peer: {python or '(none)'} ...")
-    ok, detail = check_peer(python)
-    if not ok:
-        print(f"\nllama.cpp peer unavailable: {detail}\n{install_recipe(python)}\n", flush=True)
+    python, detail = LlamaCppPeer.locate(getattr(args, "peer_python", None))
+    if python is None:
         print(f"workbench: no usable llama.cpp peer ({detail}); nothing measured", file=sys.stderr)
         return 1
-    python = shutil.which(os.path.expanduser(python))
     version = str(detail.get("llama_cpp_version"))
     info = str(detail.get("system_info", "")).strip()
-    _progress(f"llama-cpp-python {version} at {python}")
-    _progress(f"llama.cpp system info: {info}")
+    harness.progress(f"llama-cpp-python {version} at {python}")
+    harness.progress(f"llama.cpp system info: {info}")
     missing = missing_cpu_features(info)
     if missing:
-        _progress(
+        harness.progress(
             f"WARNING: this llama.cpp build does not use {', '.join(missing)}: not a native build; "
             f"rebuild it as the recipe says"
         )
 
-    from workbench.bench.peer_bench import _workbench_run, build_workloads
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
     from workbench.core.model_loader.resolve import prepare_model
@@ -478,33 +332,32 @@ def run_llamacpp_bench(args) -> int:
     for dtype in dtypes:
         for n in counts:
             engine = peer = None
-            try:
-                _progress(f"{dtype}, {n} thread(s): starting the workbench Engine (num_threads={n})")
-                engine = Engine(server_args=ServerArgs(**{**asdict(sa), "dtype": dtype, "num_threads": n}))
-                if workload is None:
-                    workload = next(w for w in build_workloads(engine.tokenizer, quick) if w.key == "iii")
-                    _progress(f"workload {workload.label}")
-                log = log_dir / f"llamacpp-{dtype}-{n}t.log"
-                _progress(
-                    f"{dtype}, {n} thread(s): loading {ggufs[dtype].name} in llama.cpp (n_threads={n}; log {log})"
-                )
-                peer = LlamaCppPeer(python, log)
-                n_ctx = -(-(len(workload.prompts[0]) + workload.new_tokens) // 256) * 256
-                reply = peer.request(
-                    load_request(str(ggufs[dtype]), n, n_ctx=n_ctx, seed=sa.random_seed, kv_type=GGUF_TYPES[dtype]),
-                    timeout=LOAD_TIMEOUT_S,
-                )
-                _progress(f"llama.cpp ready in {reply['seconds']:.1f} s")
-                rows.append(_measure(engine, peer, workload, dtype, n, repeats, _workbench_run))
-                save()
-            except Exception as exc:
-                failures.append(f"{dtype}, {n} thread(s): {type(exc).__name__}: {exc}")
-                _progress(f"FAILED {failures[-1]}")
-            finally:
-                if peer is not None:
-                    peer.close()
-                if engine is not None:
-                    engine.shutdown()
+            with harness.attempt(failures, f"{dtype}, {n} thread(s)"):
+                try:
+                    harness.progress(f"{dtype}, {n} thread(s): starting the workbench Engine (num_threads={n})")
+                    engine = Engine(server_args=ServerArgs(**{**asdict(sa), "dtype": dtype, "num_threads": n}))
+                    if workload is None:
+                        workload = next(w for w in build_workloads(engine.tokenizer, quick) if w.key == "iii")
+                        harness.progress(f"workload {workload.label}")
+                    log = log_dir / f"llamacpp-{dtype}-{n}t.log"
+                    harness.progress(
+                        f"{dtype}, {n} thread(s): loading {ggufs[dtype].name} in llama.cpp (n_threads={n}; log {log})"
+                    )
+                    peer = LlamaCppPeer(python, log)
+                    n_ctx = -(-(len(workload.prompts[0]) + workload.new_tokens) // 256) * 256
+                    reply = peer.load(ggufs[dtype], n, n_ctx=n_ctx, seed=sa.random_seed, kv_type=GGUF_TYPES[dtype])
+                    harness.progress(f"llama.cpp ready in {reply['seconds']:.1f} s")
+                    rows.append(
+                        measure_pair(
+                            {"workbench": workbench_run(engine), "llama.cpp": peer.run}, workload, dtype, n, repeats
+                        )
+                    )
+                    save()
+                finally:
+                    if peer is not None:
+                        peer.close()
+                    if engine is not None:
+                        engine.shutdown()
 
     print()
     print(format_table(rows))
@@ -518,8 +371,7 @@ def run_llamacpp_bench(args) -> int:
             )
     print(f"llama-cpp-python {version}; GGUFs: " + ", ".join(f"{k} {v}" for k, v in ggufs.items()))
     print(f"llama.cpp logs: {log_dir}")
-    for text in failures:
-        print(f"not measured: {text}")
+    harness.print_failures(failures)
     save()
     if failures:
         print(f"workbench: {len(failures)} configuration(s) not measured (above)", file=sys.stderr)
@@ -527,28 +379,21 @@ def run_llamacpp_bench(args) -> int:
     return 0
 
 
-def _measure(engine, peer: LlamaCppPeer, wl: Workload, dtype: str, n: int, repeats: int, workbench_run) -> LlamaRow:
-    """`repeats` rounds of A B B A on workload (iii); the first-ids check from each side's first run."""
-    sides = {"workbench": workbench_run(engine), "llama.cpp": _peer_run(peer)}
+def measure_pair(sides: dict[str, RunFn], wl: Workload, dtype: str, n: int, repeats: int) -> LlamaRow:
+    """`repeats` rounds of A B B A on workload (iii) (workbench first); the first-ids check from each
+    side's first run."""
     for run in sides.values():  # warm-up, both sides
         run(wl.prompts, 4)
-    samples: dict[str, list[float]] = {"workbench": [], "llama.cpp": []}
-    first: dict[str, list[list[int]]] = {}
-    loads: list[float] = []
-    for r in range(repeats):
-        for side in ("workbench", "llama.cpp", "llama.cpp", "workbench"):
-            tok_s, ids = measure(sides[side], wl)
-            load1 = os.getloadavg()[0]
-            samples[side].append(tok_s)
-            loads.append(load1)
-            first.setdefault(side, ids)
-            _progress(
-                f"(iii) {dtype} {n} thread(s) [{r + 1}/{repeats}] {side:<9} {tok_s:8.1f} tok/s   (load 1m {load1:.2f})"
-            )
-    equal = list(first["workbench"][0][:FIRST_IDS]) == list(first["llama.cpp"][0][:FIRST_IDS])
-    if not equal:
-        _progress(
-            f"first ids differ: workbench {first['workbench'][0][:FIRST_IDS]} vs "
-            f"llama.cpp {first['llama.cpp'][0][:FIRST_IDS]}"
+
+    def report(turn, value, load1, idle):
+        harness.progress(
+            f"(iii) {dtype} {n} thread(s) {turn.tag} {turn.side:<9} {value[0]:8.1f} tok/s   (load 1m {load1:.2f})"
         )
-    return make_row(dtype, n, samples["workbench"], samples["llama.cpp"], loads, equal)
+
+    got = harness.interleave({side: (lambda run=run: measure(run, wl)) for side, run in sides.items()}, repeats, report)
+    wb, lc = ([tok_s for tok_s, _ in got.samples[side]] for side in sides)
+    first = {side: got.samples[side][0][1][0][:FIRST_IDS] for side in sides}
+    equal = list(first["workbench"]) == list(first["llama.cpp"])
+    if not equal:
+        harness.progress(f"first ids differ: workbench {first['workbench']} vs llama.cpp {first['llama.cpp']}")
+    return make_row(dtype, n, wb, lc, got.loads, equal)

@@ -33,48 +33,9 @@ import time
 from typing import Any
 
 if __package__:
-    from workbench.bench.peer_wire import (
-        FIRST_IDS,
-        ProtocolError,
-        check_op,
-        decode_message,
-        encode_message,
-        error_reply,
-        is_int,
-        parse_reply,
-        quit_request,
-        serve,
-    )
+    from workbench.bench import peer_wire as wire
 else:  # a script in the llama.cpp venv, where workbench is not installed: its folder is sys.path[0]
-    from peer_wire import (
-        FIRST_IDS,
-        ProtocolError,
-        check_op,
-        decode_message,
-        encode_message,
-        error_reply,
-        is_int,
-        parse_reply,
-        quit_request,
-        serve,
-    )
-
-__all__ = [
-    "CPU_FEATURES",
-    "FIRST_IDS",
-    "KV_TYPES",
-    "ProtocolError",
-    "check_request",
-    "decode_message",
-    "encode_message",
-    "error_reply",
-    "load_request",
-    "missing_cpu_features",
-    "parse_reply",
-    "quit_request",
-    "run_request",
-    "summarize_output",
-]
+    import peer_wire as wire
 
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml_type values (ggml.h: GGML_TYPE_F32, _F16, _BF16)
 CPU_FEATURES = ("AVX2", "FMA", "F16C")  # what a native build on this machine must report
@@ -105,26 +66,26 @@ def run_request(prompt: list[int], max_new_tokens: int, greedy: bool = True) -> 
 
 def check_request(msg: dict) -> dict:
     """Validate a decoded request and return it; ProtocolError names the first bad field."""
-    op = check_op(msg)
+    op = wire.check_op(msg)
     if op == "load":
         if not isinstance(msg.get("gguf"), str) or not msg["gguf"]:
-            raise ProtocolError("load needs 'gguf': a GGUF file")
-        if not is_int(msg.get("n_threads")) or msg["n_threads"] < 1:
-            raise ProtocolError("load needs 'n_threads': an integer >= 1")
-        if not is_int(msg.get("n_ctx")) or msg["n_ctx"] < 16:
-            raise ProtocolError("load needs 'n_ctx': an integer >= 16")
+            raise wire.ProtocolError("load needs 'gguf': a GGUF file")
+        if not wire.is_int(msg.get("n_threads")) or msg["n_threads"] < 1:
+            raise wire.ProtocolError("load needs 'n_threads': an integer >= 1")
+        if not wire.is_int(msg.get("n_ctx")) or msg["n_ctx"] < 16:
+            raise wire.ProtocolError("load needs 'n_ctx': an integer >= 16")
         if msg.get("kv_type") is not None and msg["kv_type"] not in KV_TYPES:
-            raise ProtocolError(f"load: 'kv_type' is null or one of {', '.join(KV_TYPES)}, not {msg['kv_type']!r}")
+            raise wire.ProtocolError(f"load: 'kv_type' is null or one of {', '.join(KV_TYPES)}, not {msg['kv_type']!r}")
     elif op == "run":
         prompt = msg.get("prompt")
-        if not isinstance(prompt, list) or not prompt or not all(is_int(t) and t >= 0 for t in prompt):
-            raise ProtocolError("run needs 'prompt': a non-empty list of token ids")
-        if not is_int(msg.get("max_new_tokens")) or msg["max_new_tokens"] < 1:
-            raise ProtocolError("run needs 'max_new_tokens': an integer >= 1")
+        if not isinstance(prompt, list) or not prompt or not all(wire.is_int(t) and t >= 0 for t in prompt):
+            raise wire.ProtocolError("run needs 'prompt': a non-empty list of token ids")
+        if not wire.is_int(msg.get("max_new_tokens")) or msg["max_new_tokens"] < 1:
+            raise wire.ProtocolError("run needs 'max_new_tokens': an integer >= 1")
     return msg
 
 
-def summarize_output(output_ids: list[int], seconds: float, first_n: int = FIRST_IDS) -> dict:
+def summarize_output(output_ids: list[int], seconds: float, first_n: int = wire.FIRST_IDS) -> dict:
     """The `run` reply from the output ids and the call's wall time."""
     return {
         "ok": True,
@@ -219,7 +180,7 @@ def _check_import() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve requests from stdin until `quit` or end of input; `--check` only tests the import."""
-    return serve(_Driver(), check_request, _check_import, argv)
+    return wire.serve(_Driver(), check_request, _check_import, argv)
 
 
 if __name__ == "__main__":

@@ -30,15 +30,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
-DEFAULT_DTYPES = ("float32", "bfloat16")
+from workbench.bench import profile_bench
+from workbench.bench.harness import Stages, busy_warning
+from workbench.bench.model_engines import (
+    CLOCKS,
+    BenchSizes,
+    TransformersModel,
+    WorkbenchModel,
+    environment,
+    parse_dtypes,
+    set_clock,
+    synced_wall,
+)
+from workbench.bench.prompts import torch_random_ids
 
 
 @dataclass
@@ -54,174 +64,6 @@ class Row:
     # Decode on CPU: tokens/s if a step cost only its linear layers (the same packed weights,
     # chained as in one step, nothing else): the most any engine built on these GEMMs can reach.
     linears_ceiling_tok_s: float | None = None
-
-
-@dataclass
-class BenchSizes:
-    prompt_len: int = 32  # decode prompts
-    decode_tokens_bs1: int = 64
-    batch: int = 32
-    decode_tokens_batch: int = 32
-    prefill_len: int = 512
-    repeats: int = 2
-
-    @classmethod
-    def quick(cls) -> BenchSizes:
-        return cls(prompt_len=8, decode_tokens_bs1=4, batch=4, decode_tokens_batch=3, prefill_len=32, repeats=1)
-
-
-@dataclass
-class _Stages:
-    """Printed progress: one line per stage, to stderr so stdout stays the table/JSON."""
-
-    total: int
-    done: int = 0
-    t0: float = field(default_factory=time.perf_counter)
-    quiet: bool = False
-
-    def step(self, text: str) -> None:
-        self.done += 1
-        self.note(text, f"[{self.done:>2}/{self.total}]")
-
-    def note(self, text: str, tag: str = "       ") -> None:
-        if not self.quiet:
-            print(f"{tag} {time.perf_counter() - self.t0:6.1f}s  {text}", file=sys.stderr, flush=True)
-
-
-# ---- engines ------------------------------------------------------------------------
-class _Workbench:
-    name = "workbench"
-
-    def __init__(
-        self,
-        prepared,
-        dtype: str,
-        max_tokens: int,
-        enable_torch_compile: bool,
-        device: str = "cpu",
-        disable_cuda_graph: bool = False,
-    ):
-        from workbench.core.args import ServerArgs
-        from workbench.core.model_executor.model_runner import ModelRunner
-        from workbench.core.model_executor.offline_harness import OfflineHarness
-
-        args = ServerArgs(
-            dtype=dtype,
-            max_total_tokens=max_tokens,
-            show_progress=False,
-            device=device,
-            enable_torch_compile=enable_torch_compile,
-            disable_cuda_graph=disable_cuda_graph,
-        )
-        self.runner = ModelRunner(args, prepared=prepared)
-        self.harness = OfflineHarness(self.runner)
-        self._stamps: list[float] = []
-        sample = self.runner.sample
-
-        def stamped_sample(*a, **kw):  # every pass ends in one sampling call: a token step
-            out = sample(*a, **kw)
-            self._stamps.append(_clock())
-            return out
-
-        self.runner.sample = stamped_sample
-
-    def linears_step_seconds(self, bs: int, repeats: int) -> float | None:
-        """Best time of one decode step's linear layers alone at batch `bs` (CPU packed weights
-        only; None where the weights are not packed, e.g. on CUDA)."""
-        from workbench.core.layers.linear import LinearBase, packed_linear
-
-        model = self.runner.model
-        layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.packed_weight is not None]
-        head = getattr(model, "_packed_head", None)
-        if not layers:
-            return None
-        dtype = layers[0].weight.dtype
-        widths = {m.weight.shape[1] for m in layers} | {int(model.config.hidden_size)}
-        x = {w: torch.randn(bs, w).to(dtype) for w in widths}
-
-        def step():
-            for m in layers:  # model order: qkv, o, gate_up, down per layer
-                packed_linear(x[m.weight.shape[1]], m.packed_weight, m.bias)
-            if head is not None:
-                packed_linear(x[int(model.config.hidden_size)], head, None)
-
-        step()
-        best = float("inf")
-        for _ in range(max(1, repeats)):
-            t = _clock()
-            step()
-            best = min(best, _clock() - t)
-        return best
-
-    def compile_times(self) -> dict[int, float]:
-        runner = self.runner.decode_runner
-        return dict(runner.compile_time_s) if runner is not None else {}
-
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[float]:
-        """Run; return the start time then the time each token step ended (by `_clock`)."""
-        from workbench.core.sampling.sampling_params import SamplingParams
-
-        sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        self._stamps = [_clock()]
-        out = self.harness.generate(prompts, sp)
-        assert all(len(r.output_ids) == new_tokens for r in out)
-        return self._stamps
-
-
-class _Transformers:
-    name = "transformers"
-
-    def __init__(self, prepared, dtype: str, device: str = "cpu"):
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        model = AutoModelForCausalLM.from_pretrained(prepared.model_dir, dtype=getattr(torch, dtype))
-        model.generation_config.eos_token_id = None  # run exactly max_new_tokens steps
-        model.generation_config.pad_token_id = 0
-        self.model = model.to(device).eval()
-        self.device = device
-
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[float]:
-        """Run; return the start time then the time each token step ended (by `_clock`)."""
-        from transformers import StoppingCriteria, StoppingCriteriaList
-
-        stamps = [_clock()]
-
-        class Stamp(StoppingCriteria):  # generate calls it once per new token
-            def __call__(self, input_ids, scores, **kwargs):
-                stamps.append(_clock())
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-        ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)  # equal lengths: no padding
-        with torch.inference_mode():
-            out = self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                stopping_criteria=StoppingCriteriaList([Stamp()]),
-            )
-        assert out.shape[1] == ids.shape[1] + new_tokens
-        return stamps
-
-
-_CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-_clock = time.perf_counter
-
-
-def _synced_wall() -> float:
-    """Wall time once the GPU has finished what was queued (a step's stamp on CUDA)."""
-    torch.cuda.synchronize()
-    return time.perf_counter()
-
-
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """Deterministic token ids (skipping the lowest ids, where special tokens live)."""
-    g = torch.Generator().manual_seed(seed)
-    low = min(100, vocab // 2)
-    return torch.randint(low, min(vocab, 30000), (n, length), generator=g).tolist()
 
 
 def _measure(engines: list, bs: int, sizes: BenchSizes, one, many, long_prompt) -> dict[str, float]:
@@ -262,28 +104,28 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
         sizes.decode_tokens_bs1 = sizes.decode_tokens_batch = args.decode_tokens
     if min(sizes.decode_tokens_bs1, sizes.decode_tokens_batch) < 2:
         raise ValueError("--decode-tokens must be at least 2 (one prefill token plus decode steps)")
-    dtypes = _parse_dtypes(args.dtype)
+    dtypes = parse_dtypes(args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
-    global _clock
-    _clock = _CLOCKS[getattr(args, "clock", None) or "wall"]
+    clock = CLOCKS[getattr(args, "clock", None) or "wall"]
     device = getattr(args, "device", None) or "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but torch sees no CUDA GPU; leave --device out to run on CPU")
-        if _clock is not time.perf_counter:
+        if clock is not time.perf_counter:
             raise ValueError(
                 "--clock cpu measures process CPU time, which says nothing about a GPU; "
                 "use the default wall clock with --device cuda"
             )
-        _clock = _synced_wall
+        clock = synced_wall
+    set_clock(clock)
     reference = not args.no_reference
     quiet = bool(getattr(args, "quiet", False))
 
     metrics = [("decode bs=1", 1), (f"decode bs={sizes.batch}", sizes.batch), (f"prefill {sizes.prefill_len}", 0)]
     engines_per_dtype = 2 if reference else 1
-    stages = _Stages(total=len(dtypes) * engines_per_dtype * (1 + len(metrics)), quiet=quiet)
-    busy = _busy_warning()
+    stages = Stages(total=len(dtypes) * engines_per_dtype * (1 + len(metrics)), quiet=quiet)
+    busy = busy_warning()
     if busy and not quiet:
         print(busy, file=sys.stderr, flush=True)
     prepared = prepare_model(args.model, progress=not quiet)
@@ -296,16 +138,16 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
         )
         + 64
     )
-    one = _prompts(1, sizes.prompt_len, vocab, seed=1)
-    many = _prompts(sizes.batch, sizes.prompt_len, vocab, seed=2)
-    long_prompt = _prompts(1, sizes.prefill_len, vocab, seed=3)[0]
+    one = torch_random_ids(1, sizes.prompt_len, vocab, seed=1)
+    many = torch_random_ids(sizes.batch, sizes.prompt_len, vocab, seed=2)
+    long_prompt = torch_random_ids(1, sizes.prefill_len, vocab, seed=3)[0]
 
     rows: list[Row] = []
     for dtype in dtypes:
         engines = []
         t = time.perf_counter()
         engines.append(
-            _Workbench(
+            WorkbenchModel(
                 prepared,
                 dtype,
                 max_tokens,
@@ -317,7 +159,7 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
         stages.step(f"{dtype}: workbench loaded ({time.perf_counter() - t:.1f}s)")
         if reference:
             t = time.perf_counter()
-            engines.append(_Transformers(prepared, dtype, device))
+            engines.append(TransformersModel(prepared, dtype, device))
             stages.step(f"{dtype}: transformers loaded ({time.perf_counter() - t:.1f}s)")
         # Warm-up at the measured batch sizes: one-time set-up (oneDNN kernel creation,
         # torch.compile graphs) stays out of the timings.
@@ -379,21 +221,20 @@ def run_compile_bench(args: argparse.Namespace) -> list[CompileRow]:
     if new_tokens < 2:
         raise ValueError("--decode-tokens must be at least 2 (one prefill token plus decode steps)")
     repeats = getattr(args, "repeats", None) or sizes.repeats
-    dtypes = _parse_dtypes(args.dtype) if args.dtype else ["float32"]
+    dtypes = parse_dtypes(args.dtype) if args.dtype else ["float32"]
     if args.threads:
         torch.set_num_threads(args.threads)
-    global _clock
-    _clock = _CLOCKS[getattr(args, "clock", None) or "wall"]
-    stages = _Stages(total=len(dtypes) * (2 + 2 * len(batches)), quiet=bool(getattr(args, "quiet", False)))
+    set_clock(CLOCKS[getattr(args, "clock", None) or "wall"])
+    stages = Stages(total=len(dtypes) * (2 + 2 * len(batches)), quiet=bool(getattr(args, "quiet", False)))
     prepared = prepare_model(args.model, progress=not stages.quiet)
     vocab = int(prepared.config.vocab_size)
-    prompts = {bs: _prompts(bs, sizes.prompt_len, vocab, seed=10 + bs) for bs in batches}
+    prompts = {bs: torch_random_ids(bs, sizes.prompt_len, vocab, seed=10 + bs) for bs in batches}
     max_tokens = batches[-1] * (sizes.prompt_len + new_tokens) + 64
     rows = []
     for dtype in dtypes:
-        eager = _Workbench(prepared, dtype, max_tokens, False)
+        eager = WorkbenchModel(prepared, dtype, max_tokens, False)
         stages.step(f"{dtype}: eager runner loaded")
-        compiled = _Workbench(prepared, dtype, max_tokens, True)
+        compiled = WorkbenchModel(prepared, dtype, max_tokens, True)
         compiled.runner.decode_runner.buckets = batches  # compile exactly the measured sizes
         stages.step(f"{dtype}: compiled runner loaded")
         for bs in batches:  # warm-up: oneDNN kernels for eager; the compile itself for the other
@@ -423,46 +264,6 @@ def format_compile_table(rows: list[CompileRow]) -> str:
             f"{r.ratio:>7.2f}x{r.compile_s:>11.1f}"
         )
     return "\n".join(lines)
-
-
-def _busy_warning() -> str | None:
-    """A warning when other processes keep the CPU busy: then every engine's multi-threaded
-    kernels wait at thread barriers for descheduled threads, and timings stop meaning much."""
-    if not hasattr(os, "getloadavg"):
-        return None
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load < 0.75 * cores:
-        return None
-    return (
-        f"warning: load average {load:.1f} on {cores} cores: timings will be noisy and multi-threaded "
-        f"ones can collapse (OpenMP threads spin at barriers for descheduled peers); for steadier "
-        f"ratios use --threads 1 --clock cpu, or start with OMP_WAIT_POLICY=PASSIVE"
-    )
-
-
-def _parse_dtypes(text: str | None) -> list[str]:
-    if not text:
-        return list(DEFAULT_DTYPES)
-    out = [d.strip() for d in text.split(",") if d.strip()]
-    for d in out:
-        if d not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype takes float32, bfloat16 or float16 (comma-separated), not {d!r}")
-    return out
-
-
-def environment() -> dict:
-    """What the numbers depend on: versions, threads, CPU."""
-    from workbench.core.args import choose_cpu_dtype
-
-    return {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "auto_dtype": choose_cpu_dtype(),
-        "python": platform.python_version(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
 
 
 def format_table(rows: list[Row]) -> str:
@@ -521,7 +322,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timings per measurement, best kept (default 2)")
     p.add_argument(
         "--clock",
-        choices=sorted(_CLOCKS),
+        choices=sorted(CLOCKS),
         default="wall",
         help="wall (default) or cpu: process CPU time, steadier on a busy machine; "
         "meaningful with --threads 1 (more threads add up their CPU time)",
@@ -573,8 +374,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _cli_main(args: argparse.Namespace) -> int:
     if getattr(args, "profile", False):
-        from workbench.bench import profile_bench  # its own module: the profiler's code
-
         return profile_bench.cli_main(args)
     if getattr(args, "compare_compile", False):
         key, rows = "compile_rows", run_compile_bench(args)

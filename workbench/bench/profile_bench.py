@@ -40,6 +40,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from workbench.bench.harness import Stages, busy_warning
+from workbench.bench.model_engines import CLOCKS, BenchSizes, WorkbenchModel, environment, parse_dtypes
+from workbench.bench.prompts import torch_random_ids
+
 # Component keys in table order, with their printed labels.
 COMPONENTS = (
     ("gemm", "GEMMs (linear layers + lm_head)"),
@@ -248,15 +252,15 @@ def profile_shapes(
     clock: Callable[[], float],
     stages=None,
 ) -> list[ProfileRow]:
-    """Profile each shape (name, step kind "decode"/"extend", run, detail) of one loaded `_Workbench`.
+    """Profile each shape (name, step kind "decode"/"extend", run, detail) of one loaded `WorkbenchModel`.
 
     Unprofiled and profiled runs alternate `repeats` times; for each the repeat with the
     lowest per-step total is kept (the least disturbed by other processes)."""
     rec = _Recorder(clock)
     kind = {"now": ""}
-    harness = wb.harness
-    harness._decode = rec.wrap_step(harness._decode, lambda: kind["now"] == "decode")
-    harness._extend = rec.wrap_step(harness._extend, lambda: kind["now"] == "extend")
+    offline = wb.harness
+    offline._decode = rec.wrap_step(offline._decode, lambda: kind["now"] == "decode")
+    offline._extend = rec.wrap_step(offline._extend, lambda: kind["now"] == "extend")
     rows = []
     try:
         for name, step_kind, run, detail in shapes:
@@ -274,13 +278,12 @@ def profile_shapes(
                 stages.step(f"{dtype}: profiled {name}: {total:.2f} ms/step ({best_plain:.2f} without wrappers)")
     finally:
         kind["now"] = ""
-        del harness._decode, harness._extend  # back to the class methods
+        del offline._decode, offline._extend  # back to the class methods
     return rows
 
 
 def run_profile(args: argparse.Namespace) -> tuple[list[ProfileRow], EngineSplit | None]:
     """`bench model --profile`: the tables for every dtype, then (unless skipped) the engine split."""
-    from workbench.bench import model_bench as mb
     from workbench.core.model_loader import prepare_model
 
     if (getattr(args, "device", None) or "cpu") != "cpu":
@@ -293,33 +296,33 @@ def run_profile(args: argparse.Namespace) -> tuple[list[ProfileRow], EngineSplit
             "--profile splits the eager step by layer; a compiled step has no layers to split "
             "(leave --enable-torch-compile out)"
         )
-    sizes = mb.BenchSizes.quick() if args.quick else mb.BenchSizes()
+    sizes = BenchSizes.quick() if args.quick else BenchSizes()
     for name in ("batch", "prefill_len", "repeats"):
         if getattr(args, name, None):
             setattr(sizes, name, getattr(args, name))
     steps = getattr(args, "profile_steps", None) or (3 if args.quick else 16)
-    dtypes = mb._parse_dtypes(args.dtype)
+    dtypes = parse_dtypes(args.dtype)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    clock = mb._CLOCKS[getattr(args, "clock", None) or "wall"]
+    clock = CLOCKS[getattr(args, "clock", None) or "wall"]
     engine_split = not getattr(args, "no_engine_split", False)
-    stages = mb._Stages(total=len(dtypes) * 4 + int(engine_split), quiet=bool(getattr(args, "quiet", False)))
-    busy = mb._busy_warning()
+    stages = Stages(total=len(dtypes) * 4 + int(engine_split), quiet=bool(getattr(args, "quiet", False)))
+    busy = busy_warning()
     if busy and not stages.quiet:
         print(busy, file=sys.stderr, flush=True)
     prepared = prepare_model(args.model, progress=not stages.quiet)
     vocab = int(prepared.config.vocab_size)
-    one = mb._prompts(1, sizes.prompt_len, vocab, seed=1)
-    many = mb._prompts(sizes.batch, sizes.prompt_len, vocab, seed=2)
-    long_prompt = mb._prompts(1, sizes.prefill_len, vocab, seed=3)[0]
+    one = torch_random_ids(1, sizes.prompt_len, vocab, seed=1)
+    many = torch_random_ids(sizes.batch, sizes.prompt_len, vocab, seed=2)
+    long_prompt = torch_random_ids(1, sizes.prefill_len, vocab, seed=3)[0]
     max_tokens = max(sizes.batch * (sizes.prompt_len + steps + 2), sizes.prefill_len + 2) + 64
     extends = max(1, steps // 8)
 
     rows: list[ProfileRow] = []
     for dtype in dtypes:
-        wb = mb._Workbench(prepared, dtype, max_tokens, False)
+        wb = WorkbenchModel(prepared, dtype, max_tokens, False)
         stages.step(f"{dtype}: workbench loaded")
         for prompts in (one, many):  # warm-up: oneDNN kernel creation stays out of the timings
             wb.generate(prompts, 2)
@@ -477,8 +480,6 @@ def cli_main(args: argparse.Namespace) -> int:
     """Print the profile (and write it with --json); called from `bench model --profile`."""
     import json
     from dataclasses import asdict
-
-    from workbench.bench.model_bench import environment
 
     rows, split = run_profile(args)
     print(format_profile(rows))

@@ -33,6 +33,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from workbench.bench.harness import progress_bar
+from workbench.bench.prompts import PromptBuilder
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -135,38 +138,6 @@ class RequestResult:
     input_tokens: int = 0
     output_tokens: int = 0
     chunks: int = 0
-
-
-_WORDS = (
-    "the of and to in is it that for on with as was by at be this from or an are not have but what "
-    "all were when we there can more if will one about up out so them some time would into two "
-    "like other then than its now only over also new after way first may any these our see"
-).split()
-
-
-class PromptBuilder:
-    """Random prompts of a given token length from a tokenizer (or words without one)."""
-
-    def __init__(self, tokenizer, rng: random.Random):
-        self.tok = tokenizer
-        self.rng = rng
-        if tokenizer is not None:
-            special = set(getattr(tokenizer, "all_special_ids", []) or [])
-            vocab = len(tokenizer)
-            self.ids = [i for i in range(vocab) if i not in special]
-
-    def text(self, n_tokens: int) -> str:
-        if n_tokens <= 0:
-            return ""
-        if self.tok is None:
-            return " ".join(self.rng.choice(_WORDS) for _ in range(n_tokens))
-        ids = [self.rng.choice(self.ids) for _ in range(n_tokens)]
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-    def count(self, text: str) -> int:
-        if self.tok is None:
-            return len(text.split())
-        return len(self.tok.encode(text, add_special_tokens=False))
 
 
 def _length(rng: random.Random, n: int, ratio: float) -> int:
@@ -323,7 +294,7 @@ async def run_benchmark(
             if not res.ok:
                 raise RuntimeError(f"the warm-up request failed: {res.error}")
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        bar = _progress(len(requests), args.disable_tqdm)
+        bar = progress_bar(len(requests), args.disable_tqdm)
         results: list[RequestResult | None] = [None] * len(requests)
 
         async def one(i: int, req: BenchRequest):
@@ -345,24 +316,6 @@ async def run_benchmark(
         duration = time.perf_counter() - start
         bar.close()
     return [r for r in results if r is not None], duration, model
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, disable: bool):
-    if disable:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc="requests", unit="req", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- statistics

@@ -13,9 +13,9 @@ Thread configurations as `bench engine --peer vllm`: "default" (each server's ow
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import tempfile
@@ -25,15 +25,9 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from workbench.bench.peer_bench import (
-    GOAL,
-    PeerError,
-    check_peer,
-    cpu_seconds,
-    goal_text,
-    install_recipe,
-    thread_configs,
-)
+from workbench.bench.harness import attempt, bench_cpus, goal_text, interleave, load_range, print_failures, progress
+from workbench.bench.peer_bench import GOAL
+from workbench.bench.peers import PeerError, VllmPeer, thread_configs
 
 VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 SERVED_NAME = "bench-model"
@@ -47,10 +41,6 @@ METRICS = (
     "median_itl_ms",
     "completed",
 )
-
-
-def _progress(msg: str) -> None:
-    print(f"[bench] {msg}", flush=True)
 
 
 def vllm_serve_command(
@@ -165,11 +155,11 @@ def format_served_table(rows: list[ServedRow]) -> str:
     ]
     for r in rows:
         w, v = r.workbench, r.vllm
-        load = f"{min(r.load_1m):.2f}–{max(r.load_1m):.2f}" if r.load_1m else ""
+        load = load_range(r.load_1m)
         idle = ", ".join(f"{r.idle_cores.get(s, float('nan')):.2f}" for s in ("workbench", "vLLM"))
         lines.append(
             f"| {r.threads} | {r.dtype} | {r.concurrency} | {w['output_throughput']:.1f} "
-            f"| {v['output_throughput']:.1f} | {r.ratio:.2f}× | {goal_text(r.ratio)} "
+            f"| {v['output_throughput']:.1f} | {r.ratio:.2f}× | {goal_text(r.ratio, GOAL)} "
             f"| {w['median_ttft_ms']:.0f} / {v['median_ttft_ms']:.0f} "
             f"| {w['median_tpot_ms']:.1f} / {v['median_tpot_ms']:.1f} "
             f"| {w['failed']:.0f} / {v['failed']:.0f} | {idle} | {load} |"
@@ -209,13 +199,10 @@ def _stop(proc: subprocess.Popen | None) -> None:
 
 def run_served_peer(args) -> list[ServedRow] | None:
     """The served comparison; None (after printing the install recipe) when the peer cannot run."""
-    python = args.peer_python or os.environ.get("WORKBENCH_VLLM_PYTHON")
-    _progress(f"checking the vLLM peer: {python or '(none)'} ...")
-    ok, detail = check_peer(python)
-    if not ok:
-        print(f"\nvLLM peer unavailable: {detail}\n{install_recipe(python)}\n", flush=True)
+    python, reply = VllmPeer.locate(args.peer_python)
+    if python is None:
         return None
-    python = shutil.which(os.path.expanduser(python))
+    detail = str(reply.get("vllm_version"))
     from workbench.core.entrypoints.server_process import ServerProcess, free_port
     from workbench.core.model_executor.model_runner import DEFAULT_CPU_KV_GB
     from workbench.core.model_loader import prepare_model
@@ -224,7 +211,7 @@ def run_served_peer(args) -> list[ServedRow] | None:
     dtype = args.dtype if args.dtype != "auto" else "float32"
     kv_gib = args.kv_cache_memory_gb or DEFAULT_CPU_KV_GB
     max_len = -(-(args.random_input_len + args.random_output_len + 64) // 256) * 256
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cpus = bench_cpus()
     work = Path(tempfile.mkdtemp(prefix="workbench-served-peer-"))
     rows: list[ServedRow] = []
     failures: list[str] = []
@@ -246,73 +233,75 @@ def run_served_peer(args) -> list[ServedRow] | None:
 
     for tc in thread_configs(args.peer_threads, cpus):
         server = vproc = None
-        try:
-            wb_args = ["--dtype", dtype, "--served-model-name", SERVED_NAME, "--kv-cache-memory-gb", str(kv_gib)]
-            if tc.workbench_threads:
-                wb_args += ["--num-threads", str(tc.workbench_threads)]
-            _progress(f"threads {tc.name}: starting workbench serve {' '.join(wb_args)}")
-            server = ServerProcess(wb_args, start_timeout_s=START_TIMEOUT_S)
-            port = free_port()
-            log = work / f"vllm-serve-{tc.name.replace(' ', '')}.log"
-            env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
-            if tc.vllm_bind:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = tc.vllm_bind
-            _progress(f"threads {tc.name}: starting vllm serve (log {log}; it compiles the model: minutes)")
-            with open(log, "w") as logf:
-                vproc = subprocess.Popen(
-                    vllm_serve_command(python, model_dir, port, dtype, max_len, kv_gib, args.seed),
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                )
-            vurl = f"http://127.0.0.1:{port}"
-            wait_ready(vurl, vproc, START_TIMEOUT_S, log)
-            sides = {"workbench": (server.base_url, [server.proc.pid]), "vLLM": (vurl, [vproc.pid])}
-            results: dict[str, list[dict]] = {"workbench": [], "vLLM": []}
-            idle: dict[str, list[float]] = {"workbench": [], "vLLM": []}
-            loads: list[float] = []
-            _progress(f"threads {tc.name}: warm-up, both servers")
-            for side, (url, _) in sides.items():
-                _run_client(python, url, model_dir, args, work, f"warmup-{side}", warmup=True)
-            for r in range(args.repeats):
-                for i, side in enumerate(("workbench", "vLLM", "vLLM", "workbench")):
-                    other = "vLLM" if side == "workbench" else "workbench"
-                    c0, t0 = cpu_seconds(sides[other][1]), time.perf_counter()
-                    res = _run_client(
-                        python, sides[side][0], model_dir, args, work, f"{tc.name.replace(' ', '')}-{r}-{i}-{side}.json"
+        with attempt(failures, f"threads {tc.name}"):
+            try:
+                wb_args = ["--dtype", dtype, "--served-model-name", SERVED_NAME, "--kv-cache-memory-gb", str(kv_gib)]
+                if tc.workbench_threads:
+                    wb_args += ["--num-threads", str(tc.workbench_threads)]
+                progress(f"threads {tc.name}: starting workbench serve {' '.join(wb_args)}")
+                server = ServerProcess(wb_args, start_timeout_s=START_TIMEOUT_S)
+                port = free_port()
+                log = work / f"vllm-serve-{tc.name.replace(' ', '')}.log"
+                env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+                if tc.vllm_bind:
+                    env["VLLM_CPU_OMP_THREADS_BIND"] = tc.vllm_bind
+                progress(f"threads {tc.name}: starting vllm serve (log {log}; it compiles the model: minutes)")
+                with open(log, "w") as logf:
+                    vproc = subprocess.Popen(
+                        vllm_serve_command(python, model_dir, port, dtype, max_len, kv_gib, args.seed),
+                        stdout=logf,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,
                     )
-                    idle[other].append((cpu_seconds(sides[other][1]) - c0) / (time.perf_counter() - t0))
-                    results[side].append(res)
-                    loads.append(os.getloadavg()[0])
-                    _progress(
-                        f"threads {tc.name} [{r + 1}/{args.repeats}] {side:<9} "
+                vurl = f"http://127.0.0.1:{port}"
+                wait_ready(vurl, vproc, START_TIMEOUT_S, log)
+                sides = {"workbench": (server.base_url, [server.proc.pid]), "vLLM": (vurl, [vproc.pid])}
+                progress(f"threads {tc.name}: warm-up, both servers")
+                for side, (url, _) in sides.items():
+                    _run_client(python, url, model_dir, args, work, f"warmup-{side}", warmup=True)
+
+                runs = itertools.count()  # names each result file: round, place in the round, side
+
+                def client(side: str) -> dict:
+                    i = next(runs)
+                    name = f"{tc.name.replace(' ', '')}-{i // 4}-{i % 4}-{side}.json"
+                    return _run_client(python, sides[side][0], model_dir, args, work, name)
+
+                def report(turn, res, load1, idle):
+                    progress(
+                        f"threads {tc.name} {turn.tag} {turn.side:<9} "
                         f"{res['output_throughput']:8.1f} out tok/s, TTFT p50 {res['median_ttft_ms']:.0f} ms, "
                         f"TPOT p50 {res['median_tpot_ms']:.1f} ms, failed {res['failed']:.0f}   "
-                        f"(load 1m {loads[-1]:.2f}; idle {other} used {idle[other][-1]:.2f} cores)"
+                        f"(load 1m {load1:.2f}; idle {turn.other} used {idle:.2f} cores)"
                     )
-            w, v = median_metrics(results["workbench"]), median_metrics(results["vLLM"])
-            rows.append(
-                ServedRow(
-                    tc.name,
-                    dtype,
-                    args.max_concurrency,
-                    w,
-                    v,
-                    w["output_throughput"] / v["output_throughput"],
-                    results,
-                    loads,
-                    {k: statistics.mean(x) for k, x in idle.items()},
+
+                got = interleave(
+                    {side: (lambda side=side: client(side)) for side in sides},
+                    args.repeats,
+                    report,
+                    {side: pids for side, (_, pids) in sides.items()},
                 )
-            )
-            save()
-        except Exception as exc:  # noqa: BLE001 - one configuration failing leaves the others measured
-            failures.append(f"threads {tc.name}: {type(exc).__name__}: {exc}")
-            _progress(f"FAILED {failures[-1]}")
-        finally:
-            _stop(vproc)
-            if server is not None:
-                server.stop()
+                results, loads, idle = got.samples, got.loads, got.idle_cores
+                w, v = median_metrics(results["workbench"]), median_metrics(results["vLLM"])
+                rows.append(
+                    ServedRow(
+                        tc.name,
+                        dtype,
+                        args.max_concurrency,
+                        w,
+                        v,
+                        w["output_throughput"] / v["output_throughput"],
+                        results,
+                        loads,
+                        {k: statistics.mean(x) for k, x in idle.items()},
+                    )
+                )
+                save()
+            finally:
+                _stop(vproc)
+                if server is not None:
+                    server.stop()
     print()
     print(format_served_table(rows))
     print(
@@ -321,8 +310,7 @@ def run_served_peer(args) -> list[ServedRow] | None:
         f"against each server, A B B A x {args.repeats}, medians; ratio = output tok/s workbench / vLLM; "
         f"KV budget {kv_gib:g} GiB each; results and logs in {work}"
     )
-    for text in failures:
-        print(f"not measured: {text}")
+    print_failures(failures)
     save()
     if failures:
         raise PeerError(f"{len(failures)} configuration(s) not measured (above); the table holds the rest")

@@ -19,9 +19,10 @@ the figures say where that is.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
+
+from workbench.bench.harness import engine_parser, load_text, progress
 
 WORKLOADS = {
     "repetitive": [
@@ -42,10 +43,6 @@ WORKLOADS = {
         "Write a short poem about autumn leaves.",
     ],
 }
-
-
-def _load() -> str:
-    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "?"
 
 
 def _chat(engine, text: str) -> list[int]:
@@ -71,7 +68,6 @@ def _counters(engine) -> tuple[int, int, int]:
 
 
 def run_spec_bench(args: argparse.Namespace) -> dict:
-    from workbench.bench.engine_bench import _progress
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
 
@@ -82,9 +78,9 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
     new = 8 if args.quick else args.new
     batches = (1,) if args.quick else tuple(int(b) for b in args.batches.split(","))
     rounds = 1 if args.quick else args.rounds
-    loads = [_load()]
+    loads = [load_text()]
     rows = []
-    _progress(f"starting a plain engine and an {algo} engine on the same model")
+    progress(f"starting a plain engine and an {algo} engine on the same model")
     with Engine(server_args=plain_args) as plain, Engine(server_args=spec_args) as spec:
         engines = {"plain": plain, algo: spec}
         for name, texts in WORKLOADS.items():
@@ -98,11 +94,11 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
                     order = ("plain", algo, algo, "plain") if r % 2 == 0 else (algo, "plain", "plain", algo)
                     outs = {}
                     for which in order:
-                        _progress(f"{name}, batch {b}, round {r + 1}/{rounds}: {which}")
+                        progress(f"{name}, batch {b}, round {r + 1}/{rounds}: {which}")
                         t, outs[which] = _decode_tps(engines[which], batch, new)
                         tps[which].append(t)
                     same = same and outs["plain"] == outs[algo]
-                    loads.append(_load())
+                    loads.append(load_text())
                 v1, p1, a1 = _counters(spec)
                 verified, proposed, accepted = v1 - v0, p1 - p0, a1 - a0
                 rows.append(
@@ -140,15 +136,13 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
 
 
 def add_parser(bench_sub) -> None:
-    from workbench.core.args import ServerArgs
-
-    p = bench_sub.add_parser(
+    p = engine_parser(
+        bench_sub,
         "spec",
         help="decode tok/s with and without speculative decoding (NGRAM, or STANDALONE with "
         "--speculative-algorithm STANDALONE --speculative-draft-model-path DIR), repetitive and chat workloads",
         description=__doc__.split("\n\n")[0],
     )
-    ServerArgs.add_cli_args(p)
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (each runs both engines twice)")
     p.add_argument("--new", type=int, default=128, help="new tokens per request")
     p.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
 
+from workbench.bench.harness import engine_parser, load_text, progress
 from workbench.core.trace import events as ev
 
 # Never complete within 64 tokens (64 items of at least `""` and a comma each), so every
@@ -38,10 +38,6 @@ PROMPTS = [
     "Name a few colours in JSON.",
     "Write JSON: an array of animal names.",
 ]
-
-
-def _load() -> str:
-    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "?"
 
 
 @dataclass
@@ -110,7 +106,6 @@ def one_time_costs(model_dir: str, vocab_size: int, eos: list[int]) -> tuple[flo
 
 
 def run_structured_bench(args: argparse.Namespace) -> dict:
-    from workbench.bench.engine_bench import _progress
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
 
@@ -119,19 +114,19 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
     batches = (1, 4) if args.quick else (1, 32)
     new = 8 if args.quick else args.new
     results: dict[tuple[int, bool], list[Run]] = {(b, c): [] for b in batches for c in (False, True)}
-    loads = [_load()]
+    loads = [load_text()]
     with Engine(server_args=sa) as engine:
         sub = engine.subscribe(with_snapshot=False, name="bench-structured")  # tracing on in every run
-        _progress("warm-up (the first constrained request reads the vocabulary into xgrammar)")
+        progress("warm-up (the first constrained request reads the vocabulary into xgrammar)")
         _one(engine, sub, 2, 4, True)
         _one(engine, sub, 2, 4, False)
         for r in range(args.rounds):
             for b in batches:
                 order = (False, True, True, False) if r % 2 == 0 else (True, False, False, True)
                 for constrained in order:
-                    _progress(f"round {r + 1}/{args.rounds}: batch {b}, {'constrained' if constrained else 'free'}")
+                    progress(f"round {r + 1}/{args.rounds}: batch {b}, {'constrained' if constrained else 'free'}")
                     results[(b, constrained)].append(_one(engine, sub, b, new, constrained))
-            loads.append(_load())
+            loads.append(load_text())
         sub.close()
         eos = engine.prepared.config.eos_token_id
         vocab, compile_s, cached_s = one_time_costs(
@@ -177,14 +172,12 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
 
 
 def add_parser(bench_sub) -> None:
-    from workbench.core.args import ServerArgs
-
-    p = bench_sub.add_parser(
+    p = engine_parser(
+        bench_sub,
         "structured",
         help="decode throughput free vs constrained by a JSON Schema, batch 1 and 32, with compile times",
         description=__doc__.split("\n\n")[0],
     )
-    ServerArgs.add_cli_args(p)
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (each runs free and constrained twice)")
     p.add_argument("--new", type=int, default=64, help="new tokens per request (every request decodes exactly this)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")

@@ -36,6 +36,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from workbench.bench.prompts import random_ids
+
 NEIGHBOURS = ("quiet", "busy", "tui")
 GOAL = 0.6
 
@@ -128,8 +130,8 @@ class Neighbour:
 
 def _prompts(batch: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
     rng = random.Random(seed)
-    one = [[rng.randrange(100, 40000) for _ in range(64)]]
-    many = [[rng.randrange(100, 40000) for _ in range(rng.randrange(32, 257))] for _ in range(batch)]
+    one = random_ids(rng, 1, 64, 100, 40000)
+    many = [random_ids(rng, 1, rng.randrange(32, 257), 100, 40000)[0] for _ in range(batch)]
     return one, many
 
 

@@ -15,16 +15,17 @@ import dataclasses
 import statistics
 import time
 
+from workbench.bench.harness import engine_parser, progress
+from workbench.bench.prompts import repeated_text_prompt
+
 
 def add_parser(bench_sub) -> None:
-    from workbench.core.args import ServerArgs
-
-    p = bench_sub.add_parser(
+    p = engine_parser(
+        bench_sub,
         "tp",
         help="latency at several --tp-size values",
         description="latency at several --tp-size values (printed, not asserted)",
     )
-    ServerArgs.add_cli_args(p)
     p.add_argument(
         "--tp-sizes",
         type=int,
@@ -39,11 +40,6 @@ def add_parser(bench_sub) -> None:
     p.set_defaults(func=lambda a: 0 if run_tp_bench(a) else 1)
 
 
-def _prompt(engine, n: int, salt: int) -> list[int]:
-    text = f"{salt} " + "the scheduler batches requests and the radix cache shares prefixes " * (n // 8 + 2)
-    return engine.tokenizer.encode(text, add_special_tokens=False)[:n]
-
-
 def run_tp_bench(args: argparse.Namespace) -> list[dict]:
     """Run the comparison; returns one row per TP size (also printed as a table)."""
     from workbench.core.args import ServerArgs
@@ -54,19 +50,23 @@ def run_tp_bench(args: argparse.Namespace) -> list[dict]:
     sp = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
     rows = []
     for tp in args.tp_sizes:
-        print(f"[bench] tp_size {tp}: starting", flush=True)
+        progress(f"tp_size {tp}: starting")
         t0 = time.monotonic()
         with Engine(server_args=dataclasses.replace(base, tp_size=tp, dist_init_addr=None)) as engine:
             ready_s = time.monotonic() - t0
-            engine.generate(input_ids=_prompt(engine, args.prompt_len, -1), sampling_params=sp)  # warm-up
+            engine.generate(
+                input_ids=repeated_text_prompt(engine.tokenizer, args.prompt_len, -1), sampling_params=sp
+            )  # warm-up
             ttfts, tpots = [], []
             for i in range(args.repeats):
                 # A fresh prompt each time: no radix-cache hit flatters TTFT.
-                out = engine.generate(input_ids=_prompt(engine, args.prompt_len, i), sampling_params=sp)
+                out = engine.generate(
+                    input_ids=repeated_text_prompt(engine.tokenizer, args.prompt_len, i), sampling_params=sp
+                )
                 m = out["meta_info"]
                 ttfts.append(m["ttft"])
                 tpots.append((m["e2e_latency"] - m["ttft"]) / max(1, m["completion_tokens"] - 1))
-            prompts = [_prompt(engine, args.prompt_len, 1000 + i) for i in range(args.batch)]
+            prompts = [repeated_text_prompt(engine.tokenizer, args.prompt_len, 1000 + i) for i in range(args.batch)]
             t1 = time.perf_counter()
             outs = engine.generate(input_ids=prompts, sampling_params=sp)
             batch_s = time.perf_counter() - t1

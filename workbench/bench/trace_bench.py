@@ -35,6 +35,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workbench.bench.harness import engine_parser, progress
+from workbench.bench.peers import run_concurrent
+from workbench.bench.prompts import mixed_prompts
+
 
 @dataclass
 class TraceBenchRow:
@@ -120,9 +124,7 @@ class BusySubscriber:
 
 
 def _workload(tok, n: int, rng: random.Random) -> list[list[int]]:
-    from workbench.bench.engine_bench import _mixed_prompts
-
-    return _mixed_prompts(tok, n, rng)
+    return mixed_prompts(tok, n, rng)
 
 
 MODES = (("off", "off"), ("auto, idle", "auto"), ("on, idle", "on"), ("busy", "auto"))
@@ -131,7 +133,6 @@ MODES = (("off", "off"), ("auto, idle", "auto"), ("on, idle", "on"), ("busy", "a
 def _one_run(base, mode: str, trace_mode: str, prompts, new: int, row: TraceBenchRow, tmpdir: str) -> int:
     """Start a fresh engine for `mode`, warm it up, time the workload, shut it down. Returns the
     number of events the recorder wrote (busy mode) else 0."""
-    from workbench.bench.engine_bench import _run_engine
     from workbench.core.engine import Engine
     from workbench.core.trace.recorder import Recorder
 
@@ -141,11 +142,11 @@ def _one_run(base, mode: str, trace_mode: str, prompts, new: int, row: TraceBenc
             recorder = Recorder(Path(tmpdir) / "run.jsonl", model=engine.served_model_name)
             handle = engine.subscribe_callback(recorder, name="bench-recorder")
             busy = BusySubscriber(engine)
-        _run_engine(engine, prompts[:2], 2)  # warm-up: first shapes, tracers on
+        run_concurrent(engine, prompts[:2], 2)  # warm-up: first shapes, tracers on
         engine.flush_cache()  # the run prefills from scratch
         cpu0, other0 = _cpu_seconds(engine), _cpu_seconds(engine, schedulers=False)
         trace0 = engine.get_internal_state()["trace_ms"]
-        dt, toks = _run_engine(engine, prompts, new)
+        dt, toks = run_concurrent(engine, prompts, new)
         row.cpu_ms_per_tok.append(1000 * (_cpu_seconds(engine) - cpu0) / toks)
         row.other_cpu_ms_per_tok.append(1000 * (_cpu_seconds(engine, schedulers=False) - other0) / toks)
         row.sched_trace_share.append((engine.get_internal_state()["trace_ms"] - trace0) / (1000 * dt))
@@ -165,7 +166,6 @@ def _one_run(base, mode: str, trace_mode: str, prompts, new: int, row: TraceBenc
 def run_trace_bench(args: argparse.Namespace) -> list[TraceBenchRow]:
     """Run the modes in `args.rounds` interleaved rounds, one engine at a time (an idle engine
     beside the measured one would share its cores); print and return the rows."""
-    from workbench.bench.engine_bench import _progress
     from workbench.core.args import ServerArgs
     from workbench.core.model_loader import load_tokenizer, prepare_model
 
@@ -179,7 +179,7 @@ def run_trace_bench(args: argparse.Namespace) -> list[TraceBenchRow]:
         for r in range(args.rounds):
             order = MODES if r % 2 == 0 else tuple(reversed(MODES))  # no mode always first
             for mode, trace_mode in order:
-                _progress(f"round {r + 1}/{args.rounds}: tracing {mode}")
+                progress(f"round {r + 1}/{args.rounds}: tracing {mode}")
                 recorded += _one_run(base, mode, trace_mode, prompts, new, rows[mode], tmp)
     out = list(rows.values())
     _print(out, n, new, recorded)
@@ -225,14 +225,12 @@ def _print(rows: list[TraceBenchRow], n: int, new: int, recorded: int) -> None:
 
 
 def add_parser(bench_sub) -> None:
-    from workbench.core.args import ServerArgs
-
-    p = bench_sub.add_parser(
+    p = engine_parser(
+        bench_sub,
         "trace",
         help="serving throughput with tracing off / on idle / on with subscribers",
         description=__doc__.split("\n\n")[0],
     )
-    ServerArgs.add_cli_args(p)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per mode (median reported)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.set_defaults(func=lambda a: 0 if run_trace_bench(a) else 1)

@@ -36,43 +36,9 @@ import time
 from typing import Any
 
 if __package__:
-    from workbench.bench.peer_wire import (
-        FIRST_IDS,
-        ProtocolError,
-        check_op,
-        decode_message,
-        encode_message,
-        error_reply,
-        parse_reply,
-        quit_request,
-        serve,
-    )
+    from workbench.bench import peer_wire as wire
 else:  # a script in the vLLM venv, where workbench is not installed: its folder is sys.path[0]
-    from peer_wire import (
-        FIRST_IDS,
-        ProtocolError,
-        check_op,
-        decode_message,
-        encode_message,
-        error_reply,
-        parse_reply,
-        quit_request,
-        serve,
-    )
-
-__all__ = [
-    "FIRST_IDS",
-    "ProtocolError",
-    "check_request",
-    "decode_message",
-    "encode_message",
-    "error_reply",
-    "load_request",
-    "parse_reply",
-    "quit_request",
-    "run_request",
-    "summarize_outputs",
-]
+    import peer_wire as wire
 
 
 # ---- protocol: pure functions, shared by the driver and the bench ---------------------------------
@@ -116,19 +82,19 @@ def run_request(
 
 def check_request(msg: dict) -> dict:
     """Validate a decoded request and return it; ProtocolError names the first bad field."""
-    op = check_op(msg)
+    op = wire.check_op(msg)
     if op == "load":
         if not isinstance(msg.get("model"), str) or not msg["model"]:
-            raise ProtocolError("load needs 'model': a model directory")
+            raise wire.ProtocolError("load needs 'model': a model directory")
         if msg.get("dtype") not in ("float32", "bfloat16", "float16", "auto"):
-            raise ProtocolError(f"load: bad dtype {msg.get('dtype')!r}")
+            raise wire.ProtocolError(f"load: bad dtype {msg.get('dtype')!r}")
         if not isinstance(msg.get("max_model_len"), int) or msg["max_model_len"] < 16:
-            raise ProtocolError("load needs 'max_model_len': an integer >= 16")
+            raise wire.ProtocolError("load needs 'max_model_len': an integer >= 16")
         if not isinstance(msg.get("threads_bind"), (str, type(None))):
-            raise ProtocolError("load: 'threads_bind' is null or a CPU list such as '0-1'")
+            raise wire.ProtocolError("load: 'threads_bind' is null or a CPU list such as '0-1'")
         kv = msg.get("kv_cache_gib")
         if kv is not None and (isinstance(kv, bool) or not isinstance(kv, (int, float)) or kv <= 0):
-            raise ProtocolError("load: 'kv_cache_gib' is null or a positive number of GiB")
+            raise wire.ProtocolError("load: 'kv_cache_gib' is null or a positive number of GiB")
     elif op == "run":
         prompts = msg.get("prompts")
         if (
@@ -136,13 +102,13 @@ def check_request(msg: dict) -> dict:
             or not prompts
             or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts)
         ):
-            raise ProtocolError("run needs 'prompts': a non-empty list of non-empty token-id lists")
+            raise wire.ProtocolError("run needs 'prompts': a non-empty list of non-empty token-id lists")
         if not isinstance(msg.get("max_new_tokens"), int) or msg["max_new_tokens"] < 1:
-            raise ProtocolError("run needs 'max_new_tokens': an integer >= 1")
+            raise wire.ProtocolError("run needs 'max_new_tokens': an integer >= 1")
     return msg
 
 
-def summarize_outputs(output_ids: list[list[int]], seconds: float, first_n: int = FIRST_IDS) -> dict:
+def summarize_outputs(output_ids: list[list[int]], seconds: float, first_n: int = wire.FIRST_IDS) -> dict:
     """The `run` reply from each prompt's output ids and the call's wall time."""
     return {
         "ok": True,
@@ -209,7 +175,7 @@ def _check_import() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve requests from stdin until `quit` or end of input; `--check` only tests the import."""
-    return serve(_Driver(), check_request, _check_import, argv)
+    return wire.serve(_Driver(), check_request, _check_import, argv)
 
 
 if __name__ == "__main__":
