@@ -56,6 +56,8 @@ class ReqToTokenPool:
 class TokenToKVPoolAllocator:
     """Free list of KV token slots 1..size (slot 0 is reserved for padding)."""
 
+    free_slots: torch.Tensor  # int64, in the order they are handed out (set by `clear`)
+
     def __init__(self, size: int, device: str = "cpu"):
         self.size = size
         self.device = device

@@ -76,7 +76,8 @@ class TreeNode:
         # never share a first token, so this is a complete index.
         self.children: dict[int, TreeNode] = {}
         self.key: list[int] = key if key is not None else []
-        self.value: torch.Tensor | None = value
+        # KV slot indices of `key`'s tokens (int64); the root's is empty.
+        self.value: torch.Tensor = value if value is not None else torch.empty((0,), dtype=torch.int64)
         self.lock_ref = 0
         self.hits = 0
         self.last_access = 0
@@ -104,6 +105,14 @@ def _common_len(edge: list[int], key: list[int], start: int) -> int:
     while i < n and edge[i] == key[start + i]:
         i += 1
     return i
+
+
+def _parent(node: TreeNode) -> TreeNode:
+    """The parent of a node in the tree (only the root, and an evicted node, have none)."""
+    parent = node.parent
+    if parent is None:
+        raise RuntimeError(f"{node!r} is the root or no longer in the tree")
+    return parent
 
 
 def _as_key(key) -> list[int]:
@@ -198,7 +207,7 @@ class RadixCache(BasePrefixCache):
     def _emit_insert(self, node: TreeNode) -> None:
         if self.on_event is not None:
             self._emit(
-                CacheInsert(node_id=node.id, parent_id=node.parent.id, tokens=len(node.key), text=self._text(node))
+                CacheInsert(node_id=node.id, parent_id=_parent(node).id, tokens=len(node.key), text=self._text(node))
             )
 
     def _empty(self) -> torch.Tensor:
@@ -242,7 +251,7 @@ class RadixCache(BasePrefixCache):
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child`'s edge after `n` tokens; return the new parent holding the head."""
-        parent = child.parent
+        parent = _parent(child)
         head = TreeNode(self._new_id(), parent, child.key[:n], child.value[:n])
         # The head lies on every path through `child`, so it inherits its locks,
         # statistics and access time; sizes are unchanged.
@@ -403,7 +412,7 @@ class RadixCache(BasePrefixCache):
         ids: list[int] = []
         while evicted < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
-            parent = node.parent
+            parent = _parent(node)
             del parent.children[node.key[0]]
             self._evictable_leaves.discard(node)
             node.parent = None
@@ -471,7 +480,7 @@ class RadixCache(BasePrefixCache):
             out.append(
                 TreeNodeInfo(
                     node_id=n.id,
-                    parent_id=n.parent.id,
+                    parent_id=_parent(n).id,
                     tokens=len(n.key),
                     text=self._text(n),
                     lock_ref=n.lock_ref,

@@ -1,0 +1,107 @@
+"""mypy (configured in pyproject.toml's [tool.mypy]) finds no type error in the typed core: the KV
+cache, the trace modules and the real model worker. Part of the fast tier.
+
+setup.py installs core/ as `workbench.core`, through an import hook that mypy does not run, so this
+test lays the `workbench` package out as mypy can read it: .mypy_cache/src/workbench holds links to
+workbench/'s entries and to core/, tui/ and widgets/. mypy's own cache beside it keeps a second run
+to seconds. By hand: `python tests/fast/test_types.py` (the same check, its report on stdout).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / ".mypy_cache" / "src"
+# setup.py's mapping: top-level folders installed under the `workbench` package.
+MAPPED = {"core": "core", "tui": "tui", "widgets": "widgets"}
+
+# What mypy reports on, as paths from the repository root (a folder: every module in it). Modules
+# these import are read for their types but their own errors are not reported (follow_imports=silent).
+TYPED = [
+    "core/mem_cache",
+]
+
+
+def lay_out_package() -> Path:
+    """.mypy_cache/src/workbench: a link per entry of workbench/, plus core/, tui/, widgets/."""
+    pkg = SRC / "workbench"
+    pkg.mkdir(parents=True, exist_ok=True)
+    links = {entry.name: entry for entry in (ROOT / "workbench").iterdir() if entry.name != "__pycache__"}
+    links.update({name: ROOT / folder for name, folder in MAPPED.items()})
+    for name, target in links.items():
+        link = pkg / name
+        if link.is_symlink() and Path(os.readlink(link)) == target:
+            continue
+        if link.is_symlink():
+            link.unlink()
+        try:
+            link.symlink_to(target, target_is_directory=target.is_dir())
+        except FileExistsError:  # another run laid it at the same moment
+            pass
+    return SRC
+
+
+def mypy_targets(paths: list[str]) -> list[str]:
+    """`-p`/`-m` arguments naming each path's module (core/x/y.py -> workbench.core.x.y)."""
+    args: list[str] = []
+    for path in paths:
+        top, _, rest = path.partition("/")
+        module = ".".join(["workbench", MAPPED.get(top, top), *Path(rest).with_suffix("").parts])
+        args += ["-p" if (ROOT / path).is_dir() else "-m", module]
+    return args
+
+
+def run_mypy(paths: list[str]) -> subprocess.CompletedProcess:
+    lay_out_package()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), *mypy_targets(paths)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    proc.stdout = "".join(map(_repo_path, proc.stdout.splitlines(keepends=True)))
+    return proc
+
+
+def _repo_path(line: str) -> str:
+    """A report line with its file where it is in the repository, not under the laid-out package."""
+    laid = ".mypy_cache/src/workbench/"
+    if not line.startswith(laid):
+        return line
+    rest = line[len(laid) :]
+    return rest if rest.split("/")[0] in MAPPED else "workbench/" + rest
+
+
+def test_mypy_finds_no_type_error_in_the_typed_core():
+    pytest.importorskip("mypy", reason="mypy is not installed: pip install -e '.[test]' brings it")
+    proc = run_mypy(TYPED)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+def test_mypy_reports_an_error_in_a_checked_module(tmp_path):
+    """The check is live: a wrong annotation in a module under TYPED is reported, at its own path."""
+    pytest.importorskip("mypy", reason="mypy is not installed: pip install -e '.[test]' brings it")
+    lay_out_package()
+    bad = tmp_path / "bad.py"
+    bad.write_text("from workbench.core.mem_cache.radix_cache import RadixCache\n\nx: RadixCache = 3\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), str(bad)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 1 and "bad.py:3: error" in proc.stdout, proc.stdout + proc.stderr
+
+
+if __name__ == "__main__":
+    result = run_mypy(sys.argv[1:] or TYPED)
+    sys.stdout.write(result.stdout + result.stderr)
+    sys.exit(result.returncode)
