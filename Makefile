@@ -32,11 +32,11 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/workbench tui --scenario shared-prefix
 
-# Two tiers (README "Tests and guarantees"): `make test` the fast one, after every change;
-# `make test-full` everything, what CI (.ci/run) runs. End-to-end tests carry the `e2e` marker
-# (tests/conftest.py decides which); soak runs only on demand (pytest -m soak).
+# Two tiers, one folder each (docs/testing.md): `make test` runs tests/fast, after every change;
+# `make test-full` runs tests/fast and tests/e2e, what CI (.ci/run) runs. Every test under tests/e2e
+# carries the `e2e` marker; the soak runs only on demand (pytest -m soak).
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q tests -m "not e2e and not soak"
+	$(BIN)/python -m pytest -q tests/fast
 
 test-full: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q tests

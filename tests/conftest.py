@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
 import os
-import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,41 +96,13 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return _HF_MEMO[key]
 
 
-# ==== two tiers: `make test` (fast) and `make test-full` (everything CI runs) ======================
-# A test is end-to-end (marker `e2e`, left out of `make test`) when it is in one of these files or
-# listed below, uses the reference-model fixtures, or when it or any fixture it uses starts an
-# Engine, a server or another process (`pytest_collection_modifyitems` reads their source).
-# `@pytest.mark.e2e` marks one by hand; `@pytest.mark.fast` keeps a quick subprocess test (ruff) in the
-# fast tier. The rest (unit tests, the in-process scheduler tests, kernels, tiny models) is the fast tier.
-E2E_FILES = {
-    "test_browser_dashboard.py",
-    "test_notebooks.py",
-    "test_tui_tmux.py",  # browser, kernels, tmux
-    "test_reliability_load.py",
-    "test_reliability_faults.py",
-    "test_fuzz_http.py",  # load, faults, fuzz
-    "test_tensor_parallel.py",
-    "test_served_peer.py",
-    "test_llamacpp_peer.py",  # TP, peers
-}
-# Fixtures that load the real model beside transformers' reference (minutes on a busy 2-core machine).
-E2E_FIXTURES = {"hf_model", "runner_fp32"}
-# Single tests that measured over 10 s in the fast tier (tests --durations, load ~6 on 2 cores).
-E2E_TESTS = {
-    "test_cpu_ops.py::test_bfloat16_greedy_tokens_are_unchanged_by_the_compiled_rope",
-    "test_gpu_only.py::test_selftest_cpu_dry_run",
-    "test_cuda_graph.py::test_greedy_tokens_with_graphs_equal_eager",
-    "test_cuda_graph.py::test_bench_compare_compile_runs_end_to_end",
-    "test_detokenizer.py::test_bad_model_dir_reports_error_and_exits",
-    "test_model_loader.py::test_converted_weights_equal_transformers_gguf_loader",
-    "test_http_server.py::test_shutdown_stops_unfinished_requests_with_an_error_event_and_says_so",
-    "test_http_server.py::test_startup_answers_503_until_ready",
-    "test_trace_mode.py::test_bench_trace_quick_prints_every_mode_and_its_accounted_cost",
-    "test_triton_backend.py::test_triton_backend_runs_a_model_like_torch_native",
-    "test_engine_script.py::test_the_same_script_with_the_guard_runs",
-    "test_engine_script.py::test_a_script_without_the_main_guard_fails_with_one_line",
-}
-_E2E_SOURCE = re.compile(r"(?<![A-Za-z])[Ee]ngine\(|start_server\(|subprocess|Popen\(|sys\.executable")
+# ==== two tiers, by folder ==========================================================================
+# tests/fast is the fast tier (`make test`, after every change: unit, reducer, in-process scheduler, kernels,
+# tiny models, the TUI on recordings); tests/e2e the rest of what CI runs (`make test-full`: real engines,
+# servers, processes, notebooks, browser, tmux, load). The folder alone decides: every test under tests/e2e
+# gets the `e2e` marker, nothing else does. Helper modules stay here in tests/ (this folder is on sys.path).
+# Markers are registered once, in pyproject.toml ([tool.pytest.ini_options], with --strict-markers).
+TESTS = Path(__file__).resolve().parent
 _T0 = time.time()
 _LOAD0 = os.getloadavg() if hasattr(os, "getloadavg") else None
 
@@ -146,55 +117,19 @@ def _process_start() -> float:
         return _T0
 
 
-def _starts_processes(obj, cache: dict) -> bool:
-    if obj not in cache:
-        try:
-            # The body only: a fixture called `engine` is not a reason, what it does is.
-            src = re.split(r"^\s*(?:async\s+)?def [^\n]*\n", inspect.getsource(obj), maxsplit=1, flags=re.M)[-1]
-        except (OSError, TypeError):
-            src = ""
-        cache[obj] = bool(_E2E_SOURCE.search(src))
-    return cache[obj]
-
-
-def pytest_configure(config):
-    # Registered here rather than in pyproject.toml: editing that file makes `make` reinstall the venv.
-    config.addinivalue_line(
-        "markers",
-        "e2e: end to end (engines, servers, processes, notebooks, browser, "
-        "tmux): only in the full tier (make test-full); tests/conftest.py marks them",
-    )
-    config.addinivalue_line("markers", "fast: in the fast tier although it runs a subprocess (a quick tool, e.g. ruff)")
-
-
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    cache: dict = {}
     for item in items:
-        if item.get_closest_marker("e2e") is not None or item.get_closest_marker("fast") is not None:
-            continue
-        e2e = (
-            item.path.name in E2E_FILES
-            or f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in E2E_TESTS
-            or bool(E2E_FIXTURES & set(getattr(item, "fixturenames", ())))
-        )
-        if not e2e and getattr(item, "function", None) is not None:
-            e2e = _starts_processes(item.function, cache)
-            infos = getattr(item, "_fixtureinfo", None)
-            for defs in infos.name2fixturedefs.values() if infos else ():
-                if e2e:
-                    break
-                e2e = any(_starts_processes(d.func, cache) for d in defs if d.baseid)
-        if e2e:
+        if TESTS / "e2e" in Path(item.path).resolve().parents:
             item.add_marker(pytest.mark.e2e)
 
 
 def _tier(config) -> str:
     expr = (config.getoption("markexpr", "") or "").replace('"', "").replace("'", "").strip()
-    whole = all(os.path.basename(str(a).rstrip("/")) == "tests" for a in config.args)
-    if whole and expr == "not e2e and not soak":
+    paths = {Path(config.invocation_params.dir, str(a).split("::")[0]).resolve() for a in config.args}
+    if expr in ("", "not soak") and paths == {TESTS / "fast"}:
         return "fast tier (make test)"
-    if whole and expr in ("", "not soak"):
+    if expr in ("", "not soak") and paths == {TESTS}:
         return "full tier (make test-full)"
     return "this selection"
 

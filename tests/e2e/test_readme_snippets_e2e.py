@@ -31,13 +31,11 @@ def default_server():
         yield pair
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("i", [i for i, b in enumerate(PYTHON) if not _needs_server(b)])
 def test_readme_python_snippet_runs_as_a_script(tmp_path, i):
     _run_snippet(tmp_path, i)
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("i", [i for i, b in enumerate(PYTHON) if _needs_server(b)])
 def test_readme_client_snippet_runs_against_a_server(tmp_path, i, default_server):
     _run_snippet(tmp_path, i)

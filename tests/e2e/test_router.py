@@ -24,7 +24,6 @@ from workbench.core.entrypoints.server_process import free_port
 
 pytest.importorskip("sglang_router", reason="the test tier installs sglang-router")
 openai = pytest.importorskip("openai")
-pytestmark = pytest.mark.e2e
 
 SHARED = (
     "You are a meticulous assistant for a railway timetable office. Answer in one short sentence, "

@@ -19,7 +19,7 @@ from workbench.core.trace import events as ev
 from workbench.scenarios import get_scenario, record_run
 
 # Each test starts its own engine (with the scenario's settings).
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 
 def test_a_kv_pressure_recording_holds_waiting_evictions_and_retractions(tmp_path):

@@ -17,7 +17,6 @@ import httpx
 import pytest
 from pipeline_helpers import assert_no_kv_leak, served_engine
 
-pytestmark = pytest.mark.e2e
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
 
 

@@ -64,7 +64,7 @@ def test_the_badge_is_in_the_label_the_ready_info_the_recording_and_the_tui(engi
 
     assert engine.trace_label == "SIMULATED h100x8 llama-3.1-70b"
     assert engine.served_model_name == "llama-3.1-70b"  # the API's model name stays the model's
-    assert engine.scheduler_info["simulated"] == "SIMULATED h100x8"
+    assert engine.deployment.badge == "SIMULATED h100x8" and engine.trace_label.startswith("SIMULATED h100x8 ")
     assert engine.max_total_num_tokens == live._cost_model(engine.server_args).kv_pool_tokens()
     engine.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 2})
     assert Replay(str(engine.recording)).header.model == "SIMULATED h100x8 llama-3.1-70b"
@@ -400,7 +400,6 @@ def test_speculative_decoding_runs_live_and_agrees_with_the_offline_simulator(dr
     assert proposed > 100 and 0.3 < accepted / proposed < 0.7  # kept until the first miss: below 0.7 each
 
 
-@pytest.mark.e2e  # the command starts a live engine's processes
 def test_sim_run_live_takes_data_parallel_and_speculative_decoding_from_the_command_line(capsys):
     """`workbench sim run --live --dp-size 2 --speculative-accept-rate ... --speculative-draft-model ...
     --compare`: the flags reach the live engine (replicas, costed draft model) and the offline Simulator

@@ -17,7 +17,6 @@ from pipeline_helpers import assert_no_kv_leak, served_engine
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the test tier installs it)")
-pytestmark = pytest.mark.e2e
 
 # Bounded: a 135M model asked for "an integer" may write digits until max_new_tokens (valid JSON
 # so far, never finished); ranges and lengths make every output end.

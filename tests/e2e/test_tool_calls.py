@@ -19,7 +19,6 @@ from pipeline_helpers import assert_no_kv_leak, served_engine
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar", reason="tool_choice required/named needs xgrammar (the test tier installs it)")
-pytestmark = pytest.mark.e2e
 
 WEATHER = {
     "type": "function",

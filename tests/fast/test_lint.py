@@ -21,7 +21,6 @@ def _ruff() -> str:
     return exe
 
 
-@pytest.mark.fast
 def test_ruff_check_is_clean():
     proc = subprocess.run(
         [_ruff(), "check", "--output-format", "concise", "."], cwd=ROOT, capture_output=True, text=True, timeout=300
@@ -29,7 +28,6 @@ def test_ruff_check_is_clean():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
-@pytest.mark.fast
 def test_ruff_format_leaves_every_file_as_it_is():
     proc = subprocess.run([_ruff(), "format", "--check", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, "run `.venv/bin/ruff format .`:\n" + proc.stdout[-4000:] + proc.stderr[-2000:]
