@@ -177,7 +177,7 @@ class TraceBus:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, rcvhwm)
         self._pull.bind(pull_endpoint)
-        self.pull_endpoint = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.pull_endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pub: zmq.Socket | None = None
         self.publish_endpoint: str | None = None
         if publish_addr:
@@ -189,7 +189,7 @@ class TraceBus:
             pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             pub.setsockopt(zmq.XPUB_VERBOSER, 1)
             pub.bind(publish_addr)
-            self.publish_endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.publish_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
             self._pub = pub
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -303,7 +303,7 @@ class TraceBus:
                 if self._pull in ready:
                     self._pump_pull()
                 if self._pub is not None and self._pub in ready:
-                    self._pump_xpub()
+                    self._pump_xpub(self._pub)
             except Exception:
                 if self._closed:
                     break
@@ -340,10 +340,10 @@ class TraceBus:
                 continue
             self._deliver(batch, data)
 
-    def _pump_xpub(self) -> None:
+    def _pump_xpub(self, pub: zmq.Socket) -> None:
         while True:
             try:
-                msg = self._pub.recv(zmq.NOBLOCK)
+                msg = pub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if not msg:
@@ -352,13 +352,13 @@ class TraceBus:
                 self._remote += 1
                 self._update_listeners()
                 with self._lock:
-                    snap = [
+                    snap: Batch = [
                         TraceHeader(
                             ts=trace_clock.now_ns(), proc="bus", schema_version=SCHEMA_VERSION, model=self.model
                         )
                     ]
                     snap += self.state.snapshot_events()
-                self._send_pub(snap, None)
+                self._send_pub(pub, snap, None)
             elif msg[0] == 0:
                 self._remote = max(0, self._remote - 1)
                 self._update_listeners()
@@ -381,11 +381,11 @@ class TraceBus:
                 logger.exception("trace callback %s failed; removing it", h.name)
                 self._remove_callback(h)
         if self._pub is not None and self._remote > 0:
-            self._send_pub(batch, raw)
+            self._send_pub(self._pub, batch, raw)
 
-    def _send_pub(self, batch: Batch, raw: bytes | None) -> None:
+    def _send_pub(self, pub: zmq.Socket, batch: Batch, raw: bytes | None) -> None:
         try:
-            self._pub.send(raw if raw is not None else encode_batch(batch), zmq.NOBLOCK)
+            pub.send(raw if raw is not None else encode_batch(batch), zmq.NOBLOCK)
         except zmq.ZMQError:
             self.pub_dropped += 1
 

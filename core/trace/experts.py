@@ -30,6 +30,9 @@ def _unpack(pairs: list[int], num_experts: int) -> list[int]:
 class ExpertLoad:
     def __init__(self, max_requests: int = 2000):
         self.max_requests = max_requests
+        self._reset()
+
+    def _reset(self) -> None:
         self.num_experts = 0
         self.top_k = 0
         self.layers: list[int] = []
@@ -46,16 +49,16 @@ class ExpertLoad:
 
     def apply(self, e: ev.MoeRouting) -> None:
         if e.layers != self.layers or e.num_experts != self.num_experts:  # a new model (or the first event)
-            self.__init__(self.max_requests)
+            self._reset()
             self.layers, self.num_experts = list(e.layers), e.num_experts
             self.total = [[0] * e.num_experts for _ in e.layers]
         self.top_k = e.top_k
         if e.steps == 1:
             self.last = [list(row) for row in e.counts]
             self.last_step, self.last_proc = e.step, e.proc
-        for acc, row in zip(self.total, e.counts):
-            for i, n in enumerate(row[: self.num_experts]):
-                acc[i] += n
+        for total_row, counts_row in zip(self.total, e.counts):
+            for i, n in enumerate(counts_row[: self.num_experts]):
+                total_row[i] += n
         self.steps += e.steps
         for route in e.reqs:
             acc = self._by_request.get(route.rid)

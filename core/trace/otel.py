@@ -89,9 +89,9 @@ class OtelExporter:
         from opentelemetry.trace import Status, StatusCode
 
         start = r.arrival_ts or r.queued_ts or r.finish_ts
-        end = r.finish_ts or start
         if start is None:
             return
+        end = r.finish_ts or start
         prefill = [t for t in r.timeline if t.kind == "prefill"]
         attrs: dict[str, Any] = {
             "workbench.rid": r.rid,

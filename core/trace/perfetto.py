@@ -85,9 +85,9 @@ def build_trace_events(events: Iterable[ev.Event]) -> dict:
         r.last_seen = max(r.last_seen, ts)
         return r
 
+    # `type(e) is` in every branch (not a saved `type(e)`), so the type checker narrows `e`.
     for e in events:
-        t = type(e)
-        if t is ev.BatchStep:
+        if type(e) is ev.BatchStep:
             pid = pid_of(e.proc)
             start = e.ts - int(e.forward_ms * 1e6)
             pre = sum(r.computed for r in e.reqs)
@@ -139,7 +139,7 @@ def build_trace_events(events: Iterable[ev.Event]) -> dict:
                     r.prefill_end = e.ts if r.prefill_end is None else max(r.prefill_end, e.ts)
                 elif sr.decode:
                     r.decoded = True
-        elif t is ev.QueueState:
+        elif type(e) is ev.QueueState:
             out.append(
                 {
                     "name": "queue",
@@ -150,7 +150,7 @@ def build_trace_events(events: Iterable[ev.Event]) -> dict:
                     "args": {"waiting": len(e.waiting), "running": len(e.running), "chunked": len(e.chunked)},
                 }
             )
-        elif t is ev.KVUsage:
+        elif type(e) is ev.KVUsage:
             out.append(
                 {
                     "name": "kv_tokens",
@@ -161,16 +161,16 @@ def build_trace_events(events: Iterable[ev.Event]) -> dict:
                     "args": {"used": e.used, "evictable": e.evictable, "free": e.free},
                 }
             )
-        elif t is ev.ReqArrived:
+        elif type(e) is ev.ReqArrived:
             span(e.rid, e.ts).arrival = e.ts
-        elif t is ev.ReqTokenized:
+        elif type(e) is ev.ReqTokenized:
             span(e.rid, e.ts).prompt_tokens = e.prompt_tokens
-        elif t is ev.ReqQueued:
+        elif type(e) is ev.ReqQueued:
             r = span(e.rid, e.ts)
             r.queued = e.ts if r.queued is None else min(r.queued, e.ts)
-        elif t is ev.ReqScheduled:
+        elif type(e) is ev.ReqScheduled:
             span(e.rid, e.ts)
-        elif t is ev.ReqFirstToken:
+        elif type(e) is ev.ReqFirstToken:
             span(e.rid, e.ts).first_token = e.ts
             instants.append(
                 {
@@ -183,7 +183,7 @@ def build_trace_events(events: Iterable[ev.Event]) -> dict:
                     "tid": 0,
                 }
             )
-        elif t is ev.ReqRetracted:
+        elif type(e) is ev.ReqRetracted:
             span(e.rid, e.ts)
             instants.append(
                 {
@@ -197,15 +197,15 @@ def build_trace_events(events: Iterable[ev.Event]) -> dict:
                     "args": {"output_tokens": e.output_tokens},
                 }
             )
-        elif t is ev.ReqFinished:
+        elif type(e) is ev.ReqFinished:
             r = span(e.rid, e.ts)
             r.finish, r.reason = e.ts, e.reason
             r.prompt_tokens, r.output_tokens, r.cached_tokens = (e.prompt_tokens, e.completion_tokens, e.cached_tokens)
-        elif t is ev.ReqAborted:
+        elif type(e) is ev.ReqAborted:
             r = span(e.rid, e.ts)
             if r.finish is None:
                 r.finish, r.reason = e.ts, "abort"
-        elif t in (ev.ProcStarted, ev.ProcExited, ev.WeightsUpdated, ev.TraceDropped):
+        elif type(e) in (ev.ProcStarted, ev.ProcExited, ev.WeightsUpdated, ev.TraceDropped):
             args = msgspec.structs.asdict(e)
             for k in ("ts", "proc", "step"):
                 args.pop(k, None)
@@ -220,7 +220,7 @@ def build_trace_events(events: Iterable[ev.Event]) -> dict:
                     "args": args,
                 }
             )
-        elif t is ev.CacheEvict:
+        elif type(e) is ev.CacheEvict:
             out.append(
                 {
                     "name": "cache.evict",
@@ -270,7 +270,7 @@ def _request_slices(rid: str, r: _ReqSpan, us) -> list[dict]:
     q0 = r.queued if r.queued is not None else r.arrival
     if q0 is not None:
         slice_("queued", q0, r.prefill_start if r.prefill_start is not None else end)
-    if r.prefill_start is not None:
+    if r.prefill_start is not None and r.prefill_end is not None:  # set together
         slice_("prefill", r.prefill_start, r.prefill_end)
         if r.decoded or (r.finish is not None and r.finish > r.prefill_end):
             slice_("decode", r.prefill_end, end)

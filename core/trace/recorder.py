@@ -153,6 +153,8 @@ def _decode_header(path: PathLike, line: bytes) -> TraceHeader:
             f"v{SCHEMA_VERSION}; upgrade serving-workbench to replay it"
         )
     try:
-        return decode_json(line)  # type: ignore[return-value]
+        header = decode_json(line)
     except Exception as e:
         raise TraceFormatError(f"{path}: bad trace header: {e}") from None
+    assert isinstance(header, TraceHeader)  # its kind was checked above
+    return header

@@ -82,21 +82,23 @@ class Replay:
         self._header_pending = self.header is not None
         # A header is stamped when recording starts, which need not relate to the events'
         # clock: it is due with the event after it and never moves the replay clock.
-        release: list[int | None] = []
+        latest: list[int | None] = []  # the latest ts so far; None for a header
         m = None
         for e in events:
             if type(e) is TraceHeader:
-                release.append(None)
+                latest.append(None)
                 continue
             m = e.ts if m is None or e.ts > m else m
-            release.append(m)
+            latest.append(m)
+        release = [0] * len(latest)
         nxt = m if m is not None else 0
-        for i in range(len(release) - 1, -1, -1):
-            if release[i] is None:
+        for i in range(len(latest) - 1, -1, -1):
+            t = latest[i]
+            if t is None:
                 release[i] = nxt
             else:
-                nxt = release[i]
-        self._release: list[int] = release  # type: ignore[assignment]
+                release[i] = nxt = t
+        self._release = release
         self._step_idx = [i for i, e in enumerate(events) if type(e) is BatchStep]
         self.start_ns = release[0] if release else 0
         self.end_ns = release[-1] if release else 0
@@ -144,7 +146,7 @@ class Replay:
 
     def _release_to(self, j: int) -> list[Event]:
         out = self.events[self._pos : j]
-        if self._header_pending and out:
+        if self._header_pending and out and self.header is not None:
             # Like a remote stream, playback starts with the header (model, schema).
             self._header_pending = False
             out.insert(0, self.header)

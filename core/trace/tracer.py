@@ -123,9 +123,9 @@ class Tracer:
                 if not self.enabled:
                     return
                 if self._sink is not None:
-                    self._send_sink(batch)
+                    self._send_sink(self._sink, batch)
                 elif self.endpoint is not None:
-                    self._send_zmq(batch)
+                    self._send_zmq(self.endpoint, batch)
         except Exception as e:
             self._log_once("flush", "trace flush failed: %r", e)
 
@@ -163,12 +163,12 @@ class Tracer:
     def _dropped_marker(self) -> TraceDropped:
         return TraceDropped(ts=self.clock(), proc=self.proc, step=self.step, count=self._pending_dropped)
 
-    def _send_sink(self, batch: list[Event]) -> None:
+    def _send_sink(self, sink: Callable[[list[Event]], None], batch: list[Event]) -> None:
         n = len(batch)
         if self._pending_dropped:
             batch.insert(0, self._dropped_marker())
         try:
-            self._sink(batch)
+            sink(batch)
         except Exception as e:
             self._log_once("sink", "trace sink failed, dropping batch: %r", e)
             self._drop(n)
@@ -177,21 +177,21 @@ class Tracer:
         self.sent_batches += 1
         self.sent_events += len(batch)
 
-    def _socket(self) -> zmq.Socket | None:
+    def _socket(self, endpoint: str) -> zmq.Socket | None:
         if self._sock is None and not self._broken:
             try:
-                sock = zmq.Context.instance().socket(zmq.PUSH)
+                sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
                 sock.setsockopt(zmq.SNDHWM, self._sndhwm)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(self.endpoint)
+                sock.connect(endpoint)
                 self._sock = sock
             except Exception as e:
                 self._broken = True
-                self._log_once("connect", "trace socket to %s failed, tracing disabled: %r", self.endpoint, e)
+                self._log_once("connect", "trace socket to %s failed, tracing disabled: %r", endpoint, e)
         return self._sock
 
-    def _send_zmq(self, batch: list[Event]) -> None:
-        sock = self._socket()
+    def _send_zmq(self, endpoint: str, batch: list[Event]) -> None:
+        sock = self._socket(endpoint)
         if sock is None:
             self._drop(len(batch))
             return

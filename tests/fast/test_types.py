@@ -25,6 +25,8 @@ MAPPED = {"core": "core", "tui": "tui", "widgets": "widgets"}
 # these import are read for their types but their own errors are not reported (follow_imports=silent).
 TYPED = [
     "core/mem_cache",
+    *(f"core/trace/{name}.py" for name in ("bus", "clock", "events", "experts", "otel", "palette", "perfetto")),
+    *(f"core/trace/{name}.py" for name in ("recorder", "replay", "speculative", "tracer", "views")),
 ]
 
 
