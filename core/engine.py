@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 from workbench.core.args import ServerArgs
+from workbench.core.deployment import resolve_deployment
 from workbench.core.distributed.launch import (
     MAIN_GUARD_EXIT,
     MainGuardError,
@@ -35,6 +36,7 @@ from workbench.core.distributed.launch import (
     with_dist_init_addr,
 )
 from workbench.core.ipc import PortArgs
+from workbench.core.managers.scheduler_contract import Deployment
 from workbench.core.managers.tokenizer_manager import EngineDeadError, GenerateReqInput, TokenizerManager
 from workbench.core.model_executor.cpu_threads import omp_wait_env
 from workbench.core.model_loader import load_tokenizer, prepare_model
@@ -59,7 +61,10 @@ def _exit_if_starting_child() -> None:
 
 
 class Engine:
-    """The serving engine: processes, trace bus and TokenizerManager. Use as a context manager."""
+    """The serving engine: processes, trace bus and TokenizerManager. Use as a context manager.
+
+    `deployment` (scheduler_contract.Deployment) says how the scheduler processes are made and how
+    the engine describes itself; None: the one the arguments ask for (core/deployment.py)."""
 
     def __init__(
         self,
@@ -67,6 +72,7 @@ class Engine:
         *,
         server_args: ServerArgs | None = None,
         on_progress: Callable[[str], None] | None = None,
+        deployment: Deployment | None = None,
         **kwargs,
     ):
         _exit_if_starting_child()
@@ -74,10 +80,9 @@ class Engine:
             server_args = ServerArgs(model_path=model_path, **kwargs)
         elif model_path is not None or kwargs:
             server_args = dataclasses.replace(server_args, model_path=model_path or server_args.model_path, **kwargs)
-        if server_args.simulate:  # a deployment that is not there (core/simulation/live.py)
-            from workbench.core.simulation.live import sized_args
-
-            server_args = sized_args(server_args)
+        if deployment is None:
+            server_args, deployment = resolve_deployment(server_args)
+        self.deployment = deployment
         self.server_args = server_args
         self._progress = on_progress or (_print_progress if server_args.show_progress else (lambda msg: None))
         self._shutdown = False
@@ -104,7 +109,7 @@ class Engine:
                 "start it with `workbench serve --nnodes N --node-rank K --dist-init-addr HOST:PORT` "
                 "(or workbench.core.distributed.launch.run_worker_node); the Engine runs on node 0"
             )
-        if sa.simulate:  # no weights: the default model's tokenizer stands in, the scheduler gets the name
+        if not self.deployment.loads_weights:  # the default model's tokenizer stands in, the scheduler gets the name
             self.prepared = prepare_model(None, progress=sa.show_progress)
             self.model_path = str(sa.model_path)
             child_args = sa
@@ -115,16 +120,16 @@ class Engine:
                 validate_tp_for_model(self.prepared.config, sa.tp_size)  # before any process starts
             # Children load the converted directory, never the GGUF again.
             child_args = with_dist_init_addr(dataclasses.replace(sa, model_path=str(self.prepared.model_dir)))
-        # STANDALONE: the draft model is prepared here too (GGUF, hub); a simulated one is a name the cost model knows
-        if sa.speculative_draft_model_path and not sa.simulate:
+        # STANDALONE: the draft model is prepared here too (GGUF, hub); without weights it is a name too
+        if sa.speculative_draft_model_path and self.deployment.loads_weights:
             draft = prepare_model(sa.speculative_draft_model_path, progress=sa.show_progress)
             child_args.speculative_draft_model_path = str(draft.model_dir)
-        # The trace's clock for this engine's stamps: a simulated deployment's processes share one
-        # (trace/clock.py; the children attach to it by path), a real engine's is the host's.
+        # The trace's clock for this engine's stamps: the host's, or one the processes share
+        # (trace/clock.py; the children attach to it by path).
         self.clock: trace_clock.TraceClock = trace_clock.TraceClock()
-        if sa.simulate:
-            path = os.path.join(self.port_args.ipc_dir, "sim-clock")
-            self.port_args.extra["sim_clock"] = path
+        if self.deployment.shared_clock:
+            path = os.path.join(self.port_args.ipc_dir, "shared-clock")
+            self.port_args.extra[trace_clock.SHARED_CLOCK_KEY] = path
             self.clock = trace_clock.SharedClock(path, create=True, replicas=sa.dp_size)
         self.bus = TraceBus(self.port_args.trace_ipc_name, publish_addr=sa.trace_publish, model=self.trace_label)
         ctx = mp.get_context("spawn")
@@ -187,14 +192,13 @@ class Engine:
         if child_args.dp_size > 1:  # a DataParallelController and N replicas instead
             from workbench.core.managers.data_parallel_controller import launch_data_parallel
 
-            return launch_data_parallel(ctx, child_args, self.port_args, self.procs, readers)
-        # A simulated deployment's devices are the cost model's: one scheduler process stands for them.
-        ranks = (
-            [0]
-            if child_args.simulate
-            else tp_ranks_on_node(child_args.tp_size, child_args.nnodes, child_args.node_rank)
-        )
-        spawn_scheduler_ranks(ctx, child_args, self.port_args, ranks, self.procs, readers)
+            return launch_data_parallel(ctx, child_args, self.port_args, self.procs, readers, self.deployment)
+        d = self.deployment
+        if d.one_process_per_replica:  # one scheduler process stands for all tp_size devices
+            ranks = [0]
+        else:
+            ranks = tp_ranks_on_node(child_args.tp_size, child_args.nnodes, child_args.node_rank)
+        spawn_scheduler_ranks(ctx, child_args, self.port_args, ranks, self.procs, readers, d.scheduler_factory)
 
     async def _make_tokenizer_manager(self) -> TokenizerManager:
         return TokenizerManager(
@@ -221,13 +225,10 @@ class Engine:
 
     @property
     def trace_label(self) -> str:
-        """The model as the trace's header, the recorder and the views name it: with a
-        `SIMULATED h100x8` badge in front for a simulated deployment."""
-        if not self.server_args.simulate:
-            return self.served_model_name
-        from workbench.core.simulation.live import badge
-
-        return f"{badge(self.server_args)} {self.served_model_name}"
+        """The model as the trace's header, the recorder and the views name it: with the deployment's
+        badge in front, if it has one (a simulated deployment's `SIMULATED h100x8`)."""
+        badge = self.deployment.badge
+        return f"{badge} {self.served_model_name}" if badge else self.served_model_name
 
     @property
     def served_model_name(self) -> str:

@@ -29,8 +29,10 @@ class TokenizedGenerateReqInput(Msg):
     logprob_start_len: int = -1  # -1: no prompt logprobs
     stream: bool = False
     arrival_ts: int = 0  # monotonic ns at the tokenizer manager
-    replay_output_ids: list[int] | None = None  # a simulated deployment returns these instead of sampling
-    replay_drafts: dict[int, list[int]] | None = None  # ... and proposes these drafts (by output length)
+    # Tokens to emit instead of sampling, in turn, where the worker honours them (Req.forced_output_ids),
+    # and speculative drafts to propose instead of drafting, by the output length they follow.
+    forced_output_ids: list[int] | None = None
+    forced_drafts: dict[int, list[int]] | None = None
 
 
 class AbortReq(Msg):
@@ -74,9 +76,9 @@ class GetInternalStateReqOutput(Msg):
     spec_verified: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
-    kv_used_peak: int = 0  # a simulated deployment's most KV tokens in use after a step (0: not kept)
+    kv_used_peak: int = 0  # most KV tokens in use after a step, where the step clock keeps it (0: not kept)
     retracted_total: int = 0  # requests retracted (sent back to wait) since the scheduler began
-    received_total: int = 0  # a simulated deployment's generate requests received (0: not kept)
+    received_total: int = 0  # generate requests received, where the step clock counts them (0: not kept)
     # Data parallel: the fields above are summed over replicas; here each replica's own figures.
     per_replica: list[dict[str, int | float]] | None = None
 
@@ -187,7 +189,7 @@ class BatchTokenIDOut(Msg):
     output_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     input_token_logprobs: list[list[float | None] | None] | None = None
     error_messages: list[str | None] | None = None
-    ts: int = 0  # the trace clock when the step's output left the scheduler (a simulated deployment's stamp)
+    ts: int = 0  # the trace clock when the step's output left the scheduler (read where the clock is shared)
 
 
 class BatchStrOut(Msg):

@@ -5,8 +5,9 @@
     h.run_until_idle()
     assert h.tokens("a") == expected_tokens(prompt, 4)
 
-`Scheduler(server_args, None, worker=StandInWorker(...), io=ListIO())` is the same object
-`run_scheduler_process` builds, minus the model and the sockets; `step()` is one iteration of
+`Scheduler(server_args, None, worker=StandInWorker(...), io=ListIO(roundtrip=True))` is the same
+object `run_scheduler_process` builds, minus the model and the sockets (the worker, its runner and
+the I/O implement core/managers/scheduler_contract.py's Protocols); `step()` is one iteration of
 its event loop (`step_normal`, or `step_overlap` with `overlap=True`), followed by the KV
 integrity check (`Scheduler.check_kv_invariants`).
 
@@ -23,16 +24,21 @@ reading one yields POISON, which the rule never produces.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from workbench.core.args import ServerArgs
-from workbench.core.io_struct import BatchTokenIDOut, Msg, TokenizedGenerateReqInput, decode_msg, encode_msg
+from workbench.core.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from workbench.core.layers.logits_processor import LogitsOutput
 from workbench.core.layers.sampler import SamplerOutput
+from workbench.core.managers.schedule_batch import ModelWorkerBatch
 from workbench.core.managers.scheduler import Scheduler
-from workbench.core.managers.tp_worker import ForwardOutput, GenerationBatchResult
-from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from workbench.core.managers.scheduler_contract import (
+    ForwardOutput,
+    GenerationBatchResult,
+    ListIO,
+    PoolModelConfig,
+    PoolRunner,
+)
+from workbench.core.mem_cache.memory_pool import TokenToKVPoolAllocator
 from workbench.core.model_executor.forward_batch_info import ForwardMode
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.trace import events as ev
@@ -90,31 +96,21 @@ class PoisoningAllocator(TokenToKVPoolAllocator):
             self.kv_tokens[self.freed.pop(0)] = -1
 
 
-class StandInRunner:
-    """What the Scheduler reads off `TpModelWorker.model_runner`, with ModelRunner's pool sizes:
-    `max_total_tokens` KV slots, `max_running_requests + 1` request rows of context_len + 8."""
+class StandInRunner(PoolRunner):
+    """The shared pool-only runner (scheduler_contract.PoolRunner, ModelRunner's pool sizes) whose
+    allocator poisons freed slots in `kv_tokens`, the stand-in KV (slot -> token id written)."""
 
     def __init__(self, server_args: ServerArgs, context_len: int):
         tokens = server_args.max_total_tokens
-        self.model_config = SimpleNamespace(context_len=context_len, vocab_size=VOCAB, eos_token_ids=[EOS])
-        self.max_total_num_tokens = tokens
-        self.max_running_requests = server_args.max_running_requests
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, context_len + 8)
-        self.kv_tokens = torch.full((tokens + 1,), -1, dtype=torch.int64)  # slot -> token id written
-        self.token_to_kv_pool_allocator = PoisoningAllocator(tokens, self.kv_tokens)
-        self.device = "cpu"
-        self.dtype = torch.float32
-        self.prepared = SimpleNamespace(model_dir=None)
-        self.attn_backend = SimpleNamespace(name="stand-in")
-        self.load_time_s = 0.0
-
-    def graph_plan(self, forward_mode, batch_size, return_all_logits=False):
-        return False, batch_size
+        self.kv_tokens = torch.full((tokens + 1,), -1, dtype=torch.int64)
+        self.poisoning = PoisoningAllocator(tokens, self.kv_tokens)
+        config = PoolModelConfig(context_len=context_len, vocab_size=VOCAB, eos_token_ids=[EOS])
+        super().__init__(config, tokens, server_args.max_running_requests, allocator=self.poisoning)
 
 
 class StandInWorker:
-    """Stands in for TpModelWorker: `forward_batch` (the overlap thread's call) and
-    `forward_batch_generation` (the normal loop's) over a ModelWorkerBatch, no model."""
+    """A ModelWorker (scheduler_contract.py) in place of TpModelWorker: `forward_batch` (the overlap
+    thread's call) and `forward_batch_generation` (the normal loop's) over a ModelWorkerBatch, no model."""
 
     def __init__(self, runner: StandInRunner, rule=next_token):
         self.model_runner = runner
@@ -122,9 +118,9 @@ class StandInWorker:
         self.tp_rank = 0
         self.passes: list[tuple[str, list[int]]] = []  # (mode, extend lengths) of every pass
 
-    def forward_batch(self, mwb) -> ForwardOutput:
+    def forward_batch(self, mwb: ModelWorkerBatch) -> ForwardOutput:
         r = self.model_runner
-        r.token_to_kv_pool_allocator.poison_freed()  # slots freed before this pass hold nothing now
+        r.poisoning.poison_freed()  # slots freed before this pass hold nothing now
         r.kv_tokens[mwb.out_cache_loc] = mwb.input_ids  # "write K/V" of this pass's tokens
         table = r.req_to_token_pool.req_to_token
         ids = []
@@ -140,26 +136,11 @@ class StandInWorker:
         logits = LogitsOutput(next_token_logits=torch.zeros((len(ids), 1)))
         return ForwardOutput(logits, SamplerOutput(next_token_ids=next_ids), None)
 
-    def forward_batch_generation(self, mwb) -> GenerationBatchResult:
+    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         out = self.forward_batch(mwb)
         return GenerationBatchResult(
             out.logits_output, out.sampler_output, out.sampler_output.next_token_ids.tolist(), 0.0, None
         )
-
-
-class ListIO:
-    """The scheduler's I/O as two lists; messages go through msgspec both ways, as over ZMQ."""
-
-    def __init__(self):
-        self.inbox: list[Msg] = []
-        self.outbox: list[Msg] = []
-
-    def recv(self, timeout_ms: int = 0) -> list:
-        out, self.inbox = self.inbox, []
-        return [decode_msg(encode_msg(m)) for m in out]
-
-    def send(self, msg) -> None:
-        self.outbox.append(decode_msg(encode_msg(msg)))
 
 
 class _Tokenizer:
@@ -178,7 +159,7 @@ class SchedulerHarness:
         self.args = ServerArgs(device="cpu", disable_overlap_schedule=not overlap, **server_args)
         self.runner = StandInRunner(self.args, context_len)
         self.worker = StandInWorker(self.runner, rule)
-        self.io = ListIO()
+        self.io = ListIO(roundtrip=True)  # messages through msgspec both ways, as over ZMQ
         self.events: list = []
         tracer = Tracer("scheduler", sink=self.events.extend, enabled=True)
         self.s = Scheduler(self.args, None, worker=self.worker, io=self.io, tokenizer=_Tokenizer(), tracer=tracer)

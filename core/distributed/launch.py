@@ -45,10 +45,13 @@ def scheduler_role(tp_rank: int) -> str:
     return "scheduler" if tp_rank == 0 else f"scheduler-tp{tp_rank}"
 
 
-def spawn_scheduler_ranks(ctx, server_args, port_args, tp_ranks, procs: dict, readers: dict) -> None:
+def spawn_scheduler_ranks(
+    ctx, server_args, port_args, tp_ranks, procs: dict, readers: dict, scheduler_factory=None
+) -> None:
     """Start one `run_scheduler_process` per rank in `tp_ranks`; fills `procs` and `readers` by role.
 
     `server_args` must carry the model directory and (for tp_size > 1) the dist init address.
+    `scheduler_factory` (scheduler_contract.SchedulerFactory) makes each one's parts; None: the real ones.
     """
     from workbench.core.managers.scheduler import run_scheduler_process
 
@@ -60,7 +63,9 @@ def spawn_scheduler_ranks(ctx, server_args, port_args, tp_ranks, procs: dict, re
             name=f"workbench-{role}",
             daemon=True,
             args=(server_args, port_args, writer),
-            kwargs=dict(tp_rank=tp_rank, tp_size=server_args.tp_size, proc_name=role),
+            kwargs=dict(
+                tp_rank=tp_rank, tp_size=server_args.tp_size, proc_name=role, scheduler_factory=scheduler_factory
+            ),
         )
         proc.start()
         writer.close()

@@ -202,12 +202,8 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
         aliases=aliases,
         abort=_make_abort(engine),
     )
-    simulated = ""
-    if server_args.simulate:
-        from workbench.core.simulation.live import deployment
-
-        simulated = deployment(server_args)
-    metrics = ServerMetrics(name, simulated=simulated)
+    deployment = getattr(engine, "deployment", None)  # scheduler_contract.Deployment (a stand-in engine: none)
+    metrics = ServerMetrics(name, labels=dict(deployment.metric_labels) if deployment is not None else None)
     metrics.attach(engine)
 
     app = FastAPI(title="Serving Workbench", version="0.1.0", docs_url="/docs", redoc_url=None)

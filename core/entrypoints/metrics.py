@@ -73,11 +73,12 @@ class ServerMetrics:
         *,
         throughput_window_s: float = 10.0,
         max_remembered_rids: int = 50_000,
-        simulated: str = "",
+        labels: dict[str, str] | None = None,
     ):
         self.clock: trace_clock.TraceClock = trace_clock.TraceClock()  # attach() takes the engine's
-        # A simulated deployment's series carry it: simulated="h100x8" beside model_name.
-        self.labels = {"model_name": model_name, **({"simulated": simulated} if simulated else {})}
+        # Every series carries model_name and the deployment's own labels (a simulated one's
+        # simulated="h100x8": scheduler_contract.Deployment.metric_labels).
+        self.labels = {"model_name": model_name, **(labels or {})}
         self.window_ns = int(throughput_window_s * 1e9)
         self._lock = threading.Lock()
         self._finished: OrderedDict[str, None] = OrderedDict()  # dedupe req.finished per rid

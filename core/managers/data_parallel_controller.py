@@ -64,6 +64,7 @@ from workbench.core.io_struct import (
     decode_msg,
 )
 from workbench.core.ipc import PortArgs, get_zmq_socket, send_msg
+from workbench.core.managers.scheduler_contract import Deployment, SchedulerFactory
 from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 from workbench.core.trace.tracer import Tracer
@@ -309,7 +310,7 @@ def _merge_internal_state(replies: list[GetInternalStateReqOutput]) -> GetIntern
     return GetInternalStateReqOutput(
         **merged,
         step=max(r.step for r in replies),
-        kv_used_peak=max(r.kv_used_peak for r in replies),  # a simulated deployment's: each reports the whole
+        kv_used_peak=max(r.kv_used_peak for r in replies),  # kept on a shared clock: each reports the whole
         max_req_input_len=min(r.max_req_input_len for r in replies),
         kv_check_error="; ".join(f"dp{i}: {r.kv_check_error}" for i, r in enumerate(replies) if r.kv_check_error),
         per_replica=[{name: getattr(r, name) for name in _SUMMED + ("step",)} for r in replies],
@@ -356,8 +357,9 @@ class DataParallelController:
         # requests in order, so a reply belongs to the oldest entry of its type it has not answered.
         self.pending: list[_PendingReply] = []
         self.outputs_seen = [0] * self.dp_size  # token outputs received from each replica
-        clock = trace_clock.current()  # a simulated deployment's replicas publish what they sent
-        self.sim_clock = clock if getattr(clock, "replicas", 1) > 1 else None
+        # A clock the replicas share publishes the token outputs each has sent (SharedClock.outputs_of).
+        clock = trace_clock.current()
+        self.replica_clock = clock if getattr(clock, "replicas", 1) > 1 else None
 
     # ---- the loop --------------------------------------------------------------------------
     def event_loop(self, parent_alive: Callable[[], bool] = lambda: True) -> None:
@@ -423,8 +425,8 @@ class DataParallelController:
             self._broadcast(data)
 
     def dispatch(self, req: TokenizedGenerateReqInput, data: bytes) -> None:
-        if self.sim_clock is not None:
-            self._catch_up(self.sim_clock)
+        if self.replica_clock is not None:
+            self._catch_up(self.replica_clock)
         d = self.balancer.choose(req.rid, req.input_ids)
         self.send_to_replica[d.dp_rank].send(data, copy=False)
         if self.tracer.enabled:
@@ -439,9 +441,9 @@ class DataParallelController:
             )
 
     def _catch_up(self, clock) -> None:
-        """A simulated deployment: take in every output its replicas' finished passes sent before routing,
-        so the load counts are those of the simulated moment, not of this host's socket timing (the
-        offline Simulator's balancer sees each pass's outputs as it ends). Gives up after a wall second."""
+        """On a clock the replicas share: take in every output their finished passes sent before routing,
+        so the load counts are those of the clock's moment, not of this host's socket timing (each
+        pass's outputs are seen as it ends). Gives up after a wall second."""
         deadline = time.monotonic() + 1.0
         for r, sock in enumerate(self.recv_from_replica):
             while time.monotonic() < deadline:
@@ -498,31 +500,50 @@ def replica_role(dp_rank: int) -> str:
     return "scheduler" if dp_rank == 0 else f"scheduler-dp{dp_rank}"
 
 
-def launch_data_parallel(ctx, server_args: ServerArgs, port_args: PortArgs, procs: dict, readers: dict) -> None:
+def launch_data_parallel(
+    ctx,
+    server_args: ServerArgs,
+    port_args: PortArgs,
+    procs: dict,
+    readers: dict,
+    deployment: Deployment | None = None,
+) -> None:
     """Start the controller and the N replicas; fills the Engine's `procs` and `readers` by role.
 
     Every process reports ready through its pipe, as a lone scheduler does. Each replica gets an
-    equal share of the CPU threads unless --num-threads says otherwise.
+    equal share of the CPU threads unless --num-threads says otherwise. `deployment` says how a
+    replica's scheduler is made (None: the real one).
     """
+    deployment = deployment if deployment is not None else Deployment()
     dp = server_args.dp_size
-    if server_args.tp_size > 1 and not server_args.simulate:  # a simulated replica's TP is its cost model's
+    if server_args.tp_size > 1 and not deployment.one_process_per_replica:
         raise ValueError("--dp-size > 1 together with --tp-size > 1 is not supported yet: use one of them")
     if server_args.nnodes > 1:
         raise ValueError("--dp-size > 1 across several nodes (--nnodes > 1) is not supported yet")
     threads = server_args.num_threads or max(1, (os.cpu_count() or 1) // dp)
     replica_args = dataclasses.replace(server_args, num_threads=threads)
-    specs = [(PROC_NAME, run_data_parallel_controller_process, (server_args, port_args))]
-    specs += [(replica_role(r), run_dp_scheduler_process, (replica_args, port_args, r)) for r in range(dp)]
-    for role, target, args in specs:
+    factory = deployment.scheduler_factory
+    specs = [(PROC_NAME, run_data_parallel_controller_process, (server_args, port_args), {})]
+    specs += [
+        (replica_role(r), run_dp_scheduler_process, (replica_args, port_args, r), {"scheduler_factory": factory})
+        for r in range(dp)
+    ]
+    for role, target, args, kwargs in specs:
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=target, args=(*args, writer), name=f"workbench-{role}", daemon=True)
+        proc = ctx.Process(target=target, args=(*args, writer), kwargs=kwargs, name=f"workbench-{role}", daemon=True)
         proc.start()
         writer.close()
         procs[role] = proc
         readers[role] = reader
 
 
-def run_dp_scheduler_process(server_args: ServerArgs, port_args: PortArgs, dp_rank: int, pipe_writer) -> None:
+def run_dp_scheduler_process(
+    server_args: ServerArgs,
+    port_args: PortArgs,
+    dp_rank: int,
+    pipe_writer,
+    scheduler_factory: SchedulerFactory | None = None,
+) -> None:
     """Spawn target of replica `dp_rank`: an ordinary Scheduler on the replica's sockets."""
     from workbench.core.managers.scheduler import run_scheduler_process
 
@@ -532,6 +553,7 @@ def run_dp_scheduler_process(server_args: ServerArgs, port_args: PortArgs, dp_ra
         pipe_writer,
         proc_name=replica_proc_name(dp_rank),
         dp_rank=dp_rank,
+        scheduler_factory=scheduler_factory,
     )
 
 
@@ -542,7 +564,7 @@ def run_data_parallel_controller_process(server_args: ServerArgs, port_args: Por
     parent_alive = parent_watch()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    trace_clock.attach(port_args.extra.get("sim_clock"))  # a simulated deployment's dispatches in its time
+    trace_clock.attach(port_args.extra.get(trace_clock.SHARED_CLOCK_KEY))  # the engine's clock, if it shares one
     controller = None
     try:
         try:

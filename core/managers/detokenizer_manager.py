@@ -190,7 +190,7 @@ def run_detokenizer_process(model_dir: str, port_args: PortArgs, pipe_writer) ->
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="[detokenizer %(process)d] %(levelname)s %(message)s")
     manager = None
-    trace_clock.attach(port_args.extra.get("sim_clock"))  # a simulated deployment's stamps
+    trace_clock.attach(port_args.extra.get(trace_clock.SHARED_CLOCK_KEY))  # the engine's clock, if it shares one
     try:
         try:
             tokenizer = load_decode_tokenizer(model_dir)

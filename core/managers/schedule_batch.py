@@ -70,6 +70,11 @@ class Req:
         # does not repeat itself soon decodes plainly again.
         self.spec_skip = 0
         self.spec_backoff = 0
+        # Tokens to emit instead of sampling, in turn, and drafts to propose instead of drafting (by
+        # the output length they follow), for a worker that does not compute them (a recorded run
+        # replayed on a simulated deployment); None: sample and draft as usual.
+        self.forced_output_ids: list[int] | None = None
+        self.forced_drafts: dict[int, list[int]] | None = None
 
         self.output_ids: list[int] = []
         self.fill_ids: list[int] = []  # tokens whose KV is wanted after this round
@@ -177,6 +182,9 @@ class ModelWorkerBatch:
     sample: bool = True
     # Speculative verify pass: each request's rows (its last token + its drafts), sampled one row each.
     spec_rows: list[int] | None = None
+    # The rows' requests (set at launch), for a worker that reads per-request state: one that emits a
+    # request's `forced_output_ids` instead of sampling. The real worker reads only the tensors above.
+    reqs: list[Req] | None = None
 
 
 @dataclass

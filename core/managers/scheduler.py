@@ -16,12 +16,14 @@ Every step emits trace events (batch composition, queues, KV usage, cache activi
 batch N-1's result.
 Both loops share everything below; the pieces that care are marked "overlap".
 
-Seams: the Scheduler takes its model worker, its I/O (what `recv_requests` reads and where
-outputs go), its tokenizer and its tracer from outside when given (`Scheduler(..., worker=,
-io=, tokenizer=, tracer=)`); `run_scheduler_process` gives none, so the real ones are built
-(TpModelWorker, ZMQ sockets). One iteration of either loop is a method (`step_normal`,
-`step_overlap`), so the in-process tests (tests/test_scheduler_inprocess.py) drive the same code
-with a stand-in worker and a list-based I/O. The KV integrity check is scheduler_kv_check.py.
+Seams (scheduler_contract.py, the contract in one file): the Scheduler is handed its model worker,
+its I/O, its tokenizer, its tracer, its step clock, its drafter and its overlap client when given
+(`Scheduler(..., worker=, io=, tokenizer=, tracer=, step_clock=, drafter=, overlap_worker=)`); each
+one not given is the real one (TpModelWorker, ZMQ sockets, the host's time). `run_scheduler_process`
+asks a `SchedulerFactory` for them (the real one: `real_scheduler_parts`; a simulated deployment
+brings its own). One iteration of either loop is a method (`step_normal`, `step_overlap`), so the
+in-process tests (tests/scheduler_harness.py) and the offline simulator drive the same code with
+their own workers and a list-based I/O. The KV integrity check is scheduler_kv_check.py.
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ from workbench.core.io_struct import (
 from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_msg
 from workbench.core.managers.schedule_batch import FinishReason, Req, ScheduleBatch
 from workbench.core.managers.schedule_policy import AddReqResult, HeldBack, PrefillAdder, SchedulePolicy
+from workbench.core.managers.scheduler_contract import (
+    Drafter,
+    HostStepClock,
+    ModelWorker,
+    OverlapWorker,
+    SchedulerFactory,
+    SchedulerIO,
+    SchedulerParts,
+    StepClock,
+    TextDecoder,
+)
 from workbench.core.managers.scheduler_kv_check import SchedulerKVCheckMixin, kv_check_enabled
 from workbench.core.managers.scheduler_narration import StepNarrator
 from workbench.core.managers.scheduler_output import SchedulerOutputMixin
@@ -64,6 +77,7 @@ from workbench.core.managers.tp_worker import GenerationBatchResult, TpModelWork
 from workbench.core.mem_cache.chunk_cache import ChunkCache
 from workbench.core.mem_cache.radix_cache import RadixCache
 from workbench.core.model_executor.forward_batch_info import ForwardMode
+from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 from workbench.core.trace.tracer import Tracer
 
@@ -87,14 +101,19 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         prepared=None,
         proc_name: str = "scheduler",
         *,
-        worker=None,
-        io=None,
-        tokenizer=None,
+        worker: ModelWorker | None = None,
+        io: SchedulerIO | None = None,
+        tokenizer: TextDecoder | None = None,
         tracer: Tracer | None = None,
+        step_clock: StepClock | None = None,
+        drafter: Drafter | None = None,
+        overlap_worker: OverlapWorker | None = None,
     ):
-        """`worker` (a TpModelWorker or a stand-in with the same interface), `io` (recv/send, see
-        ZmqSchedulerIO), `tokenizer` (`decode(ids, skip_special_tokens=)`) and `tracer`: built here
-        when not given, as `run_scheduler_process` does."""
+        """The collaborators (scheduler_contract.py) are built here when not given: `worker` a
+        TpModelWorker, `io` ZMQ sockets (ZmqSchedulerIO), `tokenizer` the model's fast tokenizer,
+        `tracer` one on the engine's trace socket, `step_clock` the host's time (HostStepClock),
+        `drafter` the STANDALONE draft model when asked for (None: NGRAM, or no speculation),
+        `overlap_worker` a TpModelWorkerClient over `worker` when the overlap loop starts."""
         self.server_args = server_args
         self.port_args = port_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -103,7 +122,10 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             endpoint = port_args.trace_ipc_name if tp_rank == 0 and port_args is not None else None
             tracer = Tracer(proc_name, endpoint=endpoint)
         self.tracer = tracer
-        self.tp_worker = worker if worker is not None else TpModelWorker(server_args, tp_rank, tp_size, prepared)
+        self.tp_worker: ModelWorker = (
+            worker if worker is not None else TpModelWorker(server_args, tp_rank, tp_size, prepared)
+        )
+        self.step_clock: StepClock = step_clock if step_clock is not None else HostStepClock()
         runner = self.tp_worker.model_runner
         self.model_config = runner.model_config
         self.max_total_num_tokens = runner.max_total_num_tokens
@@ -136,8 +158,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         # Speculative decoding: drafts per request per step. They are proposed from the previous step's
         # tokens, so the overlap loop waits for those before a decode step (needs_output_history).
         self.spec_num_draft = server_args.resolved_num_draft_tokens()
-        self.drafter = None  # STANDALONE: the draft model, in this process (speculative/standalone.py)
-        if server_args.speculative_algorithm == "STANDALONE":
+        # STANDALONE: the draft model, in this process (speculative/standalone.py); or one handed in
+        self.drafter: Drafter | None = drafter
+        if drafter is None and server_args.speculative_algorithm == "STANDALONE":
             from workbench.core.speculative.standalone import StandaloneDrafter
 
             self.drafter = StandaloneDrafter(
@@ -170,7 +193,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         # None (undecided) starts normal; init_adaptive_threads may turn it on once the thread plan is known.
         self.enable_overlap = server_args.disable_overlap_schedule is False
         self.inflight: InflightBatch | None = None
-        self.overlap_worker = None
+        self.overlap_worker: OverlapWorker | None = overlap_worker
+        self.thread_plan = None  # the compute threads' plan (init_adaptive_threads)
         # KV integrity check when the loop goes idle (scheduler_kv_check.py); once per idle period.
         self.kv_check_enabled = kv_check_enabled(server_args)
         self._kv_checked_idle = True
@@ -179,7 +203,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             # Ranks > 0 get their input by broadcast from rank 0 and compute the same outputs,
             # which rank 0 alone sends.
             io = ZmqSchedulerIO(port_args) if tp_rank == 0 else _DiscardingIO()
-        self.io = io
+        self.io: SchedulerIO = io
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(
@@ -212,17 +236,15 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.finish_step(batch)
 
     def recv_requests(self) -> list:
-        """Everything waiting on the input socket; blocks up to 50 ms when there is no work.
+        """The messages this step processes, as the step clock takes them off the I/O (the host's:
+        everything waiting, after up to 50 ms for one when there is no work).
 
         Under tensor parallelism rank 0 reads the socket and broadcasts the list, so every
         rank processes the same messages at the same iteration (and others wait in the broadcast).
         """
         msgs = None
         if self.tp_rank == 0:
-            idle = not self.has_work() or (self.paused and self.step_credits == 0)
-            if idle:
-                self.tracer.flush()
-            msgs = self.io.recv(50 if idle else 0)
+            msgs = self.step_clock.recv(self)
         if self.tp_size > 1:
             msgs = broadcast_msgs(msgs)
         return msgs
@@ -294,6 +316,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             if self.step_credits == 0 and self.pending_step_reply:
                 self.pending_step_reply = False
                 self.io.send(StepGateReqOutput(paused=True, step=self.forward_ct))
+        self.step_clock.after_step(self, batch)
 
     # ==== requests in =================================================================
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
@@ -309,6 +332,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             recv.arrival_ts,
             recv.stream,
         )
+        req.forced_output_ids = recv.forced_output_ids
+        req.forced_drafts = recv.forced_drafts
         error = None
         if not req.origin_input_ids:
             error = "the prompt is empty"
@@ -582,6 +607,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
     def prepare_launch(self, batch: ScheduleBatch):
         """Allocate KV, advance the requests' bookkeeping and build the worker batch."""
         mwb = batch.prepare_for_decode() if batch is self.running_batch else batch.prepare_for_extend()
+        mwb.reqs = batch.reqs  # rows' requests, for a worker that reads them (forced_output_ids)
         # For the trace: whether this pass replays a CUDA graph, and the bucket it pads to.
         batch.cuda_graph, batch.padded_size = self.tp_worker.model_runner.graph_plan(
             mwb.forward_mode, len(batch.reqs), mwb.return_all_logits
@@ -661,12 +687,17 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             return self.overlap_worker.num_threads
         return torch.get_num_threads()
 
+    def kv_used(self) -> int:
+        """KV tokens in use: neither free nor evictable from the cache."""
+        free = self.token_to_kv_pool_allocator.available_size()
+        return self.max_total_num_tokens - free - self.tree_cache.evictable_size()
+
     def get_internal_state(self) -> GetInternalStateReqOutput:
         at = self.adaptive_threads
         alloc = self.token_to_kv_pool_allocator
         free = alloc.available_size()
         evictable = self.tree_cache.evictable_size()
-        return GetInternalStateReqOutput(
+        state = GetInternalStateReqOutput(
             num_waiting=len(self.waiting_queue),
             num_running=len(self.running_reqs()),
             kv_total=self.max_total_num_tokens,
@@ -690,6 +721,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             spec_accepted=self.spec_accepted_total,
             retracted_total=self.num_retracted_total,
         )
+        self.step_clock.fill_state(state)
+        return state
 
     def kv_check_error_now(self) -> str:
         """For get_internal_state: with the check enabled and the scheduler idle, check now ("" = ok)."""
@@ -778,13 +811,25 @@ class _DiscardingIO:
         pass
 
 
-def _load_fast_tokenizer(model_dir):
+def load_fast_tokenizer(model_dir) -> TextDecoder:
     """The `tokenizers` library directly: fast to load, no transformers import in this process."""
     from pathlib import Path
 
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+
+
+_load_fast_tokenizer = load_fast_tokenizer  # the Scheduler's default (a test swaps it for a stub)
+
+
+def real_scheduler_parts(
+    server_args: ServerArgs, port_args: PortArgs, tp_rank: int, tp_size: int, dp_rank: int
+) -> SchedulerParts:
+    """The SchedulerFactory of a real engine: this rank's compute threads planned and pinned (before
+    anything starts torch's OpenMP team: its threads inherit the affinity); every collaborator the
+    Scheduler's own default."""
+    return SchedulerParts(server_args, thread_plan=_apply_thread_plan(server_args, tp_rank, tp_size))
 
 
 def run_scheduler_process(
@@ -795,21 +840,30 @@ def run_scheduler_process(
     tp_size: int = 1,
     proc_name: str = "scheduler",
     dp_rank: int = 0,
+    scheduler_factory: SchedulerFactory | None = None,
 ) -> None:
-    """Spawn target: build the Scheduler, report ready (or the error), run the loop."""
+    """Spawn target: build the Scheduler from `scheduler_factory`'s parts (None: the real ones,
+    `real_scheduler_parts`), report ready (or the error), run the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     try:
-        # Threads and cores before anything starts torch's OpenMP team: its threads inherit the affinity.
-        if server_args.simulate:  # a deployment that is not there: a simulated worker on the engine's shared clock
-            from workbench.core.simulation.live import build_scheduler
-            from workbench.core.trace import clock as trace_clock
-
-            trace_clock.attach(port_args.extra.get("sim_clock"))
-
-            plan, scheduler = None, build_scheduler(server_args, port_args, proc_name, dp_rank)
-        else:
-            plan = _apply_thread_plan(server_args, tp_rank, tp_size)
-            scheduler = Scheduler(server_args, port_args, tp_rank, tp_size, proc_name=proc_name)
+        trace_clock.attach(port_args.extra.get(trace_clock.SHARED_CLOCK_KEY))  # the engine's, if it shares one
+        factory = scheduler_factory if scheduler_factory is not None else real_scheduler_parts
+        parts = factory(server_args, port_args, tp_rank, tp_size, dp_rank)
+        scheduler = Scheduler(
+            parts.server_args,
+            port_args,
+            tp_rank,
+            parts.tp_size if parts.tp_size is not None else tp_size,
+            proc_name=proc_name,
+            worker=parts.worker,
+            io=parts.io,
+            tokenizer=parts.tokenizer,
+            step_clock=parts.step_clock,
+            drafter=parts.drafter,
+            overlap_worker=parts.overlap_worker,
+        )
+        plan = parts.thread_plan
+        if plan is not None:
             scheduler.init_adaptive_threads(plan)
         runner = scheduler.tp_worker.model_runner
         if tp_rank == 0:
@@ -826,16 +880,15 @@ def run_scheduler_process(
                 "max_running_requests": scheduler.max_running_requests,
                 "context_len": scheduler.model_config.context_len,
                 "dtype": str(runner.dtype).replace("torch.", ""),
-                "attention_backend": getattr(runner, "attention_backend_name", None),
+                "attention_backend": runner.attention_backend_name,
                 "chunked_prefill_size": scheduler.chunked_prefill_size,
                 "device": str(runner.device),
                 "tp_rank": tp_rank,
                 "tp_size": tp_size,
-                "kv_head_num": runner.token_to_kv_pool.head_num if plan else runner.kv_head_num,
+                "kv_head_num": runner.kv_head_num,
                 "threads": f"{plan.describe() if plan else 'no compute threads'}; {scheduler.loop_text()}",
                 "load_time_s": runner.load_time_s,
-                "huge_pages": runner.huge_pages.describe() if plan else "",
-                "simulated": getattr(runner, "simulated", ""),
+                "huge_pages": runner.huge_pages.describe() if runner.huge_pages is not None else "",
             }
         )
     except Exception as exc:

@@ -76,12 +76,13 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | None = None
-    # A simulated deployment returns these tokens in turn instead of sampling (a recorded run's output).
-    replay_output_ids: list[int] | None = None
-    # ... and, with speculative decoding on, proposes these drafts: output length -> the recorded drafts.
-    replay_drafts: dict[int, list[int]] | None = None
-    # When the request arrived, on the trace clock; None: now. A driver replaying a workload on a
-    # simulated deployment sets it (core/simulation/live.py `replay`): the request arrived mid-step.
+    # Tokens to emit instead of sampling, in turn, where the worker honours them (a worker that does
+    # not compute: a recorded run's output replayed); None: sample.
+    forced_output_ids: list[int] | None = None
+    # ... and, with speculative decoding on, drafts to propose instead of drafting: output length -> drafts.
+    forced_drafts: dict[int, list[int]] | None = None
+    # When the request arrived, on the trace clock; None: now. A driver replaying a workload sets it:
+    # the request arrived mid-step.
     arrival_ns: int | None = None
 
 
@@ -128,8 +129,8 @@ class TokenizerManager:
         clock: trace_clock.TraceClock | None = None,
     ):
         self.server_args = server_args
-        # Every stamp (meta_info latencies, req.* events): the engine's clock, simulated for a simulated
-        # deployment (trace/clock.py); the host's monotonic clock otherwise.
+        # Every stamp (meta_info latencies, req.* events): the engine's clock (trace/clock.py): the host's
+        # monotonic clock, or the one the engine's processes share.
         self.clock = clock if clock is not None else trace_clock.current()
         self.tokenizer = tokenizer
         self.context_len = context_len
@@ -164,8 +165,8 @@ class TokenizerManager:
         """Yield result dicts for one request: chunks when streaming, else one final dict."""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
-        # A simulated deployment's clock stops here, and its scheduler will not step before this request
-        # is in: this host's trip is not the deployment's (trace/clock.py). A no-op on a real engine.
+        # A shared clock stops here, and the scheduler will not step before this request is in: this
+        # host's trip is not the deployment's (trace/clock.py). A no-op on the host's clock.
         clock = self.clock
         clock.note_sent()
         try:
@@ -194,8 +195,8 @@ class TokenizerManager:
                         logprob_start_len=obj.logprob_start_len,
                         stream=obj.stream,
                         arrival_ts=created,
-                        replay_output_ids=obj.replay_output_ids,
-                        replay_drafts=obj.replay_drafts,
+                        forced_output_ids=obj.forced_output_ids,
+                        forced_drafts=obj.forced_drafts,
                     )
                 )
             except (OverflowError, TypeError, msgspec.EncodeError) as e:
@@ -332,9 +333,9 @@ class TokenizerManager:
                         fut.set_result(msg)
 
     def _handle_batch_output(self, out: BatchStrOut) -> None:
-        # A simulated deployment's tokens are out when its step ends (the scheduler's stamp); this
-        # host's trip through the detokenizer is not the deployment's. A real engine: on arrival here.
-        now = out.ts if out.ts and self.clock.simulated else self.clock.now_ns()
+        # On a clock this host's delays do not move, tokens are out when their step ends (the scheduler's
+        # stamp), not after the trip through the detokenizer. On the host's clock: on arrival here.
+        now = out.ts if out.ts and not self.clock.counts_host_delays else self.clock.now_ns()
         tracing = self.tracer.enabled
         for i, rid in enumerate(out.rids):
             state = self.rid_to_state.get(rid)

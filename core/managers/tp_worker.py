@@ -9,35 +9,20 @@ the overlap loop drives `forward_batch` from a background thread instead
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from workbench.core.layers.logits_processor import LogitsOutput, compute_prompt_logprobs
-from workbench.core.layers.sampler import SamplerOutput
 from workbench.core.managers.schedule_batch import ModelWorkerBatch
+from workbench.core.managers.scheduler_contract import ForwardOutput, GenerationBatchResult
 from workbench.core.model_executor.forward_batch_info import ForwardBatch
 from workbench.core.model_executor.model_runner import ModelRunner
 
-
-@dataclass
-class GenerationBatchResult:
-    logits_output: LogitsOutput
-    sampler_output: SamplerOutput | None
-    next_token_ids: list[int]
-    forward_ms: float
-    prompt_logprobs: list | None = None  # per request, from compute_prompt_logprobs
-
-
-@dataclass
-class ForwardOutput:
-    """One forward + sample with everything still on the device (nothing synchronized)."""
-
-    logits_output: LogitsOutput
-    sampler_output: SamplerOutput
-    prompt_logprobs: list | None
+__all__ = ["ForwardOutput", "GenerationBatchResult", "TpModelWorker"]
 
 
 class TpModelWorker:
+    """The real ModelWorker (scheduler_contract.py): one rank's ModelRunner, forward + sample."""
+
     def __init__(self, server_args, tp_rank: int = 0, tp_size: int = 1, prepared=None):
         self.model_runner = ModelRunner(server_args, tp_rank=tp_rank, tp_size=tp_size, prepared=prepared)
         self.tp_rank = tp_rank

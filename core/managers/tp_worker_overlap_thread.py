@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from workbench.core.managers.schedule_batch import ModelWorkerBatch
-from workbench.core.managers.tp_worker import ForwardOutput, GenerationBatchResult, TpModelWorker
+from workbench.core.managers.scheduler_contract import ForwardOutput, GenerationBatchResult, ModelWorker
 
 # Rows per launch are at most max_running_requests + 1 (a chunked request rides along) and a
 # placeholder is read at most one launch after it was handed out; 4x that bound keeps the ring
@@ -56,14 +56,15 @@ class _Launched:
 
 
 class TpModelWorkerClient:
-    """Runs `TpModelWorker.forward_batch` on a background thread, one launch ahead.
+    """Runs a ModelWorker's `forward_batch` (TpModelWorker's, or a stand-in's) on a background
+    thread, one launch ahead: the real OverlapWorker (scheduler_contract.py).
 
     `forward_batch_generation(mwb)` returns at once with one future token id per row
     and a handle; `resolve_batch_result(handle)` waits for that launch and returns
     the usual `GenerationBatchResult`.
     """
 
-    def __init__(self, worker: TpModelWorker, max_rows_per_batch: int):
+    def __init__(self, worker: ModelWorker, max_rows_per_batch: int):
         self.worker = worker
         self.device = torch.device(worker.model_runner.device)
         self.is_cuda = self.device.type == "cuda"

@@ -211,6 +211,11 @@ class ModelRunner:
             hidden = hidden.index_select(0, fb.last_token_index.to(hidden.device))
         return LogitsOutput(next_token_logits=self.model.compute_logits(hidden))
 
+    @property
+    def kv_head_num(self) -> int:
+        """KV heads this rank's pool holds (the model's, split over the TP ranks)."""
+        return self.token_to_kv_pool.head_num
+
     def graph_plan(self, forward_mode, batch_size: int, return_all_logits: bool = False) -> tuple[bool, int]:
         """(CUDA graph replayed?, padded batch size) for a pass, as `forward` will run it (for the trace)."""
         if self.graph_runner is not None and batch_size > 0:

@@ -7,8 +7,10 @@
 
 The tokenizer manager, the scheduler process and the detokenizer are the real ones, joined by ZMQ as
 always, so the TUI, the Dashboard, the recorder, /metrics and the HTTP API work unchanged. The
-scheduler's model worker is replaced (`WarpSimWorker` computes nothing and samples its tokens from a
-seeded generator) and every process stamps with one simulated clock (trace/clock.py `SharedClock`):
+deployment is a `Deployment` (scheduler_contract.py) whose scheduler factory (`scheduler_parts`)
+hands the real Scheduler other collaborators: a worker that computes nothing and samples its tokens
+from a seeded generator (`WarpSimWorker`) and a step clock that keeps simulated time (`LiveSimClock`);
+every process stamps with that one clock (trace/clock.py `SharedClock`):
 
 - the clock stands still while the scheduler works and moves by each pass's predicted duration
   (`CostModel`, which counts the deployment's per-pass host overhead), so a request's TTFT is the
@@ -37,9 +39,17 @@ import math
 import time
 
 from workbench.core.args import ServerArgs
-from workbench.core.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
+from workbench.core.io_struct import BatchTokenIDOut, GetInternalStateReqOutput, TokenizedGenerateReqInput
+from workbench.core.managers.schedule_batch import ModelWorkerBatch, ScheduleBatch
+from workbench.core.managers.scheduler import ZmqSchedulerIO, load_fast_tokenizer
+from workbench.core.managers.scheduler_contract import (
+    Deployment,
+    GenerationBatchResult,
+    SchedulerIO,
+    SchedulerParts,
+    SchedulerState,
+)
 from workbench.core.managers.tokenizer_manager import GenerateReqInput
-from workbench.core.managers.tp_worker import GenerationBatchResult
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.simulation.calibration import shipped
 from workbench.core.simulation.cost_model import CostModel
@@ -47,15 +57,13 @@ from workbench.core.simulation.hardware import HARDWARE, get_hardware
 from workbench.core.simulation.model_specs import model_spec
 from workbench.core.simulation.simulator import (
     SimClock,
-    SimDrafter,
     SimRequest,
     SimResult,
-    SimRunner,
     SimWorker,
-    TokenReplayScheduler,
     default_dtype_bytes,
-    install_drafter,
+    make_drafter,
     request_prompt,
+    sim_runner,
 )
 from workbench.core.trace import clock as trace_clock
 
@@ -71,6 +79,21 @@ def badge(server_args: ServerArgs) -> str:
         return ""
     dp = f" (dp {server_args.dp_size} x tp {server_args.tp_size})" if server_args.dp_size > 1 else ""
     return f"SIMULATED {deployment(server_args)}{dp}"
+
+
+def simulated_deployment(sa: ServerArgs) -> tuple[ServerArgs, Deployment]:
+    """`--simulate HARDWARE` as the engine serves it: the arguments sized (`sized_args`) and the
+    Deployment: one scheduler process per replica made by `scheduler_parts`, no weights, one clock
+    shared by the processes, the badge on every view and the hardware on every /metrics series."""
+    sa = sized_args(sa)
+    return sa, Deployment(
+        scheduler_factory=scheduler_parts,
+        loads_weights=False,
+        one_process_per_replica=True,
+        shared_clock=True,
+        badge=badge(sa),
+        metric_labels=(("simulated", deployment(sa)),),
+    )
 
 
 def _cost_model(sa: ServerArgs) -> CostModel:
@@ -137,7 +160,7 @@ class WarpSimWorker(SimWorker):
         self.shared, self.speed = shared, speed
         self.pace_from = time.monotonic()  # wall time the next pass's duration counts from
 
-    def forward_batch(self, mwb):
+    def forward_batch(self, mwb: ModelWorkerBatch):
         cost, out = self.compute(mwb)
         self._last_ms = cost.total * 1000
         if self.speed > 0:
@@ -160,7 +183,7 @@ class ReplicaSimWorker(WarpSimWorker):
         super().__init__(*args, **kwargs)
         self.dp_rank = dp_rank
 
-    def forward_batch(self, mwb):
+    def forward_batch(self, mwb: ModelWorkerBatch):
         cost, out = self.compute(mwb)
         self._last_ms = cost.total * 1000
         _replica_move(self.shared, self.dp_rank, round(cost.total * 1e9), self.speed)
@@ -204,7 +227,7 @@ class LiveSimOverlapClient:
             time.sleep(ns / 1e9 / self.speed)
         return self.shared.advance(ns)
 
-    def forward_batch_generation(self, mwb):
+    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> tuple[list[int], tuple[int, GenerationBatchResult]]:
         cost, out = self.worker.compute(mwb)
         host = self._move(round(cost.overhead * 1e9))
         start = max(host, self.device_free)
@@ -213,7 +236,7 @@ class LiveSimOverlapClient:
         result = GenerationBatchResult(out.logits_output, out.sampler_output, ids, cost.total * 1000, None)
         return [-(i + 1) for i in range(len(mwb.seq_lens_cpu))], (self.device_free, result)
 
-    def resolve_batch_result(self, handle) -> GenerationBatchResult:
+    def resolve_batch_result(self, handle: tuple[int, GenerationBatchResult]) -> GenerationBatchResult:
         end, result = handle
         self._move(max(0, end - self._now()))
         return result
@@ -222,69 +245,59 @@ class LiveSimOverlapClient:
         pass
 
 
-class SimScheduler(TokenReplayScheduler):
-    """The real Scheduler with one change at the top of its loop: it keeps the simulated clock.
+class LiveSimClock:
+    """The StepClock (scheduler_contract.py) of a live simulated deployment: the Scheduler is the real
+    one; this keeps the simulated clock at the top of its loop.
 
     Working, it holds the clock and does not start a pass while a request the tokenizer manager sent
-    is still on its way or an announced arrival is due (it waits for them on its socket). Idle, it
-    lets the clock run at the speed, or, at speed 0 with an arrival announced, jumps it there."""
+    is still on its way or an announced arrival is due (it waits for them on the socket). Idle, it
+    lets the clock run at the speed, or, at speed 0 with an arrival announced, jumps it there. It
+    keeps the deployment's peak KV use and counts the requests received (get_internal_state)."""
 
-    def __init__(self, *args, shared: trace_clock.SharedClock, speed: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.shared, self.speed = shared, speed
+    def __init__(self, shared: trace_clock.SharedClock, speed: float, worker: WarpSimWorker):
+        self.shared, self.speed, self.worker = shared, speed, worker
         self.received = 0  # generate requests that reached this scheduler (the clock counts those sent)
         self._idle = True
         self.kv_used_peak = 0
         self._waiting_for, self._given_up = (0, 0.0), 0  # the announced arrival waited for, and since when
 
-    def finish_step(self, batch) -> None:
+    def after_step(self, scheduler: SchedulerState, batch: ScheduleBatch | None) -> None:
         if batch is not None:
-            alloc = self.token_to_kv_pool_allocator
-            self._note_kv(self.max_total_num_tokens - alloc.available_size() - self.tree_cache.evictable_size())
-        super().finish_step(batch)
+            self._note_kv(scheduler.kv_used())
 
     def _note_kv(self, used: int) -> None:
         self.kv_used_peak = max(self.kv_used_peak, used)
 
-    def get_internal_state(self):
-        out = super().get_internal_state()
-        out.kv_used_peak, out.received_total = self.kv_used_peak, self.received
-        return out
-
-    def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
-        if recv.replay_output_ids:  # a recorded run's tokens, returned in turn
-            self.tp_worker.replay[recv.rid] = list(recv.replay_output_ids)
-            if recv.replay_drafts and isinstance(self.drafter, SimDrafter):  # and its drafts, when drafting
-                self.drafter.recorded[recv.rid] = dict(recv.replay_drafts)
-        super().handle_generate_request(recv)
+    def fill_state(self, state: GetInternalStateReqOutput) -> None:
+        state.kv_used_peak, state.received_total = self.kv_used_peak, self.received
 
     def _take(self, msgs: list) -> list:
         self.received += sum(isinstance(m, TokenizedGenerateReqInput) for m in msgs)
         return msgs
 
-    def recv_requests(self) -> list:
-        clock = self.shared
-        msgs = self._take(self.io.recv(0))
+    def recv(self, scheduler: SchedulerState) -> list:
+        s, clock = scheduler, self.shared
+        msgs = self._take(s.io.recv(0))
         while True:
             arriving = any(isinstance(m, TokenizedGenerateReqInput) for m in msgs)
-            stepping = not (self.paused and self.step_credits == 0)
+            stepping = not (s.paused and s.step_credits == 0)
             due, on_way = clock.announced(), self.received < clock.sent()
-            if not stepping or not (arriving or self.has_work()):
-                self.tracer.flush()
+            if not stepping or not (arriving or s.has_work()):
+                s.tracer.flush()
                 self._idle = True
                 wait_ms = self._let_time_pass(stepping, on_way, due, self.received)
                 if msgs:
                     return msgs
-                msgs = self._take(self.io.recv(wait_ms))
+                msgs = self._take(s.io.recv(wait_ms))
                 if not any(isinstance(m, TokenizedGenerateReqInput) for m in msgs):
                     return msgs
                 continue  # a request came: hold the clock and check the gate before it is scheduled
             if self._idle:  # work begins: the next pass's wall time counts from here
                 self._idle = False
-                self.tp_worker.pace_from = time.monotonic()
+                self.worker.pace_from = time.monotonic()
             now = clock.hold()
             if on_way or (due is not None and due <= now and not self._gave_up_on(due)):
-                msgs += self._take(self.io.recv(1))
+                msgs += self._take(s.io.recv(1))
                 continue
             return msgs
 
@@ -318,7 +331,7 @@ class SimScheduler(TokenReplayScheduler):
 class _CountingIO:
     """A replica's scheduler I/O, counting the token outputs it sends (`SharedClock.outputs_sent`)."""
 
-    def __init__(self, io):
+    def __init__(self, io: SchedulerIO):
         self.inner, self.outputs = io, 0
 
     def recv(self, timeout_ms: int = 0) -> list:
@@ -328,28 +341,28 @@ class _CountingIO:
         self.inner.send(msg)
         self.outputs += isinstance(msg, BatchTokenIDOut)
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
-
-class ReplicaSimScheduler(SimScheduler):
-    """`SimScheduler` as one of `--dp-size` replicas behind the real data-parallel controller. Each
+class ReplicaSimClock(LiveSimClock):
+    """`LiveSimClock` of one of `--dp-size` replicas behind the real data-parallel controller. Each
     replica keeps its own simulated time (trace/clock.py): an idle replica begins at its request's
     arrival, a working one starts a pass only when it is the busy one furthest behind, no request is
     on its way to any replica and no announced arrival is due by its time, and a request that reaches
     it before its time has come to the request's arrival waits (`future`). So the replicas run side by
     side in simulated time, one at a time on this host, in the order the offline Simulator steps them;
-    the deployment idles (the clock runs or skips) only when every replica does."""
+    the deployment idles (the clock runs or skips) only when every replica does. `io` is the
+    scheduler's I/O, whose token outputs it counts."""
 
-    def __init__(self, *args, dp_rank: int, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, shared: trace_clock.SharedClock, speed: float, worker: WarpSimWorker, dp_rank: int, io: _CountingIO
+    ):
+        super().__init__(shared, speed, worker)
         self.dp_rank = dp_rank
+        self.io = io
         self._busy = False
         self.future: list[TokenizedGenerateReqInput] = []  # arrived after this replica's time: not yet
-        self.io = _CountingIO(self.io)
 
-    def finish_step(self, batch) -> None:
-        super().finish_step(batch)
+    def after_step(self, scheduler: SchedulerState, batch: ScheduleBatch | None) -> None:
+        super().after_step(scheduler, batch)
         self.shared.outputs_sent(self.dp_rank, self.io.outputs)  # this pass's outputs are on their way
 
     def _note_kv(self, used: int) -> None:
@@ -378,30 +391,30 @@ class ReplicaSimScheduler(SimScheduler):
         self.future = [m for m in self.future if m.arrival_ts > now]
         return ready
 
-    def recv_requests(self) -> list:
-        clock, rank = self.shared, self.dp_rank
-        msgs = self._take(self.io.recv(0))
+    def recv(self, scheduler: SchedulerState) -> list:
+        s, clock, rank = scheduler, self.shared, self.dp_rank
+        msgs = self._take(s.io.recv(0))
         while True:
             msgs += self._arrived() if self.future and self._busy else []
             arriving = any(isinstance(m, TokenizedGenerateReqInput) for m in msgs)
-            stepping = not (self.paused and self.step_credits == 0)
+            stepping = not (s.paused and s.step_credits == 0)
             due, on_way = clock.announced(), clock.received_total() < clock.sent()
-            if not stepping or not (arriving or self.has_work() or self.future):
+            if not stepping or not (arriving or s.has_work() or self.future):
                 if self._busy:
                     self._busy = False
                     clock.replica_end(rank)
-                self.tracer.flush()
+                s.tracer.flush()
                 self._idle = True
                 wait_ms = self._let_time_pass(stepping, on_way, due, clock.received_total()) if clock.all_idle() else 50
                 if msgs:
                     return msgs
-                msgs = self._take(self.io.recv(wait_ms))
+                msgs = self._take(s.io.recv(wait_ms))
                 if not any(isinstance(m, TokenizedGenerateReqInput) for m in msgs):
                     return msgs
                 continue
             if not self._busy:  # work left over from before a pause
                 self._begin(clock.now_ns())
-            if not (arriving or self.has_work()):  # only requests of later: nothing runs here until the first
+            if not (arriving or s.has_work()):  # only requests of later: nothing runs here until the first
                 self._begin(min(m.arrival_ts for m in self.future))
                 continue
             self._idle = False
@@ -409,7 +422,7 @@ class ReplicaSimScheduler(SimScheduler):
             if on_way or late or not clock.replica_turn(rank):
                 # Another replica's pass is usually what this waits for: look again in 0.2 ms, not the
                 # socket's 1 ms poll, which cost every turn up to a millisecond of wall time.
-                new = self.io.recv(0)
+                new = s.io.recv(0)
                 if not new:
                     time.sleep(0.0002)
                 msgs += self._take(new)
@@ -419,23 +432,30 @@ class ReplicaSimScheduler(SimScheduler):
 
 def build_worker(
     sa: ServerArgs, vocab: int, shared: trace_clock.SharedClock, seed: int | None = None, dp_rank: int = 0
-):
+) -> WarpSimWorker:
     """The scheduler process's worker for `sa` (already `sized_args`); tokens are drawn from [3, vocab).
     Replica r of a data-parallel deployment draws from seed + 7919 r, as the offline Simulator's."""
     cost = _cost_model(sa)
     spec = cost.model
     context = min(spec.context_len, sa.context_length or spec.context_len)
-    runner = SimRunner(spec, sa.max_total_tokens, sa.max_running_requests, context)
+    runner = sim_runner(spec, sa.max_total_tokens, sa.max_running_requests, context)
     runner.model_config.vocab_size = min(spec.vocab, vocab)  # ids the stand-in tokenizer can decode
     runner.model_config.eos_token_ids = []  # random ids never mean "stop": requests run to their limit
-    runner.simulated = badge(sa)
     runner.kv_head_num = max(1, spec.kv_heads // sa.tp_size)
     seed = (sa.random_seed if seed is None else seed) + 7919 * dp_rank
     # SimWorker's own clock stays unused here: every pass moves the shared one.
-    common = dict(shared=shared, speed=sa.sim_speed)
     if sa.dp_size > 1:
-        return ReplicaSimWorker(runner, cost, SimClock(), seed, sa.speculative_accept_rate, dp_rank=dp_rank, **common)
-    return WarpSimWorker(runner, cost, SimClock(), seed, sa.speculative_accept_rate, **common)
+        return ReplicaSimWorker(
+            runner,
+            cost,
+            SimClock(),
+            seed,
+            sa.speculative_accept_rate,
+            shared=shared,
+            speed=sa.sim_speed,
+            dp_rank=dp_rank,
+        )
+    return WarpSimWorker(runner, cost, SimClock(), seed, sa.speculative_accept_rate, shared=shared, speed=sa.sim_speed)
 
 
 def stand_in_model_dir():
@@ -445,32 +465,42 @@ def stand_in_model_dir():
     return prepare_model(ServerArgs().model_path, progress=False).model_dir
 
 
-def build_scheduler(sa: ServerArgs, port_args, proc_name: str = "scheduler", dp_rank: int = 0) -> SimScheduler:
-    """The scheduler process's Scheduler (run_scheduler_process calls this for --simulate): the real
-    class with its ZMQ I/O and tracer, keeping the clock the engine shared (trace/clock.py); the
-    stand-in tokenizer decodes for stop strings and previews. A data-parallel replica stamps with its
-    own time (`ReplicaClock`). Speculative decoding runs the scheduler's NGRAM path with `SimDrafter`'s
-    drafts, each kept with --speculative-accept-rate, and STANDALONE costs the draft model's passes."""
-    from workbench.core.managers.scheduler import _load_fast_tokenizer
-
+def scheduler_parts(sa: ServerArgs, port_args, tp_rank: int = 0, tp_size: int = 1, dp_rank: int = 0) -> SchedulerParts:
+    """The SchedulerFactory of a simulated deployment (run_scheduler_process calls it): the real
+    Scheduler on its ZMQ I/O, handed a simulated worker, a step clock keeping the clock the engine
+    shared (trace/clock.py), and the stand-in tokenizer (stop strings, previews). One process stands
+    for every device of a replica (tp_size 1). A data-parallel replica stamps with its own time
+    (`ReplicaClock`). Speculative decoding runs the scheduler's NGRAM path with `SimDrafter`'s drafts,
+    each kept with --speculative-accept-rate, and STANDALONE costs the draft model's passes."""
     shared = trace_clock.current()
     if not isinstance(shared, trace_clock.SharedClock):
-        raise RuntimeError("a simulated scheduler needs the engine's shared clock (PortArgs.extra['sim_clock'])")
-    tokenizer = _load_fast_tokenizer(stand_in_model_dir())
+        raise RuntimeError("a simulated scheduler needs the engine's shared clock (PortArgs.extra['shared_clock'])")
+    tokenizer = load_fast_tokenizer(stand_in_model_dir())
     worker = build_worker(sa, tokenizer.get_vocab_size(), shared, dp_rank=dp_rank)
-    common = dict(proc_name=proc_name, worker=worker, tokenizer=tokenizer, shared=shared, speed=sa.sim_speed)
     # The scheduler's own speculative path, NGRAM's (no draft model is loaded: the drafter is simulated)
     args = dataclasses.replace(sa, speculative_algorithm="NGRAM") if sa.speculative_algorithm else sa
-    if sa.dp_size > 1:
-        trace_clock.install(trace_clock.ReplicaClock(shared, dp_rank))
-        scheduler = ReplicaSimScheduler(args, port_args, 0, 1, dp_rank=dp_rank, **common)
+    io: SchedulerIO = ZmqSchedulerIO(port_args)
+    replica = dp_rank if sa.dp_size > 1 else None
+    if replica is not None:
+        trace_clock.install(trace_clock.ReplicaClock(shared, replica))
+        io = _CountingIO(io)
+        step_clock: LiveSimClock = ReplicaSimClock(shared, sa.sim_speed, worker, replica, io)
     else:
-        scheduler = SimScheduler(args, port_args, 0, 1, **common)
+        step_clock = LiveSimClock(shared, sa.sim_speed, worker)
+    drafter = None
     if sa.speculative_algorithm:
-        install_drafter(scheduler, worker, worker.model_runner.model_config.vocab_size, _draft_cost(sa, worker.cost))
-    if scheduler.enable_overlap:  # --no-disable-overlap-schedule: the overlap loop over two timelines
-        scheduler.overlap_worker = LiveSimOverlapClient(worker, dp_rank if sa.dp_size > 1 else None)
-    return scheduler
+        drafter = make_drafter(worker, worker.model_runner.model_config.vocab_size, _draft_cost(sa, worker.cost))
+    overlap = args.disable_overlap_schedule is False  # the overlap loop over two timelines, when asked
+    return SchedulerParts(
+        args,
+        worker=worker,
+        io=io,
+        tokenizer=tokenizer,
+        step_clock=step_clock,
+        drafter=drafter,
+        overlap_worker=LiveSimOverlapClient(worker, replica) if overlap else None,
+        tp_size=1,
+    )
 
 
 def replay(engine, workload: list[SimRequest], seed: int = 0, progress=None) -> SimResult:
@@ -501,7 +531,7 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
     async def one(i: int, obj: GenerateReqInput) -> None:
         async for out in tm.generate_request(obj):
             metas[i] = out["meta_info"]
-            if obj.replay_output_ids:
+            if obj.forced_output_ids:
                 outputs[obj.rid] = out["output_ids"]
         if progress is not None:
             progress(len(metas), len(workload), (clock.now_ns() - base) / 1e9)
@@ -523,8 +553,8 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
                 sampling_params=params,
                 rid=rid,
                 arrival_ns=due,
-                replay_output_ids=r.output_ids,
-                replay_drafts=r.drafts if r.output_ids else None,
+                forced_output_ids=r.output_ids,
+                forced_drafts=r.drafts if r.output_ids else None,
             )
             tasks.append(asyncio.ensure_future(one(i, obj)))
             while rid not in tm.rid_to_state and not tasks[-1].done():  # counted as sent: the next may be announced

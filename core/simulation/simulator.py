@@ -5,8 +5,9 @@
     print(result.summary())
 
 The Scheduler is the one `run_scheduler_process` builds (admission, every policy, chunked prefill,
-the radix cache, retraction), constructed in-process with a `SimWorker` in place of the model
-worker: a pass computes nothing, samples its tokens from a seeded generator, and advances the
+the radix cache, retraction), constructed in-process and handed a `SimWorker` as its model worker
+(scheduler_contract.ModelWorker; the simulator composes a Scheduler, it never subclasses it): a
+pass computes nothing, samples its tokens from a seeded generator, and advances the
 `SimClock` by the time `CostModel` predicts for the pass's shape. The driver feeds each request
 when the simulated clock reaches its arrival time and jumps the clock over idle gaps, so a run
 takes the scheduler's own Python time, not the deployment's. Every time reported (TTFT, TPOT,
@@ -19,7 +20,6 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -27,9 +27,15 @@ from workbench.core.args import ServerArgs
 from workbench.core.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from workbench.core.layers.logits_processor import LogitsOutput
 from workbench.core.layers.sampler import SamplerOutput
+from workbench.core.managers.schedule_batch import ModelWorkerBatch, Req
 from workbench.core.managers.scheduler import Scheduler
-from workbench.core.managers.tp_worker import ForwardOutput, GenerationBatchResult
-from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from workbench.core.managers.scheduler_contract import (
+    ForwardOutput,
+    GenerationBatchResult,
+    ListIO,
+    PoolModelConfig,
+    PoolRunner,
+)
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.simulation.calibration import Calibration, shipped
 from workbench.core.simulation.cost_model import CostModel
@@ -57,30 +63,26 @@ class SimClock:
         return int(self.now * 1e9)
 
 
-class SimRunner:
-    """What the Scheduler reads off its model runner: the config numbers and the (real) pools."""
-
-    def __init__(self, spec, max_total_tokens: int, max_running_requests: int, context_len: int):
-        self.model_config = SimpleNamespace(context_len=context_len, vocab_size=spec.vocab, eos_token_ids=[0])
-        self.max_total_num_tokens = max_total_tokens
-        self.max_running_requests = max_running_requests
-        self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len + 8)
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_tokens)
-        self.device = "cpu"
-        self.dtype = torch.bfloat16
-        self.prepared = SimpleNamespace(model_dir=None)
-        self.attn_backend = SimpleNamespace(name="simulated")
-        self.load_time_s = 0.0
-
-    def graph_plan(self, forward_mode, batch_size, return_all_logits=False):
-        return False, batch_size
+def sim_runner(spec, max_total_tokens: int, max_running_requests: int, context_len: int) -> PoolRunner:
+    """What the Scheduler reads off a simulated worker's runner: the model's numbers and real pools."""
+    config = PoolModelConfig(context_len=context_len, vocab_size=spec.vocab, eos_token_ids=[0])
+    return PoolRunner(
+        config,
+        max_total_tokens,
+        max_running_requests,
+        dtype=torch.bfloat16,
+        backend_name="simulated",
+        kv_head_num=max(1, spec.kv_heads),
+    )
 
 
 class SimWorker:
-    """The model worker's interface; a pass advances the clock by its predicted time."""
+    """A ModelWorker (scheduler_contract.py) that computes nothing: a pass samples its tokens from a
+    seeded generator (a request's `forced_output_ids` where it has them) and advances the clock by
+    the time the cost model predicts for it."""
 
     def __init__(
-        self, runner: SimRunner, cost: CostModel, clock: SimClock, seed: int, accept_rate: float | None = None
+        self, runner: PoolRunner, cost: CostModel, clock: SimClock, seed: int, accept_rate: float | None = None
     ):
         self.model_runner = runner
         self.cost, self.clock, self.seed = cost, clock, seed
@@ -89,11 +91,11 @@ class SimWorker:
         self.accept_rng = random.Random(seed)
         self.tp_rank = 0
         self.drafter: SimDrafter | None = None  # set when a STANDALONE draft model is costed
-        self.replay: dict[str, list[int]] = {}  # rid -> the output tokens it gets (a recorded run's)
+        self._last_ms = 0.0
         self.busy_s = 0.0  # simulated time spent in passes
         self.passes = 0
 
-    def compute(self, mwb):
+    def compute(self, mwb: ModelWorkerBatch):
         """The pass's predicted cost and its sampled tokens; the clock is the caller's to move."""
         new = list(mwb.extend_seq_lens_cpu)
         rows = mwb.spec_rows or [1] * len(new)
@@ -105,24 +107,25 @@ class SimWorker:
         vocab = self.model_runner.model_config.vocab_size
         ids = torch.randint(FIRST_TOKEN, vocab, (sum(rows),), generator=self.rng, dtype=torch.int64)
         if mwb.spec_rows and self.accept_rate is not None:
-            ids = self._verify_tokens(mwb, getattr(mwb, "sim_reqs", None), ids, vocab)
-        elif self.replay:
-            self._replay_tokens(getattr(mwb, "sim_reqs", None) or [], ids)
+            ids = self._verify_tokens(mwb, mwb.reqs, ids, vocab)
+        else:
+            self._replay_tokens(mwb.reqs or [], ids)
         out = ForwardOutput(LogitsOutput(next_token_logits=torch.zeros((len(ids), 1))), SamplerOutput(ids), None)
         return cost, out
 
-    def _replay_tokens(self, reqs: list, ids: torch.Tensor) -> None:
-        """Rows of requests with recorded output get their next recorded token (one row per request;
-        the rest keep their sampled ones, drawn all the same so the generator's stream does not shift)."""
+    def _replay_tokens(self, reqs: list[Req], ids: torch.Tensor) -> None:
+        """Rows of requests with forced output (a recorded run's) get their next forced token (one row
+        per request; the rest keep their sampled ones, drawn all the same so the generator's stream
+        does not shift)."""
         for j, req in enumerate(reqs):
-            want = self.replay.get(req.rid)
+            want = req.forced_output_ids
             pos = len(req.output_ids)
             if want is not None and pos < len(want):
                 ids[j] = want[pos]
-                if pos == len(want) - 1:
-                    del self.replay[req.rid]  # its last token: done
 
-    def _verify_tokens(self, mwb, reqs: list | None, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    def _verify_tokens(
+        self, mwb: ModelWorkerBatch, reqs: list[Req] | None, ids: torch.Tensor, vocab: int
+    ) -> torch.Tensor:
         """A verify pass's tokens. A request replaying a recorded run gets its recorded tokens in its
         rows (its last token and drafts d1..dk: row j holds the output that followed d1..dj), so its
         drafts stand exactly as far as they agree with what the real target chose. Any other request:
@@ -131,7 +134,7 @@ class SimWorker:
         the first)."""
         inputs, out, offset = mwb.input_ids.tolist(), ids.tolist(), 0
         for i, n in enumerate(mwb.spec_rows):
-            want = self.replay.get(reqs[i].rid) if reqs and self.replay else None
+            want = reqs[i].forced_output_ids if reqs else None
             if want is not None:
                 pos = len(reqs[i].output_ids)
                 recorded = want[pos : pos + n]
@@ -149,13 +152,13 @@ class SimWorker:
             offset += n
         return torch.tensor(out, dtype=torch.int64)
 
-    def forward_batch(self, mwb) -> ForwardOutput:
+    def forward_batch(self, mwb: ModelWorkerBatch) -> ForwardOutput:
         cost, out = self.compute(mwb)
         self.clock.now += cost.total  # the normal loop: host work and pass one after the other
         self._last_ms = cost.total * 1000
         return out
 
-    def forward_batch_generation(self, mwb) -> GenerationBatchResult:
+    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         out = self.forward_batch(mwb)
         ids = out.sampler_output.next_token_ids.tolist()
         return GenerationBatchResult(out.logits_output, out.sampler_output, ids, self._last_ms, None)
@@ -167,7 +170,7 @@ class SimDrafter:
     The scheduler's own speculative path (budgets, the verify batch, accepting up to the first
     disagreement, freeing the slots of drafts thrown away) runs as it does for NGRAM.
 
-    A request replaying a recorded run (`recorded[rid]`: the drafts the real drafter proposed, by
+    A request replaying a recorded run (`Req.forced_drafts`: the drafts the real drafter proposed, by
     the output length they followed, from the trace's `spec.verify`) proposes those instead, cut to
     its budget, and nothing where the recording has none (there the real request drafted nothing:
     its budget was 0 or its n-grams matched nothing); its verify rows are its recorded tokens.
@@ -187,17 +190,16 @@ class SimDrafter:
         self.draft_cost = draft_cost
         self.pending_s = 0.0
         self.proposal_s: list[float] = []  # each proposal's draft passes, in order
-        self.recorded: dict[str, dict[int, list[int]]] = {}  # rid -> output length -> recorded drafts
 
-    def _draft(self, req, budget: int) -> list[int]:
+    def _draft(self, req: Req, budget: int) -> list[int]:
         if budget <= 0:
             return []
-        book = self.recorded.get(req.rid)
+        book = req.forced_drafts
         if book is None:
             return [self.rng.randrange(FIRST_TOKEN, self.vocab) for _ in range(budget)]
         return book.get(len(req.output_ids), [])[:budget]
 
-    def propose(self, reqs, budgets: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         drafts = [self._draft(r, b) for r, b in zip(reqs, budgets)]
         if self.draft_cost is not None and any(drafts):
             contexts = [len(r.origin_input_ids) + len(r.output_ids) for r, d in zip(reqs, drafts) if d]
@@ -216,15 +218,17 @@ class SimDrafter:
     def release(self) -> None:
         pass
 
+    def held_tokens(self) -> int:
+        return 0
 
-def install_drafter(scheduler: Scheduler, worker: SimWorker, vocab: int, draft_cost: CostModel | None) -> None:
-    """Speculative decoding's drafts from a `SimDrafter` (seeded from the worker's seed) in place of the
-    NGRAM proposals (the running batch holds its own reference); a draft model's passes, if costed, go
-    into the worker's verify passes."""
+
+def make_drafter(worker: SimWorker, vocab: int, draft_cost: CostModel | None) -> SimDrafter:
+    """Speculative decoding's drafter for a Scheduler over `worker` (in place of the NGRAM proposals),
+    seeded from the worker's seed; a draft model's passes, if costed, go into the worker's verify passes."""
     drafter = SimDrafter(vocab, worker.seed + 1, draft_cost)
-    scheduler.drafter = scheduler.running_batch.drafter = drafter
     if draft_cost is not None:
         worker.drafter = drafter
+    return drafter
 
 
 class SimOverlapClient:
@@ -242,7 +246,7 @@ class SimOverlapClient:
         self.device_free = 0.0
         self.num_threads = 1
 
-    def forward_batch_generation(self, mwb):
+    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> tuple[list[int], tuple[float, GenerationBatchResult]]:
         cost, out = self.worker.compute(mwb)
         clock = self.worker.clock
         clock.now += cost.overhead
@@ -253,7 +257,7 @@ class SimOverlapClient:
         bs = len(mwb.seq_lens_cpu)
         return [-(i + 1) for i in range(bs)], (self.device_free, result)
 
-    def resolve_batch_result(self, handle) -> GenerationBatchResult:
+    def resolve_batch_result(self, handle: tuple[float, GenerationBatchResult]) -> GenerationBatchResult:
         end, result = handle
         clock = self.worker.clock
         clock.now = max(clock.now, end)
@@ -263,21 +267,8 @@ class SimOverlapClient:
         pass
 
 
-class _ListIO:
-    def __init__(self):
-        self.inbox: list = []
-        self.outbox: list = []
-
-    def recv(self, timeout_ms: int = 0) -> list:
-        out, self.inbox = self.inbox, []
-        return out
-
-    def send(self, msg) -> None:
-        self.outbox.append(msg)
-
-
 class _NoTokenizer:
-    def decode(self, ids, skip_special_tokens=True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
 
 
@@ -375,16 +366,6 @@ class SimResult:
         )
 
 
-class TokenReplayScheduler(Scheduler):
-    """The real Scheduler, telling a simulated worker which requests a pass's rows belong to (so it
-    can return a recorded run's tokens for them): the one change, after `prepare_launch`."""
-
-    def prepare_launch(self, batch):
-        mwb, step_reqs = super().prepare_launch(batch)
-        mwb.sim_reqs = batch.reqs
-        return mwb, step_reqs
-
-
 class _Replica:
     """One scheduler with its own clock, pools, worker and inbox: the whole deployment, or one of
     `dp_size` data-parallel replicas (traced as "scheduler.dp<rank>", as the real ones are)."""
@@ -392,18 +373,22 @@ class _Replica:
     def __init__(self, sim: Simulator, rank: int, proc: str, seed: int, trace_sink):
         self.rank = rank
         self.clock = SimClock()
-        self.runner = SimRunner(sim.spec, sim.args.max_total_tokens, sim.args.max_running_requests, sim.context)
+        self.runner = sim_runner(sim.spec, sim.args.max_total_tokens, sim.args.max_running_requests, sim.context)
         self.worker = SimWorker(self.runner, sim.cost, self.clock, seed, sim.accept_rate)
-        self.io = _ListIO()
+        self.io = ListIO()
         self.tracer = Tracer(proc, sink=trace_sink, enabled=trace_sink is not None, clock=self.clock.ns)
-        self.scheduler = TokenReplayScheduler(
-            sim.args, None, worker=self.worker, io=self.io, tokenizer=_NoTokenizer(), tracer=self.tracer
+        drafter = make_drafter(self.worker, sim.spec.vocab, sim.draft_cost) if sim.accept_rate is not None else None
+        self.scheduler = Scheduler(
+            sim.args,
+            None,
+            worker=self.worker,
+            io=self.io,
+            tokenizer=_NoTokenizer(),
+            tracer=self.tracer,
+            drafter=drafter,
+            # the scheduler's own overlap loop over the two-timeline client (sim.args asks for it)
+            overlap_worker=SimOverlapClient(self.worker) if sim.overlap else None,
         )
-        if sim.accept_rate is not None:
-            install_drafter(self.scheduler, self.worker, sim.spec.vocab, sim.draft_cost)
-        if sim.overlap:  # the scheduler's own overlap loop over the two-timeline client
-            self.scheduler.enable_overlap = True
-            self.scheduler.overlap_worker = SimOverlapClient(self.worker)
         self.step = self.scheduler.step_overlap if sim.overlap else self.scheduler.step_normal
         self.requests = 0
 
@@ -411,8 +396,7 @@ class _Replica:
         return self.scheduler.has_work() or bool(self.io.inbox)
 
     def kv_used(self) -> int:
-        alloc = self.runner.token_to_kv_pool_allocator
-        return self.runner.max_total_num_tokens - alloc.available_size() - self.scheduler.tree_cache.evictable_size()
+        return self.scheduler.kv_used()
 
 
 class Simulator:
@@ -609,13 +593,19 @@ class Simulator:
         rep.clock.now = max(rep.clock.now, at)
         rep.requests += 1
         if r.output_ids:
-            rep.worker.replay[rid] = list(r.output_ids)
             self._replayed.add(rid)
-            if r.drafts and isinstance(rep.scheduler.drafter, SimDrafter):  # speculative decoding is on
-                rep.scheduler.drafter.recorded[rid] = r.drafts
         self._arrival[rid] = r.arrival
         params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-        rep.io.inbox.append(TokenizedGenerateReqInput(rid=rid, input_text="", input_ids=ids, sampling_params=params))
+        rep.io.inbox.append(
+            TokenizedGenerateReqInput(
+                rid=rid,
+                input_text="",
+                input_ids=ids,
+                sampling_params=params,
+                forced_output_ids=list(r.output_ids) if r.output_ids else None,
+                forced_drafts=r.drafts if r.output_ids and r.drafts else None,  # used when drafting
+            )
+        )
         res.prompt_tokens += len(ids)
 
 

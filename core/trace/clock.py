@@ -32,6 +32,8 @@ import struct
 import time
 
 NEVER = 2**63 - 1  # "no arrival announced"
+# PortArgs.extra key: the path of the engine's SharedClock file, for its children to `attach`.
+SHARED_CLOCK_KEY = "shared_clock"
 # Slots (int64 unless said): 0 seqlock counter, 1 simulated anchor (ns), 2 wall anchor (ns),
 # 3 rate (float64: simulated s per wall s after the anchors; 0 = still), 4 the cap running time
 # stops at (ns), 5 requests the tokenizer manager has sent, 6 the next announced arrival (ns).
@@ -52,6 +54,9 @@ class TraceClock:
     """The host's monotonic clock (a real engine's); the interface `SharedClock` fills in."""
 
     simulated = False
+    # Whether this host's own delays (a message's trip through a socket, a process's Python) take
+    # time on this clock. Where they do not, a token is out when the scheduler stamped it.
+    counts_host_delays = True
 
     def now_ns(self) -> int:
         return time.monotonic_ns()
@@ -75,6 +80,7 @@ class SharedClock(TraceClock):
     clock starts still at the host's monotonic time, so simulated stamps look like the usual ones."""
 
     simulated = True
+    counts_host_delays = False
 
     def __init__(self, path: str, create: bool = False, replicas: int = 1):
         self.path = path
@@ -333,6 +339,7 @@ class ReplicaClock(TraceClock):
     """A data-parallel replica's process clock: its own time while it is busy, else the shared time."""
 
     simulated = True
+    counts_host_delays = False
 
     def __init__(self, shared: SharedClock, rank: int):
         self.shared, self.rank = shared, rank
