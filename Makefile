@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 # its kernels are checked on CPU under TRITON_INTERPRET=1), hypothesis, OpenTelemetry, ruff.
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[test]'
-	# SGLang's frontend client for tests/test_sglang_api.py: no dependencies (they pin CUDA torch)
+	# SGLang's frontend client for tests/e2e/test_sglang_api.py: no dependencies (they pin CUDA torch)
 	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	touch $(TEST_STAMP)
 

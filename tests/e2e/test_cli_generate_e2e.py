@@ -1,4 +1,7 @@
-"""`workbench generate`: a prompt from standard input, and --show-stats as a table of named figures."""
+"""End-to-end part of tests/fast/test_cli_generate.py (what starts processes, engines or servers, or loads the
+reference model).
+
+`workbench generate`: a prompt from standard input, and --show-stats as a table of named figures."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The command line explains itself: every engine flag has help text (with its default and choices),
+"""End-to-end part of tests/fast/test_cli_help.py (what starts processes, engines or servers, or loads the
+reference model).
+
+The command line explains itself: every engine flag has help text (with its default and choices),
 and a mistyped flag gets the usage of the command it was given to and a guess."""
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The compiled CPU elementwise kernels against the torch ops they replace.
+"""End-to-end part of tests/fast/test_cpu_ops.py (what starts processes, engines or servers, or loads the
+reference model).
+
+The compiled CPU elementwise kernels against the torch ops they replace.
 
 Rotary embedding (rope.c) is bit-identical in every dtype, so the model's tokens do not
 change with it. RMSNorm (rms_norm.c, 16-bit models only) rounds a correctly rounded scale;

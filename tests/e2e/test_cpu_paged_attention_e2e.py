@@ -1,4 +1,7 @@
-"""The cpu_paged backend's compiled decode kernel against the torch-native reference.
+"""End-to-end part of tests/fast/test_cpu_paged_attention.py (what starts processes, engines or servers, or loads the
+reference model).
+
+The cpu_paged backend's compiled decode kernel against the torch-native reference.
 
 The kernel reads K/V in place through req_to_token; the reference gathers a padded
 copy and runs SDPA. Both are checked against float32 attention over the same

@@ -1,4 +1,7 @@
-"""Grouped (cascade) decode attention: requests sharing a prefix of KV slots attend over it once.
+"""End-to-end part of tests/fast/test_cpu_prefix_attention.py (what starts processes, engines or servers, or loads the
+reference model).
+
+Grouped (cascade) decode attention: requests sharing a prefix of KV slots attend over it once.
 
 The grouped kernel is checked against float32 attention computed request by request, over one
 group, several groups with outsiders, a member sharing less than the others, GQA ratios, head

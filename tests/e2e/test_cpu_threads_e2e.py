@@ -1,4 +1,7 @@
-"""The scheduler's compute-thread policy (core/model_executor/cpu_threads.py).
+"""End-to-end part of tests/fast/test_cpu_threads.py (what starts processes, engines or servers, or loads the
+reference model).
+
+The scheduler's compute-thread policy (core/model_executor/cpu_threads.py).
 
 The decision rule and the load meter are checked on their own (fake /proc/stat, fake clock);
 then a real Engine beside a real busy-loop process shows the scheduler giving the neighbour

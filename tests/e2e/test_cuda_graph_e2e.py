@@ -1,4 +1,7 @@
-"""The CUDA-graph runner's whole flow on CPU, through the stand-in graph mechanism.
+"""End-to-end part of tests/fast/test_cuda_graph.py (what starts processes, engines or servers, or loads the
+reference model).
+
+The CUDA-graph runner's whole flow on CPU, through the stand-in graph mechanism.
 
 The stand-in records the decode step's callable at capture and re-runs it at
 replay into the same output tensor, so everything around the graph is real:

@@ -1,4 +1,7 @@
-"""Data parallel (`--dp-size 2`): a DataParallelController in front of two real scheduler replicas.
+"""End-to-end part of tests/fast/test_data_parallel.py (what starts processes, engines or servers, or loads the
+reference model).
+
+Data parallel (`--dp-size 2`): a DataParallelController in front of two real scheduler replicas.
 
 The pure parts (load balancer, prefix index, reply merging, the reducer's per-replica view)
 are tested in-process; the rest on the real default model: outputs equal DP 1 (greedy), both

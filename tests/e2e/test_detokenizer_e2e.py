@@ -1,4 +1,7 @@
-"""Detokenizer: incremental decoding with the real SmolLM2 tokenizer, and the real process over ipc."""
+"""End-to-end part of tests/fast/test_detokenizer.py (what starts processes, engines or servers, or loads the
+reference model).
+
+Detokenizer: incremental decoding with the real SmolLM2 tokenizer, and the real process over ipc."""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""GPU paths that need CUDA: real graph capture/replay, flashinfer, triton compiled for the GPU.
+"""End-to-end part of tests/fast/test_gpu_only.py (what starts processes, engines or servers, or loads the
+reference model).
+
+GPU paths that need CUDA: real graph capture/replay, flashinfer, triton compiled for the GPU.
 
 Without CUDA every test here except the device-neutral helper check skips, saying
-why. With a GPU: `pytest -m gpu tests/test_gpu_only.py` (and `workbench selftest
+why. With a GPU: `pytest -m gpu tests/fast/test_gpu_only.py` (and `workbench selftest
 --device cuda` for the whole table on the default model).
 """
 
@@ -13,7 +16,7 @@ import importlib.util
 def test_selftest_cpu_dry_run(capsys):
     """The CPU dry run on the default model: every row passes or is skipped with a reason.
 
-    (--quick, and without the overlap row, which starts two Engines: tests/test_overlap.py
+    (--quick, and without the overlap row, which starts two Engines: tests/e2e/test_overlap.py
     checks the overlap loop against the normal loop far more thoroughly.)"""
     from workbench.cli import main
 

@@ -1,4 +1,7 @@
-"""`python -m workbench.core.entrypoints.http_server` as a real process: start-up, --api-key, a busy
+"""End-to-end part of tests/fast/test_http_server.py (what starts processes, engines or servers, or loads the
+reference model).
+
+`python -m workbench.core.entrypoints.http_server` as a real process: start-up, --api-key, a busy
 port, and SIGTERM draining in-flight requests and exiting 0 with no process left behind."""
 
 from __future__ import annotations

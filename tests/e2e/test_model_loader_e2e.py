@@ -1,4 +1,7 @@
-"""Model loader: GGUF conversion (against transformers' own GGUF loader), HF dirs, cache, errors.
+"""End-to-end part of tests/fast/test_model_loader.py (what starts processes, engines or servers, or loads the
+reference model).
+
+Model loader: GGUF conversion (against transformers' own GGUF loader), HF dirs, cache, errors.
 
 The expensive pieces (converting the default SmolLM2 GGUF, loading
 transformers' reference model and tokenizer from the same file) run once per

@@ -1,4 +1,7 @@
-"""The model executor's CPU fast paths: each one checked against a plain reference.
+"""End-to-end part of tests/fast/test_model_perf_paths.py (what starts processes, engines or servers, or loads the
+reference model).
+
+The model executor's CPU fast paths: each one checked against a plain reference.
 
 Buckets and padding for static-shape decode, oneDNN packed linears, the fused
 rotary embedding, both decode-attention kernels, tiny real models (Llama with an

@@ -1,4 +1,7 @@
-"""A mixture of experts in the trace: each step's `moe.routing` event against the step it belongs to,
+"""End-to-end part of tests/fast/test_moe_trace.py (what starts processes, engines or servers, or loads the
+reference model).
+
+A mixture of experts in the trace: each step's `moe.routing` event against the step it belongs to,
 the reducer's expert load against the events, and the tokens' routing against the model's router."""
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The plugin host, as a third party meets it: a real (tiny) installed distribution.
+"""End-to-end part of tests/fast/test_plugins.py (what starts processes, engines or servers, or loads the
+reference model).
+
+The plugin host, as a third party meets it: a real (tiny) installed distribution.
 
 The `plugin_dir` fixture (tests/conftest.py) copies the modules in tests/data/plugins plus
 their `*.dist-info` (METADATA + entry_points.txt in group `workbench.plugins`) into a temporary

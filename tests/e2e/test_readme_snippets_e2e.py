@@ -1,4 +1,7 @@
-"""The README's snippets run as written: each ```python block saved as a script and run (one whose
+"""End-to-end part of tests/fast/test_readme_snippets.py (what starts processes, engines or servers, or loads the
+reference model).
+
+The README's snippets run as written: each ```python block saved as a script and run (one whose
 first line says it needs a server runs against a real `workbench serve` on its default port), and every
 `workbench` command line in a ```sh block accepted by the CLI's own parser (parsed in-process, so nothing
 starts; an unknown subcommand or flag fails, as it would on the command line)."""

@@ -1,4 +1,7 @@
-"""Security properties of a real server (real engine, real sockets).
+"""End-to-end part of tests/fast/test_security.py (what starts processes, engines or servers, or loads the
+reference model).
+
+Security properties of a real server (real engine, real sockets).
 
 - `--api-key` is enforced on every route the app has (enumerated from the app itself,
   docs included) except the health checks, and on unknown paths too;

@@ -1,4 +1,7 @@
-"""A deployment that is not there, served live (core/simulation/live.py): the real tokenizer manager,
+"""End-to-end part of tests/fast/test_simulated_engine.py (what starts processes, engines or servers, or loads the
+reference model).
+
+A deployment that is not there, served live (core/simulation/live.py): the real tokenizer manager,
 scheduler process and detokenizer over a simulated worker, every stamp on the shared simulated clock
 (trace/clock.py). Checked: each pass moves simulated time by exactly the cost model's prediction and,
 at --sim-speed 1, takes that long on the wall clock; a workload replayed through the whole pipeline at

@@ -1,4 +1,7 @@
-"""Simulation at scale (issue #19): the cost model's shape, model sizes against transformers, and the
+"""End-to-end part of tests/fast/test_simulation.py (what starts processes, engines or servers, or loads the
+reference model).
+
+Simulation at scale (issue #19): the cost model's shape, model sizes against transformers, and the
 real Scheduler run over a simulated clock (every request to its exact length, the KV invariants,
 simulated timestamps in the trace, determinism), and the CLI's sweep table."""
 

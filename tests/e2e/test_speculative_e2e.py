@@ -1,4 +1,7 @@
-"""Speculative decoding: NGRAM (drafts from the request's own text) and STANDALONE (drafts from a
+"""End-to-end part of tests/fast/test_speculative.py (what starts processes, engines or servers, or loads the
+reference model).
+
+Speculative decoding: NGRAM (drafts from the request's own text) and STANDALONE (drafts from a
 second model), verified by the target.
 
 The proposer against hand-made sequences; through real engines, output with speculation equal

@@ -1,4 +1,7 @@
-"""The trace's clock (core/trace/clock.py): the host's monotonic clock by default; a simulated
+"""End-to-end part of tests/fast/test_trace_clock.py (what starts processes, engines or servers, or loads the
+reference model).
+
+The trace's clock (core/trace/clock.py): the host's monotonic clock by default; a simulated
 deployment's `SharedClock`, which stands still until moved, moves by exactly what it is told, runs at a
 rate (stopping at an announced arrival), is held by an arriving request, and reads the same from
 another process. A tracer stamps with whichever clock the process installed."""

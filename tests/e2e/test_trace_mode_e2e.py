@@ -1,4 +1,7 @@
-"""`--trace-mode`: auto (emit while something listens), on (always), off (never).
+"""End-to-end part of tests/fast/test_trace_mode.py (what starts processes, engines or servers, or loads the
+reference model).
+
+`--trace-mode`: auto (emit while something listens), on (always), off (never).
 
 The bus folds everything it receives into its own TraceState (what late subscribers get as a
 snapshot), so whether the pipeline emitted while nobody listened is visible afterwards.

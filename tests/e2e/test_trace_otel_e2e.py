@@ -1,4 +1,7 @@
-"""OpenTelemetry export: spans per request stage, from hand-written events and from the real pipeline."""
+"""End-to-end part of tests/fast/test_trace_otel.py (what starts processes, engines or servers, or loads the
+reference model).
+
+OpenTelemetry export: spans per request stage, from hand-written events and from the real pipeline."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The triton attention backend against torch_native, under Triton's CPU interpreter.
+"""End-to-end part of tests/fast/test_triton_backend.py (what starts processes, engines or servers, or loads the
+reference model).
+
+The triton attention backend against torch_native, under Triton's CPU interpreter.
 
 `TRITON_INTERPRET=1` only takes effect if it is set before triton is first imported,
 and other tests (torch.compile) may import triton in this process, so every

@@ -1,4 +1,7 @@
-"""TTFT explained (#15 item 3): TraceState.ttft_parts splits a request's time to first token into
+"""End-to-end part of tests/fast/test_ttft_parts.py (what starts processes, engines or servers, or loads the
+reference model).
+
+TTFT explained (#15 item 3): TraceState.ttft_parts splits a request's time to first token into
 arrived → queued, queued, prefill chunks and first token, from traced timestamps; the parts sum
 to the TTFT exactly.
 

@@ -1,4 +1,7 @@
-"""TUI tests without an engine: replay of the recorded fixture, synthetic traces, the CLI."""
+"""End-to-end part of tests/fast/test_tui.py (what starts processes, engines or servers, or loads the
+reference model).
+
+TUI tests without an engine: replay of the recorded fixture, synthetic traces, the CLI."""
 
 from __future__ import annotations
 

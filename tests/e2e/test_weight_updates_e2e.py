@@ -1,4 +1,7 @@
-"""Live weight updates against a running Engine (CPU, gloo, the real default model in float32).
+"""End-to-end part of tests/fast/test_weight_updates.py (what starts processes, engines or servers, or loads the
+reference model).
+
+Live weight updates against a running Engine (CPU, gloo, the real default model in float32).
 
 A trainer process perturbs a copy of the weights and broadcasts them over its own gloo group;
 a second checkpoint is loaded from disk; tensors are pushed in process. After each update

@@ -1,4 +1,7 @@
-"""`workbench generate`: a prompt from standard input, and --show-stats as a table of named figures."""
+"""`workbench generate`: a prompt from standard input, and --show-stats as a table of named figures.
+
+The end-to-end tests of this module are in tests/e2e/test_cli_generate_e2e.py.
+"""
 
 from __future__ import annotations
 

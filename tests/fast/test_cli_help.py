@@ -1,5 +1,8 @@
 """The command line explains itself: every engine flag has help text (with its default and choices),
-and a mistyped flag gets the usage of the command it was given to and a guess."""
+and a mistyped flag gets the usage of the command it was given to and a guess.
+
+The end-to-end tests of this module are in tests/e2e/test_cli_help_e2e.py.
+"""
 
 from __future__ import annotations
 

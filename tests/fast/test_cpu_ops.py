@@ -3,6 +3,8 @@
 Rotary embedding (rope.c) is bit-identical in every dtype, so the model's tokens do not
 change with it. RMSNorm (rms_norm.c, 16-bit models only) rounds a correctly rounded scale;
 it is at least as close to float64 as ATen's and differs from it in ~1e-5 of the values.
+
+The end-to-end tests of this module are in tests/e2e/test_cpu_ops_e2e.py.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ The kernel reads K/V in place through req_to_token; the reference gathers a padd
 copy and runs SDPA. Both are checked against float32 attention over the same
 (possibly low-precision) inputs, over ragged lengths, scattered slots, GQA ratios,
 head sizes, dtypes and both ways the kernel splits work (by request, by KV head).
+
+The end-to-end tests of this module are in tests/e2e/test_cpu_paged_attention_e2e.py.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ The grouped kernel is checked against float32 attention computed request by requ
 group, several groups with outsiders, a member sharing less than the others, GQA ratios, head
 sizes and dtypes; the grouping rule against its stated contract; and the model end to end: greedy
 tokens of a batch sharing a system prompt's slots equal transformers'.
+
+The end-to-end tests of this module are in tests/e2e/test_cpu_prefix_attention_e2e.py.
 """
 
 from __future__ import annotations

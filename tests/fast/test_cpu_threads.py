@@ -3,6 +3,8 @@
 The decision rule and the load meter are checked on their own (fake /proc/stat, fake clock);
 then a real Engine beside a real busy-loop process shows the scheduler giving the neighbour
 its core, and the flags that fix the count or pin the cores.
+
+The end-to-end tests of this module are in tests/e2e/test_cpu_threads_e2e.py.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ replay into the same output tensor, so everything around the graph is real:
 bucket choice, static input buffers, padding rows that touch only the scratch
 KV slot, the attention backend's capture/replay hooks, output slicing, and the
 eager fallback. Greedy tokens on the default model must equal eager decoding.
+
+The end-to-end tests of this module are in tests/e2e/test_cuda_graph_e2e.py.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ are tested in-process; the rest on the real default model: outputs equal DP 1 (g
 replicas serve (the trace says which), shortest_queue steers around a long request, the
 prefix-aware method keeps a shared prefix on one replica, and abort / flush / step gate /
 internal state reach every replica.
+
+The end-to-end tests of this module are in tests/e2e/test_data_parallel_e2e.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Detokenizer: incremental decoding with the real SmolLM2 tokenizer, and the real process over ipc."""
+"""Detokenizer: incremental decoding with the real SmolLM2 tokenizer, and the real process over ipc.
+
+The end-to-end tests of this module are in tests/e2e/test_detokenizer_e2e.py.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """GPU paths that need CUDA: real graph capture/replay, flashinfer, triton compiled for the GPU.
 
 Without CUDA every test here except the device-neutral helper check skips, saying
-why. With a GPU: `pytest -m gpu tests/test_gpu_only.py` (and `workbench selftest
+why. With a GPU: `pytest -m gpu tests/fast/test_gpu_only.py` (and `workbench selftest
 --device cuda` for the whole table on the default model).
+
+The end-to-end tests of this module are in tests/e2e/test_gpu_only_e2e.py.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 The expensive pieces (converting the default SmolLM2 GGUF, loading
 transformers' reference model and tokenizer from the same file) run once per
 module; everything else uses tiny random models from tiny_models.py.
+
+The end-to-end tests of this module are in tests/e2e/test_model_loader_e2e.py.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Buckets and padding for static-shape decode, oneDNN packed linears, the fused
 rotary embedding, both decode-attention kernels, tiny real models (Llama with an
 untied head, Qwen2 with Q/K/V biases) against transformers, the compiled decode
 step against eager, and a smoke run of `bench model`.
+
+The end-to-end tests of this module are in tests/e2e/test_model_perf_paths_e2e.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """A mixture of experts in the trace: each step's `moe.routing` event against the step it belongs to,
-the reducer's expert load against the events, and the tokens' routing against the model's router."""
+the reducer's expert load against the events, and the tokens' routing against the model's router.
+
+The end-to-end tests of this module are in tests/e2e/test_moe_trace_e2e.py.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ their `*.dist-info` (METADATA + entry_points.txt in group `workbench.plugins`) i
 directory and puts that directory on sys.path, which is all `importlib.metadata` needs to find it. The plugin adds a
 TUI panel, a Jupyter view and a workload; two more entry points are broken (one
 raises inside `register`, one names a module that does not exist).
+
+The end-to-end tests of this module are in tests/e2e/test_plugins_e2e.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """The README's snippets run as written: each ```python block saved as a script and run (one whose
 first line says it needs a server runs against a real `workbench serve` on its default port), and every
 `workbench` command line in a ```sh block accepted by the CLI's own parser (parsed in-process, so nothing
-starts; an unknown subcommand or flag fails, as it would on the command line)."""
+starts; an unknown subcommand or flag fails, as it would on the command line).
+
+The end-to-end tests of this module are in tests/e2e/test_readme_snippets_e2e.py.
+"""
 
 from __future__ import annotations
 

@@ -9,6 +9,8 @@
   bytes) and to every ipc:// socket of the engine, and the marker never appears
   (while the same bytes do create it when unpickled, so the check can fail);
 - the ipc:// directory is private (0700, owned by us) and removed on shutdown.
+
+The end-to-end tests of this module are in tests/e2e/test_security_e2e.py.
 """
 
 from __future__ import annotations

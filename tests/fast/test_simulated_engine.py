@@ -7,7 +7,10 @@ at --sim-speed 1, takes that long on the wall clock; a workload replayed through
 simulated time; data-parallel replicas behind the real controller run side by side in simulated time
 and agree with the offline Simulator request by request, as does speculative decoding (NGRAM and a
 costed STANDALONE draft model); the SIMULATED badge in the trace's header, the recorder, the live TUI's
-status line and every /metrics series; bad combinations refused with what to do instead."""
+status line and every /metrics series; bad combinations refused with what to do instead.
+
+The end-to-end tests of this module are in tests/e2e/test_simulated_engine_e2e.py.
+"""
 
 from __future__ import annotations
 

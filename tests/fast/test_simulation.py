@@ -1,6 +1,9 @@
 """Simulation at scale (issue #19): the cost model's shape, model sizes against transformers, and the
 real Scheduler run over a simulated clock (every request to its exact length, the KV invariants,
-simulated timestamps in the trace, determinism), and the CLI's sweep table."""
+simulated timestamps in the trace, determinism), and the CLI's sweep table.
+
+The end-to-end tests of this module are in tests/e2e/test_simulation_e2e.py.
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,10 @@ second model), verified by the target.
 The proposer against hand-made sequences; through real engines, output with speculation equal
 to output without it token for token (greedy, float32, 16 prompts batched, with chunked prefill
 and with a retraction forced), no KV leaked, drafts actually accepted; and sampled output with
-the same distribution (a chi-square test on a tiny model)."""
+the same distribution (a chi-square test on a tiny model).
+
+The end-to-end tests of this module are in tests/e2e/test_speculative_e2e.py.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """The trace's clock (core/trace/clock.py): the host's monotonic clock by default; a simulated
 deployment's `SharedClock`, which stands still until moved, moves by exactly what it is told, runs at a
 rate (stopping at an announced arrival), is held by an arriving request, and reads the same from
-another process. A tracer stamps with whichever clock the process installed."""
+another process. A tracer stamps with whichever clock the process installed.
+
+The end-to-end tests of this module are in tests/e2e/test_trace_clock_e2e.py.
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
 The bus folds everything it receives into its own TraceState (what late subscribers get as a
 snapshot), so whether the pipeline emitted while nobody listened is visible afterwards.
+
+The end-to-end tests of this module are in tests/e2e/test_trace_mode_e2e.py.
 """
 
 from __future__ import annotations

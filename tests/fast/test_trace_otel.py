@@ -1,4 +1,7 @@
-"""OpenTelemetry export: spans per request stage, from hand-written events and from the real pipeline."""
+"""OpenTelemetry export: spans per request stage, from hand-written events and from the real pipeline.
+
+The end-to-end tests of this module are in tests/e2e/test_trace_otel_e2e.py.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ and other tests (torch.compile) may import triton in this process, so every
 interpreted run happens in a fresh subprocess with the variable set; nothing in
 this process is changed. Also here: choosing a backend per device, and the clear
 errors for a backend the device cannot run.
+
+The end-to-end tests of this module are in tests/e2e/test_triton_backend_e2e.py.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ to the TTFT exactly.
 - the in-process scheduler stamps each batch.decision with when its step began;
 - the request detail panel and the Gantt show the parts;
 - (e2e) a real engine on the default model: every finished request's parts sum to its TTFT.
+
+The end-to-end tests of this module are in tests/e2e/test_ttft_parts_e2e.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""TUI tests without an engine: replay of the recorded fixture, synthetic traces, the CLI."""
+"""TUI tests without an engine: replay of the recorded fixture, synthetic traces, the CLI.
+
+The end-to-end tests of this module are in tests/e2e/test_tui_e2e.py.
+"""
 
 from __future__ import annotations
 

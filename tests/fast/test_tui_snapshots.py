@@ -2,7 +2,7 @@
 
 The clock is frozen: in replay mode the app's clock is the replay position,
 which the test sets, so ages and latency windows come out the same every run.
-Update after an intended change: `pytest tests/test_tui_snapshots.py --snapshot-update`.
+Update after an intended change: `pytest tests/fast/test_tui_snapshots.py --snapshot-update`.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ A trainer process perturbs a copy of the weights and broadcasts them over its ow
 a second checkpoint is loaded from disk; tensors are pushed in process. After each update
 `get_weights_by_name` returns the new values (HF names, fused parts included) and greedy output
 equals transformers run with the same weights. Rejected updates leave the old weights serving.
+
+The end-to-end tests of this module are in tests/e2e/test_weight_updates_e2e.py.
 """
 
 from __future__ import annotations
