@@ -1,4 +1,7 @@
-"""`workbench bench engine --quick`: the serving workloads run end to end and report every figure;
+"""End-to-end part of tests/fast/test_bench_engine.py (what starts processes, engines or servers, or loads the
+reference model).
+
+`workbench bench engine --quick`: the serving workloads run end to end and report every figure;
 `--peer vllm`: its protocol, its helpers and its fallback without vLLM (the real vLLM run needs
 WORKBENCH_VLLM_PYTHON, and skips without it)."""
 
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.bench import peer_bench, vllm_peer
+from workbench.bench import peers, vllm_peer
 
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
 VLLM_PYTHON = os.environ.get("WORKBENCH_VLLM_PYTHON")
@@ -61,22 +64,23 @@ def test_bench_engine_quick_reports_every_workload(tmp_path):
 
 def test_peer_modules_never_import_vllm():
     assert "vllm" not in sys.modules  # the project's venv drives vLLM only as a subprocess
-    assert peer_bench.DRIVER.is_file() and peer_bench.DRIVER.name == "vllm_peer.py"
+    assert peers.VllmPeer.driver.is_file() and peers.VllmPeer.driver.name == "vllm_peer.py"
 
 
 def test_driver_speaks_the_protocol_without_vllm(tmp_path):
     """The driver under a python without vllm: requests still get replies, and `quit` ends it."""
-    ok, why = peer_bench.check_peer(sys.executable)
+    ok, why = peers.VllmPeer.check(sys.executable)
     assert not ok and "cannot import vllm" in why
-    assert peer_bench.check_peer(str(tmp_path / "no-python"))[0] is False
-    assert "no --peer-python" in peer_bench.check_peer(None)[1]
-    peer = peer_bench.VllmPeer(sys.executable, tmp_path / "driver.log")
+    assert peers.VllmPeer.check(str(tmp_path / "no-python"))[0] is False
+    assert "no --peer-python" in peers.VllmPeer.check(None)[1]
+    peer = peers.VllmPeer(sys.executable, tmp_path / "driver.log")
+    assert isinstance(peer, peers.PeerEngine)
     try:
-        with pytest.raises(peer_bench.PeerError, match="send 'load' before 'run'"):
+        with pytest.raises(peers.PeerError, match="send 'load' before 'run'"):
             peer.request(vllm_peer.run_request([[1, 2]], 4), timeout=60)
-        with pytest.raises(peer_bench.PeerError, match="unknown op"):
+        with pytest.raises(peers.PeerError, match="unknown op"):
             peer.request({"op": "fly"}, timeout=60)
-        with pytest.raises(peer_bench.PeerError, match="ModuleNotFoundError"):
+        with pytest.raises(peers.PeerError, match="ModuleNotFoundError"):
             peer.request(vllm_peer.load_request("/m", "float32", 64), timeout=120)
     finally:
         peer.close()

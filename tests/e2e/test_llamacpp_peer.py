@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from workbench.bench import harness, peer_wire
 from workbench.bench import llamacpp_bench as lb
 from workbench.bench import llamacpp_peer as lp
-from workbench.bench.llamacpp_peer import ProtocolError
-from workbench.bench.peer_bench import Workload
+from workbench.bench.peer_wire import ProtocolError
+from workbench.bench.peers import LlamaCppPeer, PeerEngine
+from workbench.bench.prompts import Workload
 
 WORKBENCH = str(Path(sys.executable).with_name("workbench"))
 LLAMACPP_PYTHON = os.environ.get("WORKBENCH_LLAMACPP_PYTHON")
@@ -36,10 +38,10 @@ def test_protocol_messages_round_trip():
     assert load == {"op": "load", "gguf": "/m/x-f32.gguf", "n_threads": 2, "n_ctx": 256, "seed": 3, "kv_type": "f32"}
     run = lp.run_request([1, 2, 3], 128)
     assert run == {"op": "run", "prompt": [1, 2, 3], "max_new_tokens": 128, "greedy": True}
-    for msg in (load, run, lp.quit_request()):
-        line = lp.encode_message(msg)
+    for msg in (load, run, peer_wire.quit_request()):
+        line = peer_wire.encode_message(msg)
         assert line.endswith("\n") and line.count("\n") == 1
-        assert lp.check_request(lp.decode_message(line)) == msg
+        assert lp.check_request(peer_wire.decode_message(line)) == msg
 
 
 @pytest.mark.parametrize(
@@ -65,16 +67,16 @@ def test_protocol_rejects_bad_requests(msg, why):
 def test_protocol_lines_and_replies():
     for bad in ("", "   ", "not json", "[1, 2]"):
         with pytest.raises(ProtocolError):
-            lp.decode_message(bad)
+            peer_wire.decode_message(bad)
     with pytest.raises(ProtocolError, match="boolean 'ok'"):
-        lp.parse_reply('{"seconds": 1.0}')
+        peer_wire.parse_reply('{"seconds": 1.0}')
     reply = lp.summarize_output(list(range(40)), 2.5)
     assert reply == {"ok": True, "seconds": 2.5, "output_tokens": 40, "first_ids": list(range(16))}
-    assert lp.parse_reply(lp.encode_message(reply)) == reply
+    assert peer_wire.parse_reply(peer_wire.encode_message(reply)) == reply
     try:
         raise RuntimeError("boom")
     except RuntimeError as exc:
-        err = lp.error_reply(exc)
+        err = peer_wire.error_reply(exc)
     assert err["ok"] is False and err["error"] == "RuntimeError: boom" and "Traceback" in err["traceback"]
 
 
@@ -91,42 +93,42 @@ def test_cpu_features_from_system_info():
 
 def test_driver_speaks_the_protocol_without_llama_cpp():
     lines = [
-        lp.encode_message({"op": "run", "prompt": [1], "max_new_tokens": 2}),  # before load
+        peer_wire.encode_message({"op": "run", "prompt": [1], "max_new_tokens": 2}),  # before load
         "garbage\n",
-        lp.encode_message({"op": "load", "gguf": "/nonexistent.gguf", "n_threads": 1, "n_ctx": 64}),
-        lp.encode_message(lp.quit_request()),
+        peer_wire.encode_message({"op": "load", "gguf": "/nonexistent.gguf", "n_threads": 1, "n_ctx": 64}),
+        peer_wire.encode_message(peer_wire.quit_request()),
     ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(
-        [sys.executable, "-S", str(lb.DRIVER)],
+        [sys.executable, "-S", str(LlamaCppPeer.driver)],
         input="".join(lines),
         capture_output=True,
         text=True,
         timeout=60,
         env=env,
     )
-    replies = [lp.parse_reply(line) for line in proc.stdout.splitlines()]
+    replies = [peer_wire.parse_reply(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0 and len(replies) == 4, proc.stdout + proc.stderr
     assert "send 'load' before 'run'" in replies[0]["error"]
     assert "ProtocolError" in replies[1]["error"]
     assert replies[2]["ok"] is False and "llama_cpp" in replies[2]["error"]  # -S: no site-packages here
     assert replies[3] == {"ok": True}
     check = subprocess.run(
-        [sys.executable, "-S", str(lb.DRIVER), "--check"], capture_output=True, text=True, timeout=60, env=env
+        [sys.executable, "-S", str(LlamaCppPeer.driver), "--check"], capture_output=True, text=True, timeout=60, env=env
     )
-    assert check.returncode == 1 and lp.parse_reply(check.stdout.splitlines()[-1])["ok"] is False
+    assert check.returncode == 1 and peer_wire.parse_reply(check.stdout.splitlines()[-1])["ok"] is False
 
 
 def test_check_peer_and_recipe(tmp_path):
-    assert lb.check_peer(None) == (False, "no --peer-python given (nor WORKBENCH_LLAMACPP_PYTHON)")
-    ok, why = lb.check_peer(str(tmp_path / "nope" / "python"))
+    assert LlamaCppPeer.check(None) == (False, "no --peer-python given (nor WORKBENCH_LLAMACPP_PYTHON)")
+    ok, why = LlamaCppPeer.check(str(tmp_path / "nope" / "python"))
     assert not ok and "not an executable file" in why
-    recipe = lb.install_recipe("/opt/lv/bin/python")
+    recipe = LlamaCppPeer.install_recipe("/opt/lv/bin/python")
     assert "python3 -m venv /opt/lv" in recipe
-    assert "-DGGML_NATIVE=ON" in recipe and f"llama-cpp-python=={lb.PEER_VERSION}" in recipe
+    assert "-DGGML_NATIVE=ON" in recipe and f"llama-cpp-python=={LlamaCppPeer.version}" in recipe
     assert "--no-binary llama-cpp-python" in recipe
-    assert "~/llama-venv" in lb.install_recipe(None)
-    assert "python3 -m venv ~/llama-venv" in lb.install_recipe("/usr/bin/python3")  # no venv: never /usr
+    assert "~/llama-venv" in LlamaCppPeer.install_recipe(None)
+    assert "python3 -m venv ~/llama-venv" in LlamaCppPeer.install_recipe("/usr/bin/python3")  # no venv: never /usr
 
 
 def test_thread_counts():
@@ -156,13 +158,14 @@ def test_rows_table_ratio_and_goal():
     assert "stay ahead of llama.cpp at equal dtype" in text
     assert "float32, 2 threads: 1.60× — ahead (met)" in text and "bfloat16, 1 thread: 0.50× — behind (not met)" in text
     nan = lb.make_row("float32", 1, [1.0], [0.0], [])
-    assert lb.ratio_text(nan.ratio) == "n/a" and "| **n/a** | n/a |" in lb.format_table([nan])
+    assert harness.ratio_text(nan.ratio) == "n/a" and "| **n/a** | n/a |" in lb.format_table([nan])
 
 
-class _FakePeer:
-    """Answers `run` requests like the driver: fixed per-token times, so decode tok/s is known."""
+class _FakePeer(LlamaCppPeer):
+    """The llama.cpp peer with its driver replaced: `run` requests answered like the driver's, with fixed
+    per-token times, so decode tok/s is known."""
 
-    def __init__(self, prefill_s: float, per_token_s: float):
+    def __init__(self, prefill_s: float, per_token_s: float):  # no driver process
         self.prefill_s, self.per_token_s, self.requests = prefill_s, per_token_s, []
 
     def request(self, msg, timeout):
@@ -176,21 +179,22 @@ def test_measure_interleaves_and_subtracts_the_prefill(capsys):
     wl = Workload("iii", "(iii) bs 1", [[5] * 64], 128, decode_only=True)
     calls = []
 
-    def fake_workbench_run(engine):
-        def run(prompts, new):
-            calls.append(("workbench", new))
-            return 0.3 + (new - 1) * 0.02, new, [[(7 * i) % 50 for i in range(min(new, 16))]]
-
-        return run
+    def fake_workbench_run(prompts, new):
+        calls.append(("workbench", new))
+        return 0.3 + (new - 1) * 0.02, new, [[(7 * i) % 50 for i in range(min(new, 16))]]
 
     peer = _FakePeer(prefill_s=0.5, per_token_s=0.04)
-    row = lb._measure(None, peer, wl, "float32", 2, repeats=2, workbench_run=fake_workbench_run)
+    assert isinstance(peer, PeerEngine)
+    with pytest.raises(ValueError, match="batch 1 only"):
+        peer.run([[1], [2]], 4)
+    row = lb.measure_pair({"workbench": fake_workbench_run, "llama.cpp": peer.run}, wl, "float32", 2, repeats=2)
     assert row.workbench_tok_s == pytest.approx(50.0) and row.llamacpp_tok_s == pytest.approx(25.0)
     assert row.ratio == pytest.approx(2.0) and row.first_equal is True
     assert len(row.workbench_samples) == len(row.llamacpp_samples) == 4 and len(row.load_1m) == 8
     # warm-up, then per measurement a 1-token and a 128-token run; every prompt is the workload's
     assert [m["max_new_tokens"] for m in peer.requests] == [4] + [1, 128] * 4
     assert all(m["prompt"] == [5] * 64 and m["greedy"] for m in peer.requests)
+    assert calls == [("workbench", 4)] + [("workbench", 1), ("workbench", 128)] * 4
     out = capsys.readouterr().out
     sides = re.findall(r"\[\d/2\] (\S+) .* tok/s", out)
     assert sides == ["workbench", "llama.cpp", "llama.cpp", "workbench"] * 2  # A B B A per round
@@ -289,7 +293,7 @@ def _usable_peer() -> tuple[bool, str]:
             "needs a venv with llama-cpp-python: set WORKBENCH_LLAMACPP_PYTHON to its python "
             "(CI has none; the recipe is in README's Benchmarks section)"
         )
-    ok, detail = lb.check_peer(LLAMACPP_PYTHON)
+    ok, detail = LlamaCppPeer.check(LLAMACPP_PYTHON)
     return (True, "") if ok else (False, f"WORKBENCH_LLAMACPP_PYTHON={LLAMACPP_PYTHON} is not usable: {detail}")
 
 

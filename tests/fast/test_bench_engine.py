@@ -1,20 +1,23 @@
 """`workbench bench engine --quick`: the serving workloads run end to end and report every figure;
 `--peer vllm`: its protocol, its helpers and its fallback without vLLM (the real vLLM run needs
-WORKBENCH_VLLM_PYTHON, and skips without it)."""
+WORKBENCH_VLLM_PYTHON, and skips without it).
+
+The end-to-end tests of this module are in tests/e2e/test_bench_engine_e2e.py.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from workbench.bench import peer_bench, vllm_peer
-from workbench.bench.vllm_peer import ProtocolError
+from workbench.bench import harness, peer_bench, peer_wire, peers, prompts, vllm_peer
+from workbench.bench.peer_wire import ProtocolError
 
 
 def test_protocol_messages_round_trip():
     req = vllm_peer.load_request("/m", "bfloat16", 768, seed=3, threads_bind="0-1", kv_cache_gib=0.5)
-    line = vllm_peer.encode_message(req)
+    line = peer_wire.encode_message(req)
     assert line.endswith("\n") and line.count("\n") == 1
-    assert vllm_peer.check_request(vllm_peer.decode_message(line)) == {
+    assert vllm_peer.check_request(peer_wire.decode_message(line)) == {
         "op": "load",
         "model": "/m",
         "dtype": "bfloat16",
@@ -32,8 +35,8 @@ def test_protocol_messages_round_trip():
         "greedy": True,
         "reset_prefix_cache": True,
     }
-    assert vllm_peer.check_request(vllm_peer.decode_message(vllm_peer.encode_message(run))) == run
-    assert vllm_peer.decode_message(vllm_peer.encode_message(vllm_peer.quit_request())) == {"op": "quit"}
+    assert vllm_peer.check_request(peer_wire.decode_message(peer_wire.encode_message(run))) == run
+    assert peer_wire.decode_message(peer_wire.encode_message(peer_wire.quit_request())) == {"op": "quit"}
 
 
 @pytest.mark.parametrize(
@@ -54,37 +57,38 @@ def test_protocol_messages_round_trip():
 )
 def test_protocol_rejects_bad_requests(line, why):
     with pytest.raises(ProtocolError, match=why):
-        vllm_peer.check_request(vllm_peer.decode_message(line))
+        vllm_peer.check_request(peer_wire.decode_message(line))
 
 
 def test_protocol_replies():
     reply = vllm_peer.summarize_outputs([list(range(20)), [7, 8]], 1.5)
     assert reply == {"ok": True, "seconds": 1.5, "output_tokens": 22, "first_ids": [list(range(16)), [7, 8]]}
-    assert vllm_peer.parse_reply(vllm_peer.encode_message(reply)) == reply
+    assert peer_wire.parse_reply(peer_wire.encode_message(reply)) == reply
     try:
         raise KeyError("x")
     except KeyError as exc:
-        err = vllm_peer.error_reply(exc)
+        err = peer_wire.error_reply(exc)
     assert err["ok"] is False and err["error"] == "KeyError: 'x'" and "Traceback" in err["traceback"]
     with pytest.raises(ProtocolError, match="boolean 'ok'"):
-        vllm_peer.parse_reply('{"op": "run"}')
+        peer_wire.parse_reply('{"op": "run"}')
 
 
 def test_bench_helpers():
-    assert peer_bench.cpu_bind_string([1, 0]) == "0-1"
-    assert peer_bench.cpu_bind_string([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
-    assert peer_bench.cpu_bind_string([3]) == "3"
-    both = peer_bench.thread_configs("both", [0, 1])
+    assert peers.cpu_bind_string([1, 0]) == "0-1"
+    assert peers.cpu_bind_string([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert peers.cpu_bind_string([3]) == "3"
+    both = peers.thread_configs("both", [0, 1])
     assert [(c.name, c.workbench_threads, c.vllm_bind) for c in both] == [("default", None, None), ("all 2", 2, "0-1")]
-    assert peer_bench.thread_configs("all", [0, 1, 2, 3])[0].vllm_bind == "0-3"
+    assert peers.thread_configs("all", [0, 1, 2, 3])[0].vllm_bind == "0-3"
     with pytest.raises(ValueError):
-        peer_bench.thread_configs("some", [0])
-    assert peer_bench.count_equal([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == 1
-    assert peer_bench.count_equal([list(range(20))], [list(range(16)) + [0]]) == 1  # only the first 16 count
-    assert peer_bench.goal_text(1.5) == "met" and peer_bench.goal_text(1.49) == "not met"
+        peers.thread_configs("some", [0])
+    assert peers.count_equal([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == 1
+    assert peers.count_equal([list(range(20))], [list(range(16)) + [0]]) == 1  # only the first 16 count
+    assert harness.goal_text(1.5, peer_bench.GOAL) == "met" and harness.goal_text(1.49, peer_bench.GOAL) == "not met"
+    assert harness.goal_text(float("nan"), 1.0) == "n/a" and harness.goal_text(None, 1.0) == "n/a"
     log = "INFO ...\tlocal_rank=0, core ids=[0]\nINFO ...\treserved_cpus=[1]\n"
-    assert peer_bench.vllm_binding(log) == "cores [0], reserved [1]" and peer_bench.vllm_binding("") == ""
-    recipe = peer_bench.install_recipe("/opt/v/bin/python")
+    assert peers.vllm_binding(log) == "cores [0], reserved [1]" and peers.vllm_binding("") == ""
+    recipe = peers.VllmPeer.install_recipe("/opt/v/bin/python")
     for cmd in (
         "python3 -m venv /opt/v",
         "/opt/v/bin/pip install torch==2.13.0",
@@ -102,12 +106,12 @@ def test_measure_throughput_and_decode():
         calls.append(new)
         return 0.5 + 0.01 * new, new * len(prompts), [[9] * new for _ in prompts]
 
-    tput = peer_bench.Workload("i", "i", [[1], [2]], 100)
-    tok_s, ids = peer_bench.measure(fake_run, tput)
+    tput = prompts.Workload("i", "i", [[1], [2]], 100)
+    tok_s, ids = peers.measure(fake_run, tput)
     assert tok_s == pytest.approx(200 / 1.5) and len(ids) == 2 and calls == [100]
     calls.clear()
-    decode = peer_bench.Workload("iii", "iii", [[1]], 128, decode_only=True)
-    tok_s, ids = peer_bench.measure(fake_run, decode)
+    decode = prompts.Workload("iii", "iii", [[1]], 128, decode_only=True)
+    tok_s, ids = peers.measure(fake_run, decode)
     assert calls == [1, 128] and tok_s == pytest.approx(100.0)  # 127 tokens in 1.27 s: prefill subtracted
     row = peer_bench.make_row(tput, "float32", "all 2", [300.0, 310.0, 100.0], [200.0, 210.0, 190.0], [1.0, 2.5])
     assert (row.workbench_tok_s, row.vllm_tok_s, row.ratio) == (300.0, 200.0, 1.5)
@@ -153,7 +157,7 @@ def test_ceiling_counts_what_any_engine_must_compute():
     faster = ceiling.LinearTimes(2, {2: 0.02}, 0.0005, {2: 0.001}, 60.0, {2: 0.5})
     best = peer_bench.best_linear_times(times, faster)
     assert best.decode_step_s == {2: 0.01} and best.prefill_token_s == 0.0005 and best.sgemm_gflops == 60.0
-    wl = peer_bench.Workload("i", "(i)", [[1, 2, 3], [1, 2, 4]], 5)
+    wl = prompts.Workload("i", "(i)", [[1, 2, 3], [1, 2, 4]], 5)
     row = peer_bench.make_row(wl, "float32", "all 2", [100.0], [50.0], [1.0])
     peer_bench.apply_ceilings([row], [wl], {"float32": times})
     assert row.ceiling_tok_s == pytest.approx(10 / 0.046)

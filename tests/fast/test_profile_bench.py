@@ -94,14 +94,15 @@ def test_profiling_leaves_the_model_untouched(tiny_llama):
     from workbench.core.layers import cpu_ops
     from workbench.core.model_loader import prepare_model
 
-    from workbench.bench.model_bench import _prompts, _Workbench
+    from workbench.bench.model_engines import WorkbenchModel
+    from workbench.bench.prompts import torch_random_ids
 
-    wb = _Workbench(prepare_model(str(tiny_llama), progress=False), "float32", 512, False)
+    wb = WorkbenchModel(prepare_model(str(tiny_llama), progress=False), "float32", 512, False)
     model_mod = sys.modules[type(wb.runner.model).__module__]
     before = {name: getattr(model_mod, name) for name in ("silu_and_mul", "apply_rotary", "packed_linear")}
     rope = cpu_ops.rope_inplace
     sample = wb.runner.sample
-    prompts = _prompts(2, 6, 256, seed=1)
+    prompts = torch_random_ids(2, 6, 256, seed=1)
     wb.generate(prompts, 2)
     shapes = [("decode bs=2", "decode", lambda: wb.generate(prompts, 3), "")]
     rows = profile_bench.profile_shapes(wb, "float32", shapes, 1, profile_bench.time.perf_counter)

