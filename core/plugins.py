@@ -11,14 +11,15 @@ is reported (`PluginInfo.error`) and skipped; it never takes the host down.
 Factories are plain callables; a plugin should import heavy modules (textual,
 ipywidgets) inside its factories so that loading the registry stays cheap.
 
-The host lives in the core (the scheduler looks policies up here) and imports no
-view: built-ins are named by module path and imported only when registering.
-Plugin authors import it as `workbench.plugins`, which re-exports this module.
+The host lives in the core (the scheduler looks policies up here) and imports
+nothing above it: the built-ins, which sit above the core (they name TUI panels and
+Jupyter views), reach it only through their entry point, which the package's
+metadata (`pip install -e .`) declares. Plugin authors import it as
+`workbench.plugins`, which re-exports this module.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import traceback
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 GROUP = "workbench.plugins"
+#: The built-ins' entry point, as pyproject.toml declares it.
+BUILTIN_ENTRY_POINT = "workbench.builtin_plugins:register"
 
 
 @dataclass
@@ -148,10 +151,11 @@ def load_plugins(reload: bool = False) -> PluginRegistry:
     reg = PluginRegistry()
     eps = sorted(entry_points(group=GROUP), key=lambda ep: (ep.name != "builtin", ep.name))
     if not any(ep.name == "builtin" for ep in eps):
-        # Running from a source tree without installed metadata: built-ins still load (by name,
-        # like an entry point: the list of built-ins sits above the core).
-        builtin = importlib.import_module("workbench.builtin_plugins")
-        reg.load(builtin.register, "builtin", "workbench.builtin_plugins")
+        # The core never imports the built-ins by name (they sit above it, beside the CLI): without
+        # the package's metadata there is no entry point to find them by, and `workbench plugins` says so.
+        why = f"no entry point 'builtin' in group {GROUP}: the package's metadata is missing (pip install -e .)"
+        reg.plugins.append(PluginInfo("builtin", BUILTIN_ENTRY_POINT, error=why))
+        logger.warning("built-in plugins not loaded: %s", why)
     for ep in eps:
         dist = getattr(getattr(ep, "dist", None), "name", "") or ""
         try:

@@ -319,7 +319,7 @@ def format_stats(m: dict) -> str:
 
 
 def cmd_record(args) -> int:
-    from workbench.workloads import record_workload
+    from workbench.scenarios import record_workload
 
     return record_workload(args) or 0
 

@@ -318,3 +318,34 @@ def record_run(
         handle.close()
         recorder.close()
     return RecordResult(output, time.monotonic() - t0, completed, failed, aborted, sightings)
+
+
+def record_workload(args) -> int:
+    """`workbench record`: run a workload (`--workload`, `--num-requests` of them) or a scenario
+    (`--scenario`, for `--duration` seconds) and write the trace as JSONL. It lives here, above
+    workloads.py, because it needs both (workloads never import scenarios)."""
+    from workbench.core.args import ServerArgs
+
+    sa = ServerArgs.from_cli_args(args)
+    sa.record = None
+    name = getattr(args, "scenario", None)
+    if name:
+        scenario = get_scenario(name)
+        sa = scenario.server_args(sa)
+        make_runner = lambda engine: scenario.runner(engine, rate=args.rate, max_requests=args.num_requests)  # noqa: E731
+        num = args.num_requests
+        duration = args.duration if args.duration is not None else (None if num else 60.0)
+    else:
+        num = args.num_requests or 16
+        make_runner = lambda engine: WorkloadRunner(  # noqa: E731
+            engine,
+            args.workload,
+            args.rate or 4.0,
+            max_new_tokens=args.max_new_tokens,
+            max_requests=num,
+            temperature=0.0,
+        )
+        duration = args.duration
+    result = record_run(sa, args.output, make_runner, num_requests=num, duration_s=duration)
+    print(result.summary())
+    return 0 if result.failed == 0 else 1

@@ -19,20 +19,41 @@ reports exactly that difference). The parts are the stretches between these mome
 Every boundary is clamped into [previous boundary, first token], so no part is negative and the
 parts always sum to the TTFT exactly (in ns), also when an event was lost or a step has left the
 step ring (that part is then coarser, not wrong in total). Pure: a function of a TraceState, used
-by the TUI's request detail and the Dashboard's Gantt alike.
+by the TUI's request detail and the Dashboard's Gantt alike. It reads the state through
+`TracePicture`, the four attributes it needs, so this module does not import the reducer
+(state.py imports it for TraceState.ttft_parts).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from workbench.core.trace.views import TERMINAL_STATES, StepView
+from workbench.core.trace.views import TERMINAL_STATES, RequestView, StepView
 
-if TYPE_CHECKING:
-    from workbench.core.trace.state import TraceState
+
+class TracePicture(Protocol):
+    """What the breakdown reads off a TraceState (state.py's reducer writes these)."""
+
+    @property
+    def requests(self) -> Mapping[str, RequestView]: ...
+
+    @property
+    def steps(self) -> Iterable[StepView]:
+        """The steps still in the ring."""
+        ...
+
+    @property
+    def last_ts(self) -> int: ...
+
+    @property
+    def req_replica(self) -> Mapping[str, str]:
+        """rid -> the scheduler process holding it (data parallel)."""
+        ...
+
 
 #: Part kinds, in order.
 PART_KINDS = ("arrived", "queued", "prefill", "first_token")
@@ -80,7 +101,7 @@ class StepIndex:
     """The steps still in a TraceState's ring, by id and by time. Build it once to explain many
     requests (a Gantt of 40 rows) instead of scanning the ring for each."""
 
-    def __init__(self, state: TraceState):
+    def __init__(self, state: TracePicture):
         self._by_id: dict[tuple[str, int], StepView] = {}
         self._by_step: dict[int, StepView] = {}
         rows = []
@@ -163,7 +184,7 @@ class TtftBreakdown:
         return f"{head} {fmt_dur(self.ttft_ns)} = " + " + ".join(terms)
 
 
-def ttft_breakdown(state: TraceState, rid: str, index: StepIndex | None = None) -> TtftBreakdown | None:
+def ttft_breakdown(state: TracePicture, rid: str, index: StepIndex | None = None) -> TtftBreakdown | None:
     """The TTFT of request `rid` in parts (TraceState.ttft_parts); None when its arrival is not
     in the trace. A request without a first token yet gets the parts so far (`partial`)."""
     r = state.requests.get(rid)
