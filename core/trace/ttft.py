@@ -191,13 +191,14 @@ def ttft_breakdown(state: TracePicture, rid: str, index: StepIndex | None = None
     if r is None or r.arrival_ts is None:
         return None
     partial = r.first_token_ts is None
-    if not partial:
+    end: int
+    if r.first_token_ts is not None:
         end = r.first_token_ts
     elif r.state in TERMINAL_STATES:
         end = r.finish_ts if r.finish_ts is not None else state.last_ts
     else:
         end = state.last_ts
-    t0 = r.arrival_ts
+    t0: int = r.arrival_ts
     end = max(end, t0)
     idx = index if index is not None else StepIndex(state)
     proc = state.req_replica.get(rid)
