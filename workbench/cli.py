@@ -214,7 +214,7 @@ def _add_bench_parsers(bench_sub) -> None:
 # ---- commands ------------------------------------------------------------------------
 def _bench_serve(args) -> int:
     if args.peer == "vllm":  # both servers started here, vLLM's client against each
-        from workbench.bench.peer_bench import PeerError
+        from workbench.bench.peers import PeerError
         from workbench.bench.served_peer import run_served_peer
 
         if args.max_concurrency is None:
@@ -345,7 +345,7 @@ def cmd_bench_engine(args) -> int:
 
         return run_llamacpp_bench(args)
     from workbench.bench.engine_bench import run_engine_bench
-    from workbench.bench.peer_bench import PeerError
+    from workbench.bench.peers import PeerError
 
     try:
         run_engine_bench(args)
