@@ -5,7 +5,7 @@ A forward pass on CPU allocates many such tensors (a bs-32 decode step's MLP act
 ~400 KB, a 512-token prefill's ~3 MB), so every pass maps fresh pages and takes a page fault on
 each first touch. Raising the mmap threshold to 32 MiB (glibc's ceiling) and keeping freed
 memory in the heap makes later passes reuse warm pages. Measured on the 2-core target with
-the default model: prefill of 512 tokens and bs-32 decode ~10-15% faster (README, Benchmarks).
+the default model: prefill of 512 tokens and bs-32 decode ~10-15% faster (docs/benchmarks.md).
 jemalloc or tcmalloc via LD_PRELOAD do the same, as CPU serving stacks recommend; this needs no
 extra library. The setting is per process, so the scheduler applies it to itself.
 """

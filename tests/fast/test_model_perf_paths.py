@@ -305,7 +305,7 @@ def test_bench_model_quick_runs_end_to_end(tiny_dirs, tmp_path):
 
 def test_bench_model_cuda_flags(tiny_dirs):
     """`--device cuda` without a GPU, or with the CPU clock, is a clear error (the GPU run itself is in
-    the README's H100 table; it needs a GPU)."""
+    docs/gpu.md's H100 table; it needs a GPU)."""
     from workbench.bench.model_bench import add_parser, run_model_bench
 
     parser = argparse.ArgumentParser()
