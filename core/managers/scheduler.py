@@ -33,6 +33,7 @@ import os
 import signal
 import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import zmq
 from workbench.core.args import ServerArgs
@@ -54,6 +55,7 @@ from workbench.core.io_struct import (
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDistributedReq,
     UpdateWeightsFromTensorReq,
+    UpdateWeightsReqOutput,
 )
 from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_msg
 from workbench.core.managers.schedule_batch import FinishReason, Req, ScheduleBatch
@@ -80,6 +82,10 @@ from workbench.core.model_executor.forward_batch_info import ForwardMode
 from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 from workbench.core.trace.tracer import Tracer
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from workbench.core.model_executor.cpu_threads import AdaptiveThreads, ThreadPlan
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +140,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.token_to_kv_pool_allocator = runner.token_to_kv_pool_allocator
         self.tokenizer = tokenizer if tokenizer is not None else _load_fast_tokenizer(runner.prepared.model_dir)
         # Structured outputs: made at the first constrained request (it loads transformers' tokenizer).
-        self.grammar_backend = None
+        self.grammar_backend: GrammarBackend | None = None
 
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
         self.tree_cache = cache_cls(
@@ -152,7 +158,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.max_req_input_len = self.model_config.context_len - 1
 
         self.waiting_queue: list[Req] = []
-        self.adaptive_threads = None  # set by init_adaptive_threads (CPU, one rank per node)
+        self.adaptive_threads: AdaptiveThreads | None = None  # set by init_adaptive_threads (CPU, one rank per node)
         self.held_back: list[HeldBack] = []  # waiting requests the last prefill held back (trace)
         self.narrator = StepNarrator(self.token_to_kv_pool_allocator)  # batch.decision (trace)
         # Speculative decoding: drafts per request per step. They are proposed from the previous step's
@@ -194,7 +200,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.enable_overlap = server_args.disable_overlap_schedule is False
         self.inflight: InflightBatch | None = None
         self.overlap_worker: OverlapWorker | None = overlap_worker
-        self.thread_plan = None  # the compute threads' plan (init_adaptive_threads)
+        self.thread_plan: ThreadPlan | None = None  # the compute threads' plan (init_adaptive_threads)
         # KV integrity check when the loop goes idle (scheduler_kv_check.py); once per idle period.
         self.kv_check_enabled = kv_check_enabled(server_args)
         self._kv_checked_idle = True
@@ -202,7 +208,12 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         if io is None:
             # Ranks > 0 get their input by broadcast from rank 0 and compute the same outputs,
             # which rank 0 alone sends.
-            io = ZmqSchedulerIO(port_args) if tp_rank == 0 else _DiscardingIO()
+            if tp_rank > 0:
+                io = _DiscardingIO()
+            elif port_args is None:
+                raise ValueError("a Scheduler without port_args needs its io (e.g. scheduler_contract.ListIO)")
+            else:
+                io = ZmqSchedulerIO(port_args)
         self.io: SchedulerIO = io
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
@@ -247,7 +258,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             msgs = self.step_clock.recv(self)
         if self.tp_size > 1:
             msgs = broadcast_msgs(msgs)
-        return msgs
+        return msgs if msgs is not None else []
 
     def process_input_requests(self, recv_reqs: list) -> None:
         for msg in recv_reqs:
@@ -531,12 +542,14 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         anything that reads those slots is launched after it.
         """
         req = self.chunked_req
+        assert req is not None, "continue_chunked_req needs a chunked request"
+        # (mypy: Req.req_pool_idx is Optional until a row is given; a chunked request has one)
         if req.to_abort is None:
-            self.tree_cache.cache_unfinished_req(req)
+            self.tree_cache.cache_unfinished_req(req)  # type: ignore[arg-type]
             return
         self.sync_inflight()  # overlap: let its last chunk's result be processed first
         req.finished_reason = FinishReason("abort", message=req.to_abort)
-        self.tree_cache.cache_finished_req(req, kv_len=req.kv_len)
+        self.tree_cache.cache_finished_req(req, kv_len=req.kv_len)  # type: ignore[arg-type]
         self.chunked_req = None
         self.stream_output([req])
 
@@ -583,14 +596,15 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
 
     def release_req_kv(self, req: Req) -> None:
         """Free a request's own KV slots and row; the cached prefix stays in the tree."""
-        table = self.req_to_token_pool.req_to_token
+        table, row = self.req_to_token_pool.req_to_token, req.req_pool_idx
+        assert row is not None, f"{req.rid} holds no request row"
         # With ChunkCache (--disable-radix-cache) prefix_indices are the request's own slots
         # (record_unfinished_req_without_caching): nothing is in a tree, all of them are freed.
         p = 0 if isinstance(self.tree_cache, ChunkCache) else len(req.prefix_indices)
         if req.kv_len > p:
-            self.token_to_kv_pool_allocator.free(table[req.req_pool_idx, p : req.kv_len].clone())
+            self.token_to_kv_pool_allocator.free(table[row, p : req.kv_len].clone())
         self.tree_cache.dec_lock_ref(req.last_node)
-        self.req_to_token_pool.free(req.req_pool_idx)
+        self.req_to_token_pool.free(row)
 
     # ==== running ==================================================================
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
@@ -761,7 +775,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             if getattr(msg, "flush_cache", True):
                 self.flush_cache()  # every cached KV entry was computed with the old weights
             self.weights_version = getattr(self, "weights_version", 0) + 1
-            reply.version = self.weights_version
+            if isinstance(reply, UpdateWeightsReqOutput):
+                reply.version = self.weights_version
             if self.tracer.enabled:
                 self.tracer.emit(ev.WeightsUpdated(source=source, version=self.weights_version))
                 self.tracer.flush()
@@ -811,7 +826,7 @@ class _DiscardingIO:
         pass
 
 
-def load_fast_tokenizer(model_dir) -> TextDecoder:
+def load_fast_tokenizer(model_dir) -> Tokenizer:
     """The `tokenizers` library directly: fast to load, no transformers import in this process."""
     from pathlib import Path
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from workbench.core.managers.schedule_batch import ScheduleBatch
+    from workbench.core.managers.scheduler_contract import OverlapWorker
 
 
 @dataclass
@@ -53,6 +54,8 @@ class InflightBatch:
 
 
 class SchedulerOverlapMixin:
+    overlap_worker: OverlapWorker | None  # the launch-now, resolve-later client (Scheduler.__init__)
+
     # ==== the event loop ==========================================================
     def event_loop_overlap(self) -> None:
         """The overlap loop (`disable_overlap_schedule=False`); same results as `event_loop_normal`."""

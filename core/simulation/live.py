@@ -40,6 +40,7 @@ import time
 
 from workbench.core.args import ServerArgs
 from workbench.core.io_struct import BatchTokenIDOut, GetInternalStateReqOutput, TokenizedGenerateReqInput
+from workbench.core.ipc import PortArgs
 from workbench.core.managers.schedule_batch import ModelWorkerBatch, ScheduleBatch
 from workbench.core.managers.scheduler import ZmqSchedulerIO, load_fast_tokenizer
 from workbench.core.managers.scheduler_contract import (
@@ -97,6 +98,7 @@ def simulated_deployment(sa: ServerArgs) -> tuple[ServerArgs, Deployment]:
 
 
 def _cost_model(sa: ServerArgs) -> CostModel:
+    assert sa.model_path and sa.simulate, "sized_args checked both"
     spec, hw = model_spec(sa.model_path), get_hardware(sa.simulate)
     calibration = shipped(hw.name, spec.name) if sa.tp_size == 1 else None  # as Simulator's "auto"
     return CostModel(spec, hw, sa.tp_size, default_dtype_bytes(calibration, hw.name), 1.0, calibration)
@@ -104,7 +106,7 @@ def _cost_model(sa: ServerArgs) -> CostModel:
 
 def _draft_cost(sa: ServerArgs, target: CostModel) -> CostModel | None:
     """STANDALONE: the draft model's cost (a known model or a config.json), on the target's devices."""
-    if sa.speculative_algorithm != "STANDALONE":
+    if sa.speculative_algorithm != "STANDALONE" or not sa.speculative_draft_model_path:
         return None
     draft = model_spec(sa.speculative_draft_model_path)
     return CostModel(draft, target.hw, sa.tp_size, target.dtype_bytes, 1.0, None)
@@ -438,6 +440,7 @@ def build_worker(
     cost = _cost_model(sa)
     spec = cost.model
     context = min(spec.context_len, sa.context_length or spec.context_len)
+    assert sa.max_total_tokens is not None, "sized_args sized the pool"
     runner = sim_runner(spec, sa.max_total_tokens, sa.max_running_requests, context)
     runner.model_config.vocab_size = min(spec.vocab, vocab)  # ids the stand-in tokenizer can decode
     runner.model_config.eos_token_ids = []  # random ids never mean "stop": requests run to their limit
@@ -465,13 +468,16 @@ def stand_in_model_dir():
     return prepare_model(ServerArgs().model_path, progress=False).model_dir
 
 
-def scheduler_parts(sa: ServerArgs, port_args, tp_rank: int = 0, tp_size: int = 1, dp_rank: int = 0) -> SchedulerParts:
+def scheduler_parts(
+    server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0, tp_size: int = 1, dp_rank: int = 0
+) -> SchedulerParts:
     """The SchedulerFactory of a simulated deployment (run_scheduler_process calls it): the real
     Scheduler on its ZMQ I/O, handed a simulated worker, a step clock keeping the clock the engine
     shared (trace/clock.py), and the stand-in tokenizer (stop strings, previews). One process stands
     for every device of a replica (tp_size 1). A data-parallel replica stamps with its own time
     (`ReplicaClock`). Speculative decoding runs the scheduler's NGRAM path with `SimDrafter`'s drafts,
     each kept with --speculative-accept-rate, and STANDALONE costs the draft model's passes."""
+    sa = server_args
     shared = trace_clock.current()
     if not isinstance(shared, trace_clock.SharedClock):
         raise RuntimeError("a simulated scheduler needs the engine's shared clock (PortArgs.extra['shared_clock'])")
@@ -531,7 +537,7 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
     async def one(i: int, obj: GenerateReqInput) -> None:
         async for out in tm.generate_request(obj):
             metas[i] = out["meta_info"]
-            if obj.forced_output_ids:
+            if obj.forced_output_ids and obj.rid is not None:
                 outputs[obj.rid] = out["output_ids"]
         if progress is not None:
             progress(len(metas), len(workload), (clock.now_ns() - base) / 1e9)

@@ -132,10 +132,12 @@ class SimWorker:
         row j agrees with d(j+1) with probability accept_rate while every earlier draft was agreed
         with; a row that disagrees samples anything but the draft (the scheduler keeps drafts up to
         the first)."""
+        assert mwb.spec_rows is not None and self.accept_rate is not None
+        accept_rate = self.accept_rate
         inputs, out, offset = mwb.input_ids.tolist(), ids.tolist(), 0
         for i, n in enumerate(mwb.spec_rows):
             want = reqs[i].forced_output_ids if reqs else None
-            if want is not None:
+            if reqs and want is not None:
                 pos = len(reqs[i].output_ids)
                 recorded = want[pos : pos + n]
                 out[offset : offset + len(recorded)] = recorded
@@ -144,7 +146,7 @@ class SimWorker:
             agreeing = True
             for j in range(n - 1):
                 draft = inputs[offset + j + 1]
-                agreeing = agreeing and self.accept_rng.random() < self.accept_rate
+                agreeing = agreeing and self.accept_rng.random() < accept_rate
                 if agreeing:
                     out[offset + j] = draft
                 elif out[offset + j] == draft:
@@ -295,7 +297,7 @@ def request_prompt(i: int, r: SimRequest, seed: int, vocab: int) -> list[int]:
         return list(r.prompt_ids)
     shared = min(r.prefix_len, r.prompt_len) if r.group is not None else 0
     own = np.random.default_rng(seed * 1_000_003 + i).integers(FIRST_TOKEN, vocab, r.prompt_len - shared)
-    if not shared:
+    if not shared or r.group is None:
         return own.tolist()
     prefix = np.random.default_rng(seed * 7919 + 104729 * (r.group + 1)).integers(FIRST_TOKEN, vocab, shared)
     return prefix.tolist() + own.tolist()
@@ -373,7 +375,9 @@ class _Replica:
     def __init__(self, sim: Simulator, rank: int, proc: str, seed: int, trace_sink):
         self.rank = rank
         self.clock = SimClock()
-        self.runner = sim_runner(sim.spec, sim.args.max_total_tokens, sim.args.max_running_requests, sim.context)
+        pool = sim.args.max_total_tokens
+        assert pool is not None  # Simulator sizes it from the cost model unless given
+        self.runner = sim_runner(sim.spec, pool, sim.args.max_running_requests, sim.context)
         self.worker = SimWorker(self.runner, sim.cost, self.clock, seed, sim.accept_rate)
         self.io = ListIO()
         self.tracer = Tracer(proc, sink=trace_sink, enabled=trace_sink is not None, clock=self.clock.ns)
@@ -577,9 +581,10 @@ class Simulator:
         if self.balancer is not None:
             d = self.balancer.choose(rid, ids)
             rank = d.dp_rank
-            if self.controller_tracer.enabled:
+            tracer = self.controller_tracer
+            if tracer is not None and tracer.enabled:
                 self._dispatch_clock.now = at
-                self.controller_tracer.emit(
+                tracer.emit(
                     ReqDispatched(
                         rid=rid,
                         dp_rank=rank,
@@ -588,7 +593,7 @@ class Simulator:
                         loads=list(self.balancer.load),
                     )
                 )
-                self.controller_tracer.flush()
+                tracer.flush()
         rep = self.replicas[rank]
         rep.clock.now = max(rep.clock.now, at)
         rep.requests += 1

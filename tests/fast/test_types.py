@@ -27,6 +27,11 @@ TYPED = [
     "core/mem_cache",
     *(f"core/trace/{name}.py" for name in ("bus", "clock", "events", "experts", "otel", "palette", "perfetto")),
     *(f"core/trace/{name}.py" for name in ("recorder", "replay", "speculative", "tracer", "views")),
+    # the scheduler's contract, the scheduler, and the simulator's worker (offline and live)
+    "core/managers/scheduler_contract.py",
+    "core/managers/scheduler.py",
+    "core/simulation/simulator.py",
+    "core/simulation/live.py",
 ]
 
 
