@@ -291,6 +291,7 @@ class LlamaForCausalLM(nn.Module):
     # prefixes renamed to ours (Mixtral's block_sparse_moe is our mlp).
     expert_params: tuple[tuple[str, str], ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
+    lm_head: VocabParallelEmbedding  # a ParallelLMHead, or the input embedding when the two are tied
 
     def __init__(self, config):
         super().__init__()

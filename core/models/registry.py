@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from torch import nn
 from workbench.core.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from workbench.core.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from workbench.core.models.mixtral import MixtralForCausalLM
@@ -11,7 +10,8 @@ from workbench.core.models.phi3 import Phi3ForCausalLM
 from workbench.core.models.qwen3 import Qwen3ForCausalLM
 from workbench.core.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+# Every architecture's class is a LlamaForCausalLM (the runner calls its load_weights, compute_logits, lm_head).
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -25,7 +25,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
