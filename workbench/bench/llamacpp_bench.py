@@ -300,7 +300,7 @@ def run_llamacpp_bench(args) -> int:
     for dtype in dtypes:
         if dtype not in GGUF_TYPES:
             raise ValueError(f"--peer llamacpp compares float32 or bfloat16, not {dtype}")
-    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ncpu = len(harness.bench_cpus())
     counts = thread_counts(getattr(args, "threads", None), ncpu)
 
     hf_dir = prepare_model(sa.model_path, progress=True).model_dir

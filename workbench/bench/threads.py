@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import random
 import socket
 import statistics
@@ -36,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from workbench.bench.harness import bench_cpus, load_1m
 from workbench.bench.prompts import random_ids
 
 NEIGHBOURS = ("quiet", "busy", "tui")
@@ -92,7 +92,7 @@ class Neighbour:
         if self.kind == "busy":
             ctx = mp.get_context("spawn")
             self.stop_event = ctx.Event()
-            n = max(1, len(os.sched_getaffinity(0)) - 1)
+            n = max(1, len(bench_cpus()) - 1)
             self.procs = [ctx.Process(target=_busy_loop, args=(self.stop_event,), daemon=True) for _ in range(n)]
             for p in self.procs:
                 p.start()
@@ -162,7 +162,7 @@ def _run(engine, prompts, new_tokens: int, timeout_s: float, decode_only: bool) 
 def run_threads_bench(args: argparse.Namespace) -> list[PolicyResult]:
     from workbench.core.engine import Engine
 
-    cores = len(os.sched_getaffinity(0))
+    cores = len(bench_cpus())
     policies = [
         ("adaptive (default)", {}),
         ("--num-threads 1", {"num_threads": 1}),
@@ -197,10 +197,11 @@ def run_threads_bench(args: argparse.Namespace) -> list[PolicyResult]:
                     ):
                         engine.flush_cache()  # every cell computes its prompts
                         tok_s, cut = _run(engine, prompts, new, args.cell_timeout, decode_only)
-                        res.cells.append(Cell(name, neighbour, workload, tok_s, os.getloadavg()[0], cut))
+                        load = load_1m()
+                        res.cells.append(Cell(name, neighbour, workload, tok_s, load, cut))
                         print(
                             f"[bench threads] {name:<20} {neighbour:<6} {workload:<5} {tok_s:8.1f} tok/s"
-                            f"{' (cut short)' if cut else ''}  load {os.getloadavg()[0]:.2f}",
+                            f"{' (cut short)' if cut else ''}  load {load:.2f}",
                             file=sys.stderr,
                             flush=True,
                         )
@@ -279,7 +280,7 @@ def cmd(args: argparse.Namespace) -> int:
     if "quiet" not in args.neighbours:
         print("workbench bench threads: --neighbours must include quiet (the reference)", file=sys.stderr)
         return 2
-    print(f"cores: {len(os.sched_getaffinity(0))}; load average at start {os.getloadavg()[0]:.2f}")
+    print(f"cores: {len(bench_cpus())}; load average at start {load_1m():.2f}")
     results = run_threads_bench(args)
     for res in results:
         print(f"{res.policy}: {res.threads_line}")
