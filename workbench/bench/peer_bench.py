@@ -270,8 +270,8 @@ def _measure_config(engine, peer: PeerEngine, workloads: list[Workload], dtype: 
     # the idle side's processes: the Engine's children (scheduler ranks, detokenizer; its tokenizer
     # manager is this process, which drives the measurement) and vLLM's driver with its children
     pids = {"workbench": [p.pid for p in engine.procs.values()], "vLLM": peer.pids()}
-    for run in sides.values():  # warm-up, both engines
-        run(workloads[0].prompts[:2], 4)
+    sides["workbench"](workloads[0].prompts[:2], 4)  # warm-up, both engines
+    peer.warm(workloads[0].prompts[:2])
     for wl in workloads:
 
         def report(turn, value, load1, idle, wl=wl):
