@@ -46,6 +46,8 @@ class TpModelWorker:
         logits = self.model_runner.forward(fb)
         if mwb.spec_rows is not None:
             # Speculative verify: a token at every position (the target's choice after each draft).
+            if logits.all_logits is None:  # a verify batch asks for them (return_all_logits)
+                raise RuntimeError("a speculative verify pass needs the logits of every position")
             rows = LogitsOutput(next_token_logits=logits.all_logits, routing=logits.routing)
             return ForwardOutput(rows, self.model_runner.sample(rows, mwb.sampling_info), None)
         sampler_out = self.model_runner.sample(logits, mwb.sampling_info, mwb.return_logprob, mwb.top_logprobs_num)

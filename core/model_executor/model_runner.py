@@ -171,7 +171,10 @@ class ModelRunner:
         """One pass: next-token logits (and, for a mixture of experts, where its tokens were routed)."""
         out = self._forward(fb)
         if self.moe_blocks:
-            out.routing = [block.experts.last_topk_ids for _, block in self.moe_blocks]
+            ids = [block.experts.last_topk_ids for _, block in self.moe_blocks]
+            recorded = [layer_ids for layer_ids in ids if layer_ids is not None]
+            # Every sparse layer records its tokens' experts in each pass; short of that, no routing.
+            out.routing = recorded if len(recorded) == len(ids) else None
         return out
 
     @torch.inference_mode()

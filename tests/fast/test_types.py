@@ -26,7 +26,10 @@ MAPPED = {"core": "core", "tui": "tui", "widgets": "widgets"}
 TYPED = [
     "core/mem_cache",
     *(f"core/trace/{name}.py" for name in ("bus", "clock", "events", "experts", "otel", "palette", "perfetto")),
-    *(f"core/trace/{name}.py" for name in ("recorder", "replay", "speculative", "tracer", "views")),
+    *(f"core/trace/{name}.py" for name in ("recorder", "replay", "speculative", "tracer", "ttft", "views")),
+    # the real model worker
+    "core/managers/tp_worker.py",
+    "core/model_executor/model_runner.py",
     # the scheduler's contract, the scheduler, and the simulator's worker (offline and live)
     "core/managers/scheduler_contract.py",
     "core/managers/scheduler.py",
@@ -55,23 +58,31 @@ def lay_out_package() -> Path:
 
 
 def mypy_targets(paths: list[str]) -> list[str]:
-    """`-p`/`-m` arguments naming each path's module (core/x/y.py -> workbench.core.x.y)."""
+    """`-p`/`-m` arguments naming each path's module (core/x/y.py -> workbench.core.x.y); a path
+    outside the package (a test helper) is passed as it is."""
     args: list[str] = []
     for path in paths:
-        top, _, rest = path.partition("/")
-        module = ".".join(["workbench", MAPPED.get(top, top), *Path(rest).with_suffix("").parts])
-        args += ["-p" if (ROOT / path).is_dir() else "-m", module]
+        parts = Path(path).with_suffix("").parts
+        if parts[0] in MAPPED:
+            parts = ("workbench", *parts)
+        elif parts[0] != "workbench":
+            args.append(path)
+            continue
+        args += ["-p" if (ROOT / path).is_dir() else "-m", ".".join(parts)]
     return args
 
 
-def run_mypy(paths: list[str]) -> subprocess.CompletedProcess:
+def run_mypy(targets: list[str], *options: str) -> subprocess.CompletedProcess:
+    """mypy over `targets` (mypy_targets' arguments or files), its report with repository paths."""
     lay_out_package()
     proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), *mypy_targets(paths)],
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), *options, *targets],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
+        # the test helpers (tests/scheduler_harness.py ...) import each other by their bare names
+        env={**os.environ, "MYPYPATH": str(ROOT / "tests")},
     )
     proc.stdout = "".join(map(_repo_path, proc.stdout.splitlines(keepends=True)))
     return proc
@@ -88,27 +99,60 @@ def _repo_path(line: str) -> str:
 
 def test_mypy_finds_no_type_error_in_the_typed_core():
     pytest.importorskip("mypy", reason="mypy is not installed: pip install -e '.[test]' brings it")
-    proc = run_mypy(TYPED)
+    proc = run_mypy(mypy_targets(TYPED))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
 def test_mypy_reports_an_error_in_a_checked_module(tmp_path):
     """The check is live: a wrong annotation in a module under TYPED is reported, at its own path."""
     pytest.importorskip("mypy", reason="mypy is not installed: pip install -e '.[test]' brings it")
-    lay_out_package()
     bad = tmp_path / "bad.py"
     bad.write_text("from workbench.core.mem_cache.radix_cache import RadixCache\n\nx: RadixCache = 3\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), str(bad)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_mypy([str(bad)])
     assert proc.returncode == 1 and "bad.py:3: error" in proc.stdout, proc.stdout + proc.stderr
 
 
+# The scheduler's model worker has three implementations: the real one, the tests' stand-in and the
+# simulator's; and two overlap clients. Each must satisfy its Protocol in scheduler_contract.py.
+CONFORMANCE = """
+from scheduler_harness import StandInWorker
+from workbench.core.managers.scheduler_contract import ModelWorker, OverlapWorker
+from workbench.core.managers.tp_worker import TpModelWorker
+from workbench.core.managers.tp_worker_overlap_thread import TpModelWorkerClient
+from workbench.core.simulation.simulator import SimOverlapClient, SimWorker
+
+
+def real(w: TpModelWorker) -> ModelWorker:
+    return w
+
+
+def stand_in(w: StandInWorker) -> ModelWorker:
+    return w
+
+
+def simulated(w: SimWorker) -> ModelWorker:
+    return w
+
+
+def real_overlap(w: TpModelWorkerClient) -> OverlapWorker:
+    return w
+
+
+def simulated_overlap(w: SimOverlapClient) -> OverlapWorker:
+    return w
+"""
+
+
+def test_every_model_worker_implements_the_scheduler_contract(tmp_path):
+    pytest.importorskip("mypy", reason="mypy is not installed: pip install -e '.[test]' brings it")
+    check = tmp_path / "workers_conform.py"
+    check.write_text(CONFORMANCE)
+    # A class that did not resolve would be Any and conform to anything: that is an error here.
+    proc = run_mypy([str(check)], "--disallow-any-unimported")
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
 if __name__ == "__main__":
-    result = run_mypy(sys.argv[1:] or TYPED)
+    result = run_mypy(mypy_targets(sys.argv[1:] or TYPED))
     sys.stdout.write(result.stdout + result.stderr)
     sys.exit(result.returncode)
