@@ -37,6 +37,7 @@ from workbench.core.managers.scheduler_contract import (
     ListIO,
     PoolModelConfig,
     PoolRunner,
+    StepClock,
 )
 from workbench.core.mem_cache.memory_pool import TokenToKVPoolAllocator
 from workbench.core.model_executor.forward_batch_info import ForwardMode
@@ -152,7 +153,14 @@ class SchedulerHarness:
     """A Scheduler with a stand-in worker and list I/O, stepped by hand."""
 
     def __init__(
-        self, *, context_len: int = 1024, overlap: bool = False, check: bool = True, rule=next_token, **server_args
+        self,
+        *,
+        context_len: int = 1024,
+        overlap: bool = False,
+        check: bool = True,
+        rule=next_token,
+        step_clock: StepClock | None = None,
+        **server_args,
     ):
         server_args.setdefault("max_total_tokens", 4096)
         server_args.setdefault("chunked_prefill_size", -1)
@@ -162,7 +170,15 @@ class SchedulerHarness:
         self.io = ListIO(roundtrip=True)  # messages through msgspec both ways, as over ZMQ
         self.events: list = []
         tracer = Tracer("scheduler", sink=self.events.extend, enabled=True)
-        self.s = Scheduler(self.args, None, worker=self.worker, io=self.io, tokenizer=_Tokenizer(), tracer=tracer)
+        self.s = Scheduler(
+            self.args,
+            None,
+            worker=self.worker,
+            io=self.io,
+            tokenizer=_Tokenizer(),
+            tracer=tracer,
+            step_clock=step_clock,
+        )
         self.overlap = overlap
         if overlap:
             self.s.init_overlap_worker()

@@ -14,7 +14,13 @@ import random
 
 import pytest
 from scheduler_harness import SchedulerHarness, expected_tokens
-from workbench.core.io_struct import AbortReq, GetInternalStateReqOutput, StepGateReq, StepGateReqOutput
+from workbench.core.io_struct import (
+    AbortReq,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    StepGateReq,
+    StepGateReqOutput,
+)
 from workbench.core.managers.schedule_policy import IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD as THRESHOLD
 from workbench.core.managers.scheduler_kv_check import KV_CHECK_ENV, KVInvariantError
 from workbench.core.trace import events as ev
@@ -533,3 +539,41 @@ def test_tokens_go_out_by_sglangs_stream_rule_unless_a_view_listens(overlap):
     watched = run(trace=True)
     assert watched.sends["quiet"] == [1] * (2 * NON_STREAM_INTERVAL + 19)
     assert watched.sends["stream"] == [1, 3, 3, 3]
+
+
+# ==== the step clock seam (scheduler_contract.StepClock) ====================================================
+@BOTH_LOOPS
+def test_a_step_clock_handed_in_takes_every_receive_and_sees_every_step(overlap):
+    """The Scheduler's top of loop, end of step and internal state go through the StepClock it is handed
+    (the live simulator keeps its simulated time there): every receive is the clock's, `after_step`
+    sees each step's batch (None when nothing ran), and `fill_state` adds to get_internal_state."""
+    from workbench.core.managers.scheduler_contract import HostStepClock
+
+    class Recording(HostStepClock):
+        def __init__(self):
+            self.received, self.after = 0, []
+
+        def recv(self, scheduler):
+            msgs = super().recv(scheduler)
+            self.received += len(msgs)
+            return msgs
+
+        def after_step(self, scheduler, batch):
+            self.after.append(None if batch is None else [r.rid for r in batch.reqs])
+
+        def fill_state(self, state):
+            state.received_total = self.received
+
+    clock = Recording()
+    h = SchedulerHarness(overlap=overlap, step_clock=clock)
+    h.submit("a", prompt(1, 12), max_new_tokens=3)
+    h.submit("b", prompt(2, 9), max_new_tokens=2)
+    h.run_until_idle()
+    assert h.tokens("a") == expected_tokens(prompt(1, 12), 3) and h.tokens("b") == expected_tokens(prompt(2, 9), 2)
+    ran = [reqs for reqs in clock.after if reqs is not None]
+    assert ran == [[rid for rid, _ in reqs] for _, reqs in h.batches]  # one after_step per step, its batch
+    assert clock.after[-1] is None  # the idle iteration ran nothing
+    h.send(GetInternalStateReq())
+    h.step()
+    (state,) = [r for r in h.replies if isinstance(r, GetInternalStateReqOutput)]
+    assert state.received_total == 3  # two requests and the state request, as the clock counted them
