@@ -72,11 +72,11 @@ def mypy_targets(paths: list[str]) -> list[str]:
     return args
 
 
-def run_mypy(targets: list[str], *options: str) -> subprocess.CompletedProcess:
+def run_mypy(targets: list[str]) -> subprocess.CompletedProcess:
     """mypy over `targets` (mypy_targets' arguments or files), its report with repository paths."""
     lay_out_package()
     proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), *options, *targets],
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), *targets],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -115,6 +115,9 @@ def test_mypy_reports_an_error_in_a_checked_module(tmp_path):
 # The scheduler's model worker has three implementations: the real one, the tests' stand-in and the
 # simulator's; and two overlap clients. Each must satisfy its Protocol in scheduler_contract.py.
 CONFORMANCE = """
+# A class that did not resolve would be Any and conform to anything: that is an error here. (Set for
+# this file only: a command-line option would change every module's options and void mypy's cache.)
+# mypy: disallow-any-unimported
 from scheduler_harness import StandInWorker
 from workbench.core.managers.scheduler_contract import ModelWorker, OverlapWorker
 from workbench.core.managers.tp_worker import TpModelWorker
@@ -147,8 +150,7 @@ def test_every_model_worker_implements_the_scheduler_contract(tmp_path):
     pytest.importorskip("mypy", reason="mypy is not installed: pip install -e '.[test]' brings it")
     check = tmp_path / "workers_conform.py"
     check.write_text(CONFORMANCE)
-    # A class that did not resolve would be Any and conform to anything: that is an error here.
-    proc = run_mypy([str(check)], "--disallow-any-unimported")
+    proc = run_mypy([str(check)])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
