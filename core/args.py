@@ -346,7 +346,7 @@ class ServerArgs:
             names = [flag, "--model"] if f.name == "model_path" else [flag]
             default = f.default if f.default is not dataclasses.MISSING else None
             text = flag_help(f)
-            if f.type == "Optional[bool]":  # three states: --flag, --no-flag, or decided at start-up
+            if f.type in ("Optional[bool]", "bool | None"):  # three states: --flag, --no-flag, or decided at start-up
                 group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
                 continue
             if f.type in ("bool",) or isinstance(default, bool):
