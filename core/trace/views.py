@@ -69,7 +69,7 @@ class RequestView:
 
 # RequestView's plain fields, which `req.snapshot` (events.ReqSnapshot) carries under the same names:
 # the reducer writes a snapshot from them and reads one back into them, so the two cannot drift apart
-# unnoticed (tests/test_trace_state.py checks ReqSnapshot has every one).
+# unnoticed (tests/fast/test_trace_state.py checks ReqSnapshot has every one).
 REQUEST_SNAPSHOT_FIELDS: tuple[str, ...] = tuple(
     f.name for f in fields(RequestView) if f.name not in ("rid", "timeline", "steps")
 )
