@@ -8,21 +8,24 @@
 Workloads: a Poisson stream (--rate, --num-requests, --prompt-len, --output-len, --groups and
 --prefix-len for shared prefixes), or --workload FILE, a JSONL of {"arrival", "prompt_tokens",
 "output_tokens", optional "group" and "prefix_tokens"}, or a real engine's recording (`--record`:
-its finished requests' arrivals and lengths, core/simulation/recorded.py).
+its finished requests' arrivals and lengths, core/simulation/recorded.py), or a production trace
+(Mooncake's JSONL, Azure's LLM inference CSV, BurstGPT's CSV: workbench/traces.py), detected from the
+file or named by --workload-format, cut by --start/--duration/--sample/--max-requests and paced by
+--time-scale.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 
 from workbench.core.simulation.hardware import HARDWARE
-from workbench.core.simulation.model_specs import KNOWN
-from workbench.core.simulation.recorded import is_recording, recorded_speculation, workload_from_trace
+from workbench.core.simulation.model_specs import KNOWN, model_spec
+from workbench.core.simulation.recorded import recorded_speculation
 from workbench.core.simulation.simulator import SimRequest, Simulator, poisson_workload, request_prompt
+from workbench.traces import FORMATS, BlockPrompt, TraceCut, WorkloadError, fit_vocab, read_workload
 
 COLUMNS = (
     ("output_tok_s", "out tok/s", "{:.0f}"),
@@ -41,37 +44,58 @@ def _pair(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
+def _trace_cut(args) -> TraceCut | None:
+    """The cut and pace asked of --workload (None: the Poisson stream, which takes none)."""
+    given = {
+        "--workload-format": args.workload_format != "auto",
+        "--time-scale": args.time_scale != 1.0,
+        "--max-requests": args.max_requests is not None,
+        "--start": args.start != 0.0,
+        "--duration": args.duration is not None,
+        "--sample": args.sample is not None,
+    }
+    if not args.workload:
+        flags = [flag for flag, on in given.items() if on]
+        if flags:
+            raise SystemExit(
+                f"{', '.join(flags)} shape a --workload FILE (a trace); the Poisson stream takes --rate and "
+                "--num-requests"
+            )
+        return None
+    checks = (
+        (args.time_scale <= 0, f"--time-scale {args.time_scale:g}: a factor above 0 (0.5: twice as fast)"),
+        (args.max_requests is not None and args.max_requests < 1, "--max-requests: 1 or more"),
+        (args.start < 0, "--start: seconds of the trace from its first request, 0 or more"),
+        (args.duration is not None and args.duration <= 0, "--duration: seconds above 0"),
+        (args.sample is not None and not 0 < args.sample <= 1, "--sample: a fraction in (0, 1], e.g. 0.1"),
+    )
+    for bad, text in checks:
+        if bad:
+            raise SystemExit(text)
+    return TraceCut(args.start, args.duration, args.sample, args.max_requests, args.time_scale, seed=args.seed)
+
+
 def load_workload(args) -> list[SimRequest]:
-    if args.workload and is_recording(args.workload):  # a real engine's --record file
+    """The workload: --workload FILE in any format traces.py reads (cut and paced by the trace flags),
+    else the Poisson stream."""
+    cut = _trace_cut(args)
+    if cut is not None:
         try:
-            workload = workload_from_trace(args.workload)
-        except (ValueError, OSError) as exc:
-            raise SystemExit(f"--workload {args.workload}: {exc}") from None
-        _recorded_drafts(args, workload)
+            loaded = read_workload(args.workload, args.workload_format, cut, seed=args.seed)
+        except WorkloadError as exc:
+            raise SystemExit(str(exc)) from None
+        workload = loaded.requests
+        if loaded.format == "recording":
+            _recorded_drafts(args, workload)
+        if loaded.format not in ("workbench", "recording") or cut.describe() or cut.time_scale != 1.0:
+            scale = f", --time-scale {cut.time_scale:g}" if cut.time_scale != 1.0 else ""
+            print(f"[sim] {loaded.summary(args.workload)}{scale}", file=sys.stderr)
+        if any(isinstance(r.prompt_ids, BlockPrompt) for r in workload):
+            try:
+                fit_vocab(workload, model_spec(args.model).vocab)
+            except ValueError:
+                pass  # an unknown model: the simulator says so next
         return workload
-    if args.workload:
-        out = []
-        with open(args.workload) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    d = json.loads(line)
-                    out.append(
-                        SimRequest(
-                            float(d["arrival"]),
-                            int(d["prompt_tokens"]),
-                            int(d["output_tokens"]),
-                            d.get("group"),
-                            int(d.get("prefix_tokens", 0)),
-                        )
-                    )
-                except (ValueError, KeyError) as exc:
-                    raise SystemExit(
-                        f"{args.workload}:{n}: {exc!r}; each line is a JSON object with arrival, prompt_tokens, "
-                        "output_tokens (and optionally group, prefix_tokens)"
-                    ) from None
-        return out
     return poisson_workload(
         args.rate,
         args.num_requests,
@@ -176,6 +200,7 @@ def _run_live(args, workload: list[SimRequest]) -> int:
         raise SystemExit(f"workbench sim run --live: {exc}") from None
     with engine:
         vocab = len(engine.tokenizer)  # the stand-in tokenizer's: the prompts must be ids it accepts
+        fit_vocab(workload, vocab)
         for i, r in enumerate(workload):
             r.prompt_ids = request_prompt(i, r, args.seed, vocab)
         result = replay(engine, workload, seed=args.seed, progress=progress)
@@ -338,9 +363,39 @@ def add_parser(sub) -> None:
         q.add_argument(
             "--workload",
             default=None,
-            help="a JSONL workload (see the module docstring), or a real engine's --record file: its "
-            "finished requests' arrivals and lengths (with --trace-token-ids: their tokens, and the "
-            "speculative drafts of a run that drafted)",
+            help="a JSONL workload (see the module docstring), a real engine's --record file (its "
+            "finished requests' arrivals and lengths; with --trace-token-ids: their tokens, and the "
+            "speculative drafts of a run that drafted), or a production trace: Mooncake's JSONL, Azure's "
+            "LLM inference CSV or BurstGPT's CSV (workbench/traces.py)",
+        )
+        q.add_argument(
+            "--workload-format",
+            default="auto",
+            choices=FORMATS,
+            help="the --workload file's format (auto: detected from its first line): workbench JSONL, a "
+            "recording, Mooncake's trace JSONL, Azure's LLM inference trace CSV or BurstGPT's CSV",
+        )
+        q.add_argument(
+            "--time-scale",
+            type=float,
+            default=1.0,
+            help="multiply the --workload's arrivals by this (0.5: twice as fast, 2: half as fast)",
+        )
+        q.add_argument(
+            "--max-requests", type=int, default=None, help="keep the --workload's first N requests (after the cut)"
+        )
+        q.add_argument(
+            "--start",
+            type=float,
+            default=0.0,
+            help="skip the --workload's first S seconds (seconds of the trace; the window starts at 0)",
+        )
+        q.add_argument("--duration", type=float, default=None, help="keep S seconds of the --workload from --start")
+        q.add_argument(
+            "--sample",
+            type=float,
+            default=None,
+            help="keep this fraction of the --workload's requests (0-1), drawn by --seed",
         )
         q.add_argument(
             "--ignore-recorded-drafts",
