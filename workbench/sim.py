@@ -58,8 +58,8 @@ def _trace_cut(args) -> TraceCut | None:
         flags = [flag for flag, on in given.items() if on]
         if flags:
             raise SystemExit(
-                f"{', '.join(flags)} shape a --workload FILE (a trace); the Poisson stream takes --rate and "
-                "--num-requests"
+                f"{', '.join(flags)}: for a --workload FILE (a trace to cut or pace); the Poisson stream takes "
+                "--rate and --num-requests"
             )
         return None
     checks = (

@@ -263,7 +263,7 @@ def _csv_rows(path, needed: Sequence[str], what: str) -> Iterator[tuple[int, dic
         missing = [c for c in needed if c not in columns]
         if missing:
             raise WorkloadError(
-                f"{path}: no column {', '.join(repr(c) for c in missing)} (it has {', '.join(columns)[:200]}); "
+                f"{path}: missing column {', '.join(repr(c) for c in missing)} (it has {', '.join(columns)[:200]}); "
                 f"{what} has {', '.join(needed)} (or name another --workload-format)"
             )
         reader.fieldnames = columns
