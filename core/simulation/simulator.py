@@ -41,7 +41,7 @@ from workbench.core.simulation.calibration import Calibration, shipped
 from workbench.core.simulation.cost_model import CostModel
 from workbench.core.simulation.hardware import get_hardware
 from workbench.core.simulation.model_specs import model_spec
-from workbench.core.trace.events import ReqDispatched
+from workbench.core.trace.events import ReqArrived, ReqDispatched, ReqFinished, ReqFirstToken, ReqTokenized
 from workbench.core.trace.tracer import Tracer
 
 FIRST_TOKEN = 3  # sampled ids stay clear of the usual special ids 0-2
@@ -368,6 +368,81 @@ class SimResult:
         )
 
 
+class SimFrontEnd:
+    """The simulated deployment's front end: what the tokenizer manager knows and stamps in a real
+    engine (traced as "tokenizer", on simulated time). A request is sent at its arrival
+    (`req.arrived`, `req.tokenized`); its tokens reach the client `tm_out_s` after the step that
+    sampled them (`req.first_token`, then `req.finished` with its TTFT, TPOT and latency). It keeps
+    the figures `SimResult` reports, so a recording and the summary are the same numbers, and a
+    replay of the recording shows what a live run's does (TTFT, latency, finished requests)."""
+
+    def __init__(self, trace_sink, trace_token_ids: bool = False):
+        self.clock = SimClock()
+        self.tracer = Tracer("tokenizer", sink=trace_sink, enabled=trace_sink is not None, clock=self.clock.ns)
+        self.trace_token_ids = trace_token_ids
+        self.arrival: dict[str, float] = {}
+        self.first: dict[str, float] = {}
+        self.prompt_tokens: dict[str, int] = {}
+        self.counts: dict[str, int] = {}  # output tokens so far
+        self.output_ids: dict[str, list[int]] = {}  # with trace_token_ids
+
+    def _emit(self, event, at: float) -> None:
+        self.clock.now = at
+        self.tracer.emit(event)
+
+    def send(self, rid: str, at: float, input_ids: list[int], max_new_tokens: int) -> None:
+        """The client sends request `rid` at simulated time `at`."""
+        self.arrival[rid] = at
+        self.prompt_tokens[rid] = len(input_ids)
+        if self.tracer.enabled:
+            self._emit(ReqArrived(rid=rid), at)
+            ids = list(input_ids) if self.trace_token_ids else None
+            self._emit(
+                ReqTokenized(rid=rid, prompt_tokens=len(input_ids), max_new_tokens=max_new_tokens, input_ids=ids), at
+            )
+            self.tracer.flush()
+
+    def take(self, msg: BatchTokenIDOut, now: float, res: SimResult, replayed: set[str]) -> None:
+        """A step's outputs, reaching the client at `now`: first tokens, finishes, into `res` and the trace."""
+        tracing = self.tracer.enabled
+        for j, rid in enumerate(msg.rids):
+            new = msg.new_token_ids[j]
+            if new and rid not in self.first:
+                self.first[rid] = now
+                res.ttft[rid] = now - self.arrival[rid]
+                if tracing:
+                    self._emit(ReqFirstToken(rid=rid), now)
+            n = self.counts[rid] = msg.completion_tokens[j]
+            if rid in replayed:
+                res.outputs.setdefault(rid, []).extend(new)
+            if self.trace_token_ids:
+                self.output_ids.setdefault(rid, []).extend(new)
+            reason = msg.finished_reasons[j]
+            if reason is None:
+                continue
+            res.latency[rid] = now - self.arrival[rid]
+            res.cached_tokens += msg.cached_tokens[j]
+            if n > 1:
+                res.tpot[rid] = (now - self.first[rid]) / (n - 1)
+            if tracing:
+                self._emit(
+                    ReqFinished(
+                        rid=rid,
+                        reason=reason,
+                        prompt_tokens=self.prompt_tokens[rid],
+                        completion_tokens=n,
+                        cached_tokens=msg.cached_tokens[j],
+                        ttft=res.ttft.get(rid, 0.0),
+                        tpot=res.tpot.get(rid, 0.0),
+                        e2e=res.latency[rid],
+                        output_ids=self.output_ids.pop(rid, None),
+                    ),
+                    now,
+                )
+        if tracing:
+            self.tracer.flush()
+
+
 class _Replica:
     """One scheduler with its own clock, pools, worker and inbox: the whole deployment, or one of
     `dp_size` data-parallel replicas (traced as "scheduler.dp<rank>", as the real ones are)."""
@@ -499,6 +574,8 @@ class Simulator:
         self.clock, self.runner, self.worker = first.clock, first.runner, first.worker
         self.io, self.tracer, self.scheduler = first.io, first.tracer, first.scheduler
         self.seed = seed
+        self.trace_sink = trace_sink  # the front end's events go there too (SimFrontEnd)
+        self.front_end: SimFrontEnd | None = None  # the last run's
 
     def _prompt(self, i: int, r: SimRequest) -> list[int]:
         return request_prompt(i, r, self.seed, self.spec.vocab)
@@ -508,9 +585,9 @@ class Simulator:
         t0 = time.perf_counter()
         reps = self.replicas
         order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
-        self._arrival: dict[str, float] = {}
+        front = self.front_end = SimFrontEnd(self.trace_sink, self.args.trace_token_ids)
         self._replayed: set[str] = set()
-        first: dict[str, float] = {}
+        self._ids: dict[int, list[int]] = {}  # prompts sent, not yet delivered
         res = SimResult(
             self.hw.name,
             self.spec.name,
@@ -520,11 +597,21 @@ class Simulator:
             0.0,
             dp_size=self.dp_size,
         )
-        counts: dict[str, int] = {}
         at, last = {}, float("-inf")  # when each request reaches a scheduler (after the trip in)
         for i in order:
             last = at[i] = max(workload[i].arrival + self.tm_in_s, last + self.tm_gap_s)
-        nxt = 0
+        nxt = sent = 0
+
+        def send_until(t: float) -> None:
+            # The client sends requests as simulated time passes their arrival (in order: `at`
+            # follows arrivals), so the front end's stamps interleave with the schedulers' steps.
+            nonlocal sent
+            while sent < len(order) and workload[order[sent]].arrival <= t:
+                i = order[sent]
+                sent += 1
+                r = self._ids[i] = self._prompt(i, workload[i])
+                front.send(f"r{i}", workload[i].arrival, r, workload[i].output_len)
+
         while True:
             t_arrival = at[order[nxt]] if nxt < len(order) else float("inf")
             busy = [r for r in reps if r.busy()]
@@ -534,8 +621,10 @@ class Simulator:
             if rep is None or t_arrival <= rep.clock.now:
                 i = order[nxt]
                 nxt += 1
+                send_until(at[i])
                 self._deliver(i, workload[i], res, at[i])
                 continue
+            send_until(rep.clock.now)
             rep.step()
             res.steps += 1
             res.peak_kv_used = max(res.peak_kv_used, sum(r.kv_used() for r in reps))
@@ -543,26 +632,14 @@ class Simulator:
             for msg in rep.io.outbox:
                 if not isinstance(msg, BatchTokenIDOut):
                     continue
-                for j, rid in enumerate(msg.rids):
-                    done = msg.finished_reasons[j] is not None
-                    if self.balancer is not None:
-                        self.balancer.on_output(rid, msg.new_token_ids[j], done)
-                    if msg.new_token_ids[j] and rid not in first:
-                        first[rid] = now
-                        res.ttft[rid] = now - self._arrival[rid]
-                    counts[rid] = msg.completion_tokens[j]
-                    if rid in self._replayed:
-                        res.outputs.setdefault(rid, []).extend(msg.new_token_ids[j])
-                    if done:
-                        res.latency[rid] = now - self._arrival[rid]
-                        res.cached_tokens += msg.cached_tokens[j]
-                        n = msg.completion_tokens[j]
-                        if n > 1:
-                            res.tpot[rid] = (now - first[rid]) / (n - 1)
+                if self.balancer is not None:
+                    for j, rid in enumerate(msg.rids):
+                        self.balancer.on_output(rid, msg.new_token_ids[j], msg.finished_reasons[j] is not None)
+                front.take(msg, now, res, self._replayed)
             rep.io.outbox.clear()
             if progress is not None and res.steps % 500 == 0:
                 progress(len(res.latency), len(workload), now)
-        res.output_tokens = sum(counts.values())
+        res.output_tokens = sum(front.counts.values())
         res.retracted = sum(r.scheduler.num_retracted_total for r in reps)
         res.spec_proposed = sum(r.scheduler.spec_proposed_total for r in reps)
         res.spec_accepted = sum(r.scheduler.spec_accepted_total for r in reps)
@@ -576,7 +653,7 @@ class Simulator:
         """Request i (sent at r.arrival) reaches the deployment at `at`: the balancer picks its replica
         (data parallel), whose clock, if it was idle, moves on to that time."""
         rid = f"r{i}"
-        ids = self._prompt(i, r)
+        ids = self._ids.pop(i)
         rank = 0
         if self.balancer is not None:
             d = self.balancer.choose(rid, ids)
@@ -599,7 +676,6 @@ class Simulator:
         rep.requests += 1
         if r.output_ids:
             self._replayed.add(rid)
-        self._arrival[rid] = r.arrival
         params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
         rep.io.inbox.append(
             TokenizedGenerateReqInput(
