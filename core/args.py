@@ -33,7 +33,8 @@ FLAG_HELP = {
     "max_running_requests": "most requests in the running batch at once",
     "simulate": "serve a deployment that is not there: the real tokenizer manager, scheduler and detokenizer "
     "over this hardware's cost model (h100, h200, a100-80g, l4, cpu-here), on a simulated clock; --model may "
-    "then name a known model (llama-3.1-70b, qwen3-32b, ...) or an HF config.json, --tp-size counts its devices",
+    "then name a known model (llama-3.1-70b, qwen3-32b, ...) or an HF config.json (without --model: the default "
+    "model's, smollm2-135m), --tp-size counts its devices",
     "trace_token_ids": "the trace (and a --record file) carries each request's prompt and output token ids, so "
     "`workbench sim run --workload FILE` replays the recorded run token for token (shared prefixes included)",
     "sim_speed": "with --simulate: simulated seconds per wall second (1 real time, 10 ten times faster); 0 runs "

@@ -27,7 +27,8 @@ every process stamps with that one clock (trace/clock.py `SharedClock`):
 The weights are not there, so neither is the simulated model's tokenizer: the default model's stands
 in (prompts are tokenized with it, and the sampled ids are drawn from its vocabulary so the text
 decodes); a prompt's length and cost are what the cost model sees. Every view carries a
-`SIMULATED h100x8` badge (`badge`), as does the trace's header and each /metrics series.
+`SIMULATED h100x8` badge (`badge`), as does the trace's header and each /metrics series. Without
+--model the default model is simulated, by its spec (`DEFAULT_MODEL`), as a real engine serves it.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ from workbench.core.simulation.simulator import (
     sim_runner,
 )
 from workbench.core.trace import clock as trace_clock
+
+# What `--simulate` serves without --model: the default model (SmolLM2-135M-Instruct), by its spec.
+DEFAULT_MODEL = "smollm2-135m"
 
 
 def deployment(server_args: ServerArgs) -> str:
@@ -117,8 +121,8 @@ def sized_args(sa: ServerArgs) -> ServerArgs:
     runner would size them on that hardware (only where the user left them out)."""
     if sa.simulate not in HARDWARE:
         raise ValueError(f"--simulate must be one of {', '.join(sorted(HARDWARE))}, not {sa.simulate!r}")
-    if not sa.model_path:
-        raise ValueError("--simulate needs --model: a known model (e.g. llama-3.1-70b) or an HF config.json")
+    if not sa.model_path:  # the default model, as a real engine takes it: its spec (no weights to load)
+        sa = dataclasses.replace(sa, model_path=DEFAULT_MODEL)
     unsupported = {
         "--nnodes": sa.nnodes > 1,  # a simulated deployment's devices are the cost model's: one host runs it
         "--enable-torch-compile": sa.enable_torch_compile,

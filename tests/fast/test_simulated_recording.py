@@ -146,3 +146,26 @@ async def test_the_tui_over_a_simulated_recording_shows_done_and_latency(tmp_pat
         for row in zip(*(col._cells for col in latency_table(app.model).columns)):
             rows.setdefault(str(row[0]), []).append([str(c) for c in row[2:]])
         assert rows["TTFT"] and all("–" not in cell for cell in rows["TTFT"][-1])  # the 60 s window
+
+
+@pytest.mark.parametrize("hardware", ["cpu-here", "h100"])
+def test_simulate_without_a_model_takes_the_default_model(hardware):
+    """`--simulate HW` / `Engine(simulate=HW)` without --model simulates the default model (its spec:
+    SmolLM2-135M), as a real engine without --model serves it; resolved here without starting processes."""
+    import argparse
+
+    from workbench.core.args import ServerArgs
+    from workbench.core.deployment import resolve_deployment
+    from workbench.core.simulation import live
+    from workbench.core.simulation.model_specs import KNOWN
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    given = ServerArgs.from_cli_args(parser.parse_args(["--simulate", hardware]))
+    assert given.model_path is None
+    sa, d = resolve_deployment(given)
+    assert sa.model_path == live.DEFAULT_MODEL and KNOWN[live.DEFAULT_MODEL].name == "smollm2-135m"
+    assert d.badge == f"SIMULATED {hardware}x1" and not d.loads_weights
+    named = live.sized_args(ServerArgs(simulate=hardware, model_path="smollm2-135m"))
+    assert sa == named  # the same deployment as naming it
+    assert sa.max_total_tokens == live._cost_model(named).kv_pool_tokens()
