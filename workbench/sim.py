@@ -413,7 +413,12 @@ def add_parser(sub) -> None:
         q.add_argument("--prefix-len", type=int, default=0, help="tokens of each group's shared prefix")
         q.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampled tokens")
         if name == "run":
-            q.add_argument("--record", default=None, help="write the scheduler's trace (simulated time) as JSONL")
+            q.add_argument(
+                "--record",
+                default=None,
+                help="write the trace (simulated time) as JSONL: the scheduler's events and each request's arrival, "
+                "first token and finish (workbench replay FILE shows it as a live run's)",
+            )
             q.add_argument(
                 "--live",
                 action="store_true",
