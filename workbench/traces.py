@@ -122,7 +122,7 @@ class BlockPrompt(Sequence[int]):
     long prompts costs its hash ids, not its tokens, until it runs."""
 
     def __init__(self, hash_ids: Sequence[int], length: int, salt: int, seed: int = 0, vocab: int = TOKEN_SPACE):
-        self.hash_ids = tuple(int(h) for h in hash_ids)
+        self.hash_ids = hash_ids if isinstance(hash_ids, tuple) else tuple(map(int, hash_ids))
         self.length, self.salt, self.seed, self.vocab = int(length), int(salt), int(seed), int(vocab)
 
     def __len__(self) -> int:
@@ -246,7 +246,7 @@ def _read_mooncake(path, seed: int) -> Iterator[Row]:
             try:
                 d = json.loads(line)
                 t, prompt, output = float(d["timestamp"]) / 1000, int(d["input_length"]), int(d["output_length"])
-                hash_ids = [int(h) for h in d.get("hash_ids") or ()]
+                hash_ids = tuple(map(int, d.get("hash_ids") or ()))
             except (ValueError, KeyError, TypeError) as exc:
                 raise WorkloadError(
                     f"{path}:{n}: {exc!r}; a Mooncake trace line is a JSON object with timestamp (ms), "
