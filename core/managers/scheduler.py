@@ -45,7 +45,6 @@ from workbench.core.io_struct import (
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
-    GetInternalStateReqOutput,
     GetWeightsByNameReq,
     InitWeightsUpdateGroupReq,
     SetTraceReq,
@@ -55,7 +54,6 @@ from workbench.core.io_struct import (
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDistributedReq,
     UpdateWeightsFromTensorReq,
-    UpdateWeightsReqOutput,
 )
 from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_msg
 from workbench.core.managers.schedule_batch import FinishReason, Req, ScheduleBatch
@@ -71,6 +69,7 @@ from workbench.core.managers.scheduler_contract import (
     StepClock,
     TextDecoder,
 )
+from workbench.core.managers.scheduler_control import SchedulerControlMixin
 from workbench.core.managers.scheduler_kv_check import SchedulerKVCheckMixin, kv_check_enabled
 from workbench.core.managers.scheduler_narration import StepNarrator
 from workbench.core.managers.scheduler_output import SchedulerOutputMixin
@@ -97,7 +96,7 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMixin):
+class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMixin, SchedulerControlMixin):
     def __init__(
         self,
         server_args: ServerArgs,
@@ -649,138 +648,6 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             self.adaptive_threads.on_decode_step(len(batch.reqs), forward_ms)
         if batch.forward_mode == ForwardMode.DECODE and forward_ms > 0:
             self.last_gen_throughput = len(batch.reqs) / (forward_ms / 1000)
-
-    # ==== control ====================================================================
-    def flush_cache(self) -> bool:
-        """Reset the radix cache; only allowed when idle (nothing queued or running)."""
-        self.sync_inflight()
-        if self.has_work():
-            return False
-        self.running_batch.filter_batch()
-        self.tree_cache.reset()
-        self.req_to_token_pool.clear()
-        self.token_to_kv_pool_allocator.clear()
-        self.tree_dirty = True
-        if self.tracer.enabled:
-            self.emit_snapshot()
-        return True
-
-    # ==== compute threads (core/model_executor/cpu_threads.py) ===========================
-    def init_adaptive_threads(self, plan) -> None:
-        """Let the thread count follow the neighbours' load, when the plan allows it."""
-        from workbench.core.model_executor.cpu_threads import AdaptiveThreads, overlap_by_default
-
-        self.thread_plan = plan
-        if plan.adaptive:
-            self.adaptive_threads = AdaptiveThreads(plan, apply=self.set_num_threads)
-        sa = self.server_args
-        if sa.disable_overlap_schedule is None and not self.spec_num_draft:
-            self.enable_overlap = overlap_by_default(plan, sa.resolved_device(), sa.dp_size)
-
-    def loop_text(self) -> str:
-        """Which event loop runs and why, for the start-up line."""
-        sa = self.server_args
-        if not self.enable_overlap:
-            return "normal loop"
-        if sa.disable_overlap_schedule is False:
-            return "overlap loop"
-        return "overlap loop (a core is free beside the compute threads)"
-
-    def set_num_threads(self, n: int) -> None:
-        """Between steps: this thread now, the overlap loop's forward thread before its next batch."""
-        import torch
-
-        torch.set_num_threads(n)
-        if self.overlap_worker is not None:
-            self.overlap_worker.num_threads = n
-
-    def _num_threads(self) -> int:
-        import torch
-
-        if self.overlap_worker is not None:
-            return self.overlap_worker.num_threads
-        return torch.get_num_threads()
-
-    def kv_used(self) -> int:
-        """KV tokens in use: neither free nor evictable from the cache."""
-        free = self.token_to_kv_pool_allocator.available_size()
-        return self.max_total_num_tokens - free - self.tree_cache.evictable_size()
-
-    def get_internal_state(self) -> GetInternalStateReqOutput:
-        at = self.adaptive_threads
-        alloc = self.token_to_kv_pool_allocator
-        free = alloc.available_size()
-        evictable = self.tree_cache.evictable_size()
-        state = GetInternalStateReqOutput(
-            num_waiting=len(self.waiting_queue),
-            num_running=len(self.running_reqs()),
-            kv_total=self.max_total_num_tokens,
-            kv_free=free,
-            kv_evictable=evictable,
-            kv_used=self.max_total_num_tokens - free - evictable,
-            req_slots_free=self.req_to_token_pool.available_size(),
-            req_slots_total=self.req_to_token_pool.size,
-            step=self.forward_ct,
-            max_total_num_tokens=self.max_total_num_tokens,
-            max_running_requests=self.max_running_requests,
-            max_req_input_len=self.max_req_input_len,
-            last_gen_throughput=self.last_gen_throughput,
-            trace_ms=self.trace_ns / 1e6,
-            num_threads=self._num_threads(),
-            others_load=-1.0 if at is None or at.others is None else round(at.others, 3),
-            thread_probes=0 if at is None else at.policy.probes,
-            kv_check_error=self.kv_check_error_now(),
-            spec_verified=self.spec_verified_total,
-            spec_proposed=self.spec_proposed_total,
-            spec_accepted=self.spec_accepted_total,
-            retracted_total=self.num_retracted_total,
-        )
-        self.step_clock.fill_state(state)
-        return state
-
-    def kv_check_error_now(self) -> str:
-        """For get_internal_state: with the check enabled and the scheduler idle, check now ("" = ok)."""
-        if self.kv_check_enabled and not self.has_work():
-            try:
-                self.check_kv_invariants()
-            except Exception as exc:  # KVInvariantError, or the check itself tripping on bad state
-                self.kv_check_error = f"{type(exc).__name__}: {exc}"
-        return self.kv_check_error
-
-    def handle_step_gate(self, msg: StepGateReq) -> None:
-        if msg.action == "pause":
-            self.paused, self.step_credits = True, 0
-        elif msg.action == "resume":
-            self.paused, self.step_credits = False, 0
-        elif msg.action == "step":
-            self.paused = True
-            self.step_credits += max(1, msg.steps)
-            self.pending_step_reply = True
-            # With nothing to run a step is a no-op: answer at once rather than hang the caller.
-            self.sync_inflight()
-            if not self.has_work():
-                self.step_credits = 0
-                self.pending_step_reply = False
-            else:
-                return
-        self.io.send(StepGateReqOutput(paused=self.paused, step=self.forward_ct))
-
-    def handle_weights_request(self, msg) -> None:
-        """Weight updates and reads (the work is in weight_updater.py); replies on the usual socket."""
-        from workbench.core.managers import weight_updater
-
-        self.sync_inflight()  # overlap: nothing may still run on the old weights
-        reply, source = weight_updater.handle_request(self.tp_worker.model_runner, msg, busy=self.has_work())
-        if source is not None:
-            if getattr(msg, "flush_cache", True):
-                self.flush_cache()  # every cached KV entry was computed with the old weights
-            self.weights_version = getattr(self, "weights_version", 0) + 1
-            if isinstance(reply, UpdateWeightsReqOutput):
-                reply.version = self.weights_version
-            if self.tracer.enabled:
-                self.tracer.emit(ev.WeightsUpdated(source=source, version=self.weights_version))
-                self.tracer.flush()
-        self.io.send(reply)
 
     # ==== helpers ====================================================================
     def _decode_preview(self, ids: list[int]) -> str:

@@ -20,12 +20,14 @@ from workbench.core.managers.schedule_policy import (
     AddReqResult,
     PrefillAdder,
 )
+from workbench.core.managers.scheduler_contract import ListIO
 from workbench.core.managers.tp_worker import GenerationBatchResult
 from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from workbench.core.mem_cache.radix_cache import RadixCache
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.trace import events as ev
 from workbench.core.trace.state import TraceState
+from workbench.core.trace.tracer import Tracer
 
 VOCAB = 1000
 SAMPLED = 7  # the token the stand-in model always "samples" (not EOS)
@@ -61,15 +63,23 @@ class _FakeWorker:
 
 def make_scheduler(monkeypatch, *, pool=8192, rows=32, ctx=2048, chunk=None, policy="fcfs", disable_radix_cache=False):
     runner = _FakeRunner(pool, rows, ctx)
-    monkeypatch.setattr(scheduler_mod, "TpModelWorker", lambda *a, **k: _FakeWorker(runner))
-    monkeypatch.setattr(scheduler_mod, "_load_fast_tokenizer", lambda _d: SimpleNamespace(decode=lambda ids, **kw: ""))
     args = ServerArgs(
         chunked_prefill_size=chunk or -1, schedule_policy=policy, disable_radix_cache=disable_radix_cache, device="cpu"
     )
     # tp_rank 1: no sockets (rank 0 alone talks to the other processes); the tracer is ours.
-    s = scheduler_mod.Scheduler(args, None, tp_rank=1, tp_size=1)
-    s.trace_events = []
-    s.tracer = scheduler_mod.Tracer("scheduler", sink=s.trace_events.extend, enabled=True)
+    # The worker and the tokenizer are handed in through the Scheduler's seams (scheduler_contract.py).
+    events: list = []
+    s = scheduler_mod.Scheduler(
+        args,
+        None,
+        tp_rank=1,
+        tp_size=1,
+        worker=_FakeWorker(runner),
+        io=ListIO(),
+        tokenizer=SimpleNamespace(decode=lambda ids, **kw: ""),
+        tracer=Tracer("scheduler", sink=events.extend, enabled=True),
+    )
+    s.trace_events = events
     return s
 
 
