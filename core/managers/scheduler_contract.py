@@ -15,7 +15,7 @@ it does not own comes from outside, through these seams (each with a real defaul
                     waits when idle), what it notes after a step                       HostStepClock
 
 Three implementations of the worker side exist: the real one (TpModelWorker over ModelRunner), the
-tests' stand-in (tests/scheduler_harness.py) and the simulator's (core/simulation/simulator.py
+tests' stand-in (tests/scheduler_harness.py) and the simulator's (core/simulation/sim_worker.py
 SimWorker, which times each pass with a cost model). The last two share `PoolRunner` (the runner
 facts over real pools, no model) and `ListIO` below.
 

@@ -57,16 +57,8 @@ from workbench.core.simulation.calibration import shipped
 from workbench.core.simulation.cost_model import CostModel
 from workbench.core.simulation.hardware import HARDWARE, get_hardware
 from workbench.core.simulation.model_specs import model_spec
-from workbench.core.simulation.simulator import (
-    SimClock,
-    SimRequest,
-    SimResult,
-    SimWorker,
-    default_dtype_bytes,
-    make_drafter,
-    request_prompt,
-    sim_runner,
-)
+from workbench.core.simulation.sim_worker import SimClock, SimWorker, make_drafter, sim_runner
+from workbench.core.simulation.simulator import SimRequest, SimResult, default_dtype_bytes, request_prompt
 from workbench.core.trace import clock as trace_clock
 
 # What `--simulate` serves without --model: the default model (SmolLM2-135M-Instruct), by its spec.

@@ -33,6 +33,7 @@ TYPED = [
     # the scheduler's contract, the scheduler, and the simulator's worker (offline and live)
     "core/managers/scheduler_contract.py",
     "core/managers/scheduler.py",
+    "core/simulation/sim_worker.py",
     "core/simulation/simulator.py",
     "core/simulation/live.py",
 ]
@@ -122,7 +123,7 @@ from scheduler_harness import StandInWorker
 from workbench.core.managers.scheduler_contract import ModelWorker, OverlapWorker
 from workbench.core.managers.tp_worker import TpModelWorker
 from workbench.core.managers.tp_worker_overlap_thread import TpModelWorkerClient
-from workbench.core.simulation.simulator import SimOverlapClient, SimWorker
+from workbench.core.simulation.sim_worker import SimOverlapClient, SimWorker
 
 
 def real(w: TpModelWorker) -> ModelWorker:
