@@ -16,6 +16,7 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 from workbench.core.io_struct import BatchStrOut, BatchTokenIDOut, Msg
@@ -63,7 +64,7 @@ class DetokenizerManager:
         n = len(recv_obj.rids)
         deltas = [""] * n
         finished = list(recv_obj.finished_reasons)
-        errors = list(recv_obj.error_messages) if recv_obj.error_messages else [None] * n
+        errors: list[str | None] = list(recv_obj.error_messages) if recv_obj.error_messages else [None] * n
         for i in range(n):
             try:
                 deltas[i] = self.detokenizer.process(_select(recv_obj, i))[0]
@@ -148,7 +149,8 @@ _PER_REQ_FIELDS = (
 
 def _select(recv_obj: BatchTokenIDOut, i: int) -> BatchTokenIDOut:
     """The one-request BatchTokenIDOut of request i (only the fields decoding reads)."""
-    return BatchTokenIDOut(**{name: [getattr(recv_obj, name)[i]] for name in _PER_REQ_FIELDS})
+    fields: dict[str, Any] = {name: [getattr(recv_obj, name)[i]] for name in _PER_REQ_FIELDS}
+    return BatchTokenIDOut(**fields)
 
 
 def _emit_proc_started(port_args: PortArgs) -> None:

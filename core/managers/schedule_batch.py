@@ -18,12 +18,17 @@ replaces with the real id just before the forward pass.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from workbench.core.model_executor.forward_batch_info import ForwardMode
 from workbench.core.sampling.sampling_batch_info import SamplingBatchInfo, make_generator
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.speculative.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from workbench.core.mem_cache.base_prefix_cache import BasePrefixCache
+    from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
 
 @dataclass
@@ -187,14 +192,21 @@ class ModelWorkerBatch:
     reqs: list[Req] | None = None
 
 
+class DraftProposer(Protocol):
+    """What a batch asks of a STANDALONE draft model (the part of scheduler_contract.Drafter it uses;
+    named here, as the contract imports this module)."""
+
+    def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]: ...
+
+
 @dataclass
 class ScheduleBatch:
     """A set of requests run together in one forward pass."""
 
     reqs: list[Req]
-    req_to_token_pool: object
-    token_to_kv_pool_allocator: object
-    tree_cache: object
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool_allocator: TokenToKVPoolAllocator
+    tree_cache: BasePrefixCache
     vocab_size: int
     eos_token_ids: list[int]
     forward_mode: ForwardMode = ForwardMode.DECODE
@@ -210,7 +222,7 @@ class ScheduleBatch:
     future_ids: list[int] | None = None  # per row: placeholder of its sampled token
     spec_num_draft: int = 0  # speculative decoding: the most draft tokens per request per step (0: off)
     spec_drafts: list[list[int]] | None = None  # per request: the drafts this launch verifies
-    drafter: object | None = None  # STANDALONE: the draft model (speculative/standalone.py); None: NGRAM
+    drafter: DraftProposer | None = None  # STANDALONE: the draft model (speculative/standalone.py); None: NGRAM
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -246,7 +258,11 @@ class ScheduleBatch:
         ext_lens = [r.extend_input_len for r in self.reqs]
         out_cache_loc = self.alloc_token_slots(sum(ext_lens))
         table = self.req_to_token_pool.req_to_token
-        ids, pos, prefix_lens, seq_lens, offset = [], [], [], [], 0
+        ids: list[int] = []
+        pos: list[int] = []
+        prefix_lens: list[int] = []
+        seq_lens: list[int] = []
+        offset = 0
         for r, n in zip(self.reqs, ext_lens):
             p = len(r.prefix_indices)
             if p and r.kv_len < p:  # prefix slots from the cache go into this row
@@ -350,7 +366,9 @@ class ScheduleBatch:
         out_cache_loc = self.alloc_token_slots(sum(rows))
         table = self.req_to_token_pool.req_to_token
         prefix_lens = [r.kv_len for r in self.reqs]
-        ids, pos, offset = [], [], 0
+        ids: list[int] = []
+        pos: list[int] = []
+        offset = 0
         for r, d, n in zip(self.reqs, drafts, rows):
             table[r.req_pool_idx, r.kv_len : r.kv_len + n] = out_cache_loc[offset : offset + n]
             ids += [r.output_ids[-1]] + d

@@ -26,7 +26,7 @@ from enum import Enum, auto
 
 import torch
 from workbench.core.managers.schedule_batch import Req
-from workbench.core.mem_cache.radix_cache import RadixCache
+from workbench.core.mem_cache.radix_cache import RadixCache, TreeNode
 
 PREFIX_POLICY_MAX_QUEUE = 128
 # In-batch prefix caching holds a request back only when waiting would save it at least this
@@ -88,11 +88,11 @@ class SchedulePolicy:
             self._dfs_weight(waiting_queue)
 
     def _dfs_weight(self, waiting_queue: list[Req]) -> None:
-        by_node = defaultdict(list)
+        by_node: defaultdict[TreeNode | None, list[Req]] = defaultdict(list)
         for r in waiting_queue:
             r.init_next_round_input(self.tree_cache)
             by_node[r.last_node].append(r)
-        weight: dict = defaultdict(int)
+        weight: defaultdict[TreeNode, int] = defaultdict(int)
         for node, reqs in by_node.items():
             n = node
             while n is not None:  # each request adds weight to its whole path

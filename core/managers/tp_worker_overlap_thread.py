@@ -150,7 +150,7 @@ class TpModelWorkerClient:
         next_ids = out.sampler_output.next_token_ids
         n = next_ids.shape[0]
         self.future_token_ids_map[job.future_start : job.future_start + n] = next_ids
-        if not self.is_cuda:
+        if end_event is None:  # not CUDA (the events exist only there): the ids are on the host
             return _Launched(out, next_ids.tolist(), (time.perf_counter() - t0) * 1000)
         end_event.record()
         host = torch.empty((n,), dtype=torch.int64, pin_memory=True)

@@ -35,7 +35,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from workbench.core.distributed.custom_group import destroy_custom_process_group, init_custom_process_group
@@ -60,6 +60,9 @@ from workbench.core.layers.linear import (
     RowParallelLinear,
 )
 from workbench.core.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+if TYPE_CHECKING:
+    from workbench.core.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +283,7 @@ def _load(runner, named: Iterable[tuple[str, torch.Tensor]], source: str, t0: fl
         for name, tensor in named:
             if any(tag in name for tag in _IGNORED):
                 continue
-            if tied and name == "lm_head.weight":
+            if embed_name is not None and name == "lm_head.weight":
                 # load_weights skips a tied head (the embedding is loaded); an explicit push means it.
                 name = embed_name
             count += 1
@@ -297,7 +300,7 @@ def _load(runner, named: Iterable[tuple[str, torch.Tensor]], source: str, t0: fl
     return UpdateResult(source=source, num_tensors=count, seconds=time.perf_counter() - t0)
 
 
-def _repack(model: torch.nn.Module, loaded: set[str]) -> None:
+def _repack(model: LlamaForCausalLM, loaded: set[str]) -> None:
     """The CPU fast path runs on packed copies of the weights: rebuild the ones that changed."""
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     pack = any(m.cpu_fast_path for m in linears)
@@ -665,7 +668,8 @@ def handle_request(runner, msg: Msg, busy: bool = False) -> tuple[Msg, str | Non
     the same message and they agree on the outcome (only rank 0's reply is sent).
     """
     reply, source = _handle_on_this_rank(runner, msg, busy)
-    if getattr(runner, "tp_size", 1) > 1 and not isinstance(msg, GetWeightsByNameReq):
+    # Every reply but a GetWeightsByName one is an UpdateWeightsReqOutput.
+    if getattr(runner, "tp_size", 1) > 1 and isinstance(reply, UpdateWeightsReqOutput):
         reply, source = _agree_across_ranks(reply, source)
     return reply, source
 

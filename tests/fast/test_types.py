@@ -27,8 +27,11 @@ TYPED = [
     "core/mem_cache",
     *(f"core/trace/{name}.py" for name in ("bus", "clock", "events", "experts", "otel", "palette", "perfetto")),
     *(f"core/trace/{name}.py" for name in ("recorder", "replay", "speculative", "tracer", "ttft", "views")),
-    # the real model worker
+    # the real model worker, and the managers beside the scheduler
     "core/managers/tp_worker.py",
+    "core/managers/tp_worker_overlap_thread.py",
+    *(f"core/managers/{name}.py" for name in ("schedule_batch", "schedule_policy", "weight_updater")),
+    *(f"core/managers/{name}.py" for name in ("detokenizer_manager", "incremental_detokenize")),
     "core/model_executor/model_runner.py",
     # the scheduler's contract, the scheduler, and the simulator's worker (offline and live)
     "core/managers/scheduler_contract.py",
