@@ -150,7 +150,7 @@ async def test_the_tui_over_a_simulated_recording_shows_done_and_latency(tmp_pat
 
 @pytest.mark.parametrize("hardware", ["cpu-here", "h100"])
 def test_simulate_without_a_model_takes_the_default_model(hardware):
-    """`--simulate HW` / `Engine(simulate=HW)` without --model simulates the default model (its spec:
+    """`--simulate HW` / an `Engine` given `simulate=HW` without --model simulates the default model (its spec:
     SmolLM2-135M), as a real engine without --model serves it; resolved here without starting processes."""
     import argparse
 
