@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from workbench.core.trace import events as ev
@@ -143,7 +145,8 @@ class TraceState:
         self._last_decision: dict[str, ev.StepDecision] = {}  # per scheduler, its latest
         self.experts = ExpertLoad()  # mixture-of-experts models: tokens per expert (moe.routing)
         self.spec = SpecStats()  # speculative decoding: drafts proposed and accepted (spec.verify)
-        self._dispatch = {
+        # Each handler takes the event type it is filed under.
+        self._dispatch: dict[type[ev.Event], Callable[[Any], None]] = {
             ev.ReqArrived: self._on_arrived,
             ev.ReqTokenized: self._on_tokenized,
             ev.ReqQueued: self._on_queued,
@@ -379,7 +382,7 @@ class TraceState:
     def apply(self, event: ev.Event) -> None:
         """Fold one event into the state."""
         if type(event) is ev.TraceReset:
-            self.__init__(**self._caps)
+            TraceState.__init__(self, **self._caps)
             return
         if type(event) is ev.TraceHeader:  # metadata: its ts is when recording began
             self._on_header(event)
@@ -972,7 +975,7 @@ def narrate_step(sv: StepView) -> str:
 
 def narrate_spec(sv: StepView) -> str:
     """A verify step: `4 running verified 12 drafts, kept 7: +11 tokens (r1 3/4, r2 0/2, ...)`."""
-    reqs = sv.spec.reqs
+    reqs = sv.spec.reqs if sv.spec is not None else []
     proposed = sum(drafts_proposed(r) for r in reqs)
     kept = sum(r.accepted for r in reqs)
     each = ", ".join(f"{r.rid} {r.accepted}/{drafts_proposed(r)}" for r in reqs[:3] if drafts_proposed(r))

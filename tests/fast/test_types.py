@@ -25,8 +25,7 @@ MAPPED = {"core": "core", "tui": "tui", "widgets": "widgets"}
 # these import are read for their types but their own errors are not reported (follow_imports=silent).
 TYPED = [
     "core/mem_cache",
-    *(f"core/trace/{name}.py" for name in ("bus", "clock", "events", "experts", "otel", "palette", "perfetto")),
-    *(f"core/trace/{name}.py" for name in ("recorder", "replay", "speculative", "tracer", "ttft", "views")),
+    "core/trace",
     # the real model worker, and the managers beside the scheduler
     "core/managers/tp_worker.py",
     "core/managers/tp_worker_overlap_thread.py",
