@@ -61,16 +61,17 @@ def lay_out_package() -> Path:
 
 
 def mypy_targets(paths: list[str]) -> list[str]:
-    """`-p`/`-m` arguments naming each path's module (core/x/y.py -> workbench.core.x.y); a path
-    outside the package (a test helper) is passed as it is."""
+    """`-p`/`-m` arguments naming each path's module (core/x/y.py -> workbench.core.x.y, a test
+    helper tests/x.py -> x, as run_mypy puts tests/ on mypy's path)."""
     args: list[str] = []
     for path in paths:
         parts = Path(path).with_suffix("").parts
         if parts[0] in MAPPED:
             parts = ("workbench", *parts)
+        elif parts[0] == "tests" and len(parts) == 2:
+            parts = parts[1:]
         elif parts[0] != "workbench":
-            args.append(path)
-            continue
+            raise ValueError(f"{path}: not in the workbench package nor a helper in tests/")
         args += ["-p" if (ROOT / path).is_dir() else "-m", ".".join(parts)]
     return args
 
