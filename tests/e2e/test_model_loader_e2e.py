@@ -18,8 +18,16 @@ from tiny_models import (
 from workbench.core.model_loader import (
     default_gguf_path,
     iter_weights,
+    load_tokenizer,
     prepare_model,
 )
+
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Héllo! What is 2+2? ✓ 日本語"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "And  3*3?\n"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +67,51 @@ def test_converted_weights_equal_transformers_gguf_loader(converted, reference_s
     # The comparison is only meaningful if the Q/K reordering is not a no-op on this model.
     k_proj = ours["model.layers.0.self_attn.k_proj.weight"]
     assert not torch.equal(k_proj, torch.from_numpy(llamacpp_permute(k_proj.numpy(), 3)))
+
+
+@pytest.fixture(scope="module")
+def reference_tokenizer(gguf_file):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+
+
+def _ids(encoded):
+    # transformers 5 returns a BatchEncoding from apply_chat_template by default; 4.x a list.
+    return list(encoded["input_ids"]) if hasattr(encoded, "keys") else list(encoded)
+
+
+def test_converted_config_matches_transformers(converted, reference_state_dict):
+    _, ref = reference_state_dict
+    ours = converted.config
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
+        assert getattr(ours, key) == getattr(ref, key), key
+    assert ours.rope_parameters["rope_theta"] == ref.rope_parameters["rope_theta"] == 100000.0
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer(converted, reference_tokenizer):
+    ours = load_tokenizer(converted.model_dir)
+    assert ours.chat_template and ours.chat_template == reference_tokenizer.chat_template
+    for generation_prompt in (True, False):
+        a = ours.apply_chat_template(CHAT, add_generation_prompt=generation_prompt)
+        b = reference_tokenizer.apply_chat_template(CHAT, add_generation_prompt=generation_prompt)
+        assert _ids(a) == _ids(b)
+    text = ours.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ids == reference_tokenizer.encode(text, add_special_tokens=False)
+    assert ours.decode(ids) == text
+    assert ours.eos_token_id == reference_tokenizer.eos_token_id == converted.config.eos_token_id

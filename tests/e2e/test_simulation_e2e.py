@@ -7,6 +7,9 @@ simulated timestamps in the trace, determinism), and the CLI's sweep table."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
 from tiny_models import make_tiny_llama
 from workbench.core.simulation.simulator import SimRequest, Simulator
 
@@ -65,3 +68,47 @@ def test_a_real_run_and_its_simulation_schedule_the_same_batches(tmp_path):
     Simulator(str(d), "cpu-here", trace_sink=simulated.extend, **kw).run([SimRequest(0.0, p, n) for p, n in lens])
     assert any(isinstance(e, ev.ReqRetracted) for e in real)
     assert steps(real, lambda rid: "r" + rid.split("-")[1]) == steps(simulated)
+
+
+def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
+    """The two commands end to end on a tiny model: a calibration file from real step times, then the
+    simulator beside the real engine on the same workloads (figures printed, not asserted)."""
+    from workbench.core.simulation.calibration import Calibration
+
+    from workbench.cli import build_parser
+
+    d = make_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "cal.json"
+    p = build_parser()
+    args = p.parse_args(["bench", "calibrate", "--quick", "--model", str(d), "--dtype", "float32", "--out", str(out)])
+    assert args.func(args) == 0
+    cal = Calibration.load(out)
+    shapes = [(pt["kind"], pt["batch"]) for pt in cal.points]
+    assert shapes == [("decode", 1), ("decode", 4)] + [("extend", 1)] * 2 + [("extend", 2), ("extend", 4)]
+    assert all(pt["predicted_s"] > 0 for pt in cal.points) and cal.meta["load"]
+    assert all("pred_attention" in pt for pt in cal.points if pt["kind"] == "extend") and cal.extend_fit()
+    trip = [cal.meta[k] for k in ("tm_in_s", "tm_gap_s", "tm_out_s")]  # the pipeline's trip, measured
+    assert all(0 <= t < 1.0 for t in trip) and trip[1] > 0
+    assert 0 < cal.meta["probe_s"] < 30  # the machine's pace when calibrated: sim-accuracy times it again
+    args = p.parse_args(
+        ["bench", "sim-accuracy", "--quick", "--model", str(d), "--dtype", "float32", "--rates", "4", "--repeats", "2"]
+        + ["--calibration", str(out)]
+    )
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    table = [ln for ln in out.splitlines() if ln.startswith("| (") or ln.startswith("| Poisson")]
+    assert len(table) == 3 and "the median of 2 runs" in out
+    for row in table:  # each real figure is the median, within the range of its two runs
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        for cell in (cells[1], cells[4]):
+            median, lo, hi = (float(x) for x in re.fullmatch(r"([\d.]+) \((\d+)-(\d+)\)", cell).groups())
+            assert lo - 0.5 <= median <= hi + 0.5
+        # at the machine's pace in this command (the probe now against the calibration's): a burst's
+        # every pass and trip stretched by it, so its simulated throughput divides by it, TTFT multiplies
+        pace = float(cells[8])
+        tok_paced, ttft_paced = (float(x) for x in cells[9].split(","))
+        assert 0.1 < pace < 10
+        if row.startswith("| ("):
+            assert tok_paced == pytest.approx(float(cells[3]) / pace, abs=0.02)
+            assert ttft_paced == pytest.approx(float(cells[6]) * pace, abs=0.02 * pace)
+    assert re.search(r"within 15%: \d of 6 figures as calibrated, \d at the machine's pace in this command", out)

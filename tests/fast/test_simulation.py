@@ -8,7 +8,6 @@ The end-to-end tests of this module are in tests/e2e/test_simulation_e2e.py.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -180,50 +179,6 @@ def test_prefill_calibration_fits_the_linear_and_attention_parts_apart():
         {k: v for k, v in p.items() if k not in ("pred_linear", "pred_attention", "pred_overhead")} for p in points
     ]
     assert Calibration("cpu-here", "smollm2-135m", older).extend_fit() is None
-
-
-def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
-    """The two commands end to end on a tiny model: a calibration file from real step times, then the
-    simulator beside the real engine on the same workloads (figures printed, not asserted)."""
-    from workbench.core.simulation.calibration import Calibration
-
-    from workbench.cli import build_parser
-
-    d = make_tiny_llama(tmp_path / "tiny")
-    out = tmp_path / "cal.json"
-    p = build_parser()
-    args = p.parse_args(["bench", "calibrate", "--quick", "--model", str(d), "--dtype", "float32", "--out", str(out)])
-    assert args.func(args) == 0
-    cal = Calibration.load(out)
-    shapes = [(pt["kind"], pt["batch"]) for pt in cal.points]
-    assert shapes == [("decode", 1), ("decode", 4)] + [("extend", 1)] * 2 + [("extend", 2), ("extend", 4)]
-    assert all(pt["predicted_s"] > 0 for pt in cal.points) and cal.meta["load"]
-    assert all("pred_attention" in pt for pt in cal.points if pt["kind"] == "extend") and cal.extend_fit()
-    trip = [cal.meta[k] for k in ("tm_in_s", "tm_gap_s", "tm_out_s")]  # the pipeline's trip, measured
-    assert all(0 <= t < 1.0 for t in trip) and trip[1] > 0
-    assert 0 < cal.meta["probe_s"] < 30  # the machine's pace when calibrated: sim-accuracy times it again
-    args = p.parse_args(
-        ["bench", "sim-accuracy", "--quick", "--model", str(d), "--dtype", "float32", "--rates", "4", "--repeats", "2"]
-        + ["--calibration", str(out)]
-    )
-    assert args.func(args) == 0
-    out = capsys.readouterr().out
-    table = [ln for ln in out.splitlines() if ln.startswith("| (") or ln.startswith("| Poisson")]
-    assert len(table) == 3 and "the median of 2 runs" in out
-    for row in table:  # each real figure is the median, within the range of its two runs
-        cells = [c.strip() for c in row.split("|")[1:-1]]
-        for cell in (cells[1], cells[4]):
-            median, lo, hi = (float(x) for x in re.fullmatch(r"([\d.]+) \((\d+)-(\d+)\)", cell).groups())
-            assert lo - 0.5 <= median <= hi + 0.5
-        # at the machine's pace in this command (the probe now against the calibration's): a burst's
-        # every pass and trip stretched by it, so its simulated throughput divides by it, TTFT multiplies
-        pace = float(cells[8])
-        tok_paced, ttft_paced = (float(x) for x in cells[9].split(","))
-        assert 0.1 < pace < 10
-        if row.startswith("| ("):
-            assert tok_paced == pytest.approx(float(cells[3]) / pace, abs=0.02)
-            assert ttft_paced == pytest.approx(float(cells[6]) * pace, abs=0.02 * pace)
-    assert re.search(r"within 15%: \d of 6 figures as calibrated, \d at the machine's pace in this command", out)
 
 
 def test_a_simulated_run_records_a_trace_the_views_read(tmp_path):

@@ -20,7 +20,6 @@ REFERENCE_MODEL_FIXTURES = {"hf_model", "runner_fp32"}
 STARTS_PROCESSES = re.compile(r"(?<![A-Za-z_.])(Engine|start_server|served_engine|launch_server)\(")
 STARTS_PROCESSES_OK = {
     "test_gpu_only.py": "the engine runs only on CUDA; without it those tests skip",
-    "test_speculative.py": "engines on a tiny random-weight model, seconds each",
 }
 
 
