@@ -10,13 +10,18 @@ module; everything else uses tiny random models from tiny_models.py.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tiny_models import (
     llamacpp_permute,
 )
 from workbench.core.model_loader import (
+    DEFAULT_MODEL_NAME,
+    cache_root,
     default_gguf_path,
+    gguf_loader,
     iter_weights,
     load_tokenizer,
     prepare_model,
@@ -115,3 +120,31 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(converted, reference_toke
     assert ids == reference_tokenizer.encode(text, add_special_tokens=False)
     assert ours.decode(ids) == text
     assert ours.eos_token_id == reference_tokenizer.eos_token_id == converted.config.eos_token_id
+
+
+def test_default_gguf_converts_into_the_cache(converted, cache_dir, gguf_file):
+    assert converted.source == "gguf"
+    assert converted.from_cache is False
+    assert converted.architecture == "LlamaForCausalLM"
+    assert converted.gguf_path == gguf_file.resolve()
+    assert converted.model_dir.parent == cache_dir / "converted" == cache_root()
+    names = {p.name for p in converted.model_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", gguf_loader.MARKER_FILE} <= names
+    # Atomic publish: no temporary directory is left beside the entry.
+    assert not [p for p in cache_root().iterdir() if p.name.startswith(".tmp-")]
+    marker = json.loads((converted.model_dir / gguf_loader.MARKER_FILE).read_text())
+    assert marker["source"] == str(gguf_file.resolve())
+
+
+def test_second_prepare_is_served_from_cache(converted, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a cache hit must not read or dequantize the GGUF")
+
+    monkeypatch.setattr(gguf_loader, "open_gguf", fail)
+    monkeypatch.setattr(gguf_loader, "dequantize_tensors", fail)
+    weights_mtime = (converted.model_dir / "model.safetensors").stat().st_mtime_ns
+    for name in (None, DEFAULT_MODEL_NAME, str(converted.gguf_path)):
+        again = prepare_model(name, progress=False)
+        assert again.from_cache is True and again.source == "gguf"
+        assert again.model_dir == converted.model_dir
+    assert (converted.model_dir / "model.safetensors").stat().st_mtime_ns == weights_mtime

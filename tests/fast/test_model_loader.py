@@ -1,10 +1,7 @@
-"""Model loader: GGUF conversion (against transformers' own GGUF loader), HF dirs, cache, errors.
-
-The expensive pieces (converting the default SmolLM2 GGUF, loading
-transformers' reference model and tokenizer from the same file) run once per
-module; everything else uses tiny random models from tiny_models.py.
-
-The end-to-end tests of this module are in tests/e2e/test_model_loader_e2e.py.
+"""Model loader, the fast part: tiny GGUF round trips, HF directories, the cache's failure paths, and
+every error a user can cause, on tiny random models from tiny_models.py. Converting the default SmolLM2
+GGUF and checking it against transformers' own GGUF loader (weights, config, tokenizer) is in
+tests/e2e/test_model_loader_e2e.py.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from tiny_models import (
     make_tiny_qwen2_sharded,
 )
 from workbench.core.model_loader import (
-    DEFAULT_MODEL_NAME,
     SUPPORTED_ARCHITECTURES,
     ModelLoadError,
     cache_root,
@@ -54,12 +50,6 @@ def _ids(encoded):
 
 
 @pytest.fixture(scope="module")
-def converted(cache_dir):
-    """The default model converted once (the first prepare_model of this module's cache)."""
-    return prepare_model(None, progress=False)
-
-
-@pytest.fixture(scope="module")
 def gguf_file():
     return default_gguf_path()
 
@@ -77,34 +67,6 @@ def tiny_dirs(tmp_path_factory):
 
 
 # ---------------------------------------------------------------- default GGUF
-
-
-def test_default_gguf_converts_into_the_cache(converted, cache_dir, gguf_file):
-    assert converted.source == "gguf"
-    assert converted.from_cache is False
-    assert converted.architecture == "LlamaForCausalLM"
-    assert converted.gguf_path == gguf_file.resolve()
-    assert converted.model_dir.parent == cache_dir / "converted" == cache_root()
-    names = {p.name for p in converted.model_dir.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", gguf_loader.MARKER_FILE} <= names
-    # Atomic publish: no temporary directory is left beside the entry.
-    assert not [p for p in cache_root().iterdir() if p.name.startswith(".tmp-")]
-    marker = json.loads((converted.model_dir / gguf_loader.MARKER_FILE).read_text())
-    assert marker["source"] == str(gguf_file.resolve())
-
-
-def test_second_prepare_is_served_from_cache(converted, monkeypatch):
-    def fail(*args, **kwargs):
-        raise AssertionError("a cache hit must not read or dequantize the GGUF")
-
-    monkeypatch.setattr(gguf_loader, "open_gguf", fail)
-    monkeypatch.setattr(gguf_loader, "dequantize_tensors", fail)
-    weights_mtime = (converted.model_dir / "model.safetensors").stat().st_mtime_ns
-    for name in (None, DEFAULT_MODEL_NAME, str(converted.gguf_path)):
-        again = prepare_model(name, progress=False)
-        assert again.from_cache is True and again.source == "gguf"
-        assert again.model_dir == converted.model_dir
-    assert (converted.model_dir / "model.safetensors").stat().st_mtime_ns == weights_mtime
 
 
 # ---------------------------------------------------------------- tiny GGUFs (both architectures)

@@ -17,7 +17,7 @@ TIERS = ("fast", "e2e")
 # conftest fixtures that load the real default model beside transformers' reference (minutes on 2 cores).
 REFERENCE_MODEL_FIXTURES = {"hf_model", "runner_fp32"}
 # Calls that start a three-process engine or a server. The fast files allowed to make them, and why.
-STARTS_PROCESSES = re.compile(r"(?<![A-Za-z_.])(Engine|start_server|served_engine|launch_server)\(")
+STARTS_PROCESSES = re.compile(r"(?<![A-Za-z_.])(Engine|start_server|served_engine|launch_server|ServerProcess)\(")
 STARTS_PROCESSES_OK = {
     "test_gpu_only.py": "the engine runs only on CUDA; without it those tests skip",
 }
