@@ -1,4 +1,4 @@
-"""Run in a fresh process with TRITON_INTERPRET=1 (tests/fast/test_moe_triton.py): the Triton experts
+"""Run in a fresh process with TRITON_INTERPRET=1 (tests/e2e/test_moe_triton.py): the Triton experts
 (core/layers/moe_triton.py) against FusedMoE's CPU loop on random layers; prints one JSON line per case."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""End-to-end part of tests/fast/test_http_server.py (what starts processes, engines or servers, or loads the
+"""End-to-end part of the HTTP server tests (with tests/e2e/test_http_server_process_e2e.py) (what starts processes, engines or servers, or loads the
 reference model).
 
 `python -m workbench.core.entrypoints.http_server` as a real process: start-up, --api-key, a busy

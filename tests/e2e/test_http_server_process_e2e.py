@@ -1,7 +1,7 @@
 """`python -m workbench.core.entrypoints.http_server` as a real process: start-up, --api-key, a busy
 port, and SIGTERM draining in-flight requests and exiting 0 with no process left behind.
 
-The end-to-end tests of this module are in tests/e2e/test_http_server_e2e.py.
+The other end-to-end HTTP server tests are in tests/e2e/test_http_server_e2e.py.
 """
 
 from __future__ import annotations
