@@ -30,6 +30,7 @@ Load-balance methods (`--load-balance-method`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -37,6 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -255,22 +257,25 @@ def merge_replies(replies: list[Msg]) -> Msg:
     """One reply from the N replicas' replies (in rank order) to a broadcast control request."""
     first = replies[0]
     if isinstance(first, FlushCacheReqOutput):
-        ok = all(r.success for r in replies)
-        failed = [i for i, r in enumerate(replies) if not r.success]
+        flushed = _all_of_kind(replies, FlushCacheReqOutput)
+        ok = all(r.success for r in flushed)
+        failed = [i for i, r in enumerate(flushed) if not r.success]
         return FlushCacheReqOutput(success=ok, message="" if ok else f"replicas {failed} were busy")
     if isinstance(first, GetInternalStateReqOutput):
-        return _merge_internal_state(replies)
+        return _merge_internal_state(_all_of_kind(replies, GetInternalStateReqOutput))
     if isinstance(first, StepGateReqOutput):
-        return StepGateReqOutput(paused=all(r.paused for r in replies), step=max(r.step for r in replies))
+        gates = _all_of_kind(replies, StepGateReqOutput)
+        return StepGateReqOutput(paused=all(r.paused for r in gates), step=max(r.step for r in gates))
     if isinstance(first, UpdateWeightsReqOutput):
-        ok = all(r.success for r in replies)
+        updates = _all_of_kind(replies, UpdateWeightsReqOutput)
+        ok = all(r.success for r in updates)
         message = (
-            first.message if ok else "; ".join(f"dp{i}: {r.message}" for i, r in enumerate(replies) if not r.success)
+            first.message if ok else "; ".join(f"dp{i}: {r.message}" for i, r in enumerate(updates) if not r.success)
         )
-        return UpdateWeightsReqOutput(success=ok, message=message, version=max(r.version for r in replies))
+        return UpdateWeightsReqOutput(success=ok, message=message, version=max(r.version for r in updates))
     if isinstance(first, GetWeightsByNameReqOutput):
         # Every replica should hold the same weights; if not (a half-applied update), say so.
-        if any(r.values != first.values for r in replies[1:]):
+        if any(r.values != first.values for r in _all_of_kind(replies, GetWeightsByNameReqOutput)[1:]):
             return GetWeightsByNameReqOutput(
                 values=None,
                 message=(
@@ -280,6 +285,18 @@ def merge_replies(replies: list[Msg]) -> Msg:
             )
         return first
     return first  # a reply type newer than this controller: replica 0 speaks for all
+
+
+_Reply = TypeVar("_Reply", bound=Msg)
+
+
+def _all_of_kind(replies: list[Msg], kind: type[_Reply]) -> list[_Reply]:
+    """The replies typed as `kind`: every replica answers a broadcast request with the same reply
+    type, so one of another type is a bug worth a loud error rather than a wrong merge."""
+    typed = [r for r in replies if isinstance(r, kind)]
+    if len(typed) != len(replies):
+        raise TypeError(f"replicas answered with {[type(r).__name__ for r in replies]}, expected {kind.__name__}")
+    return typed
 
 
 _SUMMED = (
@@ -372,7 +389,7 @@ class DataParallelController:
             # Outputs first: finishes lower the load counts before the next dispatch decision.
             for sock, r in self._sock_rank.items():
                 if sock in events:
-                    self._drain(sock, lambda data, r=r: self.handle_replica_output(r, data))
+                    self._drain(sock, functools.partial(self.handle_replica_output, r))
             if self.recv_from_tokenizer in events:
                 self._drain(self.recv_from_tokenizer, self.handle_tokenizer_message)
             if self.tracer.enabled:
@@ -451,7 +468,7 @@ class DataParallelController:
                 if sent is not None and self.outputs_seen[r] >= sent:
                     break
                 if sock.poll(1):
-                    self._drain(sock, lambda data, r=r: self.handle_replica_output(r, data))
+                    self._drain(sock, functools.partial(self.handle_replica_output, r))
 
     def _broadcast(self, data: bytes) -> None:
         for sock in self.send_to_replica:
@@ -523,6 +540,8 @@ def launch_data_parallel(
     threads = server_args.num_threads or max(1, (os.cpu_count() or 1) // dp)
     replica_args = dataclasses.replace(server_args, num_threads=threads)
     factory = deployment.scheduler_factory
+    # (role, process target, its leading arguments, its keyword arguments)
+    specs: list[tuple[str, Callable[..., None], tuple[Any, ...], dict[str, Any]]]
     specs = [(PROC_NAME, run_data_parallel_controller_process, (server_args, port_args), {})]
     specs += [
         (replica_role(r), run_dp_scheduler_process, (replica_args, port_args, r), {"scheduler_factory": factory})

@@ -157,7 +157,7 @@ class TokenizerManager:
         self._weights_gate.set()
         self.num_held_requests = 0  # new requests waiting for a weight update to end
         self.num_requests_total = 0
-        self._grammar_check = None  # structured outputs: a GrammarBackend made at the first use
+        self._grammar_check: GrammarBackend | None = None  # structured outputs: a GrammarBackend made at the first use
         self.handle_loop_task = loop.create_task(self.handle_loop())
 
     # ==== requests ===================================================================
@@ -358,8 +358,9 @@ class TokenizerManager:
                 state.output_token_logprobs.extend([lp, tid, text_of(tid)] for lp, tid in zip(lps, new_ids))
                 tops = out.output_top_logprobs[i] if out.output_top_logprobs else []
                 state.output_top_logprobs.extend([[v, t, text_of(t)] for t, v in row] for row in tops)
-                if out.input_token_logprobs is not None and out.input_token_logprobs[i] is not None:
-                    state.input_token_logprobs = self._prompt_logprobs(state, out.input_token_logprobs[i], text_of)
+                prompt_lps = out.input_token_logprobs[i] if out.input_token_logprobs is not None else None
+                if prompt_lps is not None:
+                    state.input_token_logprobs = self._prompt_logprobs(state, prompt_lps, text_of)
             if tracing and delta:
                 self.tracer.emit(ev.ReqText(rid=rid, delta=delta))
             reason = out.finished_reasons[i]

@@ -31,6 +31,7 @@ TYPED = [
     "core/managers/tp_worker_overlap_thread.py",
     *(f"core/managers/{name}.py" for name in ("schedule_batch", "schedule_policy", "weight_updater")),
     *(f"core/managers/{name}.py" for name in ("detokenizer_manager", "incremental_detokenize")),
+    *(f"core/managers/{name}.py" for name in ("tokenizer_manager", "data_parallel_controller")),
     "core/model_executor/model_runner.py",
     # the scheduler's contract, the scheduler, and the simulator's worker (offline and live)
     "core/managers/scheduler_contract.py",
