@@ -31,7 +31,11 @@ from workbench.core.mem_cache.radix_cache import RadixCache
 from workbench.core.model_executor.forward_batch_info import ForwardMode
 
 if TYPE_CHECKING:
-    from workbench.core.managers.schedule_batch import Req
+    from workbench.core.managers.schedule_batch import Req, ScheduleBatch
+    from workbench.core.managers.scheduler_contract import Drafter
+    from workbench.core.managers.scheduler_overlap import InflightBatch
+    from workbench.core.mem_cache.chunk_cache import ChunkCache
+    from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,22 @@ def kv_check_enabled(server_args) -> bool:
 
 class SchedulerKVCheckMixin:
     kv_check_error: str = ""  # the last idle check's violation ("" = none seen)
+
+    # The Scheduler's state this check reads (set in Scheduler.__init__; bare annotations, so
+    # they only tell the type checker what the Scheduler that mixes this in holds).
+    running_batch: ScheduleBatch
+    chunked_req: Req | None
+    last_batch: ScheduleBatch | None
+    inflight: InflightBatch | None
+    waiting_queue: list[Req]
+    tree_cache: ChunkCache | RadixCache
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool_allocator: TokenToKVPoolAllocator
+    max_total_num_tokens: int
+    forward_ct: int
+    drafter: Drafter | None
+    kv_check_enabled: bool
+    _kv_checked_idle: bool
 
     def live_kv_reqs(self) -> list[Req]:
         """Requests that hold a request row (and so may hold KV slots and a cache lock) now."""
@@ -78,7 +98,8 @@ class SchedulerKVCheckMixin:
         event loop when it goes idle (with the flag)."""
         alloc, pool, cache = self.token_to_kv_pool_allocator, self.req_to_token_pool, self.tree_cache
         total = self.max_total_num_tokens
-        radix = isinstance(cache, RadixCache) and not cache.disable
+        tree = cache if isinstance(cache, RadixCache) and not cache.disable else None
+        radix = tree is not None
         live = self.live_kv_reqs()
         problems: list[str] = []
 
@@ -109,6 +130,7 @@ class SchedulerKVCheckMixin:
             b = self.inflight.batch
             for i, r in enumerate(b.reqs):
                 if r.finished():  # a row computed for nothing; its slot comes back with the result
+                    assert b.out_cache_loc is not None  # a launched decode batch has its slots
                     inflight_parts.append(b.out_cache_loc[i : i + 1])
                     inflight += 1
         free, evictable, locked = alloc.available_size(), cache.evictable_size(), cache.protected_size()
@@ -142,7 +164,7 @@ class SchedulerKVCheckMixin:
 
         # ---- request rows --------------------------------------------------------------
         rows_used = pool.size - pool.available_size()
-        live_rows = [r.req_pool_idx for r in live]
+        live_rows = [r.req_pool_idx for r in live if r.req_pool_idx is not None]  # all of them: live holds rows
         if rows_used != len(live_rows):
             problems.append(
                 f"request rows in use {rows_used} != {len(live_rows)} live requests holding one "
@@ -159,15 +181,15 @@ class SchedulerKVCheckMixin:
                 problems.append(f"waiting request {r.rid} still holds row {r.req_pool_idx}")
 
         # ---- radix locks -------------------------------------------------------------
-        if radix:
+        if tree is not None:
             want: dict[int, int] = {}
             for r in live:
                 n = r.last_node
-                while n is not None and n is not cache.root_node:
+                while n is not None and n is not tree.root_node:
                     want[id(n)] = want.get(id(n), 0) + 1
                     n = n.parent
             ev = lk = 0
-            for n in cache._iter_nodes():
+            for n in tree._iter_nodes():
                 if n.lock_ref != want.get(id(n), 0):
                     problems.append(
                         f"radix node #{n.id} ({len(n.key)} tokens) has lock_ref {n.lock_ref}, "
@@ -184,10 +206,10 @@ class SchedulerKVCheckMixin:
                     f"cache counters say evictable {evictable}, locked {locked}; its nodes hold "
                     f"{ev} unlocked, {lk} locked"
                 )
-            if cache.root_node.lock_ref != 1:
-                problems.append(f"radix root lock_ref {cache.root_node.lock_ref} != 1")
-            leaves = {id(n) for n in cache._iter_nodes() if not n.children and n.lock_ref == 0}
-            kept = {id(n) for n in cache.evictable_leaves()}
+            if tree.root_node.lock_ref != 1:
+                problems.append(f"radix root lock_ref {tree.root_node.lock_ref} != 1")
+            leaves = {id(n) for n in tree._iter_nodes() if not n.children and n.lock_ref == 0}
+            kept = {id(n) for n in tree.evictable_leaves()}
             if leaves != kept:
                 problems.append(
                     f"radix evictable leaves: {len(kept - leaves)} kept that are not, {len(leaves - kept)} missing"

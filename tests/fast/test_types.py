@@ -36,6 +36,7 @@ TYPED = [
     # the scheduler's contract, the scheduler, and the simulator's worker (offline and live)
     "core/managers/scheduler_contract.py",
     "core/managers/scheduler.py",
+    "core/managers/scheduler_kv_check.py",
     "core/simulation/sim_worker.py",
     "core/simulation/simulator.py",
     "core/simulation/live.py",
