@@ -542,13 +542,12 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         """
         req = self.chunked_req
         assert req is not None, "continue_chunked_req needs a chunked request"
-        # (mypy: Req.req_pool_idx is Optional until a row is given; a chunked request has one)
         if req.to_abort is None:
-            self.tree_cache.cache_unfinished_req(req)  # type: ignore[arg-type]
+            self.tree_cache.cache_unfinished_req(req)
             return
         self.sync_inflight()  # overlap: let its last chunk's result be processed first
         req.finished_reason = FinishReason("abort", message=req.to_abort)
-        self.tree_cache.cache_finished_req(req, kv_len=req.kv_len)  # type: ignore[arg-type]
+        self.tree_cache.cache_finished_req(req, kv_len=req.kv_len)
         self.chunked_req = None
         self.stream_output([req])
 

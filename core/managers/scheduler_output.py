@@ -19,8 +19,15 @@ from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 
 if TYPE_CHECKING:
+    from workbench.core.args import ServerArgs
     from workbench.core.managers.schedule_batch import Req, ScheduleBatch
+    from workbench.core.managers.schedule_policy import HeldBack
+    from workbench.core.managers.scheduler_contract import ModelWorker, SchedulerIO, TextDecoder
     from workbench.core.managers.tp_worker import GenerationBatchResult
+    from workbench.core.mem_cache.chunk_cache import ChunkCache
+    from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+    from workbench.core.mem_cache.radix_cache import RadixCache
+    from workbench.core.trace.tracer import Tracer
 
 TREE_SNAPSHOT_INTERVAL_NS = 250_000_000
 
@@ -31,6 +38,32 @@ NON_STREAM_INTERVAL = 50
 
 
 class SchedulerOutputMixin:
+    # The Scheduler's state this half of the step reads and writes (set in Scheduler.__init__; bare
+    # annotations, so they only tell the type checker what the Scheduler mixing this in holds).
+    server_args: ServerArgs
+    tp_worker: ModelWorker
+    io: SchedulerIO
+    tracer: Tracer
+    tokenizer: TextDecoder
+    tree_cache: ChunkCache | RadixCache
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool_allocator: TokenToKVPoolAllocator
+    max_total_num_tokens: int
+    chunked_prefill_size: int | None
+    stream_interval: int
+    waiting_queue: list[Req]
+    chunked_req: Req | None
+    held_back: list[HeldBack]
+    paused: bool
+    spec_verify_steps: int
+    spec_verified_total: int
+    spec_proposed_total: int
+    spec_accepted_total: int
+
+    if TYPE_CHECKING:
+
+        def running_reqs(self) -> list[Req]: ...
+
     # ==== results ====================================================================
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         if batch.forward_mode == ForwardMode.DECODE:
@@ -69,6 +102,7 @@ class SchedulerOutputMixin:
                 # Overlap loop: it finished in the previous batch, which this one was built before
                 # knowing. The row was computed for nothing; its KV slot is given back here (the
                 # request's row and the rest of its KV went at cache_finished_req).
+                assert batch.out_cache_loc is not None  # a launched decode batch has its slots
                 self.token_to_kv_pool_allocator.free(batch.out_cache_loc[i : i + 1])
                 continue
             self._append_token(req, i, result, batch)
@@ -89,8 +123,10 @@ class SchedulerOutputMixin:
         table = self.req_to_token_pool.req_to_token
         ids = result.next_token_ids
         offset, fresh, verdicts = 0, [], []
+        spec_drafts = batch.spec_drafts
+        assert spec_drafts is not None  # process_batch_result_decode sends only a verify batch here
         for i, req in enumerate(batch.reqs):
-            drafts, n, start = batch.spec_drafts[i], batch.extend_lens[i], batch.prefix_lens[i]
+            drafts, n, start = spec_drafts[i], batch.extend_lens[i], batch.prefix_lens[i]
             rows = ids[offset : offset + n]
             offset += n
             if batch.future_ids is not None and req.future_token_id == batch.future_ids[i]:
@@ -166,6 +202,7 @@ class SchedulerOutputMixin:
         """Prompt logprobs of the `n` tokens after `start` computed by row i (launch-time values)."""
         if not req.input_token_logprobs:
             req.input_token_logprobs = [None] * (start + 1)  # nothing predicts the first / cached tokens
+        assert result.prompt_logprobs is not None  # asked for: the pass computed them for its rows
         lp = result.prompt_logprobs[i]
         req.input_token_logprobs.extend(float(x) for x in lp.token_logprobs)
         end = start + n
@@ -187,8 +224,10 @@ class SchedulerOutputMixin:
         it, docs/design.md). While a view listens to the trace every token goes out, so the views'
         text of a request grows token by token."""
         every = 1 if self.tracer.enabled else NON_STREAM_INTERVAL
-        rids, new_ids, reasons, matched, prompt, completion, cached = [], [], [], [], [], [], []
-        skip, spaces, no_trim, stops, lps, tops, in_lps = [], [], [], [], [], [], []
+        rids, new_ids, reasons, prompt, completion, cached = [], [], [], [], [], []
+        skip, spaces, no_trim, stops, lps, tops = [], [], [], [], [], []
+        matched: list[int | str | None] = []
+        in_lps: list[list[float | None] | None] = []
         any_lp = False
         for req in reqs:
             new = req.output_ids[req.sent_len :]
@@ -245,7 +284,10 @@ class SchedulerOutputMixin:
                 output_token_logprobs=lps if any_lp else None,
                 output_top_logprobs=tops if any_lp else None,
                 input_token_logprobs=in_lps if any_lp else None,
-                error_messages=[(fr_msg if r == "abort" else None) for r, fr_msg in zip(reasons, matched)]
+                error_messages=[
+                    (fr_msg if r == "abort" and isinstance(fr_msg, str) else None)
+                    for r, fr_msg in zip(reasons, matched)
+                ]
                 if any(r == "abort" for r in reasons)
                 else None,
                 ts=trace_clock.now_ns(),

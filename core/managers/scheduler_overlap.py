@@ -38,8 +38,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from workbench.core.managers.schedule_batch import ScheduleBatch
-    from workbench.core.managers.scheduler_contract import OverlapWorker
+    from contextlib import AbstractContextManager
+
+    from workbench.core.managers.schedule_batch import ModelWorkerBatch, ScheduleBatch
+    from workbench.core.managers.scheduler_contract import ModelWorker, OverlapWorker
+    from workbench.core.managers.tp_worker import GenerationBatchResult
+    from workbench.core.trace.tracer import Tracer
 
 
 @dataclass
@@ -55,6 +59,40 @@ class InflightBatch:
 
 class SchedulerOverlapMixin:
     overlap_worker: OverlapWorker | None  # the launch-now, resolve-later client (Scheduler.__init__)
+
+    # The Scheduler's state this loop reads and writes (set in Scheduler.__init__; bare
+    # annotations, so they only tell the type checker what the Scheduler mixing this in holds).
+    tp_worker: ModelWorker
+    tracer: Tracer
+    running_batch: ScheduleBatch
+    last_batch: ScheduleBatch | None
+    inflight: InflightBatch | None
+    paused: bool
+    step_credits: int
+    forward_ct: int
+    max_running_requests: int
+    spec_num_draft: int
+    _step_start: float
+
+    if TYPE_CHECKING:  # the Scheduler's steps this loop calls (scheduler.py, scheduler_output.py)
+
+        def recv_requests(self) -> list: ...
+        def process_input_requests(self, recv_reqs: list) -> None: ...
+        def get_next_batch_to_run(self) -> ScheduleBatch | None: ...
+        def prepare_launch(self, batch: ScheduleBatch) -> tuple[ModelWorkerBatch, list | None]: ...
+        def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None: ...
+        def note_forward_time(self, batch: ScheduleBatch, forward_ms: float) -> None: ...
+        def finish_step(self, batch: ScheduleBatch | None) -> None: ...
+        def trace_cost(self) -> AbstractContextManager[None]: ...
+        def emit_moe_routing(self, step_reqs: list | None, routing: list | None, step: int = -1) -> None: ...
+        def emit_batch_step(
+            self,
+            batch: ScheduleBatch,
+            schedule_ms: float,
+            forward_ms: float,
+            step_reqs: list | None = None,
+            step: int = -1,
+        ) -> None: ...
 
     # ==== the event loop ==========================================================
     def event_loop_overlap(self) -> None:
@@ -98,7 +136,9 @@ class SchedulerOverlapMixin:
         """Prepare `batch` and queue it on the worker thread; returns at once."""
         mwb, step_reqs = self.prepare_launch(batch)
         schedule_ms = (time.perf_counter() - self._step_start) * 1000
-        future_ids, handle = self.overlap_worker.forward_batch_generation(mwb)
+        worker = self.overlap_worker
+        assert worker is not None, "init_overlap_worker runs before the first launch"
+        future_ids, handle = worker.forward_batch_generation(mwb)
         batch.future_ids = future_ids
         for req, fid in zip(batch.reqs, future_ids):
             if req is not batch.chunked_req:  # a cut prompt samples nothing anyone reads
@@ -107,7 +147,9 @@ class SchedulerOverlapMixin:
 
     def process_inflight(self, inflight: InflightBatch) -> None:
         """Wait for a launch and fold its result into the requests (tokens, cache, output)."""
-        result = self.overlap_worker.resolve_batch_result(inflight.handle)
+        worker = self.overlap_worker
+        assert worker is not None, "a launch went through this worker"
+        result = worker.resolve_batch_result(inflight.handle)
         batch = inflight.batch
         # Rows of requests that had finished before this result: computed for nothing.
         wasted = {i for i, r in enumerate(batch.reqs) if r.finished()}

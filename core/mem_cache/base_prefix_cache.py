@@ -31,7 +31,7 @@ class MatchResult:
 class ReqLike(Protocol):
     """The attributes of the scheduler's `Req` that a prefix cache reads and writes."""
 
-    req_pool_idx: int
+    req_pool_idx: int | None  # None until the scheduler gives it a row; set whenever a cache sees it
     origin_input_ids: list[int]
     output_ids: list[int]
     fill_ids: list[int]
@@ -108,6 +108,7 @@ def free_req_without_caching(req_to_token_pool: Any, allocator: Any, req: ReqLik
     if kv_len is None:
         kv_len = default_kv_len(req)
     row = req.req_pool_idx
+    assert row is not None, f"request {getattr(req, 'rid', '?')} holds no request row"
     # Clone: the row is handed back below and may be rewritten by the next request.
     kv = req_to_token_pool.req_to_token[row, :kv_len].clone()
     allocator.free(kv)
@@ -117,4 +118,5 @@ def free_req_without_caching(req_to_token_pool: Any, allocator: Any, req: ReqLik
 def record_unfinished_req_without_caching(req_to_token_pool: Any, req: ReqLike) -> None:
     """A chunked request keeps its own slots: the next chunk starts after them."""
     row = req.req_pool_idx
+    assert row is not None, f"request {getattr(req, 'rid', '?')} holds no request row"
     req.prefix_indices = req_to_token_pool.req_to_token[row, : len(req.fill_ids)].clone()

@@ -322,6 +322,7 @@ class RadixCache(BasePrefixCache):
             kv_len = default_kv_len(req)
         token_ids = (list(req.origin_input_ids) + list(req.output_ids))[:kv_len]
         row = req.req_pool_idx
+        assert row is not None, f"request {getattr(req, 'rid', '?')} holds no request row"
         kv = self.req_to_token_pool.req_to_token[row, : len(token_ids)].clone()
         already = len(req.prefix_indices)
         new_prefix_len = self.insert(token_ids, kv)
@@ -342,6 +343,7 @@ class RadixCache(BasePrefixCache):
             return
         token_ids = _as_key(req.fill_ids)
         row = req.req_pool_idx
+        assert row is not None, f"request {getattr(req, 'rid', '?')} holds no request row"
         table = self.req_to_token_pool.req_to_token
         kv = table[row, : len(token_ids)].clone()
         already = len(req.prefix_indices)

@@ -36,7 +36,7 @@ TYPED = [
     # the scheduler's contract, the scheduler, and the simulator's worker (offline and live)
     "core/managers/scheduler_contract.py",
     "core/managers/scheduler.py",
-    "core/managers/scheduler_kv_check.py",
+    *(f"core/managers/scheduler_{name}.py" for name in ("kv_check", "output", "overlap")),
     "core/simulation/sim_worker.py",
     "core/simulation/simulator.py",
     "core/simulation/live.py",
