@@ -12,11 +12,52 @@ from workbench.core.io_struct import GetInternalStateReqOutput, StepGateReq, Ste
 from workbench.core.trace import events as ev
 
 if TYPE_CHECKING:
+    from workbench.core.args import ServerArgs
+    from workbench.core.managers.schedule_batch import Req, ScheduleBatch
+    from workbench.core.managers.scheduler_contract import ModelWorker, OverlapWorker, SchedulerIO, StepClock
+    from workbench.core.mem_cache.chunk_cache import ChunkCache
+    from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+    from workbench.core.mem_cache.radix_cache import RadixCache
     from workbench.core.model_executor.cpu_threads import AdaptiveThreads
+    from workbench.core.trace.tracer import Tracer
 
 
 class SchedulerControlMixin:
     adaptive_threads: AdaptiveThreads | None  # set by Scheduler.__init__ (None) and init_adaptive_threads
+
+    # The Scheduler's state these answers read (set in Scheduler.__init__; bare annotations, so
+    # they only tell the type checker what the Scheduler mixing this in holds).
+    server_args: ServerArgs
+    tp_worker: ModelWorker
+    overlap_worker: OverlapWorker | None
+    step_clock: StepClock
+    io: SchedulerIO
+    tracer: Tracer
+    tree_cache: ChunkCache | RadixCache
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool_allocator: TokenToKVPoolAllocator
+    running_batch: ScheduleBatch
+    waiting_queue: list[Req]
+    max_total_num_tokens: int
+    max_running_requests: int
+    max_req_input_len: int
+    last_gen_throughput: float
+    trace_ns: int
+    forward_ct: int
+    num_retracted_total: int
+    spec_num_draft: int
+    spec_verified_total: int
+    spec_proposed_total: int
+    spec_accepted_total: int
+    kv_check_enabled: bool
+
+    if TYPE_CHECKING:  # the Scheduler's methods these answers call (scheduler*.py)
+
+        def has_work(self) -> bool: ...
+        def running_reqs(self) -> list[Req]: ...
+        def sync_inflight(self) -> bool: ...
+        def emit_snapshot(self) -> None: ...
+        def check_kv_invariants(self) -> dict: ...
 
     # ==== control ====================================================================
     def flush_cache(self) -> bool:

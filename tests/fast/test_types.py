@@ -1,5 +1,7 @@
 """mypy (configured in pyproject.toml's [tool.mypy]) finds no type error in the typed core: the KV
-cache, the trace modules and the real model worker. Part of the fast tier.
+cache, the trace modules, every module of core/managers (the scheduler and its mixins, the model
+worker, the tokenizer / detokenizer managers, the DP controller), the model runner and the
+simulator. Part of the fast tier.
 
 setup.py installs core/ as `workbench.core`, through an import hook that mypy does not run, so this
 test lays the `workbench` package out as mypy can read it: .mypy_cache/src/workbench holds links to
@@ -26,17 +28,11 @@ MAPPED = {"core": "core", "tui": "tui", "widgets": "widgets"}
 TYPED = [
     "core/mem_cache",
     "core/trace",
-    # the real model worker, and the managers beside the scheduler
-    "core/managers/tp_worker.py",
-    "core/managers/tp_worker_overlap_thread.py",
-    *(f"core/managers/{name}.py" for name in ("schedule_batch", "schedule_policy", "weight_updater")),
-    *(f"core/managers/{name}.py" for name in ("detokenizer_manager", "incremental_detokenize")),
-    *(f"core/managers/{name}.py" for name in ("tokenizer_manager", "data_parallel_controller")),
+    # the scheduler, its mixins and contract, the model worker, the tokenizer / detokenizer managers
+    # and the data-parallel controller: every module of core/managers
+    "core/managers",
     "core/model_executor/model_runner.py",
-    # the scheduler's contract, the scheduler, and the simulator's worker (offline and live)
-    "core/managers/scheduler_contract.py",
-    "core/managers/scheduler.py",
-    *(f"core/managers/scheduler_{name}.py" for name in ("kv_check", "output", "overlap")),
+    # the simulator's worker (offline and live)
     "core/simulation/sim_worker.py",
     "core/simulation/simulator.py",
     "core/simulation/live.py",
