@@ -95,7 +95,7 @@ def test_tp3_a_trainer_written_the_openrlhf_way_updates_every_rank(
         shapes = [f.get_slice(n).get_shape() for n in names]
     baseline = greedy(engine, prompts)
     port = free_port()
-    args = (str(model_dir), port, 4, GROUP, "test_weight_updates:perturbed", 90.0)
+    args = (str(model_dir), port, 4, GROUP, "test_weight_updates_e2e:perturbed", 90.0)
     with trainer_group_process(trainer_main, args) as result_q:
         out = engine.init_weights_update_group("127.0.0.1", port, 1, 4, GROUP, "gloo", timeout_s=90)
         assert "rank 1 of 4" in out["message"]

@@ -224,7 +224,7 @@ def test_trainer_with_the_wrong_world_size_times_out_clearly_and_the_engine_keep
 
     port = free_port()
     t0 = time.monotonic()
-    args = (str(model_dir), port, 3, GROUP, "test_weight_updates:perturbed", 8.0)
+    args = (str(model_dir), port, 3, GROUP, "test_weight_updates_e2e:perturbed", 8.0)
     with trainer_group_process(trainer_main, args) as result_q:
         with pytest.raises(
             ValueError,
@@ -255,7 +255,7 @@ def test_a_trainer_written_the_openrlhf_way_updates_the_engine(
         shapes = [f.get_slice(n).get_shape() for n in names]
     port = free_port()
     try:
-        args = (str(model_dir), port, 2, GROUP, "test_weight_updates:perturbed", 60.0)
+        args = (str(model_dir), port, 2, GROUP, "test_weight_updates_e2e:perturbed", 60.0)
         with trainer_group_process(trainer_main, args) as result_q:
             out = engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "gloo", timeout_s=60)
             assert "rank 1 of 2" in out["message"]
