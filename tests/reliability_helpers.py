@@ -24,7 +24,13 @@ import httpx
 # Figures for the end-of-run summary; every reliability test adds to them.
 STATS: dict[str, int] = {"requests": 0, "faults": 0, "fuzz_cases": 0, "unexpected": 0}
 
-RELIABILITY_FILES = ("test_reliability_load.py", "test_reliability_faults.py", "test_fuzz_http.py", "test_security.py")
+RELIABILITY_FILES = (
+    "test_reliability_load.py",
+    "test_reliability_faults.py",
+    "test_fuzz_http.py",
+    "test_security.py",
+    "test_security_e2e.py",
+)
 
 
 def count(key: str, n: int = 1) -> None:
