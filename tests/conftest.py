@@ -17,6 +17,9 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # Every scheduler the tests start checks its KV bookkeeping whenever it goes idle
 # (core/managers/scheduler_kv_check.py); assert_no_kv_leak reads the outcome.
 os.environ.setdefault("WORKBENCH_KV_INVARIANT_CHECK", "1")
+# A calibration `bench calibrate` cached for this machine would change what `--simulate cpu-here`
+# predicts; the tests see the shipped ones only (a test that wants its own sets this variable).
+os.environ.setdefault("WORKBENCH_CALIBRATION_DIR", str(Path(__file__).parent / ".no-calibrations"))
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,8 @@ from workbench.core.managers.scheduler_contract import (
     ListIO,
 )
 from workbench.core.sampling.sampling_params import SamplingParams
-from workbench.core.simulation.calibration import Calibration, shipped
+from workbench.core.simulation import calibration as calibrations
+from workbench.core.simulation.calibration import Calibration
 from workbench.core.simulation.cost_model import CostModel
 from workbench.core.simulation.hardware import get_hardware
 from workbench.core.simulation.model_specs import model_spec
@@ -304,8 +305,13 @@ class Simulator:
         self.spec = model_spec(model)
         self.hw = get_hardware(hardware)
         self.tp_size = tp_size
-        if calibration == "auto":  # the shipped table for this hardware and model, if there is one
-            calibration = shipped(self.hw.name, self.spec.name) if tp_size == 1 else None
+        # Where the calibration came from ("this machine", "shipped", "none", "given") and why it may be off.
+        self.calibration_source, self.calibration_warning = "given" if calibration is not None else "none", None
+        if calibration == "auto":  # this machine's own table, else the shipped one for this hardware and model
+            choice = calibrations.auto(self.hw.name, self.spec.name) if tp_size == 1 else None
+            calibration = choice.calibration if choice else None
+            self.calibration_source = choice.source if choice else "none"
+            self.calibration_warning = choice.warning if choice else None
         elif isinstance(calibration, (str, Path)):
             calibration = Calibration.load(calibration)
         if dtype_bytes is None:

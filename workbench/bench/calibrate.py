@@ -24,6 +24,7 @@ import concurrent.futures as cf
 import random
 import statistics
 import time
+from pathlib import Path
 
 from workbench.bench.harness import load_text, progress
 from workbench.bench.prompts import build_workloads, random_ids
@@ -133,7 +134,7 @@ def _sim_name(engine, given) -> str:
 def run_calibrate(args) -> int:
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
-    from workbench.core.simulation.calibration import Calibration, extend_point, shipped_path
+    from workbench.core.simulation.calibration import Calibration, extend_point, local_path, machine, shipped_path
     from workbench.core.simulation.cost_model import CostModel
     from workbench.core.simulation.hardware import get_hardware
     from workbench.core.simulation.model_specs import model_spec
@@ -198,6 +199,7 @@ def run_calibrate(args) -> int:
         loads.append(load_text(2))
         meta = dict(
             **trip,
+            **machine(dtype_bytes),  # which machine this describes: for_this_machine checks it where it is used
             probe_s=statistics.median(probes),
             dtype_bytes=dtype_bytes,
             threads=engine.scheduler_info.get("threads", ""),
@@ -205,7 +207,8 @@ def run_calibrate(args) -> int:
             measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         )
     cal = Calibration(hw.name, spec.name, points, meta)
-    out = args.out or (shipped_path(hw.name, spec.name) if args.install else None)
+    # By default this machine's own calibration, where the simulator looks first (for_this_machine).
+    out = args.out or (shipped_path(hw.name, spec.name) if args.install else local_path(hw.name, spec.name))
     print(f"calibration of {spec.name} on {hw.name} (load {meta['load']}):")
     print("| pass | measured ms | predicted ms | measured / predicted |\n|---|---|---|---|")
     for p in points:
@@ -218,9 +221,16 @@ def run_calibrate(args) -> int:
             f"| {what} | {1000 * p['measured_s']:.1f} | {1000 * p['predicted_s']:.1f} | "
             f"{p['measured_s'] / p['predicted_s']:.2f} |"
         )
-    if out:
-        cal.save(out)
-        print(f"written to {out}")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    cal.save(out)
+    print(
+        f"written to {out}"
+        + (
+            " (this machine's calibration: the simulator uses it from now on)"
+            if not args.out and not args.install
+            else ""
+        )
+    )
     return 0
 
 
@@ -248,7 +258,7 @@ def _real_stream(engine, prompts: list[list[int]], news: list[int], arrivals: li
 def run_sim_accuracy(args) -> int:
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
-    from workbench.core.simulation.calibration import Calibration, shipped
+    from workbench.core.simulation.calibration import Calibration, for_this_machine
     from workbench.core.simulation.simulator import SimRequest, Simulator
 
     args.simulate = args.simulate or "cpu-here"  # here --simulate names the hardware entry being measured
@@ -289,7 +299,10 @@ def run_sim_accuracy(args) -> int:
         # compared with the median, the spread printed beside it. The machine's speed drifts as much over
         # minutes, so each run is preceded by the probe the calibration also timed: their ratio is how fast
         # the machine ran this case against when it was calibrated, and the simulator is also run at it.
-        cal = Calibration.load(args.calibration) if args.calibration else shipped(args.simulate, name)
+        choice = None if args.calibration else for_this_machine(args.simulate, name)
+        cal = Calibration.load(args.calibration) if args.calibration else choice.calibration
+        if choice is not None and choice.warning:
+            progress(choice.warning)
         probe_then = cal.meta.get("probe_s") if cal is not None else None
         repeats = max(1, args.repeats)
         runs: dict[str, list[dict]] = {label: [] for label, *_ in cases}
@@ -338,7 +351,7 @@ def run_sim_accuracy(args) -> int:
             )
     what = f"the median of {repeats} runs (their range beside it)" if repeats > 1 else "one run"
     print(
-        f"\nsimulator ({args.simulate}, {name}, {args.calibration or 'shipped calibration'}) against the real engine "
+        f"\nsimulator ({args.simulate}, {name}, {args.calibration or _calibration_text(choice)}) against the real engine "
         f"in the same command, {what}; load {' -> '.join(loads)}"
     )
     several, paced = repeats > 1, probe_then is not None
@@ -379,6 +392,14 @@ def _yes(flags: list[bool]) -> str:
     return "yes" if all(flags) else "no"
 
 
+def _calibration_text(choice) -> str:
+    """Which calibration sim-accuracy used, and why it may not fit this machine."""
+    if choice is None or choice.calibration is None:
+        return "no calibration"
+    text = f"the {choice.source} calibration" if choice.source == "shipped" else "this machine's calibration"
+    return text + (" -- NOT measured on this machine, see the warning above" if choice.warning else "")
+
+
 def add_parsers(bench_sub) -> None:
     from workbench.core.args import ServerArgs
 
@@ -392,7 +413,12 @@ def add_parsers(bench_sub) -> None:
         p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
         p.set_defaults(func=func)
         if name == "calibrate":
-            p.add_argument("--out", default=None, help="write the calibration JSON here")
+            p.add_argument(
+                "--out",
+                default=None,
+                help="write the calibration JSON here (default: this machine's cache, $WORKBENCH_CACHE_DIR/"
+                "calibrations, where --simulate cpu-here looks first)",
+            )
             p.add_argument(
                 "--install", action="store_true", help="write it where the simulator looks (core/simulation/data)"
             )
