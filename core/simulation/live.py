@@ -37,6 +37,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import time
 
 from workbench.core.args import ServerArgs
@@ -53,7 +54,7 @@ from workbench.core.managers.scheduler_contract import (
 )
 from workbench.core.managers.tokenizer_manager import GenerateReqInput
 from workbench.core.sampling.sampling_params import SamplingParams
-from workbench.core.simulation.calibration import shipped
+from workbench.core.simulation import calibration as calibrations
 from workbench.core.simulation.cost_model import CostModel
 from workbench.core.simulation.hardware import HARDWARE, get_hardware
 from workbench.core.simulation.model_specs import model_spec
@@ -96,7 +97,9 @@ def simulated_deployment(sa: ServerArgs) -> tuple[ServerArgs, Deployment]:
 def _cost_model(sa: ServerArgs) -> CostModel:
     assert sa.model_path and sa.simulate, "sized_args checked both"
     spec, hw = model_spec(sa.model_path), get_hardware(sa.simulate)
-    calibration = shipped(hw.name, spec.name) if sa.tp_size == 1 else None  # as Simulator's "auto"
+    calibration = (
+        calibrations.auto(hw.name, spec.name).calibration if sa.tp_size == 1 else None
+    )  # as Simulator's "auto"
     return CostModel(spec, hw, sa.tp_size, default_dtype_bytes(calibration, hw.name), 1.0, calibration)
 
 
@@ -144,7 +147,11 @@ def sized_args(sa: ServerArgs) -> ServerArgs:
     )
 
 
-ANNOUNCE_WAIT_S = 1.0  # wall seconds a working scheduler waits for an announced arrival before going on
+# Wall seconds a scheduler waits for an announced arrival whose driver is alive before going on. A
+# driver withdraws its announcement when it stops (even on an error), so this bounds only a hung
+# one; on a loaded 2-core host a live driver's request can take over a second to come through its
+# tokenizer manager and the DP controller, and giving up then changes the deployment's schedule.
+ANNOUNCE_WAIT_S = 30.0
 logger = logging.getLogger(__name__)
 
 
@@ -315,15 +322,31 @@ class LiveSimClock:
         return max(1, min(50, math.ceil(left_ms)))
 
     def _gave_up_on(self, due: int) -> bool:
-        """Whether the announced arrival `due` was waited for ANNOUNCE_WAIT_S of wall time in vain (a
-        driver that announced and then stopped must not freeze the deployment)."""
+        """Whether the announced arrival `due` will not come: its driver's process is gone, or it was
+        waited for ANNOUNCE_WAIT_S of wall time in vain (a driver that announced and then died or hung
+        must not freeze the deployment)."""
         if self._waiting_for[0] != due:
             self._waiting_for = (due, time.monotonic())
-        late = time.monotonic() - self._waiting_for[1] > ANNOUNCE_WAIT_S
+        dead = not _alive(self.shared.announcer())
+        late = dead or time.monotonic() - self._waiting_for[1] > ANNOUNCE_WAIT_S
         if late and self._waiting_for[0] != self._given_up:
             self._given_up = due
-            logger.warning("an announced arrival did not come within %.0f s; the deployment goes on", ANNOUNCE_WAIT_S)
+            why = "its driver's process is gone" if dead else f"it did not come within {ANNOUNCE_WAIT_S:.0f} s"
+            logger.warning("an announced arrival was given up (%s); the deployment goes on", why)
         return late
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (0, no announcer recorded, counts as alive)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class _CountingIO:

@@ -36,10 +36,11 @@ NEVER = 2**63 - 1  # "no arrival announced"
 SHARED_CLOCK_KEY = "shared_clock"
 # Slots (int64 unless said): 0 seqlock counter, 1 simulated anchor (ns), 2 wall anchor (ns),
 # 3 rate (float64: simulated s per wall s after the anchors; 0 = still), 4 the cap running time
-# stops at (ns), 5 requests the tokenizer manager has sent, 6 the next announced arrival (ns).
-_LAYOUT = struct.Struct("<qqqdqqq")
+# stops at (ns), 5 requests the tokenizer manager has sent, 6 the next announced arrival (ns), 7 the
+# pid of the process that announced it (so a scheduler can tell a slow driver from a dead one).
+_LAYOUT = struct.Struct("<qqqdqqqq")
 _STATE = struct.Struct("<qqqdq")
-_SENT, _ANNOUNCED = 40, 48
+_SENT, _ANNOUNCED, _ANNOUNCER = 40, 48, 56
 # Data parallel, after the layout: the number of replica slots, the wall-pacing anchor (simulated ns,
 # wall ns) and the deployment's peak KV use; then per replica: its time (ns), busy (0/1), requests it
 # received, KV tokens it uses, token outputs it has sent, and whether a pass of its ended whose
@@ -72,7 +73,7 @@ class TraceClock:
 
 
 class SharedClock(TraceClock):
-    """Simulated time shared by an engine's processes through a 56-byte mapped file.
+    """Simulated time shared by an engine's processes through a small mapped file.
 
     The scheduler moves time (`hold`, `advance`, `run`, `jump_to`), the tokenizer manager stops it
     and counts its requests (`note_sent`), a driver announces arrivals. Writers of time take the
@@ -87,7 +88,7 @@ class SharedClock(TraceClock):
         if create:
             now = time.monotonic_ns()
             with open(path, "wb") as f:
-                f.write(_LAYOUT.pack(0, now, now, 0.0, NEVER, 0, NEVER))
+                f.write(_LAYOUT.pack(0, now, now, 0.0, NEVER, 0, NEVER, 0))
                 f.write(_DP.pack(replicas, now, now, 0))
                 f.write(b"".join(_SLOT.pack(now, 0, 0, 0, 0, 0) for _ in range(replicas)))
         self._fd = os.open(path, os.O_RDWR)
@@ -138,6 +139,10 @@ class SharedClock(TraceClock):
     def announced(self) -> int | None:
         v = struct.unpack_from("<q", self._m, _ANNOUNCED)[0]
         return None if v == NEVER else v
+
+    def announcer(self) -> int:
+        """The pid of the process that made the last announcement (0: none yet)."""
+        return struct.unpack_from("<q", self._m, _ANNOUNCER)[0]
 
     # ---- the scheduler ---------------------------------------------------------
     def _write(self, sim: int, rate: float, cap: int = NEVER) -> None:
@@ -320,6 +325,7 @@ class SharedClock(TraceClock):
     def announce(self, arrival_ns: int | None) -> None:
         # Never behind now: readers stop running time at an announcement, and time never goes back.
         due = NEVER if arrival_ns is None else max(int(arrival_ns), self.now_ns())
+        struct.pack_into("<q", self._m, _ANNOUNCER, os.getpid())
         struct.pack_into("<q", self._m, _ANNOUNCED, due)
 
     def close(self) -> None:

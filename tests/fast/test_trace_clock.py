@@ -8,6 +8,7 @@ The end-to-end tests of this module are in tests/e2e/test_trace_clock_e2e.py.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -69,7 +70,35 @@ def test_an_arriving_request_holds_the_clock_and_is_counted(tmp_path, shared):
     assert shared.announced() == shared.now_ns()
     other.announce(None)
     assert shared.announced() is None
+    assert shared.announcer() == os.getpid()  # who announced: a scheduler tells a slow driver from a dead one
     other.close()
+
+
+def test_an_announcement_is_waited_for_while_its_driver_lives_and_given_up_when_it_dies(shared):
+    """A live simulated scheduler holds time for an announced arrival as long as its driver's process
+    lives (a loaded host may take seconds to deliver it), and goes on at once when that process is gone."""
+    import multiprocessing
+
+    from workbench.core.simulation import live
+
+    waiter = live.LiveSimClock(shared, 0.0, worker=None)
+    due = shared.now_ns() + 1000
+    shared.announce(due)
+    assert not waiter._gave_up_on(due)
+    waiter._waiting_for = (due, time.monotonic() - 2.0)  # two wall seconds without it: a slow driver, still waited for
+    assert not waiter._gave_up_on(due)
+    driver = multiprocessing.get_context("spawn").Process(target=_announce_and_die, args=(shared.path, due + 1))
+    driver.start()
+    driver.join(60)
+    assert shared.announced() == due + 1 and shared.announcer() == driver.pid
+    assert waiter._gave_up_on(due + 1)  # its driver is gone: the deployment goes on
+    waiter._waiting_for = (due + 2, time.monotonic() - live.ANNOUNCE_WAIT_S - 1)
+    shared.announce(due + 2)
+    assert waiter._gave_up_on(due + 2)  # a live driver that hung past the bound is given up too
+
+
+def _announce_and_die(path: str, due: int) -> None:
+    trace_clock.SharedClock(path).announce(due)
 
 
 def test_a_reader_never_sees_half_a_write(shared):
