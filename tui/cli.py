@@ -2,6 +2,7 @@
 
 workbench tui [--model PATH] [--scenario kv-pressure]              # live engine, a demo running
 workbench tui [--workload shared-prefix --rate 2]                   # ... or a fixed-rate workload
+workbench tui --workload mooncake_trace.jsonl [--time-scale 20]      # ... or a production trace
 workbench tui --attach tcp://127.0.0.1:5557                         # watch `serve --trace-publish`
 workbench tui --replay run.jsonl [--speed 4]                        # play a recording
 """
@@ -46,9 +47,11 @@ def add_tui_args(parser: argparse.ArgumentParser) -> None:
     )
     demo.add_argument(
         "--workload",
-        choices=KINDS,
+        metavar="KIND_OR_FILE",
         default=None,
-        help="start this workload at a fixed rate at once (w toggles it, W cycles the kind)",
+        help=f"start this workload at once: a kind ({', '.join(KINDS)}) at a fixed rate (w toggles it, "
+        "W cycles the kind), or a trace FILE played on this engine at a time scale that suits it "
+        "(Mooncake JSONL, Azure or BurstGPT CSV, a workbench JSONL or a --record file; docs/simulation.md)",
     )
     g.add_argument(
         "--rate",
@@ -57,6 +60,9 @@ def add_tui_args(parser: argparse.ArgumentParser) -> None:
         help="workload requests per second (default 1; with --scenario the starting rate, which "
         "then adapts; + and - change it)",
     )
+    from workbench.trace_runner import add_live_trace_args
+
+    add_live_trace_args(g)
     g.add_argument("--workload-max-new-tokens", type=int, default=32, help="max_new_tokens of workload requests")
     g.add_argument("--speed", type=float, default=1.0, help="replay speed")
     g.add_argument("--paused", action="store_true", help="start with the scheduler (or replay) paused")
@@ -97,6 +103,14 @@ def make_controller(args: argparse.Namespace):
         sa = ServerArgs.from_cli_args(args)
     except TypeError:
         sa = ServerArgs()
+    from workbench.trace_runner import WorkloadError, trace_spec_from_args
+
+    try:
+        workload = trace_spec_from_args(args, seed=sa.random_seed or 0) or getattr(args, "workload", None)
+    except WorkloadError as exc:
+        raise ValueError(str(exc)) from None  # a message for people (friendly() prints it as it is)
+    if not isinstance(workload, (str, type(None))):
+        print(f"workbench tui: {workload.describe(getattr(args, 'rate', None))}", file=sys.stderr)
     scenario = getattr(args, "scenario", None)
     if scenario:
         from workbench.scenarios import get_scenario
@@ -105,7 +119,7 @@ def make_controller(args: argparse.Namespace):
         sa = scenario.server_args(sa)
     return EngineController(
         server_args=sa,
-        workload=getattr(args, "workload", None),
+        workload=workload,
         scenario=scenario,
         rate=getattr(args, "rate", None),
         max_new_tokens=getattr(args, "workload_max_new_tokens", 32),

@@ -161,7 +161,17 @@ class WorkloadRunner:
     `prompts` replaces the kind's generated prompts (items: a prompt string, chat messages, or a
     dict with "messages"/"prompt"/"input_ids", optional "sampling_params" and "rid_prefix");
     `ids` is the counter that numbers rids (share one to keep rids unique across runners).
+    A `trace_runner.TraceSpec` as `kind` (Mooncake's JSONL, Azure's or BurstGPT's CSV, a recording)
+    plays that trace instead: see workbench/trace_runner.py.
     """
+
+    def __new__(cls, engine: Any = None, kind: Any = "chat", *args: Any, **kwargs: Any):
+        """A kind that names its own runner class (workbench/trace_runner.py's TraceSpec: a production
+        trace) builds that runner instead."""
+        runner_class = getattr(kind, "runner_class", None)
+        if cls is WorkloadRunner and isinstance(runner_class, type) and issubclass(runner_class, WorkloadRunner):
+            return super().__new__(runner_class)
+        return super().__new__(cls)
 
     def __init__(
         self,

@@ -1,0 +1,102 @@
+"""A production trace as a live workload (issue #37, workbench/trace_runner.py): `workbench tui
+--workload FILE`'s flags parsed and checked, the time scale chosen from --rate or given, a trace file
+as a WorkloadRunner's kind making a TraceRunner, its requests' prompts (Mooncake's shared hash ids
+as shared prefixes, cut to the context) and output lengths, and + / - rescaling from where the trace
+is. The runner sending to a real engine is tests/e2e/test_tui_trace_workload_e2e.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from workbench.trace_runner import TraceRunner, TraceSpec, WorkloadError, speed_words, trace_spec_from_args
+from workbench.workloads import WorkloadRunner
+
+ROWS = [  # 4 requests over 3 s of trace: a mean 1 req/s
+    {"timestamp": 10_000, "input_length": 700, "output_length": 4, "hash_ids": [0, 1]},
+    {"timestamp": 11_000, "input_length": 650, "output_length": 3, "hash_ids": [0, 2]},
+    {"timestamp": 12_000, "input_length": 300, "output_length": 2, "hash_ids": [5]},
+    {"timestamp": 13_000, "input_length": 9000, "output_length": 5, "hash_ids": [0, 1, 7]},
+]
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "mooncake_trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+def _tui_args(*argv: str) -> argparse.Namespace:
+    from workbench.cli import build_parser
+
+    return build_parser().parse_args(["tui", *argv])
+
+
+def test_tui_flags_read_the_trace_and_choose_a_time_scale(trace):
+    spec = trace_spec_from_args(_tui_args("--workload", str(trace), "--max-requests", "3"))
+    assert isinstance(spec, TraceSpec) and spec.name == "mooncake mooncake_trace.jsonl"
+    assert [r.arrival for r in spec.load().requests] == [0.0, 1.0, 2.0]
+    assert spec.mean_rate() == pytest.approx(1.0)
+    assert spec.scale_for(None) == pytest.approx(1.0) and spec.scale_for(0.25) == pytest.approx(4.0)
+    line = spec.describe(0.25)
+    assert "3 requests" in line and "1/4 speed" in line and "--time-scale 1 plays it as recorded" in line
+    given = trace_spec_from_args(_tui_args("--workload", str(trace), "--time-scale", "0.5", "--start", "1"))
+    assert given.scale_for(0.25) == 0.5 and len(given.load().requests) == 3
+    assert "2x speed" in given.describe()
+    # a kind stays a kind
+    assert trace_spec_from_args(_tui_args("--workload", "chat")) is None
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--workload", "no-such-trace.jsonl"], "no such file, and not a workload kind"),
+        (["--workload", "chat", "--time-scale", "2"], "--time-scale: for a --workload FILE"),
+        (["--sample", "0.5"], "--sample: for a --workload FILE"),
+        (["--workload", "{trace}", "--time-scale", "0"], "--time-scale: a factor above 0"),
+        (["--workload", "{trace}", "--start", "60"], "no requests left after --start 60"),
+    ],
+)
+def test_tui_trace_flags_that_cannot_work_say_what_to_do(trace, argv, says):
+    with pytest.raises(WorkloadError, match=says.replace("(", r"\(")):
+        trace_spec_from_args(_tui_args(*[a.format(trace=trace) for a in argv]))
+
+
+def test_make_controller_turns_a_bad_trace_into_a_plain_message(tmp_path):
+    from workbench.tui.cli import make_controller
+
+    bad = tmp_path / "t.csv"
+    bad.write_text("when,what\n1,2\n")
+    with pytest.raises(ValueError, match="no known workload") as err:
+        make_controller(_tui_args("--workload", str(bad)))
+    assert type(err.value) is ValueError  # friendly() prints a ValueError's message as it is
+
+
+def test_a_trace_as_the_kind_makes_a_trace_runner_with_the_traces_lengths_and_shared_prefixes(trace):
+    # (the vocabulary and context an engine would give)
+    runner = WorkloadRunner(None, TraceSpec(str(trace)), 2.0, max_new_tokens=32, vocab=1000, context_len=2048)
+    assert isinstance(runner, TraceRunner) and runner.time_scale == pytest.approx(0.5)
+    assert runner.rate == pytest.approx(2.0) and "2x speed" in runner.label and "0/4 sent" in runner.label
+    sent = [runner._request_kwargs(i) for i in range(4)]
+    ids = [s["input_ids"] for s in sent]
+    assert [s["sampling_params"]["max_new_tokens"] for s in sent] == [4, 3, 2, 5]  # the trace's, not 32
+    assert all(s["sampling_params"]["ignore_eos"] for s in sent)
+    assert [len(x) for x in ids[:3]] == [700, 650, 300]
+    assert len(ids[3]) == 2048 - 5 - 1 and runner.clipped == 1  # cut to the context, its prefix kept
+    assert all(3 <= t < 1000 for x in ids for t in x)  # the engine's vocabulary
+    assert ids[1][:512] == ids[0][:512] and ids[1][512] != ids[0][512]  # block 0 shared, then 2 != 1
+    assert ids[3][:700] == ids[0]  # blocks 0 and 1, as far as row 1 had them
+    assert ids[2][0] != ids[0][0]
+
+    runner.set_rate(0.5)  # `-` twice: the rest of the trace at a quarter of the speed
+    assert runner.time_scale == pytest.approx(2.0) and "1/2 speed" in runner.label
+    # the kinds are untouched
+    assert type(WorkloadRunner(None, "chat", 1.0)) is WorkloadRunner
+
+
+def test_speed_words():
+    assert [speed_words(x) for x in (1.0, 20.0, 0.25)] == ["real time", "1/20 speed", "4x speed"]
