@@ -73,7 +73,7 @@ def test_a_real_run_and_its_simulation_schedule_the_same_batches(tmp_path):
 def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
     """The two commands end to end on a tiny model: a calibration file from real step times, then the
     simulator beside the real engine on the same workloads (figures printed, not asserted)."""
-    from workbench.core.simulation.calibration import Calibration
+    from workbench.core.simulation.calibration import Calibration, cpu_model
 
     from workbench.cli import build_parser
 
@@ -90,6 +90,7 @@ def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
     trip = [cal.meta[k] for k in ("tm_in_s", "tm_gap_s", "tm_out_s")]  # the pipeline's trip, measured
     assert all(0 <= t < 1.0 for t in trip) and trip[1] > 0
     assert 0 < cal.meta["probe_s"] < 30  # the machine's pace when calibrated: sim-accuracy times it again
+    assert cal.meta["cpu_model"] == cpu_model() and cal.meta["gemm_gflops"] > 0  # the machine it describes
     args = p.parse_args(
         ["bench", "sim-accuracy", "--quick", "--model", str(d), "--dtype", "float32", "--rates", "4", "--repeats", "2"]
         + ["--calibration", str(out)]
