@@ -35,6 +35,7 @@ from workbench.core.distributed.launch import (
     wait_ranks_ready,
     with_dist_init_addr,
 )
+from workbench.core.engine_log import LOG_PATH_KEY, append_line, attach_log_file, detach_log_file, new_log_path
 from workbench.core.ipc import PortArgs
 from workbench.core.managers.scheduler_contract import Deployment
 from workbench.core.managers.tokenizer_manager import EngineDeadError, GenerateReqInput, TokenizerManager
@@ -44,6 +45,7 @@ from workbench.core.sampling.sampling_params import SamplingParams, sampling_par
 from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 from workbench.core.trace.bus import TraceBus
+from workbench.core.trace.startup import PHASE_LABELS, StartupProgress
 from workbench.core.trace.tracer import Tracer
 
 logger = logging.getLogger(__name__)
@@ -64,7 +66,13 @@ class Engine:
     """The serving engine: processes, trace bus and TokenizerManager. Use as a context manager.
 
     `deployment` (scheduler_contract.Deployment) says how the scheduler processes are made and how
-    the engine describes itself; None: the one the arguments ask for (core/deployment.py)."""
+    the engine describes itself; None: the one the arguments ask for (core/deployment.py).
+
+    Start-up goes through phases (trace/startup.py: model, processes, weights, kernels, warmup,
+    ready), each reported by the process doing it: `on_phase` receives them as `engine.phase`
+    events (`self.startup` folds them); without it they are printed like `on_progress` lines.
+    `log_path`: the engine's log file (default: a new one under ~/.cache/workbench/logs;
+    core/engine_log.py); its processes' log records go there."""
 
     def __init__(
         self,
@@ -73,6 +81,8 @@ class Engine:
         server_args: ServerArgs | None = None,
         on_progress: Callable[[str], None] | None = None,
         deployment: Deployment | None = None,
+        on_phase: Callable[[ev.EnginePhase], None] | None = None,
+        log_path: str | None = None,
         **kwargs,
     ):
         _exit_if_starting_child()
@@ -85,17 +95,26 @@ class Engine:
         self.deployment = deployment
         self.server_args = server_args
         self._progress = on_progress or (_print_progress if server_args.show_progress else (lambda msg: None))
+        self._on_phase = on_phase
+        self.startup = StartupProgress()
         self._shutdown = False
         self.is_healthy = False
         self.procs: dict[str, mp.Process] = {}
         self.t_start = time.monotonic()
         self.port_args = PortArgs.create()
+        self.log_path = log_path or new_log_path("engine")
+        self.port_args.extra[LOG_PATH_KEY] = self.log_path
+        self._log_handler = attach_log_file(self.log_path)
+        if on_phase is None:
+            self._progress(f"engine log: {self.log_path}")
         try:
             self._launch()
         except MainGuardError as exc:
+            self._phase("failed", str(exc))
             self.shutdown()
             raise SystemExit(f"workbench: {exc}") from None  # one line, not a child's traceback
-        except BaseException:
+        except BaseException as exc:
+            self._phase("failed", f"{type(exc).__name__}: {exc}")
             self.shutdown()
             raise
         atexit.register(self.shutdown)
@@ -109,6 +128,7 @@ class Engine:
                 "start it with `workbench serve --nnodes N --node-rank K --dist-init-addr HOST:PORT` "
                 "(or workbench.core.distributed.launch.run_worker_node); the Engine runs on node 0"
             )
+        self._phase("model", str(sa.model_path or "the default model"))
         if not self.deployment.loads_weights:  # the default model's tokenizer stands in, the scheduler gets the name
             self.prepared = prepare_model(None, progress=sa.show_progress)
             self.model_path = str(sa.model_path)
@@ -133,7 +153,7 @@ class Engine:
             self.clock = trace_clock.SharedClock(path, create=True, replicas=sa.dp_size)
         self.bus = TraceBus(self.port_args.trace_ipc_name, publish_addr=sa.trace_publish, model=self.trace_label)
         ctx = mp.get_context("spawn")
-        self._progress("starting scheduler and detokenizer processes")
+        self._phase("processes", "each imports torch and the serving core")
         from workbench.core.managers.detokenizer_manager import run_detokenizer_process
 
         readers: dict = {}
@@ -150,8 +170,19 @@ class Engine:
         writer.close()
         self.procs["detokenizer"] = proc
         readers["detokenizer"] = reader
-        self.tokenizer = load_tokenizer(self.prepared.model_dir)
-        self.scheduler_info = self._wait_ready(readers)
+        # The tokenizer loads on a thread while this one reads the children's phase reports as they come.
+        tokenizer: dict[str, Any] = {}
+        loader = threading.Thread(
+            target=_load_tokenizer_into, args=(self.prepared.model_dir, tokenizer), name="workbench-tokenizer"
+        )
+        loader.start()
+        try:
+            self.scheduler_info = self._wait_ready(readers)
+        finally:
+            loader.join()
+        if "error" in tokenizer:
+            raise tokenizer["error"]
+        self.tokenizer = tokenizer["tokenizer"]
         self.context_len = self.scheduler_info["context_len"]
         self.max_total_num_tokens = self.scheduler_info["max_total_num_tokens"]
 
@@ -181,6 +212,7 @@ class Engine:
         self.ready_time_s = time.monotonic() - self.t_start
         details = [f"KV pool {self.max_total_num_tokens} tokens"]
         details += [self.scheduler_info[k] for k in ("huge_pages", "threads") if self.scheduler_info.get(k)]
+        self._phase("ready", f"in {self.ready_time_s:.1f} s")
         self._progress(f"ready in {self.ready_time_s:.1f} s ({self.scheduler_info['dtype']}, {'; '.join(details)})")
 
     def _launch_schedulers(self, ctx, child_args: ServerArgs, readers: dict) -> None:
@@ -218,10 +250,27 @@ class Engine:
             if self.server_args.nnodes > 1
             else ""
         )
-        infos = wait_ranks_ready(self.procs, readers, START_TIMEOUT_S, timeout_hint=hint)
+        infos = wait_ranks_ready(self.procs, readers, START_TIMEOUT_S, timeout_hint=hint, on_phase=self._child_phase)
         info = infos.get("scheduler", {})
         self._progress(f"model loaded in {info.get('load_time_s', 0):.1f} s")
         return info
+
+    def _phase(self, name: str, detail: str = "") -> None:
+        """This process begins start-up phase `name`: fold it, log it, hand it on or print it."""
+        if name == "failed" and (self.startup.done or not self.startup.phases):
+            return  # failed after ready (a later step), or before anything began: nothing to report
+        event = ev.EnginePhase(ts=time.monotonic_ns(), proc="engine", phase=name, detail=detail, log_path=self.log_path)
+        self._child_phase(event)
+
+    def _child_phase(self, event: ev.EnginePhase) -> None:
+        self.startup.apply(event)
+        label = PHASE_LABELS.get(event.phase, event.phase)
+        line = f"{label}: {event.detail}" if event.detail else label
+        append_line(self.log_path, f"phase {event.phase} ({event.proc}): {line}")
+        if self._on_phase is not None:
+            self._on_phase(event)
+        elif event.phase not in ("ready", "failed"):  # the ready line (below) and the error say those
+            self._progress(line + " …")
 
     @property
     def trace_label(self) -> str:
@@ -654,6 +703,7 @@ class Engine:
             self._recorder.close()
         if getattr(self, "_otel", None) is not None:
             self._otel.close()
+        detach_log_file(getattr(self, "_log_handler", None))
         self.port_args.cleanup()
         try:
             atexit.unregister(self.shutdown)
@@ -677,6 +727,13 @@ def _update_reply(out) -> dict:
     if not out.success:
         raise ValueError(out.message)
     return {"success": True, "message": out.message, "version": out.version}
+
+
+def _load_tokenizer_into(model_dir, out: dict) -> None:
+    try:
+        out["tokenizer"] = load_tokenizer(model_dir)
+    except BaseException as exc:  # raised again on the engine's thread
+        out["error"] = exc
 
 
 def _running_loop():

@@ -24,12 +24,15 @@ from textual.css.query import NoMatches
 from textual.widget import Widget
 from textual.widgets import Footer, Input, LoadingIndicator, Static, TabbedContent
 from textual.worker import get_current_worker
+from workbench.core.trace import events as ev
 from workbench.core.trace.palette import PALETTE
+from workbench.core.trace.startup import StartupProgress
 from workbench.tui.controller import Controller, friendly
 from workbench.tui.fmt import shorten
 from workbench.tui.layout import mount_layout
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import RequestSelected
+from workbench.tui.startup import phase_lines, startup_body, startup_title
 from workbench.tui.status import status_line
 from workbench.tui.workload import KINDS
 
@@ -128,6 +131,7 @@ class WorkbenchApp(App):
         self._control_q: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._progress_lines: list[str] = []
+        self.startup = StartupProgress()  # the engine's start-up phases (engine.phase events)
         self._started_at = time.monotonic()
         self._last_tail: str | None = None  # None: the start-up box is not drawn yet
         self._chat_prompt = ""
@@ -238,29 +242,37 @@ class WorkbenchApp(App):
                     self._show_startup_error()
                 else:
                     self._controller_ready()
+            elif isinstance(msg, ev.EnginePhase):
+                self.startup.apply(msg)
             else:
                 self._progress_lines.append(msg)
         starting = not self.ready.is_set() and not self.startup_error
-        tail = self._log_tail() if starting else ""
-        if starting:
-            # Loading a model can take a minute on a busy machine: show that time passes.
-            waited = time.monotonic() - self._started_at
-            self.query_one("#startup-title", Static).update(Text(f"Starting… {waited:.0f} s", style="bold"))
-        if (changed or tail != self._last_tail) and starting:
+        if not starting:
+            return
+        # Loading a model can take a minute on a busy machine: show that time passes, and in what.
+        waited = time.monotonic() - self._started_at
+        self.query_one("#startup-title", Static).update(startup_title(self.startup, waited))
+        tail = self._log_tail()
+        if changed or tail != self._last_tail or self.startup.current is not None:  # the phase's time moves
             self._last_tail = tail
-            body = Text("\n".join(self._progress_lines[-12:]) or "loading the serving core…")
-            if tail:
-                body.append("\n" + tail, style="dim")
-            if self.log_path:
-                body.append(f"\nthe engine's own output (weight loading, warnings): {self.log_path}", style="dim")
+            body = startup_body(
+                self.startup, time.monotonic_ns(), self._progress_lines, tail, self.log_path, self._box_width()
+            )
             self.query_one("#startup-log", Static).update(body)
+
+    def _box_width(self) -> int:
+        try:
+            return max(40, self.query_one("#startup-log", Static).size.width)
+        except NoMatches:
+            return 100
 
     def _log_tail(self) -> str:
         """The last line the engine's processes wrote to the log (e.g. the weight-loading bar)."""
-        if not self.log_path:
+        path = self.log_path or self.startup.log_path
+        if not path:
             return ""
         try:
-            with open(self.log_path, "rb") as f:
+            with open(path, "rb") as f:
                 f.seek(0, 2)
                 f.seek(max(0, f.tell() - 4096))
                 data = f.read().decode("utf-8", "replace")
@@ -272,10 +284,13 @@ class WorkbenchApp(App):
     def _show_startup_error(self) -> None:
         self.query_one("#startup-spinner").display = False
         self.query_one("#startup-title", Static).update(Text("Could not start", style="bold red"))
-        body = Text("\n".join(self._progress_lines[-6:]) + "\n\n", style="dim")
+        body = phase_lines(self.startup, time.monotonic_ns(), self._box_width())
+        if self.startup.phases:
+            body.append("\n")
+        body.append("\n".join(self._progress_lines[-6:]) + "\n\n", style="dim")
         body.append(self.startup_error or "", style="bold")
-        if self.log_path:
-            body.append(f"\n\nDetails: {self.log_path}", style="dim")
+        if self.log_path or self.startup.log_path:
+            body.append(f"\n\nDetails: {self.log_path or self.startup.log_path}", style="dim")
         body.append("\n\nPress q to quit.", style="bold")
         self.query_one("#startup-log", Static).update(body)
 

@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 
 LAYOUTS = ("auto", "grid", "tabs")
@@ -73,7 +72,12 @@ def add_tui_args(parser: argparse.ArgumentParser) -> None:
         help="grid: every panel on one screen; tabs: one per tab (auto: by terminal size)",
     )
     g.add_argument("--panels", default=None, help="comma-separated panel names and order (default: all)")
-    g.add_argument("--tui-log", default=None, help="where the engine's own output goes while the TUI owns the terminal")
+    g.add_argument(
+        "--tui-log",
+        default=None,
+        help="where the engine's own output and log go while the TUI owns the terminal "
+        "(default: a new file in ~/.cache/workbench/logs, named on the start-up screen)",
+    )
 
 
 def make_controller(args: argparse.Namespace):
@@ -175,7 +179,11 @@ def run_tui(args: argparse.Namespace) -> int:
     live = controller.mode == "live"
     log_path: str | None = getattr(args, "tui_log", None)
     if live and not log_path:
-        log_path = os.path.join(tempfile.gettempdir(), f"workbench-tui-{os.getpid()}.log")
+        from workbench.core.engine_log import new_log_path
+
+        log_path = new_log_path("tui")
+    if live:
+        controller.log_path = log_path  # the engine logs where its children's output goes
     try:
         isolate = live and os.isatty(1) and os.isatty(2)
         with isolate_child_output(log_path) if isolate else contextlib.nullcontext():

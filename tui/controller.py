@@ -22,7 +22,9 @@ from typing import Any
 
 from workbench.core.trace.events import Event
 
-Progress = Callable[[str], None]
+#: Where start() reports: progress lines (str) and, from a live engine, its start-up phases
+#: (`engine.phase` events, which the start-up screen folds into a StartupProgress).
+Progress = Callable[[Any], None]
 
 # Request ids must stay unique for the life of an engine (TraceState keys requests by rid, and a
 # finished rid is final), so chat and workload numbering is process-wide, not per controller/run.
@@ -137,6 +139,8 @@ class EngineController(Controller):
         self._chat_rids: set[str] = set()
         self._closed = False
         self._lock = threading.Lock()
+        #: the engine's log file (the TUI's, where the children's output goes); None: the engine picks one
+        self.log_path: str | None = None
 
     def start(self, progress: Progress) -> None:
         if self.engine is None:
@@ -148,7 +152,7 @@ class EngineController(Controller):
                 sa = ServerArgs(**(sa or {}))
             progress(f"starting engine: model {sa.model_path or 'default (SmolLM2-135M-Instruct)'}")
             _ensure_resource_tracker()
-            engine = Engine(server_args=sa, on_progress=progress)
+            engine = Engine(server_args=sa, on_progress=progress, on_phase=progress, log_path=self.log_path)
             with self._lock:
                 if self._closed:  # q was pressed while the model loaded
                     engine.shutdown()

@@ -21,6 +21,7 @@ from multiprocessing.connection import wait as mp_wait
 
 from workbench.core.distributed.topology import split_addr, tp_ranks_on_node, validate_tp_for_model  # noqa: F401
 from workbench.core.model_executor.cpu_threads import omp_wait_env
+from workbench.core.trace.events import decode_batch
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,12 @@ def _exited(role: str, proc) -> RuntimeError:
     return RuntimeError(f"the {role} process exited during start-up (exit code {proc.exitcode})")
 
 
-def wait_ranks_ready(procs: dict, readers: dict, timeout_s: float = START_TIMEOUT_S, timeout_hint: str = "") -> dict:
+def wait_ranks_ready(
+    procs: dict, readers: dict, timeout_s: float = START_TIMEOUT_S, timeout_hint: str = "", on_phase=None
+) -> dict:
     """Wait for every child's ready message (`readers`: role -> pipe); returns role -> message and
-    raises RuntimeError naming the child that failed, exited or timed out."""
+    raises RuntimeError naming the child that failed, exited or timed out. A child's start-up
+    phase reports on the way ({"status": "phase", "event": msgpack batch}) go to `on_phase`."""
     infos = {}
     deadline = time.monotonic() + timeout_s
     pending = dict(readers)
@@ -112,6 +116,11 @@ def wait_ranks_ready(procs: dict, readers: dict, timeout_s: float = START_TIMEOU
                 except EOFError:
                     procs[role].join(5)  # its exit code says why
                     raise _exited(role, procs[role]) from None
+                if msg.get("status") == "phase":
+                    if on_phase is not None:
+                        for event in decode_batch(msg["event"]):
+                            on_phase(event)
+                    continue
                 if msg.get("status") != "ready":
                     raise RuntimeError(f"the {role} process failed to start: {msg.get('error')}")
                 infos[role] = msg

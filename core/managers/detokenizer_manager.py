@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from workbench.core.engine_log import LOG_PATH_KEY, attach_log_file
 from workbench.core.io_struct import BatchStrOut, BatchTokenIDOut, Msg
 from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_msg
 from workbench.core.managers.incremental_detokenize import (
@@ -191,6 +192,7 @@ def run_detokenizer_process(model_dir: str, port_args: PortArgs, pipe_writer) ->
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="[detokenizer %(process)d] %(levelname)s %(message)s")
+    attach_log_file(port_args.extra.get(LOG_PATH_KEY), own_process=True)
     manager = None
     trace_clock.attach(port_args.extra.get(trace_clock.SHARED_CLOCK_KEY))  # the engine's clock, if it shares one
     try:

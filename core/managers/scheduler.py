@@ -39,6 +39,7 @@ import zmq
 from workbench.core.args import ServerArgs
 from workbench.core.constrained.grammar import GrammarBackend, constraint_kind, grammar_of
 from workbench.core.distributed.msg_broadcast import broadcast_msgs
+from workbench.core.engine_log import LOG_PATH_KEY, attach_log_file
 from workbench.core.io_struct import (
     AbortReq,
     DestroyWeightsUpdateGroupReq,
@@ -80,6 +81,7 @@ from workbench.core.mem_cache.radix_cache import RadixCache
 from workbench.core.model_executor.forward_batch_info import ForwardMode
 from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
+from workbench.core.trace.startup import set_phase_sink
 from workbench.core.trace.tracer import Tracer
 
 if TYPE_CHECKING:
@@ -728,6 +730,9 @@ def run_scheduler_process(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     try:
         trace_clock.attach(port_args.extra.get(trace_clock.SHARED_CLOCK_KEY))  # the engine's, if it shares one
+        attach_log_file(port_args.extra.get(LOG_PATH_KEY), own_process=True)
+        if tp_rank == 0 and dp_rank == 0:  # one rank speaks for the start-up (the Engine shows its phases)
+            set_phase_sink(lambda e: pipe_writer.send({"status": "phase", "event": ev.encode_batch([e])}))
         factory = scheduler_factory if scheduler_factory is not None else real_scheduler_parts
         parts = factory(server_args, port_args, tp_rank, tp_size, dp_rank)
         scheduler = Scheduler(
@@ -752,6 +757,7 @@ def run_scheduler_process(
             scheduler.tracer.emit(ev.ProcStarted(pid=os.getpid(), role=proc_name))
             scheduler.tracer.flush()
             scheduler.tracer.set_enabled(False)
+        set_phase_sink(None)
         pipe_writer.send(
             {
                 "status": "ready",

@@ -32,6 +32,7 @@ from workbench.core.model_executor.forward_batch_info import ForwardBatch
 from workbench.core.model_executor.model_config import ModelConfig
 from workbench.core.model_loader import iter_weights, prepare_model
 from workbench.core.models.registry import get_model_class
+from workbench.core.trace.startup import report_phase
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,10 @@ class ModelRunner:
         gen_eos = _generation_eos(self.prepared.model_dir)
         self.model_config = ModelConfig.from_hf(self.prepared.config, server_args.context_length, gen_eos)
         self.init_torch_distributed()
+        report_phase("weights", os.path.basename(str(self.prepared.model_dir).rstrip("/")))
         self.load_model()
         self.load_time_s = time.monotonic() - t0
+        report_phase("warmup")
         self.moe_blocks = sparse_moe_blocks(self.model)  # (layer id, block) of each MoE layer
 
         self.init_memory_pool(max_req_rows)

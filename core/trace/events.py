@@ -294,6 +294,19 @@ class ProcExited(Event, tag="proc.exited"):
     reason: str = ""
 
 
+class EnginePhase(Event, tag="engine.phase"):
+    """Engine start-up: `phase` begins (and the one before it ends), in the process doing it.
+
+    `phase` is one of trace/startup.py's PHASES ("model", "processes", "kernels", "weights",
+    "warmup", "ready", "failed"); a phase may come back after a nested one (weights, kernels,
+    weights). `ts` is the host's time.monotonic_ns(), whatever clock the trace uses, because
+    start-up is real time. `log_path`: where the engine's log is (set on the engine's own events)."""
+
+    phase: str
+    detail: str = ""
+    log_path: str = ""
+
+
 class TraceDropped(Event, tag="trace.dropped"):
     count: int
 
@@ -400,6 +413,7 @@ AnyEvent = Union[  # noqa: UP007 (a runtime alias msgspec decodes)
     WeightsUpdated,
     ProcStarted,
     ProcExited,
+    EnginePhase,
     TraceDropped,
     TraceHeader,
     ReqSnapshot,

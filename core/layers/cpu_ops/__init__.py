@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from workbench.core.trace.startup import phase
 
 HERE = Path(__file__).parent
 SOURCES = [
@@ -102,9 +103,10 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run(
-            [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
-        )
+        with phase("kernels", f"{compiler} {' '.join(CFLAGS[:2])}: {len(SOURCES)} C files, once per machine"):
+            proc = subprocess.run(
+                [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
+            )
         if proc.returncode != 0:
             first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
             raise RuntimeError(f"{compiler} failed to build {', '.join(s.name for s in SOURCES)}: {first}")
