@@ -12,43 +12,15 @@ errors for a backend the device cannot run.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-
-import pytest
 from tiny_models import make_tiny_llama
-
-CHECK_MODULE = "workbench.triton_check"
-
-
-def _interpreter_skip_reason():
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (it comes with pip install -e '.[test]')"
-    from workbench.core.layers.attention.triton_backend import triton_interpreter_unsupported_reason
-
-    return triton_interpreter_unsupported_reason()
-
-
-needs_triton = pytest.mark.skipif(_interpreter_skip_reason() is not None, reason=str(_interpreter_skip_reason()))
-
-
-def _interpreted(args: list[str], timeout: int = 600) -> list[dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", CHECK_MODULE, "--json", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+from triton_helpers import interpreted, needs_triton
 
 
 @needs_triton
 def test_triton_backend_runs_a_model_like_torch_native(tmp_path):
     """Greedy tokens of a tiny Llama: torch_native == triton == triton replayed by the stand-in graph."""
     model_dir = make_tiny_llama(tmp_path / "tiny", seed=7, tie_word_embeddings=False)
-    (out,) = _interpreted(["--model-check", str(model_dir)])
+    (out,) = interpreted(["--model-check", str(model_dir)])
     res = out["model_check"]
     assert res["torch_native"] == res["triton"] == res["triton+graph"]
     assert [len(t) for t in res["triton"]] == [7, 5, 3, 6]

@@ -12,37 +12,12 @@ The end-to-end tests of this module are in tests/e2e/test_triton_backend_e2e.py.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from tiny_models import make_tiny_llama
+from triton_helpers import interpreted, needs_triton
 from workbench.core.layers.attention.registry import create_attn_backend, default_attention_backend, unavailable_reason
-
-CHECK_MODULE = "workbench.triton_check"
-
-
-def _interpreter_skip_reason():
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (it comes with pip install -e '.[test]')"
-    from workbench.core.layers.attention.triton_backend import triton_interpreter_unsupported_reason
-
-    return triton_interpreter_unsupported_reason()
-
-
-needs_triton = pytest.mark.skipif(_interpreter_skip_reason() is not None, reason=str(_interpreter_skip_reason()))
-
-
-def _interpreted(args: list[str], timeout: int = 600) -> list[dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", CHECK_MODULE, "--json", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
 def _case_ids():
@@ -55,7 +30,7 @@ def _case_ids():
 
 @pytest.fixture(scope="module")
 def kernel_results() -> dict:
-    return {r["id"]: r for r in _interpreted([])}
+    return {r["id"]: r for r in interpreted([])}
 
 
 @needs_triton
