@@ -66,9 +66,10 @@ async def test_tui_plays_a_mooncake_trace_on_the_real_engine_and_shared_blocks_h
         assert [r.prompt_tokens for r in mine] == [n for _, n, _, _ in ROWS]
         assert [r.output_tokens for r in mine] == [o for _, _, o, _ in ROWS]
         cached = [r.cached_tokens for r in mine]
-        # the arrivals keep the trace's gaps, stretched twice
-        gaps = [(b.arrival_ts - a.arrival_ts) / 1e9 for a, b in zip(mine, mine[1:])]
-        assert gaps[2] > 1.2, gaps  # 800 ms of trace, played at half speed: 1.6 s
+        # the trace's 1.6 s, stretched twice: no request is sent before its scaled arrival (a busy
+        # machine may send one late, so only the span is checked)
+        span = (mine[-1].arrival_ts - mine[0].arrival_ts) / 1e9
+        assert span > 3.1, span
         await pilot.press("q")
     c.close()
     assert cached[0] == 0 and cached[2] == 0, cached  # blocks nobody had before
