@@ -20,7 +20,13 @@ SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 # by `add_cli_args`; tests/fast/test_cli_help.py checks that no field is left without help.
 FLAG_HELP = {
     "model_path": "the model: nothing for the default (SmolLM2-135M-Instruct, embedded GGUF), 'smollm2-135m', "
-    "a .gguf file or a local Hugging Face directory (docs/models.md lists the families)",
+    "a .gguf file, a local Hugging Face directory, or a Hub id ORG/NAME, downloaded into the Hugging Face cache "
+    "(HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE apply; docs/models.md lists the families)",
+    "revision": "with --model ORG/NAME: the branch, tag or commit to download (default: main)",
+    "download_dir": "with --model ORG/NAME: the Hugging Face cache to download into (default: HF_HUB_CACHE, "
+    "else ~/.cache/huggingface/hub)",
+    "gguf_file": "with --model ORG/NAME of a GGUF repository: the one .gguf file to download and convert, "
+    "e.g. qwen2.5-0.5b-instruct-q8_0.gguf (with a local directory: the .gguf inside it)",
     "served_model_name": "the model name the API reports and accepts (default: derived from the model)",
     "dtype": "weights and activations: auto picks bfloat16 on CPUs with AVX512-BF16/AMX (and on CUDA), else float32",
     "kv_cache_dtype": "KV cache dtype; auto = the model dtype",
@@ -126,6 +132,9 @@ def flag_help(f: dataclasses.Field) -> str:
 class ServerArgs:
     # model
     model_path: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    revision: str | None = None  # a Hub model's branch, tag or commit
+    download_dir: str | None = None  # the Hugging Face cache a Hub model is downloaded into
+    gguf_file: str | None = None  # the .gguf file of a GGUF repository on the Hub
     simulate: str | None = None  # a hardware name: a simulated deployment (core/simulation/live.py)
     sim_speed: float = 1.0  # simulated seconds per wall second (0: as fast as possible)
     trace_token_ids: bool = False  # req.tokenized / req.finished carry the token ids
@@ -212,6 +221,8 @@ class ServerArgs:
         def bad(msg: str):
             raise ValueError(msg)
 
+        if self.gguf_file is not None and not self.gguf_file.lower().endswith(".gguf"):
+            bad(f"--gguf-file names a .gguf file of the repository, not {self.gguf_file!r}")
         if self.sim_speed < 0:
             bad(f"--sim-speed must be 0 (as fast as possible) or a positive factor, not {self.sim_speed}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

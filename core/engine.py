@@ -95,6 +95,7 @@ class Engine:
         self.deployment = deployment
         self.server_args = server_args
         self._progress = on_progress or (_print_progress if server_args.show_progress else (lambda msg: None))
+        self._on_progress = on_progress  # a caller's own progress view (else downloads draw a terminal bar)
         self._on_phase = on_phase
         self.startup = StartupProgress()
         self._shutdown = False
@@ -134,7 +135,15 @@ class Engine:
             self.model_path = str(sa.model_path)
             child_args = sa
         else:
-            self.prepared = prepare_model(sa.model_path, progress=sa.show_progress)
+            # A Hub id is downloaded here, once; the children get the local directory.
+            self.prepared = prepare_model(
+                sa.model_path,
+                progress=sa.show_progress,
+                revision=sa.revision,
+                download_dir=sa.download_dir,
+                gguf_file=sa.gguf_file,
+                on_progress=self._on_progress,
+            )
             self.model_path = str(self.prepared.gguf_path or self.prepared.model_dir)
             if sa.tp_size > 1:  # reading the config imports transformers: keep it off the TP-1 warm start
                 validate_tp_for_model(self.prepared.config, sa.tp_size)  # before any process starts
@@ -142,7 +151,12 @@ class Engine:
             child_args = with_dist_init_addr(dataclasses.replace(sa, model_path=str(self.prepared.model_dir)))
         # STANDALONE: the draft model is prepared here too (GGUF, hub); without weights it is a name too
         if sa.speculative_draft_model_path and self.deployment.loads_weights:
-            draft = prepare_model(sa.speculative_draft_model_path, progress=sa.show_progress)
+            draft = prepare_model(
+                sa.speculative_draft_model_path,
+                progress=sa.show_progress,
+                download_dir=sa.download_dir,
+                on_progress=self._on_progress,
+            )
             child_args.speculative_draft_model_path = str(draft.model_dir)
         # The trace's clock for this engine's stamps: the host's, or one the processes share
         # (trace/clock.py; the children attach to it by path).

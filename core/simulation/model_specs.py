@@ -1,11 +1,14 @@
 """Models without weights: the shapes the cost model and the KV pool need, from a config.
 
 `model_spec("llama-3.1-70b")` takes a named entry of KNOWN (the public configs' numbers);
-`model_spec("path/config.json")` (or a directory holding one) reads a Hugging Face config.
+`model_spec("path/config.json")` (or a directory holding one) reads a Hugging Face config;
+`model_spec("ORG/NAME")` reads a Hub model's config.json, fetched alone (never the weights) into
+the Hugging Face cache on first use (core/model_loader/hub.py).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,19 +80,46 @@ KNOWN: dict[str, ModelSpec] = {
 }
 
 
-def model_spec(name_or_path: str) -> ModelSpec:
-    """A named entry of KNOWN, or an HF config.json (the file or its directory)."""
+def model_spec(name_or_path: str, *, revision: str | None = None, download_dir: str | None = None) -> ModelSpec:
+    """A named entry of KNOWN, an HF config.json (the file or its directory), or a Hub id ORG/NAME
+    whose config.json alone is fetched (cached: the simulated engine's processes each ask).
+
+    `revision` and `download_dir` apply to a Hub id (see hub.download_config).
+    """
     if name_or_path.lower() in KNOWN:
         return KNOWN[name_or_path.lower()]
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
+        from workbench.core.model_loader.hub import looks_like_repo_id
+
+        if looks_like_repo_id(name_or_path):
+            return _hub_spec(name_or_path, revision, download_dir)
         raise ValueError(
             f"{name_or_path!r} is neither a known model ({', '.join(KNOWN)}) nor an HF config.json "
-            "(or a directory holding one)"
+            "(or a directory holding one) nor a Hugging Face Hub id ORG/NAME"
         )
     return spec_from_config(json.loads(path.read_text()), name=path.parent.name or path.name)
+
+
+def _hub_spec(repo_id: str, revision: str | None, download_dir: str | None) -> ModelSpec:
+    from workbench.core.model_loader.errors import ModelLoadError
+    from workbench.core.model_loader.hub import download_config
+
+    try:
+        config_path = download_config(repo_id, revision=revision, download_dir=download_dir)
+    except ModelLoadError as exc:
+        close = difflib.get_close_matches(repo_id.split("/")[-1].lower(), list(KNOWN), n=1, cutoff=0.6)
+        hint = f" Without the Hub: --model {close[0]} (a known model's shapes)." if close else ""
+        raise ValueError(f"{exc}{hint}") from None
+    try:
+        return spec_from_config(json.loads(config_path.read_text()), name=repo_id)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"{repo_id}'s config.json ({config_path}) lacks what a simulated model needs ({exc!r}); "
+            "pass a decoder-only language model."
+        ) from None
 
 
 def spec_from_config(cfg: dict, name: str | None = None) -> ModelSpec:

@@ -153,19 +153,19 @@ def test_tiny_hf_dirs_load_every_parameter(kind, tiny_dirs):
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
 
 
-def test_hub_id_resolves_from_local_cache_only(tiny_dirs, tmp_path, monkeypatch):
-    import huggingface_hub.constants
-
+def test_hub_id_resolves_from_local_cache_offline(tiny_dirs, tmp_path, monkeypatch):
+    """With HF_HUB_OFFLINE a Hub id is served from the cache alone (downloads: tests/fast/test_hub_download.py)."""
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
     shutil.copytree(tiny_dirs["llama"], repo / "snapshots" / commit)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     prepared = prepare_model("tiny-org/tiny-llama", progress=False)
     assert prepared.source == "hf" and prepared.architecture == "LlamaForCausalLM"
     assert prepared.model_dir.name == commit
-    with pytest.raises(ModelLoadError, match="local Hugging Face cache"):
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE is set and tiny-org/not-downloaded has no config.json"):
         prepare_model("tiny-org/not-downloaded", progress=False)
 
 
@@ -189,11 +189,12 @@ def _one_line(exc_info) -> str:
     return message
 
 
-def test_error_nonexistent_path(tmp_path):
+def test_error_nonexistent_path(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError) as info:
         prepare_model(str(tmp_path / "nowhere" / "model"), progress=False)
     assert "does not exist" in _one_line(info) and "nowhere" in str(info.value)
-    with pytest.raises(ModelLoadError, match="neither an existing path"):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a Hub id: the cache only, no network in the fast tier
+    with pytest.raises(ModelLoadError, match="pass a local directory or .gguf file"):
         prepare_model("no-such-org-xyz/no-such-model-xyz", progress=False)
 
 
