@@ -201,6 +201,9 @@ def _add_bench_parsers(bench_sub) -> None:
     from workbench.bench.calibrate import add_parsers as add_calibrate_benches
 
     add_calibrate_benches(bench_sub)
+    from workbench.bench.sim_published import add_parser as add_sim_published
+
+    add_sim_published(bench_sub)
     try:
         from workbench.bench.serve_bench import add_serve_bench_args
 
