@@ -25,7 +25,7 @@ from workbench.core.simulation.hardware import HARDWARE
 from workbench.core.simulation.model_specs import KNOWN, model_spec
 from workbench.core.simulation.recorded import recorded_speculation
 from workbench.core.simulation.simulator import SimRequest, Simulator, poisson_workload, request_prompt
-from workbench.traces import FORMATS, BlockPrompt, TraceCut, WorkloadError, fit_vocab, read_workload
+from workbench.traces import FORMATS, TraceCut, WorkloadError, drawn_prompts, fit_vocab, read_workload
 
 COLUMNS = (
     ("output_tok_s", "out tok/s", "{:.0f}"),
@@ -90,7 +90,7 @@ def load_workload(args) -> list[SimRequest]:
         if loaded.format not in ("workbench", "recording") or cut.describe() or cut.time_scale != 1.0:
             scale = f", --time-scale {cut.time_scale:g}" if cut.time_scale != 1.0 else ""
             print(f"[sim] {loaded.summary(args.workload)}{scale}", file=sys.stderr)
-        if any(isinstance(r.prompt_ids, BlockPrompt) for r in workload):
+        if drawn_prompts(workload):
             try:
                 fit_vocab(workload, model_spec(args.model).vocab)
             except ValueError:

@@ -5,7 +5,9 @@ The file's format is detected from its first line (`--workload-format` overrides
 - **workbench**: the project's own JSONL, one `{"arrival", "prompt_tokens", "output_tokens",
   optional "group", "prefix_tokens"}` per line; arrivals in seconds, taken as they are.
 - **recording**: a real engine's `--record` file (a `trace.header` first line, or gzip): its
-  finished requests (core/simulation/recorded.py).
+  finished requests (core/simulation/recorded.py). Without recorded token ids, a request that found
+  k tokens in the real radix cache starts with k tokens of an earlier prompt (`SharedPrompt`), so
+  what was shared in the real run is shared where it replays.
 - **mooncake**: Mooncake's trace JSONL (github.com/kvcache-ai/Mooncake, `mooncake_trace.jsonl`;
   the format as NVIDIA Dynamo's benchmarks/data_generator README describes it): per line
   `{"timestamp": ms since the trace began, "input_length", "output_length", "hash_ids": [...]}`, where
@@ -147,11 +149,87 @@ class BlockPrompt(Sequence[int]):
         return BlockPrompt(self.hash_ids, self.length, self.salt, self.seed, vocab)
 
 
+@functools.lru_cache(maxsize=4096)
+def _segment_tokens(key: int, length: int, seed: int, vocab: int) -> tuple[int, ...]:
+    rng = np.random.default_rng([seed, 0x726563, key])  # "rec": apart from the other draws
+    return tuple(rng.integers(FIRST_TOKEN, vocab, length).tolist())
+
+
+class SharedPrompt(Sequence[int]):
+    """A prompt made of drawn segments `(key, drawn, used)`: the first `used` of the `drawn` ids that
+    `key` draws. A recording's request that found k tokens in the real radix cache takes the first
+    k tokens of an earlier prompt (its segments, cut at k) and a segment of its own: so the same
+    requests share the same prefixes in the simulator (see `share_recorded_prefixes`)."""
+
+    def __init__(self, segments: Sequence[tuple[int, int, int]], seed: int = 0, vocab: int = TOKEN_SPACE):
+        self.segments, self.seed, self.vocab = tuple(segments), int(seed), int(vocab)
+        self.length = sum(used for _, _, used in self.segments)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[int]:
+        for key, drawn, used in self.segments:
+            yield from _segment_tokens(key, drawn, self.seed, self.vocab)[:used]
+
+    def __getitem__(self, index):
+        return list(self)[index]
+
+    def head(self, k: int) -> list[tuple[int, int, int]]:
+        """The segments of the first `k` tokens."""
+        out, left = [], k
+        for key, drawn, used in self.segments:
+            if left <= 0:
+                break
+            out.append((key, drawn, min(used, left)))
+            left -= used
+        return out
+
+    def with_vocab(self, vocab: int) -> SharedPrompt:
+        return SharedPrompt(self.segments, self.seed, vocab)
+
+
+def share_recorded_prefixes(requests: list[SimRequest], cached: dict[int, int], seed: int = 0) -> int:
+    """Give a recording's requests without recorded token ids prompts that share what the real radix
+    cache shared: request i, which found `cached[i]` tokens cached, starts with the first that many
+    tokens of the latest earlier prompt at least that long (else the longest earlier one, as far as
+    it goes). A hit on an earlier request's generated tokens (a chat's next turn) is counted on its
+    prompt only. Returns how many requests share a prefix."""
+    made: list[SharedPrompt | None] = []
+    shared = 0
+    for i, r in enumerate(requests):
+        if r.prompt_ids is not None:
+            made.append(None)
+            continue
+        k = min(cached.get(i, 0), r.prompt_len - 1)
+        head: list[tuple[int, int, int]] = []
+        if k > 0:
+            earlier = [p for p in made if p is not None]
+            parent = next((p for p in reversed(earlier) if len(p) >= k), None)
+            if parent is None and earlier:
+                parent = max(earlier, key=len)
+            if parent is not None:
+                head = parent.head(k)
+                shared += 1
+        own = r.prompt_len - sum(used for _, _, used in head)
+        prompt = SharedPrompt([*head, (i, own, own)], seed)
+        r.prompt_ids = prompt  # type: ignore[assignment]  # a lazy Sequence, as BlockPrompt
+        made.append(prompt)
+    return shared
+
+
 def fit_vocab(requests: list[SimRequest], vocab: int) -> None:
-    """Redraw Mooncake prompts whose ids would not fit a `vocab`-token vocabulary (same sharing)."""
+    """Redraw drawn prompts (Mooncake's blocks, a recording's shared segments) whose ids would not fit
+    a `vocab`-token vocabulary (the same sharing)."""
     for r in requests:
-        if isinstance(r.prompt_ids, BlockPrompt) and r.prompt_ids.vocab > vocab:
-            r.prompt_ids = r.prompt_ids.with_vocab(vocab)
+        p = r.prompt_ids
+        if isinstance(p, (BlockPrompt, SharedPrompt)) and p.vocab > vocab:
+            r.prompt_ids = p.with_vocab(vocab)
+
+
+def drawn_prompts(requests: list[SimRequest]) -> bool:
+    """Whether any prompt is drawn here (so `fit_vocab` matters)."""
+    return any(isinstance(r.prompt_ids, (BlockPrompt, SharedPrompt)) for r in requests)
 
 
 # --- detection -------------------------------------------------------------------------------------
@@ -230,10 +308,12 @@ def _read_workbench(path, seed: int) -> Iterator[Row]:
 
 
 def _read_recording(path, seed: int) -> Iterator[Row]:
+    cached: dict[int, int] = {}
     try:
-        requests = workload_from_trace(path)
+        requests = workload_from_trace(path, cached)
     except (ValueError, OSError) as exc:
         raise WorkloadError(f"--workload {path}: {exc}") from None
+    share_recorded_prefixes(requests, cached, seed)
     for r in requests:
         yield r.arrival, r
 

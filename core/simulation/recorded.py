@@ -44,12 +44,14 @@ def is_recording(path) -> bool:
         return False
 
 
-def workload_from_trace(path) -> list[SimRequest]:
-    """The finished requests of a recording, by arrival (seconds from the first)."""
+def workload_from_trace(path, cached: dict[int, int] | None = None) -> list[SimRequest]:
+    """The finished requests of a recording, by arrival (seconds from the first). `cached`, if given,
+    is filled with how many prompt tokens each (by index) found in the real radix cache."""
     _, events = read_trace(path)
     arrival: dict[str, int] = {}
     prompt: dict[str, int] = {}
     output: dict[str, int] = {}
+    hits: dict[str, int] = {}
     prompt_ids: dict[str, list[int]] = {}
     output_ids: dict[str, list[int]] = {}
     drafts: dict[str, dict[int, list[int]]] = {}
@@ -66,6 +68,7 @@ def workload_from_trace(path) -> list[SimRequest]:
                 prompt_ids[e.rid] = e.input_ids
         elif isinstance(e, ReqFinished) and e.reason != "abort":
             output[e.rid] = e.completion_tokens
+            hits[e.rid] = e.cached_tokens
             if e.output_ids:
                 output_ids[e.rid] = e.output_ids
     rids = [r for r in arrival if prompt.get(r, 0) > 0 and output.get(r, 0) > 0]
@@ -76,6 +79,8 @@ def workload_from_trace(path) -> list[SimRequest]:
         )
     rids.sort(key=lambda r: arrival[r])
     t0 = arrival[rids[0]]
+    if cached is not None:
+        cached.update((i, hits.get(r, 0)) for i, r in enumerate(rids))
     return [
         SimRequest(
             (arrival[r] - t0) / 1e9,

@@ -234,3 +234,54 @@ def test_sim_request_keeps_a_lazy_prompt_until_it_runs():
     r = SimRequest(0.0, 600, 3, prompt_ids=prompt)
     ids = request_prompt(0, r, 0, 128256)
     assert len(ids) == 600 and ids[:512] == list(BlockPrompt([7], 512, salt=2)) and prompt[513] == ids[513]
+
+
+# A real `workbench serve --record` run of the default model, recorded without token ids
+# (tests/data/record_serve_trace.py made it): 5 chats, 4 of them with one system prompt.
+SERVE_RECORD = Path(__file__).parents[1] / "data" / "serve_record.jsonl"
+
+
+def _recorded_finishes(path: Path) -> list[tuple[float, int, int, int]]:
+    """(arrival s, prompt, output, cached tokens) of each finished request, as the engine recorded them."""
+    from workbench.core.trace.events import ReqArrived, ReqFinished
+    from workbench.core.trace.recorder import read_trace
+
+    _, events = read_trace(path)
+    arrived = {e.rid: e.ts for e in events if isinstance(e, ReqArrived)}
+    done = sorted(
+        (arrived[e.rid], e.prompt_tokens, e.completion_tokens, e.cached_tokens)
+        for e in events
+        if isinstance(e, ReqFinished)
+    )
+    return [((t - done[0][0]) / 1e9, p, o, c) for t, p, o, c in done]
+
+
+def test_a_serve_recording_replays_with_its_arrivals_lengths_and_shared_prefixes():
+    real = _recorded_finishes(SERVE_RECORD)
+    assert len(real) == 5 and sum(c for *_, c in real) > 100  # the fixture is what this test is about
+    got = read_workload(SERVE_RECORD)
+    assert got.format == "recording"
+    reqs = got.requests
+    assert [(r.arrival, r.prompt_len, r.output_len) for r in reqs] == [(t, p, o) for t, p, o, _ in real]
+    prompts = [request_prompt(i, r, 0, 128256) for i, r in enumerate(reqs)]
+    assert [len(p) for p in prompts] == [p for _, p, _, _ in real]
+    for i, (*_, cached) in enumerate(real):
+        earlier = prompts[:i]
+        # what the real radix cache held for request i is the head of an earlier prompt here, and no more
+        assert cached == 0 or any(e[:cached] == prompts[i][:cached] for e in earlier), i
+        assert not any(e[: cached + 1] == prompts[i][: cached + 1] for e in earlier), i
+    fit_vocab(reqs, 1000)
+    small = [list(r.prompt_ids) for r in reqs]
+    assert max(map(max, small)) < 1000 and small[1][:50] == small[0][:50]
+
+
+def test_sim_run_on_another_hardware_hits_the_cache_as_the_recorded_engine_did(capsys):
+    from workbench.cli import main
+
+    real = _recorded_finishes(SERVE_RECORD)
+    rc = main(["sim", "run", "--workload", str(SERVE_RECORD), "--simulate", "h100", "--model", "llama-3.1-8b"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "SIMULATED h100x1, llama-3.1-8b: 5 requests" in out
+    hit = float(out.split("cache hit ")[1].split("%")[0])
+    assert hit == pytest.approx(100 * sum(c for *_, c in real) / sum(p for _, p, _, _ in real), abs=1.5)
