@@ -157,7 +157,13 @@ def run_worker_node(server_args, on_ready=None) -> int:
         raise ValueError("node 0 runs the front end: start it with `workbench serve` (or Engine) instead")
     if not sa.dist_init_addr:
         raise ValueError("--dist-init-addr HOST:PORT (node 0's address) is required with --nnodes > 1")
-    prepared = prepare_model(sa.model_path, progress=sa.show_progress)
+    prepared = prepare_model(  # a Hub id is downloaded on each node, once; its ranks get the directory
+        sa.model_path,
+        progress=sa.show_progress,
+        revision=sa.revision,
+        download_dir=sa.download_dir,
+        gguf_file=sa.gguf_file,
+    )
     child_args = dataclasses.replace(sa, model_path=str(prepared.model_dir))
     port_args = PortArgs.create()  # only for the process plumbing; ranks > 0 open no sockets
     ranks = tp_ranks_on_node(sa.tp_size, sa.nnodes, sa.node_rank)

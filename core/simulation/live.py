@@ -96,7 +96,8 @@ def simulated_deployment(sa: ServerArgs) -> tuple[ServerArgs, Deployment]:
 
 def _cost_model(sa: ServerArgs) -> CostModel:
     assert sa.model_path and sa.simulate, "sized_args checked both"
-    spec, hw = model_spec(sa.model_path), get_hardware(sa.simulate)
+    spec = model_spec(sa.model_path, revision=sa.revision, download_dir=sa.download_dir)  # a Hub id: its config
+    hw = get_hardware(sa.simulate)
     calibration = (
         calibrations.auto(hw.name, spec.name).calibration if sa.tp_size == 1 else None
     )  # as Simulator's "auto"
@@ -107,7 +108,7 @@ def _draft_cost(sa: ServerArgs, target: CostModel) -> CostModel | None:
     """STANDALONE: the draft model's cost (a known model or a config.json), on the target's devices."""
     if sa.speculative_algorithm != "STANDALONE" or not sa.speculative_draft_model_path:
         return None
-    draft = model_spec(sa.speculative_draft_model_path)
+    draft = model_spec(sa.speculative_draft_model_path, download_dir=sa.download_dir)
     return CostModel(draft, target.hw, sa.tp_size, target.dtype_bytes, 1.0, None)
 
 
