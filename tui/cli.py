@@ -114,7 +114,8 @@ def make_controller(args: argparse.Namespace):
     except WorkloadError as exc:
         raise ValueError(str(exc)) from None  # a message for people (friendly() prints it as it is)
     if not isinstance(workload, (str, type(None))):
-        print(f"workbench tui: {workload.describe(getattr(args, 'rate', None))}", file=sys.stderr)
+        line = workload.describe(getattr(args, "rate", None), simulated=bool(sa.simulate))
+        print(f"workbench tui: {line}", file=sys.stderr)
     scenario = getattr(args, "scenario", None)
     if scenario:
         from workbench.scenarios import get_scenario

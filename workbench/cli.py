@@ -54,7 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = _engine_parser(sub, "record", "run a workload (or a scenario) on the engine and record its trace as JSONL")
     from workbench.scenarios import SCENARIOS
 
-    p.add_argument("--workload", default="shared-prefix", help="chat | shared-prefix | long-prompt | burst")
+    p.add_argument(
+        "--workload",
+        default="shared-prefix",
+        help="chat | shared-prefix | long-prompt | burst, or a trace FILE (Mooncake JSONL, Azure or BurstGPT "
+        "CSV, a workbench JSONL or a --record file) played at a time scale that suits this machine",
+    )
+    from workbench.trace_runner import add_live_trace_args
+
+    add_live_trace_args(p, duration_flag="--trace-duration")
     p.add_argument(
         "--scenario",
         default=None,
@@ -65,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-requests",
         type=int,
         default=None,
-        help="stop after this many requests (default 16; with --scenario: no limit)",
+        help="stop after this many requests (default 16; a trace: all of it; with --scenario: no limit)",
     )
     p.add_argument(
         "--duration",
@@ -78,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--rate",
         type=float,
         default=None,
-        help="requests per second (default 4; with --scenario the starting rate, which then adapts)",
+        help="requests per second (default 4; with --scenario the starting rate, which then adapts; a trace "
+        "without --time-scale: its mean rate, default 1)",
     )
     p.add_argument("--max-new-tokens", type=int, default=32, help="max_new_tokens of --workload requests")
     p.add_argument("-o", "--output", required=True, help="the .jsonl file to write")

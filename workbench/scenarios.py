@@ -320,6 +320,17 @@ def record_run(
     return RecordResult(output, time.monotonic() - t0, completed, failed, aborted, sightings)
 
 
+def _trace_spec(args, sa):
+    """`record --workload FILE`: the trace to play (None: a workload kind); a wrong file or flag exits
+    with what to do."""
+    from workbench.trace_runner import WorkloadError, trace_spec_from_args
+
+    try:
+        return trace_spec_from_args(args, seed=sa.random_seed or 0)
+    except WorkloadError as exc:
+        raise SystemExit(f"workbench record: {exc}") from None
+
+
 def record_workload(args) -> int:
     """`workbench record`: run a workload (`--workload`, `--num-requests` of them) or a scenario
     (`--scenario`, for `--duration` seconds) and write the trace as JSONL. It lives here, above
@@ -335,6 +346,13 @@ def record_workload(args) -> int:
         make_runner = lambda engine: scenario.runner(engine, rate=args.rate, max_requests=args.num_requests)  # noqa: E731
         num = args.num_requests
         duration = args.duration if args.duration is not None else (None if num else 60.0)
+    elif (trace := _trace_spec(args, sa)) is not None:  # a production trace (workbench/trace_runner.py)
+        num = min(args.num_requests or len(trace.load().requests), len(trace.load().requests))
+        print(f"[record] {trace.describe(args.rate, simulated=bool(sa.simulate))}", file=sys.stderr)
+        make_runner = lambda engine: WorkloadRunner(  # noqa: E731
+            engine, trace, args.rate, max_requests=num, temperature=0.0
+        )
+        duration = args.duration
     else:
         num = args.num_requests or 16
         make_runner = lambda engine: WorkloadRunner(  # noqa: E731

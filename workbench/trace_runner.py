@@ -81,21 +81,25 @@ class TraceSpec:
         reqs = self.load().requests
         return (len(reqs) - 1) / self.span_s if self.span_s > 0 else 0.0
 
-    def scale_for(self, rate: float | None) -> float:
-        """The time scale: --time-scale if given, else the one that makes the mean rate `rate`."""
+    def scale_for(self, rate: float | None, simulated: bool = False) -> float:
+        """The time scale: --time-scale if given, else the one that makes the mean rate `rate` (a
+        simulated deployment without a `rate`: the trace as it is, the simulated hardware's to serve)."""
         if self.time_scale is not None:
             return self.time_scale
+        if simulated and rate is None:
+            return 1.0
         mean = self.mean_rate()
         return mean / (rate or DEFAULT_RATE) if mean > 0 else 1.0
 
-    def describe(self, rate: float | None = None) -> str:
+    def describe(self, rate: float | None = None, simulated: bool = False) -> str:
         """One line for the console: what was read and how fast it plays, and how to change that."""
-        scale = self.scale_for(rate)
-        how = (
-            "--time-scale"
-            if self.time_scale is not None
-            else f"chosen for a mean {fmt_rate(rate or DEFAULT_RATE)} req/s"
-        )
+        scale = self.scale_for(rate, simulated)
+        if self.time_scale is not None:
+            how = "--time-scale"
+        elif simulated and rate is None:
+            how = "a simulated deployment takes the trace's own rate"
+        else:
+            how = f"chosen for a mean {fmt_rate(rate or DEFAULT_RATE)} req/s"
         return (
             f"{self.load().summary(self.path)}; played at {speed_words(scale)} (time scale {scale:.3g}, {how}; "
             "--time-scale 1 plays it as recorded, --rate R sets the mean rate, + and - change it live)"
@@ -132,9 +136,9 @@ class TraceRunner(WorkloadRunner):
         loaded = spec.load()
         for ignored in ("max_new_tokens", "burst_size", "prompts", "adaptive", "target_in_flight", "use_plugins"):
             kw.pop(ignored, None)  # lengths come from the trace; arrivals too
-        self._scale = spec.scale_for(rate)
         mean = spec.mean_rate()
         super().__init__(engine, "chat", 1.0, prompts=iter(()), seed=seed, ignore_eos=True, **kw)
+        self._scale = spec.scale_for(rate, simulated=self._sim is not None)
         self.kind = "trace"
         self._name = label or spec.name
         self.rate = mean / self._scale if mean > 0 else (rate or DEFAULT_RATE)

@@ -76,3 +76,31 @@ async def test_tui_plays_a_mooncake_trace_on_the_real_engine_and_shared_blocks_h
     assert 512 <= cached[1] < 520, cached  # block 0 (512 tokens), not its own block 2
     # blocks 0 and 1 as row 1 had them: its 700 prompt tokens (its block 1 was cut at 188 tokens)
     assert 700 <= cached[3] < 710, cached
+
+
+def test_record_plays_a_mooncake_trace_on_a_simulated_deployment_at_its_own_rate(tmp_path, capsys):
+    """`workbench record --simulate h100 --workload mooncake.jsonl`: the headless path. A simulated
+    deployment takes the trace's own arrivals (time scale 1), on its simulated clock."""
+    from workbench.core.trace.events import ReqArrived, ReqFinished
+    from workbench.core.trace.recorder import read_trace
+
+    from workbench.cli import main
+
+    trace = tmp_path / "mooncake_trace.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": h}) + "\n"
+            for t, n, o, h in ROWS
+        )
+    )
+    out = tmp_path / "run.jsonl"
+    rc = main(["record", "--simulate", "h100", "--model", "llama-3.1-8b", "--workload", str(trace), "-o", str(out)])
+    assert rc == 0
+    assert "played at real time" in capsys.readouterr().err
+    _, events = read_trace(out)
+    arrived = sorted(e.ts for e in events if isinstance(e, ReqArrived))
+    assert [round((t - arrived[0]) / 1e9, 1) for t in arrived] == [0.0, 0.4, 0.8, 1.6]
+    finished = {e.prompt_tokens: e for e in events if isinstance(e, ReqFinished)}
+    assert sorted(finished) == sorted(n for _, n, _, _ in ROWS)
+    assert [finished[n].completion_tokens for _, n, _, _ in ROWS] == [o for _, _, o, _ in ROWS]
+    assert [finished[n].cached_tokens for _, n, _, _ in ROWS] == [0, 512, 0, 700]

@@ -100,3 +100,20 @@ def test_a_trace_as_the_kind_makes_a_trace_runner_with_the_traces_lengths_and_sh
 
 def test_speed_words():
     assert [speed_words(x) for x in (1.0, 20.0, 0.25)] == ["real time", "1/20 speed", "4x speed"]
+
+
+def test_a_simulated_deployment_takes_the_traces_own_rate_unless_told(trace):
+    spec = trace_spec_from_args(_tui_args("--workload", str(trace)))
+    assert spec.scale_for(None, simulated=True) == 1.0 and spec.scale_for(0.5, simulated=True) == 2.0
+    assert "real time" in spec.describe(simulated=True) and "simulated deployment" in spec.describe(simulated=True)
+
+
+def test_record_refuses_a_trace_it_cannot_read_before_any_engine_starts(tmp_path):
+    from workbench.cli import main
+
+    out = tmp_path / "run.jsonl"
+    with pytest.raises(SystemExit, match="workbench record: --workload nope.jsonl: no such file"):
+        main(["record", "--workload", "nope.jsonl", "-o", str(out)])
+    with pytest.raises(SystemExit, match="--sample: for a --workload FILE"):
+        main(["record", "--sample", "0.5", "-o", str(out)])
+    assert not out.exists()
