@@ -55,6 +55,7 @@ class WorkbenchApp(App):
     #laststep { height: auto; max-height: 2; padding: 0 1; }
     #startup { align: center middle; height: 1fr; }
     #startup-box { width: 80%; height: auto; max-height: 80%; border: round $accent; padding: 0 1; }
+    #startup-spinner { height: 3; }  /* its default fills the box and hid the phases and the log */
     #startup-log { height: auto; }
     #main { height: 1fr; }
     .grid-row { height: 1fr; }
@@ -278,7 +279,8 @@ class WorkbenchApp(App):
                 data = f.read().decode("utf-8", "replace")
         except OSError:
             return ""
-        lines = [x.strip() for x in data.replace("\r", "\n").split("\n") if x.strip()]
+        # the engine's own phase lines are on the screen already, drawn better
+        lines = [x.strip() for x in data.replace("\r", "\n").split("\n") if x.strip() and "] phase " not in x]
         return shorten(lines[-1], 200) if lines else ""
 
     def _show_startup_error(self) -> None:

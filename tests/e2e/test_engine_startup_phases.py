@@ -55,11 +55,12 @@ def test_without_on_phase_the_phases_and_the_log_are_printed(tmp_path, monkeypat
     try:
         assert eng.log_path.startswith(str(tmp_path / "logs")) and os.path.exists(eng.log_path)
         assert lines[0] == f"engine log: {eng.log_path}"
-        starts = [line.split(":")[0].split(" (")[0] for line in lines[1:] if line.endswith("…")]
-        assert [s for s in starts if not s.startswith("building kernels")][:3] == [
-            "preparing the model",
-            "starting the scheduler and detokenizer processes …",
+        begun = [line.removesuffix(" …").split(":")[0] for line in lines[1:] if line.endswith(" …")]
+        assert [b for b in begun if not b.startswith("building kernels")] == [
+            "preparing the model (finding, downloading or converting it)",
+            "starting the scheduler and detokenizer processes",
             "loading weights",
+            "warming up (KV cache, attention backend, captured graphs)",
         ], lines
         assert lines[-1].startswith("ready in ")
     finally:

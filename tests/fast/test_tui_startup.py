@@ -52,6 +52,10 @@ async def test_starting_screen_names_the_phase_its_time_and_the_log(tmp_path):
 
         await wait_for(lambda: "loading weights" in text("#startup-title"), 30)
         body = text("#startup-log")
+        # on the screen, not only in the widget: the spinner once filled the box and hid it
+        await pilot.pause()
+        shown = app.query_one("#startup-log", Static).region
+        assert shown.height >= len(body.splitlines()) and shown.y + shown.height <= app.size.height
         assert "▶ loading weights: SmolLM2-135M" in body
         assert "✓ preparing the model" in body and "✓ starting the scheduler and detokenizer processes" in body
         assert "· warming up" in body  # what is still to come

@@ -103,7 +103,7 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        with phase("kernels", f"{compiler} {' '.join(CFLAGS[:2])}: {len(SOURCES)} C files, once per machine"):
+        with phase("kernels", f"{compiler} {' '.join(CFLAGS[:2])}, {len(SOURCES)} C files into {target.parent}"):
             proc = subprocess.run(
                 [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
             )
