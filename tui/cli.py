@@ -113,9 +113,10 @@ def make_controller(args: argparse.Namespace):
         workload = trace_spec_from_args(args, seed=sa.random_seed or 0) or getattr(args, "workload", None)
     except WorkloadError as exc:
         raise ValueError(str(exc)) from None  # a message for people (friendly() prints it as it is)
+    rate = getattr(args, "rate", None)
     if not isinstance(workload, (str, type(None))):
-        line = workload.describe(getattr(args, "rate", None), simulated=bool(sa.simulate))
-        print(f"workbench tui: {line}", file=sys.stderr)
+        print(f"workbench tui: {workload.describe(rate, simulated=bool(sa.simulate))}", file=sys.stderr)
+        rate = workload.played_rate(rate, simulated=bool(sa.simulate))  # the controller's rate: + and - from it
     scenario = getattr(args, "scenario", None)
     if scenario:
         from workbench.scenarios import get_scenario
@@ -126,7 +127,7 @@ def make_controller(args: argparse.Namespace):
         server_args=sa,
         workload=workload,
         scenario=scenario,
-        rate=getattr(args, "rate", None),
+        rate=rate,
         max_new_tokens=getattr(args, "workload_max_new_tokens", 32),
         start_paused=getattr(args, "paused", False),
     )

@@ -91,6 +91,12 @@ class TraceSpec:
         mean = self.mean_rate()
         return mean / (rate or DEFAULT_RATE) if mean > 0 else 1.0
 
+    def played_rate(self, rate: float | None, simulated: bool = False) -> float | None:
+        """The mean requests/s the trace is played at (None: it has no rate, one request or all at once).
+        A controller that keeps its own rate starts from this, so + and - scale from what is played."""
+        mean = self.mean_rate()
+        return mean / self.scale_for(rate, simulated) if mean > 0 else rate
+
     def describe(self, rate: float | None = None, simulated: bool = False) -> str:
         """One line for the console: what was read and how fast it plays, and how to change that."""
         scale = self.scale_for(rate, simulated)
@@ -150,7 +156,9 @@ class TraceRunner(WorkloadRunner):
         self._vocab = vocab or _engine_vocab(engine)
         if self._vocab:
             fit_vocab(self.requests, self._vocab)
-        self._context = int(context_len or getattr(engine, "context_len", 0) or 0)
+        # a request must fit the context and the KV pool (a small --max-total-tokens), or it is refused
+        room = [n for n in (getattr(engine, "context_len", 0), getattr(engine, "max_total_num_tokens", 0)) if n]
+        self._context = int(context_len or (min(room) if room else 0))
         self._prefix = _RID_PREFIX.get(loaded.format, "trace")
 
     # ---- what the status line shows --------------------------------------------------

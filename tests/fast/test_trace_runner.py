@@ -117,3 +117,20 @@ def test_record_refuses_a_trace_it_cannot_read_before_any_engine_starts(tmp_path
     with pytest.raises(SystemExit, match="--sample: for a --workload FILE"):
         main(["record", "--sample", "0.5", "-o", str(out)])
     assert not out.exists()
+
+
+def test_the_tuis_controller_starts_from_the_rate_the_trace_is_played_at(trace):
+    """+ and - multiply the controller's rate: it must be the played one, or a key press jumps."""
+    from workbench.tui.cli import make_controller
+
+    cases = [
+        ((), 1.0),  # the default: the trace's mean 1 req/s
+        (("--time-scale", "4"), 0.25),
+        (("--rate", "3"), 3.0),
+        (("--simulate", "h100", "--model", "llama-3.1-8b"), 1.0),  # its own rate
+    ]
+    for argv, rate in cases:
+        c = make_controller(_tui_args("--workload", str(trace), "--max-requests", "3", *argv))
+        assert c.rate == pytest.approx(rate), argv
+        runner = WorkloadRunner(None, c.workload, c.rate, vocab=1000, context_len=2048)
+        assert runner.rate == pytest.approx(rate) and runner.time_scale == pytest.approx(1.0 / rate), argv
