@@ -301,10 +301,13 @@ def download_model(
     gguf_file: str | None = None,
     progress: bool = True,
     on_progress: Callable[[str], None] | None = None,
+    check_config: Callable[[dict], None] | None = None,
 ) -> Path:
     """Fetch `repo_id` (see the module docstring); return its snapshot directory, or the .gguf file's path.
 
     progress: show it (huggingface_hub's bars on stderr, or lines to `on_progress` when given).
+    check_config: called with config.json's contents before any weight is fetched, to refuse a model
+    the engine cannot run without downloading gigabytes first (it raises ModelLoadError).
     Files already in the cache are not fetched again. Raises ModelLoadError.
     """
     need = gguf_file or "config.json"
@@ -331,6 +334,13 @@ def download_model(
     common = dict(repo_id=repo_id, revision=info.sha, cache_dir=str(cache_dir), endpoint=endpoint)
     tqdm_class = _tqdm_for(progress, on_progress, label)
     try:
+        if check_config is not None and not gguf_file:
+            config = hf_hub_download(filename="config.json", tqdm_class=_QuietTqdm, **common)
+            try:
+                parsed = json.loads(Path(config).read_text())
+            except (OSError, ValueError) as exc:
+                raise ModelLoadError(f"{repo_id}'s config.json could not be read ({describe(exc)}).") from None
+            check_config(parsed)
         if SAFETENSORS_INDEX in files:  # the shards the index names, not every *.safetensors
             index = hf_hub_download(filename=SAFETENSORS_INDEX, tqdm_class=_QuietTqdm, **common)
             try:

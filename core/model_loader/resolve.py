@@ -207,6 +207,16 @@ def _prepared_gguf(gguf_path: Path, progress: bool) -> PreparedModel:
     )
 
 
+def _check_hub_architecture(repo_id: str, config: dict) -> None:
+    """Refuse a Hub model of an unsupported architecture before its weights are downloaded."""
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{repo_id} is a {architecture or 'model with no architectures entry'} (nothing else was downloaded); "
+            f"supported architectures are {', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+
+
 def prepare_model(
     model_path: str | None,
     progress: bool = True,
@@ -258,6 +268,7 @@ def prepare_model(
             gguf_file=gguf_file,
             progress=progress,
             on_progress=on_progress,
+            check_config=lambda config: _check_hub_architecture(text, config),
         )
         return _prepared_gguf(fetched, progress) if gguf_file else _prepared_hf(fetched)
     raise ModelLoadError(

@@ -10,6 +10,7 @@ files give as a directory.)"""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 from pathlib import Path
@@ -89,6 +90,17 @@ def test_sharded_repository_fetches_the_shards_its_index_names(hub, tmp_path):
     names = {p.name for p in prepared.model_dir.iterdir()}
     assert set(shards) <= names and "model.safetensors.index.json" in names
     assert "consolidated.safetensors" not in names and not hub.gets("consolidated.safetensors")
+
+
+def test_unsupported_architecture_is_refused_before_the_weights(hub, tiny_repo, tmp_path):
+    root = shutil.copytree(tiny_repo, tmp_path / "neox")
+    config = json.loads((root / "config.json").read_text())
+    config["architectures"] = ["GPTNeoXForCausalLM"]
+    (root / "config.json").write_text(json.dumps(config))
+    hub.add_repo("acme/neox", root)
+    with pytest.raises(ModelLoadError, match="acme/neox is a GPTNeoXForCausalLM .nothing else was downloaded"):
+        prepare_model("acme/neox", progress=False)
+    assert [r[1].rsplit("/", 1)[-1] for r in hub.gets()] == ["config.json"]
 
 
 def test_dropped_connection_is_resumed_with_a_range_request(hub, tmp_path):
