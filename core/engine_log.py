@@ -47,6 +47,18 @@ def _prune(folder: str, prefix: str) -> None:
                 os.unlink(old)
 
 
+class _LogFile(logging.FileHandler):
+    """A FileHandler that keeps the console as it was: where no other handler would take a record,
+    Python's last-resort handler prints warnings to stderr, and having a handler at all stops that,
+    so this one hands such records on to it too (a scheduler's warning still reaches `serve`'s console)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        super().emit(record)
+        last = logging.lastResort
+        if last is not None and record.levelno >= last.level and not logging.getLogger().handlers:
+            last.handle(record)
+
+
 def _stderr_is(path: str) -> bool:
     """Whether fd 2 already writes to `path` (the TUI redirects its children's output there)."""
     try:
@@ -73,7 +85,7 @@ def attach_log_file(
     if any(isinstance(h, logging.FileHandler) and h.baseFilename == os.path.abspath(path) for h in root.handlers):
         return None
     try:
-        handler = logging.FileHandler(path, encoding="utf-8")
+        handler = _LogFile(path, encoding="utf-8")
     except OSError:
         return None
     handler.setLevel(level)

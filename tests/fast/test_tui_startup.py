@@ -118,3 +118,23 @@ def test_a_kernel_build_reports_the_kernels_phase(tmp_path, monkeypatch):
         set_phase_sink(None)
     assert [e.phase for e in got] == ["weights", "kernels", "weights"]
     assert (tmp_path / "kernels" / "lib.so").exists()
+
+
+def test_the_engine_log_keeps_warnings_on_the_console(tmp_path, capsys):
+    """The log file takes the `workbench` records, and a warning still reaches stderr where nothing
+    else would print it (Python's last resort stops printing once any handler exists)."""
+    import logging
+
+    from workbench.core.engine_log import attach_log_file, detach_log_file
+
+    root_handlers = logging.getLogger().handlers[:]
+    logging.getLogger().handlers.clear()  # as in a script that never configured logging
+    path = tmp_path / "e.log"
+    handler = attach_log_file(str(path))
+    try:
+        logging.getLogger("workbench.core.test").warning("the pool is small")
+    finally:
+        detach_log_file(handler)
+        logging.getLogger().handlers[:] = root_handlers
+    assert "WARNING workbench.core.test: the pool is small" in path.read_text()
+    assert "the pool is small" in capsys.readouterr().err
