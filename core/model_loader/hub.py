@@ -401,18 +401,22 @@ def download_config(
         return cached / "config.json"
     if hub_offline():
         raise _offline_error(repo_id, revision, download_dir, "config.json")
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import HfApi, hf_hub_download
 
+    endpoint, cache_dir = hub_endpoint(), hub_cache_dir(download_dir)
     try:
-        return Path(
-            hf_hub_download(
-                repo_id,
-                "config.json",
-                revision=revision,
-                cache_dir=str(hub_cache_dir(download_dir)),
-                endpoint=hub_endpoint(),
-                tqdm_class=_QuietTqdm,
-            )
+        # model_info first: it fails at once without a network (a file download retries for ~20 s)
+        # and pins the commit the config comes from.
+        info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision)
+        path = hf_hub_download(
+            repo_id,
+            "config.json",
+            revision=info.sha,
+            cache_dir=str(cache_dir),
+            endpoint=endpoint,
+            tqdm_class=_QuietTqdm,
         )
     except Exception as exc:
         raise hub_error(exc, repo_id, revision, download_dir) from None
+    _write_ref(cache_dir, repo_id, revision or "main", info.sha)
+    return Path(path)
