@@ -8,8 +8,8 @@ hf_api.list_repo_tree, file_download.get_hf_file_metadata and http_get):
 - HEAD /{repo}/resolve/{rev}/{file}         X-Repo-Commit, ETag, Content-Length
 - GET  /{repo}/resolve/{rev}/{file}         the bytes; `Range: bytes=N-` answered with 206
 
-and the Hub's refusals: 404 with X-Error-Code RepoNotFound / RevisionNotFound / EntryNotFound,
-401 (no token) or 403 (a token without access) with X-Error-Code GatedRepo for a gated repository.
+and the Hub's refusals: X-Error-Code RepoNotFound with 401 (no token: it could be private) or 404; 404
+with RevisionNotFound or EntryNotFound; GatedRepo with 401 (no token) or 403 (a token without access).
 
 Knobs for failure cases: `drop_once` (file names whose first full GET sends half the bytes and
 closes the connection), `fail` (file names whose GET answers 500 while they are listed;
@@ -110,8 +110,9 @@ class FakeHub:
         if match is None:
             return self._error(h, 404, "EntryNotFound", head)
         repo = self.repos.get(match["repo"])
-        if repo is None:
-            return self._error(h, 404, "RepoNotFound", head)
+        token = (h.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
+        if repo is None:  # as the Hub: 401 without a token (it could be private), 404 with one
+            return self._error(h, 404 if token else 401, "RepoNotFound", head)
         rev = match["rev"] or "main"
         if rev not in ("main", repo.sha):
             return self._error(h, 404, "RevisionNotFound", head)
@@ -134,8 +135,6 @@ class FakeHub:
                 }
             return self._send(h, 200, json.dumps(body).encode(), {"Content-Type": "application/json"}, head)
         if repo.gated:
-            auth = h.headers.get("Authorization") or ""
-            token = auth.removeprefix("Bearer ").strip()
             if token not in repo.tokens:
                 return self._error(h, 403 if token else 401, "GatedRepo", head)
         name = resolve["file"]

@@ -132,13 +132,16 @@ def test_a_failed_run_is_finished_by_the_next_without_fetching_twice(hub, tiny_r
     assert len(hub.gets("model.safetensors")) == 1  # kept from the failed run
 
 
-def test_missing_repository_and_revision_say_what_to_do(hub, tiny_repo):
+def test_missing_repository_and_revision_say_what_to_do(hub, tiny_repo, monkeypatch):
     hub.add_repo("acme/tiny", tiny_repo)
     with pytest.raises(ModelLoadError) as exc:
         prepare_model("acme/no-such-model", progress=False)
     message = str(exc.value)
     assert "no model repository 'acme/no-such-model'" in message and "HF_TOKEN" in message
     assert "\n" not in message
+    monkeypatch.setenv("HF_TOKEN", "hf_any")  # with a token the Hub says 404, and the line drops the token hint
+    with pytest.raises(ModelLoadError, match="no model repository 'acme/no-such-model'.*as on the model's page[)]"):
+        prepare_model("acme/no-such-model", progress=False)
     with pytest.raises(ModelLoadError, match="has no revision 'v9'.*--revision"):
         prepare_model("acme/tiny", progress=False, revision="v9")
 
