@@ -39,7 +39,7 @@ test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q tests/fast
 
 test-full: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=40 tests
 
 bench: $(STAMP)
 	$(BIN)/workbench bench model
