@@ -119,6 +119,15 @@ def test_dropped_connection_is_resumed_with_a_range_request(hub, tmp_path):
     assert resumed_at >= 10 * 1024 * 1024  # from where it stopped, not from the start
 
 
+def test_progress_goes_to_on_progress_as_lines(hub, tiny_repo):
+    """What the TUI's start-up screen shows while a model downloads (no terminal bar)."""
+    hub.add_repo("acme/tiny", tiny_repo)
+    lines: list[str] = []
+    prepare_model("acme/tiny", on_progress=lines.append)
+    assert lines[0].startswith("fetching acme/tiny: 6 files, ") and "hf-home" in lines[0]
+    assert any(line.startswith("downloading acme/tiny: ") and "% of " in line for line in lines[1:]), lines
+
+
 def test_a_failed_run_is_finished_by_the_next_without_fetching_twice(hub, tiny_repo):
     hub.add_repo("acme/tiny", tiny_repo)
     hub.fail.add("tokenizer.json")  # the Hub stumbles on one file
