@@ -91,6 +91,11 @@ def make_controller(args: argparse.Namespace):
 
         if not os.path.exists(replay):
             raise FileNotFoundError(f"no such trace file: {replay}")
+        from workbench.trace_runner import workload_hint
+
+        hint = workload_hint(replay)
+        if hint:
+            raise ValueError(hint)
         return ReplayController(
             Replay(replay),
             autoplay=not getattr(args, "paused", False),

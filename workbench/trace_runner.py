@@ -23,7 +23,15 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from workbench.traces import FORMATS, TraceCut, TraceWorkload, WorkloadError, fit_vocab, read_workload
+from workbench.traces import (
+    FORMATS,
+    TraceCut,
+    TraceWorkload,
+    WorkloadError,
+    detect_format,
+    fit_vocab,
+    read_workload,
+)
 
 __all__ = ["TraceRunner", "TraceSpec", "WorkloadError", "add_live_trace_args", "trace_spec_from_args"]
 from workbench.workloads import ADAPT_PERIOD_S, KINDS, WorkloadRunner, fmt_rate
@@ -115,6 +123,21 @@ class TraceSpec:
 def is_trace_workload(kind: object) -> bool:
     """Whether a `--workload` value names a trace (a TraceSpec, or a file that is not a workload kind)."""
     return isinstance(kind, TraceSpec) or (isinstance(kind, str) and kind not in KINDS and os.path.isfile(kind))
+
+
+def workload_hint(path: str) -> str | None:
+    """For `replay FILE`: a workload (a production trace, a workbench JSONL) is no recording of events;
+    say how to play it instead (None: it is not one of those)."""
+    try:
+        fmt = detect_format(path)
+    except (WorkloadError, OSError):
+        return None
+    if fmt == "recording":
+        return None
+    return (
+        f"{path} is a {fmt} workload, not a recording of a run: play it on the engine with "
+        f"`workbench tui --workload {path}`, or simulate it with `workbench sim run --workload {path}`"
+    )
 
 
 class TraceRunner(WorkloadRunner):

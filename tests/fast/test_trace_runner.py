@@ -134,3 +134,12 @@ def test_the_tuis_controller_starts_from_the_rate_the_trace_is_played_at(trace):
         assert c.rate == pytest.approx(rate), argv
         runner = WorkloadRunner(None, c.workload, c.rate, vocab=1000, context_len=2048)
         assert runner.rate == pytest.approx(rate) and runner.time_scale == pytest.approx(1.0 / rate), argv
+
+
+def test_replay_of_a_workload_says_how_to_play_it(trace):
+    from workbench.tui.cli import make_controller
+
+    with pytest.raises(ValueError, match=r"is a mooncake workload, not a recording.*tui --workload"):
+        make_controller(argparse.Namespace(replay=str(trace)))
+    recording = Path(__file__).parents[1] / "data" / "serve_record.jsonl"
+    assert make_controller(argparse.Namespace(replay=str(recording), speed=1.0)).mode == "replay"
