@@ -116,6 +116,7 @@ class Engine:
             raise SystemExit(f"workbench: {exc}") from None  # one line, not a child's traceback
         except BaseException as exc:
             self._phase("failed", f"{type(exc).__name__}: {exc}")
+            append_line(self.log_path, getattr(exc, "child_traceback", "") or "")
             self.shutdown()
             raise
         atexit.register(self.shutdown)

@@ -109,7 +109,7 @@ def detach_log_file(handler: logging.Handler | None) -> None:
 
 def append_line(path: str | None, line: str) -> None:
     """One line straight into the log (the engine's phases), never raising."""
-    if not path:
+    if not path or not line:
         return
     with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as f:
         f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [engine {os.getpid()}] {line}\n")

@@ -122,7 +122,9 @@ def wait_ranks_ready(
                             on_phase(event)
                     continue
                 if msg.get("status") != "ready":
-                    raise RuntimeError(f"the {role} process failed to start: {msg.get('error')}")
+                    err = RuntimeError(f"the {role} process failed to start: {msg.get('error')}")
+                    err.child_traceback = msg.get("traceback", "")  # type: ignore[attr-defined]  # for the log
+                    raise err
                 infos[role] = msg
                 del pending[role]
             elif procs[role].sentinel in ready and not procs[role].is_alive():

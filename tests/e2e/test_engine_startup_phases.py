@@ -65,3 +65,19 @@ def test_without_on_phase_the_phases_and_the_log_are_printed(tmp_path, monkeypat
         assert lines[-1].startswith("ready in ")
     finally:
         eng.shutdown()
+
+
+def test_a_failed_start_says_so_and_logs_the_childs_traceback(tmp_path):
+    """The scheduler fails while it starts (it may not pin cores it does not have): the last phase is
+    `failed` with the reason, and the log holds the child's traceback, which the exception does not."""
+    from workbench.core.engine import Engine
+
+    seen = []
+    log = tmp_path / "engine.log"
+    with pytest.raises(RuntimeError, match="scheduler process failed to start"):
+        Engine(show_progress=False, cpu_omp_threads_bind="4094-4095", on_phase=seen.append, log_path=str(log))
+    assert [e.phase for e in seen][:2] == ["model", "processes"] and seen[-1].phase == "failed"
+    assert "4094" in seen[-1].detail
+    text = log.read_text()
+    assert "phase failed (engine)" in text and "Traceback (most recent call last)" in text
+    assert "cores_for_rank" in text  # where in the child it failed
