@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from workbench.core.trace import events as ev
 
 #: The phases in the order a start goes through them (a phase may be skipped: a simulated
-#: deployment loads no weights, a machine that built its kernels before builds none).
+#: deployment loads no weights, a machine that built its kernels before builds none). A nested
+#: one interrupts another: on CPU the kernels are built inside the warm-up, when the attention
+#: backend first needs them (warmup, kernels, warmup).
 PHASES = ("model", "processes", "weights", "kernels", "warmup", "ready")
 
 #: What each phase is, in the words the console and the TUI use.
@@ -63,8 +65,8 @@ def report_phase(name: str, detail: str = "", *, proc: str = "") -> None:
 
 @contextlib.contextmanager
 def phase(name: str, detail: str = "") -> Iterator[None]:
-    """A nested phase (a kernel build inside weight loading): reports `name`, then, when the
-    block ends, the phase that was running before it."""
+    """A nested phase (the CPU kernels, built when the warm-up first needs them): reports `name`,
+    then, when the block ends, the phase that was running before it."""
     before = _current
     report_phase(name, detail)
     try:

@@ -18,8 +18,8 @@ def test_engine_start_emits_its_phases_in_order(tmp_path):
     eng = Engine(show_progress=False, max_running_requests=4, on_phase=seen.append, log_path=str(log))
     try:
         names = [e.phase for e in seen]
-        # kernels come only where this machine has not built them yet (between weights and warmup,
-        # or inside weight loading, which then resumes)
+        # kernels come only where this machine has not built them yet (inside the warm-up, which
+        # then resumes: ... warmup, kernels, warmup, ready)
         core = [n for n in names if n != "kernels"]
         assert core[:3] == ["model", "processes", "weights"], names
         assert core[-2:] == ["warmup", "ready"], names

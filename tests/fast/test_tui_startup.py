@@ -89,7 +89,7 @@ def test_startup_progress_folds_phases_and_their_times():
 
 
 def test_a_nested_phase_hands_back_to_the_one_it_interrupted():
-    """What the kernel build does inside weight loading (core/layers/cpu_ops._build)."""
+    """What the kernel build does inside the warm-up (core/layers/cpu_ops._build)."""
     got: list[ev.EnginePhase] = []
     set_phase_sink(got.append)
     try:
