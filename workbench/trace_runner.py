@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from workbench.traces import (
@@ -114,9 +114,13 @@ class TraceSpec:
             how = "a simulated deployment takes the trace's own rate"
         else:
             how = f"chosen for a mean {fmt_rate(rate or DEFAULT_RATE)} req/s"
+        reqs = self.load().requests
+        prompt = sum(r.prompt_len for r in reqs) / len(reqs)
+        output = sum(r.output_len for r in reqs) / len(reqs)
         return (
-            f"{self.load().summary(self.path)}; played at {speed_words(scale)} (time scale {scale:.3g}, {how}; "
-            "--time-scale 1 plays it as recorded, --rate R sets the mean rate, + and - change it live)"
+            f"{self.load().summary(self.path)}, prompts {prompt:.0f} and outputs {output:.0f} tokens on average; "
+            f"played at {speed_words(scale)} (time scale {scale:.3g}, {how}; --time-scale 1 plays it as "
+            "recorded, --rate R sets the mean rate, + and - change it live)"
         )
 
 
@@ -216,6 +220,8 @@ class TraceRunner(WorkloadRunner):
         r = self.requests[i]
         output = r.output_len
         ids = request_prompt(i, r, self._seed, self._vocab or 32000)
+        if self._vocab and ids and max(ids) >= self._vocab:  # a recording of a model with more token ids
+            ids = request_prompt(i, replace(r, prompt_ids=None), self._seed, self._vocab)
         if self._context:
             output = min(output, max(1, self._context // 4))
             room = self._context - output - 1

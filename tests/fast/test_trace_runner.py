@@ -44,6 +44,7 @@ def test_tui_flags_read_the_trace_and_choose_a_time_scale(trace):
     assert spec.scale_for(None) == pytest.approx(1.0) and spec.scale_for(0.25) == pytest.approx(4.0)
     line = spec.describe(0.25)
     assert "3 requests" in line and "1/4 speed" in line and "--time-scale 1 plays it as recorded" in line
+    assert "prompts 550 and outputs 3 tokens on average" in line
     given = trace_spec_from_args(_tui_args("--workload", str(trace), "--time-scale", "0.5", "--start", "1"))
     assert given.scale_for(0.25) == 0.5 and len(given.load().requests) == 3
     assert "2x speed" in given.describe()
@@ -91,6 +92,9 @@ def test_a_trace_as_the_kind_makes_a_trace_runner_with_the_traces_lengths_and_sh
     assert ids[1][:512] == ids[0][:512] and ids[1][512] != ids[0][512]  # block 0 shared, then 2 != 1
     assert ids[3][:700] == ids[0]  # blocks 0 and 1, as far as row 1 had them
     assert ids[2][0] != ids[0][0]
+    # recorded ids past this model's vocabulary (a recording of another model): drawn again, as long
+    runner.requests[2].prompt_ids = [5000] * 300
+    assert len(again := runner._request_kwargs(2)["input_ids"]) == 300 and max(again) < 1000
 
     runner.set_rate(0.5)  # `-` twice: the rest of the trace at a quarter of the speed
     assert runner.time_scale == pytest.approx(2.0) and "1/2 speed" in runner.label
