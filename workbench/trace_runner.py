@@ -10,7 +10,8 @@ trace's output length (`ignore_eos`).
 
 A production trace comes at a production rate; one CPU cannot serve it. So arrivals are stretched by
 a time scale: `--time-scale X` multiplies them (as `sim run` does), and without it the scale is
-chosen so the trace's mean rate becomes `--rate` (default 1 request/s). The runner's status line says
+chosen so the trace's mean rate becomes `--rate`, or by default 1 request/s and at most 1000 prompt
+tokens/s (about what two CPU cores prefill with the default model). The runner's status line says
 the scale in use; `+` and `-` in the TUI (`set_rate`) change it from where the trace has got to.
 Prompts longer than the model's context are cut to fit (the prefix, so sharing stays), and said so.
 """
@@ -37,6 +38,11 @@ __all__ = ["TraceRunner", "TraceSpec", "WorkloadError", "add_live_trace_args", "
 from workbench.workloads import ADAPT_PERIOD_S, KINDS, WorkloadRunner, fmt_rate
 
 DEFAULT_RATE = 1.0  # mean requests/s a trace is slowed (or sped) to when no --time-scale is given
+# ... and at most this many prompt tokens/s: about what a 2-core CPU prefills with the default model
+# (docs/benchmarks.md, prefill 512: ~750 tok/s float32 and ~1250 bfloat16 on one thread of the earlier
+# machine, so some 500 to 2500 on two cores of these). Mooncake's prompts are thousands of tokens: at
+# 1 req/s they would pile up from the first minute.
+DEFAULT_PROMPT_TOKENS_PER_S = 1000.0
 _RID_PREFIX = {"mooncake": "mc", "azure": "az", "burstgpt": "bg", "recording": "rec", "workbench": "wl"}
 
 
@@ -97,7 +103,16 @@ class TraceSpec:
         if simulated and rate is None:
             return 1.0
         mean = self.mean_rate()
-        return mean / (rate or DEFAULT_RATE) if mean > 0 else 1.0
+        if mean <= 0:
+            return 1.0
+        if rate is not None:
+            return mean / rate
+        return max(mean / DEFAULT_RATE, self.prompt_tokens_per_s() / DEFAULT_PROMPT_TOKENS_PER_S)
+
+    def prompt_tokens_per_s(self) -> float:
+        """The trace's own prompt tokens per second (0: no span)."""
+        reqs = self.load().requests
+        return sum(r.prompt_len for r in reqs[:-1]) / self.span_s if self.span_s > 0 else 0.0
 
     def played_rate(self, rate: float | None, simulated: bool = False) -> float | None:
         """The mean requests/s the trace is played at (None: it has no rate, one request or all at once).
@@ -112,8 +127,13 @@ class TraceSpec:
             how = "--time-scale"
         elif simulated and rate is None:
             how = "a simulated deployment takes the trace's own rate"
+        elif rate is not None:
+            how = f"chosen for a mean {fmt_rate(rate)} req/s"
         else:
-            how = f"chosen for a mean {fmt_rate(rate or DEFAULT_RATE)} req/s"
+            how = (
+                f"chosen for a mean {fmt_rate(DEFAULT_RATE)} req/s and at most {DEFAULT_PROMPT_TOKENS_PER_S:.0f} "
+                "prompt tokens/s, about what a 2-core CPU prefills"
+            )
         reqs = self.load().requests
         prompt = sum(r.prompt_len for r in reqs) / len(reqs)
         output = sum(r.output_len for r in reqs) / len(reqs)
@@ -307,7 +327,8 @@ def add_live_trace_args(group, duration_flag: str = "--duration") -> None:
         type=float,
         default=None,
         help="multiply a trace's arrivals by this (20: twenty times slower; default: the scale that makes "
-        "its mean rate --rate, default 1 req/s, since one CPU cannot serve a production rate)",
+        "its mean rate --rate, else 1 req/s and at most 1000 prompt tokens/s, since one CPU cannot serve a "
+        "production rate)",
     )
     group.add_argument(
         "--start", type=float, default=0.0, help="a trace's window: seconds from its first request where it begins"

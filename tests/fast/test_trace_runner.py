@@ -106,6 +106,17 @@ def test_speed_words():
     assert [speed_words(x) for x in (1.0, 20.0, 0.25)] == ["real time", "1/20 speed", "4x speed"]
 
 
+def test_long_prompts_slow_the_default_scale_to_what_a_cpu_prefills(tmp_path):
+    rows = [{"timestamp": 1000 * i, "input_length": 8000, "output_length": 50, "hash_ids": [i]} for i in range(11)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = trace_spec_from_args(_tui_args("--workload", str(path)))
+    assert spec.mean_rate() == pytest.approx(1.0) and spec.prompt_tokens_per_s() == pytest.approx(8000)
+    assert spec.scale_for(None) == pytest.approx(8.0)  # 1 req/s of 8000-token prompts: 8x slower
+    assert spec.scale_for(1.0) == pytest.approx(1.0)  # --rate says what the user wants
+    assert "at most 1000 prompt tokens/s" in spec.describe() and "1/8 speed" in spec.describe()
+
+
 def test_a_simulated_deployment_takes_the_traces_own_rate_unless_told(trace):
     spec = trace_spec_from_args(_tui_args("--workload", str(trace)))
     assert spec.scale_for(None, simulated=True) == 1.0 and spec.scale_for(0.5, simulated=True) == 2.0
