@@ -13,7 +13,7 @@ with RevisionNotFound or EntryNotFound; GatedRepo with 401 (no token) or 403 (a 
 
 Knobs for failure cases: `drop_once` (file names whose first full GET sends half the bytes and
 closes the connection), `fail` (file names whose GET answers 500 while they are listed;
-huggingface_hub does not retry that).
+huggingface_hub does not retry that), `down` (every request answers 503).
 `requests` records (method, path, Range header) of everything asked.
 
     with FakeHub() as hub:
@@ -57,6 +57,7 @@ class FakeHub:
         self.repos: dict[str, _Repo] = {}
         self.drop_once: set[str] = set()
         self.fail: set[str] = set()
+        self.down = False
         self.requests: list[tuple[str, str, str | None]] = []
         self._lock = threading.Lock()
         hub = self
@@ -105,6 +106,8 @@ class FakeHub:
         path = unquote(urlsplit(h.path).path)
         with self._lock:
             self.requests.append(("HEAD" if head else "GET", path, h.headers.get("Range")))
+        if self.down:
+            return self._error(h, 503, None, head)
         api, resolve = _API.match(path), _RESOLVE.match(path)
         match = api or resolve
         if match is None:

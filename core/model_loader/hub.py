@@ -324,7 +324,8 @@ def download_model(
     except Exception as exc:
         error = hub_error(exc, repo_id, revision, download_dir)
         snapshot = cached_snapshot(repo_id, revision, download_dir, need)
-        if snapshot is not None and str(error).startswith("cannot reach"):  # offline: the cached copy will do
+        unreachable = str(error).startswith(("cannot reach", f"{endpoint} answered 5"))  # no network, Hub down
+        if snapshot is not None and unreachable:  # the cached copy will do
             _say(progress, on_progress, f"cannot reach {endpoint}; using the cached {repo_id} ({snapshot})")
             return snapshot / gguf_file if gguf_file else snapshot
         raise error from None

@@ -192,6 +192,13 @@ def test_offline_and_unreachable_hub(hub, tiny_repo, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", closed)
     assert prepare_model("acme/tiny", progress=False).model_dir == snapshot
     assert len(hub.requests) == count
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    hub.down = True  # the Hub answers 503: the cached copy too
+    assert prepare_model("acme/tiny", progress=False).model_dir == snapshot
+    hub.repos.clear()
+    hub.down = False
+    with pytest.raises(ModelLoadError, match="no model repository"):  # but a refusal is not papered over
+        prepare_model("acme/tiny", progress=False)
 
 
 def test_gguf_repository_needs_gguf_file(hub, tmp_path):
