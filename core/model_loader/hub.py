@@ -145,8 +145,8 @@ def _reporting_tqdm(on_progress: Callable[[str], None], label: str) -> type[_bas
     class Reporting(_base_tqdm):
         def __init__(self, *args, **kwargs):
             kwargs.pop("name", None)
-            kwargs["disable"] = False
-            kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 - closed in close()
+            kwargs["disable"] = False  # counts, draws nowhere
+            kwargs["file"] = _NullWriter()
             super().__init__(*args, **kwargs)
 
         def update(self, n=1):
@@ -160,13 +160,17 @@ def _reporting_tqdm(on_progress: Callable[[str], None], label: str) -> type[_bas
                 )
             return out
 
-        def close(self):
-            fp = self.fp
-            super().close()
-            if fp is not None and not fp.closed:
-                fp.close()
-
     return Reporting
+
+
+class _NullWriter:
+    """A file for tqdm to draw on that keeps nothing."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
 
 
 def _size(n: float) -> str:
