@@ -13,7 +13,9 @@ with RevisionNotFound or EntryNotFound; GatedRepo with 401 (no token) or 403 (a 
 
 Knobs for failure cases: `drop_once` (file names whose first full GET sends half the bytes and
 closes the connection), `fail` (file names whose GET answers 500 while they are listed;
-huggingface_hub does not retry that), `down` (every request answers 503).
+huggingface_hub does not retry that), `down` (every request answers 503), `slow` (file names whose
+whole-file GET trickles out in 256 KiB pieces a few milliseconds apart, so a client can be killed
+in the middle).
 `requests` records (method, path, Range header) of everything asked.
 
     with FakeHub() as hub:
@@ -28,6 +30,7 @@ import json
 import re
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -57,6 +60,7 @@ class FakeHub:
         self.repos: dict[str, _Repo] = {}
         self.drop_once: set[str] = set()
         self.fail: set[str] = set()
+        self.slow: set[str] = set()
         self.down = False
         self.requests: list[tuple[str, str, str | None]] = []
         self._lock = threading.Lock()
@@ -167,6 +171,19 @@ class FakeHub:
                 h.connection.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            return None
+        elif name in self.slow:
+            h.send_response(200)
+            for k, v in {**headers, "Content-Length": str(len(data))}.items():
+                h.send_header(k, v)
+            h.end_headers()
+            try:
+                for at in range(0, len(data), 256 * 1024):
+                    h.wfile.write(data[at : at + 256 * 1024])
+                    h.wfile.flush()
+                    time.sleep(0.02)
+            except OSError:  # the client went away (the point of the knob)
+                h.close_connection = True
             return None
         return self._send(h, 206 if ranged else 200, data[start:], headers, head=False)
 

@@ -12,8 +12,10 @@ downloaded here is shared with transformers, vLLM and SGLang. The environment is
 time: HF_ENDPOINT (a mirror or a private hub), HF_TOKEN (gated and private models), HF_HOME /
 HF_HUB_CACHE (the cache) and HF_HUB_OFFLINE (no network: the cache only). Files finished by an
 earlier, interrupted run are kept, so running again fetches only the rest; a connection dropped
-in the middle of a file is resumed by huggingface_hub with a Range request. Every failure a user
-can cause becomes a one-line ModelLoadError saying what to do next.
+in the middle of a file is resumed by huggingface_hub with a Range request; and a file a killed
+run left half-written (huggingface_hub 2.x leaves `<etag>.<id>.incomplete` in the cache's blobs
+and starts such a file over) is continued from where it stopped by `_resume_leftovers`. Every
+failure a user can cause becomes a one-line ModelLoadError saying what to do next.
 """
 
 from __future__ import annotations
@@ -362,6 +364,7 @@ def download_model(
             files += shards
         total = sum(sizes.get(f, 0) for f in files)
         _say(progress, on_progress, f"fetching {label}: {len(files)} files, {_size(total)}, into {cache_dir}")
+        _resume_leftovers(repo_id, [gguf_file] if gguf_file else files, common, cache_dir, tqdm_class)
         if gguf_file:
             path = Path(hf_hub_download(filename=gguf_file, tqdm_class=tqdm_class, **common))
         else:
@@ -374,6 +377,65 @@ def download_model(
     # HF_HUB_OFFLINE (or without a network) finds them under the name the user gave.
     _write_ref(cache_dir, repo_id, revision or "main", info.sha)
     return path
+
+
+def _resume_leftovers(repo_id: str, files: list[str], common: dict, cache_dir: Path, tqdm_class) -> None:
+    """Continue the files a killed run left half-written, so a multi-GB shard is not fetched again
+    from its first byte. huggingface_hub 2.x writes each file to `blobs/<etag>.<id>.incomplete` and,
+    in a new run, starts a fresh one; a leftover is appended to with a Range request, checked against
+    its etag (the sha256 of an LFS file) and moved to `blobs/<etag>`, where the download that follows
+    finds it done. Under huggingface_hub's own lock for that blob, so a download still running in
+    another process is waited for, never written into. Anything unexpected leaves the leftover alone
+    (the normal download then fetches the file whole)."""
+    import hashlib
+
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get, repo_folder_name
+    from huggingface_hub.utils import WeakFileLock, build_hf_headers
+
+    folder = repo_folder_name(repo_id=repo_id, repo_type="model")
+    blobs = cache_dir / folder / "blobs"
+    leftovers = list(blobs.glob("*.incomplete")) if blobs.is_dir() else []
+    if not leftovers:
+        return
+    etags = {p.name.split(".", 1)[0] for p in leftovers}
+    for name in files:
+        url = hf_hub_url(repo_id, name, revision=common["revision"], endpoint=common["endpoint"])
+        meta = get_hf_file_metadata(url, endpoint=common["endpoint"])
+        etag = meta.etag
+        if not etag or etag not in etags:
+            continue
+        blob = blobs / etag
+        with WeakFileLock(cache_dir / ".locks" / folder / f"{etag}.lock"):
+            parts = [p for p in blobs.glob(f"{etag}.*.incomplete") if p.is_file()]
+            if blob.exists() or not parts:
+                continue
+            part = max(parts, key=lambda p: p.stat().st_size)
+            have = part.stat().st_size
+            if meta.size is not None and have >= meta.size:
+                continue  # complete but never moved, or longer than the file: let the normal path decide
+            with part.open("ab") as fh:
+                http_get(
+                    meta.location,
+                    fh,
+                    resume_size=have,
+                    headers=build_hf_headers(),
+                    expected_size=meta.size,
+                    displayed_filename=name,
+                    tqdm_class=tqdm_class,
+                )
+            if re.fullmatch(r"[0-9a-f]{64}", etag):  # an LFS file: its etag is its sha256
+                digest = hashlib.sha256()
+                with part.open("rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 22), b""):
+                        digest.update(chunk)
+                if digest.hexdigest() != etag:
+                    part.unlink()  # the leftover was not a prefix of this file: fetch it whole
+                    continue
+            os.replace(part, blob)
+            for other in parts:
+                if other != part:
+                    other.unlink(missing_ok=True)
 
 
 def _write_ref(cache_dir: Path, repo_id: str, revision: str, commit: str | None) -> None:

@@ -1,7 +1,8 @@
 """`--model ORG/NAME` downloads from the Hugging Face Hub (core/model_loader/hub.py), tested offline
 against a local Hub-compatible file server (tests/fake_hub.py) that HF_ENDPOINT points at, with
 HF_HOME in tmp_path: only the files the engine reads are fetched; a dropped connection is resumed
-with a Range request and a failed run is finished by the next one without fetching twice; a
+with a Range request, a killed run's half-written file is continued by the next from where it
+stopped, and a failed run is finished by the next one without fetching twice; a
 missing repository, a missing revision, a gated one (401 without a token, 403 with one that has no
 access), no network and HF_HUB_OFFLINE with nothing cached each give one clear line; a GGUF
 repository with --gguf-file; and a simulated model's spec from a Hub config fetches config.json
@@ -117,6 +118,43 @@ def test_dropped_connection_is_resumed_with_a_range_request(hub, tmp_path):
     assert len(gets) == 2 and gets[0][2] is None
     resumed_at = int(gets[1][2].removeprefix("bytes=").rstrip("-"))
     assert resumed_at >= 10 * 1024 * 1024  # from where it stopped, not from the start
+
+
+def test_a_killed_download_is_continued_where_it_stopped(hub, tmp_path):
+    """A run killed in the middle of a file (no exception handler runs) leaves its partial blob; the
+    next run continues it with a Range request from there, not from the first byte, and the bytes
+    are the file's."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "big"
+    root.mkdir()
+    (root / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    save_file({"w": torch.arange(4 * 1024 * 1024, dtype=torch.float32)}, str(root / "model.safetensors"))  # 16 MiB
+    hub.add_repo("acme/big", root)
+    hub.slow.add("model.safetensors")  # ~1.3 s for the whole file: time to kill the first run
+    code = "from workbench.core.model_loader.hub import download_model; download_model('acme/big', progress=False)"
+    first = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ))
+    blobs = tmp_path / "hf-home" / "hub" / "models--acme--big" / "blobs"
+    deadline, partial = time.monotonic() + 60, []
+    while time.monotonic() < deadline:
+        partial = [p for p in blobs.glob("*.incomplete")] if blobs.is_dir() else []
+        if partial and partial[0].stat().st_size >= 4 * 1024 * 1024:
+            break
+        time.sleep(0.01)
+    first.kill()
+    first.wait()
+    assert partial, "the first run never started writing the file"
+    had = partial[0].stat().st_size
+    assert had < (root / "model.safetensors").stat().st_size  # killed in the middle
+    hub.slow.clear()
+    snapshot = download_model("acme/big", progress=False)
+    assert _same_bytes(snapshot / "model.safetensors", root / "model.safetensors")
+    second = hub.gets("model.safetensors")[-1]
+    assert second[2] is not None and int(second[2].removeprefix("bytes=").rstrip("-")) >= had
+    assert not list(blobs.glob("*.incomplete"))  # nothing left behind
 
 
 def test_progress_goes_to_on_progress_as_lines(hub, tiny_repo):
