@@ -92,7 +92,7 @@ def load_workload(args) -> list[SimRequest]:
             print(f"[sim] {loaded.summary(args.workload)}{scale}", file=sys.stderr)
         if drawn_prompts(workload):
             try:
-                fit_vocab(workload, model_spec(args.model).vocab)
+                fit_vocab(workload, _spec(args).vocab)
             except ValueError:
                 pass  # an unknown model: the simulator says so next
         return workload
@@ -151,7 +151,17 @@ def _simulator(args, **overrides) -> Simulator:
     sink = kw.pop("trace_sink", None)
     tp = int(kw.pop("tp_size", args.tp_size))
     hardware = kw.pop("simulate", args.simulate)
-    return Simulator(args.model, hardware, tp_size=tp, seed=args.seed, trace_sink=sink, **kw)
+    return Simulator(_spec(args), hardware, tp_size=tp, seed=args.seed, trace_sink=sink, **kw)
+
+
+def _spec(args):
+    """The simulated model's shapes: a known name, a config.json, or a Hub id's config.json fetched
+    once at --revision into --download-dir (the simulator is handed the spec, so it does not fetch again)."""
+    cached = getattr(args, "_model_spec", None)
+    if cached is None:
+        cached = model_spec(args.model, revision=args.revision, download_dir=args.download_dir)
+        args._model_spec = cached
+    return cached
 
 
 def _deployment(args) -> str:
@@ -191,6 +201,8 @@ def _run_live(args, workload: list[SimRequest]) -> int:
         engine = Engine(
             simulate=args.simulate,
             model_path=args.model,
+            revision=args.revision,
+            download_dir=args.download_dir,
             tp_size=args.tp_size,
             sim_speed=args.sim_speed,
             random_seed=args.seed,
@@ -316,7 +328,13 @@ def add_parser(sub) -> None:
     ):
         q = ssub.add_parser(name, help=text, description=text)
         q.add_argument(
-            "--model", default="llama-3.1-8b", help=f"a known model ({', '.join(KNOWN)}) or an HF config.json"
+            "--model",
+            default="llama-3.1-8b",
+            help=f"a known model ({', '.join(KNOWN)}), an HF config.json, or a Hub id ORG/NAME (its config.json only)",
+        )
+        q.add_argument("--revision", default=None, help="with a Hub id: the branch, tag or commit (default main)")
+        q.add_argument(
+            "--download-dir", default=None, help="with a Hub id: the cache to fetch into (default: huggingface_hub's)"
         )
         q.add_argument("--simulate", default="h100", choices=sorted(HARDWARE), help="the hardware simulated")
         q.add_argument("--tp-size", type=int, default=1, help="tensor-parallel devices per replica")

@@ -33,7 +33,7 @@ from workbench.core.simulation import calibration as calibrations
 from workbench.core.simulation.calibration import Calibration
 from workbench.core.simulation.cost_model import CostModel
 from workbench.core.simulation.hardware import get_hardware
-from workbench.core.simulation.model_specs import model_spec
+from workbench.core.simulation.model_specs import ModelSpec, model_spec
 from workbench.core.simulation.sim_worker import (
     FIRST_TOKEN,
     NoTokenizer,
@@ -258,7 +258,8 @@ class _Replica:
 
 
 class Simulator:
-    """A deployment that is not there: `model` (a name of model_specs.KNOWN or an HF config.json),
+    """A deployment that is not there: `model` (a name of model_specs.KNOWN, an HF config.json, a Hub
+    id, or a ModelSpec already resolved),
     `hardware` (hardware.HARDWARE), `tp_size` devices per replica, `dp_size` replicas behind the data-
     parallel controller's `LoadBalancer` (`load_balance_method`: round_robin, shortest_queue,
     prefix_aware); the rest are ServerArgs fields (schedule_policy, chunked_prefill_size,
@@ -270,7 +271,7 @@ class Simulator:
 
     def __init__(
         self,
-        model: str,
+        model: str | ModelSpec,
         hardware: str,
         tp_size: int = 1,
         dtype_bytes: int | None = None,
@@ -302,7 +303,7 @@ class Simulator:
         draft_model = server_args.pop("speculative_draft_model", speculative_draft_model)
         if draft_model and self.accept_rate is None:
             raise ValueError("speculative_draft_model needs speculative_accept_rate: how often the target agrees")
-        self.spec = model_spec(model)
+        self.spec = model if isinstance(model, ModelSpec) else model_spec(model)
         self.hw = get_hardware(hardware)
         self.tp_size = tp_size
         # Where the calibration came from ("this machine", "shipped", "none", "given") and why it may be off.

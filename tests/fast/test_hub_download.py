@@ -267,6 +267,19 @@ def test_simulated_model_spec_from_a_hub_config_fetches_config_only(hub, tiny_re
         model_spec("meta-llama/Llama-3.1-70B-Instruct")
 
 
+def test_sim_run_over_a_hub_id_at_a_revision_fetches_its_config_into_the_download_dir(hub, tiny_repo, tmp_path, capsys):
+    from workbench.cli import build_parser
+
+    sha = hub.add_repo("acme/tiny", tiny_repo)
+    where = tmp_path / "models"
+    argv = ["sim", "run", "--model", "acme/tiny", "--revision", sha, "--download-dir", str(where)]
+    args = build_parser().parse_args(argv + ["--simulate", "h100", "--num-requests", "4", "--rate", "0"])
+    assert args.func(args) == 0
+    assert "acme/tiny" in capsys.readouterr().out  # the simulated model, named after its repository
+    assert [r[1] for r in hub.gets()] == [f"/acme/tiny/resolve/{sha}/config.json"]  # once, at that revision
+    assert list(where.rglob("config.json")) and not list(where.rglob("*.safetensors"))
+
+
 def test_select_files_and_the_new_flags():
     listing = ["config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.model", "onnx/model.onnx"]
     assert select_files("a/b", listing) == ["config.json", "tokenizer.model", "model.safetensors"]
