@@ -205,3 +205,15 @@ class FakeHub:
             headers["X-Repo-Commit"] = commit
         body = json.dumps({"error": code or "unavailable"}).encode()
         self._send(h, status, body, headers, head)
+
+
+HF_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE")
+
+
+def point_hf_at(monkeypatch, hub: FakeHub, home: Path) -> None:
+    """The test's huggingface_hub talks to `hub` only: HF_ENDPOINT at it, HF_HOME at `home`, no token,
+    online, the default cache."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HOME", str(home))
+    for name in HF_VARIABLES:
+        monkeypatch.delenv(name, raising=False)

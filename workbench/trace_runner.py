@@ -264,11 +264,7 @@ class TraceRunner(WorkloadRunner):
                 self.failed += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 continue
-            self._rids.add(rid)
-            self.sent += 1
-            t = asyncio.ensure_future(self._one(rid, kwargs))
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
+            self._dispatch(rid, kwargs, tasks)
 
     async def _run(self) -> None:
         self._wake = asyncio.Event()

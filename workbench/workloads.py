@@ -375,11 +375,15 @@ class WorkloadRunner:
                 self.failed += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 return
-            self._rids.add(rid)
-            self.sent += 1
-            t = asyncio.ensure_future(self._one(rid, kwargs))
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
+            self._dispatch(rid, kwargs, tasks)
+
+    def _dispatch(self, rid: str, kwargs: dict, tasks: set) -> None:
+        """Send one request as a task kept in `tasks` until it ends (counted as sent)."""
+        self._rids.add(rid)
+        self.sent += 1
+        t = asyncio.ensure_future(self._one(rid, kwargs))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
 
     async def _run(self) -> None:
         self._wake = asyncio.Event()

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_hub import FakeHub
+from fake_hub import FakeHub, point_hf_at
 from tiny_models import make_tiny_llama
 
 from workbench import Engine
@@ -33,10 +33,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def hub(monkeypatch, tmp_path):
     with FakeHub() as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-        for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE"):
-            monkeypatch.delenv(name, raising=False)
+        point_hf_at(monkeypatch, server, tmp_path / "hf-home")
         yield server
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_hub import FakeHub
+from fake_hub import FakeHub, point_hf_at
 from safetensors.torch import save_file
 from tiny_models import make_tiny_gguf, make_tiny_llama, make_tiny_llama_sharded
 from workbench.core.args import ServerArgs
@@ -51,10 +51,7 @@ def tiny_repo(tmp_path_factory) -> Path:
 def hub(monkeypatch, tmp_path):
     """A running FakeHub with HF_ENDPOINT at it, HF_HOME in tmp_path, no token, online."""
     with FakeHub() as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-        for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE"):
-            monkeypatch.delenv(name, raising=False)
+        point_hf_at(monkeypatch, server, tmp_path / "hf-home")
         monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "workbench-cache"))
         yield server
 
