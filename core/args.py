@@ -14,6 +14,8 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native", "cpu_paged", "triton", "flashinfer")  # see layers/attention/registry.py
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")  # SGLang's spelling: "null" is one engine doing both
+TRANSFER_BACKENDS = ("tcp",)  # core/disaggregation/transfer.py; SGLang's mooncake/nixl need RDMA NICs
 
 
 # `--help` of every flag (SGLang's wording where it has the flag). Defaults and choices are added
@@ -74,6 +76,15 @@ FLAG_HELP = {
     "speculative_algorithm": "speculative decoding: NGRAM proposes draft tokens from the request's own prompt "
     "and output (no second model); STANDALONE drafts with --speculative-draft-model-path. The target model "
     "verifies the drafts in one pass per step; the output is what decoding without drafts gives",
+    "disaggregation_mode": "disaggregated serving (docs/disaggregation.md): prefill computes prompts and hands "
+    "their KV to a decode server, which reserves slots, pulls the KV and decodes; requests reach both through "
+    "a PD router (sglang_router --pd-disaggregation) that adds bootstrap_host/port/room; null: one engine does both",
+    "disaggregation_bootstrap_port": "prefill: the TCP port decode servers pull KV from (give it to the router "
+    "after the prefill URL: --prefill URL PORT)",
+    "disaggregation_transfer_backend": "how KV crosses from prefill to decode: tcp (built in: per-layer chunks "
+    "over a socket, one machine or two)",
+    "disaggregation_transfer_timeout": "decode: seconds to wait for a prompt's KV before the request fails "
+    "(and its reserved slots are freed); prefill: how long computed KV is held for a decode server to pull",
     "speculative_draft_model_path": "STANDALONE: a small draft model with the target's tokenizer",
     "speculative_num_steps": "STANDALONE: draft model passes per step (default: as many as the draft tokens)",
     "speculative_num_draft_tokens": "the most draft tokens verified per request per step (default 4)",
@@ -116,6 +127,8 @@ FLAG_CHOICES = {
     "trace_mode": ("auto", "on", "off"),
     "tool_call_parser": ("hermes", "qwen25", "llama3"),
     "log_level": ("debug", "info", "warning", "error", "critical"),
+    "disaggregation_mode": DISAGGREGATION_MODES,
+    "disaggregation_transfer_backend": TRANSFER_BACKENDS,
 }
 
 
@@ -185,6 +198,11 @@ class ServerArgs:
     speculative_num_steps: int | None = None  # STANDALONE: draft model passes per step
     speculative_num_draft_tokens: int | None = None  # most draft tokens verified per request per step
     speculative_accept_rate: float | None = None  # --simulate: each draft kept with this probability
+    # disaggregated prefill/decode (core/disaggregation/)
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "tcp"
+    disaggregation_transfer_timeout: float = 60.0
     # parallelism
     tp_size: int = 1
     ep_size: int = 1
@@ -321,12 +339,41 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and not 1 <= value <= 64:
                 bad(f"--{name.replace('_', '-')} must be between 1 and 64")
+        self._validate_disaggregation(bad)
         if self.device not in ("auto", "cpu", "cuda"):
             bad("--device must be auto, cpu or cuda")
         if self.cuda_graph_max_bs < 1:
             bad("--cuda-graph-max-bs must be at least 1 (or pass --disable-cuda-graph)")
         if self.cuda_graph_bs is not None and any(b < 1 for b in self.cuda_graph_bs):
             bad("--cuda-graph-bs takes batch sizes of at least 1, e.g. --cuda-graph-bs 1 2 4 8 16")
+
+    def _validate_disaggregation(self, bad) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            bad(
+                f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)}, not {self.disaggregation_mode!r}"
+            )
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            bad(
+                f"--disaggregation-transfer-backend must be one of {', '.join(TRANSFER_BACKENDS)}, not "
+                f"{self.disaggregation_transfer_backend!r} (mooncake and nixl need RDMA hardware; docs/disaggregation.md)"
+            )
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            bad(
+                f"--disaggregation-bootstrap-port must be a TCP port (1-65535), not {self.disaggregation_bootstrap_port}"
+            )
+        if self.disaggregation_transfer_timeout <= 0:
+            bad("--disaggregation-transfer-timeout must be a positive number of seconds")
+        if self.disaggregation_mode == "null":
+            return
+        # What a PD server does not combine with yet: each would need its own handover (docs/disaggregation.md).
+        for on, what in (
+            (self.tp_size > 1, "--tp-size > 1 (each rank would hand over its own heads)"),
+            (self.dp_size > 1, "--dp-size > 1 (run several servers behind the router instead)"),
+            (self.speculative_algorithm is not None, "--speculative-algorithm"),
+            (self.simulate is not None, "--simulate (a simulated PD deployment: `workbench sim run`)"),
+        ):
+            if on:
+                bad(f"--disaggregation-mode {self.disaggregation_mode} does not combine with {what} yet")
 
     # ---- resolved values -------------------------------------------------
     def resolved_device(self) -> str:

@@ -313,12 +313,19 @@ class Engine:
         stream: bool = False,
         rid: str | None = None,
         return_text_in_logprobs: bool = False,
+        bootstrap_host: str | list[str] | None = None,
+        bootstrap_port: int | list[int] | None = None,
+        bootstrap_room: int | list[int] | None = None,
     ):
         """Generate for one prompt (dict), a batch (list of dicts) or stream chunks (iterator).
 
         Logprobs come as SGLang returns them: meta_info's `output_token_logprobs` (and
         `input_token_logprobs` from prompt position `logprob_start_len` on, -1 for none) are
-        [logprob, token_id, text] entries, the text filled when `return_text_in_logprobs`."""
+        [logprob, token_id, text] entries, the text filled when `return_text_in_logprobs`.
+
+        Disaggregated serving (docs/disaggregation.md): on an engine with a `disaggregation_mode`,
+        `bootstrap_host`/`bootstrap_port`/`bootstrap_room` name the prefill server's bootstrap port and
+        the room both sides of one request meet in (one value, or one per prompt of a batch)."""
         reqs, is_batch = self._build_reqs(
             prompt,
             sampling_params,
@@ -329,6 +336,7 @@ class Engine:
             stream,
             rid,
             return_text_in_logprobs,
+            (bootstrap_host, bootstrap_port, bootstrap_room),
         )
         if stream:
             if len(reqs) != 1:
@@ -348,6 +356,9 @@ class Engine:
         stream=False,
         rid=None,
         return_text_in_logprobs=False,
+        bootstrap_host=None,
+        bootstrap_port=None,
+        bootstrap_room=None,
     ):
         """Like `generate`, awaitable from any event loop; an async iterator when streaming."""
         reqs, is_batch = self._build_reqs(
@@ -360,6 +371,7 @@ class Engine:
             stream,
             rid,
             return_text_in_logprobs,
+            (bootstrap_host, bootstrap_port, bootstrap_room),
         )
         if stream:
             if len(reqs) != 1:
@@ -382,6 +394,7 @@ class Engine:
         stream,
         rid,
         return_text_in_logprobs=False,
+        bootstrap=(None, None, None),
     ) -> tuple[list[GenerateReqInput], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
@@ -398,10 +411,13 @@ class Engine:
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         if len(sps) != len(items):
             raise ValueError(f"{len(sps)} sampling_params for {len(items)} prompts")
+        pd = _bootstrap_per_prompt(bootstrap, len(items))
         reqs = []
         for i, ((text, ids), sp_in) in enumerate(zip(items, sps)):
             sp = _to_sampling_params(sp_in)
             n = sp.n
+            if n > 1 and pd[i][2] is not None:
+                raise ValueError("a bootstrap_room names one generation: use n = 1 with disaggregated serving")
             if n < 1 or n > self.server_args.max_n:
                 raise ValueError(f"n must be in [1, {self.server_args.max_n}]")
             for j in range(n):
@@ -418,6 +434,9 @@ class Engine:
                         return_text_in_logprobs=bool(return_text_in_logprobs),
                         stream=stream,
                         rid=req_rid,
+                        bootstrap_host=pd[i][0],
+                        bootstrap_port=pd[i][1],
+                        bootstrap_room=pd[i][2],
                     )
                 )
             is_batch = is_batch or n > 1
@@ -730,6 +749,22 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _bootstrap_per_prompt(bootstrap: tuple, n: int) -> list[tuple]:
+    """(host, port, room) for each of n prompts: each given as one value or one per prompt (SGLang's rule)."""
+    cols = []
+    for name, value in zip(("bootstrap_host", "bootstrap_port", "bootstrap_room"), bootstrap):
+        if isinstance(value, list):
+            if len(value) != n:
+                raise ValueError(f"{name} has {len(value)} values for {n} prompts: give one, or one per prompt")
+            cols.append(value)
+        else:
+            cols.append([value] * n)
+    rows = list(zip(*cols))
+    if n > 1 and bootstrap[2] is not None and not isinstance(bootstrap[2], list):
+        raise ValueError("a batch needs one bootstrap_room per prompt (a list): a room names one request")
+    return rows
 
 
 def _to_sampling_params(sp: Any) -> SamplingParams:

@@ -33,6 +33,11 @@ class TokenizedGenerateReqInput(Msg):
     # and speculative drafts to propose instead of drafting, by the output length they follow.
     forced_output_ids: list[int] | None = None
     forced_drafts: dict[int, list[int]] | None = None
+    # Disaggregated serving (core/disaggregation/): the prefill server's bootstrap address and the room
+    # that names this request on both sides, as SGLang's PD router adds them.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 class AbortReq(Msg):

@@ -88,6 +88,9 @@ async def native_generate(ctx: ServingContext, request: Request, req: GenerateRe
         top_logprobs_num=req.top_logprobs_num or 0,
         logprob_start_len=-1 if req.logprob_start_len is None else req.logprob_start_len,
         return_text_in_logprobs=bool(req.return_text_in_logprobs),
+        bootstrap_host=req.bootstrap_host,
+        bootstrap_port=req.bootstrap_port,
+        bootstrap_room=req.bootstrap_room,
     )
     if req.stream:
         if is_batch or n > 1:

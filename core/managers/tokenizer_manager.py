@@ -84,6 +84,10 @@ class GenerateReqInput:
     # When the request arrived, on the trace clock; None: now. A driver replaying a workload sets it:
     # the request arrived mid-step.
     arrival_ns: int | None = None
+    # Disaggregated serving: where the prefill side of this request hands its KV over (the PD router sets them).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 @dataclass
@@ -197,6 +201,9 @@ class TokenizerManager:
                         arrival_ts=created,
                         forced_output_ids=obj.forced_output_ids,
                         forced_drafts=obj.forced_drafts,
+                        bootstrap_host=obj.bootstrap_host,
+                        bootstrap_port=obj.bootstrap_port,
+                        bootstrap_room=obj.bootstrap_room,
                     )
                 )
             except (OverflowError, TypeError, msgspec.EncodeError) as e:

@@ -85,6 +85,12 @@ class CommonOpenAIFields(SamplingExtras):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # sglang-router's additions: PD mode's bootstrap fields (docs/disaggregation.md) and a switch it
+    # always sends (no hidden states here: refused by name when true)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    return_hidden_states: bool | None = None
 
 
 # ---------------------------------------------------------------- chat requests
@@ -122,7 +128,6 @@ class ChatCompletionRequest(CommonOpenAIFields):
     # reasoning stays in the content either way
     separate_reasoning: bool | None = None
     stream_reasoning: bool | None = None
-    return_hidden_states: bool | None = None
 
 
 # ---------------------------------------------------------------- completion requests
@@ -162,6 +167,10 @@ class GenerateReqInput(_Strict):
     background: bool | None = None
     return_bytes: bool | None = None
     return_entropy: bool | None = None
+    # PD mode (docs/disaggregation.md): one value, or one per prompt of a batch
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
 
 
 # Request fields of features this server does not have: accepted while false or null (as

@@ -29,6 +29,7 @@ from workbench.core.entrypoints.openai.serving_common import (
     ServingContext,
     SSEResponse,
     StreamGuard,
+    bootstrap_kwargs,
     chat_logprobs,
     check_prompt_fits,
     fan_out,
@@ -114,6 +115,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request, req: Cha
     gen_kwargs: dict[str, Any] = {}
     if req.logprobs:
         gen_kwargs.update(return_logprob=True, top_logprobs_num=top_n)
+    gen_kwargs.update(bootstrap_kwargs(req, n))
     base = req.rid or new_rid("chatcmpl")
     specs = fan_out(base, [{"input_ids": ids}], sp, n, gen_kwargs)
     model = req.model or ctx.model_name

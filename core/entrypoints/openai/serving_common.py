@@ -127,6 +127,20 @@ def refuse_off_only(req) -> None:
             raise bad_request(f"{name} is not supported by this server: leave it false or unset", name)
 
 
+def bootstrap_kwargs(req, num_generations: int) -> dict[str, Any]:
+    """A PD router's bootstrap fields as engine arguments ({} when none are set): on the OpenAI routes one
+    room names one generation, so they need a single prompt and n = 1 (a 400 otherwise)."""
+    fields = {k: getattr(req, k, None) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")}
+    if all(v is None for v in fields.values()):
+        return {}
+    if num_generations != 1:
+        raise bad_request(
+            "a bootstrap_room names one generation: send one prompt with n = 1 in disaggregated serving",
+            "bootstrap_room",
+        )
+    return fields
+
+
 def structured_output(req: CommonOpenAIFields) -> dict[str, str]:
     """The one grammar a request sets, as the sampling param that carries it ({} for none):
     `response_format`, or SGLang's `json_schema` / `regex` / `ebnf` extras."""

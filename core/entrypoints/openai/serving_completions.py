@@ -23,6 +23,7 @@ from workbench.core.entrypoints.openai.serving_common import (
     ServingContext,
     SSEResponse,
     StreamGuard,
+    bootstrap_kwargs,
     check_prompt_fits,
     completion_logprobs,
     fan_out,
@@ -32,6 +33,7 @@ from workbench.core.entrypoints.openai.serving_common import (
     new_logprob_items,
     new_rid,
     open_streams,
+    refuse_off_only,
     sampling_params_from,
     sse,
     sse_error,
@@ -69,6 +71,7 @@ def _prompt_text(ctx: ServingContext, p: dict[str, Any]) -> str:
 async def create_completion(ctx: ServingContext, request: Request, req: CompletionRequest):
     """Handle one validated completions request; returns a JSONResponse or an SSEResponse."""
     ctx.check_model(req.model)
+    refuse_off_only(req)
     if req.suffix:
         raise bad_request("suffix is not supported by this server", "suffix")
     n = req.n or 1
@@ -99,6 +102,7 @@ async def create_completion(ctx: ServingContext, request: Request, req: Completi
         gen_kwargs.update(return_logprob=True, top_logprobs_num=top_n)
         if req.echo:
             gen_kwargs["logprob_start_len"] = 0
+    gen_kwargs.update(bootstrap_kwargs(req, len(prompts) * n))
     echo_texts = [_prompt_text(ctx, p) for p in prompts] if req.echo else None
     echo_ids = [p.get("input_ids") for p in prompts] if req.echo and top_n is not None else None
     prompts = [{k: v for k, v in p.items() if k != "text"} for p in prompts]
