@@ -11,10 +11,16 @@ Formats (what the model writes):
                   named function constrains the output to (core/function_call/schema.py).
 
 The parser is fed the decoded text as it grows (`feed(delta)`) and answers the content delta and
-the tool-call deltas in OpenAI's streaming shape: a call's first delta carries its index, id and
-name with empty arguments; later ones carry fragments of the arguments' JSON text, which join into
-exactly the text the model wrote. `finish()` flushes what is left. A non-streamed answer is the
-same parser fed all at once, so the two always agree.
+the tool-call deltas in OpenAI's streaming shape, at most one entry per call index in each answer
+(`merge_deltas`): a call's first entry carries its index, id and name, and the start of its
+arguments' JSON text when that is there already; later ones carry further fragments, which join
+into exactly the text the model wrote. `finish()` flushes what is left. A non-streamed answer is
+the same parser fed all at once, so the two always agree.
+
+Forced calls (json_array: tool_choice required or named) are held back until their arguments are
+complete JSON, then go out as one entry each: the output can be cut off by max_tokens inside a
+call, and a call already streamed could not be taken back. A call cut off that way is never a
+call: its text is returned as content (finish_reason stays "length").
 
 A call is recognised when its object starts with the `name` key; one whose keys come in another
 order is parsed whole at its end. A block that does not parse as a call is returned as content.
@@ -60,6 +66,22 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """One entry per call index (in the order the indexes first appear): a streamed chunk must not
+    repeat an index, as clients that read `tool_calls[i]` as a whole entry (instructor's partial
+    extraction) otherwise see the header and the first argument fragment as two calls."""
+    merged: dict[int, ToolCallDelta] = {}
+    for d in deltas:
+        got = merged.get(d.index)
+        if got is None:
+            merged[d.index] = ToolCallDelta(d.index, d.id, d.name, d.arguments)
+            continue
+        if got.id is None and d.id is not None:
+            got.id, got.name = d.id, d.name
+        got.arguments += d.arguments
+    return list(merged.values())
+
+
 def _value_end(text: str) -> int | None:
     """Where the JSON value at the start of `text` ends (index after it), or None while it is
     still open. Only objects and arrays are tracked (arguments are objects)."""
@@ -98,6 +120,7 @@ class _Call:
     args_start: int = -1  # where the arguments value starts in `text`
     args_sent: int = 0  # characters of the arguments already streamed
     args_done: bool = False
+    held: list[ToolCallDelta] = field(default_factory=list)  # forced calls: out once complete
 
 
 class FunctionCallParser:
@@ -109,6 +132,7 @@ class FunctionCallParser:
         self.parser = parser
         self.tool_names = tool_names
         self._whole = parser in ("llama3", "json_array")  # calls fill the whole message
+        self._hold = parser == "json_array"  # forced calls go out only once their arguments are complete
         self._start, self._end = ("<tool_call>", "</tool_call>") if not self._whole else ("", "")
         self._buf = ""  # text not yet classified
         self._mode = "start" if self._whole else "text"  # start | text | call | between
@@ -196,7 +220,7 @@ class FunctionCallParser:
                 deltas += got[1]
             if (self._mode, len(self._buf)) == before:
                 break
-        return content, deltas
+        return content, merge_deltas(deltas)
 
     def _open_call(self) -> None:
         self._call = _Call(index=self._count)
@@ -241,6 +265,11 @@ class FunctionCallParser:
                 deltas.append(ToolCallDelta(index=c.index, arguments=args[c.args_sent : upto]))
                 c.args_sent = upto
             c.args_done = end is not None
+        if self._hold:
+            c.held += deltas
+            deltas = []
+            if c.args_done:
+                deltas, c.held = merge_deltas(c.held), []
         if not self._end and c.args_done:
             # whole-message formats: the call ends with its object's closing brace
             rest = c.text[c.args_start + c.args_sent :]
@@ -257,6 +286,10 @@ class FunctionCallParser:
         c = self._call
         self._call = None
         self._mode = "between" if self._whole else "text"
+        if self._hold and c.name is not None and not c.args_done:
+            # cut off (max_tokens) before its arguments were complete: not a call; its text is content
+            self._mode = "text"
+            return c.text, deltas
         if c.name is not None:
             self._calls.append(ToolCall(c.id, c.name, c.text[c.args_start : c.args_start + c.args_sent]))
             self._count += 1
@@ -270,8 +303,6 @@ class FunctionCallParser:
                 raise ValueError(name)
         except (ValueError, KeyError, TypeError, AttributeError):
             self._mode = "text"
-            if self.parser == "json_array":  # forced calls have no content: a cut-off call is dropped
-                return "", deltas
             raw = (self._start + c.text + self._end) if self._start else c.text
             return raw, deltas
         text = args if isinstance(args, str) else json.dumps(args)

@@ -24,11 +24,14 @@ def _call_schema(tool: dict) -> dict:
 
 def forced_call_schema(tools: list[dict], tool_choice: Any, parallel: bool = True) -> str | None:
     """The JSON Schema (as text) that makes the output a JSON array of calls, for `required` (one
-    or more calls to any of the tools; exactly one without `parallel`) or a named function
-    (exactly one call to it); None for `auto`, `none` or no choice. The output is then read by
-    the `json_array` parser."""
+    or more calls to any of the tools: with `parallel`, at most as many as there are tools, else
+    exactly one) or a named function (exactly one call to it); None for `auto`, `none` or no
+    choice. The output is then read by the `json_array` parser.
+
+    The bound on parallel calls is what ends the array: without one, a model that keeps repeating
+    its call (small ones do) runs into max_tokens with a call cut off in the middle."""
     if tool_choice == "required":
-        chosen, most = tools, None if parallel else 1
+        chosen, most = tools, len(tools) if parallel else 1
     elif isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
         chosen, most = [t for t in tools if t["function"]["name"] == name], 1

@@ -100,3 +100,71 @@ def test_calls_whose_keys_come_in_another_order_or_name_unknown_tools():
 def test_unknown_parser_names_the_choices():
     with pytest.raises(ValueError, match="hermes, qwen25, llama3, json_array"):
         FunctionCallParser("mistral")
+
+
+def _one_entry_per_index(deltas) -> None:
+    """Issue #43 item 3: a streamed chunk carries at most one entry per call index; the first
+    entry of a call carries its id and name, later ones only argument text."""
+    indexes = [d.index for d in deltas]
+    assert len(indexes) == len(set(indexes)), f"one chunk repeats an index: {[d.to_openai() for d in deltas]}"
+
+
+@pytest.mark.parametrize(
+    "parser,text",
+    [("hermes", HERMES), ("qwen25", HERMES), ("llama3", LLAMA3), ("json_array", ARRAY)],
+)
+def test_each_chunk_carries_at_most_one_entry_per_index(parser, text):
+    for cuts in _splits(text, seed=7):
+        p = FunctionCallParser(parser)
+        seen: set[int] = set()
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        for piece in pieces:
+            _, ds = p.feed(piece)
+            _one_entry_per_index(ds)
+            for d in ds:
+                entry = d.to_openai()
+                if d.index not in seen:  # the call's first entry: id, type and name
+                    assert entry["id"].startswith("call_") and entry["type"] == "function", entry
+                    assert entry["function"]["name"], entry
+                    seen.add(d.index)
+                else:  # later entries: argument text only
+                    assert set(entry) == {"index", "function"} and set(entry["function"]) == {"arguments"}, entry
+        _one_entry_per_index(p.finish()[1])
+    # the chunk that first names a call and starts its arguments (what instructor's
+    # create_partial choked on): one entry holding both
+    p = FunctionCallParser("hermes")
+    _, ds = p.feed('<tool_call>\n{"name": "get_time", "arguments": {"')
+    assert [d.to_openai() for d in ds] == [
+        {"index": 0, "id": ds[0].id, "type": "function", "function": {"name": "get_time", "arguments": '{"'}}
+    ]
+
+
+def test_a_forced_call_cut_off_by_max_tokens_is_never_a_call():
+    """Issue #43 item 4: tool_choice required/named output (json_array) cut off anywhere. Only
+    calls whose arguments are complete JSON are calls, streamed or not (a streamed call goes out
+    whole, once complete: it could not be taken back); the cut-off call's text is content."""
+    first_end = ARRAY.index("}}, ") + 2  # just after the first call's object
+    for cut in range(1, len(ARRAY)):
+        text = ARRAY[:cut]
+        content, calls = FunctionCallParser("json_array").parse(text)
+        for c in calls:
+            json.loads(c.arguments)  # never a truncated call
+        args_end = ARRAY.index(WEATHER) + len(WEATHER)
+        args_end2 = ARRAY.index('{"tz": "CET"}') + len('{"tz": "CET"}')
+        assert len(calls) == (0 if cut < args_end else 1 if cut < args_end2 else 2), (cut, calls)
+        if cut > args_end and cut < first_end:
+            assert content == "", (cut, content)  # only the closing brace was missing
+        tail = ARRAY[first_end + 2 : cut] if cut > first_end + 2 else ""
+        if calls and tail and not tail.endswith("}"):
+            assert content == tail, (cut, content)  # the cut-off second call, as text
+        # streamed one character at a time: the same calls, each in one entry, and nothing else
+        p = FunctionCallParser("json_array")
+        streamed, got = "", []
+        for ch in text:
+            c, ds = p.feed(ch)
+            streamed += c
+            got += ds
+        c, ds = p.finish()
+        streamed, got = streamed + c, got + ds
+        assert streamed == content, cut
+        assert [(d.id, d.name, d.arguments) for d in got] == [(c.id, c.name, c.arguments) for c in p.calls], cut

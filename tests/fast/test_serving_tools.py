@@ -57,6 +57,11 @@ def test_choices_and_the_forced_grammar():
     jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo"}}], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "other", "parameters": {}}], schema)
+    # parallel calls allowed (OpenAI's default): still a bound, one call per tool, so a model that
+    # repeats its call stops there instead of at max_tokens (issue #43 item 4)
+    for tools in ([TOOL], [TOOL, dict(TOOL, function=dict(TOOL["function"], name="get_time"))]):
+        parallel = json.loads(plan_tools(_req(tools=tools, tool_choice="required"), "hermes").forced_schema)
+        assert (parallel["minItems"], parallel["maxItems"]) == (1, len(tools))
     for bad, words in (
         ({"tools": [TOOL], "tool_choice": "always"}, "one of none, auto, required"),
         ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "a named tool_choice"),

@@ -46,6 +46,7 @@ from workbench.core.entrypoints.openai.serving_common import (
     usage_from,
 )
 from workbench.core.entrypoints.openai.serving_tools import ToolPlan, plan_tools, render_tool_messages
+from workbench.core.function_call.parser import merge_deltas
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -209,7 +210,8 @@ async def _stream(
                     delta, found = delta + rest, found + more
                     if parser.calls and reason == "stop":
                         reason = "tool_calls"
-                calls = [d.to_openai() for d in found]
+                # feed's and finish's entries for one call go out as one (one entry per index a chunk)
+                calls = [d.to_openai() for d in merge_deltas(found)]
             if delta or calls or lp is not None or reason:
                 yield sse(
                     ChatCompletionChunk(
