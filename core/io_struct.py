@@ -86,6 +86,8 @@ class GetInternalStateReqOutput(Msg):
     received_total: int = 0  # generate requests received, where the step clock counts them (0: not kept)
     # Data parallel: the fields above are summed over replicas; here each replica's own figures.
     per_replica: list[dict[str, int | float]] | None = None
+    # Disaggregated serving: the mode and its queues and transfer counters (core/disaggregation/)
+    disaggregation: dict[str, int | float | str] | None = None
 
 
 class SetTraceReq(Msg):

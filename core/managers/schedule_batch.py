@@ -101,6 +101,11 @@ class Req:
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.input_token_logprobs: list[float | None] = []
         self.input_logprobs_sent = False
+        # Disaggregated serving (core/disaggregation/): the room naming it on both sides, the prefill
+        # server's bootstrap (host, port) on the decode side, and whether the prefill side handed its KV over.
+        self.bootstrap_room: int | None = None
+        self.bootstrap_addr: tuple[str, int] | None = None
+        self.kv_shipped = False
 
     # ---- lifecycle -------------------------------------------------------------
     def finished(self) -> bool:

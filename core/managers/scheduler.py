@@ -60,6 +60,7 @@ from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_m
 from workbench.core.managers.schedule_batch import FinishReason, Req, ScheduleBatch
 from workbench.core.managers.schedule_policy import AddReqResult, HeldBack, PrefillAdder, SchedulePolicy
 from workbench.core.managers.scheduler_contract import (
+    Disaggregation,
     Drafter,
     HostStepClock,
     ModelWorker,
@@ -216,6 +217,17 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             else:
                 io = ZmqSchedulerIO(port_args)
         self.io: SchedulerIO = io
+        # Disaggregated serving (core/disaggregation/): the prefill side's handover or the decode side's
+        # queues, composed in; None when one engine does both (--disaggregation-mode null).
+        self.disagg: Disaggregation | None = None
+        if server_args.disaggregation_mode == "prefill" and tp_rank == 0:
+            from workbench.core.disaggregation.prefill import PrefillBootstrap
+
+            self.disagg = PrefillBootstrap(self)
+        elif server_args.disaggregation_mode == "decode" and tp_rank == 0:
+            from workbench.core.disaggregation.decode import DecodeTransferQueue
+
+            self.disagg = DecodeTransferQueue(self)
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(
@@ -359,12 +371,16 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                 f"prompt ({len(req.origin_input_ids)}) + max_new_tokens ({req.sampling_params.max_new_tokens}) "
                 f"can never fit in the KV pool of {self.max_total_num_tokens} tokens"
             )
+        if error is None and self.disagg is not None:
+            error = self.disagg.admit(req, recv)  # PD: the bootstrap room (prefill: one token to sample)
         if error is None:
             error = self.attach_grammar(req)
         if error is not None:
             req.finished_reason = FinishReason("abort", message=error)
             self.stream_output([req])
             return
+        if self.disagg is not None and self.disagg.takes(req):
+            return  # decode: it waits for its KV in the disaggregation queues, not for a prefill
         self.waiting_queue.append(req)
         if self.tracer.enabled:
             with self.trace_cost():
@@ -415,6 +431,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         ):
             if rid in ("", req.rid) and not req.finished():
                 req.to_abort = "aborted"
+        if self.disagg is not None:
+            self.disagg.abort(rid)
 
     def just_prefilled_reqs(self) -> list[Req]:
         """Requests of the last prefill batch: out of the queue, in the running batch only next step."""
@@ -429,6 +447,10 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         return running + [r for r in self.just_prefilled_reqs() if id(r) not in seen]
 
     def has_work(self) -> bool:
+        """Anything to run (has_batch_work), or PD requests waiting for their KV to arrive."""
+        return self.has_batch_work() or (self.disagg is not None and self.disagg.has_pending())
+
+    def has_batch_work(self) -> bool:
         """Anything queued, running, half-prefilled, just prefilled, or launched and unprocessed."""
         return bool(
             self.waiting_queue
@@ -445,10 +467,15 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         if done_prefill:
             self.running_batch.merge_batch(self._new_batch(done_prefill))
         self.last_batch = None
-        if not self.has_work():
+        if self.disagg is not None:
+            # PD: transfers that ended are traced; on a decode server their requests join the running batch
+            # (and queued ones get their slots reserved).
+            self.disagg.step()
+        if not self.has_batch_work():
             self.running_batch.filter_batch()
-            self.check_kv_invariants_when_idle()
-            return None  # idle: no step number is used up
+            if not self.has_work():
+                self.check_kv_invariants_when_idle()
+            return None  # idle (or only KV transfers in flight): no step number is used up
         self.begin_step()
         batch = self.get_new_batch_prefill()
         if batch is not None:

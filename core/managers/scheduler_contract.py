@@ -13,6 +13,9 @@ it does not own comes from outside, through these seams (each with a real defaul
     Drafter         speculative decoding's proposals                                   StandaloneDrafter
     StepClock       when steps happen: what a step receives (and how long the loop
                     waits when idle), what it notes after a step                       HostStepClock
+    Disaggregation  PD serving's side of the scheduler: the prefill server's KV
+                    handover, or the decode server's reserve/pull/install queues       PrefillBootstrap,
+                    (None: one engine does both)                                       DecodeTransferQueue
 
 Three implementations of the worker side exist: the real one (TpModelWorker over ModelRunner), the
 tests' stand-in (tests/scheduler_harness.py) and the simulator's (core/simulation/sim_worker.py
@@ -186,6 +189,41 @@ class SchedulerIO(Protocol):
     def send(self, msg: Msg) -> None: ...
 
 
+class Disaggregation(Protocol):
+    """One side of disaggregated serving, composed into the Scheduler (core/disaggregation/). The Scheduler
+    calls it at five points: a request admitted, a prefill finished, a request's end sent, an abort, and
+    the top of every step."""
+
+    mode: str  # "prefill" | "decode"
+
+    def admit(self, req: Any, recv: Any) -> str | None:
+        """A new request: None, or why it cannot be served here."""
+
+    def takes(self, req: Any) -> bool:
+        """Whether this side keeps the admitted request (decode: until its KV arrives) instead of the queue."""
+
+    def on_prefilled(self, req: Any) -> None:
+        """A request's prefill finished (first token sampled), before its KV goes into the radix cache."""
+
+    def on_finished(self, req: Any) -> None:
+        """A request's end is being sent to the client."""
+
+    def abort(self, rid: str) -> None: ...
+
+    def step(self) -> None:
+        """Top of every loop iteration: finished transfers are traced (and, on decode, installed)."""
+
+    def has_pending(self) -> bool:
+        """Requests held here that the loop must keep polling for (not batch work)."""
+
+    def held_reqs(self) -> list[Any]:
+        """Requests holding a row and KV slots outside the scheduler's queues (for the KV check)."""
+
+    def fill_state(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class SchedulerState(Protocol):
     """What a StepClock reads of the Scheduler it paces."""
 
@@ -195,6 +233,8 @@ class SchedulerState(Protocol):
     step_credits: int
 
     def has_work(self) -> bool: ...
+
+    def has_batch_work(self) -> bool: ...
 
     def kv_used(self) -> int: ...
 
@@ -219,12 +259,16 @@ class HostStepClock:
     wait up to 50 ms for a message, so an idle loop does not spin."""
 
     IDLE_WAIT_MS = 50
+    # Only PD transfers in flight (nothing to run until a KV arrives): poll often, without spinning a core.
+    TRANSFER_POLL_MS = 1
 
     def recv(self, scheduler: SchedulerState) -> list:
-        idle = not scheduler.has_work() or (scheduler.paused and scheduler.step_credits == 0)
+        paused = scheduler.paused and scheduler.step_credits == 0
+        idle = paused or not scheduler.has_batch_work()
         if idle:
             scheduler.tracer.flush()
-        return scheduler.io.recv(self.IDLE_WAIT_MS if idle else 0)
+        wait = 0 if not idle else (self.TRANSFER_POLL_MS if not paused and scheduler.has_work() else self.IDLE_WAIT_MS)
+        return scheduler.io.recv(wait)
 
     def after_step(self, scheduler: SchedulerState, batch: ScheduleBatch | None) -> None:
         pass

@@ -14,7 +14,13 @@ from workbench.core.trace import events as ev
 if TYPE_CHECKING:
     from workbench.core.args import ServerArgs
     from workbench.core.managers.schedule_batch import Req, ScheduleBatch
-    from workbench.core.managers.scheduler_contract import ModelWorker, OverlapWorker, SchedulerIO, StepClock
+    from workbench.core.managers.scheduler_contract import (
+        Disaggregation,
+        ModelWorker,
+        OverlapWorker,
+        SchedulerIO,
+        StepClock,
+    )
     from workbench.core.mem_cache.chunk_cache import ChunkCache
     from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
     from workbench.core.mem_cache.radix_cache import RadixCache
@@ -33,6 +39,7 @@ class SchedulerControlMixin:
     step_clock: StepClock
     io: SchedulerIO
     tracer: Tracer
+    disagg: Disaggregation | None
     tree_cache: ChunkCache | RadixCache
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool_allocator: TokenToKVPoolAllocator
@@ -144,6 +151,9 @@ class SchedulerControlMixin:
             spec_accepted=self.spec_accepted_total,
             retracted_total=self.num_retracted_total,
         )
+        if self.disagg is not None:
+            state.disaggregation = {}
+            self.disagg.fill_state(state.disaggregation)
         self.step_clock.fill_state(state)
         return state
 

@@ -32,7 +32,7 @@ from workbench.core.model_executor.forward_batch_info import ForwardMode
 
 if TYPE_CHECKING:
     from workbench.core.managers.schedule_batch import Req, ScheduleBatch
-    from workbench.core.managers.scheduler_contract import Drafter
+    from workbench.core.managers.scheduler_contract import Disaggregation, Drafter
     from workbench.core.managers.scheduler_overlap import InflightBatch
     from workbench.core.mem_cache.chunk_cache import ChunkCache
     from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
@@ -74,6 +74,7 @@ class SchedulerKVCheckMixin:
     drafter: Drafter | None
     kv_check_enabled: bool
     _kv_checked_idle: bool
+    disagg: Disaggregation | None
 
     def live_kv_reqs(self) -> list[Req]:
         """Requests that hold a request row (and so may hold KV slots and a cache lock) now."""
@@ -84,6 +85,8 @@ class SchedulerKVCheckMixin:
             cands += self.last_batch.reqs
         if self.inflight is not None:
             cands += self.inflight.batch.reqs
+        if self.disagg is not None:
+            cands += self.disagg.held_reqs()  # PD decode: slots reserved for KV on its way
         out, seen = [], set()
         for r in cands:
             if id(r) not in seen and not r.finished() and r.req_pool_idx is not None:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from workbench.core.args import ServerArgs
     from workbench.core.managers.schedule_batch import Req, ScheduleBatch
     from workbench.core.managers.schedule_policy import HeldBack
-    from workbench.core.managers.scheduler_contract import ModelWorker, SchedulerIO, TextDecoder
+    from workbench.core.managers.scheduler_contract import Disaggregation, ModelWorker, SchedulerIO, TextDecoder
     from workbench.core.managers.tp_worker import GenerationBatchResult
     from workbench.core.mem_cache.chunk_cache import ChunkCache
     from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
@@ -59,6 +59,7 @@ class SchedulerOutputMixin:
     spec_verified_total: int
     spec_proposed_total: int
     spec_accepted_total: int
+    disagg: Disaggregation | None
 
     if TYPE_CHECKING:
 
@@ -84,6 +85,8 @@ class SchedulerOutputMixin:
             else:
                 self._append_token(req, i, result, batch)
             req.is_retracted = False
+            if req.finished() and self.disagg is not None:
+                self.disagg.on_prefilled(req)  # PD prefill: the prompt's KV to the decode side, before the tree
             if req.finished():
                 # With nothing sampled every prompt token's KV is in the row, the last one included.
                 self.tree_cache.cache_finished_req(req, kv_len=None if req.output_ids else len(req.origin_input_ids))
@@ -264,6 +267,8 @@ class SchedulerOutputMixin:
                 in_lps.append(None)
             any_lp = any_lp or req.return_logprob
             req.sent_len = len(req.output_ids)
+            if fr is not None and self.disagg is not None:
+                self.disagg.on_finished(req)  # PD prefill: a room that never shipped is failed, with the reason
             if fr is not None and self.tracer.enabled and fr.type == "abort":
                 self.tracer.emit(ev.ReqAborted(rid=req.rid, reason=fr.message))
         if not rids:

@@ -274,6 +274,25 @@ class CacheTree(Event, tag="cache.tree"):
     protected_size: int
 
 
+class PDTransfer(Event, tag="pd.transfer"):
+    """Disaggregated serving: one request's prompt KV handed from a prefill server to a decode server.
+
+    Each side emits its own when its part ends: `role` "prefill" (the bytes sent, or why not) on the
+    prefill server, "decode" (the bytes received and installed, or why not) on the decode server.
+    `wait_ms` is the time before the bytes moved (prefill: the KV waiting for the decode side to ask;
+    decode: the pull waiting for the prefill to finish), `ms` the bytes on the wire."""
+
+    rid: str
+    room: int
+    role: str  # "prefill" | "decode"
+    tokens: int  # prompt tokens whose KV moved
+    nbytes: int
+    ms: float
+    wait_ms: float = 0.0
+    ok: bool = True
+    error: str = ""
+
+
 # ---- processes, weights, the trace itself -----------------------------------
 
 
@@ -403,6 +422,7 @@ AnyEvent = Union[  # noqa: UP007 (a runtime alias msgspec decodes)
     StepDecision,
     MoeRouting,
     SpecVerify,
+    PDTransfer,
     QueueState,
     KVUsage,
     CacheMatch,
