@@ -19,6 +19,7 @@ layer so the decode side can fill its preallocated tensors as layers arrive; any
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import struct
@@ -121,10 +122,6 @@ class _Reply(msgspec.Struct):
     nbytes: int = 0
 
 
-class _Ack(msgspec.Struct):
-    ok: bool
-
-
 class _Closed(Exception):
     """The peer closed the connection."""
 
@@ -171,7 +168,7 @@ def _read_frame(sock: socket.socket, kind: type, deadline: float | None = None):
 
 def _byte_view(t: torch.Tensor) -> memoryview:
     """The tensor's bytes, shared with it (no copy): dtype-agnostic, so bf16 travels bit for bit."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _peer_gone(sock: socket.socket) -> bool:
@@ -259,10 +256,8 @@ class KVSender:
             conns = list(self._conns)
             self._cond.notify_all()
         for conn in conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         self._thread.join(timeout=5)
         self._listener.close()
 
@@ -288,25 +283,21 @@ class KVSender:
             for room, held in list(self._rooms.items()):
                 if not held.claimed and now - held.put_at > self.hold_timeout_s:
                     del self._rooms[room]
-                    self._done.append(
-                        TransferStatus(
-                            room,
-                            False,
-                            0,
-                            0.0,
-                            meta=held.meta,
-                            wait_ms=(now - held.put_at) * 1e3,
-                            error=f"bootstrap room {room} was not claimed by any decode server within "
-                            f"{self.hold_timeout_s:g} s, so its KV is dropped: was the request routed to a decode "
-                            f"server (the router's --decode URLs), with bootstrap_port {self.port}?",
-                        )
+                    error = (
+                        f"bootstrap room {room} was not claimed by any decode server within {self.hold_timeout_s:g} "
+                        "s, so its KV is dropped: was the request routed to a decode server (the router's --decode "
+                        f"URLs), with bootstrap_port {self.port}?"
                     )
+                    wait_ms = (now - held.put_at) * 1e3
+                    self._done.append(TransferStatus(room, False, 0, 0.0, error, held.meta, wait_ms=wait_ms))
 
-    def _finish(self, room: int, held: _Held, status: TransferStatus) -> None:
+    def _finish(self, room: int, held: _Held, status: TransferStatus | None) -> None:
         with self._cond:
             if self._rooms.get(room) is held:
                 del self._rooms[room]  # the tensors go with it: the sender keeps nothing of a finished room
-            self._done.append(status)
+                status = status or TransferStatus(room, False, 0, 0.0, "internal error while sending", held.meta)
+            if status is not None:
+                self._done.append(status)
 
     def _handle(self, conn: socket.socket, addr) -> None:
         peer, room = f"{addr[0]}:{addr[1]}", None
@@ -330,7 +321,10 @@ class KVSender:
                 return
             held = self._wait_for(req.room, conn)
             if held is not None:
-                self._send(conn, req.room, held, req.layout, peer)
+                try:
+                    self._send(conn, req.room, held, req.layout, peer)
+                finally:  # _send reports every failure it expects; this is for the ones it does not
+                    self._finish(req.room, held, None)
         except (OSError, msgspec.MsgspecError, _Closed, _Timeout):
             pass  # a broken request: nothing was claimed, so there is nothing to report
         finally:
@@ -356,8 +350,8 @@ class KVSender:
     def _send(self, conn: socket.socket, room: int, held: _Held, want: KVLayout, peer: str) -> None:
         wait_ms = (time.monotonic() - held.put_at) * 1e3
         if held.error is not None:
-            _write_frame(conn, _Reply(ok=False, error=held.error))
             self._finish(room, held, TransferStatus(room, False, 0, 0.0, held.error, held.meta, wait_ms=wait_ms))
+            _write_frame(conn, _Reply(ok=False, error=held.error))
             return
         assert held.k is not None and held.v is not None
         have = KVLayout.of(held.k, held.v)
@@ -366,8 +360,8 @@ class KVSender:
                 f"KV layout mismatch for bootstrap room {room}: the decode side reserved {want}, the prefill side "
                 f"has {have}; run both servers with the same model and --dtype, and reserve the prompt's token count"
             )
-            _write_frame(conn, _Reply(ok=False, error=error))
             self._finish(room, held, TransferStatus(room, False, 0, 0.0, error, held.meta, wait_ms=wait_ms))
+            _write_frame(conn, _Reply(ok=False, error=error))
             return
         sent, start = 0, time.perf_counter()
         try:
@@ -377,7 +371,7 @@ class KVSender:
                 for t in (k, v):
                     conn.sendall(_byte_view(t.contiguous()))
                     sent += have.tensor_nbytes
-            if not _read_frame(conn, _Ack).ok:
+            if not _read_frame(conn, _Reply).ok:
                 raise _Closed
         except (OSError, msgspec.MsgspecError, _Closed, _Timeout) as exc:
             why = type(exc).__name__ if isinstance(exc, (_Closed, _Timeout)) else str(exc)
@@ -432,10 +426,8 @@ class KVReceiver:
             pull.cancelled = True
             sock = pull.sock
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the pulling thread's recv; the prefill side sees us leave
-            except OSError:
-                pass
 
     def poll(self) -> list[TransferStatus]:
         """Pulls finished since the last poll: ok with meta, k and v, or an error that says what to do."""
@@ -458,6 +450,8 @@ class KVReceiver:
     def _run(self, pull: _Pull) -> None:
         try:
             status = self._pull(pull)
+        except Exception as exc:  # e.g. no memory for the tensors: still a status, never a room stuck in flight
+            status = TransferStatus(pull.room, False, pull.got[0], 0.0, f"{type(exc).__name__}: {exc}")
         finally:
             if pull.sock is not None:
                 pull.sock.close()
@@ -474,15 +468,12 @@ class KVReceiver:
         try:
             sock = socket.create_connection((pull.host, pull.port), timeout=self.connect_timeout_s)
         except OSError as exc:
-            why = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or str(exc)).lower()
-            return TransferStatus(
-                room,
-                False,
-                0,
-                0.0,
+            why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc)).lower()
+            error = (
                 f"could not reach the prefill server's bootstrap port at {where} ({why}): is the prefill server "
-                f"running with --disaggregation-bootstrap-port {pull.port}?",
+                f"running with --disaggregation-bootstrap-port {pull.port}?"
             )
+            return TransferStatus(room, False, 0, 0.0, error)
         with self._lock:
             pull.sock = sock
             if pull.cancelled:
@@ -505,7 +496,7 @@ class KVReceiver:
                 _recv_into(sock, _byte_view(kt), deadline, pull.got)
                 _recv_into(sock, _byte_view(vt), deadline, pull.got)
             ms = (time.perf_counter() - began) * 1e3
-            _write_frame(sock, _Ack(ok=True))
+            _write_frame(sock, _Reply(ok=True))  # the ack
             return TransferStatus(room, True, pull.got[0], ms, None, reply.meta, k, v, wait_ms=wait_ms)
         except _Timeout:
             if reply is None:
@@ -517,13 +508,11 @@ class KVReceiver:
                 why = f"only {pull.got[0]} of {layout.nbytes} KV bytes arrived: the link or the prefill server stalled"
             error = f"no KV for bootstrap room {room} from {where} within {self.timeout_s:g} s: {why}"
         except (_Closed, OSError) as exc:
-            how = "closed the connection" if isinstance(exc, _Closed) else f"failed ({exc})"
+            how = "closed the connection" if isinstance(exc, _Closed) else f"closed the connection ({exc})"
             error = (
                 f"the prefill server at {where} {how} after {pull.got[0]} of {layout.nbytes} KV bytes of bootstrap "
                 f"room {room}: did it exit? its log says why"
             )
         except msgspec.MsgspecError as exc:
-            error = (
-                f"{where} sent a malformed reply for bootstrap room {room} ({exc}): is it a workbench prefill server?"
-            )
+            error = f"{where} sent a malformed reply for bootstrap room {room} ({exc}): is it a workbench prefill?"
         return TransferStatus(room, False, pull.got[0], 0.0, error)

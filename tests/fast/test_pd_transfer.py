@@ -88,6 +88,27 @@ def test_round_trip_is_bit_exact(sender, receiver, dtype):
     assert sender.pending() == 0 and receiver.in_flight() == 0
 
 
+def test_wire_is_a_header_then_k_v_per_layer_then_an_ack(sender):
+    """The protocol as the module docstring tells it, spoken by hand."""
+    k, v = make_kv(layers=2, tokens=3, dtype=torch.bfloat16)
+    layout = KVLayout.of(k, v)
+    sender.put(12, TransferMeta("wire", 5, -1.5), k, v)
+    with socket.create_connection((HOST, sender.port)) as raw:
+        _write_frame(raw, _Request(MAGIC, 12, layout))
+        reply = _read_frame(raw, _Reply)
+        assert reply.ok and reply.nbytes == layout.nbytes and reply.meta == TransferMeta("wire", 5, -1.5)
+        body = bytearray()
+        while len(body) < layout.nbytes:
+            body += raw.recv(layout.nbytes - len(body))
+        expected = b"".join(t.view(torch.uint8).numpy().tobytes() for t in (k[0], v[0], k[1], v[1]))
+        assert bytes(body) == expected
+        time.sleep(0.2)
+        assert sender.poll() == [] and sender.pending() == 1  # not sent until the decode side acks
+        _write_frame(raw, _Reply(ok=True))
+        (st,) = wait_statuses(sender, 1)
+    assert st.ok and st.nbytes == layout.nbytes and sender.pending() == 0
+
+
 def test_room_put_after_the_receiver_asked_is_waited_for(sender, receiver):
     k, v = make_kv()
     receiver.submit(7, HOST, sender.port, KVLayout.of(k, v))
