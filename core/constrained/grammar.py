@@ -14,15 +14,14 @@ The mask is xgrammar's bitmask: int32 [B, ceil(V / 32)], bit j of word w allowin
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 from typing import Any
 
 import torch
+from workbench.core.constrained.grammar_check import ANY_JSON, build_grammar
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
-ANY_JSON = "$$ANY$$"  # json_schema value meaning "any JSON object" (OpenAI's json_object)
 INSTALL_HINT = "structured outputs need xgrammar: pip install xgrammar (or the project's [structured] extra)"
 
 
@@ -65,12 +64,6 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits
 
 
-def _first_line(e: Exception) -> str:
-    """xgrammar's message without its "[hh:mm:ss] /path/file.cc:83: " prefix."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", text)
-
-
 class GrammarBackend:
     """Compiles grammars for one tokenizer and vocabulary (the logits' width) and makes matchers."""
 
@@ -92,29 +85,20 @@ class GrammarBackend:
 
     def compile(self, kind: str, text: str) -> Any:
         """The compiled grammar for (kind, text), from the cache when seen before. ValueError
-        (naming the kind) for a grammar xgrammar cannot read."""
+        (naming the kind) for a grammar xgrammar cannot read or one no output can complete."""
         key = (kind, text)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        try:
-            if kind == "json_schema":
-                compiled = (
-                    self._compiler.compile_builtin_json_grammar()
-                    if text == ANY_JSON
-                    else self._compiler.compile_json_schema(text, any_whitespace=False)
-                )
-            elif kind == "regex":
-                compiled = self._compiler.compile_regex(text)
-            elif kind == "ebnf":
-                compiled = self._compiler.compile_grammar(text)
-            else:
-                compiled = None
-        except Exception as e:  # xgrammar raises RuntimeError, ValueError and its own types
-            raise ValueError(f"invalid {kind}: {_first_line(e)}") from None
-        if compiled is None:
+        if kind not in GRAMMAR_KINDS:
             raise ValueError(f"unknown grammar kind {kind!r}; one of {', '.join(GRAMMAR_KINDS)}")
+        if kind == "json_schema" and text == ANY_JSON:
+            compiled = self._compiler.compile_builtin_json_grammar()
+        else:
+            # read and checked first (grammar_check): a grammar no output can complete is refused
+            # here, at request time, instead of masking every token once it runs
+            compiled = self._compiler.compile_grammar(build_grammar(kind, text))
         with self._lock:
             self.compiles += 1
             self._cache[key] = compiled

@@ -12,9 +12,46 @@ def tool_names(tools: list[dict]) -> list[str]:
     return [t["function"]["name"] for t in tools]
 
 
-def _call_schema(tool: dict) -> dict:
+# Keys whose values are data, not schemas: a {"$ref": ...} there is a value to match, not a reference.
+_DATA_KEYS = frozenset(("enum", "const", "default", "examples"))
+
+
+def _has_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        return any(
+            (k == "$ref" and isinstance(v, str)) or (k not in _DATA_KEYS and _has_ref(v)) for k, v in node.items()
+        )
+    return isinstance(node, list) and any(_has_ref(v) for v in node)
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """A copy of a schema whose local references ("#", "#/$defs/x") point into `base` (a JSON
+    pointer such as "#/$defs/tool_0_parameters") instead of the document's root."""
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+                out[k] = base + v[1:]
+            elif k in _DATA_KEYS:
+                out[k] = v
+            else:
+                out[k] = _rebase_refs(v, base)
+        return out
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    return node
+
+
+def _call_schema(tool: dict, index: int, defs: dict) -> dict:
+    """One call's schema. Parameters with local references ("#" is the parameters' own root,
+    "#/$defs/x" their own $defs) move into the array schema's `$defs`, their references rebased,
+    so they mean there what they meant in the tool."""
     fn = tool["function"]
     params = fn.get("parameters") or {"type": "object", "properties": {}}
+    if _has_ref(params):
+        key = f"tool_{index}_parameters"
+        defs[key] = _rebase_refs(params, f"#/$defs/{key}")
+        params = {"$ref": f"#/$defs/{key}"}
     return {
         "type": "object",
         "properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": params},
@@ -37,10 +74,13 @@ def forced_call_schema(tools: list[dict], tool_choice: Any, parallel: bool = Tru
         chosen, most = [t for t in tools if t["function"]["name"] == name], 1
     else:
         return None
-    items = _call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [_call_schema(t) for t in chosen]}
-    schema: dict = {"type": "array", "items": items, "minItems": 1}
+    defs: dict = {}
+    calls = [_call_schema(t, i, defs) for i, t in enumerate(chosen)]
+    schema: dict = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
     if most is not None:
         schema["maxItems"] = most
+    if defs:
+        schema["$defs"] = defs
     return json.dumps(schema)
 
 

@@ -168,3 +168,64 @@ def test_the_mask_without_xgrammar_is_the_same_mask(monkeypatch):
         assert torch.equal(apply_token_bitmask(logits.clone(), bits), want)
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import fails: the torch path
     assert torch.equal(apply_token_bitmask(logits.clone(), bits), want)
+
+
+# Issue #43 item 8: schemas no finite value satisfies (xgrammar compiles them to `root ::= root`).
+IMPOSSIBLE = [
+    {"$ref": "#"},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    {"type": "object", "properties": {"self": {"$ref": "#"}}, "required": ["self"]},
+    {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+]
+RECURSIVE_BUT_FINE = [
+    {"type": "object", "properties": {"self": {"$ref": "#"}}},  # optional: {} ends it
+    {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {"next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+                "required": ["next"],
+            }
+        },
+        "$ref": "#/$defs/node",
+    },
+    {"type": "array", "items": {"$ref": "#"}},  # [] ends it
+]
+
+
+def test_impossible_schemas_are_refused_at_compile_and_recursive_ones_are_not(backend):
+    import json
+
+    for schema in IMPOSSIBLE:
+        with pytest.raises(ValueError, match="admits no finite value") as e:
+            backend.compile("json_schema", json.dumps(schema))
+        assert str(e.value).startswith("invalid json_schema: "), e.value
+    with pytest.raises(ValueError, match="invalid ebnf: no output can ever complete"):
+        backend.compile("ebnf", 'root ::= "a" root')
+    for schema in RECURSIVE_BUT_FINE:
+        backend.matcher("json_schema", json.dumps(schema))
+    backend.compile("ebnf", 'root ::= "a" root | "b"')
+
+
+def test_an_impossible_response_format_is_a_400_in_the_http_layer():
+    import json
+
+    from workbench.core.entrypoints.errors import APIError
+    from workbench.core.entrypoints.openai.protocol import ChatCompletionRequest
+    from workbench.core.entrypoints.openai.serving_common import structured_output
+
+    pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the test tier installs it)")
+
+    def grammar(**kw):
+        return structured_output(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **kw))
+
+    for schema in IMPOSSIBLE:
+        rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+        with pytest.raises(APIError, match="admits no finite value") as e:
+            grammar(response_format=rf)
+        assert (e.value.status, e.value.param) == (400, "response_format")
+        with pytest.raises(APIError, match="admits no finite value") as e:
+            grammar(json_schema=schema)  # SGLang's extra
+        assert e.value.param == "json_schema"
+    for schema in RECURSIVE_BUT_FINE:
+        assert grammar(json_schema=schema) == {"json_schema": json.dumps(schema)}

@@ -102,3 +102,40 @@ def test_a_template_without_tools_gets_a_system_message_in_the_parsers_format(to
     req = _req(tools=[TOOL], tool_choice="none")
     messages, tools = render_tool_messages(chat_messages(req), plan_tools(req, "hermes"), False, "hermes")
     assert tools is None and messages[0]["role"] == "user" and "<tool_call>" in messages[1]["content"]
+
+
+def test_tool_parameters_with_refs_keep_their_meaning_and_impossible_ones_are_a_400():
+    """Issue #43 item 8: a tool's parameters with local references ($defs, "#") under a forced
+    choice, and parameters no arguments satisfy, refused before any decoding."""
+    pytest.importorskip("xgrammar", reason="tool_choice required/named needs xgrammar (the test tier installs it)")
+    from workbench.core.constrained.grammar_check import check_grammar
+
+    tree = {
+        "type": "object",
+        "properties": {
+            "label": {"type": "string", "maxLength": 5},
+            "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+            "at": {"$ref": "#/$defs/point"},
+        },
+        "required": ["label", "at"],
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+    }
+    tools = [TOOL, {"type": "function", "function": {"name": "plant", "parameters": tree}}]
+    schema = json.loads(plan_tools(_req(tools=tools, tool_choice="required"), "hermes").forced_schema)
+    check_grammar("json_schema", json.dumps(schema))  # xgrammar resolves every reference
+    call = {"name": "plant", "parameters": {"label": "a", "at": {"x": 1}, "children": [{"label": "b", "at": {"x": 2}}]}}
+    jsonschema.validate([call], schema)
+    with pytest.raises(jsonschema.ValidationError):  # "#" still means the parameters, not the array
+        jsonschema.validate([dict(call, parameters={"label": "a", "at": {"x": 1}, "children": [[call]]})], schema)
+    loop = {"type": "function", "function": {"name": "loop", "strict": True, "parameters": {"$ref": "#"}}}
+    for kw in (
+        dict(tools=[TOOL, loop], tool_choice="required"),
+        dict(tools=[TOOL, loop], tool_choice={"type": "function", "function": {"name": "loop"}}),
+        dict(tools=[TOOL, loop]),  # auto: a strict tool is checked too
+    ):
+        with pytest.raises(APIError, match="admits no finite value") as e:
+            plan_tools(_req(**kw), "hermes")
+        assert (e.value.status, e.value.param) == (400, "tools.1.function.parameters")
+    # a non-strict tool the grammar does not enforce is only text in the prompt: not refused
+    lax = {"type": "function", "function": {"name": "loop", "parameters": {"$ref": "#"}}}
+    assert plan_tools(_req(tools=[TOOL, lax]), "hermes") is not None

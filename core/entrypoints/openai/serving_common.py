@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from workbench.core.constrained.grammar import ANY_JSON
+from workbench.core.constrained.grammar_check import check_grammar
 from workbench.core.entrypoints.errors import APIError, bad_request, engine_error_to_api
 from workbench.core.entrypoints.openai.protocol import (
     OFF_ONLY_FIELDS,
@@ -158,6 +159,12 @@ def structured_output(req: CommonOpenAIFields) -> dict[str, str]:
         found = {fmt[0]: fmt[1]}
     if len(found) > 1:
         raise bad_request(f"set at most one of json_schema, regex and ebnf, got {', '.join(found)}", next(iter(found)))
+    for kind, text in found.items():
+        # an unreadable or impossible grammar ({"$ref": "#"}) is a 400 here, before any decoding
+        try:
+            check_grammar(kind, text)
+        except ValueError as e:
+            raise bad_request(str(e), "response_format" if fmt is not None else kind) from None
     return found
 
 

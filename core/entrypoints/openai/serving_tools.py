@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from workbench.core.constrained.grammar_check import check_grammar
 from workbench.core.entrypoints.errors import bad_request
 from workbench.core.entrypoints.openai.protocol import ChatCompletionRequest
 from workbench.core.function_call.parser import FunctionCallParser
@@ -70,6 +71,7 @@ def plan_tools(req: ChatCompletionRequest, default_parser: str) -> ToolPlan | No
     if choice == "none":
         return None
     names = tool_names(req.tools)
+    _check_parameters(req.tools, choice)
     if isinstance(choice, dict) and choice["function"]["name"] not in names:
         raise bad_request(
             f"tool_choice names {choice['function']['name']!r}, which is not in tools ({', '.join(names)})",
@@ -82,6 +84,24 @@ def plan_tools(req: ChatCompletionRequest, default_parser: str) -> ToolPlan | No
             "tool_choice",
         )
     return ToolPlan(tools=list(req.tools), parser="json_array" if forced else default_parser, forced_schema=forced)
+
+
+def _check_parameters(tools: list[dict], choice: Any) -> None:
+    """A 400 for a tool whose parameters no arguments can satisfy ({"$ref": "#"}, a $ref cycle) or
+    xgrammar cannot read, before any decoding: the tools the grammar enforces (required: all of
+    them; named: that one) and every tool marked `strict`."""
+    forced = None if choice == "auto" else "*" if choice == "required" else choice["function"]["name"]
+    for i, t in enumerate(tools):
+        fn = t["function"]
+        if fn.get("parameters") is None or not (forced in ("*", fn["name"]) or fn.get("strict") is True):
+            continue
+        try:
+            check_grammar("json_schema", json.dumps(fn["parameters"]))
+        except ValueError as e:
+            raise bad_request(
+                f"tool {fn['name']!r}: its parameters are not a usable JSON Schema: {e}",
+                f"tools.{i}.function.parameters",
+            ) from None
 
 
 def render_tool_messages(
