@@ -308,16 +308,12 @@ class KVSender:
                 _write_frame(conn, _Reply(ok=False, error=f"unknown protocol {req.magic!r}; this port speaks {MAGIC}"))
                 return
             with self._cond:
-                taken = req.room in self._asked
-                if not taken:
+                if req.room not in self._asked:  # one connection per room: a second asker is a reused room
                     room = req.room
                     self._asked.add(room)
-            if taken:
-                error = (
-                    f"bootstrap room {req.room} is already being pulled by another decode connection: every request "
-                    "needs its own bootstrap_room"
-                )
-                _write_frame(conn, _Reply(ok=False, error=error))
+            if room is None:
+                error = f"bootstrap room {req.room} is already being pulled by another decode connection: every "
+                _write_frame(conn, _Reply(ok=False, error=error + "request needs its own bootstrap_room"))
                 return
             held = self._wait_for(req.room, conn)
             if held is not None:
