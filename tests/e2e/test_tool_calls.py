@@ -70,18 +70,27 @@ def _client(url):
 
 
 def _streamed(client, **kw):
-    """(content, [(id, name, arguments)], finish_reason) from a stream, joined as clients do."""
+    """(content, [(id, name, arguments)], finish_reason) from a stream, joined as clients do.
+    Checks the streaming contract on the way (issue #43 item 3): a chunk carries at most one
+    entry per call index; a call's first entry carries its id, type and name, later ones only
+    argument text."""
     content, calls, reason = "", {}, None
     for chunk in client.chat.completions.create(model="smollm2-135m", stream=True, **kw):
         if not chunk.choices:
             continue
         ch = chunk.choices[0]
         content += ch.delta.content or ""
-        for d in ch.delta.tool_calls or []:
-            slot = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
-            if d.id:
-                assert slot["id"] is None, "a call's id came twice"
-                slot.update(id=d.id, name=d.function.name)
+        entries = ch.delta.tool_calls or []
+        assert len({d.index for d in entries}) == len(entries), f"a chunk repeats an index: {entries}"
+        for d in entries:
+            slot = calls.get(d.index)
+            if slot is None:
+                assert d.id and d.type == "function" and d.function.name, f"a call's first entry lacks its header: {d}"
+                slot = calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+            else:
+                assert d.id is None and d.type is None and d.function.name is None, (
+                    f"a later entry repeats the header: {d}"
+                )
             slot["arguments"] += d.function.arguments or ""
         reason = ch.finish_reason or reason
     return content, [(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())], reason
@@ -123,17 +132,47 @@ def test_required_and_named_choice_are_enforced_by_the_grammar(served, choice):
             jsonschema.validate(json.loads(t.function.arguments), tool["function"]["parameters"])
     content, calls, reason = _streamed(client, temperature=0, **kw)
     assert content == "" and reason == "tool_calls" and len(calls) == 1
-    # parallel calls allowed (the default): one or more, each complete one valid; a small model
-    # may keep calling until max_tokens, and what is cut off there is never content (a call whose
-    # name was read keeps its partial arguments, as OpenAI's do at finish_reason length)
+    # parallel calls allowed (OpenAI's default): the grammar allows one call per tool (issue #43
+    # item 4), so even a model that keeps repeating its call stops there, well before max_tokens
     kw["parallel_tool_calls"] = True
-    out = client.chat.completions.create(model="smollm2-135m", temperature=0, **kw)
-    c = out.choices[0]
-    assert c.message.content is None and c.finish_reason in ("tool_calls", "length") and c.message.tool_calls
-    complete = c.message.tool_calls[:-1] if c.finish_reason == "length" else c.message.tool_calls
-    for _, name, args in calls + [(t.id, t.function.name, t.function.arguments) for t in complete]:
-        tool = {x["function"]["name"]: x for x in TOOLS}[name]
-        jsonschema.validate(json.loads(args), tool["function"]["parameters"])
+    kw["max_tokens"] = 400
+    for seed in (1, 2):
+        out = client.chat.completions.create(model="smollm2-135m", temperature=0.8, seed=seed, **kw)
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        assert 1 <= len(c.message.tool_calls) <= (len(TOOLS) if choice == "required" else 1), c
+        for t in c.message.tool_calls:
+            tool = {x["function"]["name"]: x for x in TOOLS}[t.function.name]
+            jsonschema.validate(json.loads(t.function.arguments), tool["function"]["parameters"])
+    assert_no_kv_leak(engine)
+
+
+def test_a_forced_call_cut_off_by_max_tokens_is_content_not_a_call(served):
+    """Issue #43 item 4: max_tokens ends the output inside a call's arguments. That call is not
+    returned as a call (LangChain made `multiply({})` of one): finish_reason stays "length" and
+    its text is the content, streamed or not; calls that were complete before it still count."""
+    engine, url = served
+    client = _client(url)
+    kw = dict(messages=ASK, tools=TOOLS, tool_choice="required", temperature=0)
+    for max_tokens in (10, 14):  # inside the first call's arguments
+        out = client.chat.completions.create(model="smollm2-135m", max_tokens=max_tokens, **kw)
+        c = out.choices[0]
+        assert c.finish_reason == "length", c
+        assert not c.message.tool_calls, c
+        assert c.message.content and c.message.content.lstrip().startswith('{"name"'), c
+        with pytest.raises(ValueError):
+            json.loads(c.message.content)
+        content, calls, reason = _streamed(client, max_tokens=max_tokens, **kw)
+        assert (content, calls, reason) == (c.message.content, [], "length")
+    # the whole range of cut-off points: whatever is returned as a call has complete arguments
+    for max_tokens in range(16, 60, 6):
+        out = client.chat.completions.create(model="smollm2-135m", max_tokens=max_tokens, **kw)
+        c = out.choices[0]
+        for t in c.message.tool_calls or []:
+            tool = {x["function"]["name"]: x for x in TOOLS}[t.function.name]
+            jsonschema.validate(json.loads(t.function.arguments), tool["function"]["parameters"])
+        if c.finish_reason == "tool_calls":
+            assert c.message.content is None and c.message.tool_calls
     assert_no_kv_leak(engine)
 
 
