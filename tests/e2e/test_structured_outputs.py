@@ -268,3 +268,45 @@ def test_all_schemas_streamed_with_n2_through_the_openai_client(served):
         for text in texts:
             _check_json(text, schema)
     assert_no_kv_leak(engine)
+
+
+def test_an_impossible_schema_is_a_400_before_any_decoding(served):
+    """Issue #43 item 8: `{"$ref": "#"}` or a `$ref` cycle admits no finite value; it was a 200
+    with junk content and finish_reason "abort" (streamed: no error event). Now a 400 in the
+    OpenAI envelope naming the parameter, streamed or not, through every door that takes a
+    schema, refused in the HTTP layer or the tokenizer manager before the scheduler sees it."""
+    openai = pytest.importorskip("openai")
+    engine, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "Give me JSON."}]
+    cycle = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    for schema in ({"$ref": "#"}, cycle):
+        rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError, match="admits no finite value") as e:
+                client.chat.completions.create(
+                    model="smollm2-135m", messages=msgs, response_format=rf, max_tokens=16, stream=stream
+                )
+            err = e.value.body if isinstance(e.value.body, dict) and "param" in e.value.body else e.value.body["error"]
+            assert (err["param"], err["type"]) == ("response_format", "invalid_request_error"), err
+        loop_tool = {"type": "function", "function": {"name": "loop", "strict": True, "parameters": schema}}
+        for choice in ("required", "auto"):
+            with pytest.raises(openai.BadRequestError, match="admits no finite value") as e:
+                client.chat.completions.create(
+                    model="smollm2-135m", messages=msgs, tools=[loop_tool], tool_choice=choice, max_tokens=16
+                )
+        with pytest.raises(openai.BadRequestError, match="admits no finite value"):
+            client.completions.create(
+                model="smollm2-135m", prompt="JSON:", max_tokens=16, extra_body={"json_schema": json.dumps(schema)}
+            )
+        with httpx.Client(base_url=url, timeout=60) as h:  # the native route: the tokenizer manager refuses it
+            bad = h.post("/generate", json={"text": "x", "sampling_params": {"json_schema": schema}})
+            assert bad.status_code == 400 and "admits no finite value" in bad.json()["error"]["message"], bad.text
+    # a recursive schema that can end is served, and the server is fine after the refusals
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "tree", "schema": tree}}
+    out = client.chat.completions.create(model="smollm2-135m", messages=msgs, response_format=rf, max_tokens=60)
+    if out.choices[0].finish_reason == "stop":
+        _check_json(out.choices[0].message.content, tree)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert_no_kv_leak(engine)
