@@ -196,6 +196,9 @@ class BatchTokenIDOut(Msg):
     output_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     input_token_logprobs: list[list[float | None] | None] | None = None
     error_messages: list[str | None] | None = None
+    # An abort that is the server's answer, not a stop (HTTP's status: 400 a bad request, 502 a PD peer
+    # that failed, ...); 0 or None: a plain abort (a client's, a disconnect)
+    error_status: list[int] | None = None
     ts: int = 0  # the trace clock when the step's output left the scheduler (read where the clock is shared)
 
 
@@ -214,6 +217,7 @@ class BatchStrOut(Msg):
     output_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     input_token_logprobs: list[list[float | None] | None] | None = None
     error_messages: list[str | None] | None = None
+    error_status: list[int] | None = None
     ts: int = 0  # BatchTokenIDOut's
 
 

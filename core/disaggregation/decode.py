@@ -72,12 +72,12 @@ class DecodeTransferQueue:
         """Abort queued or transferring requests ("" = all): reservations freed, the client told."""
         for req in [r for r in self.prealloc if rid in ("", r.rid)]:
             self.prealloc.remove(req)
-            self._fail(req, "aborted")
+            self._fail(req, "aborted", status=0)
         for room, req in list(self.transferring.items()):
             if rid in ("", req.rid):
                 self.receiver.cancel(room)
                 del self.transferring[room]
-                self._fail(req, "aborted")
+                self._fail(req, "aborted", status=0)
 
     def on_prefilled(self, req) -> None:
         """Only a retracted request is prefilled here (recomputed): nothing to hand over."""
@@ -127,7 +127,7 @@ class DecodeTransferQueue:
         try:
             self.receiver.submit(req.bootstrap_room, host, port, layout)
         except RoomInUseError as e:
-            self._fail(req, str(e))
+            self._fail(req, str(e), status=400)
             return True
         self.transferring[req.bootstrap_room] = req
         return True
@@ -160,14 +160,16 @@ class DecodeTransferQueue:
             s.tracer.emit(ev.ReqScheduled(rid=req.rid, prefix_hit=0, extend_len=0))
         s.stream_output([req])
 
-    def _fail(self, req, message: str) -> None:
+    def _fail(self, req, message: str, status: int = 502) -> None:
+        """End a request held here with an error (502: its KV did not come; 0: a plain abort), its
+        reservation freed."""
         s = self.scheduler
         if req.req_pool_idx is not None:
             n = req.kv_len
             s.token_to_kv_pool_allocator.free(s.req_to_token_pool.req_to_token[req.req_pool_idx, :n].clone())
             s.req_to_token_pool.free(req.req_pool_idx)
             req.req_pool_idx, req.kv_len = None, 0
-        req.finished_reason = FinishReason("abort", message=message)
+        req.finished_reason = FinishReason("abort", message=message, status=status)
         s.stream_output([req])
 
     def _trace(self, req, status: TransferStatus) -> None:

@@ -273,6 +273,13 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
     @app.get("/health_generate")
     async def health_generate():
         ensure_serving()
+        if server_args.disaggregation_mode == "decode":
+            # A decode server generates only with a prefill server's KV: ask its scheduler loop instead.
+            try:
+                await asyncio.wait_for(asyncio.to_thread(engine.get_internal_state), timeout=30.0)
+            except Exception as e:  # noqa: BLE001 - any failure means unhealthy
+                raise APIError(503, f"the decode scheduler did not answer: {e}", code="engine_unavailable") from e
+            return PlainTextResponse("")
         try:
             await asyncio.wait_for(
                 engine.async_generate(

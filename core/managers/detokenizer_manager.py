@@ -129,6 +129,7 @@ def _str_out(recv_obj: BatchTokenIDOut, text_deltas: list[str]) -> BatchStrOut:
         output_top_logprobs=recv_obj.output_top_logprobs,
         input_token_logprobs=recv_obj.input_token_logprobs,
         error_messages=recv_obj.error_messages,
+        error_status=recv_obj.error_status,
         ts=recv_obj.ts,
     )
 

@@ -36,6 +36,7 @@ class FinishReason:
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None  # the stop token id or stop string
     message: str = ""
+    status: int = 0  # an abort that answers the request with an HTTP error status (0: a plain abort)
 
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)

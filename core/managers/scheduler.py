@@ -371,12 +371,14 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                 f"prompt ({len(req.origin_input_ids)}) + max_new_tokens ({req.sampling_params.max_new_tokens}) "
                 f"can never fit in the KV pool of {self.max_total_num_tokens} tokens"
             )
+        status = 0
         if error is None and self.disagg is not None:
             error = self.disagg.admit(req, recv)  # PD: the bootstrap room (prefill: one token to sample)
+            status = 400 if error is not None else 0  # answered as a bad request, not an empty result
         if error is None:
             error = self.attach_grammar(req)
         if error is not None:
-            req.finished_reason = FinishReason("abort", message=error)
+            req.finished_reason = FinishReason("abort", message=error, status=status)
             self.stream_output([req])
             return
         if self.disagg is not None and self.disagg.takes(req):

@@ -154,6 +154,9 @@ class SchedulerControlMixin:
         if self.disagg is not None:
             state.disaggregation = {}
             self.disagg.fill_state(state.disaggregation)
+            # PD decode: requests reserving slots or waiting for their KV are waiting requests too.
+            state.num_waiting += int(state.disaggregation.get("pd_prealloc", 0))
+            state.num_waiting += int(state.disaggregation.get("pd_transferring", 0))
         self.step_clock.fill_state(state)
         return state
 

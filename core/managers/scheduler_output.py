@@ -230,6 +230,7 @@ class SchedulerOutputMixin:
         rids, new_ids, reasons, prompt, completion, cached = [], [], [], [], [], []
         skip, spaces, no_trim, stops, lps, tops = [], [], [], [], [], []
         matched: list[int | str | None] = []
+        status: list[int] = []
         in_lps: list[list[float | None] | None] = []
         any_lp = False
         for req in reqs:
@@ -267,6 +268,7 @@ class SchedulerOutputMixin:
                 in_lps.append(None)
             any_lp = any_lp or req.return_logprob
             req.sent_len = len(req.output_ids)
+            status.append(fr.status if fr is not None and fr.type == "abort" else 0)
             if fr is not None and self.disagg is not None:
                 self.disagg.on_finished(req)  # PD prefill: a room that never shipped is failed, with the reason
             if fr is not None and self.tracer.enabled and fr.type == "abort":
@@ -295,6 +297,7 @@ class SchedulerOutputMixin:
                 ]
                 if any(r == "abort" for r in reasons)
                 else None,
+                error_status=status if any(status) else None,
                 ts=trace_clock.now_ns(),
             )
         )

@@ -63,6 +63,15 @@ class EngineDeadError(RuntimeError):
     """A child process died: the engine can no longer serve."""
 
 
+class RequestFailedError(RuntimeError):
+    """The scheduler ended a request with an error before any output (a PD transfer that failed, a
+    bootstrap room in use, ...); `status_code` is the HTTP status the server answers with."""
+
+    def __init__(self, message: str, status_code: int):
+        super().__init__(message)
+        self.status_code = status_code
+
+
 @dataclass
 class GenerateReqInput:
     """One request as the TokenizerManager receives it (after batch/n expansion)."""
@@ -288,6 +297,10 @@ class TokenizerManager:
             state.event.clear()
             if state.error and not state.finished:
                 raise EngineDeadError(state.error)
+            fr = state.finish_reason or {}
+            if state.finished and fr.get("status_code") and not state.output_ids:
+                # Failed before any output (a PD transfer, a room in use): an error, not an empty answer.
+                raise RequestFailedError(fr.get("message", "the request failed"), fr["status_code"])
             if stream:
                 delta, state.pending_delta = state.pending_delta, ""
                 yield self._result(state, delta)
@@ -378,6 +391,9 @@ class TokenizerManager:
                 fr: dict[str, Any] = {"type": reason}
                 if reason == "abort":
                     fr["message"] = matched or "aborted"
+                    status = out.error_status[i] if out.error_status else 0
+                    if status:
+                        fr["status_code"] = status  # SGLang's key: the server answers with this error
                 else:
                     fr["matched"] = matched
                 state.finish_reason = fr
