@@ -56,6 +56,8 @@ class DecodeTransferQueue:
             return f"bootstrap room {room} is already in use on this decode server: each request needs its own room"
         req.bootstrap_room = room
         req.bootstrap_addr = (recv.bootstrap_host, recv.bootstrap_port)
+        if self.scheduler.tracer.enabled:  # the room joins this request to its prefill in the views
+            self.scheduler.tracer.emit(ev.PDBootstrap(rid=req.rid, room=room, role="decode"))
         return None
 
     def takes(self, req) -> bool:
@@ -130,6 +132,8 @@ class DecodeTransferQueue:
             self._fail(req, str(e), status=400)
             return True
         self.transferring[req.bootstrap_room] = req
+        if s.tracer.enabled:  # the end of the decode queue in the views' TTFT parts
+            s.tracer.emit(ev.PDReserved(rid=req.rid, room=req.bootstrap_room, tokens=n))
         return True
 
     def _install(self, req, status: TransferStatus) -> None:

@@ -57,6 +57,8 @@ class PrefillBootstrap:
             )
         req.bootstrap_room = room
         self.rooms[room] = req.rid
+        if self.scheduler.tracer.enabled:  # the room joins this request to its decode in the views
+            self.scheduler.tracer.emit(ev.PDBootstrap(rid=req.rid, room=room, role="prefill"))
         # The prefill samples the first token only; the decode server makes the rest.
         req.sampling_params = msgspec.structs.replace(req.sampling_params, max_new_tokens=1)
         return None

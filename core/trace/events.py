@@ -293,6 +293,25 @@ class PDTransfer(Event, tag="pd.transfer"):
     error: str = ""
 
 
+class PDBootstrap(Event, tag="pd.bootstrap"):
+    """Disaggregated serving: a request with a bootstrap room was admitted on this server (`role`
+    "prefill" or "decode"). The room names the same request on both servers: the views join the two
+    traces by it (core/trace/pd.py)."""
+
+    rid: str
+    room: int
+    role: str  # "prefill" | "decode"
+
+
+class PDReserved(Event, tag="pd.reserved"):
+    """Disaggregated serving, decode side: a request row and `tokens` KV slots were reserved for the
+    request, which leaves the prealloc queue and starts pulling its KV (the end of the "decode queue")."""
+
+    rid: str
+    room: int
+    tokens: int
+
+
 # ---- processes, weights, the trace itself -----------------------------------
 
 
@@ -423,6 +442,8 @@ AnyEvent = Union[  # noqa: UP007 (a runtime alias msgspec decodes)
     MoeRouting,
     SpecVerify,
     PDTransfer,
+    PDBootstrap,
+    PDReserved,
     QueueState,
     KVUsage,
     CacheMatch,
