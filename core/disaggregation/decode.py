@@ -31,7 +31,8 @@ class DecodeTransferQueue:
 
     def __init__(self, scheduler, receiver: KVReceiver | None = None):
         self.scheduler = scheduler
-        self.kv_pool = scheduler.tp_worker.model_runner.token_to_kv_pool
+        # None on a runner without KV tensors (the simulator's): nothing to write at install
+        self.kv_pool = getattr(scheduler.tp_worker.model_runner, "token_to_kv_pool", None)
         self.receiver = (
             receiver
             if receiver is not None
@@ -123,8 +124,11 @@ class DecodeTransferQueue:
         rows.req_to_token[row, :n] = slots.to(rows.req_to_token.dtype)
         req.req_pool_idx, req.kv_len = row, n  # held: the KV check counts these slots as the request's
         host, port = req.bootstrap_addr
-        layout = KVLayout(
-            n, self.kv_pool.layer_num, self.kv_pool.head_num, self.kv_pool.head_dim, str(self.kv_pool.dtype)
+        pool = self.kv_pool
+        layout = (
+            KVLayout(n, pool.layer_num, pool.head_num, pool.head_dim, str(pool.dtype))
+            if pool is not None
+            else KVLayout(n, 0, 0, 0, "none")  # no KV tensors: the transport knows the bytes per token
         )
         try:
             self.receiver.submit(req.bootstrap_room, host, port, layout)
@@ -138,12 +142,15 @@ class DecodeTransferQueue:
 
     def _install(self, req, status: TransferStatus) -> None:
         s = self.scheduler
-        assert status.k is not None and status.v is not None and status.meta is not None
+        assert status.meta is not None
         n = len(req.origin_input_ids)
-        slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(self.kv_pool.k_buffer[0].device)
-        for layer, (k, v) in enumerate(zip(status.k, status.v)):
-            self.kv_pool.k_buffer[layer][slots] = k.to(self.kv_pool.k_buffer[layer].device, self.kv_pool.dtype)
-            self.kv_pool.v_buffer[layer][slots] = v.to(self.kv_pool.v_buffer[layer].device, self.kv_pool.dtype)
+        pool = self.kv_pool
+        if pool is not None:  # a pool without KV tensors (the simulator's) has nothing to write
+            assert status.k is not None and status.v is not None
+            slots = s.req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(pool.k_buffer[0].device)
+            for layer, (k, v) in enumerate(zip(status.k, status.v)):
+                pool.k_buffer[layer][slots] = k.to(pool.k_buffer[layer].device, pool.dtype)
+                pool.v_buffer[layer][slots] = v.to(pool.v_buffer[layer].device, pool.dtype)
         req.output_ids.append(status.meta.first_token)
         if req.return_logprob:
             req.output_token_logprobs.append(

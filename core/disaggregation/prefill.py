@@ -30,7 +30,8 @@ class PrefillBootstrap:
     def __init__(self, scheduler, sender: KVSender | None = None):
         args = scheduler.server_args
         self.scheduler = scheduler
-        self.kv_pool = scheduler.tp_worker.model_runner.token_to_kv_pool
+        # None on a runner without KV tensors (the simulator's): the handover then moves no tensors
+        self.kv_pool = getattr(scheduler.tp_worker.model_runner, "token_to_kv_pool", None)
         self.sender = (
             sender
             if sender is not None
@@ -83,10 +84,12 @@ class PrefillBootstrap:
         thread while the next batch computes."""
         room = req.bootstrap_room
         n = len(req.origin_input_ids)
-        table = self.scheduler.req_to_token_pool.req_to_token
-        slots = table[req.req_pool_idx, :n].to(self.kv_pool.k_buffer[0].device)
-        k = [buf.index_select(0, slots).cpu() for buf in self.kv_pool.k_buffer]
-        v = [buf.index_select(0, slots).cpu() for buf in self.kv_pool.v_buffer]
+        k, v = [], []  # a pool without KV tensors (the simulator's): only the room's timing travels
+        if self.kv_pool is not None:
+            table = self.scheduler.req_to_token_pool.req_to_token
+            slots = table[req.req_pool_idx, :n].to(self.kv_pool.k_buffer[0].device)
+            k = [buf.index_select(0, slots).cpu() for buf in self.kv_pool.k_buffer]
+            v = [buf.index_select(0, slots).cpu() for buf in self.kv_pool.v_buffer]
         logprob = req.output_token_logprobs[0] if req.return_logprob and req.output_token_logprobs else None
         self.sender.put(
             room, TransferMeta(rid=req.rid, first_token=int(req.output_ids[0]), first_logprob=logprob), k, v
