@@ -11,6 +11,12 @@ HBM3e, 141 GB, NVLink 900 GB/s); NVIDIA A100 datasheet (80GB SXM: 312 TFLOP/s BF
 24 GB, PCIe Gen4 x16 64 GB/s). `cpu-here` is this project's 2-core AVX2 machine, measured
 (docs/benchmarks.md): 20.7 GB/s read on one core and 35 GB/s on two (a streaming-read loop),
 float32 GEMMs at ~56 GFLOP/s per core (the model harness at batch 32).
+
+PD links (`pd_link_bw`, per device, one direction; the KV of disaggregated serving crosses them): H100
+and H200 nodes (DGX H100/H200) give each GPU its own ConnectX-7 InfiniBand NDR port, 400 Gb/s = 50 GB/s;
+DGX A100 one ConnectX-6 HDR port per GPU, 200 Gb/s = 25 GB/s; an L4 server a 25 Gb/s Ethernet NIC (TCP);
+cpu-here a 10 Gb/s TCP link. Latency per transfer: 10 us over RDMA, 50 us over TCP (setup and first byte;
+assumed round figures, not measured here). docs/disaggregation_sim.md says how to change them.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ class Hardware:
     bw_efficiency: float = 0.8
     mem_fraction: float = 0.85  # of memory for weights + KV (SGLang's mem_fraction_static)
     kv_bytes: float | None = None  # a fixed KV budget per device instead (the CPU engine's default)
+    # PD disaggregation: the link from a prefill device to a decode device (bytes/s, one direction), and
+    # the fixed cost of one room's transfer (setup, the first byte); see the module docstring.
+    pd_link_bw: float = 50 * 1e9
+    pd_link_latency_s: float = 10e-6
 
 
 GB = 1e9
@@ -38,8 +48,10 @@ GB = 1e9
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("h100", 989e12, 3.35e12, 80 * GB, 450 * GB, 8e-6, 4e-4),
     "h200": Hardware("h200", 989e12, 4.8e12, 141 * GB, 450 * GB, 8e-6, 4e-4),
-    "a100-80g": Hardware("a100-80g", 312e12, 2.039e12, 80 * GB, 300 * GB, 1e-5, 5e-4),
-    "l4": Hardware("l4", 121e12, 300 * GB, 24 * GB, 32 * GB, 2e-5, 5e-4),
+    "a100-80g": Hardware("a100-80g", 312e12, 2.039e12, 80 * GB, 300 * GB, 1e-5, 5e-4, pd_link_bw=25 * GB),
+    "l4": Hardware(
+        "l4", 121e12, 300 * GB, 24 * GB, 32 * GB, 2e-5, 5e-4, pd_link_bw=25 / 8 * GB, pd_link_latency_s=50e-6
+    ),
     # This machine at two threads, float32; the KV budget is the engine's CPU default (0.5 GiB).
     "cpu-here": Hardware(
         "cpu-here",
@@ -52,6 +64,8 @@ HARDWARE: dict[str, Hardware] = {
         flop_efficiency=0.55,
         bw_efficiency=0.75,
         kv_bytes=0.5 * 2**30,
+        pd_link_bw=10 / 8 * GB,
+        pd_link_latency_s=50e-6,
     ),
 }
 

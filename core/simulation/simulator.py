@@ -283,6 +283,7 @@ class Simulator:
         load_balance_method: str = "round_robin",
         speculative_accept_rate: float | None = None,
         speculative_draft_model: str | None = None,
+        replica_procs: list[str] | None = None,
         **server_args,
     ):
         from workbench.core.managers.data_parallel_controller import PROC_NAME, LoadBalancer, replica_proc_name
@@ -342,10 +343,9 @@ class Simulator:
         self.args = ServerArgs(device="cpu", disable_overlap_schedule=not self.overlap, **server_args)
         self.context = min(self.spec.context_len, server_args.get("context_length") or self.spec.context_len)
         self.dp_size = dp_size
-        self.replicas = [
-            _Replica(self, r, replica_proc_name(r) if dp_size > 1 else "scheduler", seed + 7919 * r, trace_sink)
-            for r in range(dp_size)
-        ]
+        # Each replica's trace name; `replica_procs` names them otherwise (a PD deployment's two sides: pd.py).
+        procs = replica_procs or [replica_proc_name(r) if dp_size > 1 else "scheduler" for r in range(dp_size)]
+        self.replicas = [_Replica(self, r, procs[r], seed + 7919 * r, trace_sink) for r in range(dp_size)]
         # The data-parallel controller's own routing and load bookkeeping, on simulated time.
         self.balancer = LoadBalancer(dp_size, load_balance_method, pool) if dp_size > 1 else None
         self._dispatch_clock = SimClock()
