@@ -225,6 +225,12 @@ def _add_bench_parsers(bench_sub) -> None:
 
 # ---- commands ------------------------------------------------------------------------
 def _bench_serve(args) -> int:
+    if args.pd:  # disaggregated prefill/decode against one co-located engine, both started here
+        from workbench.bench.pd_bench import run_pd_compare
+
+        if args.max_concurrency is None:
+            args.max_concurrency = 16
+        return 0 if run_pd_compare(args) is not None else 1
     if args.peer == "vllm":  # both servers started here, vLLM's client against each
         from workbench.bench.peers import PeerError
         from workbench.bench.served_peer import run_served_peer

@@ -116,6 +116,12 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
         help="KV budget of each server (default: workbench's CPU default, 0.5 GiB)",
     )
     g.add_argument("--repeats", type=int, default=1, help="rounds of A B B A (medians reported)")
+    g.add_argument(
+        "--pd",
+        action="store_true",
+        help="ignore --base-url: start one co-located `workbench serve`, a prefill and a decode server behind "
+        "sglang_router --pd-disaggregation, and compare TTFT and TPOT on this workload (workbench/bench/pd_bench.py)",
+    )
 
 
 # ---------------------------------------------------------------- data
