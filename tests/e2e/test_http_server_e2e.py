@@ -1,8 +1,9 @@
 """End-to-end part of the HTTP server tests (with tests/e2e/test_http_server_process_e2e.py) (what starts processes, engines or servers, or loads the
 reference model).
 
-`python -m workbench.core.entrypoints.http_server` as a real process: start-up, --api-key, a busy
-port, and SIGTERM draining in-flight requests and exiting 0 with no process left behind."""
+`python -m workbench.core.entrypoints.http_server` as a real process: a busy port, and a SIGTERM
+that stops unfinished requests. Start-up (503 until ready), --api-key and the SIGTERM drain share one
+server in tests/e2e/test_http_server_process_e2e.py (one start-up fewer in the full tier)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,7 @@ import threading
 import time
 
 import httpx
-import pytest
 from workbench.core.entrypoints.server_process import ServerProcess  # noqa: E402
-
-KEY = "sk-test-secret"
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess(["--api-key", KEY, "--max-total-tokens", "4096"])
-    try:
-        yield srv
-    finally:
-        srv.stop(timeout_s=60)
 
 
 def test_port_in_use_is_a_one_line_error():
@@ -43,14 +32,6 @@ def test_port_in_use_is_a_one_line_error():
     assert r.returncode != 0
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert len(lines) == 1 and "already in use" in lines[0] and str(port) in lines[0], lines
-
-
-def test_startup_answers_503_until_ready(server):
-    # The port is bound before the model loads (seconds: child processes import torch and
-    # load weights), and answers 503 meanwhile; connection attempts before the bind are
-    # not recorded.
-    assert 503 in server.health_statuses
-    assert set(server.health_statuses) == {503, 200} and server.health_statuses[-1] == 200
 
 
 def test_shutdown_stops_unfinished_requests_with_an_error_event_and_says_so():

@@ -30,6 +30,14 @@ def server():
         srv.stop(timeout_s=60)
 
 
+def test_startup_answers_503_until_ready(server):
+    # The port is bound before the model loads (seconds: child processes import torch and
+    # load weights), and answers 503 meanwhile; connection attempts before the bind are
+    # not recorded.
+    assert 503 in server.health_statuses
+    assert set(server.health_statuses) == {503, 200} and server.health_statuses[-1] == 200
+
+
 def test_api_key_guards_every_route_but_health(server):
     url = server.base_url
     assert httpx.get(url + "/health").status_code == 200
