@@ -107,6 +107,21 @@ class StandInRunner(PoolRunner):
         self.poisoning = PoisoningAllocator(tokens, self.kv_tokens)
         config = PoolModelConfig(context_len=context_len, vocab_size=VOCAB, eos_token_ids=[EOS])
         super().__init__(config, tokens, server_args.max_running_requests, allocator=self.poisoning)
+        # The stand-in KV seen as a one-layer pool: what disaggregated serving hands from prefill to decode.
+        self.token_to_kv_pool = TokenIdKV(self.kv_tokens)
+
+
+class TokenIdKV:
+    """`kv_tokens` in MHATokenToKVPool's shape (one layer, one head of size 1; V unused): a PD prefill side
+    copies its prompt's entries out and a decode side writes them into its own slots, so a handover that
+    moves the wrong slots (or none) changes the tokens the decode side computes."""
+
+    layer_num = head_num = head_dim = 1
+    dtype = torch.int64
+
+    def __init__(self, kv_tokens: torch.Tensor):
+        self.k_buffer = [kv_tokens.view(-1, 1, 1)]
+        self.v_buffer = [torch.zeros_like(self.k_buffer[0])]
 
 
 class StandInWorker:
