@@ -23,6 +23,7 @@ import time
 
 from workbench.core.simulation.hardware import HARDWARE
 from workbench.core.simulation.model_specs import KNOWN, model_spec
+from workbench.core.simulation.pd import PDSimulator, parse_pd
 from workbench.core.simulation.recorded import recorded_speculation
 from workbench.core.simulation.simulator import SimRequest, Simulator, poisson_workload, request_prompt
 from workbench.traces import FORMATS, TraceCut, WorkloadError, drawn_prompts, fit_vocab, read_workload
@@ -135,7 +136,23 @@ def _recorded_drafts(args, workload: list[SimRequest]) -> None:
         )
 
 
-def _simulator(args, **overrides) -> Simulator:
+def _pd_shape(args, overrides: dict) -> tuple[int, int] | None:
+    """(prefill replicas, decode replicas) when a PD deployment is asked for (--pd or the per-role
+    flags), else None."""
+    pd = overrides.pop("pd", args.pd)
+    p = overrides.pop("prefill_replicas", args.prefill_replicas)
+    d = overrides.pop("decode_replicas", args.decode_replicas)
+    if pd:
+        try:
+            return parse_pd(pd)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+    if p is None and d is None:
+        return None
+    return p or 1, d or 1
+
+
+def _simulator(args, **overrides) -> Simulator | PDSimulator:
     kw = dict(max_running_requests=args.max_running_requests, schedule_policy=args.schedule_policy)
     if args.chunked_prefill_size is not None:
         kw["chunked_prefill_size"] = args.chunked_prefill_size
@@ -151,7 +168,39 @@ def _simulator(args, **overrides) -> Simulator:
     sink = kw.pop("trace_sink", None)
     tp = int(kw.pop("tp_size", args.tp_size))
     hardware = kw.pop("simulate", args.simulate)
-    return Simulator(_spec(args), hardware, tp_size=tp, seed=args.seed, trace_sink=sink, **kw)
+    shape = _pd_shape(args, kw)
+    pd_kw = {k: kw.pop(k, getattr(args, k)) for k in PD_FLAGS}
+    if shape is None:
+        given = [f"--{k.replace('_', '-')}" for k, v in pd_kw.items() if v is not None]
+        if given:
+            raise SystemExit(f"{', '.join(given)}: for a PD deployment; add --pd xPyD (e.g. --pd 2P4D)")
+        return Simulator(_spec(args), hardware, tp_size=tp, seed=args.seed, trace_sink=sink, **kw)
+    if int(kw.pop("dp_size", 1)) > 1:
+        raise SystemExit(
+            "--dp-size: a PD deployment's replicas are --pd xPyD (or --prefill-replicas/--decode-replicas)"
+        )
+    if kw.get("speculative_accept_rate") is not None:
+        raise SystemExit("--speculative-accept-rate: not simulated with --pd yet")
+    try:
+        return PDSimulator(
+            _spec(args),
+            hardware,
+            prefill_replicas=shape[0],
+            decode_replicas=shape[1],
+            prefill_tp_size=int(pd_kw["prefill_tp_size"] or tp),
+            decode_tp_size=int(pd_kw["decode_tp_size"] or tp),
+            link_gbps=pd_kw["pd_link_gbps"],
+            link_latency_us=pd_kw["pd_link_latency_us"],
+            seed=args.seed,
+            trace_sink=sink,
+            **kw,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"workbench sim: {exc}") from None
+
+
+# The PD flags besides the replica counts (PDSimulator's arguments; --vary takes them too).
+PD_FLAGS = ("prefill_tp_size", "decode_tp_size", "pd_link_gbps", "pd_link_latency_us")
 
 
 def _spec(args):
@@ -165,6 +214,11 @@ def _spec(args):
 
 
 def _deployment(args) -> str:
+    shape = _pd_shape(args, {})
+    if shape is not None:
+        p, d = shape
+        ptp, dtp = args.prefill_tp_size or args.tp_size, args.decode_tp_size or args.tp_size
+        return f"{args.simulate} {p}P{d}D (prefill {p} x tp {ptp}, decode {d} x tp {dtp})"
     devices = f"{args.simulate}x{args.tp_size * args.dp_size}"
     return devices if args.dp_size == 1 else f"{devices} (dp {args.dp_size} x tp {args.tp_size})"
 
@@ -229,6 +283,8 @@ def _run_live(args, workload: list[SimRequest]) -> int:
 
 def cmd_run(args) -> int:
     workload = load_workload(args)
+    if args.live and _pd_shape(args, {}) is not None:
+        raise SystemExit("--live with --pd: not built yet; run the offline PD simulation (drop --live)")
     if args.live:
         return _run_live(args, workload)
     recorder = None
@@ -349,6 +405,37 @@ def add_parser(sub) -> None:
             default="round_robin",
             choices=("round_robin", "shortest_queue", "prefix_aware"),
             help="how the data-parallel controller picks a replica for each request (with --dp-size > 1)",
+        )
+        q.add_argument(
+            "--pd",
+            default=None,
+            metavar="xPyD",
+            help="simulate disaggregated prefill/decode: x prefill and y decode replicas, e.g. 2P4D (each of "
+            "--tp-size devices unless --prefill-tp-size/--decode-tp-size), KV over --pd-link-gbps links",
+        )
+        q.add_argument(
+            "--prefill-replicas", type=int, default=None, help="PD: prefill replicas (what --pd xPyD's x says)"
+        )
+        q.add_argument("--decode-replicas", type=int, default=None, help="PD: decode replicas (--pd xPyD's y)")
+        q.add_argument(
+            "--prefill-tp-size", type=int, default=None, help="PD: devices per prefill replica (default --tp-size)"
+        )
+        q.add_argument(
+            "--decode-tp-size", type=int, default=None, help="PD: devices per decode replica (default --tp-size)"
+        )
+        q.add_argument(
+            "--pd-link-gbps",
+            type=float,
+            default=None,
+            help="PD: gigabits/s of each device's link from prefill to decode (default the hardware's: 400 for "
+            "h100/h200 InfiniBand NDR, 200 a100-80g HDR, 25 l4 Ethernet, 10 cpu-here TCP); a TP group moves "
+            "its shards in parallel, one link per device of the smaller side",
+        )
+        q.add_argument(
+            "--pd-link-latency-us",
+            type=float,
+            default=None,
+            help="PD: fixed microseconds per KV transfer besides the bytes (default 10 over RDMA, 50 over TCP)",
         )
         q.add_argument("--schedule-policy", default="fcfs", help="the scheduler's admission order (fcfs, lpm, ...)")
         q.add_argument(

@@ -18,16 +18,18 @@ a transfer between TP groups of 8 moves its 8 shards in parallel, at 8 x link_bw
 prefill replica share its links, one after another (a room starts when the links are free).
 
 A request goes, as behind SGLang's router in PD mode, to one prefill replica and one decode replica at
-once (each side's `LoadBalancer` picks), with one bootstrap room; the client reads the decode replica's
-tokens (the prefill's one-token answer is dropped, as the router drops it). TTFT is then
+once (each side's `LoadBalancer` picks), with one bootstrap room (request i: room i, rid "r<i>" on the
+decode side, "r<i>.prefill" on the prefill side, as two servers name it each their own way); the client
+reads the decode replica's tokens (the prefill's one-token answer is dropped, as the router drops it; it
+is still traced, as a prefill server's tokenizer manager traces it). TTFT is then
 
     prefill (queue + pass, prefill replica) + transfer wait + transfer + decode wait (install, first token out)
 
 and `PDResult.ttft_parts` holds those parts per request; they sum to the TTFT exactly.
 
 Traces: replica k traces as "scheduler.dp<k>" (prefill replicas first, then decode replicas), so the
-replica views show every scheduler side by side; both sides trace the request under the same rid, and
-each side's `pd.transfer` event carries its role.
+replica views show every scheduler side by side; `pd.bootstrap`, `pd.reserved` and `pd.transfer` carry
+the room and the role (core/trace/pd.py joins them).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from workbench.core.disaggregation.prefill import PrefillBootstrap
 from workbench.core.disaggregation.transfer import KVLayout, RoomInUseError, TransferMeta, TransferStatus
 from workbench.core.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from workbench.core.managers.data_parallel_controller import replica_proc_name
+from workbench.core.managers.scheduler_contract import ListIO
 from workbench.core.sampling.sampling_params import SamplingParams
 from workbench.core.simulation.hardware import get_hardware
 from workbench.core.simulation.model_specs import ModelSpec, model_spec
@@ -234,6 +237,20 @@ class PDResult(SimResult):
         return text + f"; {self.transferred_bytes / 1e9:.2f} GB of KV moved"
 
 
+class _StampedIO(ListIO):
+    """ListIO that notes the replica's simulated time of each message it sends: a decode replica streams
+    a first token when its KV is installed, before the step's pass, and the client sees it then."""
+
+    def __init__(self, clock: SimClock):
+        super().__init__()
+        self.clock = clock
+        self.stamps: list[float] = []
+
+    def send(self, msg) -> None:
+        super().send(msg)
+        self.stamps.append(self.clock.now)
+
+
 class PDSimulator:
     """A PD deployment that is not there: `prefill_replicas` schedulers of `prefill_tp_size` devices and
     `decode_replicas` of `decode_tp_size`, on `hardware`, joined by links of `link_gbps` gigabits/s per
@@ -283,6 +300,8 @@ class PDSimulator:
         self.link = SimKVLink(
             spec.kv_bytes_per_token(dtype_bytes), self.link_bw, min(prefill_tp_size, decode_tp_size), latency
         )
+        for rep in self.prefill.replicas + self.decode.replicas:
+            rep.io = rep.scheduler.io = _StampedIO(rep.clock)
         for rep in self.prefill.replicas:
             rep.scheduler.disagg = PrefillBootstrap(rep.scheduler, sender=self.link.sender(rep.clock))
         for rep in self.decode.replicas:
@@ -301,6 +320,10 @@ class PDSimulator:
         decoders = {id(r) for r in dec.replicas}
         order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
         front = self.front_end = SimFrontEnd(self.trace_sink, pre.args.trace_token_ids)
+        # The prefill servers' own front: the request under its prefill-side rid, answered with one token
+        # (traced as a real prefill server's tokenizer manager would; the router drops the answer).
+        self.prefill_front = SimFrontEnd(self.trace_sink)
+        prefill_res = SimResult(self.hw.name, self.spec.name, pre.tp_size, 0, 0.0, 0.0)
         replayed: set[str] = set()
         res = PDResult(
             self.hw.name,
@@ -325,6 +348,7 @@ class PDSimulator:
                 sent += 1
                 ids[i] = request_prompt(i, workload[i], self.seed, self.spec.vocab)
                 front.send(f"r{i}", workload[i].arrival, ids[i], workload[i].output_len)
+                self.prefill_front.send(prefill_rid(i), workload[i].arrival, ids[i], workload[i].output_len)
 
         def wake(rep) -> float:
             """When this replica has something to do: now with work to run; else when its next transfer ends."""
@@ -356,15 +380,22 @@ class PDSimulator:
             res.steps += 1
             res.peak_kv_used = max(res.peak_kv_used, sum(x.kv_used() for x in reps))
             side = dec if id(r) in decoders else pre
-            for msg in r.io.outbox:
+            io = r.io
+            assert isinstance(io, _StampedIO)
+            for msg, stamp in zip(io.outbox, io.stamps):
                 if not isinstance(msg, BatchTokenIDOut):
                     continue
                 if side.balancer is not None:
                     for j, rid in enumerate(msg.rids):
                         side.balancer.on_output(rid, msg.new_token_ids[j], msg.finished_reasons[j] is not None)
-                if side is dec:  # the client reads the decode side; the router drops the prefill's one token
-                    front.take(msg, r.clock.now + pre.tm_out_s, res, replayed)
-            r.io.outbox.clear()
+                # the client reads the decode side; the router drops the prefill's one token
+                (
+                    front.take(msg, stamp + pre.tm_out_s, res, replayed)
+                    if side is dec
+                    else self.prefill_front.take(msg, stamp + pre.tm_out_s, prefill_res, set())
+                )
+            io.outbox.clear()
+            io.stamps.clear()
             if progress is not None and res.steps % 500 == 0:
                 progress(len(res.latency), len(workload), r.clock.now)
         res.output_tokens = sum(front.counts.values())
@@ -390,12 +421,12 @@ class PDSimulator:
 
     def _deliver(self, i: int, r: SimRequest, ids: list[int], at: float, res: PDResult, replayed: set[str]) -> None:
         """Request i reaches the router at `at`: it goes to a prefill and a decode replica, bootstrap room i."""
-        rid = f"r{i}"
         if r.output_ids:
-            replayed.add(rid)
+            replayed.add(f"r{i}")
         res.prompt_tokens += len(ids)
         p_rank = 0
         for side in (self.prefill, self.decode):
+            rid = prefill_rid(i) if side is self.prefill else f"r{i}"
             rank = side.balancer.choose(rid, ids).dp_rank if side.balancer is not None else 0
             rep = side.replicas[rank]
             rep.clock.now = max(rep.clock.now, at)
@@ -415,6 +446,11 @@ class PDSimulator:
                     bootstrap_room=i,
                 )
             )
+
+
+def prefill_rid(i: int) -> str:
+    """Request i's rid on its prefill replica (each server names a request its own way; the room joins them)."""
+    return f"r{i}.prefill"
 
 
 def pd_ttft_check(res: PDResult) -> float:
