@@ -173,7 +173,21 @@ def request_details(state: TraceState, rid: str) -> dict:
         "text": r.text,
         "timeline": [(e.ts, e.kind, e.detail) for e in r.timeline],
         "ttft_parts": ttft_lines(b) if (b := state.ttft_parts(rid)) is not None else [],
+        "pd": pd_details(state, rid),
     }
+
+
+def pd_details(state: TraceState, rid: str) -> dict:
+    """Disaggregated serving: the request's role, its peer on the other server (joined by bootstrap
+    room) and its journey in one line; {} for a request of one server."""
+    from workbench.core.trace.pd import journey_line
+
+    pd = getattr(state, "pd", None)
+    role = pd.role(rid) if pd else None
+    if role is None:
+        return {}
+    room = pd.room_of(rid)
+    return {"role": role, "room": room.room, "peer": pd.peer(rid), "journey": journey_line(state, rid)}
 
 
 # ---- batch composition ------------------------------------------------------------

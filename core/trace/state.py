@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 from workbench.core.trace import events as ev
 from workbench.core.trace.experts import ExpertLoad
+from workbench.core.trace.pd import PDJoin, pd_ttft_breakdown, transfer_detail
 from workbench.core.trace.speculative import SpecStats, drafts_proposed
 from workbench.core.trace.ttft import StepIndex, TtftBreakdown, ttft_breakdown
 from workbench.core.trace.views import (  # noqa: F401  (re-exported for views)
@@ -145,6 +146,7 @@ class TraceState:
         self._last_decision: dict[str, ev.StepDecision] = {}  # per scheduler, its latest
         self.experts = ExpertLoad()  # mixture-of-experts models: tokens per expert (moe.routing)
         self.spec = SpecStats()  # speculative decoding: drafts proposed and accepted (spec.verify)
+        self.pd = PDJoin()  # disaggregated serving: both servers' requests joined by bootstrap room
         # Each handler takes the event type it is filed under.
         self._dispatch: dict[type[ev.Event], Callable[[Any], None]] = {
             ev.ReqArrived: self._on_arrived,
@@ -161,6 +163,9 @@ class TraceState:
             ev.StepDecision: self._on_decision,
             ev.MoeRouting: self.experts.apply,
             ev.SpecVerify: self._on_spec,
+            ev.PDBootstrap: self._on_pd,
+            ev.PDReserved: self._on_pd,
+            ev.PDTransfer: self._on_pd,
             ev.QueueState: self._on_queue,
             ev.KVUsage: self._on_kv,
             ev.CacheMatch: self._on_match,
@@ -228,7 +233,12 @@ class TraceState:
         scheduler was busy in), queued (passed over by which steps, why, and who got the prefill),
         each prefill chunk (with whom it shared the step), first token; see core/trace/ttft.py.
         The parts so far (`partial`) before the first token; None without an arrival. Pass one
-        `StepIndex(state)` to explain many requests at once."""
+        `StepIndex(state)` to explain many requests at once. The decode side of a disaggregated
+        request whose prefill side is in this trace too: along its journey (core/trace/pd.py)."""
+        if self.pd:
+            joined = pd_ttft_breakdown(self, rid, index)
+            if joined is not None:
+                return joined
         return ttft_breakdown(self, rid, index)
 
     def held_reason(self, rid: str) -> str | None:
@@ -531,6 +541,19 @@ class TraceState:
         self._note_replica(e.rid, e.proc)
         self._record_chunk(r, b, e.ts, e.step, e.chunk_index, e.num_chunks, e.prefix_hit, e.extend_len)
         self._set_state(r, b, "prefilling", e.ts)
+
+    def _on_pd(self, e: ev.PDBootstrap | ev.PDReserved | ev.PDTransfer) -> None:
+        """Disaggregated serving: the room joins the two servers' requests (core/trace/pd.py); the
+        reservation and each side's transfer are steps on the request's timeline."""
+        self.pd.apply(e)
+        if not e.rid or e.rid not in self.requests:
+            return
+        r = self.requests[e.rid]
+        if isinstance(e, ev.PDReserved):
+            self._timeline(r, TimelineEntry(e.ts, "reserved", f"{e.tokens} KV slots; pulling room {e.room}"))
+        elif isinstance(e, ev.PDTransfer):
+            what = "sent" if e.role == "prefill" else "received"
+            self._timeline(r, TimelineEntry(e.ts, "transfer", f"{what} {transfer_detail(e)}"))
 
     def _on_first_token(self, e: ev.ReqFirstToken) -> None:
         r, b = self._req(e.rid)

@@ -55,8 +55,9 @@ class TracePicture(Protocol):
         ...
 
 
-#: Part kinds, in order.
-PART_KINDS = ("arrived", "queued", "prefill", "first_token")
+#: Part kinds, in order. A disaggregated (PD) request's decode side has its own between them:
+#: "decode_queue", "prefill_queue" and "transfer" (core/trace/pd.py).
+PART_KINDS = ("arrived", "queued", "decode_queue", "prefill_queue", "prefill", "transfer", "first_token")
 
 # Why a step passed a waiting request over (StepDecision.stop_reason, or membership of `held`).
 _PASSED_OVER = {
@@ -186,7 +187,9 @@ class TtftBreakdown:
 
 def ttft_breakdown(state: TracePicture, rid: str, index: StepIndex | None = None) -> TtftBreakdown | None:
     """The TTFT of request `rid` in parts (TraceState.ttft_parts); None when its arrival is not
-    in the trace. A request without a first token yet gets the parts so far (`partial`)."""
+    in the trace. A request without a first token yet gets the parts so far (`partial`). This is
+    one server's view: TraceState.ttft_parts splits the decode side of a disaggregated request
+    along its journey across both servers instead (core/trace/pd.py)."""
     r = state.requests.get(rid)
     if r is None or r.arrival_ts is None:
         return None
