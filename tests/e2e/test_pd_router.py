@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,9 +62,10 @@ def _server(**kw):
 
 
 @contextlib.contextmanager
-def _pd_router(prefill_url: str, bootstrap_port: int, decode_url: str, log_path):
+def _pd_router(prefill_url: str, bootstrap_port: int, decode_url: str, log_path, launcher=None):
     port = free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    launcher = launcher or [sys.executable, "-m", "sglang_router.launch_router"]
+    cmd = [*launcher, "--pd-disaggregation"]
     cmd += ["--prefill", prefill_url, str(bootstrap_port), "--decode", decode_url]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
     cmd += ["--policy", "round_robin", "--worker-startup-timeout-secs", "60", "--log-level", "warn"]
@@ -251,3 +253,21 @@ def test_a_decode_server_killed_mid_transfer_leaves_the_prefill_serving(pd):
     r = httpx.post(pd["router"] + "/generate", json={"text": "And now?", "sampling_params": GREEDY}, timeout=60)
     assert r.status_code == 200
     assert_no_kv_leak(prefill)
+
+
+@pytest.mark.skipif(shutil.which("smg") is None, reason="SGLang's Model Gateway (`pip install smg`) is not installed")
+def test_the_model_gateway_fronts_the_pair_too(pd, reference, tmp_path):
+    """SGLang's Model Gateway (smg 1.13, `smg launch --pd-disaggregation`) in front of the same pair. It
+    routes the OpenAI routes by model id, so a request names the served model (it answers 503 "No prefill
+    workers available" for any other name)."""
+    texts, chat_ref = reference
+    with _pd_router(
+        pd["p_url"], pd["bootstrap"], pd["d_url"], tmp_path / "smg.log", [shutil.which("smg"), "launch"]
+    ) as url:
+        r = httpx.post(url + "/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY}, timeout=60)
+        assert r.status_code == 200 and r.json()["text"] == texts[0], r.text
+        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "Name a fruit."}]
+        resp = client.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0)
+        assert resp.choices[0].message.content == chat_ref
