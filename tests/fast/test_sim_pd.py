@@ -130,6 +130,7 @@ def test_cli_70b_2p4d_on_h100s_records_a_replayable_run(tmp_path, capsys):
     path = tmp_path / "pd70b.jsonl"
     argv = ["sim", "run", "--model", "llama-3.1-70b", "--simulate", "h100", "--pd", "2P4D", "--tp-size", "8"]
     argv += ["--rate", "40", "--num-requests", "24", "--prompt-len", "512,2048", "--output-len", "8,32"]
+    argv += ["--max-running-requests", "32"]  # small request tables: the run, not their allocation, is timed
     assert main(argv + ["--record", str(path)]) == 0
     out = capsys.readouterr().out
     assert "2P4D (prefill 2 x tp 8, decode 4 x tp 8), link 400 Gb/s per device" in out
