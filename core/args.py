@@ -15,7 +15,7 @@ ATTENTION_BACKENDS = ("torch_native", "cpu_paged", "triton", "flashinfer")  # se
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")  # SGLang's spelling: "null" is one engine doing both
-TRANSFER_BACKENDS = ("tcp",)  # core/disaggregation/transfer.py; SGLang's mooncake/nixl need RDMA NICs
+TRANSFER_BACKENDS = ("tcp", "mooncake")  # core/disaggregation/transfer.py, mooncake.py (backends.py picks)
 
 
 # `--help` of every flag (SGLang's wording where it has the flag). Defaults and choices are added
@@ -82,7 +82,8 @@ FLAG_HELP = {
     "disaggregation_bootstrap_port": "prefill: the TCP port decode servers pull KV from (give it to the router "
     "after the prefill URL: --prefill URL PORT)",
     "disaggregation_transfer_backend": "how KV crosses from prefill to decode: tcp (built in: per-layer chunks "
-    "over a socket, one machine or two)",
+    "over a socket, one machine or two) or mooncake (Mooncake's transfer engine writes the KV into the decode "
+    "side's buffer; pip install mooncake-transfer-engine-non-cuda, see docs/disaggregation_mooncake.md)",
     "disaggregation_transfer_timeout": "decode: seconds to wait for a prompt's KV before the request fails "
     "(and its reserved slots are freed); prefill: how long computed KV is held for a decode server to pull",
     "speculative_draft_model_path": "STANDALONE: a small draft model with the target's tokenizer",
@@ -355,7 +356,7 @@ class ServerArgs:
         if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
             bad(
                 f"--disaggregation-transfer-backend must be one of {', '.join(TRANSFER_BACKENDS)}, not "
-                f"{self.disaggregation_transfer_backend!r} (mooncake and nixl need RDMA hardware; docs/disaggregation.md)"
+                f"{self.disaggregation_transfer_backend!r} (nixl is not supported; docs/disaggregation.md)"
             )
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             bad(

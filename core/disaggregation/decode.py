@@ -19,6 +19,7 @@ scheduler later retracts under memory pressure is recomputed here like any retra
 
 from __future__ import annotations
 
+from workbench.core.disaggregation.backends import make_receiver
 from workbench.core.disaggregation.transfer import KVLayout, KVReceiver, RoomInUseError, TransferStatus
 from workbench.core.managers.schedule_batch import FinishReason
 from workbench.core.trace import events as ev
@@ -33,11 +34,7 @@ class DecodeTransferQueue:
         self.scheduler = scheduler
         # None on a runner without KV tensors (the simulator's): nothing to write at install
         self.kv_pool = getattr(scheduler.tp_worker.model_runner, "token_to_kv_pool", None)
-        self.receiver = (
-            receiver
-            if receiver is not None
-            else KVReceiver(timeout_s=scheduler.server_args.disaggregation_transfer_timeout)
-        )
+        self.receiver = receiver if receiver is not None else make_receiver(scheduler.server_args)
         self.prealloc: list = []  # admitted, waiting for a row and slots
         self.transferring: dict[int, object] = {}  # room -> request whose KV is on its way
         self.received_bytes_total = 0

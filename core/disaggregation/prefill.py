@@ -18,6 +18,7 @@ server (one token) is what SGLang's router discards: the client reads the decode
 from __future__ import annotations
 
 import msgspec
+from workbench.core.disaggregation.backends import make_sender
 from workbench.core.disaggregation.transfer import KVSender, TransferMeta, TransferStatus
 from workbench.core.trace import events as ev
 
@@ -32,13 +33,7 @@ class PrefillBootstrap:
         self.scheduler = scheduler
         # None on a runner without KV tensors (the simulator's): the handover then moves no tensors
         self.kv_pool = getattr(scheduler.tp_worker.model_runner, "token_to_kv_pool", None)
-        self.sender = (
-            sender
-            if sender is not None
-            else KVSender(
-                args.host, args.disaggregation_bootstrap_port, hold_timeout_s=args.disaggregation_transfer_timeout
-            )
-        )
+        self.sender = sender if sender is not None else make_sender(args)  # tcp or mooncake
         self.rooms: dict[int, str] = {}  # room -> rid: admitted here and not yet picked up, failed or expired
         self.tokens: dict[int, int] = {}  # room -> prompt tokens shipped (for the trace)
         self.sent_bytes_total = 0
