@@ -101,11 +101,11 @@ def run_pd_compare(args: argparse.Namespace) -> list[PDRow] | None:
     except ImportError:
         print("workbench: --pd fronts the pair with SGLang's router: pip install sglang-router", file=sys.stderr)
         return None
-    from workbench.bench.serve_bench import _load_tokenizer
+    from workbench.bench.serve_bench import load_bench_tokenizer
     from workbench.core.entrypoints.server_process import ServerProcess, free_port
     from workbench.core.simulation.calibration import cpu_model
 
-    tokenizer = _load_tokenizer(args.tokenizer)
+    tokenizer = load_bench_tokenizer(args.tokenizer)
     common = ["--dtype", args.dtype, "--served-model-name", "default"]
     if args.kv_cache_memory_gb:
         common += ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]

@@ -409,7 +409,8 @@ def format_table(res: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- entry point
 
 
-def _load_tokenizer(spec: str | None):
+def load_bench_tokenizer(spec: str | None):
+    """The tokenizer prompts are built with: --tokenizer DIR, none (random words), or the default model's."""
     if spec and spec.lower() == "none":
         return None
     from workbench.core.model_loader import load_tokenizer, prepare_model
@@ -427,7 +428,7 @@ def run_serve_bench(args: argparse.Namespace, tokenizer: Any = "auto") -> dict[s
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
     rng = random.Random(args.seed)
-    tok = _load_tokenizer(args.tokenizer) if tokenizer == "auto" else tokenizer
+    tok = load_bench_tokenizer(args.tokenizer) if tokenizer == "auto" else tokenizer
     requests = build_requests(args, PromptBuilder(tok, rng), rng)
     results, duration, model = asyncio.run(run_benchmark(args, requests, rng))
     res = {
