@@ -1,0 +1,278 @@
+"""The Mooncake KV transport (core/disaggregation/mooncake.py) over Mooncake's real transfer engine (TCP, loopback):
+round trips, the per-layer protocol, the faults the TCP backend has, and the PD scheduler pair on it.
+
+Needs `pip install mooncake-transfer-engine-non-cuda` and its system libraries (libibverbs1, libnl-3-200,
+libnl-route-3-200: installed, or unpacked and on LD_LIBRARY_PATH); skipped otherwise. The first test checks the
+start-up error that says so, and runs everywhere.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import sys
+import time
+
+import pytest
+import torch
+from scheduler_harness import SchedulerHarness, expected_tokens
+from workbench.core.args import ServerArgs
+from workbench.core.disaggregation import mooncake as mc
+from workbench.core.disaggregation.transfer import KVLayout, RoomInUseError, TransferMeta, _read_frame, _Reply
+from workbench.core.entrypoints.server_process import free_port
+
+HOST = "127.0.0.1"
+
+try:
+    from mooncake.engine import TransferEngine  # noqa: F401
+
+    MOONCAKE_ERROR = None
+except (ImportError, OSError) as exc:
+    MOONCAKE_ERROR = f"mooncake.engine does not import ({exc}): {mc.INSTALL_HINT}"
+
+needs_mooncake = pytest.mark.skipif(MOONCAKE_ERROR is not None, reason=MOONCAKE_ERROR or "")
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_kv(layers=2, tokens=5, heads=2, dim=4, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = [torch.randn(tokens, heads, dim, generator=g).to(dtype) for _ in range(layers)]
+    v = [torch.randn(tokens, heads, dim, generator=g).to(dtype) for _ in range(layers)]
+    return k, v
+
+
+def wait_statuses(side, n, timeout=10.0):
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got += side.poll()
+        time.sleep(0.01)
+    assert len(got) == n, f"expected {n} statuses within {timeout} s, got {got}"
+    return got
+
+
+def bits_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.fixture
+def sender():
+    s = mc.MooncakeKVSender(HOST, 0, hold_timeout_s=5.0)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def receiver():
+    r = mc.MooncakeKVReceiver(timeout_s=5.0, connect_timeout_s=1.0)
+    yield r
+    r.close()
+
+
+def test_a_missing_engine_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # as when the wheel is not installed
+    with pytest.raises(RuntimeError) as info:
+        mc.load_transfer_engine()
+    msg = str(info.value)
+    assert "pip install mooncake-transfer-engine-non-cuda" in msg
+    assert "apt install libibverbs1 libnl-3-200 libnl-route-3-200" in msg and "tcp (built in)" in msg
+    assert ServerArgs(disaggregation_transfer_backend="mooncake").disaggregation_transfer_backend == "mooncake"
+
+
+@needs_mooncake
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_is_bit_exact(sender, receiver, dtype):
+    k, v = make_kv(layers=3, tokens=7, dtype=dtype)
+    layout = KVLayout.of(k, v)
+    sender.put(42, TransferMeta("rid-1", first_token=17, first_logprob=-0.25), k, v)
+    receiver.submit(42, HOST, sender.port, layout)
+    (st,) = wait_statuses(receiver, 1)
+    assert st.ok, st.error
+    assert st.meta == TransferMeta("rid-1", 17, -0.25)
+    assert st.nbytes == layout.nbytes == 2 * 3 * 7 * 2 * 4 * dtype.itemsize
+    assert all(bits_equal(a, b) for a, b in zip(st.k + st.v, k + v))
+    (sent,) = wait_statuses(sender, 1)
+    assert sent.ok and sent.room == 42 and sent.nbytes == layout.nbytes
+    assert sender.pending() == 0 and receiver.in_flight() == 0
+
+
+@needs_mooncake
+def test_wire_writes_each_layer_into_the_registered_buffer_then_reports_it(sender):
+    """The protocol as the module docstring tells it, spoken by hand with an engine of our own."""
+    k, v = make_kv(layers=3, tokens=4, dtype=torch.bfloat16)
+    layout = KVLayout.of(k, v)
+    engine = mc._new_engine(HOST, "tcp")
+    buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    assert engine.register_memory(buf.data_ptr(), layout.nbytes) == 0
+    sender.put(12, TransferMeta("wire", 5), k, v)
+    size = layout.tensor_nbytes
+    with socket.create_connection((HOST, sender.port)) as raw:
+        ask = mc._Ask(mc.MAGIC, 12, layout, f"{HOST}:{engine.get_rpc_port()}", buf.data_ptr())
+        mc._write_frame(raw, ask)
+        start = _read_frame(raw, _Reply)
+        assert start.ok and start.meta == TransferMeta("wire", 5) and start.nbytes == 0
+        for i in range(layout.layer_num):
+            step = _read_frame(raw, _Reply)
+            assert step.ok and step.nbytes == 2 * size * (i + 1)
+            # layer i is in place when its frame comes: k[i] then v[i]
+            assert bytes(buf[2 * i * size : (2 * i + 2) * size].numpy()) == (
+                k[i].view(torch.uint8).numpy().tobytes() + v[i].view(torch.uint8).numpy().tobytes()
+            )
+        time.sleep(0.2)
+        assert sender.poll() == [] and sender.pending() == 1  # not sent until the decode side acks
+        mc._write_frame(raw, _Reply(ok=True))
+        (st,) = wait_statuses(sender, 1)
+    assert st.ok and st.nbytes == layout.nbytes and sender.pending() == 0
+    engine.unregister_memory(buf.data_ptr())
+
+
+@needs_mooncake
+def test_room_put_after_the_receiver_asked_is_waited_for(sender, receiver):
+    k, v = make_kv()
+    receiver.submit(7, HOST, sender.port, KVLayout.of(k, v))
+    time.sleep(0.3)
+    assert receiver.poll() == [] and receiver.in_flight() == 1
+    sender.put(7, TransferMeta("late", 3), k, v)
+    (st,) = wait_statuses(receiver, 1)
+    assert st.ok and st.meta.first_token == 3 and st.wait_ms >= 250
+    assert bits_equal(st.k[1], k[1])
+
+
+@needs_mooncake
+def test_fail_reaches_the_receiver(sender, receiver):
+    k, v = make_kv()
+    sender.fail(9, "prompt too long for this prefill server")
+    receiver.submit(9, HOST, sender.port, KVLayout.of(k, v))
+    (st,) = wait_statuses(receiver, 1)
+    assert not st.ok and st.error == "prompt too long for this prefill server" and st.k is None
+    (sent,) = wait_statuses(sender, 1)
+    assert not sent.ok and sender.pending() == 0
+
+
+@needs_mooncake
+def test_layout_mismatch_names_both_layouts(sender, receiver):
+    k, v = make_kv(tokens=5)
+    sender.put(3, TransferMeta("r", 1), k, v)
+    receiver.submit(3, HOST, sender.port, KVLayout.of(*make_kv(tokens=6)))
+    (st,) = wait_statuses(receiver, 1)
+    assert not st.ok and "KV layout mismatch for bootstrap room 3" in st.error
+    assert "num_tokens=6" in st.error and "num_tokens=5" in st.error and "same model and --dtype" in st.error
+
+
+@needs_mooncake
+def test_reused_room_is_refused_on_both_sides(sender, receiver):
+    k, v = make_kv()
+    sender.put(5, TransferMeta("a", 1), k, v)
+    with pytest.raises(RoomInUseError, match="own bootstrap_room"):
+        sender.put(5, TransferMeta("b", 1), k, v)
+    layout = KVLayout.of(*make_kv(tokens=9))  # never matches: the first pull stays waiting for room 6
+    receiver.submit(6, HOST, sender.port, layout)
+    with pytest.raises(RoomInUseError, match="already being received"):
+        receiver.submit(6, HOST, sender.port, layout)
+    other = mc.MooncakeKVReceiver(timeout_s=5.0)
+    try:
+        time.sleep(0.2)
+        other.submit(6, HOST, sender.port, layout)  # another decode server asking for the same room
+        (st,) = wait_statuses(other, 1)
+        assert not st.ok and "already being pulled by another decode connection" in st.error
+    finally:
+        other.close()
+
+
+@needs_mooncake
+def test_unreachable_port_says_what_to_run(receiver):
+    port = free_port()
+    receiver.submit(1, HOST, port, KVLayout.of(*make_kv()))
+    (st,) = wait_statuses(receiver, 1)
+    assert not st.ok and f"could not reach the prefill server's bootstrap port at {HOST}:{port}" in st.error
+    assert f"--disaggregation-bootstrap-port {port}" in st.error
+
+
+@needs_mooncake
+def test_receiver_times_out_when_nothing_is_put(sender):
+    r = mc.MooncakeKVReceiver(timeout_s=0.5)
+    try:
+        r.submit(8, HOST, sender.port, KVLayout.of(*make_kv()))
+        (st,) = wait_statuses(r, 1)
+        assert not st.ok and "no KV for bootstrap room 8" in st.error and "within 0.5 s" in st.error
+        assert "has not produced it" in st.error
+    finally:
+        r.close()
+    time.sleep(0.3)
+    assert sender.pending() == 0  # nothing was put, nothing leaks
+
+
+@needs_mooncake
+def test_cancel_reports_nothing_and_frees_the_sender(sender, receiver):
+    k, v = make_kv()
+    receiver.submit(4, HOST, sender.port, KVLayout.of(k, v))
+    time.sleep(0.2)
+    receiver.cancel(4)
+    assert receiver.in_flight() == 0
+    sender.put(4, TransferMeta("gone", 1), k, v)  # put after the decode side gave up: it expires, unclaimed
+    time.sleep(0.3)
+    assert receiver.poll() == []
+    assert receiver._parked == []  # the prefill side closed, so the buffer was freed, not parked
+
+
+@needs_mooncake
+def test_the_backend_is_chosen_by_server_args():
+    from workbench.core.disaggregation.backends import make_receiver, make_sender
+
+    args = ServerArgs(disaggregation_transfer_backend="mooncake", disaggregation_bootstrap_port=free_port(), host=HOST)
+    s, r = make_sender(args), make_receiver(args)
+    try:
+        assert isinstance(s, mc.MooncakeKVSender) and isinstance(r, mc.MooncakeKVReceiver)
+        assert r.session.startswith(f"{HOST}:")
+    finally:
+        s.close()
+        r.close()
+
+
+@needs_mooncake
+def test_pd_scheduler_pair_over_mooncake_equals_the_single_engine_reference():
+    """test_pd_scheduler.py's first test, with --disaggregation-transfer-backend mooncake on both sides."""
+    from test_pd_scheduler import _close, _req, _run
+
+    port = free_port()
+    p = SchedulerHarness(
+        disaggregation_mode="prefill",
+        disaggregation_bootstrap_port=port,
+        disaggregation_transfer_timeout=20.0,
+        disaggregation_transfer_backend="mooncake",
+        chunked_prefill_size=16,
+    )
+    d = SchedulerHarness(
+        disaggregation_mode="decode",
+        disaggregation_transfer_timeout=20.0,
+        disaggregation_transfer_backend="mooncake",
+        max_total_tokens=4096,
+    )
+    assert isinstance(p.s.disagg.sender, mc.MooncakeKVSender)
+    assert isinstance(d.s.disagg.receiver, mc.MooncakeKVReceiver)
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 1000) for _ in range(24)]
+    prompts = {
+        f"r{i}": (shared if i % 2 else []) + [rng.randrange(3, 1000) for _ in range(rng.randrange(3, 40))]
+        for i in range(8)
+    }
+    try:
+        for rid, prompt in prompts.items():
+            room = rng.getrandbits(62)
+            p.send(_req(rid, prompt, 6, port, room))
+            d.send(_req(rid, prompt, 6, port, room))
+        _run(p, d, lambda: len(d.finish) == len(prompts) and len(p.finish) == len(prompts))
+        for rid, prompt in prompts.items():
+            want = expected_tokens(prompt, 6)
+            assert p.tokens(rid) == want[:1], rid
+            assert d.finish[rid] == "length" and d.tokens(rid) == want, rid
+        assert not d.extend_batches()
+        _run(p, d, lambda: p.s.disagg.sender.pending() == 0, 10)
+        p.run_until_idle()
+        d.run_until_idle()
+        p.assert_idle_and_clean()
+        d.assert_idle_and_clean()
+        state = d.s.get_internal_state().disaggregation
+        assert state["pd_transfers_total"] == len(prompts) and state["pd_failed_total"] == 0
+        assert state["pd_received_bytes_total"] == 2 * 8 * sum(len(x) for x in prompts.values())
+    finally:
+        _close(p, d)
