@@ -4,6 +4,8 @@ workbench tui [--model PATH] [--scenario kv-pressure]              # live engine
 workbench tui [--workload shared-prefix --rate 2]                   # ... or a fixed-rate workload
 workbench tui --workload mooncake_trace.jsonl [--time-scale 20]      # ... or a production trace
 workbench tui --attach tcp://127.0.0.1:5557                         # watch `serve --trace-publish`
+workbench tui --attach tcp://127.0.0.1:5557 tcp://127.0.0.1:5558    # ... several: a router's workers, a PD pair
+workbench tui --disaggregation [--scenario chat]                    # a 1P1D pair in this process
 workbench tui --replay run.jsonl [--speed 4]                        # play a recording
 """
 
@@ -33,6 +35,13 @@ def add_tui_args(parser: argparse.ArgumentParser) -> None:
         "several addresses (workers behind a router) are shown side by side as dp0, dp1, ...",
     )
     src.add_argument("--replay", metavar="FILE", default=None, help="play a recorded trace (.jsonl[.gz])")
+    src.add_argument(
+        "--disaggregation",
+        action="store_true",
+        help="a one-command demo of disaggregated serving: start a prefill and a decode server (1P1D) in "
+        "this process behind a small PD router, both side by side, with the usual --scenario / --workload "
+        "(to watch a real pair: --attach PREFILL_ADDR DECODE_ADDR; docs/disaggregation_views.md)",
+    )
     from workbench.scenarios import SCENARIOS
 
     demo = g.add_mutually_exclusive_group()
@@ -128,7 +137,12 @@ def make_controller(args: argparse.Namespace):
 
         scenario = get_scenario(scenario)
         sa = scenario.server_args(sa)
-    return EngineController(
+    cls = EngineController
+    if getattr(args, "disaggregation", False):
+        from workbench.tui.pd import PDController
+
+        cls = PDController
+    return cls(
         server_args=sa,
         workload=workload,
         scenario=scenario,

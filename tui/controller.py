@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from workbench.core.trace import events as _ev
 from workbench.core.trace.events import Event
 
 #: Where start() reports: progress lines (str) and, from a live engine, its start-up phases
@@ -437,6 +438,7 @@ class MultiAttachController(Controller):
         self.title = " + ".join(self.addrs)
         self._subs: list = []
         self._offsets: dict[int, int] = {}  # worker -> its clock - ours
+        self.roles: dict[int, str] = {}  # worker -> "prefill" | "decode" (a disaggregated pair, from its pd.* events)
 
     def start(self, progress: Progress) -> None:
         from workbench.core.trace.bus import RemoteSubscription
@@ -463,18 +465,9 @@ class MultiAttachController(Controller):
         return out
 
     def _as_worker(self, e: Event, i: int) -> Event:
-        off = self._offsets[i]
-        for name in _CLOCK_FIELDS:
-            v = getattr(e, name, None)
-            if isinstance(v, int) and v:
-                setattr(e, name, v - off)
-        if e.proc.startswith("scheduler"):
-            e.proc = f"scheduler.dp{i}"
-        elif e.proc and e.proc not in _PSEUDO_PROCS:
-            e.proc = f"{e.proc}.w{i}"
-        if hasattr(e, "replica"):  # req.snapshot: the replica that holds the request
-            e.replica = f"scheduler.dp{i}"
-        return e
+        if isinstance(e, (_ev.PDBootstrap, _ev.PDReserved)) and e.proc.startswith("scheduler"):
+            self.roles[i] = getattr(e, "role", "decode")  # pd.reserved: only a decode server reserves
+        return as_worker(e, i, self._offsets[i])
 
     def now_ns(self) -> int:
         return time.monotonic_ns()
@@ -482,12 +475,32 @@ class MultiAttachController(Controller):
     def status(self) -> str:
         waiting = [a for i, a in enumerate(self.addrs) if i not in self._offsets]
         got = f" (waiting for events from {', '.join(waiting)})" if waiting else ""
+        if self.roles:  # a disaggregated pair: say which server is which
+            names = ", ".join(f"dp{i} {self.roles.get(i, '?')}" for i in range(len(self.addrs)))
+            return f"ATTACHED {len(self.addrs)} servers ({names}){got}"
         return f"ATTACHED {len(self.addrs)} workers (dp0..dp{len(self.addrs) - 1} in this order){got}"
 
     def close(self) -> None:
         for sub in self._subs:
             _quietly(sub.close)
         self._subs = []
+
+
+def as_worker(e: Event, i: int, offset_ns: int) -> Event:
+    """Event `e` of worker `i` (of several traces shown as one) renamed in place: its scheduler is
+    data-parallel replica i ("scheduler.dp<i>"), its other processes "<proc>.w<i>", and its clock
+    fields shifted by `offset_ns` (its clock - ours) onto ours."""
+    for name in _CLOCK_FIELDS:
+        v = getattr(e, name, None)
+        if isinstance(v, int) and v:
+            setattr(e, name, v - offset_ns)
+    if e.proc.startswith("scheduler"):
+        e.proc = f"scheduler.dp{i}"
+    elif e.proc and e.proc not in _PSEUDO_PROCS:
+        e.proc = f"{e.proc}.w{i}"
+    if hasattr(e, "replica"):  # req.snapshot: the replica that holds the request
+        e.replica = f"scheduler.dp{i}"
+    return e
 
 
 def _quietly(fn, *args):

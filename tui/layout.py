@@ -7,8 +7,8 @@ from textual.widget import Widget
 from textual.widgets import TabbedContent, TabPane
 
 #: the default one-screen arrangement: rows of slots; a slot is a panel name or a tuple side by side
-GRID = (("queues", "tree"), ("batch", ("kv", "latency")), ("events", "detail", "experts"))
-GRID_HEIGHTS = ("3fr", "3fr", "2fr")
+GRID = (("pd",), ("queues", "tree"), ("batch", ("kv", "latency")), ("events", "detail", "experts"))
+GRID_HEIGHTS = ("2fr", "3fr", "3fr", "2fr")  # "pd": disaggregated serving only (its first pd.* event)
 
 
 async def mount_layout(main: Widget, panels: dict[str, Widget], titles: dict[str, str], mode: str) -> None:

@@ -16,6 +16,7 @@ BUILTIN_PANELS = (
     ("events", "workbench.tui.panels.events", "EventsPanel"),
     ("detail", "workbench.tui.panels.detail", "DetailPanel"),
     ("experts", "workbench.tui.panels.experts", "ExpertsPanel"),
+    ("pd", "workbench.tui.panels.pd", "PDPanel"),
 )
 
 _TITLES = {
@@ -27,6 +28,7 @@ _TITLES = {
     "events": "Events",
     "detail": "Request detail",
     "experts": "Experts",
+    "pd": "Prefill | Decode",
 }
 _SHORT_HELP = {
     "queues": "waiting / running / chunked requests with token counts, age and TTFT so far",
@@ -37,9 +39,10 @@ _SHORT_HELP = {
     "events": "filterable log of arrivals, finishes, retractions, evictions, aborts, errors",
     "detail": "the selected request's timeline, shared steps and streaming text",
     "experts": "mixture-of-experts models: tokens per layer and expert as a heatmap, overall, last step, selected request",
+    "pd": "disaggregated serving: the prefill and the decode server side by side, the selected request's journey",
 }
 # Panels that join the layout only once the trace shows what they draw.
-_WHEN = {"experts": lambda state: state.experts.present}
+_WHEN = {"experts": lambda state: state.experts.present, "pd": lambda state: bool(state.pd)}
 
 
 def _factory(module: str, cls: str):

@@ -7,10 +7,12 @@ either side), `pd.reserved` (the decode side reserved a row and slots; its preal
 `pd.transfer` (each side's end of the handover: bytes, ms, the wait before them). `PDJoin` folds them
 into rooms, so a view can go from the decode-side request the client sees to its prefill-side peer.
 
-The decode side's TTFT (`pd_ttft_breakdown`) runs from its arrival to its first token, through
-moments of both traces, each part named for what ended it:
+The decode side's TTFT (`pd_ttft_breakdown`) runs from its arrival to its first token along the
+critical path. Two branches run at once after the router: the decode server queues the request
+and reserves its slots ("decode queue"), while the prefill server queues and computes it; the pull
+completes once both are done, so the TTFT is explained by whichever finished later:
 
-    arrived → queued      the decode server's tokenizer hands the request to its scheduler
+    arrived → queued      the tokenizer of the server on the critical path hands the request over
     decode queue          the prealloc queue: waiting for a request row and one KV slot per prompt token
     prefill queue         on the prefill server, until the step that ran its first chunk began
     prefill / chunk k/n   the prefill server's steps that computed the prompt
@@ -18,9 +20,10 @@ moments of both traces, each part named for what ended it:
     transfer              the bytes on the wire (tokens, bytes, ms)
     first token           the KV installed in the reserved slots and the first token streamed back
 
-The moments are ordered by time (a decode server short of room reserves after the prefill is done,
-so its "decode queue" then comes after "prefill") and clamped as in ttft.py, so the parts always
-sum to the TTFT exactly. Both traces must be on one clock: on one machine both servers stamp the
+The branch off the critical path still gets its part, of no time, saying how long it took in
+parallel. Every moment is clamped as in ttft.py, so the parts always sum to the TTFT exactly.
+`journey` gives each stage as long as it really was (the two branches overlap there).
+Both traces must be on one clock: on one machine both servers stamp the
 host's monotonic clock; `workbench tui --attach` across two machines anchors each publisher on its
 first event, so cross-server parts are then only as good as that anchoring (docs/disaggregation_views.md).
 """
@@ -133,10 +136,10 @@ def transfer_detail(t: ev.PDTransfer) -> str:
     return f"{t.tokens} tokens, {fmt_bytes(t.nbytes)} in {t.ms:.1f} ms{rate}, after {t.wait_ms:.1f} ms waiting"
 
 
-def pd_ttft_breakdown(state, rid: str, index=None) -> TtftBreakdown | None:
-    """The decode-side request `rid`'s TTFT along its journey (module docstring), or None when `rid`
-    is not the decode side of a room whose prefill side is in the trace (ttft.py then explains it as
-    one server's request). `state` is a TraceState; `index` a ttft.StepIndex over it."""
+def pd_ttft_breakdown(state, rid: str, index: StepIndex | None = None) -> TtftBreakdown | None:
+    """The decode-side request `rid`'s TTFT along its critical path (module docstring), or None when
+    `rid` is not the decode side of a room whose prefill side is in the trace (TraceState.ttft_parts
+    then explains it as one server's request). `state` is a TraceState."""
     pd: PDJoin | None = getattr(state, "pd", None)
     room = pd.room_of(rid) if pd else None
     if room is None or room.decode_rid != rid or room.prefill_rid is None:
@@ -145,7 +148,7 @@ def pd_ttft_breakdown(state, rid: str, index=None) -> TtftBreakdown | None:
     if r is None or r.arrival_ts is None:
         return None
     idx = index if index is not None else StepIndex(state)
-    prefill = ttft_breakdown(state, room.prefill_rid, idx)  # the prefill server's own view
+    pre = ttft_breakdown(state, room.prefill_rid, idx)  # the prefill server's own view
     partial = r.first_token_ts is None
     t0: int = r.arrival_ts
     if r.first_token_ts is not None:
@@ -155,36 +158,51 @@ def pd_ttft_breakdown(state, rid: str, index=None) -> TtftBreakdown | None:
     else:
         end = state.last_ts
     end = max(end, t0)
-    # (moment, order among equal moments, kind, label, detail, steps, others): the stretch ending there.
-    moments: list[tuple[int, int, str, str, str, tuple, tuple]] = []
-    if r.queued_ts is not None:
-        moments.append((r.queued_ts, 0, "arrived", "arrived → queued", "the decode server's tokenizer", (), ()))
-    if room.reserved_ts is not None:
+    pre_parts = list(pre.parts) if pre is not None else []
+    chunks = [p for p in pre_parts if p.kind == "prefill" and p.steps]
+    p_done = chunks[-1].end_ts if chunks else None
+    res = room.reserved_ts
+    q_d = r.queued_ts
+    # Which branch the pull waited for: the decode side's slots, or the prefill side's KV.
+    decode_critical = p_done is not None and (res is None or res > p_done)
+    # (moment, kind, label, detail, steps, others): the stretch that ends at the moment.
+    moments: list[tuple[int | None, str, str, str, tuple, tuple]] = []
+    if decode_critical:
+        p_start = next((p.start_ts for p in pre_parts if p.kind == "queued"), None)
+        ran = f" ({fmt_dur(p_done - p_start)} from its queue to its last chunk)" if p_start is not None else ""
+        moments.append((q_d, "arrived", "arrived → queued", "the decode server's tokenizer", (), ()))
+        moments.append((None, "prefill", "prefill (in parallel)", f"the prefill server was done first{ran}", (), ()))
         detail = f"prealloc queue: waiting for a request row and {room.reserved_tokens} KV slots"
-        moments.append((room.reserved_ts, 1, "decode_queue", "decode queue", detail, (), ()))
-    last_chunk_end = None
-    if prefill is not None:
-        for p in prefill.parts:
-            where = "prefill server: "
+        if res is not None:
+            detail += f"; the prefill's KV was ready {fmt_dur(max(0, res - p_done))} before"
+        moments.append((res, "decode_queue", "decode queue", detail, (), ()))
+        handover = "the pull started once the slots were reserved; the KV was waiting on the bootstrap port"
+    else:
+        where = "prefill server: "
+        if pre_parts:
+            first = pre_parts[0]
+            moments.append((first.end_ts, "arrived", "arrived → queued", where + (first.detail or "tokenized"), (), ()))
+        elif q_d is not None:
+            moments.append((q_d, "arrived", "arrived → queued", "the decode server's tokenizer", (), ()))
+        if res is not None and q_d is not None:
+            detail = f"{fmt_dur(max(0, res - q_d))} in parallel: a request row and {room.reserved_tokens} KV slots"
+            moments.append((None, "decode_queue", "decode queue", detail, (), ()))
+        for p in pre_parts:
             if p.kind == "queued":
-                moments.append((p.end_ts, 2, "prefill_queue", "prefill queue", where + p.detail, p.steps, p.others))
-            elif p.kind == "prefill" and p.steps:
-                moments.append((p.end_ts, 3, "prefill", p.label, where + p.detail, p.steps, p.others))
-                last_chunk_end = p.end_ts
+                moments.append((p.end_ts, "prefill_queue", "prefill queue", where + p.detail, p.steps, p.others))
+            elif p in chunks:
+                moments.append((p.end_ts, "prefill", p.label, where + p.detail, p.steps, p.others))
+        handover = "first token sampled, KV copied out and offered on the bootstrap port, the pull answered"
     td = room.transfers.get("decode")
     if td is not None:
-        wire_start = td.ts - int(td.ms * 1e6)
-        if last_chunk_end is not None:
-            detail = "first token sampled, KV copied out and offered on the bootstrap port, the pull answered"
-            moments.append((wire_start, 4, "transfer", "handover", detail, (), ()))
-        moments.append((td.ts, 5, "transfer", "transfer", transfer_detail(td), (), ()))
-    moments.sort(key=lambda m: (m[0], m[1]))
+        moments.append((td.ts - int(td.ms * 1e6), "transfer", "handover", handover, (), ()))
+        moments.append((td.ts, "transfer", "transfer", transfer_detail(td), (), ()))
     parts: list[TtftPart] = []
     prev = t0
-    for ts, _, kind, label, detail, steps, others in moments:
-        if partial and ts > end:
+    for ts, kind, label, detail, steps, others in moments:
+        if partial and ts is not None and ts > end:
             break
-        stop = min(max(ts, prev), end)
+        stop = prev if ts is None else min(max(ts, prev), end)  # None: off the critical path, no time of its own
         parts.append(TtftPart(kind, label, prev, stop, detail, steps, others))
         prev = stop
     if not partial:
@@ -214,38 +232,39 @@ def _waiting_for(room: PDRoom, r) -> str:
 
 
 def journey(state, rid: str) -> list[tuple[str, int, int, str]]:
-    """A PD request's journey as (stage, start_ts, end_ts, detail), in time order: the TTFT parts
-    merged into JOURNEY_STAGES, then its decode on the decode server. `rid` may be either side's;
-    [] when it is no PD request or its peer is not in the trace."""
+    """A PD request's journey as (stage, start_ts, end_ts, detail), each stage as long as it really
+    was (the decode queue and the prefill overlap in time: the TTFT parts count only the critical
+    path), by start: decode queue, prefill queue, prefill, transfer (handover and wire), decode.
+    `rid` may be either side's; [] when it is no PD request or its peer is not in the trace."""
     pd: PDJoin | None = getattr(state, "pd", None)
     room = pd.room_of(rid) if pd else None
-    if room is None or room.decode_rid is None:
+    if room is None or room.decode_rid is None or room.prefill_rid is None:
         return []
-    b = pd_ttft_breakdown(state, room.decode_rid)
-    if b is None:
+    d, p = state.requests.get(room.decode_rid), state.requests.get(room.prefill_rid)
+    if d is None or p is None:
         return []
-    stage_of = {
-        "decode_queue": "decode queue",
-        "prefill_queue": "prefill queue",
-        "prefill": "prefill",
-        "transfer": "transfer",
-    }
     out: list[tuple[str, int, int, str]] = []
-    for p in b.parts:
-        stage = stage_of.get(p.kind)
-        if stage is None:
-            continue
-        detail = p.detail if p.label == "transfer" else ""
-        if out and out[-1][0] == stage:
-            _, s, _, d = out.pop()
-            out.append((stage, s, p.end_ts, detail or d))
-        else:
-            out.append((stage, p.start_ts, p.end_ts, detail))
-    r = state.requests.get(room.decode_rid)
-    runs = [e for e in r.timeline if e.kind == "decode"] if r is not None else []
+    if d.queued_ts is not None and room.reserved_ts is not None:
+        out.append(("decode queue", d.queued_ts, room.reserved_ts, f"{room.reserved_tokens} KV slots reserved"))
+    pre = state.ttft_parts(room.prefill_rid)
+    chunks = [x for x in pre.parts if x.kind == "prefill" and x.steps] if pre is not None else []
+    if pre is not None and chunks:
+        q = next((x for x in pre.parts if x.kind == "queued"), None)
+        if q is not None:
+            out.append(("prefill queue", q.start_ts, q.end_ts, ""))
+        out.append(("prefill", chunks[0].start_ts, chunks[-1].end_ts, f"{len(chunks)} chunk(s)"))
+    td = room.transfers.get("decode")
+    if td is not None:
+        start = chunks[-1].end_ts if chunks else td.ts - int(td.ms * 1e6)
+        if room.reserved_ts is not None:
+            start = max(start, room.reserved_ts)
+        out.append(("transfer", start, td.ts, transfer_detail(td)))
+    runs = [e for e in d.timeline if e.kind == "decode"]
     if runs:
         steps = sum(e.count for e in runs)
         out.append(("decode", runs[0].ts, runs[-1].end_ts or runs[-1].ts, f"{steps} decode steps"))
+    order = {s: i for i, s in enumerate(JOURNEY_STAGES)}
+    out.sort(key=lambda x: (x[1], order[x[0]]))
     return out
 
 

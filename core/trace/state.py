@@ -539,6 +539,10 @@ class TraceState:
     def _on_scheduled(self, e: ev.ReqScheduled) -> None:
         r, b = self._req(e.rid)
         self._note_replica(e.rid, e.proc)
+        if e.extend_len == 0 and self.pd.role(e.rid) == "decode":  # PD: its KV came from the prefill server
+            self._timeline(r, TimelineEntry(e.ts, "installed", "KV written into its reserved slots; joins the batch"))
+            self._set_state(r, b, "prefilling", e.ts)
+            return
         self._record_chunk(r, b, e.ts, e.step, e.chunk_index, e.num_chunks, e.prefix_hit, e.extend_len)
         self._set_state(r, b, "prefilling", e.ts)
 

@@ -175,12 +175,14 @@ class TtftBreakdown:
     def summary(self) -> str:
         """One line: `TTFT 7.73 s = 6.64 s arrived → queued + 410 ms queued + 620 ms prefill (2 chunks)
         + 60 ms first token` (`so far` instead of TTFT while there is no first token)."""
-        terms = [f"{fmt_dur(p.ns)} {p.label}" for p in self.parts if p.kind != "prefill"]
         pre = [p for p in self.parts if p.kind == "prefill"]
-        if pre:
-            n = sum(1 for p in pre if p.steps)  # chunks (not the stretch since the last one)
-            term = f"{fmt_dur(sum(p.ns for p in pre))} prefill" + (f" ({n} chunks)" if n > 1 else "")
-            terms.insert(min(2, len(terms)), term)
+        terms = []
+        for p in self.parts:
+            if p.kind != "prefill":
+                terms.append(f"{fmt_dur(p.ns)} {p.label}")
+            elif p is pre[0]:  # the chunks as one term, where the first one is
+                n = sum(1 for p in pre if p.steps)  # chunks (not the stretch since the last one)
+                terms.append(f"{fmt_dur(sum(p.ns for p in pre))} prefill" + (f" ({n} chunks)" if n > 1 else ""))
         head = "so far" if self.partial else "TTFT"
         return f"{head} {fmt_dur(self.ttft_ns)} = " + " + ".join(terms)
 

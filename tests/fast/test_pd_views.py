@@ -114,6 +114,8 @@ def test_parts_sum_exactly_and_follow_the_journey():
     ]
     for a, c in zip(b.parts, b.parts[1:]):  # contiguous, none negative
         assert a.end_ts == c.start_ts and a.ns >= 0
+    dq = b.parts[1]  # the reservation ran in parallel with the prefill, which was the critical path
+    assert dq.ns == 0 and dq.detail.startswith("1.0 ms in parallel")
     q = next(p for p in b.parts if p.kind == "prefill_queue")
     assert "prefill server" in q.detail and "passed over by 1 step" in q.detail and q.steps == (1,)
     t = next(p for p in b.parts if p.label == "transfer")
@@ -130,13 +132,27 @@ def test_parts_sum_exactly_and_follow_the_journey():
 
 
 def test_a_full_decode_server_reserves_after_the_prefill():
-    """Moments order the parts: slots reserved after the prefill puts the decode queue after it."""
+    """The critical path: slots reserved after the prefill was done put the decode queue on it, and
+    the prefill off it (a part of no time that says how long it ran in parallel)."""
     st = _state(_pair(reserve_at=45, chunk_ms=(10, 12)))
     b = st.ttft_parts("r1")
     assert sum(p.ns for p in b.parts) == b.ttft_ns
-    labels = [p.label for p in b.parts]
-    assert labels.index("chunk 2/2") < labels.index("decode queue") < labels.index("transfer")
-    assert [s for s, *_ in journey(st, "r1")][:3] == ["prefill queue", "prefill", "decode queue"]
+    assert [p.label for p in b.parts] == [
+        "arrived → queued",
+        "prefill (in parallel)",
+        "decode queue",
+        "handover",
+        "transfer",
+        "first token",
+    ]
+    par = b.parts[1]
+    assert par.ns == 0 and "30 ms from its queue to its last chunk" in par.detail
+    dq = b.parts[2]
+    assert dq.ns == 43 * MS and "ready 13 ms before" in dq.detail
+    # the journey keeps each stage's real length, by start
+    j = journey(st, "r1")
+    assert [s for s, *_ in j] == ["decode queue", "prefill queue", "prefill", "transfer", "decode"]
+    assert j[0][2] - j[0][1] == 43 * MS and j[2][2] - j[2][1] == 22 * MS
 
 
 def test_in_flight_and_clamped_parts_still_sum():

@@ -9,6 +9,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 from workbench.core.trace.palette import COMPUTED, DECODE, RETRACTED, WAITING
+from workbench.core.trace.pd import journey_line
 from workbench.core.trace.ttft import TtftBreakdown
 from workbench.core.trace.views import RequestView
 from workbench.tui.fmt import fmt_s, shorten
@@ -24,6 +25,10 @@ _KIND_STYLE = {
     "retracted": f"bold {RETRACTED}",
     "finished": "bold",
     "aborted": "bold red",
+    # disaggregated: the decode side reserved its slots, each side's end of the KV handover, the install
+    "reserved": WAITING,
+    "transfer": "magenta",
+    "installed": COMPUTED,
 }
 
 
@@ -42,8 +47,25 @@ def shared_steps(model: TuiModel, r: RequestView) -> tuple[dict[int, list[str]],
 
 
 # TTFT parts: waiting colours until the scheduler admits it, then prefill, then the token.
-_PART_STYLE = {"arrived": f"italic {WAITING}", "queued": WAITING, "prefill": COMPUTED, "first_token": DECODE}
-_PART_BAR = {"arrived": "░", "queued": "▒", "prefill": "█", "first_token": "▌"}
+# A disaggregated request's decode side adds its decode queue, the prefill server's queue and the transfer.
+_PART_STYLE = {
+    "arrived": f"italic {WAITING}",
+    "queued": WAITING,
+    "decode_queue": WAITING,
+    "prefill_queue": f"italic {WAITING}",
+    "prefill": COMPUTED,
+    "transfer": "magenta",
+    "first_token": DECODE,
+}
+_PART_BAR = {
+    "arrived": "░",
+    "queued": "▒",
+    "decode_queue": "▒",
+    "prefill_queue": "░",
+    "prefill": "█",
+    "transfer": "≈",
+    "first_token": "▌",
+}
 
 
 def ttft_bar(b: TtftBreakdown, width: int = 40) -> Text:
@@ -102,6 +124,16 @@ def render_detail(model: TuiModel, rid: str | None, text_chars: int = 1200) -> T
         + "\n"
     )
     out.append(f"TTFT {fmt_s(r.ttft)} · TPOT {fmt_s(r.tpot)} · E2E {fmt_s(r.e2e)}\n", style="bold")
+    role = model.state.pd.role(r.rid)
+    if role is not None:  # disaggregated: its peer on the other server and the journey across both
+        peer = model.state.pd.peer(r.rid)
+        out.append(
+            f"{role} side of room {model.state.pd.room_of(r.rid).room}; {'prefill' if role == 'decode' else 'decode'}: {peer or '(not seen)'}\n"
+        )
+        line = journey_line(model.state, r.rid)
+        if line:
+            out.append("journey ", style="bold")
+            out.append(line + "\n")
     breakdown = model.state.ttft_parts(r.rid)
     if breakdown is not None and breakdown.parts:
         out.append_text(render_ttft(breakdown))

@@ -170,7 +170,11 @@ class QueuesPanel(TracePanel):
         title = f"Queues — waiting {q['waiting']} · new {q['new']} · running {q['running']} · chunked {q['chunked']}"
         replicas = st.replicas()
         if replicas:  # data parallel: each replica's own queues, side by side
-            title += "  |  " + "  ".join(f"dp{v.dp_rank} {len(v.waiting)}w/{len(v.running)}r" for v in replicas)
+            # a disaggregated pair's servers say their role (dp0 prefill, dp1 decode)
+            title += "  |  " + "  ".join(
+                f"dp{v.dp_rank}{(' ' + st.pd.role_label(v.proc)).rstrip()} {len(v.waiting)}w/{len(v.running)}r"
+                for v in replicas
+            )
         self.border_title = title
         table = self.query_one(DataTable)
         rows = queue_rows(model)

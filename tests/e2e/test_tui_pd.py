@@ -1,0 +1,84 @@
+"""`workbench tui --disaggregation` (issue #38 item 4): a real 1P1D pair (two Engines in this process,
+the KV moving over the TCP transport) in the real app. Both servers side by side in the Prefill |
+Decode panel, labelled by role; a request's journey (prefill queue → prefill → transfer → decode)
+in that panel and in Request detail, whose TTFT parts sum exactly to the TTFT."""
+
+from __future__ import annotations
+
+import pytest
+from textual.widgets import Static
+from tui_helpers import wait_for
+from workbench.tui.fmt import plain_text
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+async def test_tui_disaggregation_shows_both_servers_and_the_journey():
+    import argparse
+
+    from workbench.core.args import ServerArgs
+    from workbench.tui.app import WorkbenchApp
+    from workbench.tui.cli import add_tui_args, make_controller
+    from workbench.tui.pd import PDController
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    add_tui_args(parser)
+    args = parser.parse_args(
+        ["--disaggregation", "--workload", "chat", "--rate", "4", "--workload-max-new-tokens", "4"]
+        + ["--max-total-tokens", "4096", "--random-seed", "0"]
+    )
+    controller = make_controller(args)
+    assert isinstance(controller, PDController)
+    app = WorkbenchApp(controller, layout="grid")
+    async with app.run_test(size=(180, 60)) as pilot:
+        await wait_for(app.ready.is_set, 120)
+        st = app.model.state
+
+        def finished_pd():  # decode-side requests whose prefill side and transfer are in the trace
+            return [
+                rid
+                for rid, r in st.requests.items()
+                if r.state == "finished" and st.pd.role(rid) == "decode" and "decode" in st.pd.room_of(rid).transfers
+            ]
+
+        await wait_for(lambda: len(finished_pd()) >= 2, 90)
+        assert st.pd.role_label("scheduler.dp0") == "prefill" and st.pd.role_label("scheduler.dp1") == "decode"
+        rid = finished_pd()[0]
+        app.select_request(rid)
+        await wait_for(lambda: "pd" in app.panels, 10)  # the panel joins with the first pd.* event
+        await pilot.pause(0.5)
+        app.refresh_panels(force=True)
+        await pilot.pause(0.2)
+
+        b = st.ttft_parts(rid)
+        r = st.requests[rid]
+        assert sum(p.ns for p in b.parts) == b.ttft_ns == r.first_token_ts - r.arrival_ts
+        kinds = [p.kind for p in b.parts]
+        assert kinds[0] == "arrived" and kinds[-1] == "first_token"
+        for k in ("decode_queue", "prefill", "transfer"):  # prefill_queue too, when the prefill was the later
+            assert k in kinds, kinds
+        assert kinds.index("prefill") < kinds.index("transfer") and kinds.index("decode_queue") < kinds.index(
+            "transfer"
+        )
+
+        pd = app.panels["pd"]
+        prefill_pane = plain_text(pd.query_one("#pd-prefill", Static).content, 90)
+        decode_pane = plain_text(pd.query_one("#pd-decode", Static).content, 90)
+        assert "PREFILL" in prefill_pane and "scheduler.dp0" in prefill_pane
+        assert "DECODE" in decode_pane and "prealloc queue" in decode_pane and "transfers" in decode_pane
+        journey = plain_text(pd.query_one("#pd-journey", Static).content, 200)
+        assert f"journey of {rid}" in journey
+        stages = [ln.split("s ", 1)[1][:14].strip() for ln in journey.splitlines()[1:] if ln.strip().startswith("+")]
+        order = [stages.index(s) for s in ("prefill queue", "prefill", "transfer", "decode")]
+        assert order == sorted(order) and "decode queue" in stages, journey
+        assert "tokens" in journey and ("MB" in journey or "KB" in journey)  # the transfer's size
+
+        detail = plain_text(app.query_one("#detail-body", Static).content, 200)
+        assert "decode side of room" in detail and "journey" in detail
+        for label in ("decode queue", "prefill queue", "transfer", "first token"):
+            assert label in detail, detail
+        assert "ATTACHED" not in app.controller.status() and "1P1D" in app.controller.status()
+        queues_title = str(app.panels["queues"].border_title)
+        assert "dp0 prefill" in queues_title and "dp1 decode" in queues_title
+        await pilot.press("q")
