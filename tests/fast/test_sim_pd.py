@@ -149,3 +149,25 @@ def test_pd_flags_without_pd_say_what_to_add(capsys):
 
     with pytest.raises(SystemExit, match="--pd xPyD"):
         main(["sim", "run", "--model", MODEL, "--simulate", HW, "--pd-link-gbps", "10", "--num-requests", "1"])
+
+
+async def test_the_tui_replays_a_pd_recording_with_every_replica(tmp_path):
+    """`workbench replay` of a simulated 1P2D run: every request finished on both sides (the status line's
+    `done` counts the prefill halves too, as two servers' traces do) and the three schedulers side by side."""
+    from textual.widgets import Static
+    from tui_helpers import replay_app, show_at, wait_for
+
+    work = poisson_workload(rate=20, n=12, prompt_len=(100, 300), output_len=(4, 12), seed=5)
+    path = tmp_path / "pd.jsonl"
+    rec = Recorder(path, model="SIMULATED h100 1P2D llama-3.1-70b")
+    PDSimulator("llama-3.1-70b", "h100", 1, 2, 8, 8, trace_sink=rec, max_running_requests=32).run(work)
+    rec.close()
+    app, replay = replay_app(str(path))
+    async with app.run_test(size=(160, 50)) as pilot:
+        await show_at(app, pilot, replay, replay.end_ns)
+        await wait_for(lambda: app.model.state.counters.num_requests_total == 24)
+        app.refresh_panels(force=True)
+        await pilot.pause()
+        assert "done 24" in " ".join(str(w.render()) for w in app.query(Static))
+        assert [v.proc for v in app.model.state.replicas()] == ["scheduler.dp0", "scheduler.dp1", "scheduler.dp2"]
+        assert all(r.state == "finished" for r in app.model.state.requests.values())
