@@ -18,6 +18,7 @@ import torch
 from scheduler_harness import SchedulerHarness, expected_tokens
 from workbench.core.args import ServerArgs
 from workbench.core.disaggregation import mooncake as mc
+from workbench.core.disaggregation.backends import make_receiver, make_sender
 from workbench.core.disaggregation.transfer import KVLayout, RoomInUseError, TransferMeta, _read_frame, _Reply
 from workbench.core.entrypoints.server_process import free_port
 
@@ -75,7 +76,9 @@ def test_a_missing_engine_says_what_to_install(monkeypatch):
     msg = str(info.value)
     assert "pip install mooncake-transfer-engine-non-cuda" in msg
     assert "apt install libibverbs1 libnl-3-200 libnl-route-3-200" in msg and "tcp (built in)" in msg
-    assert ServerArgs(disaggregation_transfer_backend="mooncake").disaggregation_transfer_backend == "mooncake"
+    args = ServerArgs(disaggregation_transfer_backend="mooncake", disaggregation_mode="decode")
+    with pytest.raises(RuntimeError, match="pip install mooncake-transfer-engine-non-cuda"):
+        make_receiver(args)  # what a decode server's scheduler builds at start-up
 
 
 @needs_mooncake
@@ -216,8 +219,6 @@ def test_cancel_reports_nothing_and_frees_the_sender(sender, receiver):
 
 @needs_mooncake
 def test_the_backend_is_chosen_by_server_args():
-    from workbench.core.disaggregation.backends import make_receiver, make_sender
-
     args = ServerArgs(disaggregation_transfer_backend="mooncake", disaggregation_bootstrap_port=free_port(), host=HOST)
     s, r = make_sender(args), make_receiver(args)
     try:
