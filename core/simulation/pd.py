@@ -23,7 +23,8 @@ decode side, "r<i>.prefill" on the prefill side, as two servers name it each the
 reads the decode replica's tokens (the prefill's one-token answer is dropped, as the router drops it; it
 is still traced, as a prefill server's tokenizer manager traces it). TTFT is then
 
-    prefill (queue + pass, prefill replica) + transfer wait + transfer + decode wait (install, first token out)
+    prefill wait (trip in, queue) + prefill (its passes, chunks and all) + transfer wait (the prefill
+    replica's links busy) + transfer + decode wait (the next poll, the first token out)
 
 and `PDResult.ttft_parts` holds those parts per request; they sum to the TTFT exactly.
 
@@ -303,6 +304,7 @@ class PDSimulator:
         for rep in self.prefill.replicas + self.decode.replicas:
             rep.io = rep.scheduler.io = _StampedIO(rep.clock)
         for rep in self.prefill.replicas:
+            rep.worker.first_pass = {}  # when each prompt's first pass began (ttft_parts' prefill_wait)
             rep.scheduler.disagg = PrefillBootstrap(rep.scheduler, sender=self.link.sender(rep.clock))
         for rep in self.decode.replicas:
             rep.scheduler.disagg = DecodeTransferQueue(rep.scheduler, receiver=self.link.receiver(rep.clock))
@@ -404,14 +406,19 @@ class PDSimulator:
         start = min((r.arrival for r in workload), default=0.0)
         res.sim_s = max(r.clock.now for r in reps) + pre.tm_out_s - start
         res.transferred_bytes = sum(r.nbytes for r in self.link.log.values())
+        first_pass: dict[str, float] = {}
+        for rep in pre.replicas:
+            first_pass.update(rep.worker.first_pass or {})
         for i, r in enumerate(workload):
             room = self.link.log.get(i)
             rid = f"r{i}"
             if room is None or rid not in front.first:
                 continue
             assert room.put_at is not None and room.start is not None and room.done is not None
+            began = first_pass.get(prefill_rid(i), r.arrival)
             res.ttft_parts[rid] = {
-                "prefill": room.put_at - r.arrival,
+                "prefill_wait": began - r.arrival,
+                "prefill": room.put_at - began,
                 "transfer_wait": room.start - room.put_at,
                 "transfer": room.done - room.start,
                 "decode_wait": front.first[rid] - room.done,

@@ -66,6 +66,9 @@ class SimWorker:
         self._last_ms = 0.0
         self.busy_s = 0.0  # simulated time spent in passes
         self.passes = 0
+        # rid -> when the first pass with that request began (kept when a dict is set: the PD simulator's
+        # prefill replicas, to split a request's wait from its prefill)
+        self.first_pass: dict[str, float] | None = None
 
     def compute(self, mwb: ModelWorkerBatch):
         """The pass's predicted cost and its sampled tokens; the clock is the caller's to move."""
@@ -76,6 +79,9 @@ class SimWorker:
             cost.draft = self.drafter.take_pending()
         self.busy_s += cost.total
         self.passes += 1
+        if self.first_pass is not None:
+            for req in mwb.reqs or []:
+                self.first_pass.setdefault(req.rid, self.clock.now)
         vocab = self.model_runner.model_config.vocab_size
         ids = torch.randint(FIRST_TOKEN, vocab, (sum(rows),), generator=self.rng, dtype=torch.int64)
         if mwb.spec_rows and self.accept_rate is not None:

@@ -1,7 +1,8 @@
 """Simulated PD deployments (issue #38 item 5): the real schedulers of prefill and decode replicas with
 the real PrefillBootstrap and DecodeTransferQueue, over a KV transport on the simulated clock.
 
-- 1P1D on a small model: every request's TTFT is prefill + transfer wait + transfer + decode wait, the
+- 1P1D on a small model: every request's TTFT is prefill wait + prefill + transfer wait + transfer +
+  decode wait, the
   transfer is the prompt's KV bytes / the link's bandwidth + its latency, and the recording's events say
   the same (req.arrived -> req.first_token, each side's pd.transfer with its bytes and ms);
 - a request alone is slower through PD than co-located by exactly its transfer time;
@@ -67,6 +68,7 @@ def test_ttft_is_prefill_plus_transfer_plus_decode_wait_and_the_trace_agrees(tmp
         assert min(parts.values()) >= 0
     assert res.transferred_bytes == per_token * sum(r.prompt_len for r in work)
     assert any(p["transfer_wait"] > 0 for p in res.ttft_parts.values())  # the burst queued on the link
+    assert any(p["prefill_wait"] > 0 for p in res.ttft_parts.values())  # ... and for the prefill replica
 
     events = _events(tmp_path / "pd.jsonl")
     arrived = {e.rid: e.ts for e in events if isinstance(e, ev.ReqArrived)}
@@ -100,7 +102,11 @@ def test_a_lone_request_pays_exactly_its_transfer_over_co_located():
     for i, r in enumerate(work):
         extra = pd.ttft[f"r{i}"] - co.ttft[f"r{i}"]
         assert extra == pytest.approx(sim.link.transfer_s(r.prompt_len), rel=1e-6)
-        assert pd.ttft_parts[f"r{i}"]["transfer_wait"] == 0 and pd.ttft_parts[f"r{i}"]["decode_wait"] == 0
+        parts = pd.ttft_parts[f"r{i}"]
+        assert parts["prefill_wait"] == parts["transfer_wait"] == parts["decode_wait"] == 0
+        # the prefill is the one pass the cost model prices for the prompt
+        pass_s = sim.prefill.cost.step([r.prompt_len], [r.prompt_len]).total
+        assert parts["prefill"] == pytest.approx(pass_s, rel=1e-9)
 
 
 def test_pd_and_co_located_decide_the_same_tokens():
