@@ -90,8 +90,9 @@ class _Ask(msgspec.Struct):
     magic: str
     room: int
     layout: KVLayout
-    session: str  # the decode side's engine, "host:rpc_port"
-    addr: int  # its registered receive buffer: layout.nbytes, k[0] v[0] k[1] v[1] ...
+    # defaults so a tcp decode side's request (no session, no buffer) still decodes and gets the protocol error
+    session: str = ""  # the decode side's engine, "host:rpc_port"
+    addr: int = 0  # its registered receive buffer: layout.nbytes, k[0] v[0] k[1] v[1] ...
 
 
 class MooncakeKVSender(KVSender):

@@ -19,7 +19,15 @@ from scheduler_harness import SchedulerHarness, expected_tokens
 from workbench.core.args import ServerArgs
 from workbench.core.disaggregation import mooncake as mc
 from workbench.core.disaggregation.backends import make_receiver, make_sender
-from workbench.core.disaggregation.transfer import KVLayout, RoomInUseError, TransferMeta, _read_frame, _Reply
+from workbench.core.disaggregation.transfer import (
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    RoomInUseError,
+    TransferMeta,
+    _read_frame,
+    _Reply,
+)
 from workbench.core.entrypoints.server_process import free_port
 
 HOST = "127.0.0.1"
@@ -277,3 +285,22 @@ def test_pd_scheduler_pair_over_mooncake_equals_the_single_engine_reference():
         assert state["pd_received_bytes_total"] == 2 * 8 * sum(len(x) for x in prompts.values())
     finally:
         _close(p, d)
+
+
+@needs_mooncake
+def test_mixed_backends_fail_the_request_with_unknown_protocol(sender, receiver):
+    k, v = make_kv()
+    tcp_sender, tcp_receiver = KVSender(HOST, 0, hold_timeout_s=5.0), KVReceiver(timeout_s=5.0)
+    try:
+        sender.put(1, TransferMeta("a", 1), k, v)
+        tcp_receiver.submit(1, HOST, sender.port, KVLayout.of(k, v))  # tcp decode -> mooncake prefill
+        (st,) = wait_statuses(tcp_receiver, 1)
+        assert not st.ok and "unknown protocol 'workbench-kv/1'" in st.error
+        assert "the same --disaggregation-transfer-backend" in st.error
+        tcp_sender.put(2, TransferMeta("b", 1), k, v)
+        receiver.submit(2, HOST, tcp_sender.port, KVLayout.of(k, v))  # mooncake decode -> tcp prefill
+        (st,) = wait_statuses(receiver, 1)
+        assert not st.ok and f"unknown protocol {mc.MAGIC!r}" in st.error
+    finally:
+        tcp_sender.close()
+        tcp_receiver.close()
