@@ -90,6 +90,21 @@ def test_ttft_is_prefill_plus_transfer_plus_decode_wait_and_the_trace_agrees(tmp
     # replayed, the recording leaves nothing in flight and shows every replica
     state = TraceState()
     state.apply_many(events)
+    # the PD views' own split of the recording (core/trace/pd.py, joined by room) agrees with the simulator's
+    from workbench.core.trace.pd import pd_ttft_breakdown
+
+    for i in range(len(work)):
+        rid, parts = f"r{i}", res.ttft_parts[f"r{i}"]
+        b = pd_ttft_breakdown(state, rid)
+        assert (
+            b is not None
+            and not b.partial
+            and (b.end_ts - b.arrival_ts) / 1e9 == pytest.approx(res.ttft[rid], abs=2e-9)
+        )
+        seen = {p.label: (p.end_ts - p.start_ts) / 1e9 for p in b.parts}
+        assert seen["transfer"] == pytest.approx(parts["transfer"], abs=2e-9)
+        before = seen["arrived → queued"] + seen["prefill queue"] + seen["prefill"]
+        assert before == pytest.approx(parts["prefill_wait"] + parts["prefill"], abs=3e-9)
     assert state.requests[f"r{len(work) - 1}"].state == "finished"
     assert [v.proc for v in state.replicas()] == ["scheduler.dp0", "scheduler.dp1"]
 
