@@ -16,7 +16,7 @@ PD links (`pd_link_bw`, per device, one direction; the KV of disaggregated servi
 and H200 nodes (DGX H100/H200) give each GPU its own ConnectX-7 InfiniBand NDR port, 400 Gb/s = 50 GB/s;
 DGX A100 one ConnectX-6 HDR port per GPU, 200 Gb/s = 25 GB/s; an L4 server a 25 Gb/s Ethernet NIC (TCP);
 cpu-here a 10 Gb/s TCP link. Latency per transfer: 10 us over RDMA, 50 us over TCP (setup and first byte;
-assumed round figures, not measured here). docs/disaggregation_sim.md says how to change them.
+assumed round figures, not measured here). docs/disaggregation.md (Simulated PD deployments) says how to change them.
 """
 
 from __future__ import annotations
