@@ -10,6 +10,8 @@ module; everything else uses tiny random models from tiny_models.py.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 
 import pytest
@@ -47,10 +49,45 @@ def gguf_file():
 
 
 @pytest.fixture(scope="module")
-def reference_state_dict(gguf_file):
+def gguf_parsed_once():
+    """A context in which transformers' GGUF loader parses the file once and builds gguf's tensor-name
+    table once, for the references below only (never around our own conversion).
+
+    Left alone it parses the header (a 49k-entry vocabulary, in Python) for the config, again for the
+    weights and again for the tokenizer, and rebuilds the name table for each of the model's ~400
+    modules: ~35 of the ~55 s these references took. Both are pure: same file (opened read-only) or
+    same (architecture, layers) in, same object out, so what transformers returns is unchanged."""
+    import gguf
+
+    readers: dict = {}
+    new_reader, name_map = gguf.GGUFReader, functools.cache(gguf.get_tensor_name_map)
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = new_reader(path, *args, **kwargs)
+        return readers[key]
+
+    @contextlib.contextmanager
+    def active():
+        # transformers imports both names from gguf inside its functions, at each call.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gguf, "GGUFReader", reader)
+            mp.setattr(gguf, "get_tensor_name_map", name_map)
+            yield
+
+    yield active
+    readers.clear()
+
+
+@pytest.fixture(scope="module")
+def reference_state_dict(gguf_file, gguf_parsed_once):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+        )
     state = {k: v.detach() for k, v in model.state_dict().items()}
     config = model.config
     del model
@@ -75,10 +112,11 @@ def test_converted_weights_equal_transformers_gguf_loader(converted, reference_s
 
 
 @pytest.fixture(scope="module")
-def reference_tokenizer(gguf_file):
+def reference_tokenizer(gguf_file, gguf_parsed_once):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    with gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
 
 
 def _ids(encoded):
