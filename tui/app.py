@@ -137,6 +137,7 @@ class WorkbenchApp(App):
         self._last_tail: str | None = None  # None: the start-up box is not drawn yet
         self._chat_prompt = ""
         self._broken_panels: set[str] = set()
+        self._remounting = False
         self._quitting = False
         self._kind_cycle = list(KINDS)
 
@@ -187,11 +188,18 @@ class WorkbenchApp(App):
         return widget
 
     async def _mount_panels(self) -> None:
-        main = self.query_one("#main")
-        await main.remove_children()
-        self.panels = {n: self._make_panel(n) for n in self.panel_names}
-        titles = {n: self.registry.panels[n].title for n in self.panels}
-        await mount_layout(main, self.panels, titles, self.layout_mode)
+        # While the old widgets go and the new ones mount, a redraw would find half a panel and
+        # mark it broken for good (seen when a deferred panel joined under a running workload).
+        self._remounting = True
+        try:
+            main = self.query_one("#main")
+            await main.remove_children()
+            self.panels = {n: self._make_panel(n) for n in self.panel_names}
+            self._broken_panels.clear()  # fresh widgets get a fresh chance
+            titles = {n: self.registry.panels[n].title for n in self.panels}
+            await mount_layout(main, self.panels, titles, self.layout_mode)
+        finally:
+            self._remounting = False
 
     def _reveal_deferred(self) -> None:
         """Add the deferred panels whose condition now holds, and lay the screen out again."""
@@ -335,6 +343,8 @@ class WorkbenchApp(App):
 
     def refresh_panels(self, force: bool = False) -> None:
         """Redraw the visible panels from the model (force: even if nothing changed)."""
+        if self._remounting:
+            return
         for name, widget in self.visible_panels().items():
             if name in self._broken_panels:
                 continue

@@ -74,7 +74,9 @@ async def test_tui_disaggregation_shows_both_servers_and_the_journey():
         assert order == sorted(order) and "decode queue" in stages, journey
         assert "tokens" in journey and ("MB" in journey or "KB" in journey)  # the transfer's size
 
-        detail = plain_text(app.query_one("#detail-body", Static).content, 200)
+        errors = [ln.text for ln in app.model.log.lines if ln.category == "error"]
+        assert not app._broken_panels, errors
+        detail = plain_text(app.panels["detail"].query_one("#detail-body", Static).content, 200)
         assert "decode side of room" in detail and "journey" in detail
         for label in ("decode queue", "prefill queue", "transfer", "first token"):
             assert label in detail, detail
@@ -82,3 +84,52 @@ async def test_tui_disaggregation_shows_both_servers_and_the_journey():
         queues_title = str(app.panels["queues"].border_title)
         assert "dp0 prefill" in queues_title and "dp1 decode" in queues_title
         await pilot.press("q")
+
+
+def test_attach_of_a_real_pair_labels_the_servers_and_joins_them():
+    """`workbench tui --attach P D`: two servers publishing their traces (--trace-publish), requests
+    sent to both with a room as a PD router does; the attach controller says which server is which and
+    the merged picture joins each request's two sides."""
+    import random
+    import threading
+    import time
+
+    from workbench.core.engine import Engine
+    from workbench.core.entrypoints.server_process import free_port
+    from workbench.core.trace.state import TraceState
+    from workbench.tui.controller import MultiAttachController
+
+    bp, pa, da = free_port(), f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    kw = dict(show_progress=False, max_total_tokens=4096, random_seed=0)
+    prefill = Engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=bp, trace_publish=pa, **kw)
+    decode = Engine(disaggregation_mode="decode", trace_publish=da, **kw)
+    ctl = MultiAttachController([pa, da])
+    try:
+        ctl.start(lambda _: None)
+        time.sleep(1.0)  # the subscriptions connect before the requests' events are published
+        st = TraceState()
+        sp = {"max_new_tokens": 4, "temperature": 0}
+        for i, prompt in enumerate(["The capital of France is", "List three colours:"]):
+            pd = dict(bootstrap_host="127.0.0.1", bootstrap_port=bp, bootstrap_room=random.getrandbits(63))
+            t = threading.Thread(target=prefill.generate, args=(prompt, sp), kwargs=pd)
+            t.start()
+            decode.generate(prompt, sp, rid=f"d{i}", **pd)
+            t.join()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st.apply_many(ctl.drain())
+            done = [r for r in ("d0", "d1") if st.pd.room_of(r) and "decode" in st.pd.room_of(r).transfers]
+            if len(done) == 2 and all(st.pd.peer(r) in st.requests for r in done):
+                break
+            time.sleep(0.1)
+        assert "dp0 prefill, dp1 decode" in ctl.status()
+        assert st.pd.role_label("scheduler.dp0") == "prefill" and st.pd.role_label("scheduler.dp1") == "decode"
+        for rid in ("d0", "d1"):
+            b = st.ttft_parts(rid)
+            assert b is not None and not b.partial
+            assert sum(p.ns for p in b.parts) == b.ttft_ns
+            assert {"decode_queue", "prefill", "transfer"} <= {p.kind for p in b.parts}
+    finally:
+        ctl.close()
+        decode.shutdown()
+        prefill.shutdown()
