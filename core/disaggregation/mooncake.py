@@ -209,6 +209,24 @@ class _Pull:
         self.got = [0]  # KV bytes the prefill side reported written
 
 
+def _writer_gone(sock: socket.socket, grace_s: float = 2.0) -> bool:
+    """Tell the prefill side we are leaving (it stops between layers and closes) and wait up to grace_s for it
+    to close: True once it has, so nothing more can be written into our buffer."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+    deadline = time.monotonic() + grace_s
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if sock.recv(1 << 16) == b"":
+                return True
+    except TimeoutError:
+        return False
+    except OSError:
+        return True  # reset: the connection is gone, and with it the prefill side's writer
+    return False
+
+
 class MooncakeKVReceiver(KVReceiver):
     """The decode side: per room, registers a receive buffer with its Mooncake engine, asks the prefill server's
     bootstrap port to write the room's KV there, and returns k and v as views of it (submit/cancel/poll/
@@ -274,15 +292,18 @@ class MooncakeKVReceiver(KVReceiver):
         buf = torch.empty(layout.nbytes, dtype=torch.uint8)
         if self.engine.register_memory(buf.data_ptr(), layout.nbytes) != 0:
             return TransferStatus(room, False, 0, 0.0, "Mooncake could not register the decode side's KV buffer")
-        writer_done = True  # whether the prefill side can no longer write into buf
+        # whether the prefill side can no longer write into buf: from the ask on it may (even while we wait for
+        # its first reply, it may have claimed the room), until it says it is done or closes the connection
+        writer_done = False
         reply: _Reply | None = None
         try:
             _write_frame(sock, _Ask(MAGIC, room, layout, self.session, buf.data_ptr()))
             reply = _read_frame(sock, _Reply, deadline)
             wait_ms = (time.monotonic() - start) * 1e3
             if not reply.ok:
+                writer_done = True
                 return TransferStatus(room, False, 0, 0.0, reply.error, wait_ms=wait_ms)
-            writer_done, began = False, time.perf_counter()
+            began = time.perf_counter()
             while pull.got[0] < layout.nbytes:
                 step = _read_frame(sock, _Reply, deadline)
                 if not step.ok:
@@ -315,7 +336,7 @@ class MooncakeKVReceiver(KVReceiver):
         except msgspec.MsgspecError as exc:
             error = f"{where} sent a malformed reply for bootstrap room {room} ({exc}): is it a workbench prefill?"
         finally:
-            if writer_done:
+            if writer_done or _writer_gone(sock):
                 self.engine.unregister_memory(buf.data_ptr())
             else:
                 with self._lock:

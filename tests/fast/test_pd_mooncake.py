@@ -206,6 +206,7 @@ def test_receiver_times_out_when_nothing_is_put(sender):
         (st,) = wait_statuses(r, 1)
         assert not st.ok and "no KV for bootstrap room 8" in st.error and "within 0.5 s" in st.error
         assert "has not produced it" in st.error
+        assert r._parked == []  # the prefill side closed on our leaving, so the buffer was freed
     finally:
         r.close()
     time.sleep(0.3)
