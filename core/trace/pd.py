@@ -167,7 +167,7 @@ def pd_ttft_breakdown(state, rid: str, index: StepIndex | None = None) -> TtftBr
     decode_critical = p_done is not None and (res is None or res > p_done)
     # (moment, kind, label, detail, steps, others): the stretch that ends at the moment.
     moments: list[tuple[int | None, str, str, str, tuple, tuple]] = []
-    if decode_critical:
+    if p_done is not None and decode_critical:
         p_start = next((p.start_ts for p in pre_parts if p.kind == "queued"), None)
         ran = f" ({fmt_dur(p_done - p_start)} from its queue to its last chunk)" if p_start is not None else ""
         moments.append((q_d, "arrived", "arrived → queued", "the decode server's tokenizer", (), ()))
