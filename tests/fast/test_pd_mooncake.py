@@ -305,3 +305,20 @@ def test_mixed_backends_fail_the_request_with_unknown_protocol(sender, receiver)
     finally:
         tcp_sender.close()
         tcp_receiver.close()
+
+
+@needs_mooncake
+def test_receiver_cancelling_mid_transfer_stops_the_writes_and_frees_both_sides(sender, receiver):
+    k, v = make_kv(layers=64, tokens=1024, heads=4, dim=64)  # 128 MiB: hundreds of ms even on loopback
+    sender.put(11, TransferMeta("big", 1), k, v)
+    receiver.submit(11, HOST, sender.port, KVLayout.of(k, v))
+    deadline = time.monotonic() + 10
+    while (pull := receiver._pulls.get(11)) is None or pull.got[0] == 0:
+        assert time.monotonic() < deadline, "no layer arrived"
+        time.sleep(0.001)
+    receiver.cancel(11)
+    (st,) = wait_statuses(sender, 1)
+    assert not st.ok and "went away after" in st.error and 0 < st.nbytes < KVLayout.of(k, v).nbytes
+    assert sender.pending() == 0
+    time.sleep(0.3)
+    assert receiver.poll() == [] and receiver.in_flight() == 0 and receiver._parked == []
