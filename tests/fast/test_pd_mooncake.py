@@ -9,8 +9,11 @@ start-up error that says so, and runs everywhere.
 from __future__ import annotations
 
 import random
+import re
 import socket
+import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -322,3 +325,44 @@ def test_receiver_cancelling_mid_transfer_stops_the_writes_and_frees_both_sides(
     assert sender.pending() == 0
     time.sleep(0.3)
     assert receiver.poll() == [] and receiver.in_flight() == 0 and receiver._parked == []
+
+
+SENDER_THAT_DIES = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from workbench.core.disaggregation import mooncake
+    from workbench.core.disaggregation.transfer import TransferMeta
+    # the process SIGKILLs itself instead of reporting its second layer written: a prefill server dying
+    # mid-transfer, at a moment the test can count on
+    real_write_frame = mooncake._write_frame
+    def write_frame(sock, msg):
+        if getattr(msg, "nbytes", 0) >= 2 * 2 * 1024 * 4 * 64 * 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_write_frame(sock, msg)
+    mooncake._write_frame = write_frame
+    s = mooncake.MooncakeKVSender("127.0.0.1", 0)
+    k = [torch.ones(1024, 4, 64) for _ in range(4)]
+    s.put(31, TransferMeta("doomed", 0), k, [t.clone() for t in k])
+    print(s.port, flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+@needs_mooncake
+def test_sender_killed_mid_transfer_names_bytes_received(receiver):
+    proc = subprocess.Popen([sys.executable, "-c", SENDER_THAT_DIES], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        port = int(proc.stdout.readline())
+        layout = KVLayout(1024, 4, 4, 64, "torch.float32")
+        receiver.submit(31, HOST, port, layout)
+        (st,) = wait_statuses(receiver, 1)
+        assert proc.wait(timeout=10) == -9
+        assert not st.ok
+        m = re.search(r"closed the connection after (\d+) of (\d+) KV bytes of bootstrap room 31", st.error)
+        assert m, st.error
+        assert int(m[1]) == 2 * layout.tensor_nbytes and int(m[2]) == layout.nbytes and st.nbytes == int(m[1])
+        assert receiver._parked == []  # the writer is dead: the buffer was freed
+    finally:
+        proc.kill()
+        proc.wait()
