@@ -2,8 +2,8 @@
 
 Each pane is one server (its scheduler process, labelled with the role its pd.* events say): its
 queues, its KV pool, the rooms in each stage of the handover (prefill: KV held for a pull; decode:
-the prealloc queue, pulls in flight) and its latest transfers. Below both, the selected request's
-journey across the pair (prefill queue → prefill → transfer → decode queue → decode), joined by
+the prealloc queue, pulls in flight) and its latest transfers. Beside them, the selected request's
+journey across the pair (decode queue, prefill queue, prefill, transfer, decode), joined by
 bootstrap room (core/trace/pd.py). The panel joins the layout with the first pd.* event.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import Horizontal
+from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Static
 from workbench.core.trace.palette import COMPUTED, DECODE, WAITING
 from workbench.core.trace.pd import fmt_bytes, journey
@@ -42,7 +42,8 @@ def render_server(state: TraceState, role: str, proc: str | None, max_transfers:
     """One server's pane: queues, KV, rooms by stage, latest transfers."""
     out = Text()
     out.append(f"{role.upper()}", style="bold reverse")
-    out.append(f"  {proc or 'no events yet'}\n", style="dim")
+    out.append(" ")
+    out.append(f"{proc or 'no events yet'}\n", style="dim")
     if proc is None:
         return out
     q = state.queues_by_proc.get(proc)
@@ -78,7 +79,7 @@ def _done(state: TraceState, rid: str) -> bool:
 
 
 def render_journey(state: TraceState, rid: str | None) -> Text:
-    """The selected request's journey across both servers, one stage a line."""
+    """The selected request's journey across both servers, one stage a line, then its TTFT's parts."""
     out = Text()
     stages = journey(state, rid) if rid else []
     if not stages:
@@ -108,20 +109,23 @@ class PDPanel(TracePanel):
     TITLE = "Prefill | Decode"
     HELP = (
         "Disaggregated serving (a prefill server and a decode server): each server's queues, KV pool, "
-        "rooms in each stage of the KV handover and latest transfers, side by side; below, the selected "
+        "rooms in each stage of the KV handover and latest transfers, side by side; beside them, the selected "
         "request's journey across the pair (prefill queue, prefill, transfer with bytes and ms, decode "
         "queue, decode), joined by bootstrap room. Request detail splits its TTFT into those parts."
     )
+    # one row (the panel's grid row is short): prefill | decode | the selected request's journey
     DEFAULT_CSS = """
-    PDPanel #pd-servers { height: auto; }
+    PDPanel #pd-row { height: 1fr; }
     PDPanel .pd-server { width: 1fr; height: auto; padding: 0 1 0 0; }
+    PDPanel #pd-journey-box { width: 2fr; }
     """
 
     def compose(self) -> ComposeResult:
-        with Horizontal(id="pd-servers"):
+        with Horizontal(id="pd-row"):
             for role in ROLES:
                 yield Static(id=f"pd-{role}", classes="pd-server")
-        yield Static(id="pd-journey")
+            with VerticalScroll(id="pd-journey-box"):
+                yield Static(id="pd-journey")
 
     def update_view(self, model: TuiModel) -> None:
         st = model.state
