@@ -83,7 +83,7 @@ FLAG_HELP = {
     "after the prefill URL: --prefill URL PORT)",
     "disaggregation_transfer_backend": "how KV crosses from prefill to decode: tcp (built in: per-layer chunks "
     "over a socket, one machine or two) or mooncake (Mooncake's transfer engine writes the KV into the decode "
-    "side's buffer; pip install mooncake-transfer-engine-non-cuda, see docs/disaggregation_mooncake.md)",
+    "side's buffer; pip install mooncake-transfer-engine-non-cuda, see docs/disaggregation.md)",
     "disaggregation_transfer_timeout": "decode: seconds to wait for a prompt's KV before the request fails "
     "(and its reserved slots are freed); prefill: how long computed KV is held for a decode server to pull",
     "speculative_draft_model_path": "STANDALONE: a small draft model with the target's tokenizer",

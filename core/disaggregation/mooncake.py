@@ -19,7 +19,7 @@ write into it (it sent its last frame or closed the connection); a buffer whose 
 timeout mid-transfer) is parked for good rather than freed under it.
 
 ``pip install mooncake-transfer-engine-non-cuda`` gives the engine without CUDA; it speaks TCP everywhere and
-RDMA where the machine has an RDMA NIC. docs/disaggregation_mooncake.md says how to run it.
+RDMA where the machine has an RDMA NIC. docs/disaggregation.md (The Mooncake backend) says how to run it.
 """
 
 from __future__ import annotations

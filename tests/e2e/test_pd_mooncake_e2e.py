@@ -1,7 +1,7 @@
 """PD over Mooncake's transfer engine end to end: a prefill and a decode `workbench serve` (Engine + HTTP server)
 with --disaggregation-transfer-backend mooncake behind the real sglang-router; greedy outputs equal one co-located
 engine's, the decode side received exactly the prompts' KV, and no KV is left held on either side.
-Skipped where mooncake.engine does not import (docs/disaggregation_mooncake.md says what to install)."""
+Skipped where mooncake.engine does not import (docs/disaggregation.md, The Mooncake backend, says what to install)."""
 
 from __future__ import annotations
 
