@@ -83,6 +83,12 @@ async def test_tui_disaggregation_shows_both_servers_and_the_journey():
         assert "ATTACHED" not in app.controller.status() and "1P1D" in app.controller.status()
         queues_title = str(app.panels["queues"].border_title)
         assert "dp0 prefill" in queues_title and "dp1 decode" in queues_title
+        # the prompt box goes through the pair too: the answer is the decode server's
+        app.send_prompt("Say hello.")
+        await wait_for(app.chat_done.is_set, 60)
+        assert app.last_answer.strip(), "no answer through the PD pair"
+        chat = next(r for r in st.requests if r.startswith("chat-") and st.pd.role(r) == "decode")
+        assert st.pd.peer(chat) == f"{chat}.p"
         await pilot.press("q")
 
 
