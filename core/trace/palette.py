@@ -16,6 +16,7 @@ A meaning is a noun a view can point at:
   free       unallocated KV slots
   evicted    KV dropped from the cache to make room
   retracted  a running request pushed back to waiting because the KV pool ran out
+  transfer   KV handed from a prefill server to a decode server (disaggregated serving)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ PALETTE: dict[str, str] = {
     "free": "#bab0ac",  # grey
     "evicted": "#b07aa1",  # purple
     "retracted": "#ff9da7",  # pink
+    "transfer": "#499894",  # dark teal (Tableau 20): KV on the wire between two servers
 }
 
 #: meaning -> what it means, in the words the TUI help and the widget legends use.
@@ -44,6 +46,7 @@ MEANINGS: dict[str, str] = {
     "free": "free KV slots",
     "evicted": "KV evicted to make room",
     "retracted": "requests retracted (KV pool ran out)",
+    "transfer": "KV handed from prefill to decode (PD)",
 }
 
 #: Colours with no meaning of their own for neutral chrome (latency metrics are not states).
@@ -58,6 +61,7 @@ EVICTABLE = PALETTE["evictable"]
 FREE = PALETTE["free"]
 EVICTED = PALETTE["evicted"]
 RETRACTED = PALETTE["retracted"]
+TRANSFER = PALETTE["transfer"]
 
 
 def colour(meaning: str) -> str:

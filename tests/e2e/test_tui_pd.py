@@ -10,7 +10,7 @@ from textual.widgets import Static
 from tui_helpers import wait_for
 from workbench.tui.fmt import plain_text
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 
 async def test_tui_disaggregation_shows_both_servers_and_the_journey():

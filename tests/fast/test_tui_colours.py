@@ -25,7 +25,18 @@ NAMED = ("green", "yellow", "blue", "magenta", "orange", "purple", "cyan")
 def test_every_meaning_has_one_distinct_colour():
     assert (
         set(PALETTE)
-        == {"cached", "computed", "decode", "waiting", "locked", "evictable", "free", "evicted", "retracted"}
+        == {
+            "cached",
+            "computed",
+            "decode",
+            "waiting",
+            "locked",
+            "evictable",
+            "free",
+            "evicted",
+            "retracted",
+            "transfer",
+        }
         == set(MEANINGS)
     )
     assert all(re.fullmatch(r"#[0-9a-f]{6}", c) for c in PALETTE.values())

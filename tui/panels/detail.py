@@ -8,7 +8,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
-from workbench.core.trace.palette import COMPUTED, DECODE, RETRACTED, WAITING
+from workbench.core.trace.palette import COMPUTED, DECODE, RETRACTED, TRANSFER, WAITING
 from workbench.core.trace.pd import journey_line
 from workbench.core.trace.ttft import TtftBreakdown
 from workbench.core.trace.views import RequestView
@@ -27,7 +27,7 @@ _KIND_STYLE = {
     "aborted": "bold red",
     # disaggregated: the decode side reserved its slots, each side's end of the KV handover, the install
     "reserved": WAITING,
-    "transfer": "magenta",
+    "transfer": TRANSFER,
     "installed": COMPUTED,
 }
 
@@ -54,7 +54,7 @@ _PART_STYLE = {
     "decode_queue": WAITING,
     "prefill_queue": f"italic {WAITING}",
     "prefill": COMPUTED,
-    "transfer": "magenta",
+    "transfer": TRANSFER,
     "first_token": DECODE,
 }
 _PART_BAR = {

@@ -13,7 +13,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Static
-from workbench.core.trace.palette import COMPUTED, DECODE, WAITING
+from workbench.core.trace.palette import COMPUTED, DECODE, TRANSFER, WAITING
 from workbench.core.trace.pd import fmt_bytes, journey
 from workbench.core.trace.state import TraceState
 from workbench.core.trace.ttft import fmt_dur
@@ -25,7 +25,7 @@ _STAGE_STYLE = {
     "decode queue": WAITING,
     "prefill queue": WAITING,
     "prefill": COMPUTED,
-    "transfer": "bold magenta",
+    "transfer": f"bold {TRANSFER}",
     "decode": DECODE,
 }
 
