@@ -40,7 +40,7 @@ def add_tui_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a one-command demo of disaggregated serving: start a prefill and a decode server (1P1D) in "
         "this process behind a small PD router, both side by side, with the usual --scenario / --workload "
-        "(to watch a real pair: --attach PREFILL_ADDR DECODE_ADDR; docs/disaggregation_views.md)",
+        "(to watch a real pair: --attach PREFILL_ADDR DECODE_ADDR; docs/disaggregation.md)",
     )
     from workbench.scenarios import SCENARIOS
 

@@ -25,7 +25,7 @@ parallel. Every moment is clamped as in ttft.py, so the parts always sum to the 
 `journey` gives each stage as long as it really was (the two branches overlap there).
 Both traces must be on one clock: on one machine both servers stamp the
 host's monotonic clock; `workbench tui --attach` across two machines anchors each publisher on its
-first event, so cross-server parts are then only as good as that anchoring (docs/disaggregation_views.md).
+first event, so cross-server parts are then only as good as that anchoring (docs/disaggregation.md).
 """
 
 from __future__ import annotations
