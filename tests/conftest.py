@@ -147,6 +147,48 @@ def plugin_dir(tmp_path, monkeypatch):
     load_plugins(reload=True)  # leave the process-wide registry as it was
 
 
+# ==== one served engine for the files that ask for the same one ======================================
+# Started once for all its users and stopped after the last of them (not at the end of the session, so
+# it does not sit beside the tests that come after): name -> its open context, name -> last test's id.
+_SHARED_SERVED: dict = {}
+_LAST_USER: dict = {}
+
+
+@pytest.fixture(scope="session")
+def served_16k():
+    """An Engine (max_total_tokens=16384, the defaults otherwise) behind the HTTP server on a free
+    loopback port, as (engine, base_url): tests/e2e/test_structured_outputs.py and
+    tests/e2e/test_tool_calls.py each started this same one (one start-up fewer in the full tier).
+    Each of their tests ends with assert_no_kv_leak, which flushes the cache, so neither file sees
+    the other's prefixes."""
+    from pipeline_helpers import served_engine_at
+
+    opened = served_engine_at("127.0.0.1", 0, max_total_tokens=16384)
+    pair = opened.__enter__()
+    _SHARED_SERVED["served_16k"] = opened
+    yield pair
+    _stop_shared("served_16k")
+
+
+def _stop_shared(name: str) -> None:
+    opened = _SHARED_SERVED.pop(name, None)
+    if opened is not None:
+        opened.__exit__(None, None, None)
+
+
+def pytest_collection_finish(session):
+    _LAST_USER.clear()
+    for item in session.items:  # after deselection: what will run, in order
+        for name in set(getattr(item, "fixturenames", ())) & {"served_16k"}:
+            _LAST_USER[name] = item.nodeid
+
+
+def pytest_runtest_teardown(item, nextitem):
+    for name, nodeid in _LAST_USER.items():
+        if item.nodeid == nodeid:
+            _stop_shared(name)
+
+
 # ==== two tiers, by folder ==========================================================================
 # tests/fast is the fast tier (`make test`, after every change: unit, reducer, in-process scheduler, kernels,
 # tiny models, the TUI on recordings); tests/e2e the rest of what CI runs (`make test-full`: real engines,

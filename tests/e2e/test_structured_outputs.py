@@ -13,7 +13,7 @@ import re
 
 import httpx
 import pytest
-from pipeline_helpers import assert_no_kv_leak, served_engine
+from pipeline_helpers import assert_no_kv_leak
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the test tier installs it)")
@@ -72,9 +72,8 @@ EBNF = 'root ::= "The answer is " ("yes" | "no") "."'
 
 
 @pytest.fixture(scope="module")
-def served():
-    with served_engine(max_total_tokens=16384) as pair:
-        yield pair
+def served(served_16k):
+    return served_16k  # tests/conftest.py: the same engine serves tests/e2e/test_tool_calls.py
 
 
 def _check_json(text: str, schema: dict) -> None:

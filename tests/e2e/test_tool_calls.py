@@ -60,9 +60,8 @@ LLAMA3_EBNF = 'root ::= "{\\"name\\": \\"get_time\\", \\"parameters\\": {\\"tz\\
 
 
 @pytest.fixture(scope="module")
-def served():
-    with served_engine(max_total_tokens=16384) as pair:
-        yield pair
+def served(served_16k):
+    return served_16k  # tests/conftest.py: the same engine serves tests/e2e/test_structured_outputs.py
 
 
 def _client(url):

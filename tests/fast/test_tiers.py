@@ -14,8 +14,9 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 TIERS = ("fast", "e2e")
-# conftest fixtures that load the real default model beside transformers' reference (minutes on 2 cores).
-REFERENCE_MODEL_FIXTURES = {"hf_model", "runner_fp32"}
+# conftest fixtures that load the real default model beside transformers' reference (minutes on 2 cores),
+# or serve it (a three-process engine behind the HTTP server).
+REFERENCE_MODEL_FIXTURES = {"hf_model", "runner_fp32", "served_16k"}
 # Calls that start a three-process engine or a server. The fast files allowed to make them, and why.
 STARTS_PROCESSES = re.compile(r"(?<![A-Za-z_.])(Engine|start_server|served_engine|launch_server|ServerProcess)\(")
 STARTS_PROCESSES_OK = {
