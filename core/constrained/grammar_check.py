@@ -191,18 +191,26 @@ def build_grammar(kind: str, text: str) -> Any:
             raise
         raise ValueError(f"invalid {kind}: {_first_line(e)}") from None
     except Exception as e:  # xgrammar raises RuntimeError and its own types
+        if kind == "json_schema" and "Circular $ref" in str(e):
+            # xgrammar >= 0.2.9 refuses a bare $ref loop itself; say it as the rule check below does
+            raise ValueError(f"invalid {kind}: {_NO_FINITE_VALUE} ({_first_line(e)})") from None
         raise ValueError(f"invalid {kind}: {_first_line(e)}") from None
     dead = unproductive_rules(str(grammar))
     if dead:
         what = (
-            "the schema admits no finite value: every way through it loops back through a $ref "
-            '(as {"$ref": "#"} or a cycle of $defs does); give the recursion a way out, such as an '
-            "optional property or an anyOf branch without the $ref"
+            _NO_FINITE_VALUE
             if kind == "json_schema"
             else "no output can ever complete it: its rules only loop back into each other"
         )
         raise ValueError(f"invalid {kind}: {what} (rules without an end: {', '.join(sorted(dead)[:5])})")
     return grammar
+
+
+_NO_FINITE_VALUE = (
+    "the schema admits no finite value: every way through it loops back through a $ref "
+    '(as {"$ref": "#"} or a cycle of $defs does); give the recursion a way out, such as an '
+    "optional property or an anyOf branch without the $ref"
+)
 
 
 def check_grammar(kind: str, text: str) -> None:
