@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-PANELS = ("queues", "batch", "tree", "kv", "latency", "events", "detail", "experts")
+PANELS = ("queues", "batch", "tree", "kv", "latency", "events", "detail", "experts", "pd")
 
 
 def test_builtin_panels_register_lazily():
