@@ -19,6 +19,7 @@ scheduler later retracts under memory pressure is recomputed here like any retra
 
 from __future__ import annotations
 
+from workbench.core.disaggregation import transfer_event
 from workbench.core.disaggregation.backends import make_receiver
 from workbench.core.disaggregation.transfer import KVLayout, KVReceiver, RoomInUseError, TransferStatus
 from workbench.core.managers.schedule_batch import FinishReason
@@ -188,19 +189,7 @@ class DecodeTransferQueue:
             self.failed_total += 1
         tracer = self.scheduler.tracer
         if tracer.enabled:
-            tracer.emit(
-                ev.PDTransfer(
-                    rid=req.rid,
-                    room=status.room,
-                    role="decode",
-                    tokens=len(req.origin_input_ids),
-                    nbytes=status.nbytes,
-                    ms=status.ms,
-                    wait_ms=status.wait_ms,
-                    ok=status.ok,
-                    error=status.error or "",
-                )
-            )
+            tracer.emit(transfer_event(status, rid=req.rid, role="decode", tokens=len(req.origin_input_ids)))
 
     # ---- what the loop and the checks read ---------------------------------------------------
     def has_pending(self) -> bool:

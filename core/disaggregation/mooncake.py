@@ -40,6 +40,7 @@ from workbench.core.disaggregation.transfer import (
     _Closed,
     _Held,
     _peer_gone,
+    _Pull,
     _read_frame,
     _Reply,
     _Timeout,
@@ -201,14 +202,6 @@ class MooncakeKVSender(KVSender):
         self._finish(room, held, TransferStatus(room, True, sent, ms, None, held.meta, wait_ms=wait_ms))
 
 
-class _Pull:
-    def __init__(self, room: int, host: str, port: int, layout: KVLayout):
-        self.room, self.host, self.port, self.layout = room, host, port, layout
-        self.sock: socket.socket | None = None
-        self.cancelled = False
-        self.got = [0]  # KV bytes the prefill side reported written
-
-
 def _writer_gone(sock: socket.socket, grace_s: float = 2.0) -> bool:
     """Tell the prefill side we are leaving (it stops between layers and closes) and wait up to grace_s for it
     to close: True once it has, so nothing more can be written into our buffer."""
@@ -256,7 +249,7 @@ class MooncakeKVReceiver(KVReceiver):
                     f"bootstrap room {room} is already being received by this decode server: every request needs "
                     "its own bootstrap_room"
                 )
-            pull = self._pulls[room] = _Pull(room, host, port, layout)  # type: ignore[assignment]
+            pull = self._pulls[room] = _Pull(room, host, port, layout)
         threading.Thread(target=self._run, args=(pull,), name=f"kv-mooncake:{room}", daemon=True).start()
 
     def cancel(self, room: int) -> None:
@@ -272,23 +265,13 @@ class MooncakeKVReceiver(KVReceiver):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_WR)
 
-    def _pull(self, pull: _Pull) -> TransferStatus:  # type: ignore[override]
+    def _pull(self, pull: _Pull) -> TransferStatus:
         room, layout, where = pull.room, pull.layout, f"{pull.host}:{pull.port}"
         start = time.monotonic()
         deadline = start + self.timeout_s
-        try:
-            sock = socket.create_connection((pull.host, pull.port), timeout=self.connect_timeout_s)
-        except OSError as exc:
-            why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc)).lower()
-            error = (
-                f"could not reach the prefill server's bootstrap port at {where} ({why}): is the prefill server "
-                f"running with --disaggregation-bootstrap-port {pull.port}?"
-            )
-            return TransferStatus(room, False, 0, 0.0, error)
-        with self._lock:
-            pull.sock = sock
-            if pull.cancelled:
-                return TransferStatus(room, False, 0, 0.0, "cancelled")
+        sock = self._connect(pull)
+        if isinstance(sock, TransferStatus):
+            return sock
         buf = torch.empty(layout.nbytes, dtype=torch.uint8)
         if self.engine.register_memory(buf.data_ptr(), layout.nbytes) != 0:
             return TransferStatus(room, False, 0, 0.0, "Mooncake could not register the decode side's KV buffer")

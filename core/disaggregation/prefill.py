@@ -18,6 +18,7 @@ server (one token) is what SGLang's router discards: the client reads the decode
 from __future__ import annotations
 
 import msgspec
+from workbench.core.disaggregation import transfer_event
 from workbench.core.disaggregation.backends import make_sender
 from workbench.core.disaggregation.transfer import KVSender, TransferMeta, TransferStatus
 from workbench.core.trace import events as ev
@@ -121,16 +122,8 @@ class PrefillBootstrap:
         tracer = self.scheduler.tracer
         if tracer.enabled:
             tracer.emit(
-                ev.PDTransfer(
-                    rid=rid or (status.meta.rid if status.meta else ""),
-                    room=status.room,
-                    role="prefill",
-                    tokens=tokens,
-                    nbytes=status.nbytes,
-                    ms=status.ms,
-                    wait_ms=status.wait_ms,
-                    ok=status.ok,
-                    error=status.error or "",
+                transfer_event(
+                    status, rid=rid or (status.meta.rid if status.meta else ""), role="prefill", tokens=tokens
                 )
             )
 

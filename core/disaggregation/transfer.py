@@ -457,23 +457,30 @@ class KVReceiver:
             del self._pulls[pull.room]
             self._done.append(status)
 
-    def _pull(self, pull: _Pull) -> TransferStatus:
-        room, layout, where = pull.room, pull.layout, f"{pull.host}:{pull.port}"
-        start = time.monotonic()
-        deadline = start + self.timeout_s
+    def _connect(self, pull: _Pull) -> socket.socket | TransferStatus:
+        """The pull's connection to the prefill's bootstrap port, or the failed status to report (either backend)."""
         try:
             sock = socket.create_connection((pull.host, pull.port), timeout=self.connect_timeout_s)
         except OSError as exc:
             why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc)).lower()
             error = (
-                f"could not reach the prefill server's bootstrap port at {where} ({why}): is the prefill server "
-                f"running with --disaggregation-bootstrap-port {pull.port}?"
+                f"could not reach the prefill server's bootstrap port at {pull.host}:{pull.port} ({why}): is the "
+                f"prefill server running with --disaggregation-bootstrap-port {pull.port}?"
             )
-            return TransferStatus(room, False, 0, 0.0, error)
+            return TransferStatus(pull.room, False, 0, 0.0, error)
         with self._lock:
             pull.sock = sock
             if pull.cancelled:
-                return TransferStatus(room, False, 0, 0.0, "cancelled")
+                return TransferStatus(pull.room, False, 0, 0.0, "cancelled")
+        return sock
+
+    def _pull(self, pull: _Pull) -> TransferStatus:
+        room, layout, where = pull.room, pull.layout, f"{pull.host}:{pull.port}"
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        sock = self._connect(pull)
+        if isinstance(sock, TransferStatus):
+            return sock
         reply: _Reply | None = None
         try:
             _write_frame(sock, _Request(MAGIC, room, layout))

@@ -1,5 +1,6 @@
 """The Mooncake KV transport (core/disaggregation/mooncake.py) over Mooncake's real transfer engine (TCP, loopback):
-round trips, the per-layer protocol, the faults the TCP backend has, and the PD scheduler pair on it.
+round trips, the per-layer protocol and the faults the TCP backend has (the PD scheduler pair over it is
+test_pd_scheduler.py's first test, parametrized by backend).
 
 Needs `pip install mooncake-transfer-engine-non-cuda` and its system libraries (libibverbs1, libnl-3-200,
 libnl-route-3-200: installed, or unpacked and on LD_LIBRARY_PATH); skipped otherwise. The first test checks the
@@ -8,7 +9,6 @@ start-up error that says so, and runs everywhere.
 
 from __future__ import annotations
 
-import random
 import re
 import socket
 import subprocess
@@ -18,7 +18,6 @@ import time
 
 import pytest
 import torch
-from scheduler_harness import SchedulerHarness, expected_tokens
 from workbench.core.args import ServerArgs
 from workbench.core.disaggregation import mooncake as mc
 from workbench.core.disaggregation.backends import make_receiver, make_sender
@@ -239,56 +238,6 @@ def test_the_backend_is_chosen_by_server_args():
     finally:
         s.close()
         r.close()
-
-
-@needs_mooncake
-def test_pd_scheduler_pair_over_mooncake_equals_the_single_engine_reference():
-    """test_pd_scheduler.py's first test, with --disaggregation-transfer-backend mooncake on both sides."""
-    from test_pd_scheduler import _close, _req, _run
-
-    port = free_port()
-    p = SchedulerHarness(
-        disaggregation_mode="prefill",
-        disaggregation_bootstrap_port=port,
-        disaggregation_transfer_timeout=20.0,
-        disaggregation_transfer_backend="mooncake",
-        chunked_prefill_size=16,
-    )
-    d = SchedulerHarness(
-        disaggregation_mode="decode",
-        disaggregation_transfer_timeout=20.0,
-        disaggregation_transfer_backend="mooncake",
-        max_total_tokens=4096,
-    )
-    assert isinstance(p.s.disagg.sender, mc.MooncakeKVSender)
-    assert isinstance(d.s.disagg.receiver, mc.MooncakeKVReceiver)
-    rng = random.Random(0)
-    shared = [rng.randrange(3, 1000) for _ in range(24)]
-    prompts = {
-        f"r{i}": (shared if i % 2 else []) + [rng.randrange(3, 1000) for _ in range(rng.randrange(3, 40))]
-        for i in range(8)
-    }
-    try:
-        for rid, prompt in prompts.items():
-            room = rng.getrandbits(62)
-            p.send(_req(rid, prompt, 6, port, room))
-            d.send(_req(rid, prompt, 6, port, room))
-        _run(p, d, lambda: len(d.finish) == len(prompts) and len(p.finish) == len(prompts))
-        for rid, prompt in prompts.items():
-            want = expected_tokens(prompt, 6)
-            assert p.tokens(rid) == want[:1], rid
-            assert d.finish[rid] == "length" and d.tokens(rid) == want, rid
-        assert not d.extend_batches()
-        _run(p, d, lambda: p.s.disagg.sender.pending() == 0, 10)
-        p.run_until_idle()
-        d.run_until_idle()
-        p.assert_idle_and_clean()
-        d.assert_idle_and_clean()
-        state = d.s.get_internal_state().disaggregation
-        assert state["pd_transfers_total"] == len(prompts) and state["pd_failed_total"] == 0
-        assert state["pd_received_bytes_total"] == 2 * 8 * sum(len(x) for x in prompts.values())
-    finally:
-        _close(p, d)
 
 
 @needs_mooncake

@@ -18,18 +18,38 @@ from workbench.core.sampling.sampling_params import SamplingParams
 pytestmark = pytest.mark.timeout(120)
 
 
-def _pair(decode_tokens: int = 4096, timeout: float = 20.0, chunk: int = 16):
+def _pair(decode_tokens: int = 4096, timeout: float = 20.0, chunk: int = 16, backend: str = "tcp"):
     port = free_port()
     p = SchedulerHarness(
         disaggregation_mode="prefill",
         disaggregation_bootstrap_port=port,
         disaggregation_transfer_timeout=timeout,
+        disaggregation_transfer_backend=backend,
         chunked_prefill_size=chunk,
     )
     d = SchedulerHarness(
-        disaggregation_mode="decode", disaggregation_transfer_timeout=timeout, max_total_tokens=decode_tokens
+        disaggregation_mode="decode",
+        disaggregation_transfer_timeout=timeout,
+        disaggregation_transfer_backend=backend,
+        max_total_tokens=decode_tokens,
     )
     return p, d, port
+
+
+def _mooncake_error() -> str | None:
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except (ImportError, OSError) as exc:
+        from workbench.core.disaggregation.mooncake import INSTALL_HINT
+
+        return f"mooncake.engine does not import ({exc}): {INSTALL_HINT}"
+    return None
+
+
+BACKENDS = [
+    "tcp",
+    pytest.param("mooncake", marks=pytest.mark.skipif(_mooncake_error() is not None, reason=_mooncake_error() or "")),
+]
 
 
 def _req(rid: str, prompt: list[int], n: int, port: int, room: int) -> TokenizedGenerateReqInput:
@@ -61,8 +81,9 @@ def _close(*hs: SchedulerHarness) -> None:
         h.s.disagg.close()
 
 
-def test_decode_outputs_equal_the_single_engine_reference_after_the_handover():
-    p, d, port = _pair()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_outputs_equal_the_single_engine_reference_after_the_handover(backend):
+    p, d, port = _pair(backend=backend)
     rng = random.Random(0)
     shared = [rng.randrange(3, 1000) for _ in range(24)]
     prompts = {
