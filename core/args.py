@@ -16,6 +16,9 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")  # SGLang's spelling: "null" is one engine doing both
 TRANSFER_BACKENDS = ("tcp", "mooncake")  # core/disaggregation/transfer.py, mooncake.py (backends.py picks)
+HICACHE_WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")  # SGLang's
+HICACHE_STORAGE_BACKENDS = ("file",)  # an L3 directory (SGLang also has mooncake, hf3fs, nixl)
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 # `--help` of every flag (SGLang's wording where it has the flag). Defaults and choices are added
@@ -86,6 +89,25 @@ FLAG_HELP = {
     "side's buffer; pip install mooncake-transfer-engine-non-cuda, see docs/disaggregation.md)",
     "disaggregation_transfer_timeout": "decode: seconds to wait for a prompt's KV before the request fails "
     "(and its reserved slots are freed); prefill: how long computed KV is held for a decode server to pull",
+    "enable_hierarchical_cache": "HiCache (docs/hicache.md): radix-tree KV evicted from the device pool is kept "
+    "in a host-memory pool (L2) and, with --hicache-storage-backend, in storage (L3); a later match loads it "
+    "back instead of recomputing it",
+    "hicache_ratio": "the host pool's size as a multiple of the device KV pool's (ignored when --hicache-size is set)",
+    "hicache_size": "the host pool's size in GB (0: use --hicache-ratio)",
+    "hicache_write_policy": "when device KV is copied to the host pool: write_through (as soon as it enters the "
+    "tree), write_back (only when it is evicted from the device), write_through_selective (once a node has been "
+    "hit at least twice)",
+    "hicache_storage_backend": "an L3 tier under the host pool: file (pages as files in "
+    "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, default /tmp/hicache; survives a restart)",
+    "hicache_storage_prefetch_policy": "when a prefix found in storage is prefetched to the host pool: best_effort "
+    "(the request is scheduled with whatever has arrived), wait_complete (it waits for all of it), timeout (it "
+    "waits up to a time proportional to the pages)",
+    "enable_priority_scheduling": "admit waiting requests by their `priority` (then arrival) and let a waiting "
+    "request preempt running ones of lower priority (docs/scheduling.md)",
+    "schedule_low_priority_values_first": "with --enable-priority-scheduling: a smaller `priority` value is "
+    "more urgent (default: a larger one is)",
+    "priority_scheduling_preemption_threshold": "with --enable-priority-scheduling: a waiting request preempts a "
+    "running one only when their priorities differ by more than this",
     "speculative_draft_model_path": "STANDALONE: a small draft model with the target's tokenizer",
     "speculative_num_steps": "STANDALONE: draft model passes per step (default: as many as the draft tokens)",
     "speculative_num_draft_tokens": "the most draft tokens verified per request per step (default 4)",
@@ -130,6 +152,9 @@ FLAG_CHOICES = {
     "log_level": ("debug", "info", "warning", "error", "critical"),
     "disaggregation_mode": DISAGGREGATION_MODES,
     "disaggregation_transfer_backend": TRANSFER_BACKENDS,
+    "hicache_write_policy": HICACHE_WRITE_POLICIES,
+    "hicache_storage_backend": HICACHE_STORAGE_BACKENDS,
+    "hicache_storage_prefetch_policy": HICACHE_PREFETCH_POLICIES,
 }
 
 
@@ -169,6 +194,17 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
+    # hierarchical KV cache (HiCache): host tier (L2) and storage tier (L3) under the device pool
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0  # GB; 0 = by --hicache-ratio
+    hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str | None = None
+    hicache_storage_prefetch_policy: str = "best_effort"
+    # priority scheduling
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
     # None: the overlap loop when a core is spare beside a fixed thread count (cpu_threads.overlap_by_default)
     disable_overlap_schedule: bool | None = None
     enable_kv_invariant_check: bool = field(
@@ -341,6 +377,7 @@ class ServerArgs:
             if value is not None and not 1 <= value <= 64:
                 bad(f"--{name.replace('_', '-')} must be between 1 and 64")
         self._validate_disaggregation(bad)
+        self._validate_hicache_and_priority(bad)
         if self.device not in ("auto", "cpu", "cuda"):
             bad("--device must be auto, cpu or cuda")
         if self.cuda_graph_max_bs < 1:
@@ -375,6 +412,34 @@ class ServerArgs:
         ):
             if on:
                 bad(f"--disaggregation-mode {self.disaggregation_mode} does not combine with {what} yet")
+
+    def _validate_hicache_and_priority(self, bad) -> None:
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            bad(
+                f"--hicache-write-policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
+                f"not {self.hicache_write_policy!r}"
+            )
+        if self.hicache_storage_backend is not None and self.hicache_storage_backend not in HICACHE_STORAGE_BACKENDS:
+            bad(
+                f"--hicache-storage-backend must be one of {', '.join(HICACHE_STORAGE_BACKENDS)}, not "
+                f"{self.hicache_storage_backend!r} (mooncake, hf3fs and nixl are SGLang's; docs/hicache.md)"
+            )
+        if self.hicache_storage_prefetch_policy not in HICACHE_PREFETCH_POLICIES:
+            bad(
+                f"--hicache-storage-prefetch-policy must be one of {', '.join(HICACHE_PREFETCH_POLICIES)}, "
+                f"not {self.hicache_storage_prefetch_policy!r}"
+            )
+        if self.hicache_ratio <= 1.0 and self.hicache_size == 0 and self.enable_hierarchical_cache:
+            bad(
+                f"--hicache-ratio must be above 1 (the host pool holds the device pool's KV and more), "
+                f"not {self.hicache_ratio}"
+            )
+        if self.hicache_size < 0:
+            bad(f"--hicache-size is in GB and must be 0 (use --hicache-ratio) or more, not {self.hicache_size}")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            bad("--enable-hierarchical-cache keeps the radix tree's KV in more tiers: drop --disable-radix-cache")
+        if self.priority_scheduling_preemption_threshold < 0:
+            bad("--priority-scheduling-preemption-threshold must be 0 or more")
 
     # ---- resolved values -------------------------------------------------
     def resolved_device(self) -> str:
