@@ -403,12 +403,25 @@ class ServerArgs:
             bad("--disaggregation-transfer-timeout must be a positive number of seconds")
         if self.disaggregation_mode == "null":
             return
+        if self.simulate is not None:
+            # A simulated PD server (core/simulation/pd_live.py): its clock is paced to the wall clock, so two
+            # servers agree on time; one process stands for all of its tp_size devices.
+            if self.sim_speed == 0:
+                bad(
+                    f"--disaggregation-mode {self.disaggregation_mode} with --simulate needs a positive --sim-speed "
+                    "(each server's clock follows the wall clock, so the prefill and decode servers agree on time); "
+                    "to run a PD deployment as fast as possible: `workbench sim run --pd 1P1D ...`"
+                )
+            if self.disaggregation_transfer_backend != "tcp":
+                bad(
+                    "a simulated PD server hands over no KV tensors: use --disaggregation-transfer-backend tcp "
+                    "(the link model times each transfer)"
+                )
         # What a PD server does not combine with yet: each would need its own handover (docs/disaggregation.md).
         for on, what in (
-            (self.tp_size > 1, "--tp-size > 1 (each rank would hand over its own heads)"),
+            (self.tp_size > 1 and self.simulate is None, "--tp-size > 1 (each rank would hand over its own heads)"),
             (self.dp_size > 1, "--dp-size > 1 (run several servers behind the router instead)"),
             (self.speculative_algorithm is not None, "--speculative-algorithm"),
-            (self.simulate is not None, "--simulate (a simulated PD deployment: `workbench sim run`)"),
         ):
             if on:
                 bad(f"--disaggregation-mode {self.disaggregation_mode} does not combine with {what} yet")
