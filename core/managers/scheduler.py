@@ -32,6 +32,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -116,12 +117,15 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         step_clock: StepClock | None = None,
         drafter: Drafter | None = None,
         overlap_worker: OverlapWorker | None = None,
+        disaggregation: Callable[[Scheduler], Disaggregation] | None = None,
     ):
         """The collaborators (scheduler_contract.py) are built here when not given: `worker` a
         TpModelWorker, `io` ZMQ sockets (ZmqSchedulerIO), `tokenizer` the model's fast tokenizer,
         `tracer` one on the engine's trace socket, `step_clock` the host's time (HostStepClock),
         `drafter` the STANDALONE draft model when asked for (None: NGRAM, or no speculation),
-        `overlap_worker` a TpModelWorkerClient over `worker` when the overlap loop starts."""
+        `overlap_worker` a TpModelWorkerClient over `worker` when the overlap loop starts,
+        `disaggregation` (a factory: this Scheduler -> its PD side) the real one for
+        --disaggregation-mode."""
         self.server_args = server_args
         self.port_args = port_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -220,7 +224,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         # Disaggregated serving (core/disaggregation/): the prefill side's handover or the decode side's
         # queues, composed in; None when one engine does both (--disaggregation-mode null).
         self.disagg: Disaggregation | None = None
-        if server_args.disaggregation_mode == "prefill" and tp_rank == 0:
+        if server_args.disaggregation_mode != "null" and tp_rank == 0 and disaggregation is not None:
+            self.disagg = disaggregation(self)  # handed in (a simulated server's transport is timed by a link model)
+        elif server_args.disaggregation_mode == "prefill" and tp_rank == 0:
             from workbench.core.disaggregation.prefill import PrefillBootstrap
 
             self.disagg = PrefillBootstrap(self)
@@ -776,6 +782,7 @@ def run_scheduler_process(
             step_clock=parts.step_clock,
             drafter=parts.drafter,
             overlap_worker=parts.overlap_worker,
+            disaggregation=parts.disaggregation,
         )
         plan = parts.thread_plan
         if plan is not None:

@@ -30,6 +30,7 @@ imports the simulation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -283,7 +284,9 @@ class SchedulerParts:
     """What a SchedulerFactory hands `run_scheduler_process`: the arguments the Scheduler runs with
     and its collaborators; each None is built by the Scheduler as usual (the real one).
     `tp_size`: the scheduler's TP group, if not the process's (1: one process stands for every
-    device). `thread_plan`: the compute threads' plan (cpu_threads.ThreadPlan), if it has one."""
+    device). `thread_plan`: the compute threads' plan (cpu_threads.ThreadPlan), if it has one.
+    `disaggregation`: on a PD server, builds its side from the Scheduler (a simulated one hands in a
+    transport timed by its link model); None: the Scheduler builds the real one for its mode."""
 
     server_args: ServerArgs
     worker: ModelWorker | None = None
@@ -294,6 +297,7 @@ class SchedulerParts:
     overlap_worker: OverlapWorker | None = None
     tp_size: int | None = None
     thread_plan: Any = None
+    disaggregation: Callable[[Any], Disaggregation] | None = None  # the Scheduler -> its PD side (None: by mode)
 
 
 class SchedulerFactory(Protocol):
