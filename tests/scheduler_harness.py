@@ -207,11 +207,24 @@ class SchedulerHarness:
         self.replies: list = []
 
     # ---- input ---------------------------------------------------------------------
-    def submit(self, rid: str, prompt: list[int], max_new_tokens: int = 4, stream: bool = False, **sp) -> None:
+    def submit(
+        self,
+        rid: str,
+        prompt: list[int],
+        max_new_tokens: int = 4,
+        stream: bool = False,
+        priority: int | None = None,
+        **sp,
+    ) -> None:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, **sp)
         self.io.inbox.append(
             TokenizedGenerateReqInput(
-                rid=rid, input_text="", input_ids=list(prompt), sampling_params=params, stream=stream
+                rid=rid,
+                input_text="",
+                input_ids=list(prompt),
+                sampling_params=params,
+                stream=stream,
+                priority=priority,
             )
         )
 
