@@ -316,6 +316,7 @@ class Engine:
         bootstrap_host: str | list[str] | None = None,
         bootstrap_port: int | list[int] | None = None,
         bootstrap_room: int | list[int] | None = None,
+        priority: int | list[int] | None = None,
     ):
         """Generate for one prompt (dict), a batch (list of dicts) or stream chunks (iterator).
 
@@ -325,7 +326,11 @@ class Engine:
 
         Disaggregated serving (docs/disaggregation.md): on an engine with a `disaggregation_mode`,
         `bootstrap_host`/`bootstrap_port`/`bootstrap_room` name the prefill server's bootstrap port and
-        the room both sides of one request meet in (one value, or one per prompt of a batch)."""
+        the room both sides of one request meet in (one value, or one per prompt of a batch).
+
+        Priority scheduling (`enable_priority_scheduling`, docs/scheduling.md): `priority` is one value
+        for every prompt or one per prompt; larger is more urgent unless `schedule_low_priority_values_first`.
+        Without priority scheduling it is ignored, as SGLang does."""
         reqs, is_batch = self._build_reqs(
             prompt,
             sampling_params,
@@ -337,6 +342,7 @@ class Engine:
             rid,
             return_text_in_logprobs,
             (bootstrap_host, bootstrap_port, bootstrap_room),
+            priority,
         )
         if stream:
             if len(reqs) != 1:
@@ -359,6 +365,7 @@ class Engine:
         bootstrap_host=None,
         bootstrap_port=None,
         bootstrap_room=None,
+        priority=None,
     ):
         """Like `generate`, awaitable from any event loop; an async iterator when streaming."""
         reqs, is_batch = self._build_reqs(
@@ -372,6 +379,7 @@ class Engine:
             rid,
             return_text_in_logprobs,
             (bootstrap_host, bootstrap_port, bootstrap_room),
+            priority,
         )
         if stream:
             if len(reqs) != 1:
@@ -395,6 +403,7 @@ class Engine:
         rid,
         return_text_in_logprobs=False,
         bootstrap=(None, None, None),
+        priority=None,
     ) -> tuple[list[GenerateReqInput], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
@@ -412,6 +421,7 @@ class Engine:
         if len(sps) != len(items):
             raise ValueError(f"{len(sps)} sampling_params for {len(items)} prompts")
         pd = _bootstrap_per_prompt(bootstrap, len(items))
+        prios = _priority_per_prompt(priority, len(items))
         reqs = []
         for i, ((text, ids), sp_in) in enumerate(zip(items, sps)):
             sp = _to_sampling_params(sp_in)
@@ -437,6 +447,7 @@ class Engine:
                         bootstrap_host=pd[i][0],
                         bootstrap_port=pd[i][1],
                         bootstrap_room=pd[i][2],
+                        priority=prios[i],
                     )
                 )
             is_batch = is_batch or n > 1
@@ -765,6 +776,17 @@ def _bootstrap_per_prompt(bootstrap: tuple, n: int) -> list[tuple]:
     if n > 1 and bootstrap[2] is not None and not isinstance(bootstrap[2], list):
         raise ValueError("a batch needs one bootstrap_room per prompt (a list): a room names one request")
     return rows
+
+
+def _priority_per_prompt(priority: int | list[int] | None, n: int) -> list[int | None]:
+    """Each of n prompts' priority: one value for all, or a list of one per prompt."""
+    values = priority if isinstance(priority, list) else [priority] * n
+    if len(values) != n:
+        raise ValueError(f"priority has {len(values)} values for {n} prompts: give one, or one per prompt")
+    for v in values:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"priority must be an integer (or None), got {v!r}")
+    return list(values)
 
 
 def _to_sampling_params(sp: Any) -> SamplingParams:

@@ -38,6 +38,9 @@ class TokenizedGenerateReqInput(Msg):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    # Priority scheduling (--enable-priority-scheduling): larger is more urgent unless
+    # --schedule-low-priority-values-first; None: the least urgent. Ignored when it is off (SGLang's rule).
+    priority: int | None = None
 
 
 class AbortReq(Msg):

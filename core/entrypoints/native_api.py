@@ -91,6 +91,7 @@ async def native_generate(ctx: ServingContext, request: Request, req: GenerateRe
         bootstrap_host=req.bootstrap_host,
         bootstrap_port=req.bootstrap_port,
         bootstrap_room=req.bootstrap_room,
+        priority=req.priority,
     )
     if req.stream:
         if is_batch or n > 1:

@@ -107,6 +107,8 @@ class Req:
         self.bootstrap_room: int | None = None
         self.bootstrap_addr: tuple[str, int] | None = None
         self.kv_shipped = False
+        # Priority scheduling (scheduler_priority.py): set from the request, or the least urgent value.
+        self.priority: int | None = None
 
     # ---- lifecycle -------------------------------------------------------------
     def finished(self) -> bool:

@@ -10,6 +10,11 @@ Policies (`--schedule-policy`):
 Prefix-aware policies fall back to fcfs when the queue is long, because matching
 every waiting request each step would cost more than it saves.
 
+Priority scheduling (`--enable-priority-scheduling`, SGLang's): every policy, built in or a
+plugin's, orders the queue first by the requests' `priority` (larger first, or smaller first with
+`--schedule-low-priority-values-first`; a request without one is the least urgent), then by its
+own rule within one priority. Preemption of running work is scheduler_priority.py's.
+
 In-batch prefix caching (every policy, unless --disable-radix-cache): a waiting request
 whose not-yet-cached part shares a long prefix with a request admitted in this step (or
 still being prefilled: a chunked request, an in-flight launch) is held back, so it finds
@@ -20,6 +25,7 @@ that prefix in the radix cache one step later instead of computing it a second t
 from __future__ import annotations
 
 import random
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -47,8 +53,19 @@ BUILTIN_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache, enable_prefix_cache: bool, rng_seed: int = 0):
+    def __init__(
+        self,
+        policy: str,
+        tree_cache,
+        enable_prefix_cache: bool,
+        rng_seed: int = 0,
+        *,
+        enable_priority_scheduling: bool = False,
+        schedule_low_priority_values_first: bool = False,
+    ):
         self.policy = policy
+        self.enable_priority_scheduling = enable_priority_scheduling
+        self.schedule_low_priority_values_first = schedule_low_priority_values_first
         self.tree_cache = tree_cache
         self.enable_prefix_cache = enable_prefix_cache
         self.rng = random.Random(rng_seed)
@@ -65,7 +82,18 @@ class SchedulePolicy:
             self.plugin = factory(tree_cache, rng_seed=rng_seed)
 
     def calc_priority(self, waiting_queue: list[Req]) -> None:
-        """Reorder `waiting_queue` in place; prefix-aware policies also match prefixes."""
+        """Reorder `waiting_queue` in place; prefix-aware policies also match prefixes. With priority
+        scheduling, the policy's order holds within one priority (a stable sort by priority after it)."""
+        self._policy_order(waiting_queue)
+        if self.enable_priority_scheduling:
+            waiting_queue.sort(key=self.urgency_key)
+
+    def urgency_key(self, req: Req) -> int:
+        """Sort key: smaller is admitted first (the request's priority, signed by the direction)."""
+        p = req.priority if req.priority is not None else least_urgent_priority(self.schedule_low_priority_values_first)
+        return p if self.schedule_low_priority_values_first else -p
+
+    def _policy_order(self, waiting_queue: list[Req]) -> None:
         if self.plugin is not None:
             self.plugin.calc_priority(waiting_queue)
             return
@@ -106,6 +134,11 @@ class SchedulePolicy:
             kids = sorted((c for c in node.children.values() if weight[c] > 0), key=lambda c: weight[c])
             stack.extend(kids)  # heaviest popped first
         waiting_queue[:] = order
+
+
+def least_urgent_priority(low_values_first: bool) -> int:
+    """The priority of a request sent without one: the least urgent there is (SGLang's rule)."""
+    return sys.maxsize if low_values_first else -sys.maxsize - 1
 
 
 class AddReqResult(Enum):

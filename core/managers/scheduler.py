@@ -77,6 +77,7 @@ from workbench.core.managers.scheduler_kv_check import SchedulerKVCheckMixin, kv
 from workbench.core.managers.scheduler_narration import StepNarrator
 from workbench.core.managers.scheduler_output import SchedulerOutputMixin
 from workbench.core.managers.scheduler_overlap import InflightBatch, SchedulerOverlapMixin
+from workbench.core.managers.scheduler_priority import PriorityPreemption
 from workbench.core.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from workbench.core.mem_cache.chunk_cache import ChunkCache
 from workbench.core.mem_cache.radix_cache import RadixCache
@@ -156,8 +157,14 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             decode_text=self._decode_preview,
         )
         self.policy = SchedulePolicy(
-            server_args.schedule_policy, self.tree_cache, not server_args.disable_radix_cache, server_args.random_seed
+            server_args.schedule_policy,
+            self.tree_cache,
+            not server_args.disable_radix_cache,
+            server_args.random_seed,
+            enable_priority_scheduling=server_args.enable_priority_scheduling,
+            schedule_low_priority_values_first=server_args.schedule_low_priority_values_first,
         )
+        self.priority = PriorityPreemption(self)  # --enable-priority-scheduling: preemption (scheduler_priority.py)
         self.chunked_prefill_size = server_args.resolved_chunked_prefill_size()
         self.stream_interval = server_args.stream_interval
         self.max_prefill_tokens = server_args.max_prefill_tokens
@@ -364,6 +371,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         )
         req.forced_output_ids = recv.forced_output_ids
         req.forced_drafts = recv.forced_drafts
+        self.priority.assign(req, recv.priority)
         error = None
         if not req.origin_input_ids:
             error = "the prompt is empty"
@@ -398,6 +406,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                         prompt_tokens=len(req.origin_input_ids),
                         queue_len=len(self.waiting_queue),
                         constraint=constraint_kind(req.sampling_params) if req.grammar is not None else "",
+                        priority=req.priority if self.priority.enabled else None,
                     )
                 )
 
@@ -500,7 +509,11 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         if not self.waiting_queue and self.chunked_req is None:
             return None
         running = len(self.running_batch.reqs)
-        if running >= self.max_running_requests and self.chunked_req is None:
+        if (
+            running >= self.max_running_requests
+            and self.chunked_req is None
+            and not self.priority.may_preempt(self.waiting_queue, self.running_batch.reqs)
+        ):
             self.narrator.admission(None, None, "running")
             return None
         self.policy.calc_priority(self.waiting_queue)
@@ -524,20 +537,27 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             self.chunked_req.init_next_round_input()  # keep its prefix: its computed part
             chunk_carry = adder.add_chunked_req(self.chunked_req)
         for req in self.waiting_queue:
-            if running + len(adder.can_run_list) >= self.max_running_requests:
-                adder.note_stop("running")
-                break
-            if self.req_to_token_pool.available_size() <= len(
-                [r for r in adder.can_run_list if r.req_pool_idx is None]
-            ):
-                adder.note_stop("running")
-                break
+            slots_full = running + len(adder.can_run_list) >= self.max_running_requests or (
+                self.req_to_token_pool.available_size()
+                <= len([r for r in adder.can_run_list if r.req_pool_idx is None])
+            )
             req.init_next_round_input(self.tree_cache)
+            if slots_full:
+                # Priority scheduling: a running request of lower priority may give up its slot.
+                if not self.priority.preempt_for(req, adder, need_slot=True):
+                    adder.note_stop("running")
+                    break
+                running = len(self.running_batch.reqs)
+            stop_before = adder.stop_reason
             result = adder.add_one_req(req)
+            if result == AddReqResult.NO_TOKEN and self.priority.preempt_for(req, adder, need_slot=False):
+                adder.stop_reason = stop_before  # it may fit now: the "kv" stop just noted is retried
+                result = adder.add_one_req(req)
             if result == AddReqResult.HELD:
                 continue  # stays queued, in order; the requests behind it may still fit
             if result != AddReqResult.CONTINUE:
                 break
+        self.priority.requeue()  # this step's preempted requests wait again (after the loop: not admitted now)
         self.held_back = adder.held
         self._fit_prefill_to_pool(adder, chunk_carry)
         self.narrator.admission(adder, self.chunked_req)
@@ -617,17 +637,25 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size() < len(order)
         ):
             req = order.pop(0)
-            self.release_req_kv(req)
-            req.reset_for_retract()
+            self.retract_req(req)
             retracted.append(req)
-            self.narrator.on_retract(req.rid)
-            if self.tracer.enabled:
-                self.tracer.emit(ev.ReqRetracted(rid=req.rid, output_tokens=len(req.output_ids)))
         batch.filter_batch([r for r in batch.reqs if r not in retracted])
         self.waiting_queue = retracted + self.waiting_queue
         self.num_retracted_total += len(retracted)
         # After a retraction, be conservative again about how much decoding lies ahead.
         self.new_token_ratio = self.init_new_token_ratio
+
+    def retract_req(self, req: Req, reason: str = "") -> None:
+        """Send one running request back toward the queue: its own KV freed, its cached prefix unlocked,
+        to be prefilled again over its prompt and outputs (the caller removes it from the running batch
+        and queues it). `reason` says why when it is not the KV pool running out (a preemption)."""
+        self.release_req_kv(req)
+        req.reset_for_retract()
+        self.narrator.on_retract(req.rid)
+        if self.tracer.enabled:
+            self.tracer.emit(
+                ev.ReqRetracted(rid=req.rid, output_tokens=len(req.output_ids), reason=reason, priority=req.priority)
+            )
 
     def release_req_kv(self, req: Req) -> None:
         """Free a request's own KV slots and row; the cached prefix stays in the tree."""

@@ -32,6 +32,7 @@ class StepNarrator:
         self.evicted = 0
         self.evicted_nodes: list[int] = []
         self.retracted: list[str] = []
+        self.preemptions: list[str] = []
         self.constrained = 0
         self.mask_ms = 0.0
         self.begin()
@@ -66,6 +67,10 @@ class StepNarrator:
 
     def on_retract(self, rid: str) -> None:
         self.retracted.append(rid)
+
+    def on_preempt(self, reason: str) -> None:
+        """A retraction (told with on_retract) was a priority preemption, for `reason`."""
+        self.preemptions.append(reason)
 
     def on_mask(self, rows: int, ms: float) -> None:
         """The step spent `ms` on grammars: masks filled for `rows` constrained rows, or (rows 0)
@@ -111,6 +116,7 @@ class StepNarrator:
             evicted=self.evicted,
             evicted_nodes=list(self.evicted_nodes),
             retracted=list(self.retracted),
+            preemptions=list(self.preemptions),
             constrained=self.constrained,
             mask_ms=round(self.mask_ms, 3),
             start_ts=self.start_ts,

@@ -97,6 +97,8 @@ class GenerateReqInput:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    # Priority scheduling: the request's priority (SGLang's `priority`; None: the least urgent).
+    priority: int | None = None
 
 
 @dataclass
@@ -213,6 +215,7 @@ class TokenizerManager:
                         bootstrap_host=obj.bootstrap_host,
                         bootstrap_port=obj.bootstrap_port,
                         bootstrap_room=obj.bootstrap_room,
+                        priority=obj.priority,
                     )
                 )
             except (OverflowError, TypeError, msgspec.EncodeError) as e:

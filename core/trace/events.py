@@ -45,6 +45,7 @@ class ReqQueued(Event, tag="req.queued"):
     prompt_tokens: int
     queue_len: int
     constraint: str = ""  # structured outputs: "json_schema" | "json_object" | "regex" | "ebnf" ("" free)
+    priority: int | None = None  # --enable-priority-scheduling: the request's priority (None: scheduling off)
 
 
 class ReqScheduled(Event, tag="req.scheduled"):
@@ -92,6 +93,8 @@ class ReqAborted(Event, tag="req.aborted"):
 class ReqRetracted(Event, tag="req.retracted"):
     rid: str
     output_tokens: int
+    reason: str = ""  # "" the KV pool ran out; else why (a priority preemption: "preempted r1 (priority 0) for r5 ...")
+    priority: int | None = None  # the request's priority (priority scheduling), else None
 
 
 class ReqText(Event, tag="req.text"):
@@ -153,7 +156,9 @@ class StepDecision(Event, tag="batch.decision"):
     kv_freed: int = 0  # KV slots freed in this step (finishes, evictions, retractions)
     evicted: int = 0  # tokens evicted from the radix cache in this step ...
     evicted_nodes: list[int] = []  # ... from these nodes
-    retracted: list[str] = []  # requests sent back to the queue (KV pool full)
+    retracted: list[str] = []  # requests sent back to the queue (KV pool full, or preempted)
+    preemptions: list[str] = []  # priority preemptions among them, each with its reason
+    # ("preempted r1 (priority 0) for r5 (priority 10)")
     constrained: int = 0  # rows of this step's batch sampled under a grammar (structured outputs) ...
     mask_ms: float = 0.0  # ... and the scheduler's time on their grammars: masks filled, tokens accepted
     start_ts: int = 0  # when the step began (monotonic ns; `ts` is when it ended): with

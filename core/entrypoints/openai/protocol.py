@@ -91,6 +91,8 @@ class CommonOpenAIFields(SamplingExtras):
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     return_hidden_states: bool | None = None
+    # SGLang's priority (an extra body field; with --enable-priority-scheduling; ignored without it)
+    priority: int | None = None
 
 
 # ---------------------------------------------------------------- chat requests
@@ -171,6 +173,8 @@ class GenerateReqInput(_Strict):
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
+    # priority scheduling (--enable-priority-scheduling): one value, or one per prompt of a batch
+    priority: int | list[int] | None = None
 
 
 # Request fields of features this server does not have: accepted while false or null (as

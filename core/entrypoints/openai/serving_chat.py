@@ -117,6 +117,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request, req: Cha
     if req.logprobs:
         gen_kwargs.update(return_logprob=True, top_logprobs_num=top_n)
     gen_kwargs.update(bootstrap_kwargs(req, n))
+    if req.priority is not None:  # SGLang's extra body field (priority scheduling)
+        gen_kwargs["priority"] = req.priority
     base = req.rid or new_rid("chatcmpl")
     specs = fan_out(base, [{"input_ids": ids}], sp, n, gen_kwargs)
     model = req.model or ctx.model_name

@@ -103,6 +103,8 @@ async def create_completion(ctx: ServingContext, request: Request, req: Completi
         if req.echo:
             gen_kwargs["logprob_start_len"] = 0
     gen_kwargs.update(bootstrap_kwargs(req, len(prompts) * n))
+    if req.priority is not None:  # SGLang's extra body field (priority scheduling)
+        gen_kwargs["priority"] = req.priority
     echo_texts = [_prompt_text(ctx, p) for p in prompts] if req.echo else None
     echo_ids = [p.get("input_ids") for p in prompts] if req.echo and top_n is not None else None
     prompts = [{k: v for k, v in p.items() if k != "text"} for p in prompts]

@@ -1,0 +1,207 @@
+"""Priority scheduling (--enable-priority-scheduling), in-process: the real Scheduler, the stand-in model.
+
+A late request of higher priority is admitted before queued ones of lower priority; where no slot
+or no KV room is left, it preempts running requests whose priority is worse by more than
+--priority-scheduling-preemption-threshold. A preempted request is prefilled again later and still
+finishes with exactly the tokens of an uninterrupted run (`expected_tokens`), and the KV invariant
+check passes after every step (the harness runs it).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scheduler_harness import SchedulerHarness, expected_tokens
+from workbench.core.managers.schedule_policy import least_urgent_priority
+from workbench.core.managers.scheduler_priority import format_priority
+from workbench.core.trace import events as ev
+
+BOTH_LOOPS = pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [3 + (seed * 7919) % 900] + [rng.randrange(3, 900) for _ in range(n - 1)]
+
+
+def first_extends(h: SchedulerHarness) -> list[str]:
+    seen: list[str] = []
+    for reqs in h.extend_batches():
+        for rid, _ in reqs:
+            if rid not in seen:
+                seen.append(rid)
+    return seen
+
+
+def assert_full_outputs(h: SchedulerHarness, prompts: dict, n: dict) -> None:
+    for rid, p in prompts.items():
+        assert h.tokens(rid) == expected_tokens(p, n[rid]), rid
+        assert h.finish[rid] == "length", rid
+
+
+def harness(**kw) -> SchedulerHarness:
+    kw.setdefault("enable_priority_scheduling", True)
+    return SchedulerHarness(**kw)
+
+
+# ==== admission order ===========================================================================
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "lof"])
+def test_late_high_priority_request_overtakes_queued_low_priority_ones(policy):
+    # One running slot and a threshold no difference exceeds: ordering only, no preemption.
+    h = harness(max_running_requests=1, priority_scheduling_preemption_threshold=1000, schedule_policy=policy)
+    prompts = {rid: prompt(i, 12) for i, rid in enumerate(["a", "b", "c", "urgent"])}
+    n = {rid: 3 for rid in prompts}
+    h.submit("a", prompts["a"], 3, priority=0)
+    h.step()  # a runs
+    for rid in ("b", "c"):
+        h.submit(rid, prompts[rid], 3, priority=0)
+    h.step()
+    h.submit("urgent", prompts["urgent"], 3, priority=10)
+    h.run_until_idle()
+    assert first_extends(h) == ["a", "urgent", "b", "c"]
+    assert not h.trace(ev.ReqRetracted)
+    assert_full_outputs(h, prompts, n)
+    h.assert_idle_and_clean()
+
+
+def test_without_priority_scheduling_a_priority_is_ignored():
+    # SGLang's rule: a request's priority on a server without --enable-priority-scheduling has no effect.
+    h = SchedulerHarness(max_running_requests=1)
+    prompts = {rid: prompt(i, 12) for i, rid in enumerate(["a", "b", "urgent"])}
+    h.submit("a", prompts["a"], 3, priority=0)
+    h.step()
+    h.submit("b", prompts["b"], 3, priority=0)
+    h.submit("urgent", prompts["urgent"], 3, priority=100)
+    h.run_until_idle()
+    assert first_extends(h) == ["a", "b", "urgent"]
+    assert not h.trace(ev.ReqRetracted)
+    assert [e.priority for e in h.trace(ev.ReqQueued)] == [None, None, None]
+    assert_full_outputs(h, prompts, {rid: 3 for rid in prompts})
+
+
+def test_low_priority_values_first_flips_the_order_and_unset_is_least_urgent():
+    h = harness(
+        max_running_requests=1, schedule_low_priority_values_first=True, priority_scheduling_preemption_threshold=1000
+    )
+    prompts = {rid: prompt(i, 12) for i, rid in enumerate(["a", "big", "none", "small"])}
+    h.submit("a", prompts["a"], 3, priority=5)
+    h.step()
+    h.submit("big", prompts["big"], 3, priority=10)
+    h.submit("none", prompts["none"], 3)  # no priority: after everyone that has one
+    h.submit("small", prompts["small"], 3, priority=1)
+    h.run_until_idle()
+    assert first_extends(h) == ["a", "small", "big", "none"]
+    queued = {e.rid: e.priority for e in h.trace(ev.ReqQueued)}
+    assert queued == {"a": 5, "big": 10, "none": least_urgent_priority(True), "small": 1}
+    assert format_priority(queued["none"]) == "unset"
+    assert_full_outputs(h, prompts, {rid: 3 for rid in prompts})
+
+
+# ==== preemption ================================================================================
+@BOTH_LOOPS
+def test_no_running_slot_preempts_a_lower_priority_request_which_finishes_in_full(overlap):
+    h = harness(max_running_requests=2, priority_scheduling_preemption_threshold=5, overlap=overlap)
+    prompts = {"low1": prompt(1, 16), "low2": prompt(2, 20), "high": prompt(3, 14)}
+    n = {"low1": 12, "low2": 12, "high": 4}
+    h.submit("low1", prompts["low1"], n["low1"], priority=0)
+    h.submit("low2", prompts["low2"], n["low2"], priority=2)
+    for _ in range(4):
+        h.step()  # both prefilled and decoding
+    h.submit("high", prompts["high"], n["high"], priority=10)
+    h.step()
+    retracted = h.trace(ev.ReqRetracted)
+    # The least urgent running request (priority 0) gives up its slot; the other keeps running.
+    assert [e.rid for e in retracted] == ["low1"]
+    assert retracted[0].reason == "preempted low1 (priority 0) for high (priority 10)"
+    assert retracted[0].priority == 0 and retracted[0].output_tokens > 0
+    assert "high" in [rid for reqs in h.extend_batches()[-1:] for rid, _ in reqs]
+    h.run_until_idle()
+    decisions = [d for d in h.trace(ev.StepDecision) if d.preemptions]
+    assert [d.preemptions for d in decisions] == [["preempted low1 (priority 0) for high (priority 10)"]]
+    assert "low1" in decisions[0].retracted
+    assert h.s.priority.num_preempted_total == 1 and h.s.priority.preempted_by_priority == {"0": 1}
+    # The preempted request is prefilled again over its prompt and the tokens it had, and its output
+    # equals an uninterrupted run's.
+    assert_full_outputs(h, prompts, n)
+    h.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
+@BOTH_LOOPS
+def test_kv_pool_too_small_for_both_preempts_the_running_request(overlap, radix):
+    # 100 KV slots: a 40-token prompt that will decode 30, then a 40-token prompt wanting 20 more:
+    # both do not fit, so the late urgent one preempts the running one.
+    h = harness(
+        max_total_tokens=100,
+        priority_scheduling_preemption_threshold=0,
+        overlap=overlap,
+        disable_radix_cache=not radix,
+    )
+    prompts = {"low": prompt(7, 40), "high": prompt(8, 40)}
+    n = {"low": 30, "high": 20}
+    h.submit("low", prompts["low"], n["low"], priority=1)
+    for _ in range(5):
+        h.step()
+    h.submit("high", prompts["high"], n["high"], priority=2)
+    h.step()
+    retracted = h.trace(ev.ReqRetracted)
+    assert [e.rid for e in retracted] == ["low"]
+    assert retracted[0].reason == "preempted low (priority 1) for high (priority 2)"
+    h.run_until_idle()
+    # high ran to completion first, then low came back and finished.
+    finished_order = list(h.finish)  # in the order they finished
+    assert finished_order == ["high", "low"]
+    assert_full_outputs(h, prompts, n)
+    h.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("diff,preempts", [(5, False), (6, True)])
+def test_threshold_is_respected(diff, preempts):
+    # Preemption needs the difference to be MORE than the threshold (5): 5 is not enough, 6 is.
+    h = harness(max_running_requests=1, priority_scheduling_preemption_threshold=5)
+    prompts = {"low": prompt(11, 12), "high": prompt(12, 12)}
+    n = {"low": 10, "high": 3}
+    h.submit("low", prompts["low"], n["low"], priority=0)
+    for _ in range(3):
+        h.step()
+    h.submit("high", prompts["high"], n["high"], priority=diff)
+    h.run_until_idle()
+    assert [e.rid for e in h.trace(ev.ReqRetracted)] == (["low"] if preempts else [])
+    assert list(h.finish) == (["high", "low"] if preempts else ["low", "high"])
+    assert_full_outputs(h, prompts, n)
+    h.assert_idle_and_clean()
+
+
+def test_low_values_first_preempts_the_larger_value():
+    h = harness(
+        max_running_requests=1, schedule_low_priority_values_first=True, priority_scheduling_preemption_threshold=0
+    )
+    prompts = {"low": prompt(21, 12), "high": prompt(22, 12)}
+    n = {"low": 10, "high": 3}
+    h.submit("low", prompts["low"], n["low"], priority=9)
+    for _ in range(3):
+        h.step()
+    h.submit("high", prompts["high"], n["high"], priority=1)
+    h.run_until_idle()
+    assert [e.reason for e in h.trace(ev.ReqRetracted)] == ["preempted low (priority 9) for high (priority 1)"]
+    assert_full_outputs(h, prompts, n)
+    h.assert_idle_and_clean()
+
+
+def test_a_request_is_not_preempted_when_even_all_candidates_would_not_make_room():
+    # The urgent request needs more KV than the low-priority one holds and will hold: SGLang preempts
+    # no one then (the request waits for room as usual).
+    h = harness(max_total_tokens=100, priority_scheduling_preemption_threshold=0)
+    prompts = {"mid": prompt(31, 40), "low": prompt(32, 10), "high": prompt(33, 40)}
+    n = {"mid": 20, "low": 8, "high": 20}
+    h.submit("mid", prompts["mid"], n["mid"], priority=5)  # as urgent as... more than high: not preemptible
+    h.submit("low", prompts["low"], n["low"], priority=0)
+    for _ in range(3):
+        h.step()
+    h.submit("high", prompts["high"], n["high"], priority=5)
+    h.step()
+    assert not h.trace(ev.ReqRetracted)
+    h.run_until_idle()
+    assert_full_outputs(h, prompts, n)
+    h.assert_idle_and_clean()
