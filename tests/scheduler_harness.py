@@ -85,7 +85,16 @@ class PoisoningAllocator(TokenToKVPoolAllocator):
     def __init__(self, size: int, kv_tokens: torch.Tensor):
         self.kv_tokens = kv_tokens
         self.freed: list[torch.Tensor] = []  # appended by the scheduler's thread, taken by the worker's
+        # HiCache: a load-back writes slots it was just handed outside any pass, so a slot handed out
+        # again must not be poisoned by the next pass (the harness turns this on with HiCache only).
+        self.unpoison_on_alloc = False
         super().__init__(size)
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        out = super().alloc(need_size)
+        if out is not None and self.unpoison_on_alloc and self.freed:
+            self.freed = [t[~torch.isin(t, out)] for t in self.freed]
+        return out
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel():
@@ -181,6 +190,7 @@ class SchedulerHarness:
         server_args.setdefault("chunked_prefill_size", -1)
         self.args = ServerArgs(device="cpu", disable_overlap_schedule=not overlap, **server_args)
         self.runner = StandInRunner(self.args, context_len)
+        self.runner.poisoning.unpoison_on_alloc = self.args.enable_hierarchical_cache
         self.worker = StandInWorker(self.runner, rule)
         self.io = ListIO(roundtrip=True)  # messages through msgspec both ways, as over ZMQ
         self.events: list = []

@@ -156,6 +156,12 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             on_event=self._on_cache_event,
             decode_text=self._decode_preview,
         )
+        if server_args.enable_hierarchical_cache:  # HiCache: a host tier under the device pool
+            from workbench.core.mem_cache.hiradix_cache import make_hiradix_cache
+
+            self.tree_cache = make_hiradix_cache(
+                server_args, runner, on_event=self._on_cache_event, decode_text=self._decode_preview
+            )
         self.policy = SchedulePolicy(
             server_args.schedule_policy,
             self.tree_cache,

@@ -12,7 +12,10 @@ for a request which finished before it (given back when the batch's result is pr
 - request rows in use == the live requests holding one, each its own row;
 - a request row starts with its cached prefix's slots;
 - each radix node's lock count == the live requests whose prefix runs through it, and the cache's
-  evictable / locked counters match its nodes.
+  evictable / locked counters match its nodes;
+- with HiCache (mem_cache/hiradix_cache.py), the host tier: host slots free + held by nodes == the
+  host pool's size, each once; every node has its KV in some tier; device nodes never sit under
+  host-only ones; evicted nodes are unlocked.
 A violation raises `KVInvariantError` with the numbers.
 
 It runs when the scheduler goes idle if `--enable-kv-invariant-check` (or the environment variable
@@ -200,10 +203,11 @@ class SchedulerKVCheckMixin:
                     )
                     if len(problems) > 12:
                         break
+                # Device tokens (a HiCache node evicted to host holds none; otherwise len(n.key)).
                 if n.lock_ref > 0:
-                    lk += len(n.key)
+                    lk += int(n.value.numel())
                 else:
-                    ev += len(n.key)
+                    ev += int(n.value.numel())
             if (ev, lk) != (evictable, locked):
                 problems.append(
                     f"cache counters say evictable {evictable}, locked {locked}; its nodes hold "
@@ -211,12 +215,20 @@ class SchedulerKVCheckMixin:
                 )
             if tree.root_node.lock_ref != 1:
                 problems.append(f"radix root lock_ref {tree.root_node.lock_ref} != 1")
-            leaves = {id(n) for n in tree._iter_nodes() if not n.children and n.lock_ref == 0}
+            # Unlocked device nodes with no child on the device (plain radix cache: no children at all).
+            leaves = {
+                id(n)
+                for n in tree._iter_nodes()
+                if not n.evicted and n.lock_ref == 0 and all(c.evicted for c in n.children.values())
+            }
             kept = {id(n) for n in tree.evictable_leaves()}
             if leaves != kept:
                 problems.append(
                     f"radix evictable leaves: {len(kept - leaves)} kept that are not, {len(leaves - kept)} missing"
                 )
+            host_problems = getattr(tree, "host_problems", None)
+            if host_problems is not None:  # HiCache: the host tier and the tiers' shape too
+                problems += host_problems()
 
         if problems:
             raise KVInvariantError(f"KV invariant violated at step {self.forward_ct}: {'; '.join(problems)}")

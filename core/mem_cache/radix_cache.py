@@ -61,7 +61,20 @@ _CMP_CHUNK = 64
 class TreeNode:
     """One edge of the radix tree (internal; the trace form is events.TreeNode)."""
 
-    __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "hits", "last_access", "_text")
+    __slots__ = (
+        "id",
+        "parent",
+        "children",
+        "key",
+        "value",
+        "lock_ref",
+        "hits",
+        "last_access",
+        "_text",
+        "host_value",
+        "evicted",
+        "hit_count",
+    )
 
     def __init__(
         self,
@@ -82,6 +95,11 @@ class TreeNode:
         self.hits = 0
         self.last_access = 0
         self._text: str | None = None
+        # HiCache (hiradix_cache.py): the node's host-pool slots (None: not backed up), whether its
+        # device slots were dropped (`value` is then empty), and the hits that decide a selective backup.
+        self.host_value: torch.Tensor | None = None
+        self.evicted = False
+        self.hit_count = 0
 
     def __len__(self) -> int:
         return len(self.key)
@@ -488,9 +506,14 @@ class RadixCache(BasePrefixCache):
                     lock_ref=n.lock_ref,
                     hits=n.hits,
                     last_access=n.last_access,
+                    tier=self._tier(n),
                 )
             )
         return out
+
+    def _tier(self, node: TreeNode) -> str:
+        """Where a node's KV lives, for the views: "device" here; HiRadixCache adds "host" tiers."""
+        return "device"
 
     def pretty_print(self) -> str:
         """Indented dump: one line per node with id, tokens, locks, hits and a preview."""

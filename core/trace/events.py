@@ -271,6 +271,24 @@ class TreeNode(msgspec.Struct, array_like=True):
     lock_ref: int
     hits: int
     last_access: int  # monotonic ns
+    # HiCache: where the node's KV lives: "device", "host" (evicted from the device, kept in the host
+    # pool), "device+host" (both), "storage" (only in the L3 tier). Plain radix cache: always "device".
+    tier: str = "device"
+
+
+class HiCacheTransfer(Event, tag="hicache.transfer"):
+    """HiCache moved KV between tiers (core/mem_cache/hiradix_cache.py).
+
+    `what`: "write_through" / "write_back" (device -> host, when the node entered the tree or when
+    it was evicted from the device), "load_back" (host -> device, for a match), "storage_write"
+    (host -> L3 files), "prefetch" (L3 -> host, for a match). The nodes stay in the tree; their
+    tier shows in the next `cache.tree`."""
+
+    what: str
+    node_ids: list[int]
+    tokens: int
+    bytes: int
+    ms: float
 
 
 class CacheTree(Event, tag="cache.tree"):
@@ -455,6 +473,7 @@ AnyEvent = Union[  # noqa: UP007 (a runtime alias msgspec decodes)
     CacheInsert,
     CacheEvict,
     CacheTouch,
+    HiCacheTransfer,
     CacheTree,
     WeightsUpdated,
     ProcStarted,
