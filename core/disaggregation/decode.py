@@ -126,7 +126,7 @@ class DecodeTransferQueue:
         layout = (
             KVLayout(n, pool.layer_num, pool.head_num, pool.head_dim, str(pool.dtype))
             if pool is not None
-            else KVLayout(n, 0, 0, 0, "none")  # no KV tensors: the transport knows the bytes per token
+            else KVLayout.none(n)  # no KV tensors (a simulated server): the room's meta alone travels
         )
         try:
             self.receiver.submit(req.bootstrap_room, host, port, layout)

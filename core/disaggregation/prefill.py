@@ -88,7 +88,10 @@ class PrefillBootstrap:
             v = [buf.index_select(0, slots).cpu() for buf in self.kv_pool.v_buffer]
         logprob = req.output_token_logprobs[0] if req.return_logprob and req.output_token_logprobs else None
         self.sender.put(
-            room, TransferMeta(rid=req.rid, first_token=int(req.output_ids[0]), first_logprob=logprob), k, v
+            room,
+            TransferMeta(rid=req.rid, first_token=int(req.output_ids[0]), first_logprob=logprob, num_tokens=n),
+            k,
+            v,
         )
         self.tokens[room] = n
         req.kv_shipped = True

@@ -54,6 +54,16 @@ class KVLayout:
     dtype: str  # str(torch dtype), e.g. "torch.float32"
 
     @classmethod
+    def none(cls, num_tokens: int) -> KVLayout:
+        """The layout of a room without KV tensors (a simulated server's): only the meta travels."""
+        return cls(num_tokens, 0, 0, 0, "none")
+
+    @property
+    def kvless(self) -> bool:
+        """Whether no tensors travel (KVLayout.none): the room's meta alone is handed over."""
+        return self.layer_num == 0
+
+    @classmethod
     def of(cls, k: list[torch.Tensor], v: list[torch.Tensor]) -> KVLayout:
         """The layout of per-layer k and v tensors (raises ValueError when they are not one consistent KV)."""
         if not k or len(k) != len(v):
@@ -82,7 +92,7 @@ class KVLayout:
     @property
     def nbytes(self) -> int:
         """Bytes of the whole room's KV: 2 (k, v) * layers * tokens * heads * head_dim * itemsize."""
-        return 2 * self.layer_num * self.tensor_nbytes
+        return 0 if self.kvless else 2 * self.layer_num * self.tensor_nbytes
 
 
 @dataclass
@@ -92,6 +102,7 @@ class TransferMeta:
     rid: str  # the prefill side's request id (for logs and the trace)
     first_token: int  # the token the prefill side sampled after the prompt
     first_logprob: float | None = None
+    num_tokens: int = 0  # the prompt tokens whose KV this is (a link model times a kv-less room by them)
 
 
 @dataclass
@@ -214,8 +225,10 @@ class KVSender:
 
     def put(self, room: int, meta: TransferMeta, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
         """Hold a room's KV (per layer [num_tokens, head_num, head_dim] CPU tensors, the caller's own copies) until
-        a decode server pulls it. Returns at once; raises RoomInUseError if the room is held already."""
-        KVLayout.of(k, v)  # a malformed KV is the caller's bug: say so here, not on the decode side
+        a decode server pulls it. Returns at once; raises RoomInUseError if the room is held already. No
+        tensors at all (k and v empty: a simulated server's) hands over the meta alone, to a kv-less layout."""
+        if k or v:
+            KVLayout.of(k, v)  # a malformed KV is the caller's bug: say so here, not on the decode side
         with self._cond:
             if self._closed:
                 raise RuntimeError("KVSender is closed")
@@ -350,7 +363,7 @@ class KVSender:
             _write_frame(conn, _Reply(ok=False, error=held.error))
             return
         assert held.k is not None and held.v is not None
-        have = KVLayout.of(held.k, held.v)
+        have = KVLayout.of(held.k, held.v) if held.k else KVLayout.none(want.num_tokens)
         if have != want:
             error = (
                 f"KV layout mismatch for bootstrap room {room}: the decode side reserved {want}, the prefill side "
@@ -403,7 +416,8 @@ class KVReceiver:
     def submit(self, room: int, host: str, port: int, layout: KVLayout) -> None:
         """Start pulling a room from host:port into fresh tensors of layout. Returns at once; raises
         RoomInUseError if this receiver already has the room in flight."""
-        _ = layout.torch_dtype  # an unknown dtype is the caller's bug: raise here, not in the pulling thread
+        if not layout.kvless:
+            _ = layout.torch_dtype  # an unknown dtype is the caller's bug: raise here, not in the pulling thread
         with self._lock:
             if room in self._pulls:
                 raise RoomInUseError(

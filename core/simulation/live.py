@@ -288,10 +288,14 @@ class LiveSimClock:
             arriving = any(isinstance(m, TokenizedGenerateReqInput) for m in msgs)
             stepping = not (s.paused and s.step_credits == 0)
             due, on_way = clock.announced(), self.received < clock.sent()
-            if not stepping or not (arriving or s.has_work()):
+            # PD transfers in flight with no pass to run (has_work, not has_batch_work): time passes as when
+            # idle, and the loop looks every millisecond, so a transfer is installed when the clock says
+            if not stepping or not (arriving or s.has_batch_work()):
                 s.tracer.flush()
                 self._idle = True
                 wait_ms = self._let_time_pass(stepping, on_way, due, self.received)
+                if stepping and s.has_work():
+                    wait_ms = 1
                 if msgs:
                     return msgs
                 msgs = self._take(s.io.recv(wait_ms))
@@ -517,6 +521,10 @@ def scheduler_parts(
     if sa.speculative_algorithm:
         drafter = make_drafter(worker, worker.model_runner.model_config.vocab_size, _draft_cost(sa, worker.cost))
     overlap = args.disable_overlap_schedule is False  # the overlap loop over two timelines, when asked
+    # PD (--disaggregation-mode): the real prefill or decode side, its transport timed by the link model
+    from workbench.core.simulation.pd_live import simulated_pd_part
+
+    pd_part = simulated_pd_part(sa, worker.cost, lambda: shared.now_ns() / 1e9)
     return SchedulerParts(
         args,
         worker=worker,
@@ -526,6 +534,7 @@ def scheduler_parts(
         drafter=drafter,
         overlap_worker=LiveSimOverlapClient(worker, replica) if overlap else None,
         tp_size=1,
+        disaggregation=pd_part,
     )
 
 

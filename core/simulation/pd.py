@@ -86,6 +86,7 @@ class SimKVLink:
         if link_bw <= 0:
             raise ValueError(f"the PD link's bandwidth must be above 0, not {link_bw}")
         self.bytes_per_token = bytes_per_token
+        self.lanes = lanes
         self.bw = link_bw * lanes  # bytes/s between a prefill replica and a decode replica
         self.latency_s = latency_s
         self.rooms: dict[int, _Room] = {}
@@ -134,6 +135,25 @@ class SimKVLink:
             ),
             default=INF,
         )
+
+
+def pd_link(
+    spec: ModelSpec,
+    hw,
+    dtype_bytes: int,
+    prefill_tp: int,
+    decode_tp: int,
+    link_gbps: float | None = None,
+    link_latency_us: float | None = None,
+) -> SimKVLink:
+    """The link model between a prefill replica of `prefill_tp` devices and a decode replica of `decode_tp`
+    on hardware `hw`: the model's KV bytes per token (every layer, every KV head, `dtype_bytes`), one link
+    per device of the smaller side at `link_gbps` gigabits/s (default: the hardware's `pd_link_bw`) and
+    `link_latency_us` per transfer (default: `pd_link_latency_s`). Offline (PDSimulator) and live
+    (pd_live.py) PD time their transfers with it."""
+    bw = hw.pd_link_bw if link_gbps is None else link_gbps * 1e9 / 8
+    latency = hw.pd_link_latency_s if link_latency_us is None else link_latency_us * 1e-6
+    return SimKVLink(spec.kv_bytes_per_token(dtype_bytes), bw, min(prefill_tp, decode_tp), latency)
 
 
 class SimKVSender:
@@ -295,12 +315,10 @@ class PDSimulator:
         self.prefill = side(prefill_replicas, prefill_tp_size, procs[:prefill_replicas], 0)
         self.decode = side(decode_replicas, decode_tp_size, procs[prefill_replicas:], 104729)
         self.spec, self.hw, self.seed, self.trace_sink = spec, hw, seed, trace_sink
-        dtype_bytes = self.prefill.cost.dtype_bytes
-        self.link_bw = hw.pd_link_bw if link_gbps is None else link_gbps * 1e9 / 8
-        latency = hw.pd_link_latency_s if link_latency_us is None else link_latency_us * 1e-6
-        self.link = SimKVLink(
-            spec.kv_bytes_per_token(dtype_bytes), self.link_bw, min(prefill_tp_size, decode_tp_size), latency
+        self.link = pd_link(
+            spec, hw, self.prefill.cost.dtype_bytes, prefill_tp_size, decode_tp_size, link_gbps, link_latency_us
         )
+        self.link_bw = self.link.bw / self.link.lanes
         for rep in self.prefill.replicas + self.decode.replicas:
             rep.io = rep.scheduler.io = _StampedIO(rep.clock)
         for rep in self.prefill.replicas:
