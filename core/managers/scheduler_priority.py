@@ -21,14 +21,29 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from workbench.core.managers.schedule_policy import least_urgent_priority
 
 if TYPE_CHECKING:
-    from workbench.core.managers.schedule_batch import Req
+    from workbench.core.managers.schedule_batch import Req, ScheduleBatch
     from workbench.core.managers.schedule_policy import PrefillAdder
-    from workbench.core.managers.scheduler import Scheduler
+    from workbench.core.managers.scheduler_narration import StepNarrator
+
+
+class SchedulerState(Protocol):
+    """What of the Scheduler preemption reads and drives (scheduler.py; a Protocol: no import cycle)."""
+
+    server_args: Any
+    running_batch: ScheduleBatch
+    waiting_queue: list[Req]
+    token_to_kv_pool_allocator: Any
+    tree_cache: Any
+    narrator: StepNarrator
+    num_retracted_total: int
+
+    def sync_inflight(self) -> bool: ...
+    def retract_req(self, req: Req, reason: str = "") -> None: ...
 
 
 def format_priority(p: int | None) -> str:
@@ -41,7 +56,7 @@ def format_priority(p: int | None) -> str:
 class PriorityPreemption:
     """The Scheduler's priority rules: default priorities, and preempting running work for a waiting request."""
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: SchedulerState):
         args = scheduler.server_args
         self.s = scheduler
         self.enabled = bool(args.enable_priority_scheduling)
