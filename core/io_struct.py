@@ -198,6 +198,8 @@ class BatchTokenIDOut(Msg):
     output_token_logprobs: list[list[float]] | None = None
     output_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     input_token_logprobs: list[list[float | None] | None] | None = None
+    # per request (None: not asked), per prompt position: its top (id, logprob) pairs (None: unscored)
+    input_top_logprobs: list[list[list[tuple[int, float]] | None] | None] | None = None
     error_messages: list[str | None] | None = None
     # An abort that is the server's answer, not a stop (HTTP's status: 400 a bad request, 502 a PD peer
     # that failed, ...); 0 or None: a plain abort (a client's, a disconnect)
@@ -219,6 +221,8 @@ class BatchStrOut(Msg):
     output_token_logprobs: list[list[float]] | None = None
     output_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     input_token_logprobs: list[list[float | None] | None] | None = None
+    # per request (None: not asked), per prompt position: its top (id, logprob) pairs (None: unscored)
+    input_top_logprobs: list[list[list[tuple[int, float]] | None] | None] | None = None
     error_messages: list[str | None] | None = None
     error_status: list[int] | None = None
     ts: int = 0  # BatchTokenIDOut's

@@ -128,6 +128,7 @@ def _str_out(recv_obj: BatchTokenIDOut, text_deltas: list[str]) -> BatchStrOut:
         output_token_logprobs=recv_obj.output_token_logprobs,
         output_top_logprobs=recv_obj.output_top_logprobs,
         input_token_logprobs=recv_obj.input_token_logprobs,
+        input_top_logprobs=recv_obj.input_top_logprobs,
         error_messages=recv_obj.error_messages,
         error_status=recv_obj.error_status,
         ts=recv_obj.ts,

@@ -101,6 +101,8 @@ class Req:
         self.output_token_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.input_token_logprobs: list[float | None] = []
+        # with top_logprobs_num: the prompt positions' top (id, logprob) pairs, aligned with the above
+        self.input_top_logprobs: list[list[tuple[int, float]] | None] = []
         self.input_logprobs_sent = False
         # Disaggregated serving (core/disaggregation/): the room naming it on both sides, the prefill
         # server's bootstrap (host, port) on the decode side, and whether the prefill side handed its KV over.

@@ -202,18 +202,33 @@ class SchedulerOutputMixin:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _add_input_logprobs(self, req: Req, i: int, result: GenerationBatchResult, start: int, n: int) -> None:
-        """Prompt logprobs of the `n` tokens after `start` computed by row i (launch-time values)."""
+        """Prompt logprobs of the `n` tokens after `start` computed by row i (launch-time values); with
+        top_logprobs_num, each position's top tokens too. A prompt prefilled in chunks gathers chunk
+        by chunk; a re-prefill (after retraction) finds them complete and adds nothing."""
+        prompt_len = len(req.origin_input_ids)
+        if req.input_token_logprobs and len(req.input_token_logprobs) >= prompt_len:
+            return
+        k = req.top_logprobs_num
         if not req.input_token_logprobs:
             req.input_token_logprobs = [None] * (start + 1)  # nothing predicts the first / cached tokens
+            req.input_top_logprobs = [None] * (start + 1)
         assert result.prompt_logprobs is not None  # asked for: the pass computed them for its rows
         lp = result.prompt_logprobs[i]
         req.input_token_logprobs.extend(float(x) for x in lp.token_logprobs)
+        if k > 0 and lp.top_logprobs is not None:
+            vals, ids = lp.top_logprobs
+            req.input_top_logprobs.extend(
+                list(zip(r_ids, r_vals)) for r_ids, r_vals in zip(ids[:, :k].tolist(), vals[:, :k].tolist())
+            )
         end = start + n
-        if end < len(req.origin_input_ids):
+        if end < prompt_len:
             # The next chunk's first token is scored by this chunk's last position.
             row = result.logits_output.next_token_logits[i : i + 1]
             nxt = torch.tensor([req.origin_input_ids[end]], device=row.device)
             req.input_token_logprobs.append(float(token_logprobs(row, nxt)[0]))
+            if k > 0:
+                vals, ids = torch.topk(torch.log_softmax(row.float(), dim=-1), k, dim=-1)
+                req.input_top_logprobs.append(list(zip(ids[0].tolist(), vals[0].tolist())))
 
     # ==== output ======================================================================
     def stream_output(self, reqs: list[Req]) -> None:
@@ -232,6 +247,7 @@ class SchedulerOutputMixin:
         matched: list[int | str | None] = []
         status: list[int] = []
         in_lps: list[list[float | None] | None] = []
+        in_tops: list[list[list[tuple[int, float]] | None] | None] = []
         any_lp = False
         for req in reqs:
             new = req.output_ids[req.sent_len :]
@@ -263,9 +279,13 @@ class SchedulerOutputMixin:
                 and (req.output_ids or req.finished())
             ):
                 in_lps.append(req.input_token_logprobs[: len(req.origin_input_ids)])
+                in_tops.append(
+                    req.input_top_logprobs[: len(req.origin_input_ids)] if req.top_logprobs_num > 0 else None
+                )
                 req.input_logprobs_sent = True
             else:
                 in_lps.append(None)
+                in_tops.append(None)
             any_lp = any_lp or req.return_logprob
             req.sent_len = len(req.output_ids)
             status.append(fr.status if fr is not None and fr.type == "abort" else 0)
@@ -291,6 +311,7 @@ class SchedulerOutputMixin:
                 output_token_logprobs=lps if any_lp else None,
                 output_top_logprobs=tops if any_lp else None,
                 input_token_logprobs=in_lps if any_lp else None,
+                input_top_logprobs=in_tops if any(t is not None for t in in_tops) else None,
                 error_messages=[
                     (fr_msg if r == "abort" and isinstance(fr_msg, str) else None)
                     for r, fr_msg in zip(reasons, matched)

@@ -121,6 +121,7 @@ class ReqState:
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     input_token_logprobs: list | None = None
+    input_top_logprobs: list | None = None  # per prompt position: [[logprob, id, text], ...] or None
     # Logprobs in SGLang's shape: [logprob, token_id, text or None]; prompt positions from
     # logprob_start_len on (input_ids kept for their ids only when prompt logprobs were asked for).
     return_logprob: bool = False
@@ -327,6 +328,7 @@ class TokenizerManager:
             meta["output_top_logprobs"] = state.output_top_logprobs
         if state.input_token_logprobs is not None:
             meta["input_token_logprobs"] = state.input_token_logprobs
+            meta["input_top_logprobs"] = state.input_top_logprobs or []  # SGLang: [] without top_logprobs_num
         out = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
         if delta is not None:
             out["delta"] = delta
@@ -384,6 +386,9 @@ class TokenizerManager:
                 prompt_lps = out.input_token_logprobs[i] if out.input_token_logprobs is not None else None
                 if prompt_lps is not None:
                     state.input_token_logprobs = self._prompt_logprobs(state, prompt_lps, text_of)
+                prompt_tops = out.input_top_logprobs[i] if out.input_top_logprobs is not None else None
+                if prompt_tops is not None:
+                    state.input_top_logprobs = self._prompt_top_logprobs(state, prompt_tops, text_of)
             if tracing and delta:
                 self.tracer.emit(ev.ReqText(rid=rid, delta=delta))
             reason = out.finished_reasons[i]
@@ -418,6 +423,18 @@ class TokenizerManager:
         return [
             [by_position[p] if p < len(by_position) else None, ids[p], text_of(ids[p])] for p in range(start, len(ids))
         ]
+
+    @staticmethod
+    def _prompt_top_logprobs(state: ReqState, by_position: list, text_of) -> list:
+        """The scheduler's per-position top (id, logprob) pairs -> SGLang's input_top_logprobs for
+        positions logprob_start_len..: a list of [logprob, id, text] per position, None where unscored."""
+        start = max(state.logprob_start_len, 0)
+        n = len(state.input_ids or [])
+        out: list = []
+        for p in range(start, n):
+            row = by_position[p] if p < len(by_position) else None
+            out.append([[v, t, text_of(t)] for t, v in row] if row else None)
+        return out
 
     def _emit_finished(self, state: ReqState, reason: str, now: int) -> None:
         ttft = (state.first_token_ns - state.created_ns) / 1e9 if state.first_token_ns else 0.0

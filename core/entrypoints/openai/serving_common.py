@@ -549,16 +549,20 @@ def completion_logprobs(
     start_offset: int = 0,
     prompt_ids: list[int] | None = None,
     input_lps: list | None = None,
+    input_tops: list | None = None,
 ) -> CompletionLogprobs:
     """Completions-shaped logprobs; with `prompt_ids` (echo) the prompt tokens come first,
-    their logprobs from `input_lps` (the first prompt token has none)."""
+    their logprobs from `input_lps` and their top tokens from `input_tops` (SGLang's meta_info
+    lists; the first prompt token has neither)."""
     out = CompletionLogprobs()
     offset = start_offset
     rows: list[tuple[float | None, int, Any]] = []
     if prompt_ids is not None:
         in_lps = [it[0] if isinstance(it, (list, tuple)) else it for it in (input_lps or [])]
         in_lps = [None] * (len(prompt_ids) - len(in_lps)) + in_lps[-len(prompt_ids) :] if prompt_ids else []
-        rows += [(lp, tid, None) for lp, tid in zip(in_lps, prompt_ids)]
+        in_tops = list(input_tops or [])[-len(prompt_ids) :] if prompt_ids else []
+        in_tops = [None] * (len(prompt_ids) - len(in_tops)) + in_tops
+        rows += [(lp, tid, top) for lp, tid, top in zip(in_lps, prompt_ids, in_tops)]
     rows += [(it[0], it[1], tops[k] if k < len(tops) else None) for k, it in enumerate(lps)]
     for lp, tid, top in rows:
         tok = ctx.token_str(int(tid))

@@ -135,6 +135,7 @@ async def create_completion(ctx: ServingContext, request: Request, req: Completi
                 top_n,
                 prompt_ids=echo_ids[spec.prompt_index] if echo_ids else None,
                 input_lps=meta.get("input_token_logprobs"),
+                input_tops=meta.get("input_top_logprobs"),
             )
         choices.append(
             CompletionChoice(
@@ -181,7 +182,14 @@ async def _stream(
                 lps, tops = new_logprob_items(meta, seen_ids.get(spec.index, 0), n_ids)
                 if lps or prompt_ids:
                     lp = completion_logprobs(
-                        ctx, lps, tops, top_n, offsets.get(spec.index, 0), prompt_ids, meta.get("input_token_logprobs")
+                        ctx,
+                        lps,
+                        tops,
+                        top_n,
+                        offsets.get(spec.index, 0),
+                        prompt_ids,
+                        meta.get("input_token_logprobs"),
+                        meta.get("input_top_logprobs"),
                     )
                     if lp.tokens:
                         offsets[spec.index] = lp.text_offset[-1] + len(lp.tokens[-1])
