@@ -19,11 +19,11 @@ Each preemption is narrated (StepDecision.preemptions) and traced (ReqRetracted 
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 from workbench.core.managers.schedule_policy import least_urgent_priority
+from workbench.core.trace.views import format_priority
 
 if TYPE_CHECKING:
     from workbench.core.managers.schedule_batch import Req, ScheduleBatch
@@ -44,13 +44,6 @@ class SchedulerState(Protocol):
 
     def sync_inflight(self) -> bool: ...
     def retract_req(self, req: Req, reason: str = "") -> None: ...
-
-
-def format_priority(p: int | None) -> str:
-    """A priority as a view shows it ("unset" for a request sent without one)."""
-    if p is None or p in (sys.maxsize, -sys.maxsize - 1):
-        return "unset"
-    return str(p)
 
 
 class PriorityPreemption:

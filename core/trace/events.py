@@ -425,6 +425,8 @@ class ReqSnapshot(Event, tag="req.snapshot"):
     round_sampled: bool = False  # the current round's last chunk already sampled a token
     replica: str = ""  # data parallel: the scheduler replica that holds it
     constraint: str = ""  # structured outputs: the kind of grammar ("" free)
+    priority: int | None = None  # priority scheduling: the request's priority
+    preempted: str = ""  # its last priority preemption, with the reason
 
 
 class TraceCounters(Event, tag="trace.counters"):

@@ -505,6 +505,8 @@ class TraceState:
             r.queued_ts = e.ts
         if e.constraint:
             r.constraint = e.constraint
+        if e.priority is not None:
+            r.priority = e.priority
         if not b.final and e.prompt_tokens:
             r.prompt_tokens = e.prompt_tokens
         self._set_state(r, b, "queued", e.ts)
@@ -619,7 +621,11 @@ class TraceState:
             r.output_tokens = e.output_tokens
         b.round += 1
         self._set_state(r, b, "retracted", e.ts)
-        self._timeline(r, TimelineEntry(e.ts, "retracted", f"after {e.output_tokens} output tokens", step=e.step))
+        detail = f"after {e.output_tokens} output tokens"
+        if e.reason:  # a priority preemption: who it made room for
+            r.preempted = e.reason
+            detail = f"{e.reason}, {detail}"
+        self._timeline(r, TimelineEntry(e.ts, "retracted", detail, step=e.step))
 
     def _on_text(self, e: ev.ReqText) -> None:
         r, _ = self._req(e.rid)
@@ -985,8 +991,11 @@ def narrate_step(sv: StepView) -> str:
         parts.append(f"KV +{d.kv_alloc}" + (f" −{d.kv_freed}" if d.kv_freed else ""))
         nodes = len(d.evicted_nodes)
         parts.append(f"evicted {d.evicted}" + (f" ({nodes} node{'s' if nodes != 1 else ''})" if nodes else ""))
-        if d.retracted:
-            parts.append(f"retracted {len(d.retracted)} ({_rids(d.retracted)})")
+        preempted = {p.split(" ")[1] for p in d.preemptions if p.count(" ") > 1}
+        kv_retracted = [rid for rid in d.retracted if rid not in preempted]
+        if kv_retracted:
+            parts.append(f"retracted {len(kv_retracted)} ({_rids(kv_retracted)})")
+        parts.extend(d.preemptions)  # priority scheduling: "preempted r1 (priority 0) for r5 (priority 10)"
         if d.constrained:
             parts.append(f"grammar for {d.constrained} row{'s' if d.constrained != 1 else ''} {d.mask_ms:.1f} ms")
         if d.waiting:

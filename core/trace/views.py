@@ -16,6 +16,14 @@ TERMINAL_STATES = frozenset({"finished", "aborted"})
 LATENCY_METRICS = ("ttft", "tpot", "e2e")
 
 
+def format_priority(p: int | None) -> str:
+    """A request's priority as views show it: "unset" for one sent without a priority (the scheduler
+    gave it the least urgent value, SGLang's ±sys.maxsize)."""
+    if p is None or abs(p) >= 2**62:
+        return "unset"
+    return str(p)
+
+
 @dataclass
 class TimelineEntry:
     """One thing that happened to a request.
@@ -58,6 +66,8 @@ class RequestView:
     e2e: float | None = None
     retractions: int = 0
     constraint: str = ""  # structured outputs: "json_schema" | "json_object" | "regex" | "ebnf" ("" free)
+    priority: int | None = None  # priority scheduling: the request's priority (None: scheduling off)
+    preempted: str = ""  # its last priority preemption, with the reason ("preempted r1 (priority 0) for r5 ...")
     text: str = ""
     timeline: list[TimelineEntry] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)  # scheduler step ids it took part in

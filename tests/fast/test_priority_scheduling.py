@@ -14,8 +14,8 @@ import random
 import pytest
 from scheduler_harness import SchedulerHarness, expected_tokens
 from workbench.core.managers.schedule_policy import least_urgent_priority
-from workbench.core.managers.scheduler_priority import format_priority
 from workbench.core.trace import events as ev
+from workbench.core.trace.views import format_priority
 
 BOTH_LOOPS = pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 
@@ -205,3 +205,32 @@ def test_a_request_is_not_preempted_when_even_all_candidates_would_not_make_room
     h.run_until_idle()
     assert_full_outputs(h, prompts, n)
     h.assert_idle_and_clean()
+
+
+# ==== views ======================================================================================
+def test_narration_queues_and_snapshot_show_priorities_and_the_preemption():
+    from workbench.core.trace.state import TraceState
+    from workbench.tui.model import TuiModel
+    from workbench.tui.panels.queues import queue_rows
+
+    h = harness(max_running_requests=1, priority_scheduling_preemption_threshold=0)
+    h.submit("low", prompt(41, 12), 10, priority=1)
+    for _ in range(3):
+        h.step()
+    h.submit("high", prompt(42, 12), 3, priority=7)
+    h.step()
+    m = TuiModel()
+    m.apply(h.events)
+    st = m.state
+    line = st.narrate(st.steps[-1])
+    assert "preempted low (priority 1) for high (priority 7)" in line and "retracted" not in line
+    assert st.requests["low"].priority == 1 and st.requests["high"].priority == 7
+    timeline = [t.detail for t in st.requests["low"].timeline if t.kind == "retracted"]
+    assert timeline == ["preempted low (priority 1) for high (priority 7), after 3 output tokens"]
+    rows = dict(queue_rows(m))
+    assert str(rows["high"][1]) == "high p7" and str(rows["low"][1]) == "low p1"
+    assert rows["low"][2].startswith("preempted for high")
+    late = TraceState()  # a late subscriber's snapshot keeps both
+    late.apply_many(st.snapshot_events())
+    assert late.requests["low"].priority == 1 and late.requests["low"].preempted.startswith("preempted low")
+    h.run_until_idle()

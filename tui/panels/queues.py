@@ -7,7 +7,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import DataTable
 from workbench.core.trace.palette import COMPUTED, DECODE, WAITING
-from workbench.core.trace.views import RequestView
+from workbench.core.trace.views import RequestView, format_priority
 from workbench.tui.fmt import fmt_age, fmt_s
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import RequestSelected, TracePanel
@@ -103,6 +103,8 @@ def _cells(
     state = r.state
     if state == "prefilling" and r.num_chunks > 1:
         state = f"prefill {r.chunk_index + 1}/{r.num_chunks}"
+    if state == "retracted" and r.preempted:  # priority scheduling: preempted for a more urgent request
+        state = "preempted for " + r.preempted.split(" for ", 1)[-1].split(" ", 1)[0]
     if wait_reason:
         state = f"{state}: {_WAIT_SHORT.get(wait_reason, wait_reason)}"
     start = r.arrival_ts if r.arrival_ts is not None else r.queued_ts
@@ -120,6 +122,8 @@ def _cells(
     rid = Text(r.rid, style="reverse" if touched else "")
     if r.constraint:
         rid.append(" " + CONSTRAINT_BADGE.get(r.constraint, r.constraint), style="dim")
+    if r.priority is not None:  # priority scheduling is on: each request's priority
+        rid.append(f" p{format_priority(r.priority)}", style="dim")
     return (
         Text(label, style=_QUEUE_STYLE.get(queue, "")),
         rid,
@@ -149,6 +153,9 @@ class QueuesPanel(TracePanel):
         "`ebnf` a grammar; the `last step` line says how long the scheduler spent on their grammars (masks and matchers). A waiting request's state says why that "
         "step left it waiting: `budget` (the step's prefill token budget was spent), `KV room`, `run limit` "
         "(running-request limit) or `held` (it waits for a shared prefix being computed). "
+        "With priority scheduling (--enable-priority-scheduling) each rid shows its priority (`p10`; `punset` "
+        "sent without one) and a request a more urgent one preempted says `preempted for` whom (the `last step` "
+        "line gives both priorities). "
         "Click or Enter on a row to select the request."
     )
     clock_interval_s = 0.5
