@@ -12,7 +12,9 @@ sees into counters, gauges and histograms:
 - `queue.state` -> `num_running_reqs`, `num_queue_reqs`;
 - `kv.usage` -> `num_used_tokens`, `token_usage`;
 - `req.aborted` -> `num_aborted_requests_total` (and `num_requests_total`; once per rid);
-- `req.retracted` -> `num_retracted_reqs`; `cache.evict` -> `evicted_tokens_total`.
+- `req.retracted` -> `num_retracted_reqs`; `cache.evict` -> `evicted_tokens_total`;
+  a retraction that was a priority preemption (--enable-priority-scheduling) also counts in
+  `num_priority_preempted_reqs_total{priority=...}`, by the preempted request's priority.
 
 `cache_hit_rate` is cached_tokens_total / prompt_tokens_total (cumulative), so
 it does not drop to 0 while the engine decodes. Exposed with a private
@@ -32,6 +34,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
+from workbench.core.trace.views import format_priority
 
 PREFIX = "sglang:"
 
@@ -89,6 +92,7 @@ class ServerMetrics:
         self.num_requests = 0
         self.num_aborted = 0
         self.num_retracted = 0
+        self.preempted_by_priority: dict[str, int] = {}  # priority preemptions, by the victim's priority
         self.evicted_tokens = 0
         self.dropped_events = 0
         self.spec_verified = 0  # speculative decoding: (request, step) pairs that verified drafts ...
@@ -146,6 +150,9 @@ class ServerMetrics:
                     self._on_aborted(e.rid)
                 elif t is ev.ReqRetracted:
                     self.num_retracted += 1
+                    if e.reason:  # a priority preemption
+                        key = format_priority(e.priority)
+                        self.preempted_by_priority[key] = self.preempted_by_priority.get(key, 0) + 1
                 elif t is ev.CacheEvict:
                     self.evicted_tokens += e.tokens
                 elif t is ev.TraceDropped:
@@ -264,6 +271,7 @@ class ServerMetrics:
         counted in `num_requests_total` but missing from the latency histograms."""
         with self._lock:
             s = self._snapshot_locked()
+            preempted = dict(self.preempted_by_priority)
             histograms = [
                 self.ttft.family(PREFIX + "time_to_first_token_seconds", "Time to first token.", self.labels),
                 self.itl.family(PREFIX + "inter_token_latency_seconds", "Time between output tokens.", self.labels),
@@ -296,6 +304,14 @@ class ServerMetrics:
         yield counter("num_aborted_requests_total", "Aborted requests.")
         yield counter("evicted_tokens_total", "Tokens evicted from the radix cache.")
         yield counter("trace_dropped_events_total", "Trace events lost before reaching the metrics.")
+        by_priority = CounterMetricFamily(
+            PREFIX + "num_priority_preempted_reqs",
+            "Priority scheduling: running requests preempted for a more urgent one, by their priority.",
+            labels=names + ["priority"],
+        )
+        for prio, n in sorted(preempted.items()):
+            by_priority.add_metric(values + [prio], float(n))
+        yield by_priority
         yield gauge(
             "spec_accept_length",
             "Speculative decoding: tokens a request gains per verify step (1 + accepted drafts), on average.",

@@ -234,3 +234,19 @@ def test_narration_queues_and_snapshot_show_priorities_and_the_preemption():
     late.apply_many(st.snapshot_events())
     assert late.requests["low"].priority == 1 and late.requests["low"].preempted.startswith("preempted low")
     h.run_until_idle()
+
+
+def test_metrics_count_priority_preemptions_by_priority():
+    from workbench.core.entrypoints.metrics import ServerMetrics
+
+    h = harness(max_running_requests=1, priority_scheduling_preemption_threshold=0)
+    h.submit("low", prompt(51, 12), 10, priority=1)
+    for _ in range(3):
+        h.step()
+    h.submit("high", prompt(52, 12), 3, priority=7)
+    h.run_until_idle()
+    m = ServerMetrics("m")
+    m.on_events(h.events)
+    text = m.render().decode()
+    assert 'sglang:num_priority_preempted_reqs_total{model_name="m",priority="1"} 1.0' in text
+    assert "sglang:num_retracted_reqs" in text
