@@ -1,0 +1,103 @@
+"""HiCache in the real Scheduler (in-process, stand-in worker; tests/scheduler_harness.py).
+
+A prompt evicted from a small device pool comes back from the host tier: its tokens count as
+cached (the BatchTokenIDOut's cached_tokens, what meta_info.cached_tokens reports) and its output
+equals the stand-in model's reference, which it only does if the loaded-back KV slots really hold
+the prompt's tokens (a slot the model reads that holds anything else changes the next token). The
+harness runs the KV check, both tiers, after every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+from scheduler_harness import SchedulerHarness, expected_tokens
+from workbench.core.mem_cache.hiradix_cache import WRITE_POLICIES, HiRadixCache
+from workbench.core.trace import events as ev
+
+PROMPT = list(range(10, 70))  # 60 tokens
+OTHERS = [[500 + i] + list(range(100 + 60 * i, 159 + 60 * i)) for i in range(4)]
+
+
+def run_a_others_a(h: SchedulerHarness) -> set[str]:
+    """A, then prompts that push it off the device, then A again; returns the tiers the tree's
+    nodes were in just before A came back (as the views' tree snapshot shows them)."""
+    h.submit("a", PROMPT, max_new_tokens=4)
+    h.run_until_idle()
+    for i, p in enumerate(OTHERS):
+        h.submit(f"o{i}", p, max_new_tokens=4)
+        h.run_until_idle()
+    tiers = {n.tier for n in h.s.tree_cache.snapshot()}
+    h.submit("a2", PROMPT, max_new_tokens=4)
+    h.run_until_idle()
+    return tiers
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_evicted_prompt_comes_back_from_host_as_cached_tokens(policy, overlap):
+    h = SchedulerHarness(
+        max_total_tokens=128,
+        enable_hierarchical_cache=True,
+        hicache_write_policy=policy,
+        hicache_ratio=4.0,
+        overlap=overlap,
+    )
+    assert isinstance(h.s.tree_cache, HiRadixCache)
+    tiers = run_a_others_a(h)
+    want = expected_tokens(PROMPT, 4)
+    assert h.tokens("a") == want and h.cached["a"] == 0
+    assert h.tokens("a2") == want
+    assert h.cached["a2"] == len(PROMPT) - 1  # all but the last prompt token (it must be computed)
+    loads = [e for e in h.trace(ev.HiCacheTransfer) if e.what == "load_back"]
+    assert loads and loads[-1].tokens >= len(PROMPT) - 1 and loads[-1].bytes > 0
+    for i, p in enumerate(OTHERS):
+        assert h.tokens(f"o{i}") == expected_tokens(p, 4)
+    assert "host" in tiers
+    h.assert_idle_and_clean()
+
+
+def test_without_hicache_the_evicted_prompt_is_recomputed():
+    h = SchedulerHarness(max_total_tokens=128)
+    run_a_others_a(h)
+    assert h.cached["a2"] == 0 and h.tokens("a2") == expected_tokens(PROMPT, 4)
+
+
+def test_selective_backs_up_only_what_was_hit():
+    h = SchedulerHarness(
+        max_total_tokens=128, enable_hierarchical_cache=True, hicache_write_policy="write_through_selective"
+    )
+    run_a_others_a(h)
+    assert h.cached["a2"] == 0  # "a" was computed once and never hit before its eviction: not backed
+    h.submit("a3", PROMPT, max_new_tokens=4)  # a device hit: the second hit backs it up
+    h.run_until_idle()
+    assert h.cached["a3"] == len(PROMPT) - 1
+    for i, p in enumerate(OTHERS):
+        h.submit(f"p{i}", [700 + i] + p[1:], max_new_tokens=4)
+        h.run_until_idle()
+    assert "host" in {n.tier for n in h.s.tree_cache.snapshot()}
+    h.submit("a4", PROMPT, max_new_tokens=4)
+    h.run_until_idle()
+    assert h.tokens("a4") == expected_tokens(PROMPT, 4)
+    assert h.cached["a4"] == len(PROMPT) - 1
+    h.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+def test_many_requests_sharing_prefixes_stay_consistent(policy):
+    """Concurrent requests over shared stems through a pool that keeps evicting: every output
+    right, and the KV check (both tiers) after every step."""
+    h = SchedulerHarness(
+        max_total_tokens=160, enable_hierarchical_cache=True, hicache_write_policy=policy, hicache_ratio=1.5
+    )
+    stems = [list(range(1000 + 40 * s, 1030 + 40 * s)) for s in range(4)]
+    prompts = {}
+    for wave in range(3):
+        for s, stem in enumerate(stems):
+            rid = f"w{wave}s{s}"
+            prompts[rid] = stem + [5 + wave, 6 + s]
+            h.submit(rid, prompts[rid], max_new_tokens=3)
+        h.run_until_idle()
+    for rid, p in prompts.items():
+        assert h.tokens(rid) == expected_tokens(p, 3), rid
+    assert sum(h.cached[r] for r in prompts) > 0
+    h.assert_idle_and_clean()
