@@ -1,0 +1,37 @@
+"""HiCache with a real Engine (default model, float32): a prompt pushed off a small device KV pool
+comes back from the host tier. Its prompt tokens count as cached (meta_info.cached_tokens) and its
+greedy output equals the first run's, which computed everything (so equals recomputing it); the KV
+check, both tiers, finds nothing wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("default_prepared")
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+def test_prompt_evicted_from_device_comes_back_from_host():
+    from workbench import Engine
+
+    prompt_a = [1] + [300 + (i * 7) % 900 for i in range(120)]
+    others = [[1] + [1500 + j * 200 + (i * 11) % 150 for i in range(120)] for j in range(3)]
+    with Engine(
+        dtype="float32",
+        max_total_tokens=300,
+        enable_hierarchical_cache=True,
+        hicache_ratio=4.0,
+        hicache_write_policy="write_back",
+        enable_kv_invariant_check=True,
+        show_progress=False,
+    ) as engine:
+        first = engine.generate(input_ids=prompt_a, sampling_params=GREEDY)
+        for p in others:  # 3 x 128 tokens through a 300-token device pool: A is written back to host
+            engine.generate(input_ids=p, sampling_params=GREEDY)
+        again = engine.generate(input_ids=prompt_a, sampling_params=GREEDY)
+        state = engine.get_internal_state()
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert again["meta_info"]["cached_tokens"] == len(prompt_a) - 1, again["meta_info"]
+    assert again["output_ids"] == first["output_ids"]
+    assert not state.get("kv_check_error"), state.get("kv_check_error")
