@@ -7,11 +7,12 @@
 
 Workloads: a Poisson stream (--rate, --num-requests, --prompt-len, --output-len, --groups and
 --prefix-len for shared prefixes), or --workload FILE, a JSONL of {"arrival", "prompt_tokens",
-"output_tokens", optional "group" and "prefix_tokens"}, or a real engine's recording (`--record`:
+"output_tokens", optional "group", "prefix_tokens" and "priority"}, or a real engine's recording (`--record`:
 its finished requests' arrivals and lengths, core/simulation/recorded.py), or a production trace
 (Mooncake's JSONL, Azure's LLM inference CSV, BurstGPT's CSV: workbench/traces.py), detected from the
 file or named by --workload-format, cut by --start/--duration/--sample/--max-requests and paced by
---time-scale.
+--time-scale. With --priority-mix (or a workload's priority column and --enable-priority-scheduling)
+the scheduler admits and preempts by priority and the summary gives TTFT per priority.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from workbench.core.simulation.hardware import HARDWARE
 from workbench.core.simulation.model_specs import KNOWN, model_spec
 from workbench.core.simulation.pd import PDSimulator, parse_pd
 from workbench.core.simulation.recorded import recorded_speculation
-from workbench.core.simulation.simulator import SimRequest, Simulator, poisson_workload, request_prompt
+from workbench.core.simulation.simulator import (
+    SimRequest,
+    Simulator,
+    parse_priority_mix,
+    poisson_workload,
+    request_prompt,
+)
 from workbench.traces import FORMATS, TraceCut, WorkloadError, drawn_prompts, fit_vocab, read_workload
 
 COLUMNS = (
@@ -105,7 +112,17 @@ def load_workload(args) -> list[SimRequest]:
         seed=args.seed,
         groups=args.groups,
         prefix_len=args.prefix_len,
+        priority_mix=_priority_mix(args),
     )
+
+
+def _priority_mix(args) -> list[tuple[int, float]] | None:
+    if not args.priority_mix:
+        return None
+    try:
+        return parse_priority_mix(args.priority_mix)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _recorded_drafts(args, workload: list[SimRequest]) -> None:
@@ -156,6 +173,9 @@ def _simulator(args, **overrides) -> Simulator | PDSimulator:
     kw = dict(max_running_requests=args.max_running_requests, schedule_policy=args.schedule_policy)
     if args.chunked_prefill_size is not None:
         kw["chunked_prefill_size"] = args.chunked_prefill_size
+    if args.enable_priority_scheduling or args.priority_mix:
+        kw["enable_priority_scheduling"] = True
+        kw["priority_scheduling_preemption_threshold"] = args.priority_scheduling_preemption_threshold
     kw.update(overrides)
     kw.setdefault("dp_size", args.dp_size)
     kw.setdefault("disable_overlap_schedule", not args.overlap_schedule)
@@ -517,6 +537,23 @@ def add_parser(sub) -> None:
         q.add_argument("--groups", type=int, default=0, help="shared-prefix groups (0: none)")
         q.add_argument("--prefix-len", type=int, default=0, help="tokens of each group's shared prefix")
         q.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampled tokens")
+        q.add_argument(
+            "--priority-mix",
+            default=None,
+            help="priority scheduling: give the Poisson workload's requests priorities PRIORITY:SHARE,... "
+            "(e.g. 10:0.2,0:0.8; turns on --enable-priority-scheduling); a --workload JSONL has a priority column",
+        )
+        q.add_argument(
+            "--enable-priority-scheduling",
+            action="store_true",
+            help="admit by priority and let urgent requests preempt running ones (docs/scheduling.md)",
+        )
+        q.add_argument(
+            "--priority-scheduling-preemption-threshold",
+            type=int,
+            default=10,
+            help="with priority scheduling: preempt only for a priority more than this much more urgent",
+        )
         if name == "run":
             q.add_argument(
                 "--record",

@@ -3,7 +3,7 @@
 The file's format is detected from its first line (`--workload-format` overrides it):
 
 - **workbench**: the project's own JSONL, one `{"arrival", "prompt_tokens", "output_tokens",
-  optional "group", "prefix_tokens"}` per line; arrivals in seconds, taken as they are.
+  optional "group", "prefix_tokens", "priority"}` per line; arrivals in seconds, taken as they are.
 - **recording**: a real engine's `--record` file (a `trace.header` first line, or gzip): its
   finished requests (core/simulation/recorded.py). Without recorded token ids, a request that found
   k tokens in the real radix cache starts with k tokens of an earlier prompt (`SharedPrompt`), so
@@ -298,12 +298,13 @@ def _read_workbench(path, seed: int) -> Iterator[Row]:
                         int(d["output_tokens"]),
                         d.get("group"),
                         int(d.get("prefix_tokens", 0)),
+                        priority=None if d.get("priority") is None else int(d["priority"]),
                     ),
                 )
             except (ValueError, KeyError, TypeError) as exc:
                 raise WorkloadError(
                     f"{path}:{n}: {exc!r}; each line is a JSON object with arrival, prompt_tokens, "
-                    "output_tokens (and optionally group, prefix_tokens)"
+                    "output_tokens (and optionally group, prefix_tokens, priority)"
                 ) from None
 
 

@@ -590,6 +590,7 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
                 arrival_ns=due,
                 forced_output_ids=r.output_ids,
                 forced_drafts=r.drafts if r.output_ids else None,
+                priority=r.priority,
             )
             tasks.append(asyncio.ensure_future(one(i, obj)))
             while rid not in tm.rid_to_state and not tasks[-1].done():  # counted as sent: the next may be announced

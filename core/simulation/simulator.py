@@ -67,6 +67,7 @@ class SimRequest:
     output_ids: list[int] | None = None  # the tokens to return in turn (a recorded run's), else sampled
     # a recorded run's speculative drafts, by the output length they followed (with output_ids)
     drafts: dict[int, list[int]] | None = None
+    priority: int | None = None  # priority scheduling (enable_priority_scheduling): the request's priority
 
 
 def request_prompt(i: int, r: SimRequest, seed: int, vocab: int) -> list[int]:
@@ -104,6 +105,8 @@ class SimResult:
     outputs: dict[str, list[int]] = field(default_factory=dict)  # the tokens of requests given output_ids
     spec_proposed: int = 0  # speculative decoding: drafts proposed ...
     spec_accepted: int = 0  # ... and kept
+    priority_of: dict[str, int] = field(default_factory=dict)  # priority scheduling: each rid's priority
+    preempted: int = 0  # ... running requests preempted for more urgent ones (counted in `retracted` too)
 
     @property
     def deployment(self) -> str:
@@ -129,6 +132,16 @@ class SimResult:
             "steps": self.steps,
         }
 
+    def _priority_summary(self) -> str:
+        """Priority scheduling: TTFT p50 per priority (most urgent first as given) and the preemptions."""
+        if not self.priority_of:
+            return ""
+        parts = []
+        for prio in sorted(set(self.priority_of.values()), reverse=True):
+            ttft = {rid: v for rid, v in self.ttft.items() if self.priority_of.get(rid) == prio}
+            parts.append(f"{prio}: {1000 * self._pct(ttft, 0.5):.0f} ms ({len(ttft)})")
+        return f"; TTFT p50 by priority {', '.join(parts)}; {self.preempted} preempted"
+
     def summary(self) -> str:
         m = self.metrics()
         return (
@@ -138,6 +151,7 @@ class SimResult:
             f"p99 {m['tpot_p99_ms']:.1f} ms; cache hit {m['cache_hit_rate']:.0%}; peak KV {m['peak_kv_frac']:.0%} of "
             f"{self.kv_pool_tokens} tokens; {m['retracted']} retracted"
             + (f"; requests per replica {self.per_replica_requests}" if self.dp_size > 1 else "")
+            + self._priority_summary()
             + (
                 f"; drafts kept {self.spec_accepted} of {self.spec_proposed} "
                 f"({self.spec_accepted / self.spec_proposed:.0%})"
@@ -426,6 +440,8 @@ class Simulator:
                 progress(len(res.latency), len(workload), now)
         res.output_tokens = sum(front.counts.values())
         res.retracted = sum(r.scheduler.num_retracted_total for r in reps)
+        res.preempted = sum(r.scheduler.priority.num_preempted_total for r in reps)
+        res.priority_of = {f"r{i}": w.priority for i, w in enumerate(workload) if w.priority is not None}
         res.spec_proposed = sum(r.scheduler.spec_proposed_total for r in reps)
         res.spec_accepted = sum(r.scheduler.spec_accepted_total for r in reps)
         res.per_replica_requests = [r.requests for r in reps]
@@ -470,6 +486,7 @@ class Simulator:
                 sampling_params=params,
                 forced_output_ids=list(r.output_ids) if r.output_ids else None,
                 forced_drafts=r.drafts if r.output_ids and r.drafts else None,  # used when drafting
+                priority=r.priority,
             )
         )
         res.prompt_tokens += len(ids)
@@ -483,10 +500,12 @@ def poisson_workload(
     seed: int = 0,
     groups: int = 0,
     prefix_len: int = 0,
+    priority_mix: list[tuple[int, float]] | None = None,
 ) -> list[SimRequest]:
     """`n` requests arriving as a Poisson process of `rate` per simulated second (rate <= 0: all at
     once), lengths uniform in the ranges; with `groups`, each request shares one of `groups` prefixes
-    of `prefix_len` tokens."""
+    of `prefix_len` tokens; with `priority_mix` [(priority, weight), ...], each request draws its priority
+    (drawn after everything else, so the same seed gives the same arrivals and lengths with or without it)."""
     rng = random.Random(seed)
     t, out = 0.0, []
     for i in range(n):
@@ -497,4 +516,23 @@ def poisson_workload(
         out.append(
             SimRequest(t, max(p, prefix_len + 1) if g is not None else p, rng.randint(*output_len), g, prefix_len)
         )
+    if priority_mix:
+        prio_rng = random.Random(seed * 31 + 7)
+        values, weights = [p for p, _ in priority_mix], [w for _, w in priority_mix]
+        for r in out:
+            r.priority = prio_rng.choices(values, weights)[0]
     return out
+
+
+def parse_priority_mix(text: str) -> list[tuple[int, float]]:
+    """'10:0.2,0:0.8' -> [(10, 0.2), (0, 0.8)]: each priority and its share of the requests."""
+    mix = []
+    for part in text.split(","):
+        prio, sep, weight = part.partition(":")
+        try:
+            mix.append((int(prio), float(weight) if sep else 1.0))
+        except ValueError:
+            raise ValueError(f"--priority-mix {text!r}: give PRIORITY:SHARE pairs, e.g. 10:0.2,0:0.8") from None
+    if not mix or any(w < 0 for _, w in mix) or sum(w for _, w in mix) <= 0:
+        raise ValueError(f"--priority-mix {text!r}: shares must be >= 0 and not all 0, e.g. 10:0.2,0:0.8")
+    return mix

@@ -250,3 +250,32 @@ def test_metrics_count_priority_preemptions_by_priority():
     text = m.render().decode()
     assert 'sglang:num_priority_preempted_reqs_total{model_name="m",priority="1"} 1.0' in text
     assert "sglang:num_retracted_reqs" in text
+
+
+# ==== the simulator ==============================================================================
+def test_simulator_models_priorities_with_the_real_scheduler():
+    from workbench.core.simulation.simulator import Simulator, parse_priority_mix, poisson_workload
+
+    mix = parse_priority_mix("10:0.2,0:0.8")
+    assert mix == [(10, 0.2), (0, 0.8)]
+    work = poisson_workload(40, 120, (128, 512), (32, 96), seed=3, priority_mix=mix)
+    plain = poisson_workload(40, 120, (128, 512), (32, 96), seed=3)
+    # the same arrivals and lengths with or without priorities
+    assert [(w.arrival, w.prompt_len, w.output_len) for w in work] == [
+        (w.arrival, w.prompt_len, w.output_len) for w in plain
+    ]
+    assert {w.priority for w in work} == {0, 10}
+    res = Simulator(
+        "llama-3.1-8b",
+        "h100",
+        max_running_requests=8,
+        enable_priority_scheduling=True,
+        priority_scheduling_preemption_threshold=5,
+    ).run(work)
+    assert len(res.latency) == 120 and res.preempted > 0 and res.retracted >= res.preempted
+    urgent = {rid: v for rid, v in res.ttft.items() if res.priority_of[rid] == 10}
+    others = {rid: v for rid, v in res.ttft.items() if res.priority_of[rid] == 0}
+    assert res._pct(urgent, 0.5) < res._pct(others, 0.5) / 5
+    assert "TTFT p50 by priority 10:" in res.summary() and "preempted" in res.summary()
+    with pytest.raises(ValueError, match="PRIORITY:SHARE"):
+        parse_priority_mix("high:1")
