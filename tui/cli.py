@@ -6,6 +6,7 @@ workbench tui --workload mooncake_trace.jsonl [--time-scale 20]      # ... or a 
 workbench tui --attach tcp://127.0.0.1:5557                         # watch `serve --trace-publish`
 workbench tui --attach tcp://127.0.0.1:5557 tcp://127.0.0.1:5558    # ... several: a router's workers, a PD pair
 workbench tui --disaggregation [--scenario chat]                    # a 1P1D pair in this process
+workbench tui --disaggregation 2P4D --simulate h100 --model llama-3.1-70b --tp-size 8   # simulated xPyD
 workbench tui --replay run.jsonl [--speed 4]                        # play a recording
 """
 
@@ -37,10 +38,14 @@ def add_tui_args(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--replay", metavar="FILE", default=None, help="play a recorded trace (.jsonl[.gz])")
     src.add_argument(
         "--disaggregation",
-        action="store_true",
+        nargs="?",
+        const="1P1D",
+        default=None,
+        metavar="xPyD",
         help="a one-command demo of disaggregated serving: start a prefill and a decode server (1P1D) in "
-        "this process behind a small PD router, both side by side, with the usual --scenario / --workload "
-        "(to watch a real pair: --attach PREFILL_ADDR DECODE_ADDR; docs/disaggregation.md)",
+        "this process behind a small PD router, both side by side, with the usual --scenario / --workload; "
+        "with --simulate, a simulated deployment, which may be xPyD (e.g. --disaggregation 2P4D: servers "
+        "picked round robin) (to watch a real pair: --attach PREFILL_ADDR DECODE_ADDR; docs/disaggregation.md)",
     )
     from workbench.scenarios import SCENARIOS
 
@@ -137,11 +142,22 @@ def make_controller(args: argparse.Namespace):
 
         scenario = get_scenario(scenario)
         sa = scenario.server_args(sa)
-    cls = EngineController
-    if getattr(args, "disaggregation", False):
+    cls, extra = EngineController, {}
+    if getattr(args, "disaggregation", None):
+        from workbench.core.simulation.pd import parse_pd
         from workbench.tui.pd import PDController
 
-        cls = PDController
+        text = args.disaggregation if isinstance(args.disaggregation, str) else "1P1D"
+        try:
+            shape = parse_pd(text)
+        except ValueError:
+            raise ValueError(f"--disaggregation {text!r}: write xPyD, e.g. 1P1D or 2P4D") from None
+        if shape != (1, 1) and not sa.simulate:
+            raise ValueError(
+                f"--disaggregation {args.disaggregation} starts {sum(shape)} servers: simulated ones only (add "
+                "--simulate h100 --model llama-3.1-70b --tp-size 8, say); real engines make a 1P1D pair here"
+            )
+        cls, extra = PDController, {"shape": shape}
     return cls(
         server_args=sa,
         workload=workload,
@@ -149,6 +165,7 @@ def make_controller(args: argparse.Namespace):
         rate=rate,
         max_new_tokens=getattr(args, "workload_max_new_tokens", 32),
         start_paused=getattr(args, "paused", False),
+        **extra,
     )
 
 

@@ -128,3 +128,30 @@ def test_simulated_pd_arguments():
         with pytest.raises(ValueError, match="tp-size > 1"):  # a real PD server still hands over one rank's KV
             ServerArgs(tp_size=2, disaggregation_mode=mode)
     ServerArgs(simulate="h100", sim_speed=0)  # without PD, speed 0 is as before
+
+
+def _tui_args(argv):
+    import argparse
+
+    from workbench.tui.cli import add_tui_args
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    add_tui_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_tui_disaggregation_takes_a_shape_for_simulated_engines():
+    from workbench.tui.cli import make_controller
+    from workbench.tui.pd import PDController
+
+    sim = ["--simulate", "h100", "--model", "llama-3.1-70b", "--tp-size", "8"]
+    c = make_controller(_tui_args(["--disaggregation", *sim]))
+    assert isinstance(c, PDController) and c.shape == (1, 1) and c._server_args.simulate == "h100"
+    c = make_controller(_tui_args(["--disaggregation", "2P4D", *sim]))
+    assert isinstance(c, PDController) and c.shape == (2, 4)
+    assert make_controller(_tui_args(["--disaggregation"])).shape == (1, 1)  # real engines: a 1P1D pair
+    with pytest.raises(ValueError, match="simulated ones only"):
+        make_controller(_tui_args(["--disaggregation", "2P4D"]))
+    with pytest.raises(ValueError, match="write xPyD"):
+        make_controller(_tui_args(["--disaggregation", "2X4", *sim]))
