@@ -28,10 +28,12 @@ count device tokens only (what the scheduler's budget sees); `host_size` counts 
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable
 
 import torch
 from workbench.core.mem_cache.base_prefix_cache import MatchResult
+from workbench.core.mem_cache.hicache_storage import STORAGE_PAGE_SIZE, HiCacheFile, page_keys, storage_namespace
 from workbench.core.mem_cache.memory_pool_host import MHATokenToKVPoolHost, host_pool_size
 from workbench.core.mem_cache.radix_cache import RadixCache, TreeNode, _as_key, _common_len, _parent
 from workbench.core.trace.events import CacheEvict, Event, HiCacheTransfer
@@ -51,6 +53,7 @@ class HiRadixCache(RadixCache):
         token_to_kv_pool_host: the host pool (`MHATokenToKVPoolHost`) over the device KV pool.
         write_policy: one of WRITE_POLICIES.
         on_event, decode_text: as for `RadixCache`; `on_event` also gets `HiCacheTransfer` events.
+        storage: the L3 tier (`HiCacheFile`), or None.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class HiRadixCache(RadixCache):
         write_policy: str = "write_through",
         on_event: Callable[[Event], None] | None = None,
         decode_text: Callable[[list[int]], str] | None = None,
+        storage: HiCacheFile | None = None,
     ):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, not {write_policy!r}")
@@ -75,6 +79,8 @@ class HiRadixCache(RadixCache):
         self.load_back_ms = 0.0
         self.backup_tokens = 0
         self.host_evicted_tokens = 0
+        self.storage = storage
+        self.storage_hit_tokens = 0  # tokens prefetched from storage (L3) for matches
         # Transfers since the scheduler last took them (`pop_transfers`), for the step narration.
         self._recent: list[HiCacheTransfer] = []
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, False, on_event, decode_text)
@@ -126,7 +132,39 @@ class HiRadixCache(RadixCache):
         node.host_value = host_idx.clone()
         self.backup_tokens += n
         self._transfer(what, [node], n, ms)
+        if self.storage is not None:
+            self._write_storage(node)
         return True
+
+    def _write_storage(self, node: TreeNode) -> None:
+        """Write the whole pages of `node`'s prefix that storage lacks (the path is on the device)."""
+        assert self.storage is not None
+        path: list[TreeNode] = []
+        n: TreeNode | None = node
+        while n is not None and n is not self.root_node:
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        if any(p.evicted for p in path):
+            return  # (not reached: a backed-up node's path is on the device)
+        tokens = [t for p in path for t in p.key]
+        num_pages = len(tokens) // STORAGE_PAGE_SIZE
+        if num_pages == 0:
+            return
+        t0 = time.perf_counter()
+        slots = torch.cat([p.value for p in path])
+        pool = self.token_to_kv_pool_host.device_pool
+        written = 0
+        for page, key in enumerate(page_keys(self.storage.namespace, tokens, num_pages)):
+            if self.storage.exists(key):
+                continue
+            idx = slots[page * STORAGE_PAGE_SIZE : (page + 1) * STORAGE_PAGE_SIZE]
+            k = torch.stack([pool.k_buffer[layer][idx] for layer in range(pool.layer_num)])
+            v = torch.stack([pool.v_buffer[layer][idx] for layer in range(pool.layer_num)])
+            written += int(self.storage.set(key, k, v))
+        if written:
+            ms = (time.perf_counter() - t0) * 1000.0
+            self._transfer("storage_write", [node], written * STORAGE_PAGE_SIZE, ms)
 
     def _inc_hit_count(self, node: TreeNode) -> None:
         node.hit_count += 1
@@ -172,7 +210,10 @@ class HiRadixCache(RadixCache):
         first (see the module doc), so `device_indices` covers it when that succeeded."""
         if len(key) == 0:
             return MatchResult(self._empty(), self.root_node)
-        path = self._walk(_as_key(key), count_hit=True)
+        key = _as_key(key)
+        path = self._walk(key, count_hit=True)
+        if self.storage is not None:
+            self._prefetch(key, path)
         for node in path:
             if not node.evicted:
                 self._inc_hit_count(node)
@@ -184,6 +225,45 @@ class HiRadixCache(RadixCache):
         device = path[:on_device]
         values = [n.value for n in device]
         return MatchResult(torch.cat(values) if values else self._empty(), device[-1] if device else self.root_node)
+
+    def _prefetch(self, key: list[int], path: list[TreeNode]) -> None:
+        """Storage (L3) -> host: the whole pages of `key` past the tree's match, as one new host-only
+        node appended to `path` (the load-back then brings it to the device like any host hit)."""
+        assert self.storage is not None
+        matched = sum(len(n.key) for n in path)
+        first, num_pages = matched // STORAGE_PAGE_SIZE, len(key) // STORAGE_PAGE_SIZE
+        if num_pages <= first:
+            return
+        t0 = time.perf_counter()
+        pages = self.storage.prefetch(page_keys(self.storage.namespace, key, num_pages)[first:])
+        if not pages:
+            return
+        skip = matched - first * STORAGE_PAGE_SIZE  # the first page's tokens the tree has already
+        k = torch.cat([pk for pk, _ in pages], dim=1)[:, skip:]
+        v = torch.cat([pv for _, pv in pages], dim=1)[:, skip:]
+        n = int(k.shape[1])
+        if n <= 0:
+            return
+        host = self.token_to_kv_pool_host
+        if host.available_size() < n:
+            self._pinned = {p.id for p in path}
+            try:
+                self.evict_host(n - host.available_size())
+            finally:
+                self._pinned = set()
+        host_idx = host.alloc(n)
+        if host_idx is None:
+            return
+        host.k_buffer[:, host_idx] = k.to(host.dtype)
+        host.v_buffer[:, host_idx] = v.to(host.dtype)
+        parent = path[-1] if path else self.root_node
+        node = TreeNode(self._new_id(), parent, key[matched : matched + n], self._empty())
+        node.evicted, node.host_value, node.last_access = True, host_idx.clone(), self._tick()
+        parent.children[node.key[0]] = node
+        self._emit_insert(node)
+        path.append(node)
+        self.storage_hit_tokens += n
+        self._transfer("prefetch", [node], n, (time.perf_counter() - t0) * 1000.0)
 
     def load_back(self, anchor: TreeNode, nodes: list[TreeNode]) -> bool:
         """Copy host-only `nodes` (a chain below the device node `anchor`) back to device slots."""
@@ -417,6 +497,17 @@ def make_hiradix_cache(server_args, runner, on_event=None, decode_text=None) -> 
         runner.max_total_num_tokens, bytes_per_token, server_args.hicache_ratio, server_args.hicache_size
     )
     host = MHATokenToKVPoolHost(device_pool, size)
+    storage = None
+    if server_args.hicache_storage_backend == "file":
+        prepared = getattr(runner, "prepared", None)
+        model = (
+            f"{server_args.model_path or 'default'}@{server_args.revision or ''}:{getattr(prepared, 'model_dir', '')}"
+        )
+        tp = f"tp{getattr(runner, 'tp_rank', 0)}/{getattr(runner, 'tp_size', 1)}"
+        namespace = storage_namespace(
+            model, device_pool.dtype, device_pool.layer_num, device_pool.head_num, device_pool.head_dim, tp
+        )
+        storage = HiCacheFile(namespace, server_args.hicache_storage_prefetch_policy)
     return HiRadixCache(
         runner.req_to_token_pool,
         runner.token_to_kv_pool_allocator,
@@ -424,4 +515,5 @@ def make_hiradix_cache(server_args, runner, on_event=None, decode_text=None) -> 
         write_policy=server_args.hicache_write_policy,
         on_event=on_event,
         decode_text=decode_text,
+        storage=storage,
     )

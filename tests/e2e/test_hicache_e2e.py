@@ -35,3 +35,32 @@ def test_prompt_evicted_from_device_comes_back_from_host():
     assert again["meta_info"]["cached_tokens"] == len(prompt_a) - 1, again["meta_info"]
     assert again["output_ids"] == first["output_ids"]
     assert not state.get("kv_check_error"), state.get("kv_check_error")
+
+
+def test_file_tier_serves_a_prompt_after_a_restart(tmp_path, monkeypatch):
+    from workbench.core.mem_cache.hicache_storage import STORAGE_DIR_ENV, STORAGE_PAGE_SIZE
+
+    from workbench import Engine
+
+    monkeypatch.setenv(STORAGE_DIR_ENV, str(tmp_path))
+    prompt = [1] + [300 + (i * 7) % 900 for i in range(120)]
+    args = dict(
+        dtype="float32",
+        max_total_tokens=300,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_prefetch_policy="wait_complete",
+        enable_kv_invariant_check=True,
+        show_progress=False,
+    )
+    with Engine(**args) as engine:
+        first = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert list(tmp_path.rglob("*.pt")), "no page was written"
+    with Engine(**args) as engine:  # a new engine: empty device and host tiers, the same directory
+        again = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+        state = engine.get_internal_state()
+    assert first["meta_info"]["cached_tokens"] == 0
+    # whole pages of the 120 tokens a match may use
+    assert again["meta_info"]["cached_tokens"] == (len(prompt) - 1) // STORAGE_PAGE_SIZE * STORAGE_PAGE_SIZE
+    assert again["output_ids"] == first["output_ids"]
+    assert not state.get("kv_check_error"), state.get("kv_check_error")

@@ -13,9 +13,11 @@ counts, and the evictable counters. All on the real pools (CPU).
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
+from workbench.core.mem_cache.hicache_storage import STORAGE_PAGE_SIZE, HiCacheFile, storage_namespace
 from workbench.core.mem_cache.hiradix_cache import WRITE_POLICIES, HiRadixCache
 from workbench.core.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from workbench.core.mem_cache.memory_pool_host import MHATokenToKVPoolHost
@@ -198,3 +200,51 @@ def test_no_room_on_device_keeps_the_match_on_the_device_part():
     assert len(m.device_indices) == 10
     assert_kv(kv, m.device_indices, c)
     check(cache, alloc, [])
+
+
+def make_with_storage(tmp_path, policy="wait_complete", namespace="model-a", dtype=torch.float32):
+    alloc = TokenToKVPoolAllocator(96)
+    kv = MHATokenToKVPool(96, dtype, head_num=1, head_dim=2, layer_num=LAYERS)
+    host = MHATokenToKVPoolHost(kv, 192)
+    ns = storage_namespace(namespace, dtype, LAYERS, 1, 2, "tp0/1")
+    storage = HiCacheFile(ns, policy, storage_dir=str(tmp_path))
+    cache = HiRadixCache(ReqToTokenPool(4, 128), alloc, host, "write_through", storage=storage)
+    return cache, alloc, kv
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout", "best_effort"])
+def test_file_tier_serves_a_new_cache_the_pages_an_old_one_wrote(tmp_path, policy):
+    first, alloc, kv = make_with_storage(tmp_path, policy)
+    key = list(range(100, 100 + 2 * STORAGE_PAGE_SIZE + 5))  # two whole pages and a tail
+    assert cache_request(first, alloc, kv, key)
+    assert first.storage is not None and first.storage.pages_written == 2
+    # a restart: a new cache (empty tree, fresh pools) over the same directory
+    cache, alloc, kv = make_with_storage(tmp_path, policy)
+    m = cache.match_prefix(key)
+    if policy == "best_effort":  # nothing waited for: the read runs in the background
+        assert len(m.device_indices) == 0
+        for _ in range(200):
+            if not cache.storage._inflight:
+                break
+            time.sleep(0.01)
+        m = cache.match_prefix(key)
+    assert len(m.device_indices) == 2 * STORAGE_PAGE_SIZE
+    assert_kv(kv, m.device_indices, key[: 2 * STORAGE_PAGE_SIZE])
+    check(cache, alloc, [])
+    # a prompt sharing one page, then diverging: one page from storage, no more
+    other = key[:STORAGE_PAGE_SIZE] + [7] * (STORAGE_PAGE_SIZE + 3)
+    fresh, alloc2, kv2 = make_with_storage(tmp_path, "wait_complete")
+    m = fresh.match_prefix(other)
+    assert len(m.device_indices) == STORAGE_PAGE_SIZE
+    assert_kv(kv2, m.device_indices, other[:STORAGE_PAGE_SIZE])
+
+
+def test_file_tier_pages_of_another_model_or_dtype_are_not_read(tmp_path):
+    first, alloc, kv = make_with_storage(tmp_path)
+    key = list(range(100, 100 + 2 * STORAGE_PAGE_SIZE))
+    assert cache_request(first, alloc, kv, key)
+    for ns, dtype in (("model-b", torch.float32), ("model-a", torch.bfloat16)):
+        cache, _, _ = make_with_storage(tmp_path, namespace=ns, dtype=dtype)
+        assert len(cache.match_prefix(key).device_indices) == 0
+    cache, _, _ = make_with_storage(tmp_path)
+    assert len(cache.match_prefix(key).device_indices) == 2 * STORAGE_PAGE_SIZE
