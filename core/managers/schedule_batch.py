@@ -194,6 +194,9 @@ class ModelWorkerBatch:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     return_all_logits: bool = False
+    # With return_all_logits: which requests' rows it covers (prompt logprobs asked for); None: every row
+    # (a verify pass). The LM head runs over those requests' rows only, so the others do not pay for it.
+    all_logits_reqs: list[bool] | None = None
     sample: bool = True
     # Speculative verify pass: each request's rows (its last token + its drafts), sampled one row each.
     spec_rows: list[int] | None = None
@@ -287,6 +290,7 @@ class ScheduleBatch:
         self.out_cache_loc, self.prefix_lens, self.extend_lens = out_cache_loc, prefix_lens, ext_lens
         self.future_ids = None
         return_logprob = any(r.return_logprob for r in self.reqs)
+        asked = [r.return_logprob and r.logprob_start_len >= 0 for r in self.reqs]  # prompt logprobs
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -300,7 +304,8 @@ class ScheduleBatch:
             sampling_info=self._sampling_info(),
             return_logprob=return_logprob,
             top_logprobs_num=max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0),
-            return_all_logits=any(r.return_logprob and r.logprob_start_len >= 0 for r in self.reqs),
+            return_all_logits=any(asked),
+            all_logits_reqs=asked if any(asked) else None,
         )
 
     # ---- decode -------------------------------------------------------------------

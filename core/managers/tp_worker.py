@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import torch
-from workbench.core.layers.logits_processor import LogitsOutput, compute_prompt_logprobs
+from workbench.core.layers.logits_processor import LogitsOutput, PromptLogprobs, compute_prompt_logprobs
 from workbench.core.managers.schedule_batch import ModelWorkerBatch
 from workbench.core.managers.scheduler_contract import ForwardOutput, GenerationBatchResult
 from workbench.core.model_executor.forward_batch_info import ForwardBatch
@@ -42,6 +42,7 @@ class TpModelWorker:
             extend_seq_lens_cpu=mwb.extend_seq_lens_cpu,
             extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu,
             return_all_logits=mwb.return_all_logits,
+            all_logits_reqs=mwb.all_logits_reqs,
         )
         logits = self.model_runner.forward(fb)
         if mwb.spec_rows is not None:
@@ -53,10 +54,22 @@ class TpModelWorker:
         sampler_out = self.model_runner.sample(logits, mwb.sampling_info, mwb.return_logprob, mwb.top_logprobs_num)
         prompt_lp = None
         if mwb.return_all_logits and logits.all_logits is not None:
-            prompt_lp = compute_prompt_logprobs(
-                logits.all_logits, fb.input_ids, mwb.extend_seq_lens_cpu, mwb.top_logprobs_num
-            )
+            prompt_lp = self._prompt_logprobs(mwb, logits.all_logits)
         return ForwardOutput(logits, sampler_out, prompt_lp)
+
+    @staticmethod
+    def _prompt_logprobs(mwb: ModelWorkerBatch, all_logits: torch.Tensor) -> list[PromptLogprobs | None]:
+        """Per request of the batch, its prompt logprobs (None for one that did not ask): all_logits
+        holds the rows of the requests in mwb.all_logits_reqs only (every request's when None)."""
+        asked = mwb.all_logits_reqs or [True] * len(mwb.extend_seq_lens_cpu)
+        ids, lens, start = [], [], 0
+        for n, a in zip(mwb.extend_seq_lens_cpu, asked):
+            if a:
+                ids.append(mwb.input_ids[start : start + n])
+                lens.append(n)
+            start += n
+        computed = iter(compute_prompt_logprobs(all_logits, torch.cat(ids), lens, mwb.top_logprobs_num))
+        return [next(computed) if a else None for a in asked]
 
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         t0 = time.perf_counter()

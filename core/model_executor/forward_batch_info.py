@@ -55,6 +55,8 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]  # [B] new tokens per request (1 for decode)
     extend_prefix_lens_cpu: list[int]  # [B] tokens already in the pool per request
     return_all_logits: bool = False
+    # which requests' rows return_all_logits covers (None: all); see ModelWorkerBatch.all_logits_reqs
+    all_logits_reqs: list[bool] | None = None
     req_to_token_pool: ReqToTokenPool | None = None
     token_to_kv_pool: MHATokenToKVPool | None = None
     attn_backend: Any = None

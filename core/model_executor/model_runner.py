@@ -197,6 +197,8 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         is_decode = fb.forward_mode.is_decode()
+        if fb.return_all_logits and fb.all_logits_reqs is not None and not is_decode:
+            return self._some_rows_logits(hidden, fb)
         if fb.return_all_logits:
             last = torch.arange(fb.batch_size) if is_decode else fb.last_token_index
             if self.tp_size > 1:  # the head is vocab-sharded: compute_logits gathers the shards
@@ -216,6 +218,28 @@ class ModelRunner:
         if not is_decode:
             hidden = hidden.index_select(0, fb.last_token_index.to(hidden.device))
         return LogitsOutput(next_token_logits=self.model.compute_logits(hidden))
+
+    def _some_rows_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> LogitsOutput:
+        """Prompt logprobs asked by some requests of a prefill: every row of theirs (all_logits, in
+        batch order) and the last row of each request (next_token_logits, on the common path, so a
+        request that did not ask samples from the same logits as in a batch without such requests)."""
+        assert fb.all_logits_reqs is not None
+        rows = [
+            r
+            for start, n, asked in zip(fb.extend_start_loc_cpu, fb.extend_seq_lens_cpu, fb.all_logits_reqs)
+            if asked
+            for r in range(start, start + n)
+        ]
+        picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=hidden.device))
+        if self.tp_size > 1:  # the head is vocab-sharded: compute_logits gathers the shards
+            all_logits = self.model.compute_logits(picked)
+        else:
+            all_logits = LogitsProcessor._head(picked, self.model.lm_head.weight[: self.logits_processor.vocab_size])
+            cap = getattr(self.model, "final_logit_softcapping", 0.0)
+            if cap:  # Gemma 2: what compute_logits applies on the other paths
+                all_logits = torch.tanh(all_logits / cap) * cap
+        last = hidden.index_select(0, fb.last_token_index.to(hidden.device))
+        return LogitsOutput(next_token_logits=self.model.compute_logits(last), all_logits=all_logits)
 
     @property
     def kv_head_num(self) -> int:

@@ -8,6 +8,9 @@ The reference is one transformers forward over the same prompt on the same weigh
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 import torch
@@ -140,4 +143,41 @@ def test_completions_echo_gives_a_top_logprobs_dict_per_prompt_position(served, 
         # lm-eval's greedy check: the token equals its top-1 where the model would have picked it
         greedy = [p for p in range(1, len(ids)) if ref_tops[p][0][0] == ids[p]]
         assert greedy and all(lp.token_logprobs[p] == max(lp.top_logprobs[p].values()) for p in greedy)
+    assert_no_kv_leak(engine)
+
+
+def test_in_a_batch_only_the_asking_request_gets_prompt_logprobs(served, hf_model):
+    """Two requests prefilled in one pass, one asking for prompt logprobs: its values equal
+    transformers' (the LM head ran over its rows only) and the other's greedy tokens equal
+    transformers' generate, with no prompt logprobs in its answer."""
+    from conftest import hf_greedy
+
+    engine, url = served
+    asks = engine.tokenizer.encode("The quick brown fox jumps over", add_special_tokens=False)
+    plain = engine.tokenizer.encode("Once upon a time", add_special_tokens=False)
+    assert len(asks) + len(plain) <= CHUNK  # both fit in one prefill pass
+    ref_token, ref_tops = reference(hf_model, asks, 2)
+    greedy = {"max_new_tokens": 3, "temperature": 0}
+    bodies = [
+        {
+            "input_ids": asks,
+            "sampling_params": greedy,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 2,
+        },
+        {"input_ids": plain, "sampling_params": greedy},
+    ]
+    engine.flush_cache()
+    with httpx.Client(base_url=url, timeout=120) as h, ThreadPoolExecutor(2) as pool:
+        engine.step_gate("pause")  # both wait, then one step admits both
+        try:
+            futures = [pool.submit(h.post, "/generate", json=b) for b in bodies]
+            time.sleep(1.0)
+        finally:
+            engine.step_gate("resume")
+        got = [f.result().json() for f in futures]
+    check_against(got[0]["meta_info"], asks, 0, ref_token, ref_tops, 2)
+    assert "input_token_logprobs" not in got[1]["meta_info"]
+    assert got[1]["output_ids"] == hf_greedy(hf_model, plain, 3)
     assert_no_kv_leak(engine)
