@@ -12,6 +12,9 @@ sees into counters, gauges and histograms:
 - `queue.state` -> `num_running_reqs`, `num_queue_reqs`;
 - `kv.usage` -> `num_used_tokens`, `token_usage`;
 - `req.aborted` -> `num_aborted_requests_total` (and `num_requests_total`; once per rid);
+- `hicache.transfer` -> `load_back_tokens_total` (host -> device), `prefetched_tokens_total`
+  (storage -> host) and `backuped_tokens_total` (-> storage), SGLang's names, and
+  `hicache_host_write_tokens_total` (device -> host, ours);
 - `req.retracted` -> `num_retracted_reqs`; `cache.evict` -> `evicted_tokens_total`;
   a retraction that was a priority preemption (--enable-priority-scheduling) also counts in
   `num_priority_preempted_reqs_total{priority=...}`, by the preempted request's priority.
@@ -94,6 +97,9 @@ class ServerMetrics:
         self.num_retracted = 0
         self.preempted_by_priority: dict[str, int] = {}  # priority preemptions, by the victim's priority
         self.evicted_tokens = 0
+        # HiCache (hicache.transfer), tokens by kind: load_back, write_through/write_back (to host),
+        # prefetch (from storage), storage_write
+        self.hicache_tokens: dict[str, int] = {}
         self.dropped_events = 0
         self.spec_verified = 0  # speculative decoding: (request, step) pairs that verified drafts ...
         self.spec_proposed = 0
@@ -155,6 +161,8 @@ class ServerMetrics:
                         self.preempted_by_priority[key] = self.preempted_by_priority.get(key, 0) + 1
                 elif t is ev.CacheEvict:
                     self.evicted_tokens += e.tokens
+                elif t is ev.HiCacheTransfer:
+                    self.hicache_tokens[e.what] = self.hicache_tokens.get(e.what, 0) + e.tokens
                 elif t is ev.TraceDropped:
                     self.dropped_events += e.count
                 elif t is ev.SpecVerify and not e.snapshot:
@@ -253,6 +261,11 @@ class ServerMetrics:
             "num_aborted_requests_total": self.num_aborted,
             "num_retracted_reqs": self.num_retracted,
             "evicted_tokens_total": self.evicted_tokens,
+            "load_back_tokens_total": self.hicache_tokens.get("load_back", 0),
+            "hicache_host_write_tokens_total": self.hicache_tokens.get("write_through", 0)
+            + self.hicache_tokens.get("write_back", 0),
+            "prefetched_tokens_total": self.hicache_tokens.get("prefetch", 0),
+            "backuped_tokens_total": self.hicache_tokens.get("storage_write", 0),
             "trace_dropped_events_total": self.dropped_events,
             "spec_accept_length": (self.spec_accepted + self.spec_verified) / self.spec_verified
             if self.spec_verified
@@ -303,6 +316,10 @@ class ServerMetrics:
         yield counter("num_requests_total", "Finished requests (aborted ones included).")
         yield counter("num_aborted_requests_total", "Aborted requests.")
         yield counter("evicted_tokens_total", "Tokens evicted from the radix cache.")
+        yield counter("load_back_tokens_total", "HiCache: tokens loaded back from the host tier for a match.")
+        yield counter("hicache_host_write_tokens_total", "HiCache: tokens written from the device to the host tier.")
+        yield counter("prefetched_tokens_total", "HiCache: tokens prefetched from the storage tier for a match.")
+        yield counter("backuped_tokens_total", "HiCache: tokens written to the storage tier.")
         yield counter("trace_dropped_events_total", "Trace events lost before reaching the metrics.")
         by_priority = CounterMetricFamily(
             PREFIX + "num_priority_preempted_reqs",

@@ -727,6 +727,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.tree_dirty = True
         if type(event) is ev.CacheEvict:
             self.narrator.on_evict(event)
+        elif type(event) is ev.HiCacheTransfer:
+            self.narrator.on_hicache(event)
         if self.tracer.enabled:
             with self.trace_cost():
                 self.tracer.emit(event)

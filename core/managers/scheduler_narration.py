@@ -35,6 +35,7 @@ class StepNarrator:
         self.preemptions: list[str] = []
         self.constrained = 0
         self.mask_ms = 0.0
+        self.hicache: dict[str, list[float]] = {}  # HiCache transfer kind -> [tokens, bytes, ms]
         self.begin()
 
     def begin(self, now_ns: int = 0) -> None:
@@ -71,6 +72,13 @@ class StepNarrator:
     def on_preempt(self, reason: str) -> None:
         """A retraction (told with on_retract) was a priority preemption, for `reason`."""
         self.preemptions.append(reason)
+
+    def on_hicache(self, e: ev.HiCacheTransfer) -> None:
+        """HiCache moved KV between tiers (summed per kind for the step's line)."""
+        acc = self.hicache.setdefault(e.what, [0, 0, 0.0])
+        acc[0] += e.tokens
+        acc[1] += e.bytes
+        acc[2] += e.ms
 
     def on_mask(self, rows: int, ms: float) -> None:
         """The step spent `ms` on grammars: masks filled for `rows` constrained rows, or (rows 0)
@@ -119,7 +127,26 @@ class StepNarrator:
             preemptions=list(self.preemptions),
             constrained=self.constrained,
             mask_ms=round(self.mask_ms, 3),
+            hicache=[_hicache_phrase(what, *acc) for what, acc in self.hicache.items()],
             start_ts=self.start_ts,
         )
         self._reset()
         return out
+
+
+_HICACHE_VERBS = {
+    "load_back": "loaded back {tok} tok from host",
+    "prefetch": "prefetched {tok} tok from storage",
+    "write_through": "wrote through {tok} tok to host",
+    "write_back": "wrote back {tok} tok to host",
+    "storage_write": "stored {tok} tok in storage",
+}
+
+
+def _hicache_phrase(what: str, tokens: float, nbytes: float, ms: float) -> str:
+    """One kind of HiCache transfer in a step, for the narration."""
+    verb = _HICACHE_VERBS.get(what, what + " {tok} tok").format(tok=int(tokens))
+    size = (
+        f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.1f} KB" if nbytes >= 1e3 else f"{int(nbytes)} B"
+    )
+    return f"{verb} ({size}, {ms:.1f} ms)"

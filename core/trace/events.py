@@ -161,6 +161,9 @@ class StepDecision(Event, tag="batch.decision"):
     # ("preempted r1 (priority 0) for r5 (priority 10)")
     constrained: int = 0  # rows of this step's batch sampled under a grammar (structured outputs) ...
     mask_ms: float = 0.0  # ... and the scheduler's time on their grammars: masks filled, tokens accepted
+    # HiCache: this step's moves between tiers, one phrase per kind
+    # ("loaded back 59 tok from host (944 B, 0.1 ms)"; empty without --enable-hierarchical-cache)
+    hicache: list[str] = []
     start_ts: int = 0  # when the step began (monotonic ns; `ts` is when it ended): with
     # it a view knows what the scheduler was busy with at any moment
     # (0 in older recordings)

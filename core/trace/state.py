@@ -810,7 +810,9 @@ class TraceState:
         self._tree_for(e.proc)
         tree: dict[int, TreeNodeView] = {}
         for n in e.nodes:
-            tree[n.node_id] = TreeNodeView(n.node_id, n.parent_id, n.tokens, n.text, n.lock_ref, n.hits, n.last_access)
+            tree[n.node_id] = TreeNodeView(
+                n.node_id, n.parent_id, n.tokens, n.text, n.lock_ref, n.hits, n.last_access, tier=n.tier
+            )
         for n in e.nodes:
             parent = tree.get(n.parent_id)
             if parent is not None:
@@ -943,7 +945,7 @@ class TraceState:
                 out.append(extra)
         for proc, tree in self.trees.items():
             nodes = [
-                ev.TreeNode(n.node_id, n.parent_id, n.tokens, n.text, n.lock_ref, n.hits, n.last_access)
+                ev.TreeNode(n.node_id, n.parent_id, n.tokens, n.text, n.lock_ref, n.hits, n.last_access, n.tier)
                 for n in tree.values()
                 if not n.just_evicted
             ]
@@ -996,6 +998,7 @@ def narrate_step(sv: StepView) -> str:
         if kv_retracted:
             parts.append(f"retracted {len(kv_retracted)} ({_rids(kv_retracted)})")
         parts.extend(d.preemptions)  # priority scheduling: "preempted r1 (priority 0) for r5 (priority 10)"
+        parts.extend(d.hicache)  # HiCache: "loaded back 59 tok from host (944 B, 0.1 ms)"
         if d.constrained:
             parts.append(f"grammar for {d.constrained} row{'s' if d.constrained != 1 else ''} {d.mask_ms:.1f} ms")
         if d.waiting:

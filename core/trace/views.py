@@ -134,6 +134,7 @@ class TreeNodeView:
     children: list[int] = field(default_factory=list)
     just_evicted: bool = False
     just_inserted: bool = False
+    tier: str = "device"  # HiCache: "device" | "host" | "device+host" | "storage" (events.TreeNode.tier)
 
 
 @dataclass

@@ -101,3 +101,39 @@ def test_many_requests_sharing_prefixes_stay_consistent(policy):
         assert h.tokens(rid) == expected_tokens(p, 3), rid
     assert sum(h.cached[r] for r in prompts) > 0
     h.assert_idle_and_clean()
+
+
+def test_views_narrate_load_backs_show_tiers_and_count_metrics():
+    from workbench.core.entrypoints.metrics import ServerMetrics
+    from workbench.tui.model import TuiModel
+    from workbench.tui.panels.tree import render_tree
+
+    h = SchedulerHarness(
+        max_total_tokens=128, enable_hierarchical_cache=True, hicache_write_policy="write_back", hicache_ratio=4.0
+    )
+    h.submit("a", PROMPT, max_new_tokens=4)
+    h.run_until_idle()
+    for i, p in enumerate(OTHERS):
+        h.submit(f"o{i}", p, max_new_tokens=4)
+        h.run_until_idle()
+    h.s.emit_tree()  # the tree with "a" on host, as the views get it
+    h.s.tracer.flush()
+    m = TuiModel()
+    m.apply(h.events)
+    tree = m.state.trees[m.state.tree_proc]
+    assert "host" in {n.tier for n in tree.values()}
+    text, _ = render_tree(tree, now_ns=0)
+    assert " host" in text.plain
+    h.submit("a2", PROMPT, max_new_tokens=4)
+    h.run_until_idle()
+    h.s.tracer.flush()
+    m = TuiModel()
+    m.apply(h.events)
+    lines = [m.state.narrate(sv) for sv in m.state.steps]
+    assert any("loaded back 59 tok from host" in line for line in lines), lines
+    assert any("wrote back" in line for line in lines)
+    metrics = ServerMetrics("m")
+    metrics.on_events(h.events)
+    text = metrics.render().decode()
+    assert 'sglang:load_back_tokens_total{model_name="m"} 59.0' in text
+    assert "sglang:hicache_host_write_tokens_total" in text and "sglang:prefetched_tokens_total" in text

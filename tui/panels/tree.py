@@ -193,6 +193,8 @@ def _node_line(
         figures.append((f" lock {n.lock_ref}", f"bold {LOCKED}"))
     if n.hits:
         figures.append((f" hits {n.hits}", CACHED))
+    if n.tier != "device":  # HiCache: where the node's KV lives besides (or instead of) the device
+        figures.append((f" {n.tier}", "dim italic" if n.tier == "device+host" else "italic"))
     if n.just_evicted:
         figures.append((" evicted", EVICTED))
     elif n.last_access:
@@ -204,6 +206,8 @@ def _node_line(
         style = f"strike {EVICTED}"
     elif n.lock_ref > 0:
         style = f"bold {LOCKED}"
+    elif n.tier in ("host", "storage"):
+        style = "dim"  # off the device: a match loads it back before using it
     elif n.just_inserted:
         style = COMPUTED  # just computed and inserted
     else:
