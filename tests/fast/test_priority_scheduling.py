@@ -279,3 +279,25 @@ def test_simulator_models_priorities_with_the_real_scheduler():
     assert "TTFT p50 by priority 10:" in res.summary() and "preempted" in res.summary()
     with pytest.raises(ValueError, match="PRIORITY:SHARE"):
         parse_priority_mix("high:1")
+
+
+# ==== the request path ===========================================================================
+def test_engine_priority_is_one_value_or_one_per_prompt():
+    from workbench.core.engine import _priority_per_prompt
+
+    assert _priority_per_prompt(None, 2) == [None, None]
+    assert _priority_per_prompt(5, 3) == [5, 5, 5]
+    assert _priority_per_prompt([1, None], 2) == [1, None]
+    with pytest.raises(ValueError, match="one per prompt"):
+        _priority_per_prompt([1, 2, 3], 2)
+    with pytest.raises(ValueError, match="integer"):
+        _priority_per_prompt("high", 1)
+
+
+def test_openai_and_native_bodies_take_priority():
+    from workbench.core.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateReqInput
+
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "priority": 3})
+    assert chat.priority == 3
+    assert CompletionRequest.model_validate({"prompt": "x", "priority": -2}).priority == -2
+    assert GenerateReqInput.model_validate({"text": ["a", "b"], "priority": [1, 2]}).priority == [1, 2]
