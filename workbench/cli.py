@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmarks: model | engine | serve | threads | tp | trace")
+    p = sub.add_parser("bench", help="benchmarks: model | engine | serve | threads | tp | trace | hicache | ...")
     bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_bench_parsers(bench_sub)
     p.set_defaults(func=lambda a: p.print_help() or 2)
@@ -201,6 +201,9 @@ def _add_bench_parsers(bench_sub) -> None:
     from workbench.bench.structured_bench import add_parser as add_structured_bench
 
     add_structured_bench(bench_sub)
+    from workbench.bench.hicache_bench import add_parser as add_hicache_bench
+
+    add_hicache_bench(bench_sub)
     from workbench.bench.spec_bench import add_parser as add_spec_bench
 
     add_spec_bench(bench_sub)

@@ -64,3 +64,13 @@ def test_file_tier_serves_a_prompt_after_a_restart(tmp_path, monkeypatch):
     assert again["meta_info"]["cached_tokens"] == (len(prompt) - 1) // STORAGE_PAGE_SIZE * STORAGE_PAGE_SIZE
     assert again["output_ids"] == first["output_ids"]
     assert not state.get("kv_check_error"), state.get("kv_check_error")
+
+
+def test_bench_hicache_quick_prints_the_table(capsys):
+    from workbench.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "hicache", "--quick", "--dtype", "float32"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "| prompt tokens | recompute | device hit | host hit | load-back ms |" in out
+    assert "not served from host" not in out  # every host-hit row reported its prompt as cached
