@@ -176,8 +176,9 @@ def test_completions_greedy_equals_engine_echo_and_logprobs(client, engine):
     assert len(lp.tokens) == n_prompt + len(ref["output_ids"]) == len(lp.token_logprobs) == len(lp.text_offset)
     assert "".join(lp.tokens) == ch.text
     assert lp.token_logprobs[0] is None and all(x is not None for x in lp.token_logprobs[1:])
-    assert lp.top_logprobs[:n_prompt] == [None] * n_prompt
-    assert all(len(t) == 2 for t in lp.top_logprobs[n_prompt:])
+    # a dict at every position but the first, prompt ones included (lm-eval reads them: issue #43)
+    assert lp.top_logprobs[0] is None
+    assert all(isinstance(t, dict) and len(t) == 2 for t in lp.top_logprobs[1:])
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
 

@@ -173,6 +173,10 @@ def test_logprobs_through_the_engine(engine, prompts):
     for (lp, tid, _), top in zip(m["output_token_logprobs"], m["output_top_logprobs"]):
         assert top[0][1] == tid and abs(top[0][0] - lp) < 1e-5  # greedy: the chosen token is the top one
     assert len(m["input_token_logprobs"]) == len(prompts[0]) and m["input_token_logprobs"][0][0] is None
+    tops = m["input_top_logprobs"]  # SGLang's: top_logprobs_num entries per prompt position, None at 0
+    assert len(tops) == len(prompts[0]) and tops[0] is None and all(len(t) == 3 for t in tops[1:])
+    for (lp, tid, _), top in zip(m["input_token_logprobs"][1:], tops[1:]):
+        assert top[0][0] >= lp - 1e-5 and (top[0][1] != tid or abs(top[0][0] - lp) < 1e-5)
 
 
 def test_max_new_tokens_zero_is_prefill_only_with_the_same_prompt_logprobs(engine, prompts):
