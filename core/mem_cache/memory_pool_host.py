@@ -93,9 +93,9 @@ class MHATokenToKVPoolHost:
         host_idx = host_indices.cpu()
         if self.copy_stream is None:
             dev_idx = device_indices.cpu()
-            for layer in range(self.layer_num):
-                self.k_buffer[layer][host_idx] = dev.k_buffer[layer][dev_idx]
-                self.v_buffer[layer][host_idx] = dev.v_buffer[layer][dev_idx]
+            for layer in range(self.layer_num):  # index_select/index_copy_: no advanced-indexing overhead
+                self.k_buffer[layer].index_copy_(0, host_idx, dev.k_buffer[layer].index_select(0, dev_idx))
+                self.v_buffer[layer].index_copy_(0, host_idx, dev.v_buffer[layer].index_select(0, dev_idx))
         else:
             stream = self.copy_stream
             stream.wait_stream(torch.cuda.current_stream())  # the forward that wrote the slots is done
@@ -105,7 +105,7 @@ class MHATokenToKVPoolHost:
                 staged_k = torch.empty(
                     (self.layer_num, n, self.head_num, self.head_dim), dtype=self.dtype, pin_memory=True
                 )
-                staged_v = torch.empty_like(staged_k, pin_memory=True)
+                staged_v = torch.empty(staged_k.shape, dtype=self.dtype, pin_memory=True)
                 for layer in range(self.layer_num):
                     staged_k[layer].copy_(dev.k_buffer[layer][dev_idx], non_blocking=True)
                     staged_v[layer].copy_(dev.v_buffer[layer][dev_idx], non_blocking=True)
@@ -126,8 +126,8 @@ class MHATokenToKVPoolHost:
         if self.copy_stream is None:
             dev_idx = device_indices.cpu()
             for layer in range(self.layer_num):
-                dev.k_buffer[layer][dev_idx] = self.k_buffer[layer][host_idx]
-                dev.v_buffer[layer][dev_idx] = self.v_buffer[layer][host_idx]
+                dev.k_buffer[layer].index_copy_(0, dev_idx, self.k_buffer[layer].index_select(0, host_idx))
+                dev.v_buffer[layer].index_copy_(0, dev_idx, self.v_buffer[layer].index_select(0, host_idx))
         else:
             staged_k = self.k_buffer[:, host_idx].pin_memory()
             staged_v = self.v_buffer[:, host_idx].pin_memory()

@@ -248,3 +248,21 @@ def test_file_tier_pages_of_another_model_or_dtype_are_not_read(tmp_path):
         assert len(cache.match_prefix(key).device_indices) == 0
     cache, _, _ = make_with_storage(tmp_path)
     assert len(cache.match_prefix(key).device_indices) == 2 * STORAGE_PAGE_SIZE
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the pinned host pool and its copy stream")
+def test_cuda_host_pool_round_trip_on_its_own_stream():
+    kv = MHATokenToKVPool(64, torch.float16, head_num=2, head_dim=8, layer_num=3, device="cuda")
+    for layer in range(3):
+        kv.k_buffer[layer].copy_(torch.randn_like(kv.k_buffer[layer]))
+        kv.v_buffer[layer].copy_(torch.randn_like(kv.v_buffer[layer]))
+    host = MHATokenToKVPoolHost(kv, 128)
+    assert host.k_buffer.is_pinned() and host.copy_stream is not None
+    src = torch.arange(5, 25, device="cuda")
+    hidx = host.alloc(20)
+    host.backup_from_device(hidx, src)
+    dst = torch.arange(30, 50, device="cuda")
+    host.load_to_device(hidx, dst)  # queued on the copy stream; the current stream waits for it
+    for layer in range(3):
+        assert torch.equal(kv.k_buffer[layer][dst], kv.k_buffer[layer][src])
+        assert torch.equal(kv.v_buffer[layer][dst], kv.v_buffer[layer][src])
