@@ -19,8 +19,9 @@ with two addresses does; both servers stamp this host's monotonic clock, so time
 
 Simulated (`--simulate h100 --model llama-3.1-70b --tp-size 8`): both Engines are simulated ones, the
 KV handover timed by the link model (core/simulation/pd_live.py), SIMULATED in every view's badge.
-Each keeps its own simulated clock, paced to the wall clock at the same --sim-speed; the pair lines
-the clocks up once when it is made (`align_clocks`), so the merged trace compares them as they are.
+Each keeps its own simulated clock, paced to the wall clock at the same --sim-speed and back on the
+line `speed x monotonic time` whenever it idles; the pair lines the clocks up when it is made
+(`align_clocks`), so the merged trace compares them as they are.
 A simulated deployment may also be xPyD (`--disaggregation 2P4D`): requests go round robin to the
 prefill servers (dp0..dp{x-1}) and, independently, to the decode servers (dp{x}..); real engines are
 1P1D on this machine (several real servers: run them and `--attach` them).

@@ -258,10 +258,15 @@ class LiveSimClock:
     Working, it holds the clock and does not start a pass while a request the tokenizer manager sent
     is still on its way or an announced arrival is due (it waits for them on the socket). Idle, it
     lets the clock run at the speed, or, at speed 0 with an arrival announced, jumps it there. It
-    keeps the deployment's peak KV use and counts the requests received (get_internal_state)."""
+    keeps the deployment's peak KV use and counts the requests received (get_internal_state).
 
-    def __init__(self, shared: trace_clock.SharedClock, speed: float, worker: WarpSimWorker):
+    `follow_wall` (a PD server: pd_live.py): idle, the clock first catches up with the line every such
+    server follows, `speed x this host's monotonic time`, so PD servers that fell behind the wall while
+    working (this host slower than the passes) agree on time again whenever they idle."""
+
+    def __init__(self, shared: trace_clock.SharedClock, speed: float, worker: WarpSimWorker, follow_wall: bool = False):
         self.shared, self.speed, self.worker = shared, speed, worker
+        self.follow_wall = follow_wall and speed > 0
         self.received = 0  # generate requests that reached this scheduler (the clock counts those sent)
         self._idle = True
         self.kv_used_peak = 0
@@ -322,6 +327,10 @@ class LiveSimClock:
             return 1
         # time flows, and stops at an announced arrival until the request is in
         due = None if due is not None and due <= clock.now_ns() else due  # given up on
+        if self.follow_wall and due is None:
+            line = int(time.monotonic_ns() * self.speed)
+            if clock.now_ns() < line:
+                clock.jump_to(line)  # idle: nothing happens in the gap, so the clock may catch up
         clock.run(self.speed or 1.0, until=due, received=received)
         left_ms = 50 if due is None else (due - clock.now_ns()) / 1e6 / (self.speed or 1.0)
         return max(1, min(50, math.ceil(left_ms)))
@@ -516,7 +525,7 @@ def scheduler_parts(
         io = _CountingIO(io)
         step_clock: LiveSimClock = ReplicaSimClock(shared, sa.sim_speed, worker, replica, io)
     else:
-        step_clock = LiveSimClock(shared, sa.sim_speed, worker)
+        step_clock = LiveSimClock(shared, sa.sim_speed, worker, follow_wall=sa.disaggregation_mode != "null")
     drafter = None
     if sa.speculative_algorithm:
         drafter = make_drafter(worker, worker.model_runner.model_config.vocab_size, _draft_cost(sa, worker.cost))

@@ -20,8 +20,9 @@ between them. The simulated runner has no KV tensors, so the transport carries e
 - the prefill side (`LinkTimedSender`) reports the same modelled bytes and ms for its end of the room.
 
 Each engine keeps its own simulated clock. Both are paced to the wall clock at the same --sim-speed
-(hence a positive one: ServerArgs refuses 0), so the two servers agree on time, as two real servers on
-one host share its monotonic clock; `align_clocks` lines them up once at start (tui/pd.py does).
+(hence a positive one: ServerArgs refuses 0), and an idle PD server's clock catches up with the line
+`speed x this host's monotonic time` (live.py LiveSimClock's follow_wall), so the servers agree on time
+as two real servers on one host share its monotonic clock; `align_clocks` lines them up at once (tui/pd.py).
 """
 
 from __future__ import annotations
