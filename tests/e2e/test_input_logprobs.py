@@ -143,6 +143,20 @@ def test_completions_echo_gives_a_top_logprobs_dict_per_prompt_position(served, 
         # lm-eval's greedy check: the token equals its top-1 where the model would have picked it
         greedy = [p for p in range(1, len(ids)) if ref_tops[p][0][0] == ids[p]]
         assert greedy and all(lp.token_logprobs[p] == max(lp.top_logprobs[p].values()) for p in greedy)
+        # streamed: the same entries, the prompt's in the first chunk that has any
+        chunks = client.completions.create(
+            model="smollm2-135m",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            echo=True,
+            logprobs=2,
+            temperature=0,
+            stream=True,
+        )
+        streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        assert sum((s.tokens for s in streamed), []) == lp.tokens
+        assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+        assert sum((s.top_logprobs for s in streamed), []) == lp.top_logprobs
     assert_no_kv_leak(engine)
 
 
