@@ -170,6 +170,8 @@ def request_details(state: TraceState, rid: str) -> dict:
         "e2e": r.e2e,
         "retractions": r.retractions,
         "constraint": r.constraint,
+        "priority": r.priority,  # priority scheduling (None: off)
+        "preempted": r.preempted,  # its last preemption, with the reason ("" none)
         "text": r.text,
         "timeline": [(e.ts, e.kind, e.detail) for e in r.timeline],
         "ttft_parts": ttft_lines(b) if (b := state.ttft_parts(rid)) is not None else [],

@@ -18,6 +18,7 @@ from plotly.subplots import make_subplots
 from workbench.core.trace.palette import METRIC_COLORS
 from workbench.core.trace.palette import PALETTE as P
 from workbench.core.trace.state import TraceState
+from workbench.core.trace.views import format_priority
 from workbench.widgets import data as D
 from workbench.widgets.feed import RENDER_LOCK, TraceFeed
 
@@ -261,6 +262,10 @@ def details_html(state: TraceState, rid: str) -> str:
     )
     if d["constraint"]:
         facts += f" · <b>constrained by</b> {html.escape(d['constraint'].replace('_', ' '))}"
+    if d.get("priority") is not None:  # priority scheduling
+        facts += f" · <b>priority</b> {html.escape(format_priority(d['priority']))}"
+    if d.get("preempted"):
+        facts += f" · <b>{html.escape(d['preempted'])}</b>"
     t0 = d["timeline"][0][0] if d["timeline"] else 0
     rows = "".join(
         f"<tr><td>+{(ts - t0) / 1e6:.1f} ms</td><td>{html.escape(k)}</td><td>{html.escape(det)}</td></tr>"

@@ -301,3 +301,23 @@ def test_openai_and_native_bodies_take_priority():
     assert chat.priority == 3
     assert CompletionRequest.model_validate({"prompt": "x", "priority": -2}).priority == -2
     assert GenerateReqInput.model_validate({"text": ["a", "b"], "priority": [1, 2]}).priority == [1, 2]
+
+
+def test_the_notebook_request_details_show_priority_and_preemption():
+    pytest.importorskip("ipywidgets")
+    from workbench.core.trace.state import TraceState
+    from workbench.widgets import data as D
+    from workbench.widgets import views as V
+
+    h = harness(max_running_requests=1, priority_scheduling_preemption_threshold=0)
+    h.submit("low", prompt(61, 12), 8, priority=1)
+    for _ in range(3):
+        h.step()
+    h.submit("high", prompt(62, 12), 2, priority=4)
+    h.run_until_idle()
+    st = TraceState()
+    st.apply_many(h.events)
+    d = D.request_details(st, "low")
+    assert d["priority"] == 1 and d["preempted"] == "preempted low (priority 1) for high (priority 4)"
+    html_text = V.details_html(st, "low")
+    assert "<b>priority</b> 1" in html_text and "preempted low (priority 1) for high" in html_text
