@@ -262,6 +262,9 @@ def _run_live(args, workload: list[SimRequest]) -> int:
             speculative_accept_rate=args.speculative_accept_rate,
             speculative_num_draft_tokens=args.speculative_num_draft_tokens or 4,
         )
+    if args.enable_priority_scheduling or args.priority_mix:
+        kw["enable_priority_scheduling"] = True
+        kw["priority_scheduling_preemption_threshold"] = args.priority_scheduling_preemption_threshold
     if args.record:
         kw["record"] = args.record
     last = {"at": 0.0}

@@ -621,6 +621,8 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
     res.prompt_tokens, res.outputs = prompt_tokens, outputs
     res.peak_kv_used, res.steps = state.kv_used_peak, _steps(state) - _steps(before)  # peak: since the engine began
     res.retracted = state.retracted_total - before.retracted_total
+    res.priority_of = {f"r{i}": w.priority for i, w in enumerate(workload) if w.priority is not None}
+    res.preempted = -1  # not told apart from KV retractions here: both are in `retracted`
     res.spec_proposed = state.spec_proposed - before.spec_proposed
     res.spec_accepted = state.spec_accepted - before.spec_accepted
     if state.per_replica:  # data parallel: how many requests the controller sent each replica

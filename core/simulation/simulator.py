@@ -106,7 +106,7 @@ class SimResult:
     spec_proposed: int = 0  # speculative decoding: drafts proposed ...
     spec_accepted: int = 0  # ... and kept
     priority_of: dict[str, int] = field(default_factory=dict)  # priority scheduling: each rid's priority
-    preempted: int = 0  # ... running requests preempted for more urgent ones (counted in `retracted` too)
+    preempted: int = 0  # ... running requests preempted for more urgent ones (in `retracted` too; -1 unknown)
 
     @property
     def deployment(self) -> str:
@@ -140,7 +140,8 @@ class SimResult:
         for prio in sorted(set(self.priority_of.values()), reverse=True):
             ttft = {rid: v for rid, v in self.ttft.items() if self.priority_of.get(rid) == prio}
             parts.append(f"{prio}: {1000 * self._pct(ttft, 0.5):.0f} ms ({len(ttft)})")
-        return f"; TTFT p50 by priority {', '.join(parts)}; {self.preempted} preempted"
+        preempted = f"; {self.preempted} preempted" if self.preempted >= 0 else ""
+        return f"; TTFT p50 by priority {', '.join(parts)}{preempted}"
 
     def summary(self) -> str:
         m = self.metrics()
