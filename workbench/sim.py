@@ -307,7 +307,11 @@ def _run_live(args, workload: list[SimRequest]) -> int:
 def cmd_run(args) -> int:
     workload = load_workload(args)
     if args.live and _pd_shape(args, {}) is not None:
-        raise SystemExit("--live with --pd: not built yet; run the offline PD simulation (drop --live)")
+        raise SystemExit(
+            "--live with --pd: not built; drop --live to run the PD deployment offline, or watch it live: "
+            "workbench tui --disaggregation xPyD --simulate HW --model M --tp-size N (or two workbench serve "
+            "--simulate ... --disaggregation-mode prefill|decode servers; docs/disaggregation.md)"
+        )
     if args.live:
         return _run_live(args, workload)
     recorder = None
