@@ -321,3 +321,38 @@ def test_the_notebook_request_details_show_priority_and_preemption():
     assert d["priority"] == 1 and d["preempted"] == "preempted low (priority 1) for high (priority 4)"
     html_text = V.details_html(st, "low")
     assert "<b>priority</b> 1" in html_text and "preempted low (priority 1) for high" in html_text
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@BOTH_LOOPS
+def test_random_workloads_with_priorities_finish_every_request_in_full(overlap, seed):
+    # Arrivals spread over steps, priorities 0..20, a small pool and few slots: admissions, KV retractions
+    # and priority preemptions interleave; every request still ends with its reference tokens, the KV
+    # check passes after every step (the harness) and nothing is left held.
+    rng = random.Random(seed)
+    h = harness(
+        max_total_tokens=220,
+        max_running_requests=3,
+        priority_scheduling_preemption_threshold=rng.choice([0, 5]),
+        schedule_low_priority_values_first=bool(seed % 2),
+        overlap=overlap,
+    )
+    prompts, n, plan = {}, {}, []
+    for i in range(12):
+        rid = f"r{i}"
+        prompts[rid] = prompt(100 * seed + i, rng.randint(8, 40))
+        n[rid] = rng.randint(2, 24)
+        plan.append((rng.randint(0, 30), rid, rng.randint(0, 20)))
+    plan.sort()
+    step = 0
+    while plan or h.s.has_work():
+        while plan and plan[0][0] <= step:
+            _, rid, prio = plan.pop(0)
+            h.submit(rid, prompts[rid], n[rid], priority=prio)
+        h.step()
+        step += 1
+        assert step < 2000
+    h.run_until_idle()
+    assert h.s.priority.num_preempted_total > 0  # the workload does exercise preemption
+    assert_full_outputs(h, prompts, n)
+    h.assert_idle_and_clean()
