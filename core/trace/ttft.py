@@ -350,4 +350,9 @@ def _chunk_part(rid: str, e, sv: StepView | None, k: int, n: int, t1: int, t2: i
         detail += ", alone"
     if prev_step is not None and sv.step > prev_step + 1:
         detail += f" · sat out {_plural(sv.step - prev_step - 1, 'step')} since its last chunk"
+    if k == 0 and mine.cached and sv.decision is not None:
+        # HiCache: cached tokens this step first brought back from host / storage (the step's, not per request)
+        loaded = [p for p in sv.decision.hicache if p.startswith(("loaded back", "prefetched"))]
+        if loaded:
+            detail += " · this step " + ", ".join(loaded)
     return TtftPart("prefill", label, t1, t2, detail, (sv.step,), tuple(others))

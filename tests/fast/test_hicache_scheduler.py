@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from scheduler_harness import SchedulerHarness, expected_tokens
 from workbench.core.mem_cache.hiradix_cache import WRITE_POLICIES, HiRadixCache
+from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 
 PROMPT = list(range(10, 70))  # 60 tokens
@@ -124,6 +125,8 @@ def test_views_narrate_load_backs_show_tiers_and_count_metrics():
     assert "host" in {n.tier for n in tree.values()}
     text, _ = render_tree(tree, now_ns=0)
     assert " host" in text.plain
+    # (the harness has no tokenizer process: its arrival event, which the TTFT parts start from)
+    h.events.append(ev.ReqArrived(rid="a2", ts=trace_clock.now_ns(), proc="tokenizer"))
     h.submit("a2", PROMPT, max_new_tokens=4)
     h.run_until_idle()
     h.s.tracer.flush()
@@ -132,6 +135,9 @@ def test_views_narrate_load_backs_show_tiers_and_count_metrics():
     lines = [m.state.narrate(sv) for sv in m.state.steps]
     assert any("loaded back 59 tok from host" in line for line in lines), lines
     assert any("wrote back" in line for line in lines)
+    parts = m.state.ttft_parts("a2")
+    assert parts is not None
+    assert any("59 cached" in p.detail and "loaded back 59 tok from host" in p.detail for p in parts.parts), parts
     metrics = ServerMetrics("m")
     metrics.on_events(h.events)
     text = metrics.render().decode()
