@@ -323,7 +323,7 @@ def test_the_notebook_request_details_show_priority_and_preemption():
     assert "<b>priority</b> 1" in html_text and "preempted low (priority 1) for high" in html_text
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
 @BOTH_LOOPS
 def test_random_workloads_with_priorities_finish_every_request_in_full(overlap, seed):
     # Arrivals spread over steps, priorities 0..20, a small pool and few slots: admissions, KV retractions
@@ -335,6 +335,8 @@ def test_random_workloads_with_priorities_finish_every_request_in_full(overlap, 
         max_running_requests=3,
         priority_scheduling_preemption_threshold=rng.choice([0, 5]),
         schedule_low_priority_values_first=bool(seed % 2),
+        schedule_policy=["fcfs", "lpm", "lof"][seed % 3],
+        chunked_prefill_size=[-1, 16][seed % 2],
         overlap=overlap,
     )
     prompts, n, plan = {}, {}, []
