@@ -154,6 +154,8 @@ class HiRadixCache(RadixCache):
         t0 = time.perf_counter()
         slots = torch.cat([p.value for p in path])
         pool = self.token_to_kv_pool_host.device_pool
+        if pool is None:
+            return
         written = 0
         for page, key in enumerate(page_keys(self.storage.namespace, tokens, num_pages)):
             if self.storage.exists(key):
@@ -490,15 +492,18 @@ class HiRadixCache(RadixCache):
 
 def make_hiradix_cache(server_args, runner, on_event=None, decode_text=None) -> HiRadixCache:
     """The scheduler's HiRadixCache over `runner`'s pools, sized by --hicache-ratio / --hicache-size."""
-    device_pool = runner.token_to_kv_pool
-    bytes_per_token = 2 * device_pool.layer_num * device_pool.head_num * device_pool.head_dim
-    bytes_per_token *= torch.empty((), dtype=device_pool.dtype).element_size()
+    device_pool = getattr(runner, "token_to_kv_pool", None)
+    if device_pool is not None:
+        bytes_per_token = 2 * device_pool.layer_num * device_pool.head_num * device_pool.head_dim
+        bytes_per_token *= torch.empty((), dtype=device_pool.dtype).element_size()
+    else:  # the simulator's pool-only runner: the tiers' bookkeeping without K/V (no storage tier)
+        bytes_per_token = int(getattr(runner, "kv_bytes_per_token", 0) or 0)
     size = host_pool_size(
         runner.max_total_num_tokens, bytes_per_token, server_args.hicache_ratio, server_args.hicache_size
     )
-    host = MHATokenToKVPoolHost(device_pool, size)
+    host = MHATokenToKVPoolHost(device_pool, size, bytes_per_token=bytes_per_token)
     storage = None
-    if server_args.hicache_storage_backend == "file":
+    if server_args.hicache_storage_backend == "file" and device_pool is not None:
         prepared = getattr(runner, "prepared", None)
         model = (
             f"{server_args.model_path or 'default'}@{server_args.revision or ''}:{getattr(prepared, 'model_dir', '')}"

@@ -41,16 +41,20 @@ class MHATokenToKVPoolHost:
         pin_memory: page-lock the tensors (CUDA only: it makes the copies DMA-able and async).
     """
 
-    def __init__(self, device_pool, size: int, pin_memory: bool | None = None):
+    def __init__(self, device_pool, size: int, pin_memory: bool | None = None, bytes_per_token: int = 0):
         self.device_pool = device_pool
         self.size = size
-        self.dtype = device_pool.dtype
-        self.layer_num = device_pool.layer_num
-        self.head_num = device_pool.head_num
-        self.head_dim = device_pool.head_dim
+        # No device pool (the simulator's pool-only runner): slots and their bookkeeping only, no K/V
+        # tensors; copies move nothing and take no time; `bytes_per_token` is then what the views report.
+        self.has_data = device_pool is not None
+        self.dtype = device_pool.dtype if self.has_data else torch.float32
+        self.layer_num = device_pool.layer_num if self.has_data else 0
+        self.head_num = device_pool.head_num if self.has_data else 0
+        self.head_dim = device_pool.head_dim if self.has_data else 0
+        self._bytes_per_token = bytes_per_token
         self.device_is_cuda = str(getattr(device_pool, "device", "cpu")).startswith("cuda")
         pin = self.device_is_cuda if pin_memory is None else pin_memory
-        shape = (self.layer_num, size + 1, self.head_num, self.head_dim)
+        shape = (self.layer_num, size + 1 if self.has_data else 0, self.head_num, self.head_dim)
         self.k_buffer = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
         self.v_buffer = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
         self.copy_stream = torch.cuda.Stream() if self.device_is_cuda else None
@@ -80,6 +84,8 @@ class MHATokenToKVPoolHost:
             self.free_slots = torch.cat((self.free_slots, indices.to(torch.int64).cpu()))
 
     def bytes_per_token(self) -> int:
+        if not self.has_data:
+            return self._bytes_per_token
         return 2 * self.layer_num * self.head_num * self.head_dim * self.k_buffer.element_size()
 
     # ---- copies -----------------------------------------------------------------
@@ -91,7 +97,9 @@ class MHATokenToKVPoolHost:
         t0 = time.perf_counter()
         dev = self.device_pool
         host_idx = host_indices.cpu()
-        if self.copy_stream is None:
+        if not self.has_data:
+            pass
+        elif self.copy_stream is None:
             dev_idx = device_indices.cpu()
             for layer in range(self.layer_num):  # index_select/index_copy_: no advanced-indexing overhead
                 self.k_buffer[layer].index_copy_(0, host_idx, dev.k_buffer[layer].index_select(0, dev_idx))
@@ -123,7 +131,9 @@ class MHATokenToKVPoolHost:
         t0 = time.perf_counter()
         dev = self.device_pool
         host_idx = host_indices.cpu()
-        if self.copy_stream is None:
+        if not self.has_data:
+            pass
+        elif self.copy_stream is None:
             dev_idx = device_indices.cpu()
             for layer in range(self.layer_num):
                 dev.k_buffer[layer].index_copy_(0, dev_idx, self.k_buffer[layer].index_select(0, host_idx))

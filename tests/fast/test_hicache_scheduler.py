@@ -143,3 +143,26 @@ def test_views_narrate_load_backs_show_tiers_and_count_metrics():
     text = metrics.render().decode()
     assert 'sglang:load_back_tokens_total{model_name="m"} 59.0' in text
     assert "sglang:hicache_host_write_tokens_total" in text and "sglang:prefetched_tokens_total" in text
+
+
+def test_the_simulator_runs_hicache_bookkeeping_without_kv_tensors():
+    """`workbench sim` (pool-only runner, no K/V tensors): the tiers and load-backs happen, free of time."""
+    from workbench.core.simulation.simulator import Simulator, poisson_workload
+
+    work = poisson_workload(rate=5, n=40, prompt_len=(64, 300), output_len=(4, 12), seed=3, groups=6, prefix_len=200)
+    cached = {}
+    for hicache in (False, True):
+        events: list = []
+        sim = Simulator(
+            "smollm2-135m",
+            "cpu-here",
+            trace_sink=events.extend,
+            max_total_tokens=1024,
+            max_running_requests=8,
+            enable_hierarchical_cache=hicache,
+        )
+        cached[hicache] = sim.run(work).cached_tokens
+        sim.scheduler.check_kv_invariants()
+        if hicache:
+            assert any(isinstance(e, ev.HiCacheTransfer) and e.what == "load_back" for e in events)
+    assert cached[True] > cached[False]
