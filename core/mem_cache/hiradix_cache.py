@@ -81,8 +81,6 @@ class HiRadixCache(RadixCache):
         self.host_evicted_tokens = 0
         self.storage = storage
         self.storage_hit_tokens = 0  # tokens prefetched from storage (L3) for matches
-        # Transfers since the scheduler last took them (`pop_transfers`), for the step narration.
-        self._recent: list[HiCacheTransfer] = []
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, False, on_event, decode_text)
 
     def reset(self) -> None:
@@ -107,14 +105,7 @@ class HiRadixCache(RadixCache):
             bytes=tokens * self.token_to_kv_pool_host.bytes_per_token(),
             ms=round(ms, 3),
         )
-        self._recent.append(event)
-        del self._recent[:-64]  # nobody reading: keep the last few
-        self._emit(event)
-
-    def pop_transfers(self) -> list[HiCacheTransfer]:
-        """The transfers since the last call (the scheduler narrates them per step)."""
-        out, self._recent = self._recent, []
-        return out
+        self._emit(event)  # the scheduler narrates it (StepNarrator.on_hicache) and traces it
 
     def write_backup(self, node: TreeNode, what: str = "write_through") -> bool:
         """Copy a device node's KV to the host pool (evicting host-only leaves for room); False if

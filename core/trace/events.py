@@ -262,7 +262,7 @@ class CacheTouch(Event, tag="cache.touch"):
     inserted or evicted). Sent once per snapshot at most: it tells the scheduler (and a reader of
     the trace) that a fresh `cache.tree` is due at the next step boundary."""
 
-    what: str  # "lock" | "hit": the first change seen since the last snapshot
+    what: str  # "lock" | "hit" | "evict" (HiCache: a node left the device, kept on host): the first change
     node_id: int  # the node it touched
 
 
