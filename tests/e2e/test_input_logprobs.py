@@ -195,3 +195,26 @@ def test_in_a_batch_only_the_asking_request_gets_prompt_logprobs(served, hf_mode
     assert "input_token_logprobs" not in got[1]["meta_info"]
     assert got[1]["output_ids"] == hf_greedy(hf_model, plain, 3)
     assert_no_kv_leak(engine)
+
+
+def test_the_overlap_loop_gives_the_same_prompt_logprobs(hf_model):
+    """The overlap scheduler (the next step scheduled while this one computes) over a chunked
+    prompt: the same values as transformers'."""
+    with served_engine(
+        max_total_tokens=4096, chunked_prefill_size=CHUNK, dtype="float32", disable_overlap_schedule=False
+    ) as (engine, url):
+        ids = engine.tokenizer.encode(TEXT, add_special_tokens=False)
+        ref_token, ref_tops = reference(hf_model, ids, 2)
+        with httpx.Client(base_url=url, timeout=120) as h:
+            got = h.post(
+                "/generate",
+                json={
+                    "input_ids": ids,
+                    "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+                    "return_logprob": True,
+                    "logprob_start_len": 0,
+                    "top_logprobs_num": 2,
+                },
+            ).json()["meta_info"]
+        check_against(got, ids, 0, ref_token, ref_tops, 2)
+        assert_no_kv_leak(engine)
