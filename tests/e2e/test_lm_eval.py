@@ -3,9 +3,9 @@
 Two tasks written into tmp_path with a local JSONL dataset (nothing reaches the network):
 a multiple-choice task through `local-completions` (loglikelihood: echo, logprobs=1,
 max_tokens=1; lm-eval reads a top_logprobs dict at every prompt position past the context)
-and a generate_until task through `local-chat-completions`. The loglikelihoods lm-eval reports
-equal transformers' over the same tokens; the chat generations equal the server's own greedy
-answers to the same messages."""
+and a generate_until task through both `local-completions` and `local-chat-completions`.
+The loglikelihoods lm-eval reports equal transformers' over the same tokens; the generations
+equal the server's own greedy answers to the same prompts and messages."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def test_lm_eval_local_completions_and_chat(served, tasks_dir, default_prepared,
         max_retries=1,
         max_length=2048,
     )
-    res = simple_evaluate(model=lm, tasks=["wb_mc"], task_manager=tm, log_samples=True)
+    res = simple_evaluate(model=lm, tasks=["wb_mc", "wb_gen"], task_manager=tm, log_samples=True)
     acc = res["results"]["wb_mc"]["acc,none"]
     assert isinstance(acc, float) and 0.0 <= acc <= 1.0
     samples = res["samples"]["wb_mc"]
@@ -117,6 +117,22 @@ def test_lm_eval_local_completions_and_chat(served, tasks_dir, default_prepared,
             ctx_ids, cont_ids = lm._encode_pair(context, continuation)
             ref = _score(hf_model, ctx_ids, cont_ids)
             assert abs(loglik - ref) < 1e-3 * len(cont_ids) + 1e-3, (context, continuation, loglik, ref)
+    # generate_until through /v1/completions: the server's own greedy answers to the same prompts
+    assert isinstance(res["results"]["wb_gen"]["exact_match,none"], float)
+    with httpx.Client(base_url=url, timeout=120) as h:
+        for sample in res["samples"]["wb_gen"]:
+            doc = GEN_DOCS[sample["doc_id"]]
+            direct = h.post(
+                "/v1/completions",
+                json={
+                    "model": "smollm2-135m",
+                    "prompt": doc["question"],
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "stop": ["\n"],
+                },
+            ).json()["choices"][0]["text"]
+            assert sample["resps"][0][0] == direct, (sample["resps"], direct)
 
     chat = get_model("local-chat-completions")(
         model="smollm2-135m", base_url=url + "/v1/chat/completions", max_retries=1
