@@ -207,9 +207,14 @@ class HiRadixCache(RadixCache):
         path = self._walk(key, count_hit=True)
         if self.storage is not None:
             self._prefetch(key, path)
-        for node in path:
-            if not node.evicted:
-                self._inc_hit_count(node)
+        # A backup for a hit may need host room: the host-only tail of this match must stay.
+        self._pinned = {n.id for n in path}
+        try:
+            for node in path:
+                if not node.evicted:
+                    self._inc_hit_count(node)
+        finally:
+            self._pinned = set()
         on_device = next((i for i, n in enumerate(path) if n.evicted), len(path))
         if on_device < len(path):
             anchor = path[on_device - 1] if on_device else self.root_node

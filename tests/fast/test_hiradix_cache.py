@@ -266,3 +266,19 @@ def test_cuda_host_pool_round_trip_on_its_own_stream():
     for layer in range(3):
         assert torch.equal(kv.k_buffer[layer][dst], kv.k_buffer[layer][src])
         assert torch.equal(kv.v_buffer[layer][dst], kv.v_buffer[layer][src])
+
+
+def test_a_backup_for_a_hit_never_takes_the_host_only_tail_of_the_same_match():
+    cache, alloc, kv, _ = make("write_through", device_tokens=48, host_tokens=10)
+    d, e, y = list(range(10, 15)), list(range(20, 25)), list(range(30, 35))
+    cache_request(cache, alloc, kv, d)
+    cache_request(cache, alloc, kv, d + e)  # d and e both backed: the host is full
+    d_node = cache.root_node.children[10]
+    cache.token_to_kv_pool_host.free(d_node.host_value)  # as if d had found the host full
+    d_node.host_value = None
+    cache_request(cache, alloc, kv, y)  # backed: the host is full again
+    assert cache.evict(5) == 5 and cache._tier(d_node.children[20]) == "host"  # e: host-only, under d
+    m = cache.match_prefix(d + e)  # d's hit wants a backup; the only host-only leaf is e, in this match
+    assert len(m.device_indices) == 10
+    assert_kv(kv, m.device_indices, d + e)
+    check(cache, alloc, [])
