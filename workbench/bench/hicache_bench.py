@@ -64,8 +64,11 @@ def run_hicache_bench(args: argparse.Namespace) -> dict:
     sa.enable_hierarchical_cache = True
     if not sa.max_total_tokens:
         sa.max_total_tokens = 2 * max(lengths) + 64  # small, so filler prompts push P off the device
-    filler_len = max(lengths)
-    fillers = -(-sa.max_total_tokens // filler_len) + 1  # enough to displace the whole pool
+    if sa.hicache_size == 0 and sa.hicache_ratio == ServerArgs.hicache_ratio:
+        sa.hicache_ratio = 4.0  # room on host for P and every filler, so P is never the host's LRU victim
+    # Fillers just over the device pool: P leaves the device, and the host (ratio x the pool) keeps it.
+    filler_len = min(128, max(lengths))
+    fillers = -(-sa.max_total_tokens // filler_len) + 1
     rng = random.Random(args.prompt_seed)
     rows: dict[int, dict[str, list[float]]] = {
         n: {"recompute": [], "device": [], "host": [], "load": []} for n in lengths
@@ -114,7 +117,8 @@ def run_hicache_bench(args: argparse.Namespace) -> dict:
         out[n] = {"recompute_ms": rec, "device_ms": dev, "host_ms": host, "load_back_ms": load}
     print(
         f"\nHiCache TTFT (ms, medians of {rounds} round(s); one new token; cached tokens in brackets); device pool "
-        f"{sa.max_total_tokens} tokens, write policy {sa.hicache_write_policy}, dtype {sa.dtype}; "
+        f"{sa.max_total_tokens} tokens, host {sa.hicache_ratio:g}x, write policy {sa.hicache_write_policy}, "
+        f"dtype {sa.dtype}; "
         f"load average {' → '.join(loads)}"
     )
     print(
