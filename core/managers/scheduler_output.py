@@ -204,14 +204,15 @@ class SchedulerOutputMixin:
     def _add_input_logprobs(self, req: Req, i: int, result: GenerationBatchResult, start: int, n: int) -> None:
         """Prompt logprobs of the `n` tokens after `start` computed by row i (launch-time values); with
         top_logprobs_num, each position's top tokens too. A prompt prefilled in chunks gathers chunk
-        by chunk; a re-prefill (after retraction) finds them complete and adds nothing."""
+        by chunk, each entry at its position (a pass starting at `start` scores positions start + 1..);
+        a re-prefill (after retraction) finds them complete and adds nothing."""
         prompt_len = len(req.origin_input_ids)
-        if req.input_token_logprobs and len(req.input_token_logprobs) >= prompt_len:
+        if len(req.input_token_logprobs) >= prompt_len:
             return
         k = req.top_logprobs_num
-        if not req.input_token_logprobs:
-            req.input_token_logprobs = [None] * (start + 1)  # nothing predicts the first / cached tokens
-            req.input_top_logprobs = [None] * (start + 1)
+        for scored in (req.input_token_logprobs, req.input_top_logprobs):
+            del scored[start + 1 :]  # positions this pass scores again (none on the usual path)
+            scored.extend([None] * (start + 1 - len(scored)))  # nothing predicts the first / cached tokens
         assert result.prompt_logprobs is not None  # asked for: the pass computed them for its rows
         lp = result.prompt_logprobs[i]
         req.input_token_logprobs.extend(float(x) for x in lp.token_logprobs)
