@@ -449,6 +449,11 @@ class ServerArgs:
             )
         if self.hicache_size < 0:
             bad(f"--hicache-size is in GB and must be 0 (use --hicache-ratio) or more, not {self.hicache_size}")
+        if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
+            bad(
+                f"--hicache-storage-backend {self.hicache_storage_backend} is HiCache's storage tier: add "
+                "--enable-hierarchical-cache"
+            )
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             bad("--enable-hierarchical-cache keeps the radix tree's KV in more tiers: drop --disable-radix-cache")
         if self.priority_scheduling_preemption_threshold < 0:

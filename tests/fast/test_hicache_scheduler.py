@@ -166,3 +166,11 @@ def test_the_simulator_runs_hicache_bookkeeping_without_kv_tensors():
         if hicache:
             assert any(isinstance(e, ev.HiCacheTransfer) and e.what == "load_back" for e in events)
     assert cached[True] > cached[False]
+
+
+def test_flags_refuse_a_storage_tier_without_hicache():
+    from workbench.core.args import ServerArgs
+
+    with pytest.raises(ValueError, match="add --enable-hierarchical-cache"):
+        ServerArgs(hicache_storage_backend="file")
+    ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file")
