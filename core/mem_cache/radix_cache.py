@@ -48,6 +48,7 @@ from workbench.core.mem_cache.base_prefix_cache import (
 from workbench.core.trace import clock as trace_clock
 from workbench.core.trace.events import CacheEvict, CacheInsert, CacheTouch, Event
 from workbench.core.trace.events import TreeNode as TreeNodeInfo
+from workbench.core.trace.tree_digest import digest_rows
 
 __all__ = ["RadixCache", "TreeNode", "MatchResult"]
 
@@ -510,6 +511,13 @@ class RadixCache(BasePrefixCache):
                 )
             )
         return out
+
+    def digest(self) -> str:
+        """The tree's digest (core/trace/tree_digest.py), from the live nodes; unlike `snapshot` it
+        leaves the `CacheTouch` bookkeeping alone, so a test may call it after any step."""
+        return digest_rows(
+            (n.id, _parent(n).id, len(n.key), n.lock_ref, n.hits, self._tier(n)) for n in self._iter_nodes()
+        )
 
     def _tier(self, node: TreeNode) -> str:
         """Where a node's KV lives, for the views: "device" here; HiRadixCache adds "host" tiers."""
