@@ -86,6 +86,7 @@ from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 from workbench.core.trace.startup import set_phase_sink
 from workbench.core.trace.tracer import Tracer
+from workbench.core.trace.tree_digest import TREE_DIGEST_ENV
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -207,6 +208,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.num_retracted_total = 0
         self.last_tree_snapshot_ns = 0
         self.tree_dirty = True
+        # Tests: the scheduler's own tree digest after every step (`cache.digest`, core/trace/tree_digest.py).
+        self.trace_tree_digest = os.environ.get(TREE_DIGEST_ENV, "") == "1"
         self.last_gen_throughput = 0.0
         self._step_start = 0.0
         self.trace_ns = 0  # time inside tracing code (see `trace_cost`)
@@ -352,7 +355,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                 if batch is not None:
                     self.emit_state()
                 else:
-                    self.emit_tree_if_due()  # the last change of a burst, once the rate limit allows
+                    self.emit_tree_if_due()  # an idle step can change the tree too (an abort frees its locks)
                 self.tracer.flush()
         if batch is not None and self.paused and self.step_credits > 0:
             self.step_credits -= 1

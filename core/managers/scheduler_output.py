@@ -29,9 +29,6 @@ if TYPE_CHECKING:
     from workbench.core.mem_cache.radix_cache import RadixCache
     from workbench.core.trace.tracer import Tracer
 
-TREE_SNAPSHOT_INTERVAL_NS = 250_000_000
-
-
 # A non-streaming request's tokens go out every this many (SGLang's DEFAULT_FORCE_STREAM_INTERVAL),
 # so a long generation still frees the detokenizer's incremental state as it goes.
 NON_STREAM_INTERVAL = 50
@@ -60,6 +57,7 @@ class SchedulerOutputMixin:
     spec_proposed_total: int
     spec_accepted_total: int
     disagg: Disaggregation | None
+    trace_tree_digest: bool
 
     if TYPE_CHECKING:
 
@@ -446,13 +444,15 @@ class SchedulerOutputMixin:
         self.emit_tree_if_due()
 
     def emit_tree_if_due(self) -> None:
-        """A CacheTree snapshot if the tree changed (inserts, evictions, locks, hits: the radix cache
-        reports each through `_on_cache_event`) and the last one is old enough; while paused or
-        stepping, at every step boundary (the rate limit is for a running engine)."""
-        if self.tree_dirty and (
-            self.paused or time.monotonic_ns() - self.last_tree_snapshot_ns >= TREE_SNAPSHOT_INTERVAL_NS
-        ):
+        """A CacheTree snapshot at the end of every step whose tree changed (inserts, splits,
+        evictions, locks, hits, tier moves: the radix cache reports each through `_on_cache_event`),
+        so a recording or a subscriber rebuilds the exact tree after every step (issue #44). Pacing
+        by time is the live views' business (they redraw at their own rate), never the trace's."""
+        if self.tree_dirty:
             self.emit_tree()
+        digest = getattr(self.tree_cache, "digest", None)  # a ChunkCache keeps no tree
+        if self.trace_tree_digest and digest is not None:
+            self.tracer.emit(ev.CacheDigest(digest=digest()))
 
     def emit_tree(self) -> None:
         self.tracer.emit(

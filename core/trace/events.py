@@ -300,6 +300,14 @@ class CacheTree(Event, tag="cache.tree"):
     protected_size: int
 
 
+class CacheDigest(Event, tag="cache.digest"):
+    """The scheduler's own digest of its radix tree after this step (core/trace/tree_digest.py).
+    Emitted only when `WORKBENCH_TRACE_TREE_DIGEST=1` (tests): a reducer that folded the step's
+    events must hold a tree with the same digest."""
+
+    digest: str
+
+
 class PDTransfer(Event, tag="pd.transfer"):
     """Disaggregated serving: one request's prompt KV handed from a prefill server to a decode server.
 
@@ -480,6 +488,7 @@ AnyEvent = Union[  # noqa: UP007 (a runtime alias msgspec decodes)
     CacheTouch,
     HiCacheTransfer,
     CacheTree,
+    CacheDigest,
     WeightsUpdated,
     ProcStarted,
     ProcExited,
