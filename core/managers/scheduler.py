@@ -163,6 +163,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             self.tree_cache = make_hiradix_cache(
                 server_args, runner, on_event=self._on_cache_event, decode_text=self._decode_preview
             )
+            # Overlap loop: a copy on this thread first waits for a prefill in flight (scheduler_overlap.py).
+            self.tree_cache.sync_before_copy = self.sync_inflight_for_cache_copy
         self.policy = SchedulePolicy(
             server_args.schedule_policy,
             self.tree_cache,

@@ -24,7 +24,8 @@ How batch N can be built without N-1's tokens:
 
 Where the loop waits for the in-flight batch first (`sync_inflight`), trading overlap for
 simplicity: before retracting (it needs real tokens and KV lengths), before ending an aborted
-chunked request, before flushing the cache, while paused and on every gated step (a step is one
+chunked request, before flushing the cache, before HiCache copies device KV on the scheduler thread
+while a prefill is in flight (`sync_inflight_for_cache_copy`), while paused and on every gated step (a step is one
 whole launch-and-process, as in the normal loop), and for batches whose sampling reads the
 output history: penalties and min_new_tokens build their tensors from `output_ids`, which would
 miss the in-flight token.
@@ -36,6 +37,8 @@ import concurrent.futures
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from workbench.core.model_executor.forward_batch_info import ForwardMode
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -73,6 +76,7 @@ class SchedulerOverlapMixin:
     max_running_requests: int
     spec_num_draft: int
     _step_start: float
+    processing_inflight: bool = False  # True while a result is folded in (process_inflight)
 
     if TYPE_CHECKING:  # the Scheduler's steps this loop calls (scheduler.py, scheduler_output.py)
 
@@ -153,7 +157,11 @@ class SchedulerOverlapMixin:
         batch = inflight.batch
         # Rows of requests that had finished before this result: computed for nothing.
         wasted = {i for i, r in enumerate(batch.reqs) if r.finished()}
-        self.process_batch_result(batch, result)
+        self.processing_inflight = True
+        try:
+            self.process_batch_result(batch, result)
+        finally:
+            self.processing_inflight = False
         if self.tracer.enabled:
             with self.trace_cost():
                 step_reqs = inflight.step_reqs
@@ -170,6 +178,24 @@ class SchedulerOverlapMixin:
             return False
         self.process_inflight(inflight)
         return True
+
+    def sync_inflight_for_cache_copy(self) -> bool:
+        """HiCache's hook (`HiRadixCache.sync_before_copy`): before the scheduler thread copies KV
+        into or out of device slots, wait for an in-flight prefill; True if it waited.
+
+        A prefill in flight may still write slots the tree already names (a chunk cached at
+        scheduling time by `continue_chunked_req`) or read slots freed as duplicates while it runs
+        (handed out again, a load-back would overwrite them under it). A decode in flight writes
+        only its own new slots and reads tree slots that stay locked, or, for a request that has
+        already finished, only to compute a row nobody reads: no wait. While a result is being
+        processed (`processing_inflight`), the batch in flight is the next one, launched after every
+        slot that processing copies was written: no wait either (and waiting there would fold the
+        next result into the middle of this one).
+        """
+        inflight = self.inflight
+        if inflight is None or self.processing_inflight or inflight.batch.forward_mode == ForwardMode.DECODE:
+            return False
+        return self.sync_inflight()
 
     # ==== when to wait ===================================================================
     def needs_output_history(self, batch: ScheduleBatch) -> bool:

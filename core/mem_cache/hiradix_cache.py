@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from workbench.core.mem_cache.base_prefix_cache import MatchResult
+from workbench.core.mem_cache.base_prefix_cache import MatchResult, ReqLike
 from workbench.core.mem_cache.hicache_storage import STORAGE_PAGE_SIZE, HiCacheFile, page_keys, storage_namespace
 from workbench.core.mem_cache.memory_pool_host import MHATokenToKVPoolHost, host_pool_size
 from workbench.core.mem_cache.radix_cache import RadixCache, TreeNode, _as_key, _common_len, _parent
@@ -81,6 +81,11 @@ class HiRadixCache(RadixCache):
         self.host_evicted_tokens = 0
         self.storage = storage
         self.storage_hit_tokens = 0  # tokens prefetched from storage (L3) for matches
+        # The scheduler's hook, called before a copy touches device slots (a load-back, a backup):
+        # in the overlap loop it waits for a prefill still in flight on the worker thread, which may
+        # read or write those slots (Scheduler: `sync_inflight_for_cache_copy`). None: no wait.
+        self.sync_before_copy: Callable[[], object] | None = None
+        self.copy_waits = 0  # copies that had to wait for an in-flight pass (the hook returned True)
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, False, on_event, decode_text)
 
     def reset(self) -> None:
@@ -106,6 +111,31 @@ class HiRadixCache(RadixCache):
             ms=round(ms, 3),
         )
         self._emit(event)  # the scheduler narrates it (StepNarrator.on_hicache) and traces it
+
+    def _wait_for_inflight(self) -> bool:
+        """Call the scheduler's hook (before any change to the tree: waiting folds the in-flight
+        result in, which inserts into the tree); True if it waited."""
+        if self.sync_before_copy is not None and self.sync_before_copy():
+            self.copy_waits += 1
+            return True
+        return False
+
+    def _match_copies(self, path: list[TreeNode]) -> bool:
+        """Whether matching `path` copies device KV: a load-back, or a selective backup on this hit."""
+        threshold = self.write_through_threshold
+        for n in path:
+            if n.evicted:
+                return True
+            if threshold is not None and n.host_value is None and n.hit_count + 1 >= threshold:
+                return True
+        return False
+
+    def cache_unfinished_req(self, req: ReqLike) -> None:
+        """As `RadixCache.cache_unfinished_req`; under the write-through policies its insert may back
+        up a chunk whose KV a prefill in flight is still writing, so that pass is waited for first."""
+        if self.write_through_threshold is not None:
+            self._wait_for_inflight()
+        super().cache_unfinished_req(req)
 
     def write_backup(self, node: TreeNode, what: str = "write_through") -> bool:
         """Copy a device node's KV to the host pool (evicting host-only leaves for room); False if
@@ -205,6 +235,10 @@ class HiRadixCache(RadixCache):
             return MatchResult(self._empty(), self.root_node)
         key = _as_key(key)
         path = self._walk(key, count_hit=True)
+        # Overlap loop: a copy must not run under a prefill in flight (it may read or write the slots
+        # a load-back is handed, or a backup reads); the wait changes the tree, so walk again.
+        if self._match_copies(path) and self._wait_for_inflight():
+            path = self._walk(key, count_hit=False)
         if self.storage is not None:
             self._prefetch(key, path)
         # A backup for a hit may need host room: the host-only tail of this match must stay.

@@ -174,3 +174,57 @@ def test_flags_refuse_a_storage_tier_without_hicache():
     with pytest.raises(ValueError, match="add --enable-hierarchical-cache"):
         ServerArgs(hicache_storage_backend="file")
     ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file")
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_overlap_load_back_waits_for_an_inflight_prefill(fixed):
+    """Overlap loop: a load-back (on the scheduler thread) never copies while a prefill is still
+    running on the worker thread (it could read or write the slots the load-back is handed). The
+    stand-in pass holds the worker for 0.3 s, so a copy that does not wait lands inside it; with the
+    hook removed (`fixed=False`) the test sees that, which is what makes it able to fail."""
+    import threading
+    import time
+
+    h = SchedulerHarness(max_total_tokens=128, enable_hierarchical_cache=True, hicache_ratio=4.0, overlap=True)
+    cache = h.s.tree_cache
+    assert isinstance(cache, HiRadixCache) and cache.sync_before_copy is not None
+    if not fixed:
+        cache.sync_before_copy = None
+    busy = threading.Event()
+    forward = h.worker.forward_batch
+
+    def slow_forward(mwb):
+        busy.set()
+        try:
+            time.sleep(0.3)
+            return forward(mwb)
+        finally:
+            busy.clear()
+
+    h.worker.forward_batch = slow_forward
+    copies_during_pass: list[bool] = []
+    host = cache.token_to_kv_pool_host
+    load = host.load_to_device
+
+    def watched_load(host_idx, device_idx):
+        copies_during_pass.append(busy.is_set())
+        return load(host_idx, device_idx)
+
+    host.load_to_device = watched_load
+    h.submit("a", PROMPT, max_new_tokens=4)
+    h.run_until_idle()
+    for i, p in enumerate(OTHERS):
+        h.submit(f"o{i}", p, max_new_tokens=4)
+        h.run_until_idle()
+    h.submit("b", list(range(900, 950)), max_new_tokens=4)
+    h.step()  # b's prefill is launched and in flight
+    h.submit("a2", PROMPT, max_new_tokens=4)
+    h.run_until_idle()  # a2's match loads A back from host
+    assert copies_during_pass, "a2 was meant to load A back"
+    if fixed:
+        assert copies_during_pass == [False] * len(copies_during_pass)
+        assert cache.copy_waits >= 1
+        assert h.tokens("a2") == expected_tokens(PROMPT, 4) and h.cached["a2"] == len(PROMPT) - 1
+        h.assert_idle_and_clean()
+    else:
+        assert any(copies_during_pass)
