@@ -90,3 +90,19 @@ def test_without_the_env_var_no_digest_is_emitted():
     h.submit("a", list(range(10, 40)), max_new_tokens=3)
     h.run_until_idle()
     assert not h.trace(ev.CacheDigest) and h.trace(ev.CacheTree)
+
+
+def test_sim_run_record_rebuilds_the_tree_after_every_step(tmp_path, monkeypatch, capsys):
+    """`workbench sim run --record` (the offline simulator: the real Scheduler on a simulated clock)."""
+    from tree_digest_check import check_recording
+
+    from workbench.cli import build_parser
+
+    monkeypatch.setenv(TREE_DIGEST_ENV, "1")
+    path = tmp_path / "sim.jsonl"
+    line = ["sim", "run", "--model", "llama-3.1-8b", "--simulate", "h100", "--rate", "20", "--num-requests", "30"]
+    args = build_parser().parse_args([*line, "--groups", "3", "--prefix-len", "64", "--record", str(path)])
+    assert args.func(args) == 0
+    assert "30 requests in" in capsys.readouterr().out
+    counts = check_recording(path)
+    assert counts["digests"] > 100 and counts["trees"] >= counts["changed_steps"] > 10, counts
