@@ -176,6 +176,9 @@ def _simulator(args, **overrides) -> Simulator | PDSimulator:
     if args.enable_priority_scheduling or args.priority_mix:
         kw["enable_priority_scheduling"] = True
         kw["priority_scheduling_preemption_threshold"] = args.priority_scheduling_preemption_threshold
+    if args.enable_hierarchical_cache:
+        kw.update(enable_hierarchical_cache=True, hicache_ratio=args.hicache_ratio)
+        kw["hicache_write_policy"] = args.hicache_write_policy
     kw.update(overrides)
     kw.setdefault("dp_size", args.dp_size)
     kw.setdefault("disable_overlap_schedule", not args.overlap_schedule)
@@ -265,6 +268,9 @@ def _run_live(args, workload: list[SimRequest]) -> int:
     if args.enable_priority_scheduling or args.priority_mix:
         kw["enable_priority_scheduling"] = True
         kw["priority_scheduling_preemption_threshold"] = args.priority_scheduling_preemption_threshold
+    if args.enable_hierarchical_cache:
+        kw.update(enable_hierarchical_cache=True, hicache_ratio=args.hicache_ratio)
+        kw["hicache_write_policy"] = args.hicache_write_policy
     if args.record:
         kw["record"] = args.record
     last = {"at": 0.0}
@@ -560,6 +566,24 @@ def add_parser(sub) -> None:
             type=int,
             default=10,
             help="with priority scheduling: preempt only for a priority more than this much more urgent",
+        )
+        q.add_argument(
+            "--enable-hierarchical-cache",
+            action="store_true",
+            help="HiCache: a host-memory KV tier under the device pool; load-backs and backups are charged at the "
+            "hardware's host-link bandwidth (docs/hicache.md)",
+        )
+        q.add_argument(
+            "--hicache-ratio",
+            type=float,
+            default=2.0,
+            help="with --enable-hierarchical-cache: host pool size as a multiple of the device KV pool (> 1)",
+        )
+        q.add_argument(
+            "--hicache-write-policy",
+            default="write_through",
+            choices=["write_through", "write_back", "write_through_selective"],
+            help="with --enable-hierarchical-cache: when device KV is copied to host",
         )
         if name == "run":
             q.add_argument(

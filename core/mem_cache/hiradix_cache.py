@@ -288,6 +288,7 @@ class HiRadixCache(RadixCache):
             return
         host.k_buffer[:, host_idx] = k.to(host.dtype)
         host.v_buffer[:, host_idx] = v.to(host.dtype)
+        host.bytes_prefetched += n * host.bytes_per_token()
         parent = path[-1] if path else self.root_node
         node = TreeNode(self._new_id(), parent, key[matched : matched + n], self._empty())
         node.evicted, node.host_value, node.last_access = True, host_idx.clone(), self._tick()
@@ -532,6 +533,9 @@ def make_hiradix_cache(server_args, runner, on_event=None, decode_text=None) -> 
         runner.max_total_num_tokens, bytes_per_token, server_args.hicache_ratio, server_args.hicache_size
     )
     host = MHATokenToKVPoolHost(device_pool, size, bytes_per_token=bytes_per_token)
+    # Beside the device pool on the runner, as SGLang's cache controller holds both: the simulated worker
+    # reads its copies' bytes there to charge them time (simulation/sim_worker.py).
+    runner.token_to_kv_pool_host = host
     storage = None
     if server_args.hicache_storage_backend == "file" and device_pool is not None:
         prepared = getattr(runner, "prepared", None)

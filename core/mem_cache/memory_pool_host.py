@@ -61,6 +61,7 @@ class MHATokenToKVPoolHost:
         # Totals for the views and /metrics: bytes and time of each direction.
         self.bytes_written = 0
         self.bytes_loaded = 0
+        self.bytes_prefetched = 0  # storage (L3) -> host, written by HiRadixCache's prefetch
         self.clear()
 
     # ---- slots ------------------------------------------------------------------

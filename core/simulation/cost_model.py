@@ -6,6 +6,9 @@ For a pass over requests with `new[i]` tokens each and `ctx[i]` tokens of contex
     attention                 max(FLOPs / achievable FLOP/s, KV bytes read and written / bandwidth)
     tensor parallel           two all-reduces per layer of the pass's hidden states (ring)
     per pass                  the hardware's fixed overhead (launches, batch preparation)
+    HiCache copies            load-backs (host -> device) and storage prefetches before the pass, on its
+                              critical path: bytes / host_link_bw (+ bytes / storage_bw); backups
+                              (device -> host) overlap with the pass: only what outlasts it is charged
 
 Everything is per TP rank: weights, heads and KV split over `tp` devices. A mixture of experts
 reads only the experts its tokens were routed to: with T*k assignments spread evenly over E
@@ -31,10 +34,14 @@ class StepCost:
     comm: float
     overhead: float
     draft: float = 0.0  # a STANDALONE draft model's passes before this verify pass (SimDrafter)
+    # HiCache (`CostModel.hicache`): the copies charged to this pass: load-backs and prefetches before it,
+    # and the part of its backups that outlasts it (`backup` is their whole time, overlapped, not in total).
+    hicache: float = 0.0
+    backup: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.linear + self.attention + self.comm + self.overhead + self.draft
+        return self.linear + self.attention + self.comm + self.overhead + self.draft + self.hicache
 
 
 class CostModel:
@@ -111,3 +118,21 @@ class CostModel:
             return StepCost(linear * a * s, attention * b * s, comm * s, overhead * c * s)
         s = self.scale * (cal.factor(new_tokens) if cal is not None else 1.0)
         return StepCost(linear * s, attention * s, comm * s, overhead * s)
+
+    def host_copy_s(self, nbytes: float) -> float:
+        """A device <-> host KV copy of `nbytes` (one direction over the host link; no calibration)."""
+        return nbytes / self.hw.host_link_bw
+
+    def storage_copy_s(self, nbytes: float) -> float:
+        """A storage (L3) read or write of `nbytes`."""
+        return nbytes / self.hw.storage_bw
+
+    def hicache(self, cost: StepCost, load_bytes: float, backup_bytes: float, prefetch_bytes: float = 0.0) -> StepCost:
+        """Charge HiCache's copies around the pass `cost` (in place; returned): load-backs, and the
+        storage prefetches feeding them (storage -> host, then host -> device, already counted in
+        `load_bytes`), run before the pass reads their KV; backups run beside it on the copy stream, so
+        only their time past the pass's own is charged."""
+        before = self.host_copy_s(load_bytes) + self.storage_copy_s(prefetch_bytes)
+        cost.backup = self.host_copy_s(backup_bytes)
+        cost.hicache = before + max(0.0, cost.backup - cost.total)
+        return cost

@@ -17,6 +17,14 @@ and H200 nodes (DGX H100/H200) give each GPU its own ConnectX-7 InfiniBand NDR p
 DGX A100 one ConnectX-6 HDR port per GPU, 200 Gb/s = 25 GB/s; an L4 server a 25 Gb/s Ethernet NIC (TCP);
 cpu-here a 10 Gb/s TCP link. Latency per transfer: 10 us over RDMA, 50 us over TCP (setup and first byte;
 assumed round figures, not measured here). docs/disaggregation.md (Simulated PD deployments) says how to change them.
+
+HiCache links (docs/hicache.md, Simulated): `host_link_bw` is what a device<->host-memory KV copy reaches, one
+direction. H100 and H200 sit on PCIe Gen5 x16 (64 GB/s raw); pinned-memory copies measure ~55 GB/s one way.
+A100 and L4 are PCIe Gen4 x16 (32 GB/s raw, ~25 GB/s measured one way). cpu-here has no link: the "device"
+pool is host memory too, so a load-back is a memory copy, ~10 GB/s for a gather/scatter of KV rows on this
+2-core machine (an assumed round figure, below the 20.7 GB/s streaming read above). `storage_bw` is the L3
+tier's read/write rate: a local NVMe SSD, ~5 GB/s on the GPU servers (PCIe Gen4/5 drives do 3-7 GB/s
+sequential), ~3 GB/s for cpu-here's disk (assumed).
 """
 
 from __future__ import annotations
@@ -41,6 +49,9 @@ class Hardware:
     # the fixed cost of one room's transfer (setup, the first byte); see the module docstring.
     pd_link_bw: float = 50 * 1e9
     pd_link_latency_s: float = 10e-6
+    # HiCache: device <-> host memory (bytes/s, one direction) and the storage tier (bytes/s); module docstring.
+    host_link_bw: float = 55 * 1e9
+    storage_bw: float = 5 * 1e9
 
 
 GB = 1e9
@@ -48,9 +59,20 @@ GB = 1e9
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("h100", 989e12, 3.35e12, 80 * GB, 450 * GB, 8e-6, 4e-4),
     "h200": Hardware("h200", 989e12, 4.8e12, 141 * GB, 450 * GB, 8e-6, 4e-4),
-    "a100-80g": Hardware("a100-80g", 312e12, 2.039e12, 80 * GB, 300 * GB, 1e-5, 5e-4, pd_link_bw=25 * GB),
+    "a100-80g": Hardware(
+        "a100-80g", 312e12, 2.039e12, 80 * GB, 300 * GB, 1e-5, 5e-4, pd_link_bw=25 * GB, host_link_bw=25 * GB
+    ),
     "l4": Hardware(
-        "l4", 121e12, 300 * GB, 24 * GB, 32 * GB, 2e-5, 5e-4, pd_link_bw=25 / 8 * GB, pd_link_latency_s=50e-6
+        "l4",
+        121e12,
+        300 * GB,
+        24 * GB,
+        32 * GB,
+        2e-5,
+        5e-4,
+        pd_link_bw=25 / 8 * GB,
+        pd_link_latency_s=50e-6,
+        host_link_bw=25 * GB,
     ),
     # This machine at two threads, float32; the KV budget is the engine's CPU default (0.5 GiB).
     "cpu-here": Hardware(
@@ -66,6 +88,8 @@ HARDWARE: dict[str, Hardware] = {
         kv_bytes=0.5 * 2**30,
         pd_link_bw=10 / 8 * GB,
         pd_link_latency_s=50e-6,
+        host_link_bw=10 * GB,
+        storage_bw=3 * GB,
     ),
 }
 

@@ -66,6 +66,11 @@ class SimWorker:
         self._last_ms = 0.0
         self.busy_s = 0.0  # simulated time spent in passes
         self.passes = 0
+        # HiCache: the runner's host pool (make_hiradix_cache puts it there) reports its copies' bytes; each
+        # pass is charged those since the last (CostModel.hicache). The pool sizes its bytes from this.
+        runner.kv_bytes_per_token = int(cost.kv_bytes_per_token_per_rank())
+        self._hicache_seen = (0, 0, 0)  # host pool bytes loaded, written; storage bytes prefetched
+        self.hicache_s = 0.0  # simulated time charged for HiCache copies
         # rid -> when the first pass with that request began (kept when a dict is set: the PD simulator's
         # prefill replicas, to split a request's wait from its prefill)
         self.first_pass: dict[str, float] | None = None
@@ -77,6 +82,7 @@ class SimWorker:
         cost = self.cost.step(new, list(mwb.seq_lens_cpu), logits_rows=sum(rows))
         if mwb.spec_rows and self.drafter is not None:  # the draft model's passes ran just before
             cost.draft = self.drafter.take_pending()
+        self._charge_hicache(cost)
         self.busy_s += cost.total
         self.passes += 1
         if self.first_pass is not None:
@@ -90,6 +96,19 @@ class SimWorker:
             self._replay_tokens(mwb.reqs or [], ids)
         out = ForwardOutput(LogitsOutput(next_token_logits=torch.zeros((len(ids), 1))), SamplerOutput(ids), None)
         return cost, out
+
+    def _charge_hicache(self, cost) -> None:
+        """Charge the HiCache copies made since the last pass (the load-backs of this pass's matches,
+        the backups of the last results) to this pass."""
+        host = getattr(self.model_runner, "token_to_kv_pool_host", None)
+        if host is None:
+            return
+        now = (host.bytes_loaded, host.bytes_written, getattr(host, "bytes_prefetched", 0))
+        loaded, written, prefetched = (a - b for a, b in zip(now, self._hicache_seen))
+        self._hicache_seen = now
+        if loaded or written or prefetched:
+            self.cost.hicache(cost, loaded, written, prefetched)
+            self.hicache_s += cost.hicache
 
     def _replay_tokens(self, reqs: list[Req], ids: torch.Tensor) -> None:
         """Rows of requests with forced output (a recorded run's) get their next forced token (one row

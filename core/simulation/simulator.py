@@ -107,6 +107,9 @@ class SimResult:
     spec_accepted: int = 0  # ... and kept
     priority_of: dict[str, int] = field(default_factory=dict)  # priority scheduling: each rid's priority
     preempted: int = 0  # ... running requests preempted for more urgent ones (in `retracted` too; -1 unknown)
+    hicache: bool = False  # HiCache on: the host tier's figures below are reported
+    host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier instead of recomputed
+    hicache_s: float = 0.0  # simulated time the passes were charged for HiCache copies
 
     @property
     def deployment(self) -> str:
@@ -153,6 +156,12 @@ class SimResult:
             f"{self.kv_pool_tokens} tokens; {m['retracted']} retracted"
             + (f"; requests per replica {self.per_replica_requests}" if self.dp_size > 1 else "")
             + self._priority_summary()
+            + (
+                f"; HiCache: {self.host_hit_tokens} tokens loaded back from host, copies "
+                f"{1000 * self.hicache_s:.1f} ms of the passes"
+                if self.hicache
+                else ""
+            )
             + (
                 f"; drafts kept {self.spec_accepted} of {self.spec_proposed} "
                 f"({self.spec_accepted / self.spec_proposed:.0%})"
@@ -446,6 +455,9 @@ class Simulator:
         res.spec_proposed = sum(r.scheduler.spec_proposed_total for r in reps)
         res.spec_accepted = sum(r.scheduler.spec_accepted_total for r in reps)
         res.per_replica_requests = [r.requests for r in reps]
+        res.hicache = self.args.enable_hierarchical_cache
+        res.host_hit_tokens = sum(getattr(r.scheduler.tree_cache, "host_hit_tokens", 0) for r in reps)
+        res.hicache_s = sum(r.worker.hicache_s for r in reps)
         start = min((r.arrival for r in workload), default=0.0)
         res.sim_s = max(r.clock.now for r in reps) + self.tm_out_s - start
         res.wall_s = time.perf_counter() - t0

@@ -146,7 +146,7 @@ def test_views_narrate_load_backs_show_tiers_and_count_metrics():
 
 
 def test_the_simulator_runs_hicache_bookkeeping_without_kv_tensors():
-    """`workbench sim` (pool-only runner, no K/V tensors): the tiers and load-backs happen, free of time."""
+    """`workbench sim` (pool-only runner, no K/V tensors): the tiers and load-backs happen (their time: test_simulation_hicache.py)."""
     from workbench.core.simulation.simulator import Simulator, poisson_workload
 
     work = poisson_workload(rate=5, n=40, prompt_len=(64, 300), output_len=(4, 12), seed=3, groups=6, prefix_len=200)
