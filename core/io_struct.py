@@ -91,6 +91,9 @@ class GetInternalStateReqOutput(Msg):
     per_replica: list[dict[str, int | float]] | None = None
     # Disaggregated serving: the mode and its queues and transfer counters (core/disaggregation/)
     disaggregation: dict[str, int | float | str] | None = None
+    # HiCache (--enable-hierarchical-cache): host pool used / total tokens and the transfer totals
+    # (HiRadixCache.internal_state); None without a host tier
+    hicache: dict[str, int | float] | None = None
 
 
 class SetTraceReq(Msg):

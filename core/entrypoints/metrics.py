@@ -10,7 +10,8 @@ sees into counters, gauges and histograms:
 - `batch.step` -> recent decode tokens, for `gen_throughput` (tokens/s over the
   last `throughput_window_s` seconds);
 - `queue.state` -> `num_running_reqs`, `num_queue_reqs`;
-- `kv.usage` -> `num_used_tokens`, `token_usage`;
+- `kv.usage` -> `num_used_tokens`, `token_usage`; with HiCache `hicache_host_used_tokens` and
+  `hicache_host_total_tokens` (the host pool, as dashboards read them from SGLang);
 - `req.aborted` -> `num_aborted_requests_total` (and `num_requests_total`; once per rid);
 - `hicache.transfer` -> `load_back_tokens_total` (host -> device), `prefetched_tokens_total`
   (storage -> host) and `backuped_tokens_total` (-> storage), SGLang's names, and
@@ -252,6 +253,8 @@ class ServerMetrics:
             "num_queue_reqs": waiting,
             "num_used_tokens": used,
             "token_usage": used / total if total else 0.0,
+            "hicache_host_used_tokens": sum(k.host_used for k in self._kv.values()),
+            "hicache_host_total_tokens": sum(k.host_total for k in self._kv.values()),
             "gen_throughput": self.gen_throughput(),
             "cache_hit_rate": self.cache_hit_rate,
             "prompt_tokens_total": self.prompt_tokens,
@@ -307,6 +310,9 @@ class ServerMetrics:
         yield gauge("num_queue_reqs", "Requests waiting in the scheduler's queue.")
         yield gauge("num_used_tokens", "KV cache slots held by requests.")
         yield gauge("token_usage", "Fraction of the KV cache held by requests.")
+        if s["hicache_host_total_tokens"]:  # HiCache on
+            yield gauge("hicache_host_used_tokens", "HiCache: host-pool tokens held by the radix tree.")
+            yield gauge("hicache_host_total_tokens", "HiCache: host-pool size in tokens.")
         yield gauge("gen_throughput", "Decode throughput (tokens/s) over the recent window.")
         yield gauge("cache_hit_rate", "Prefix cache hit rate: cached_tokens_total / prompt_tokens_total.")
         yield gauge("num_retracted_reqs", "Requests retracted (preempted) since the server started.")

@@ -331,7 +331,16 @@ def _merge_internal_state(replies: list[GetInternalStateReqOutput]) -> GetIntern
         max_req_input_len=min(r.max_req_input_len for r in replies),
         kv_check_error="; ".join(f"dp{i}: {r.kv_check_error}" for i, r in enumerate(replies) if r.kv_check_error),
         per_replica=[{name: getattr(r, name) for name in _SUMMED + ("step",)} for r in replies],
+        hicache=_merge_hicache([r.hicache for r in replies]),
     )
+
+
+def _merge_hicache(states: list[dict[str, int | float] | None]) -> dict[str, int | float] | None:
+    """HiCache's counters over replicas: summed (bytes_per_token is the same on each: kept)."""
+    given = [s for s in states if s]
+    if not given:
+        return None
+    return {k: given[0][k] if k == "bytes_per_token" else sum(s.get(k, 0) for s in given) for k in given[0]}
 
 
 @dataclass

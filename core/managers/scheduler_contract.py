@@ -372,6 +372,9 @@ class PoolRunner:
         self.token_to_kv_pool_allocator = (
             allocator if allocator is not None else TokenToKVPoolAllocator(max_total_tokens)
         )
+        # HiCache with no K/V tensors (the simulator): the KV bytes a token would take, which the host
+        # pool reports and the simulated worker charges (0: unknown); the worker sets it.
+        self.kv_bytes_per_token = 0
         self.device = "cpu"
         self.dtype = dtype
         self.kv_head_num = kv_head_num

@@ -157,6 +157,9 @@ class SchedulerControlMixin:
             # PD decode: requests reserving slots or waiting for their KV are waiting requests too.
             state.num_waiting += int(state.disaggregation.get("pd_prealloc", 0))
             state.num_waiting += int(state.disaggregation.get("pd_transferring", 0))
+        internal = getattr(self.tree_cache, "internal_state", None)  # HiCache's counters
+        if internal is not None:
+            state.hicache = internal()
         self.step_clock.fill_state(state)
         return state
 

@@ -433,12 +433,15 @@ class SchedulerOutputMixin:
         t.emit(ev.QueueState(waiting=waiting, running=[r.rid for r in self.running_reqs()], chunked=chunked, held=held))
         free = self.token_to_kv_pool_allocator.available_size()
         evictable = self.tree_cache.evictable_size()
+        host = getattr(self.tree_cache, "token_to_kv_pool_host", None)  # HiCache's host tier
         t.emit(
             ev.KVUsage(
                 used=self.max_total_num_tokens - free - evictable,
                 evictable=evictable,
                 free=free,
                 total=self.max_total_num_tokens,
+                host_used=host.size - host.available_size() if host is not None else 0,
+                host_total=host.size if host is not None else 0,
             )
         )
         self.emit_tree_if_due()

@@ -464,6 +464,25 @@ class HiRadixCache(RadixCache):
 
     # ---- sizes and checks ---------------------------------------------------
 
+    def internal_state(self) -> dict[str, int | float]:
+        """HiCache's figures for get_internal_state: the host pool and the transfer totals."""
+        host = self.token_to_kv_pool_host
+        bpt = host.bytes_per_token()
+        return {
+            "host_used_tokens": host.size - host.available_size(),
+            "host_total_tokens": host.size,
+            "load_back_tokens": self.host_hit_tokens,
+            "load_back_count": self.load_back_count,
+            "load_back_bytes": host.bytes_loaded,
+            "backup_tokens": self.backup_tokens,
+            "backup_bytes": host.bytes_written,
+            "prefetch_tokens": self.storage_hit_tokens,
+            "prefetch_bytes": host.bytes_prefetched,
+            "host_evicted_tokens": self.host_evicted_tokens,
+            "copy_waits": self.copy_waits,
+            "bytes_per_token": bpt,
+        }
+
     def total_size(self) -> int:
         """Device tokens in the tree, counted by walking it."""
         return sum(int(n.value.numel()) for n in self._iter_nodes())

@@ -234,6 +234,9 @@ class KVUsage(Event, tag="kv.usage"):
     evictable: int
     free: int
     total: int
+    # HiCache (--enable-hierarchical-cache): host-pool tokens held by tree nodes, and its size (0: no host tier)
+    host_used: int = 0
+    host_total: int = 0
 
 
 # ---- radix cache ------------------------------------------------------------

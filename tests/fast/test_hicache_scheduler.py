@@ -228,3 +228,45 @@ def test_overlap_load_back_waits_for_an_inflight_prefill(fixed):
         h.assert_idle_and_clean()
     else:
         assert any(copies_during_pass)
+
+
+def test_internal_state_and_metrics_report_the_host_pool_and_transfers():
+    from workbench.core.entrypoints.metrics import ServerMetrics
+
+    h = SchedulerHarness(max_total_tokens=128, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    assert h.s.get_internal_state().hicache == {**h.s.tree_cache.internal_state()}
+    run_a_others_a(h)
+    h.s.tracer.flush()
+    state = h.s.get_internal_state().hicache
+    cache = h.s.tree_cache
+    host = cache.token_to_kv_pool_host
+    assert state is not None and state["host_total_tokens"] == 4 * 128 == host.size
+    # used = what the tree's nodes hold on host (the KV check's count, walked independently)
+    assert state["host_used_tokens"] == cache.host_size() > 0
+    loads = [e for e in h.trace(ev.HiCacheTransfer) if e.what == "load_back"]
+    assert state["load_back_tokens"] == sum(e.tokens for e in loads) >= len(PROMPT) - 1
+    assert state["load_back_bytes"] == sum(e.bytes for e in loads)
+    backups = [e for e in h.trace(ev.HiCacheTransfer) if e.what in ("write_through", "write_back")]
+    assert state["backup_tokens"] == sum(e.tokens for e in backups) > 0
+    assert state["prefetch_tokens"] == 0  # no storage tier
+    from workbench.core.managers.data_parallel_controller import merge_replies
+
+    full = h.s.get_internal_state()
+    merged = merge_replies([full, full]).hicache  # data parallel: two replicas' counters add up
+    assert merged is not None and merged["host_total_tokens"] == 2 * host.size
+    assert merged["bytes_per_token"] == state["bytes_per_token"]
+    metrics = ServerMetrics("m")
+    metrics.on_events(h.events)
+    text = metrics.render().decode()
+    assert f'sglang:hicache_host_total_tokens{{model_name="m"}} {float(host.size)}' in text
+    used = [e for e in h.events if isinstance(e, ev.KVUsage)][-1].host_used
+    assert used == state["host_used_tokens"]
+    assert f'sglang:hicache_host_used_tokens{{model_name="m"}} {float(used)}' in text
+    plain = SchedulerHarness(max_total_tokens=128)
+    assert plain.s.get_internal_state().hicache is None
+    metrics = ServerMetrics("m")
+    plain.submit("x", PROMPT, max_new_tokens=2)
+    plain.run_until_idle()
+    plain.s.tracer.flush()
+    metrics.on_events(plain.events)
+    assert "hicache_host_total_tokens" not in metrics.render().decode()
