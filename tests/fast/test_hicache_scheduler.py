@@ -180,7 +180,7 @@ def test_flags_refuse_a_storage_tier_without_hicache():
 def test_overlap_load_back_waits_for_an_inflight_prefill(fixed):
     """Overlap loop: a load-back (on the scheduler thread) never copies while a prefill is still
     running on the worker thread (it could read or write the slots the load-back is handed). The
-    stand-in pass holds the worker for 0.3 s, so a copy that does not wait lands inside it; with the
+    stand-in pass (the prefill in flight) holds the worker for 1 s, so a copy that does not wait lands inside it; with the
     hook removed (`fixed=False`) the test sees that, which is what makes it able to fail."""
     import threading
     import time
@@ -190,13 +190,16 @@ def test_overlap_load_back_waits_for_an_inflight_prefill(fixed):
     assert isinstance(cache, HiRadixCache) and cache.sync_before_copy is not None
     if not fixed:
         cache.sync_before_copy = None
-    busy = threading.Event()
+    busy, armed = threading.Event(), threading.Event()
     forward = h.worker.forward_batch
 
     def slow_forward(mwb):
+        if not armed.is_set():
+            return forward(mwb)
+        armed.clear()  # only the pass launched while armed is held
         busy.set()
         try:
-            time.sleep(0.3)
+            time.sleep(1.0)
             return forward(mwb)
         finally:
             busy.clear()
@@ -217,7 +220,8 @@ def test_overlap_load_back_waits_for_an_inflight_prefill(fixed):
         h.submit(f"o{i}", p, max_new_tokens=4)
         h.run_until_idle()
     h.submit("b", list(range(900, 950)), max_new_tokens=4)
-    h.step()  # b's prefill is launched and in flight
+    armed.set()
+    h.step()  # b's prefill is launched and in flight (held 1 s on the worker thread)
     h.submit("a2", PROMPT, max_new_tokens=4)
     h.run_until_idle()  # a2's match loads A back from host
     assert copies_during_pass, "a2 was meant to load A back"
