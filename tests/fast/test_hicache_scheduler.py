@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from scheduler_harness import SchedulerHarness, expected_tokens
 from workbench.core.mem_cache.hiradix_cache import WRITE_POLICIES, HiRadixCache
+from workbench.core.model_executor.forward_batch_info import ForwardMode
 from workbench.core.trace import clock as trace_clock
 from workbench.core.trace import events as ev
 
@@ -274,3 +275,50 @@ def test_internal_state_and_metrics_report_the_host_pool_and_transfers():
     plain.s.tracer.flush()
     metrics.on_events(plain.events)
     assert "hicache_host_total_tokens" not in metrics.render().decode()
+
+
+def test_overlap_chunk_backup_waits_for_the_chunk_in_flight():
+    """write_through in the overlap loop: caching a chunk at scheduling time (continue_chunked_req) backs
+    it up to host while that chunk's pass may still be writing its KV; the backup waits for the pass
+    first (every prefill pass held 0.3 s here, so a backup that did not wait would land inside one)."""
+    import threading
+    import time
+
+    h = SchedulerHarness(
+        max_total_tokens=256,
+        enable_hierarchical_cache=True,
+        hicache_ratio=4.0,
+        overlap=True,
+        chunked_prefill_size=32,
+    )
+    cache = h.s.tree_cache
+    busy = threading.Event()  # a prefill pass is running (a decode pass writes only its own new slots)
+    forward = h.worker.forward_batch
+
+    def slow_forward(mwb):
+        if mwb.forward_mode == ForwardMode.DECODE:
+            return forward(mwb)
+        busy.set()
+        try:
+            time.sleep(0.3)
+            return forward(mwb)
+        finally:
+            busy.clear()
+
+    h.worker.forward_batch = slow_forward
+    host = cache.token_to_kv_pool_host
+    backup = host.backup_from_device
+    during: list[bool] = []
+
+    def watched_backup(host_idx, device_idx):
+        during.append(busy.is_set())
+        return backup(host_idx, device_idx)
+
+    host.backup_from_device = watched_backup
+    prompt = list(range(10, 110))  # 100 tokens: 4 chunks of 32
+    h.submit("a", prompt, max_new_tokens=3)
+    h.run_until_idle()
+    assert h.tokens("a") == expected_tokens(prompt, 3)
+    assert during and not any(during), during
+    assert cache.copy_waits >= 2  # one per chunk cached while the next was being scheduled
+    h.assert_idle_and_clean()
