@@ -176,9 +176,13 @@ def _simulator(args, **overrides) -> Simulator | PDSimulator:
     if args.enable_priority_scheduling or args.priority_mix:
         kw["enable_priority_scheduling"] = True
         kw["priority_scheduling_preemption_threshold"] = args.priority_scheduling_preemption_threshold
+    if args.hicache_storage_backend and not args.enable_hierarchical_cache:
+        raise SystemExit("--hicache-storage-backend is HiCache's storage tier: add --enable-hierarchical-cache")
     if args.enable_hierarchical_cache:
         kw.update(enable_hierarchical_cache=True, hicache_ratio=args.hicache_ratio)
         kw["hicache_write_policy"] = args.hicache_write_policy
+        if args.hicache_storage_backend:
+            kw["hicache_storage_backend"] = args.hicache_storage_backend
     kw.update(overrides)
     kw.setdefault("dp_size", args.dp_size)
     kw.setdefault("disable_overlap_schedule", not args.overlap_schedule)
@@ -268,9 +272,13 @@ def _run_live(args, workload: list[SimRequest]) -> int:
     if args.enable_priority_scheduling or args.priority_mix:
         kw["enable_priority_scheduling"] = True
         kw["priority_scheduling_preemption_threshold"] = args.priority_scheduling_preemption_threshold
+    if args.hicache_storage_backend and not args.enable_hierarchical_cache:
+        raise SystemExit("--hicache-storage-backend is HiCache's storage tier: add --enable-hierarchical-cache")
     if args.enable_hierarchical_cache:
         kw.update(enable_hierarchical_cache=True, hicache_ratio=args.hicache_ratio)
         kw["hicache_write_policy"] = args.hicache_write_policy
+        if args.hicache_storage_backend:
+            kw["hicache_storage_backend"] = args.hicache_storage_backend
     if args.record:
         kw["record"] = args.record
     last = {"at": 0.0}
@@ -584,6 +592,13 @@ def add_parser(sub) -> None:
             default="write_through",
             choices=["write_through", "write_back", "write_through_selective"],
             help="with --enable-hierarchical-cache: when device KV is copied to host",
+        )
+        q.add_argument(
+            "--hicache-storage-backend",
+            default=None,
+            choices=["file"],
+            help="with --enable-hierarchical-cache: a storage tier (L3) under the host pool, kept in memory for "
+            "the run; prefetches from it are charged at the hardware's storage bandwidth (docs/hicache.md)",
         )
         if name == "run":
             q.add_argument(

@@ -18,6 +18,11 @@ Reads (prefetch) for a match that misses the device and host tiers, per
   (none at first); a later match of the same prefix (the request is re-matched at each admission
   attempt, or the next request with that prefix) finds more.
 Everything here is synchronous file I/O on the scheduler's thread except best_effort's reads.
+
+`SimStorage` is the simulator's storage tier (no K/V anywhere): it remembers which page keys were
+written during the run and hands out empty placeholders for the pages a match finds, so the tree's
+bookkeeping and the transfer events are those of a real run; the simulated worker charges the
+prefetched bytes at the hardware's `storage_bw` (simulation/cost_model.py).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 
 __all__ = [
     "HiCacheFile",
+    "SimStorage",
     "STORAGE_DIR_ENV",
     "STORAGE_PAGE_SIZE",
     "page_keys",
@@ -165,3 +171,42 @@ class HiCacheFile:
         finally:
             with self._lock:
                 self._inflight.difference_update(keys)
+
+
+_NO_KV = torch.empty(0)  # a SimStorage page: no K/V, only its place in the chain of keys
+
+
+class SimStorage:
+    """The simulator's storage tier: the page keys written this run (in memory), no K/V.
+
+    Same methods as `HiCacheFile` where HiRadixCache calls them. Reads are always whole (as
+    wait_complete): their time is the simulated worker's to charge, at the hardware's storage_bw.
+    """
+
+    def __init__(self, namespace: str, prefetch_policy: str = "wait_complete"):
+        self.namespace = namespace
+        self.prefetch_policy = prefetch_policy
+        self._keys: set[str] = set()
+        self.pages_written = 0
+        self.pages_read = 0
+
+    def exists(self, key: str) -> bool:
+        return key in self._keys
+
+    def set(self, key: str, k: torch.Tensor = _NO_KV, v: torch.Tensor = _NO_KV) -> bool:
+        """Note page `key` as written (its K/V, if any, are dropped); False if it was already."""
+        if key in self._keys:
+            return False
+        self._keys.add(key)
+        self.pages_written += 1
+        return True
+
+    def prefetch(self, keys: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A placeholder for each consecutive page of `keys` (from the first) that was written."""
+        out = []
+        for key in keys:
+            if key not in self._keys:
+                break
+            out.append((_NO_KV, _NO_KV))
+        self.pages_read += len(out)
+        return out

@@ -33,7 +33,13 @@ from collections.abc import Callable
 
 import torch
 from workbench.core.mem_cache.base_prefix_cache import MatchResult, ReqLike
-from workbench.core.mem_cache.hicache_storage import STORAGE_PAGE_SIZE, HiCacheFile, page_keys, storage_namespace
+from workbench.core.mem_cache.hicache_storage import (
+    STORAGE_PAGE_SIZE,
+    HiCacheFile,
+    SimStorage,
+    page_keys,
+    storage_namespace,
+)
 from workbench.core.mem_cache.memory_pool_host import MHATokenToKVPoolHost, host_pool_size
 from workbench.core.mem_cache.radix_cache import RadixCache, TreeNode, _as_key, _common_len, _parent
 from workbench.core.trace.events import CacheEvict, Event, HiCacheTransfer
@@ -53,7 +59,7 @@ class HiRadixCache(RadixCache):
         token_to_kv_pool_host: the host pool (`MHATokenToKVPoolHost`) over the device KV pool.
         write_policy: one of WRITE_POLICIES.
         on_event, decode_text: as for `RadixCache`; `on_event` also gets `HiCacheTransfer` events.
-        storage: the L3 tier (`HiCacheFile`), or None.
+        storage: the L3 tier (`HiCacheFile`; the simulator's `SimStorage`), or None.
     """
 
     def __init__(
@@ -64,7 +70,7 @@ class HiRadixCache(RadixCache):
         write_policy: str = "write_through",
         on_event: Callable[[Event], None] | None = None,
         decode_text: Callable[[list[int]], str] | None = None,
-        storage: HiCacheFile | None = None,
+        storage: HiCacheFile | SimStorage | None = None,
     ):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, not {write_policy!r}")
@@ -175,11 +181,12 @@ class HiRadixCache(RadixCache):
         t0 = time.perf_counter()
         slots = torch.cat([p.value for p in path])
         pool = self.token_to_kv_pool_host.device_pool
-        if pool is None:
-            return
         written = 0
         for page, key in enumerate(page_keys(self.storage.namespace, tokens, num_pages)):
             if self.storage.exists(key):
+                continue
+            if pool is None:  # the simulator (SimStorage): no K/V, only which pages storage holds
+                written += int(self.storage.set(key, torch.empty(0), torch.empty(0)))
                 continue
             idx = slots[page * STORAGE_PAGE_SIZE : (page + 1) * STORAGE_PAGE_SIZE]
             k = torch.stack([pool.k_buffer[layer][idx] for layer in range(pool.layer_num)])
@@ -271,12 +278,17 @@ class HiRadixCache(RadixCache):
         if not pages:
             return
         skip = matched - first * STORAGE_PAGE_SIZE  # the first page's tokens the tree has already
-        k = torch.cat([pk for pk, _ in pages], dim=1)[:, skip:]
-        v = torch.cat([pv for _, pv in pages], dim=1)[:, skip:]
-        n = int(k.shape[1])
+        host = self.token_to_kv_pool_host
+        k: torch.Tensor | None = None
+        v: torch.Tensor | None = None
+        if host.has_data:
+            k = torch.cat([pk for pk, _ in pages], dim=1)[:, skip:]
+            v = torch.cat([pv for _, pv in pages], dim=1)[:, skip:]
+            n = int(k.shape[1])
+        else:  # the simulator's pages (SimStorage): placeholders, the tokens are what count
+            n = len(pages) * STORAGE_PAGE_SIZE - skip
         if n <= 0:
             return
-        host = self.token_to_kv_pool_host
         if host.available_size() < n:
             self._pinned = {p.id for p in path}
             try:
@@ -286,8 +298,9 @@ class HiRadixCache(RadixCache):
         host_idx = host.alloc(n)
         if host_idx is None:
             return
-        host.k_buffer[:, host_idx] = k.to(host.dtype)
-        host.v_buffer[:, host_idx] = v.to(host.dtype)
+        if k is not None and v is not None:
+            host.k_buffer[:, host_idx] = k.to(host.dtype)
+            host.v_buffer[:, host_idx] = v.to(host.dtype)
         host.bytes_prefetched += n * host.bytes_per_token()
         parent = path[-1] if path else self.root_node
         node = TreeNode(self._new_id(), parent, key[matched : matched + n], self._empty())
@@ -546,7 +559,7 @@ def make_hiradix_cache(server_args, runner, on_event=None, decode_text=None) -> 
     if device_pool is not None:
         bytes_per_token = 2 * device_pool.layer_num * device_pool.head_num * device_pool.head_dim
         bytes_per_token *= torch.empty((), dtype=device_pool.dtype).element_size()
-    else:  # the simulator's pool-only runner: the tiers' bookkeeping without K/V (no storage tier)
+    else:  # the simulator's pool-only runner: the tiers' bookkeeping without K/V (storage: SimStorage)
         bytes_per_token = int(getattr(runner, "kv_bytes_per_token", 0) or 0)
     size = host_pool_size(
         runner.max_total_num_tokens, bytes_per_token, server_args.hicache_ratio, server_args.hicache_size
@@ -555,17 +568,21 @@ def make_hiradix_cache(server_args, runner, on_event=None, decode_text=None) -> 
     # Beside the device pool on the runner, as SGLang's cache controller holds both: the simulated worker
     # reads its copies' bytes there to charge them time (simulation/sim_worker.py).
     runner.token_to_kv_pool_host = host
-    storage = None
-    if server_args.hicache_storage_backend == "file" and device_pool is not None:
+    storage: HiCacheFile | SimStorage | None = None
+    if server_args.hicache_storage_backend == "file":
         prepared = getattr(runner, "prepared", None)
         model = (
             f"{server_args.model_path or 'default'}@{server_args.revision or ''}:{getattr(prepared, 'model_dir', '')}"
         )
         tp = f"tp{getattr(runner, 'tp_rank', 0)}/{getattr(runner, 'tp_size', 1)}"
-        namespace = storage_namespace(
-            model, device_pool.dtype, device_pool.layer_num, device_pool.head_num, device_pool.head_dim, tp
-        )
-        storage = HiCacheFile(namespace, server_args.hicache_storage_prefetch_policy)
+        if device_pool is None:  # the simulator: storage in memory for the run (page keys only)
+            namespace = storage_namespace(f"sim:{model}", torch.float32, 0, 0, 0, f"{tp}|{bytes_per_token}")
+            storage = SimStorage(namespace)
+        else:
+            namespace = storage_namespace(
+                model, device_pool.dtype, device_pool.layer_num, device_pool.head_num, device_pool.head_dim, tp
+            )
+            storage = HiCacheFile(namespace, server_args.hicache_storage_prefetch_policy)
     return HiRadixCache(
         runner.req_to_token_pool,
         runner.token_to_kv_pool_allocator,

@@ -281,6 +281,8 @@ class LiveSimClock:
 
     def fill_state(self, state: GetInternalStateReqOutput) -> None:
         state.kv_used_peak, state.received_total = self.kv_used_peak, self.received
+        if state.hicache is not None:  # the time the passes were charged for HiCache copies (replay's summary)
+            state.hicache["charged_s"] = self.worker.hicache_s
 
     def _take(self, msgs: list) -> list:
         self.received += sum(isinstance(m, TokenizedGenerateReqInput) for m in msgs)
@@ -629,6 +631,12 @@ async def _replay(engine, workload: list[SimRequest], seed: int, progress) -> Si
         res.per_replica_requests = [
             now["received_total"] - then["received_total"] for now, then in zip(state.per_replica, before.per_replica)
         ]
+    if state.hicache is not None:  # as Simulator.run's: the counters since the run began
+        then = before.hicache or {}
+        res.hicache = True
+        res.host_hit_tokens = int(state.hicache["load_back_tokens"] - then.get("load_back_tokens", 0))
+        res.prefetch_tokens = int(state.hicache["prefetch_tokens"] - then.get("prefetch_tokens", 0))
+        res.hicache_s = float(state.hicache.get("charged_s", 0.0) - then.get("charged_s", 0.0))
     start = min((r.arrival for r in workload), default=0.0)
     res.sim_s = max((workload[i].arrival + m["e2e_latency"] for i, m in metas.items()), default=start) - start
     res.wall_s = time.perf_counter() - t0

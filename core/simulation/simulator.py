@@ -110,6 +110,7 @@ class SimResult:
     hicache: bool = False  # HiCache on: the host tier's figures below are reported
     host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier instead of recomputed
     hicache_s: float = 0.0  # simulated time the passes were charged for HiCache copies
+    prefetch_tokens: int = 0  # ... of host_hit_tokens, those first prefetched from the storage tier
 
     @property
     def deployment(self) -> str:
@@ -157,8 +158,9 @@ class SimResult:
             + (f"; requests per replica {self.per_replica_requests}" if self.dp_size > 1 else "")
             + self._priority_summary()
             + (
-                f"; HiCache: {self.host_hit_tokens} tokens loaded back from host, copies "
-                f"{1000 * self.hicache_s:.1f} ms of the passes"
+                f"; HiCache: {self.host_hit_tokens} tokens loaded back from host"
+                + (f" ({self.prefetch_tokens} prefetched from storage)" if self.prefetch_tokens else "")
+                + f", copies {1000 * self.hicache_s:.1f} ms of the passes"
                 if self.hicache
                 else ""
             )
@@ -458,6 +460,7 @@ class Simulator:
         res.hicache = self.args.enable_hierarchical_cache
         res.host_hit_tokens = sum(getattr(r.scheduler.tree_cache, "host_hit_tokens", 0) for r in reps)
         res.hicache_s = sum(r.worker.hicache_s for r in reps)
+        res.prefetch_tokens = sum(getattr(r.scheduler.tree_cache, "storage_hit_tokens", 0) for r in reps)
         start = min((r.arrival for r in workload), default=0.0)
         res.sim_s = max(r.clock.now for r in reps) + self.tm_out_s - start
         res.wall_s = time.perf_counter() - t0

@@ -74,3 +74,49 @@ def test_cost_model_charges_loads_before_the_pass_and_only_the_backup_past_it():
     step = cm.step([1] * 8, [1000] * 8)
     cm.hicache(step, load_bytes=0, backup_bytes=1.0, prefetch_bytes=5e6)
     assert step.hicache == pytest.approx(5e6 / hw.storage_bw)
+
+
+def run_with_storage(storage: bool):
+    """The same workload with a host pool too small to keep A (ratio 1.5: 1536 tokens, two prompts), so A leaves
+    the device and the host; with the storage tier it comes back from there."""
+    events: list = []
+    kw = dict(hicache_storage_backend="file") if storage else {}
+    sim = Simulator(
+        "llama-3.1-8b",
+        "cpu-here",
+        calibration=None,
+        trace_sink=events.extend,
+        max_total_tokens=1024,
+        max_running_requests=4,
+        enable_hierarchical_cache=True,
+        hicache_ratio=1.5,
+        **kw,
+    )
+    res = sim.run(workload())
+    sim.scheduler.check_kv_invariants()
+    return sim, res, events
+
+
+def test_storage_prefetches_are_charged_at_storage_bw_and_beat_recompute():
+    sim, res, events = run_with_storage(True)
+    transfers = [e for e in events if isinstance(e, ev.HiCacheTransfer)]
+    prefetches = [e for e in transfers if e.what == "prefetch"]
+    loads = [e for e in transfers if e.what == "load_back"]
+    assert any(e.what == "storage_write" for e in transfers)
+    # A's whole pages (600 // 32 = 18) come from storage, then are loaded back to the device.
+    assert [e.tokens for e in prefetches] == [18 * 32]
+    per_token = sim.cost.kv_bytes_per_token_per_rank()
+    assert all(e.bytes == e.tokens * per_token for e in prefetches + loads)
+    assert sum(e.tokens for e in loads) == 18 * 32  # only what storage brought: A was off the host
+    hw = HARDWARE["cpu-here"]
+    want = prefetches[0].bytes / hw.storage_bw + sum(e.bytes for e in loads) / hw.host_link_bw
+    assert res.hicache_s == pytest.approx(want, rel=1e-9)
+    state = sim.scheduler.tree_cache.internal_state()
+    assert state["prefetch_tokens"] == 18 * 32 and state["prefetch_bytes"] == prefetches[0].bytes
+    assert "(576 prefetched from storage)" in res.summary()
+    _, base, base_events = run_with_storage(False)
+    assert not any(isinstance(e, ev.HiCacheTransfer) and e.what == "prefetch" for e in base_events)
+    assert base.host_hit_tokens == 0  # no storage: A, gone from the host, is recomputed
+    last = f"r{len(workload()) - 1}"
+    assert res.ttft[last] < base.ttft[last]
+    assert res.cached_tokens >= base.cached_tokens + 18 * 32
