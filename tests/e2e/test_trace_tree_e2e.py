@@ -33,3 +33,17 @@ def test_kv_pressure_recording_rebuilds_the_tree_after_every_step(tmp_path, monk
     counts = check_recording(out)
     assert counts["digests"] > 10 and counts["evicts"] > 0, counts
     assert counts["trees"] >= counts["changed_steps"], counts
+
+
+def test_a_live_simulated_engine_records_the_tree_the_same_way(tmp_path):
+    """`workbench record --simulate`: the live simulator's scheduler process, on its simulated clock."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "live-sim.jsonl"
+    cmd = [sys.executable, "-m", "workbench.cli", "record", "--simulate", "h100", "--model", "llama-3.1-8b"]
+    env = {**os.environ, TREE_DIGEST_ENV: "1"}
+    subprocess.run([*cmd, "--num-requests", "8", "-o", str(out)], env=env, check=True, timeout=120)
+    counts = check_recording(out)
+    assert counts["digests"] > 20 and counts["trees"] >= counts["changed_steps"] > 0, counts
