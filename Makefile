@@ -36,10 +36,13 @@ run: $(STAMP)
 # `make test-full` runs tests/fast and tests/e2e, what CI (.ci/run) runs. Every test under tests/e2e
 # carries the `e2e` marker; the soak runs only on demand (pytest -m soak).
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q tests/fast
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests/fast
 
+# The full tier in two passes: the files in two pytest-xdist workers (one file per worker at a time: its
+# fixtures stay shared), then the `serial` files alone (tests/conftest.py SERIAL_FILES says why each).
 test-full: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q --durations=40 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not soak and not serial" --durations=40 tests
+	$(BIN)/python -m pytest -q -m "serial and not soak" --durations=10 tests
 
 bench: $(STAMP)
 	$(BIN)/workbench bench model

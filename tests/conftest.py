@@ -210,11 +210,33 @@ def _process_start() -> float:
         return _T0
 
 
+# `make test-full` runs two passes (docs/testing.md): every other file in two pytest-xdist workers, then these
+# files alone. Their tests assert on the wall clock (a simulated deployment's pace), measure the CPU their
+# neighbours leave (thread probes), or feed the reliability figures the summary prints (each xdist worker
+# would count its own).
+SERIAL_FILES = frozenset(
+    {
+        "test_simulated_engine_e2e.py",
+        "test_pd_simulated_e2e.py",
+        "test_cpu_threads_e2e.py",
+        "test_bench_threads.py",
+        "test_reliability_load.py",
+        "test_reliability_faults.py",
+        "test_fuzz_http.py",
+        "test_security.py",
+        "test_security_e2e.py",
+    }
+)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if TESTS / "e2e" in Path(item.path).resolve().parents:
+        path = Path(item.path).resolve()
+        if TESTS / "e2e" in path.parents:
             item.add_marker(pytest.mark.e2e)
+        if path.name in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
 
 
 def _tier(config) -> str:
@@ -224,6 +246,8 @@ def _tier(config) -> str:
         return "fast tier (make test)"
     if expr in ("", "not soak") and paths == {TESTS}:
         return "full tier (make test-full)"
+    if expr in ("not soak and not serial", "serial and not soak") and paths == {TESTS}:
+        return f"full tier, {'parallel' if expr.startswith('not') else 'serial'} pass (make test-full)"
     return "this selection"
 
 
