@@ -552,7 +552,10 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                 self.req_to_token_pool.available_size()
                 <= len([r for r in adder.can_run_list if r.req_pool_idx is None])
             )
-            req.init_next_round_input(self.tree_cache)
+            if slots_full and not self.priority.enabled:
+                adder.note_stop("running")  # no slot, and no one may be preempted: not even matched
+                break
+            req.init_next_round_input(self.tree_cache)  # (a HiCache match may load its prefix back)
             if slots_full:
                 # Priority scheduling: a running request of lower priority may give up its slot.
                 if not self.priority.preempt_for(req, adder, need_slot=True):
