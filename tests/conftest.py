@@ -212,10 +212,12 @@ def _process_start() -> float:
 
 # `make test-full` runs two passes (docs/testing.md): every other file in two pytest-xdist workers, then these
 # files alone. Their tests assert on the wall clock (a simulated deployment's pace), measure the CPU their
-# neighbours leave (thread probes), or feed the reliability figures the summary prints (each xdist worker
-# would count its own).
+# neighbours leave (thread probes), feed the reliability figures the summary prints (each xdist worker
+# would count its own), or wait on a browser drawing a live Dashboard (its plots stayed empty for 60 s once
+# beside another worker's lm-eval run; alone it passes).
 SERIAL_FILES = frozenset(
     {
+        "test_browser_dashboard.py",
         "test_simulated_engine_e2e.py",
         "test_pd_simulated_e2e.py",
         "test_cpu_threads_e2e.py",
