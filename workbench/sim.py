@@ -169,10 +169,9 @@ def _pd_shape(args, overrides: dict) -> tuple[int, int] | None:
     return p or 1, d or 1
 
 
-def _simulator(args, **overrides) -> Simulator | PDSimulator:
-    kw = dict(max_running_requests=args.max_running_requests, schedule_policy=args.schedule_policy)
-    if args.chunked_prefill_size is not None:
-        kw["chunked_prefill_size"] = args.chunked_prefill_size
+def _priority_and_hicache(args) -> dict:
+    """The ServerArgs of --priority-mix / --enable-priority-scheduling and the HiCache flags (offline and --live)."""
+    kw: dict = {}
     if args.enable_priority_scheduling or args.priority_mix:
         kw["enable_priority_scheduling"] = True
         kw["priority_scheduling_preemption_threshold"] = args.priority_scheduling_preemption_threshold
@@ -183,6 +182,14 @@ def _simulator(args, **overrides) -> Simulator | PDSimulator:
         kw["hicache_write_policy"] = args.hicache_write_policy
         if args.hicache_storage_backend:
             kw["hicache_storage_backend"] = args.hicache_storage_backend
+    return kw
+
+
+def _simulator(args, **overrides) -> Simulator | PDSimulator:
+    kw = dict(max_running_requests=args.max_running_requests, schedule_policy=args.schedule_policy)
+    if args.chunked_prefill_size is not None:
+        kw["chunked_prefill_size"] = args.chunked_prefill_size
+    kw.update(_priority_and_hicache(args))
     kw.update(overrides)
     kw.setdefault("dp_size", args.dp_size)
     kw.setdefault("disable_overlap_schedule", not args.overlap_schedule)
@@ -269,16 +276,7 @@ def _run_live(args, workload: list[SimRequest]) -> int:
             speculative_accept_rate=args.speculative_accept_rate,
             speculative_num_draft_tokens=args.speculative_num_draft_tokens or 4,
         )
-    if args.enable_priority_scheduling or args.priority_mix:
-        kw["enable_priority_scheduling"] = True
-        kw["priority_scheduling_preemption_threshold"] = args.priority_scheduling_preemption_threshold
-    if args.hicache_storage_backend and not args.enable_hierarchical_cache:
-        raise SystemExit("--hicache-storage-backend is HiCache's storage tier: add --enable-hierarchical-cache")
-    if args.enable_hierarchical_cache:
-        kw.update(enable_hierarchical_cache=True, hicache_ratio=args.hicache_ratio)
-        kw["hicache_write_policy"] = args.hicache_write_policy
-        if args.hicache_storage_backend:
-            kw["hicache_storage_backend"] = args.hicache_storage_backend
+    kw.update(_priority_and_hicache(args))
     if args.record:
         kw["record"] = args.record
     last = {"at": 0.0}
