@@ -109,7 +109,8 @@ async def test_the_experts_panel_appears_and_shades_exactly_the_routed_experts(m
     async with app.run_test(size=(200, 50)) as pilot:
         await wait_for(app.ready.is_set)
         assert "experts" not in app.panels  # nothing routed yet: a dense-looking screen
-        replay.advance_to(max(x.ts for x in events))  # events from several processes: the last drained need not be the latest
+        # events come from several processes: the last drained need not be the latest
+        replay.advance_to(max(x.ts for x in events))
         app._tick()
         await wait_for(lambda: "experts" in app.panels and app.panels["experts"].panel_ready)
         app.model.selected = outs[1]["meta_info"]["id"]

@@ -79,7 +79,8 @@ async def test_the_views_show_drafts_kept_and_thrown(tiny_dir, tmp_path):
     app, replay = replay_app(str(path), panels=["batch", "latency"], layout="grid")
     async with app.run_test(size=(220, 50)) as pilot:
         await wait_for(app.ready.is_set)
-        replay.advance_to(max(x.ts for x in events))  # events from several processes: the last drained need not be the latest
+        # events come from several processes: the last drained need not be the latest
+        replay.advance_to(max(x.ts for x in events))
         app._tick()
         await pilot.pause()
         app.refresh_panels(force=True)
