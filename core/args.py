@@ -108,6 +108,9 @@ FLAG_HELP = {
     "more urgent (default: a larger one is)",
     "priority_scheduling_preemption_threshold": "with --enable-priority-scheduling: a waiting request preempts a "
     "running one only when their priorities differ by more than this",
+    "enable_deterministic_inference": "the same greedy and seeded outputs whatever the batch a request shares and "
+    "whatever prefix is cached (batch-invariant matmuls, attention and sampling; slower: `workbench bench "
+    "deterministic` prints the cost; docs/deterministic.md)",
     "speculative_draft_model_path": "STANDALONE: a small draft model with the target's tokenizer",
     "speculative_num_steps": "STANDALONE: draft model passes per step (default: as many as the draft tokens)",
     "speculative_num_draft_tokens": "the most draft tokens verified per request per step (default 4)",
@@ -205,6 +208,8 @@ class ServerArgs:
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
     priority_scheduling_preemption_threshold: int = 10
+    # batch-invariant kernels (SGLang's --enable-deterministic-inference)
+    enable_deterministic_inference: bool = False
     # None: the overlap loop when a core is spare beside a fixed thread count (cpu_threads.overlap_by_default)
     disable_overlap_schedule: bool | None = None
     enable_kv_invariant_check: bool = field(
