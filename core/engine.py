@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -172,16 +173,24 @@ class Engine:
         from workbench.core.managers.detokenizer_manager import run_detokenizer_process
 
         readers: dict = {}
-        with omp_wait_env(sa.device):  # the children's OpenMP threads sleep soon when idle
-            self._launch_schedulers(ctx, child_args, readers)
-        reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=run_detokenizer_process,
-            name="workbench-detokenizer",
-            daemon=True,
-            args=(str(self.prepared.model_dir), self.port_args, writer),
-        )
-        proc.start()
+        # The children start with SIGINT blocked (a process inherits the mask of the thread that
+        # starts it): a terminal's Ctrl-C goes to the whole process group, and only this process
+        # should act on it (it stops them); a child mid-import would print a KeyboardInterrupt traceback.
+        # A Ctrl-C while they are being started waits the few milliseconds until the mask is lifted.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            with omp_wait_env(sa.device):  # the children's OpenMP threads sleep soon when idle
+                self._launch_schedulers(ctx, child_args, readers)
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=run_detokenizer_process,
+                name="workbench-detokenizer",
+                daemon=True,
+                args=(str(self.prepared.model_dir), self.port_args, writer),
+            )
+            proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         writer.close()
         self.procs["detokenizer"] = proc
         readers["detokenizer"] = reader
@@ -689,8 +698,9 @@ class Engine:
                 continue
             role = sentinels[ready[0]]
             proc = self.procs[role]
+            proc.join(1.0)  # reap it: until then its exitcode is None
             reason = (
-                f"the {role} process died (exit code {proc.exitcode}); the engine cannot serve "
+                f"the {role} process died ({exit_reason(proc.exitcode)}); the engine cannot serve "
                 f"requests any more — restart it"
             )
             logger.error(reason)
@@ -793,6 +803,18 @@ def _to_sampling_params(sp: Any) -> SamplingParams:
     if isinstance(sp, SamplingParams):
         return msgspec.structs.replace(sp)
     return sampling_params_from_dict(sp)
+
+
+def exit_reason(exitcode: int | None) -> str:
+    """A child's `Process.exitcode` in words: "exit code 1", "killed by SIGKILL"."""
+    if exitcode is None:
+        return "exit status unknown"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 def _update_reply(out) -> dict:
