@@ -507,6 +507,9 @@ class WorkbenchApp(App):
 
     # ---- chat ---------------------------------------------------------------------------
     def on_input_submitted(self, event: Input.Submitted) -> None:
+        # Enter leaves the box (the prompt's or the events filter's): q, l, digits and the rest are
+        # keys again, and the footer shows them again (it hides what a focused Input would type).
+        self.set_focus(None)
         if event.input.id != "prompt":
             return
         text = event.value.strip()
@@ -622,9 +625,14 @@ class WorkbenchApp(App):
             self.query_one("#tabs", TabbedContent).active = f"tab-{name}"
             self.call_after_refresh(self.refresh_panels, True)
         else:
+            # Never into a text box (the events filter): digits typed next would go into it, not
+            # pick a panel; `/` and `f` are the ways into a box.
             w = self.panels[name]
-            target = next((d for d in w.query("*") if d.focusable), None)
-            (target or w).focus()
+            target = next((d for d in w.query("*") if d.focusable and not isinstance(d, Input)), None)
+            if target is not None:
+                target.focus()
+            else:
+                self.set_focus(None)
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         self.call_after_refresh(self.refresh_panels, True)
