@@ -182,7 +182,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.waiting_queue: list[Req] = []
         self.adaptive_threads: AdaptiveThreads | None = None  # set by init_adaptive_threads (CPU, one rank per node)
         self.held_back: list[HeldBack] = []  # waiting requests the last prefill held back (trace)
-        self.narrator = StepNarrator(self.token_to_kv_pool_allocator)  # batch.decision (trace)
+        # batch.decision (trace)
+        self.narrator = StepNarrator(self.token_to_kv_pool_allocator, self.tree_cache, self.max_total_num_tokens)
         # Speculative decoding: drafts per request per step. They are proposed from the previous step's
         # tokens, so the overlap loop waits for those before a decode step (needs_output_history).
         self.spec_num_draft = server_args.resolved_num_draft_tokens()
@@ -327,6 +328,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                 self.handle_weights_request(msg)
             else:
                 logger.warning("scheduler: ignoring unexpected message %s", type(msg).__name__)
+        self.poll_weights_join()  # a weight-group join runs beside the loop: answer it once it has ended
 
     @contextmanager
     def trace_cost(self):
@@ -514,6 +516,11 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         return None
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        # Admission locks the cached prefixes it matches: those slots become held (kv_reused).
+        with self.narrator.account("reused"):
+            return self._get_new_batch_prefill()
+
+    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
         self.held_back = []
         if self.chunked_req is not None:
             self.continue_chunked_req()
@@ -525,7 +532,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             and self.chunked_req is None
             and not self.priority.may_preempt(self.waiting_queue, self.running_batch.reqs)
         ):
-            self.narrator.admission(None, None, "running")
+            self.narrator.admission(None, None, self._running_stop(0))
             return None
         self.policy.calc_priority(self.waiting_queue)
         adder = PrefillAdder(
@@ -575,6 +582,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         self.held_back = adder.held
         self._fit_prefill_to_pool(adder, chunk_carry)
         self.narrator.admission(adder, self.chunked_req)
+        if self.narrator.stop_reason == "running":
+            self.narrator.stop_reason = self._running_stop(len(adder.can_run_list))
         if not adder.can_run_list:
             return None
         admitted = set(id(r) for r in adder.can_run_list)
@@ -586,6 +595,15 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             if req.num_chunks_done == 0 and not req.is_retracted:
                 req.cached_tokens = len(req.prefix_indices)
         return batch
+
+    def _running_stop(self, admitted: int) -> str:
+        """Why the running limit stopped admission, in truth: "running" when the requests still
+        running (plus the `admitted`) fill it, "finishing" when it counted requests that finished
+        in the last step. Like SGLang, the limit is checked against the running batch before
+        `update_running_batch` filters finished requests out (docs/design.md), so it lags a step."""
+        live = sum(1 for r in self.running_batch.reqs if not r.finished())
+        rows_free = self.req_to_token_pool.available_size() > admitted  # else the row pool is full, truly
+        return "finishing" if live + admitted < self.max_running_requests and rows_free else "running"
 
     def _fit_prefill_to_pool(self, adder: PrefillAdder, chunk_carry: Req | None) -> None:
         """Give admitted requests back (last first) until the batch's new tokens fit in the pool.
@@ -618,7 +636,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             return
         self.sync_inflight()  # overlap: let its last chunk's result be processed first
         req.finished_reason = FinishReason("abort", message=req.to_abort)
-        self.tree_cache.cache_finished_req(req, kv_len=req.kv_len)
+        with self.narrator.account("aborted", req.rid):
+            self.tree_cache.cache_finished_req(req, kv_len=req.kv_len)
         self.chunked_req = None
         self.stream_output([req])
 
@@ -663,7 +682,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         """Send one running request back toward the queue: its own KV freed, its cached prefix unlocked,
         to be prefilled again over its prompt and outputs (the caller removes it from the running batch
         and queues it). `reason` says why when it is not the KV pool running out (a preemption)."""
-        self.release_req_kv(req)
+        with self.narrator.account("retracted", req.rid):
+            self.release_req_kv(req)
         req.reset_for_retract()
         self.narrator.on_retract(req.rid)
         if self.tracer.enabled:

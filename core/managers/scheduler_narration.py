@@ -5,11 +5,20 @@ The scheduler tells a `StepNarrator` what it does as it does it (admission in
 one `StepDecision` per step that ran a batch, at the end of the step (`Scheduler.finish_step`).
 KV figures are the allocator's counters (`TokenToKVPoolAllocator.num_allocated / num_freed`)
 since the previous decision, so every slot handed out or taken back is counted in exactly one step.
+
+The slots held by requests (kv.usage's `used`: the pool less free and evictable slots) are
+accounted too: `account(...)` windows around the scheduler's calls measure how the held count
+moved there (less the slots allocated inside, which are `kv_alloc`; less inner windows): cached
+prefixes locked at admission (`kv_reused`), each request's release when it finishes, aborts or is
+retracted (`released`), and slots dropped while results are processed (`kv_returned`). What no
+window saw is `kv_other` (0 unless a path is not accounted; a test holds it at 0 under KV pressure).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from workbench.core.model_executor.forward_batch_info import ForwardMode
@@ -23,12 +32,49 @@ if TYPE_CHECKING:
 class StepNarrator:
     """Collects one step's decisions; `decision()` turns them into the event and starts afresh."""
 
-    def __init__(self, allocator):
+    def __init__(self, allocator, tree_cache=None, total: int = 0):
         self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.total = total
         self._marks = (allocator.num_allocated, allocator.num_freed)
+        self._held_mark = self.held_slots()
+        self._windows: list[list[int]] = []  # open account() windows: [held, allocated, inner]
         self._reset()
 
+    def held_slots(self) -> int:
+        """KV slots held by requests now: the pool less free and evictable (cached, unlocked) slots."""
+        evictable = self.tree_cache.evictable_size() if self.tree_cache is not None else 0
+        return self.total - self.allocator.available_size() - evictable
+
+    @contextmanager
+    def account(self, part: str, rid: str = "") -> Iterator[None]:
+        """Attribute the move of the held slots inside the block (less the slots allocated there
+        and the inner windows' parts) to `part`: "reused" (admission), "returned" (results
+        processed), or a release of request `rid`: "finished", "aborted", "retracted"."""
+        frame = [self.held_slots(), self.allocator.num_allocated, 0]
+        self._windows.append(frame)
+        try:
+            yield
+        finally:
+            self._windows.pop()
+            delta = self.held_slots() - frame[0] - (self.allocator.num_allocated - frame[1]) - frame[2]
+            if self._windows:
+                self._windows[-1][2] += delta
+            if part == "reused":
+                self.reused += delta
+            elif part == "returned":
+                self.returned -= delta
+            elif delta:
+                last = self.released[-1] if self.released else None
+                if last is not None and last.rid == rid and last.why == part:
+                    last.slots -= delta
+                else:
+                    self.released.append(ev.KVRelease(rid, part, -delta))
+
     def _reset(self) -> None:
+        self.reused = 0
+        self.returned = 0
+        self.released: list[ev.KVRelease] = []
         self.evicted = 0
         self.evicted_nodes: list[int] = []
         self.retracted: list[str] = []
@@ -93,6 +139,7 @@ class StepNarrator:
             tracer.emit(self.decision(batch, waiting, running))
         else:
             self._marks = (self.allocator.num_allocated, self.allocator.num_freed)
+            self._held_mark = self.held_slots()
             self._reset()
 
     def decision(self, batch: ScheduleBatch, waiting: list[Req], running: list[Req]) -> ev.StepDecision:
@@ -101,6 +148,11 @@ class StepNarrator:
         alloc, freed = self.allocator.num_allocated, self.allocator.num_freed
         kv_alloc, kv_freed = alloc - self._marks[0], freed - self._marks[1]
         self._marks = (alloc, freed)
+        kv_held = self.held_slots()
+        other = (
+            kv_held - self._held_mark - (kv_alloc + self.reused - sum(r.slots for r in self.released) - self.returned)
+        )
+        self._held_mark = kv_held
         decode = batch.forward_mode == ForwardMode.DECODE
         held = set(self.held)
         stop_rid = ""
@@ -129,6 +181,11 @@ class StepNarrator:
             mask_ms=round(self.mask_ms, 3),
             hicache=[_hicache_phrase(what, *acc) for what, acc in self.hicache.items()],
             start_ts=self.start_ts,
+            kv_reused=self.reused,
+            released=list(self.released),
+            kv_returned=self.returned,
+            kv_other=other,
+            kv_held=kv_held,
         )
         self._reset()
         return out

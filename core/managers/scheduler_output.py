@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from workbench.core.managers.schedule_batch import Req, ScheduleBatch
     from workbench.core.managers.schedule_policy import HeldBack
     from workbench.core.managers.scheduler_contract import Disaggregation, ModelWorker, SchedulerIO, TextDecoder
+    from workbench.core.managers.scheduler_narration import StepNarrator
     from workbench.core.managers.tp_worker import GenerationBatchResult
     from workbench.core.mem_cache.chunk_cache import ChunkCache
     from workbench.core.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
@@ -51,6 +52,7 @@ class SchedulerOutputMixin:
     waiting_queue: list[Req]
     chunked_req: Req | None
     held_back: list[HeldBack]
+    narrator: StepNarrator
     paused: bool
     spec_verify_steps: int
     spec_verified_total: int
@@ -65,10 +67,19 @@ class SchedulerOutputMixin:
 
     # ==== results ====================================================================
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        if batch.forward_mode == ForwardMode.DECODE:
-            self.process_batch_result_decode(batch, result)
-        else:
-            self.process_batch_result_prefill(batch, result)
+        # Held KV slots that move here outside a request's release (duplicates handed to the
+        # cache, rejected drafts, a finished request's unused row) are the step's kv_returned.
+        with self.narrator.account("returned"):
+            if batch.forward_mode == ForwardMode.DECODE:
+                self.process_batch_result_decode(batch, result)
+            else:
+                self.process_batch_result_prefill(batch, result)
+
+    def cache_finished(self, req: Req, kv_len: int | None = None) -> None:
+        """Hand a finished request's KV to the cache, counted as its release in the step's decision."""
+        why = "aborted" if req.finished_reason is not None and req.finished_reason.type == "abort" else "finished"
+        with self.narrator.account(why, req.rid):
+            self.tree_cache.cache_finished_req(req, kv_len=kv_len)
 
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         # KV lengths and chunk counts moved at launch; a cut request's computed part is handed to
@@ -87,7 +98,7 @@ class SchedulerOutputMixin:
                 self.disagg.on_prefilled(req)  # PD prefill: the prompt's KV to the decode side, before the tree
             if req.finished():
                 # With nothing sampled every prompt token's KV is in the row, the last one included.
-                self.tree_cache.cache_finished_req(req, kv_len=None if req.output_ids else len(req.origin_input_ids))
+                self.cache_finished(req, kv_len=None if req.output_ids else len(req.origin_input_ids))
             else:
                 # Publish the prompt's KV now, so requests arriving meanwhile can share it.
                 self.tree_cache.cache_unfinished_req(req)
@@ -108,7 +119,7 @@ class SchedulerOutputMixin:
                 continue
             self._append_token(req, i, result, batch)
             if req.finished():
-                self.tree_cache.cache_finished_req(req)
+                self.cache_finished(req)
             fresh.append(req)
         self.stream_output(fresh)
 
@@ -154,7 +165,7 @@ class SchedulerOutputMixin:
                 self.token_to_kv_pool_allocator.free(table[req.req_pool_idx, start + appended : start + n].clone())
             verdicts.append((req.rid, drafts, accepted, at))
             if req.finished():
-                self.tree_cache.cache_finished_req(req)
+                self.cache_finished(req)
             fresh.append(req)
         self.note_spec_verdicts(verdicts)
         self.stream_output(fresh)

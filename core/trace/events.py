@@ -132,6 +132,15 @@ class BatchStep(Event, tag="batch.step"):
     forward_ms: float = 0.0
 
 
+class KVRelease(msgspec.Struct, array_like=True):
+    """Slots one request gave back in a step: they left the slots held by requests (to the radix
+    cache, where they stay cached and evictable, or back to the free pool)."""
+
+    rid: str
+    why: str  # "finished" | "aborted" | "retracted"
+    slots: int
+
+
 class StepDecision(Event, tag="batch.decision"):
     """What the scheduler decided in one step, and why: the companion of that step's `batch.step`
     (same `proc` and `step`), emitted at the end of the step. In the overlap loop the step's
@@ -167,6 +176,16 @@ class StepDecision(Event, tag="batch.decision"):
     start_ts: int = 0  # when the step began (monotonic ns; `ts` is when it ended): with
     # it a view knows what the scheduler was busy with at any moment
     # (0 in older recordings)
+    # The slots held by requests (kv.usage's `used`), accounted: since the previous decision they
+    # moved by kv_alloc (new slots) + kv_reused (cached prefixes locked by admitted requests)
+    # - the slots in `released` - kv_returned (slots dropped outside a release: duplicates handed
+    # to the cache, rejected drafts, a finished request's unused row) + kv_other (anything else;
+    # 0 unless some path is not accounted). kv_held: held after the step (-1: older recordings).
+    kv_reused: int = 0
+    released: list[KVRelease] = []
+    kv_returned: int = 0
+    kv_other: int = 0
+    kv_held: int = -1
 
 
 class ExpertRoute(msgspec.Struct, array_like=True):

@@ -26,8 +26,9 @@ from typing import Any
 import msgspec
 from workbench.core.trace import events as ev
 from workbench.core.trace.experts import ExpertLoad
+from workbench.core.trace.narration import WAIT_REASONS, narrate_spec, narrate_step  # noqa: F401  (re-exported)
 from workbench.core.trace.pd import PDJoin, pd_ttft_breakdown, transfer_detail
-from workbench.core.trace.speculative import SpecStats, drafts_proposed
+from workbench.core.trace.speculative import SpecStats
 from workbench.core.trace.ttft import StepIndex, TtftBreakdown, ttft_breakdown
 from workbench.core.trace.views import (  # noqa: F401  (re-exported for views)
     LATENCY_METRICS,
@@ -956,70 +957,3 @@ class TraceState:
     def _counters_event(self, ts: int) -> ev.TraceCounters:
         fields = {k: getattr(self.counters, k) for k in Counters.__dataclass_fields__}
         return ev.TraceCounters(ts=ts, weights_version=self.weights_version, model=self.model, **fields)
-
-
-# ---- narration (TraceState.narrate) ---------------------------------------------------------
-
-#: Why a waiting request was not admitted (events.StepDecision.stop_reason), in words.
-WAIT_REASONS = {"budget": "token budget", "kv": "no KV room", "running": "running limit", "held": "held limit"}
-
-
-def _rids(rids: list[str]) -> str:
-    return ", ".join(rids) if len(rids) <= 3 else f"{rids[0]}…{rids[-1]}"
-
-
-def narrate_step(sv: StepView) -> str:
-    """See TraceState.narrate."""
-    d = sv.decision
-    parts: list[str] = []
-    if sv.mode == "decode" and sv.spec is not None:
-        parts.append(narrate_spec(sv))
-    elif sv.mode == "decode":
-        parts.append(f"{len(sv.reqs)} running decoded 1 token each")
-    else:
-        prefills = [r for r in sv.reqs if r.computed > 0]
-        admitted = list(d.admitted) if d is not None else [r.rid for r in prefills if r.chunk_index == 0]
-        if admitted:
-            parts.append(f"admitted {len(admitted)} from waiting ({_rids(admitted)})")
-        chunks = [f"{r.rid} chunk {r.chunk_index + 1}/{r.num_chunks}" for r in prefills if r.num_chunks > 1]
-        if chunks:
-            parts.append(", ".join(chunks[:2]) + (f" +{len(chunks) - 2} more" if len(chunks) > 2 else ""))
-        parts.append(f"{sv.cached_tokens} cached + {sv.prefill_tokens} computed")
-        if d is not None and d.budget:
-            parts.append(f"budget {d.budget_used}/{d.budget}")
-        if d is not None and d.running_waited:
-            parts.append(f"{d.running_waited} running waited")
-    if d is not None:
-        parts.append(f"KV +{d.kv_alloc}" + (f" −{d.kv_freed}" if d.kv_freed else ""))
-        nodes = len(d.evicted_nodes)
-        parts.append(f"evicted {d.evicted}" + (f" ({nodes} node{'s' if nodes != 1 else ''})" if nodes else ""))
-        preempted = {p.split(" ")[1] for p in d.preemptions if p.count(" ") > 1}
-        kv_retracted = [rid for rid in d.retracted if rid not in preempted]
-        if kv_retracted:
-            parts.append(f"retracted {len(kv_retracted)} ({_rids(kv_retracted)})")
-        parts.extend(d.preemptions)  # priority scheduling: "preempted r1 (priority 0) for r5 (priority 10)"
-        parts.extend(d.hicache)  # HiCache: "loaded back 59 tok from host (944 B, 0.1 ms)"
-        if d.constrained:
-            parts.append(f"grammar for {d.constrained} row{'s' if d.constrained != 1 else ''} {d.mask_ms:.1f} ms")
-        if d.waiting:
-            n_held = len(d.held)
-            stop = f"{WAIT_REASONS.get(d.stop_reason, d.stop_reason)} ({d.stop_rid} next)" if d.stop_rid else ""
-            if n_held and stop:
-                why = f"{n_held} held for a shared prefix, {d.waiting - n_held} {stop}"
-            else:
-                why = "held for a shared prefix" if n_held else stop
-            parts.append(f"{d.waiting} waiting" + (f": {why}" if why else ""))
-    return f"step {sv.step} {sv.mode}: " + " · ".join(parts)
-
-
-def narrate_spec(sv: StepView) -> str:
-    """A verify step: `4 running verified 12 drafts, kept 7: +11 tokens (r1 3/4, r2 0/2, ...)`."""
-    reqs = sv.spec.reqs if sv.spec is not None else []
-    proposed = sum(drafts_proposed(r) for r in reqs)
-    kept = sum(r.accepted for r in reqs)
-    each = ", ".join(f"{r.rid} {r.accepted}/{drafts_proposed(r)}" for r in reqs[:3] if drafts_proposed(r))
-    more = f" +{len(reqs) - 3} more" if len(reqs) > 3 else ""
-    return (
-        f"{len(sv.reqs)} running verified {proposed} draft{'s' if proposed != 1 else ''}, kept {kept}: "
-        f"+{len(sv.reqs) + kept} tokens" + (f" ({each}{more})" if each else "")
-    )

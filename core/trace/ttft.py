@@ -64,6 +64,7 @@ _PASSED_OVER = {
     "budget": "token budget",
     "kv": "no KV room",
     "running": "running limit",
+    "finishing": "running limit (finished not filtered yet)",
     "held": "held limit",
     "shared": "held for a shared prefix",
 }

@@ -1,0 +1,129 @@
+"""One scheduler step in words (TraceState.narrate): what ran, what the KV pool did, why the rest wait.
+
+The KV part accounts for every slot held by requests (kv.usage's `used`): `KV +a −b → h held`, where
+a counts the slots requests took (new slots allocated, cached prefixes locked by admitted
+requests) and b those they gave back (finished requests hand theirs to the radix cache, retracted
+ones free theirs), so the held count of the previous step + a − b = h. Each release is named
+(`finished kv-7 (−37 slots)`). Evictions move slots from the cache to the free pool and leave the
+held count alone: they are their own part (`evicted 30 (1 node)`). Recordings made before the
+decision carried these figures (kv_held −1) get the allocator's counts (`KV +a −b`), as before.
+"""
+
+from __future__ import annotations
+
+from workbench.core.trace import events as ev
+from workbench.core.trace.speculative import drafts_proposed
+from workbench.core.trace.views import StepView
+
+#: Why a waiting request was not admitted (events.StepDecision.stop_reason), in words.
+#: "finishing": SGLang's running-request count still includes requests that finished in the last
+#: step until the running batch is filtered; the limit looked reached while slots were free.
+WAIT_REASONS = {
+    "budget": "token budget",
+    "kv": "no KV room",
+    "running": "running limit",
+    "finishing": "running limit counting finished requests not filtered out yet",
+    "held": "held limit",
+}
+
+#: How a request gave its slots back (events.KVRelease.why), in the order the line names them.
+_RELEASES = ("finished", "aborted", "retracted")
+
+
+def _rids(rids: list[str]) -> str:
+    return ", ".join(rids) if len(rids) <= 3 else f"{rids[0]}…{rids[-1]}"
+
+
+def kv_parts(d: ev.StepDecision) -> list[tuple[str, int]]:
+    """The signed moves of the held KV slots in a step, by cause: ("new", +n), ("from cache", +n),
+    ("finished", −n), ("aborted", −n), ("retracted", −n), ("returned", −n), ("other", ±n); they sum
+    to the change of the held count since the previous decision. Empty for older recordings."""
+    if d.kv_held < 0:
+        return []
+    out = [("new", d.kv_alloc), ("from cache", d.kv_reused)]
+    for why in _RELEASES:
+        out.append((why, -sum(r.slots for r in d.released if r.why == why)))
+    out += [("returned", -d.kv_returned), ("other", d.kv_other)]
+    return [(k, v) for k, v in out if v]
+
+
+def narrate_kv(d: ev.StepDecision) -> list[str]:
+    """The KV parts of a step's line: the held slots' moves, then each release by name."""
+    parts = kv_parts(d)
+    if d.kv_held < 0:  # an older recording: the allocator's counts
+        return [f"KV +{d.kv_alloc}" + (f" −{d.kv_freed}" if d.kv_freed else "")]
+    plus = sum(v for _, v in parts if v > 0)
+    minus = -sum(v for _, v in parts if v < 0)
+    line = f"KV +{plus}" + (f" −{minus}" if minus else "") + f" → {d.kv_held} held"
+    # The parts the named releases below do not tell: where the + came from, slots returned.
+    rest = [(k, v) for k, v in parts if k not in _RELEASES]
+    if [k for k, _ in rest] not in ([], ["new"]):
+        line += " (" + ", ".join(f"{abs(v)} {k}" if k != "other" else f"other {v:+d}" for k, v in rest) + ")"
+    out = [line]
+    for why in _RELEASES:
+        gone = [r for r in d.released if r.why == why and r.slots]
+        if why == "retracted" or not gone:
+            continue  # retractions are named with the retracted part
+        slots = sum(r.slots for r in gone)
+        who = gone[0].rid if len(gone) == 1 else f"{len(gone)} ({_rids([r.rid for r in gone])})"
+        out.append(f"{why} {who} (−{slots} slots)")
+    return out
+
+
+def narrate_step(sv: StepView) -> str:
+    """See TraceState.narrate."""
+    d = sv.decision
+    parts: list[str] = []
+    if sv.mode == "decode" and sv.spec is not None:
+        parts.append(narrate_spec(sv))
+    elif sv.mode == "decode":
+        parts.append(f"{len(sv.reqs)} running decoded 1 token each")
+    else:
+        prefills = [r for r in sv.reqs if r.computed > 0]
+        admitted = list(d.admitted) if d is not None else [r.rid for r in prefills if r.chunk_index == 0]
+        if admitted:
+            parts.append(f"admitted {len(admitted)} from waiting ({_rids(admitted)})")
+        chunks = [f"{r.rid} chunk {r.chunk_index + 1}/{r.num_chunks}" for r in prefills if r.num_chunks > 1]
+        if chunks:
+            parts.append(", ".join(chunks[:2]) + (f" +{len(chunks) - 2} more" if len(chunks) > 2 else ""))
+        parts.append(f"{sv.cached_tokens} cached + {sv.prefill_tokens} computed")
+        if d is not None and d.budget:
+            parts.append(f"budget {d.budget_used}/{d.budget}")
+        if d is not None and d.running_waited:
+            parts.append(f"{d.running_waited} running waited")
+    if d is not None:
+        parts.extend(narrate_kv(d))
+        nodes = len(d.evicted_nodes)
+        parts.append(f"evicted {d.evicted}" + (f" ({nodes} node{'s' if nodes != 1 else ''})" if nodes else ""))
+        preempted = {p.split(" ")[1] for p in d.preemptions if p.count(" ") > 1}
+        kv_retracted = [rid for rid in d.retracted if rid not in preempted]
+        if kv_retracted:
+            slots = sum(r.slots for r in d.released if r.why == "retracted" and r.rid in kv_retracted)
+            freed = f", −{slots} slots" if slots else ""
+            parts.append(f"retracted {len(kv_retracted)} ({_rids(kv_retracted)}{freed})")
+        parts.extend(d.preemptions)  # priority scheduling: "preempted r1 (priority 0) for r5 (priority 10)"
+        parts.extend(d.hicache)  # HiCache: "loaded back 59 tok from host (944 B, 0.1 ms)"
+        if d.constrained:
+            parts.append(f"grammar for {d.constrained} row{'s' if d.constrained != 1 else ''} {d.mask_ms:.1f} ms")
+        if d.waiting:
+            n_held = len(d.held)
+            stop = f"{WAIT_REASONS.get(d.stop_reason, d.stop_reason)} ({d.stop_rid} next)" if d.stop_rid else ""
+            if n_held and stop:
+                why = f"{n_held} held for a shared prefix, {d.waiting - n_held} {stop}"
+            else:
+                why = "held for a shared prefix" if n_held else stop
+            parts.append(f"{d.waiting} waiting" + (f": {why}" if why else ""))
+    return f"step {sv.step} {sv.mode}: " + " · ".join(parts)
+
+
+def narrate_spec(sv: StepView) -> str:
+    """A verify step: `4 running verified 12 drafts, kept 7: +11 tokens (r1 3/4, r2 0/2, ...)`."""
+    reqs = sv.spec.reqs if sv.spec is not None else []
+    proposed = sum(drafts_proposed(r) for r in reqs)
+    kept = sum(r.accepted for r in reqs)
+    each = ", ".join(f"{r.rid} {r.accepted}/{drafts_proposed(r)}" for r in reqs[:3] if drafts_proposed(r))
+    more = f" +{len(reqs) - 3} more" if len(reqs) > 3 else ""
+    return (
+        f"{len(sv.reqs)} running verified {proposed} draft{'s' if proposed != 1 else ''}, kept {kept}: "
+        f"+{len(sv.reqs) + kept} tokens" + (f" ({each}{more})" if each else "")
+    )
