@@ -261,12 +261,20 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
         ensure_serving()
         return await native_generate(ctx, request, req)
 
+    # /health also fails when every process lives but the scheduler's loop is stuck: requests in flight
+    # and nothing from it for this long (WORKBENCH_STALL_S; above the slowest honest step, a long prefill).
+    stall_limit_s = float(os.environ.get("WORKBENCH_STALL_S", "60"))
+
     @app.get("/health")
     async def health():
         if app.state.draining or not getattr(engine, "is_healthy", True):
             return error_response(
                 503, "unhealthy" if not app.state.draining else "shutting down", code="engine_unavailable"
             )
+        stalled = getattr(engine, "stall_reason", None)
+        reason = stalled(stall_limit_s) if stalled is not None else None
+        if isinstance(reason, str):
+            return error_response(503, reason, code="engine_stalled")
         # SGLang answers an empty 200 (routers read only the status); the content type says so.
         return PlainTextResponse("")
 
