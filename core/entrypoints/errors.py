@@ -10,10 +10,14 @@ with a status that says whose fault it is. The mapping (also in docs/http_server
 |   large, invalid sampling parameters from the engine)       |        |
 | missing or wrong API key                                    | 401    |
 | unknown model name, unknown route                           | 404    |
-| wrong HTTP method                                           | 405    |
+| wrong HTTP method (with an `Allow` header)                  | 405    |
+| request body not received within WORKBENCH_BODY_TIMEOUT_S  | 408    |
 | request body over --max-request-body-bytes                  | 413    |
 | wrong JSON types, missing required or unknown fields        | 422    |
 | engine starting, shutting down or dead                      | 503    |
+
+The weight-update routes (weights_api.py) add SGLang's `success: false` and `message` to
+their 400s.
 
 Anything else is a bug: the catch-all handler logs the traceback and answers a
 plain 500 JSON error without it.
@@ -27,6 +31,7 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,7 @@ _ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -92,8 +98,8 @@ class APIError(Exception):
     def to_dict(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.to_dict(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.to_dict(), status_code=self.status, headers=headers)
 
 
 def error_body(message: str, err_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -109,15 +115,28 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def http_status_error(status: int, detail: Any = None) -> JSONResponse:
-    """OpenAI-shaped body for a Starlette HTTPException (404 route, 405 method...)."""
+def http_status_error(status: int, detail: Any = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI-shaped body for a Starlette HTTPException (404 route, 405 method...); `headers`
+    (a 405's `Allow`) are kept."""
     try:
         phrase = HTTPStatus(status).phrase
     except ValueError:
         phrase = "error"
     message = detail if isinstance(detail, str) and detail else phrase
     code = {404: "not_found", 405: "method_not_allowed"}.get(status)
-    return error_response(status, message, code=code)
+    return APIError(status, message, code=code).response(headers)
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> Any:
+    """Validate a JSON request body: not JSON is a 400 `invalid_json`, a body the model refuses
+    (wrong types, missing or unknown fields) a 422 naming the first offending field."""
+    try:
+        return model.model_validate_json(body or b"")
+    except ValidationError as e:
+        errs = e.errors()
+        if errs and errs[0].get("type") == "json_invalid":
+            raise bad_request(f"Request body is not valid JSON: {errs[0].get('msg', '')}", code="invalid_json")
+        raise validation_error(e) from None
 
 
 def validation_error(exc: Exception) -> APIError:
@@ -137,7 +156,9 @@ def validation_error(exc: Exception) -> APIError:
     else:
         msg = f"Invalid value for {param}: {first.get('msg', 'invalid')}" if param else first.get("msg", "invalid")
     if len(items) > 1:
-        msg += f" (and {len(items) - 1} more error{'s' if len(items) > 2 else ''})"
+        others = sorted({".".join(str(p) for p in it.get("loc", ()) if p != "body") for it in items[1:]} - {""})
+        named = f": {', '.join(others[:5])}" if others else ""
+        msg += f" (and {len(items) - 1} more error{'s' if len(items) > 2 else ''}{named})"
     return APIError(422, msg, param=param, code=kind or "invalid_request")
 
 

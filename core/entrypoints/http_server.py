@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import ipaddress
 import json
 import logging
 import os
@@ -35,7 +36,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from workbench.core.args import ServerArgs
 from workbench.core.entrypoints import openapi_doc
@@ -45,11 +45,12 @@ from workbench.core.entrypoints.errors import (
     engine_error_to_api,
     error_response,
     http_status_error,
+    parse_body,
     validation_error,
 )
 from workbench.core.entrypoints.metrics import ServerMetrics
 from workbench.core.entrypoints.middleware import APIKeyMiddleware, BodyLimitMiddleware
-from workbench.core.entrypoints.native_api import finite_json, native_generate
+from workbench.core.entrypoints.native_api import add_tokenizer_routes, finite_json, native_generate
 from workbench.core.entrypoints.openai.protocol import (
     AbortReqInput,
     ChatCompletionRequest,
@@ -61,6 +62,7 @@ from workbench.core.entrypoints.openai.protocol import (
 from workbench.core.entrypoints.openai.serving_chat import create_chat_completion
 from workbench.core.entrypoints.openai.serving_common import ServingContext, new_rid
 from workbench.core.entrypoints.openai.serving_completions import create_completion
+from workbench.core.entrypoints.weights_api import add_weight_routes
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +77,7 @@ ENGINE_DEAD_GRACE_S = 2.0  # after a child process dies: answer 503 this long, t
 # ---------------------------------------------------------------- helpers
 
 
-def _parse(model: type[BaseModel], body: bytes) -> Any:
-    try:
-        return model.model_validate_json(body or b"")
-    except ValidationError as e:
-        errs = e.errors()
-        if errs and errs[0].get("type") == "json_invalid":
-            raise bad_request(f"Request body is not valid JSON: {errs[0].get('msg', '')}", code="invalid_json")
-        raise validation_error(e) from None
+_parse = parse_body
 
 
 def _served_names(engine: Any, server_args: ServerArgs) -> tuple[str, frozenset]:
@@ -121,50 +116,6 @@ def _make_abort(engine: Any):
             logger.debug("abort_request(%s) failed", rid, exc_info=True)
 
     return abort
-
-
-# SGLang's weight routes: path, Engine method, accepted JSON fields (see core/managers/weight_updater.py).
-_WEIGHT_ROUTES = (
-    ("/update_weights_from_disk", "update_weights_from_disk", ("model_path", "abort_all_requests", "flush_cache")),
-    (
-        "/init_weights_update_group",
-        "init_weights_update_group",
-        ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s"),
-    ),
-    (
-        "/update_weights_from_distributed",
-        "update_weights_from_distributed",
-        ("names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests"),
-    ),
-    ("/destroy_weights_update_group", "destroy_weights_update_group", ("group_name",)),
-    ("/get_weights_by_name", "get_weights_by_name", ("name", "truncate_size")),
-)
-
-
-def _add_weights_route(app: FastAPI, engine: Any, path: str, method: str, fields: tuple) -> None:
-    """JSON object of `fields` -> `engine.<method>(**body)`: 200 with its reply, or 400
-    `{"success": false, "message": ...}` when the engine rejects it (old weights kept)."""
-
-    async def route(request: Request):
-        raw = await request.body()
-        try:
-            body = json.loads(raw) if raw else {}
-        except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
-            raise bad_request(f"Request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object")
-        unknown = sorted(set(body) - set(fields))
-        if unknown:
-            raise bad_request(f"unknown field(s) {', '.join(unknown)}; accepted: {', '.join(fields)}", unknown[0])
-        try:
-            out = await asyncio.to_thread(getattr(engine, method), **body)
-        except (ValueError, TypeError) as e:
-            return JSONResponse({"success": False, "message": str(e)}, status_code=400)
-        return JSONResponse(finite_json(out))
-
-    methods = ["GET", "POST"] if method == "get_weights_by_name" else ["POST"]
-    for m in methods:  # one route per method: distinct OpenAPI operation ids
-        app.add_api_route(path, route, methods=[m], name=method, operation_id=f"{method}_{m.lower()}")
 
 
 def _running_loop():
@@ -261,6 +212,8 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
         ensure_serving()
         return await native_generate(ctx, request, req)
 
+    add_tokenizer_routes(app, ctx)  # /tokenize, /detokenize (SGLang's), /tokenizer_info (vLLM's, for lm-eval)
+
     # /health also fails when every process lives but the scheduler's loop is stuck: requests in flight
     # and nothing from it for this long (WORKBENCH_STALL_S; above the slowest honest step, a long prefill).
     stall_limit_s = float(os.environ.get("WORKBENCH_STALL_S", "60"))
@@ -341,14 +294,15 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
         await asyncio.to_thread(engine.abort_request, "" if req.abort_all else req.rid)
         return JSONResponse({"success": True, "rid": None if req.abort_all else req.rid, "abort_all": req.abort_all})
 
-    for path, method, fields in _WEIGHT_ROUTES:
-        _add_weights_route(app, engine, path, method, fields)
+    add_weight_routes(app, engine)
 
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    openapi_doc.install(app)  # request and answer bodies, errors (the routes parse bodies themselves)
+    openapi_doc.install(
+        app, api_key=bool(server_args.api_key)
+    )  # request and answer bodies, errors (the routes parse bodies themselves)
     return app
 
 
@@ -360,14 +314,29 @@ def _jsonable(obj: Any) -> Any:
         return json.loads(json.dumps(obj, default=str))
 
 
+def _allowed_methods(app: FastAPI, scope: dict) -> list[str]:
+    """Every method some route of `app` answers at the scope's path (for a 405's `Allow`)."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(scope)
+        if match in (Match.PARTIAL, Match.FULL):
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_req, exc: APIError):
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_req, exc: StarletteHTTPException):
-        return http_status_error(exc.status_code, exc.detail)
+    async def _http_error(req: Request, exc: StarletteHTTPException):
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette names one route's methods; a path may have several routes
+            headers["Allow"] = ", ".join(_allowed_methods(req.app, req.scope))
+        return http_status_error(exc.status_code, exc.detail, headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req, exc: RequestValidationError):
@@ -573,6 +542,29 @@ def _drain(engine: Any, running: RunningServer, signals: dict, announce: bool) -
     return cut
 
 
+def exposure_warning(host: str, has_api_key: bool) -> str | None:
+    """The warning `workbench serve` prints when it listens beyond this machine (None on loopback)."""
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    where = "every interface" if host in ("0.0.0.0", "::", "") else host
+    if has_api_key:
+        return (
+            f"warning: listening on {where} (--host {host}): the server is reachable from the network; "
+            "every route but /health and /health_generate asks for the API key, which travels in clear "
+            "text over plain HTTP: put a TLS proxy in front of it on an untrusted network"
+        )
+    return (
+        f"warning: listening on {where} (--host {host}) WITHOUT --api-key: anyone who can reach this port can "
+        "generate, replace the model's weights (/update_weights_from_disk, /init_weights_update_group, "
+        "/update_weights_from_distributed) and empty the cache (/flush_cache). Set --api-key KEY, or serve "
+        "on --host 127.0.0.1"
+    )
+
+
 def launch_server(server_args: ServerArgs) -> int:
     """`workbench serve`: start the engine, serve until SIGTERM/SIGINT, shut down. Returns the exit code."""
     from workbench.core.engine import Engine
@@ -587,6 +579,9 @@ def launch_server(server_args: ServerArgs) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     sock = bind_socket(server_args.host, server_args.port)
+    warning = exposure_warning(server_args.host, bool(server_args.api_key))
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     # The handler only counts: taking a lock in a signal handler (Event.set) can deadlock
     # against the main thread waiting on that same lock.
     signals = {"count": 0, "starting": True}
@@ -603,6 +598,7 @@ def launch_server(server_args: ServerArgs) -> int:
         try:
             engine = Engine(server_args=server_args)
         except _StartupInterrupted:
+            print("interrupted during start-up; the engine's processes were stopped", file=sys.stderr, flush=True)
             return 0
         finally:
             signals["starting"] = False

@@ -412,7 +412,7 @@ def test_http_weight_routes(engine, model_dir, original):
         assert r.status_code == 400 and not r.json()["success"]
         assert "init_weights_update_group" in r.json()["message"]
         r = httpx.post(url + "/update_weights_from_disk", json={"model_pth": "x"}, timeout=60)
-        assert r.status_code == 400 and "model_pth" in r.text
+        assert r.status_code == 422 and "model_pth" in r.json()["error"]["message"]  # a misspelt field
         r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(model_dir)}, timeout=120)
         assert r.status_code == 200 and r.json()["success"] and r.json()["version"] >= 1
     finally:
