@@ -108,7 +108,9 @@ class HeaderTimeoutH11Protocol(H11Protocol):
             return None  # nothing being answered (or a body cut short): close, as asyncio does
         self._peer_eof = True
         if not cycle.response_started:
-            self.transport.write(self.conn.send(h11.InformationalResponse(status_code=102, headers=[], reason=b"Processing")))
+            self.transport.write(
+                self.conn.send(h11.InformationalResponse(status_code=102, headers=[], reason=b"Processing"))
+            )
         self.loop.call_later(_PROBE_S, self._probe, cycle)
         return True  # keep the transport open for the response
 
