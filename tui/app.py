@@ -334,6 +334,7 @@ class WorkbenchApp(App):
             events = []
             self._error(f"event source failed: {friendly(exc)}")
         self.model.now_ns = self.controller.now_ns()
+        self.model.paused = bool(getattr(self.controller, "paused", False))
         self.model.apply(events)
         if self._deferred:
             self._reveal_deferred()

@@ -110,6 +110,7 @@ class TuiModel:
         self.version = 0
         self.epoch = 0
         self.t0_ns: int | None = None  # trace time shown as +0.000 s
+        self.paused = False  # the scheduler (or the replay) is paused: set by the app
 
     def apply(self, events: Iterable[ev.Event]) -> int:
         """Fold events into the state and the log; returns how many were folded."""
