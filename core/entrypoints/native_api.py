@@ -1,13 +1,17 @@
-"""SGLang's native /generate: the engine's own result dicts, or SSE chunks of them."""
+"""SGLang's native /generate (the engine's own result dicts, or SSE chunks of them) and its
+tokenizer routes /tokenize and /detokenize (with vLLM's /tokenizer_info, which lm-eval's `remote`
+tokenizer backend reads besides them)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from workbench.core.entrypoints.errors import bad_request, engine_error_to_api
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from workbench.core.entrypoints.errors import APIError, bad_request, engine_error_to_api, validation_error
 from workbench.core.entrypoints.openai.protocol import GenerateReqInput
 from workbench.core.entrypoints.openai.serving_common import (
     MAX_CHOICES_PER_REQUEST,
@@ -126,3 +130,153 @@ async def native_generate(ctx: ServingContext, request: Request, req: GenerateRe
     spec = ChoiceSpec(0, 0, rid or "", kwargs)
     result = (await generate_all(ctx, request, [spec]))[0]
     return JSONResponse(finite_json(result))
+
+
+# ---------------------------------------------------------------- tokenizer routes
+
+
+class TokenizeRequest(BaseModel):
+    """SGLang's /tokenize body: a prompt (or a list of them) or chat messages (rendered through the
+    model's chat template as a chat completion would be). Unknown fields are ignored, as SGLang does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """SGLang's /detokenize body: token ids, or a list of id lists."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    """SGLang's answer: one id list (or one per prompt), their lengths, the context length."""
+
+    tokens: list[int] | list[list[int]]
+    count: int | list[int]
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    """SGLang's `text`, and the same as vLLM's `prompt` (what lm-eval's remote tokenizer reads)."""
+
+    text: str | list[str]
+    prompt: str | list[str]
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's /tokenizer_info fields that lm-eval's remote tokenizer backend reads."""
+
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int
+
+
+def _parse_body(model: type[BaseModel], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body or b"")
+    except ValidationError as e:
+        errs = e.errors()
+        if errs and errs[0].get("type") == "json_invalid":
+            raise bad_request(
+                f"Request body is not valid JSON: {errs[0].get('msg', '')}", code="invalid_json"
+            ) from None
+        raise validation_error(e) from None
+
+
+def _tokenizer(ctx: ServingContext) -> Any:
+    tok = getattr(ctx.engine, "tokenizer", None)
+    if tok is None:  # e.g. a simulated engine: it has token counts, not a tokenizer
+        raise APIError(503, "This engine has no tokenizer (a simulated one?): no /tokenize", code="engine_unavailable")
+    return tok
+
+
+def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
+    """SGLang's TokenizeResponse: `tokens` (a list, or one list per prompt), `count`, `max_model_len`."""
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")
+    tok = _tokenizer(ctx)
+    if req.messages is not None:
+        try:
+            ids: Any = list(
+                ctx.engine.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
+            )
+        except (ValueError, TypeError, KeyError) as e:
+            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
+        count: Any = len(ids)
+    elif isinstance(req.prompt, str):
+        ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        count = len(ids)
+    else:
+        ids = [list(tok.encode(p, add_special_tokens=req.add_special_tokens)) for p in req.prompt]
+        count = [len(x) for x in ids]
+    return TokenizeResponse(tokens=ids, count=count, max_model_len=ctx.context_len)
+
+
+def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeResponse:
+    """SGLang's DetokenizeResponse `text`; the same string also as `prompt`, the name vLLM's
+    answer uses and lm-eval's remote tokenizer reads."""
+    tok = _tokenizer(ctx)
+    batch = bool(req.tokens) and isinstance(req.tokens[0], list)
+    for ids in req.tokens if batch else [req.tokens]:
+        ctx.check_token_ids(ids, "tokens")
+    if batch:
+        text: Any = [tok.decode(ids, skip_special_tokens=req.skip_special_tokens) for ids in req.tokens]
+    else:
+        text = tok.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)
+    return DetokenizeResponse(text=text, prompt=text)
+
+
+def tokenizer_info(ctx: ServingContext) -> TokenizerInfo:
+    """vLLM's /tokenizer_info: the special tokens and the chat template, what lm-eval's `remote`
+    tokenizer backend needs besides /tokenize and /detokenize to run without a local tokenizer."""
+    tok = _tokenizer(ctx)
+
+    def special(name: str) -> str | None:
+        value = getattr(tok, name, None)
+        return value if isinstance(value, str) else None
+
+    template = getattr(tok, "chat_template", None)
+    return TokenizerInfo(
+        tokenizer_class=type(tok).__name__,
+        bos_token=special("bos_token"),
+        eos_token=special("eos_token"),
+        pad_token=special("pad_token"),
+        unk_token=special("unk_token"),
+        chat_template=template if isinstance(template, str) else None,
+        model_max_length=ctx.context_len,
+    )
+
+
+def add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """POST /tokenize and /detokenize (and SGLang's /v1/ names for them), GET /tokenizer_info.
+    Tokenizing runs on a worker thread: a long prompt must not hold the event loop."""
+
+    @app.post("/tokenize", operation_id="tokenize")
+    @app.post("/v1/tokenize", operation_id="tokenize_v1")
+    async def tokenize_route(request: Request):
+        req = _parse_body(TokenizeRequest, await request.body())
+        return JSONResponse((await asyncio.to_thread(tokenize, ctx, req)).model_dump())
+
+    @app.post("/detokenize", operation_id="detokenize")
+    @app.post("/v1/detokenize", operation_id="detokenize_v1")
+    async def detokenize_route(request: Request):
+        req = _parse_body(DetokenizeRequest, await request.body())
+        return JSONResponse((await asyncio.to_thread(detokenize, ctx, req)).model_dump())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route():
+        return JSONResponse(tokenizer_info(ctx).model_dump())
