@@ -169,23 +169,55 @@ def make_controller(args: argparse.Namespace):
     )
 
 
+class NoTerminal(RuntimeError):
+    """Neither stdout nor a controlling terminal to draw on (a pipe under CI, a cron job)."""
+
+
+def app_terminal() -> str | None:
+    """Where the app draws: None when stdout and stderr are the terminal (the usual case), else
+    "/dev/tty", the controlling terminal (`make run | tee log`: stdout is a pipe, and Textual,
+    which sizes the screen by stdout, would draw at 80×24 with the engine's output painted over
+    it). Raises NoTerminal, with what to do instead, when there is no terminal at all."""
+    if os.isatty(1) and os.isatty(2):
+        return None
+    try:
+        fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    except OSError:
+        raise NoTerminal(
+            "the TUI draws on a terminal and there is none here (stdout is not a terminal and there is no "
+            "controlling terminal); run it in a terminal, or record a run without one "
+            "(workbench record --scenario kv-pressure --duration 60 -o run.jsonl) and play it in a "
+            "terminal later (workbench tui --replay run.jsonl)"
+        ) from None
+    os.close(fd)
+    return "/dev/tty"
+
+
 @contextlib.contextmanager
-def isolate_child_output(log_path: str) -> Iterator[None]:
+def isolate_child_output(log_path: str | None, terminal: str | None = None) -> Iterator[None]:
     """Send fds 1 and 2 (inherited by the engine's child processes, and whatever the
     loader prints) to `log_path`, while Textual keeps writing to the terminal through
-    duplicates of the original fds. Without this, a child's warning would scribble
-    over the screen."""
+    duplicates of the original fds (or through `terminal`, e.g. /dev/tty when stdout is a
+    pipe). Without this, a child's warning would scribble over the screen. `log_path` None:
+    fds 1 and 2 stay as they are (no engine here) and only Textual's streams move to `terminal`."""
     saved = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
-    out_fd, err_fd = os.dup(1), os.dup(2)
-    tty_out = os.fdopen(out_fd, "w", buffering=1, encoding=getattr(sys.stdout, "encoding", None) or "utf-8")
-    tty_err = os.fdopen(err_fd, "w", buffering=1, encoding=getattr(sys.stderr, "encoding", None) or "utf-8")
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    orig1, orig2 = os.dup(1), os.dup(2)
+    enc = getattr(sys.stdout, "encoding", None) or "utf-8"
+    if terminal is not None:
+        tty_out = open(terminal, "w", buffering=1, encoding=enc)  # noqa: SIM115 (closed below)
+        tty_err = open(terminal, "w", buffering=1, encoding=enc)  # noqa: SIM115
+    else:
+        tty_out = os.fdopen(os.dup(1), "w", buffering=1, encoding=enc)
+        tty_err = os.fdopen(os.dup(2), "w", buffering=1, encoding=enc)
+    moved = log_path is not None
+    if moved:
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        orig1, orig2 = os.dup(1), os.dup(2)
     try:
         sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
+        if moved:
+            os.dup2(log_fd, 1)
+            os.dup2(log_fd, 2)
         sys.stdout = sys.__stdout__ = tty_out  # Textual reads these when the App is created
         sys.stderr = sys.__stderr__ = tty_err
         yield
@@ -193,10 +225,11 @@ def isolate_child_output(log_path: str) -> Iterator[None]:
         for f in (tty_out, tty_err):
             with contextlib.suppress(Exception):
                 f.flush()
-        os.dup2(orig1, 1)
-        os.dup2(orig2, 2)
-        for fd in (orig1, orig2, log_fd):
-            os.close(fd)
+        if moved:
+            os.dup2(orig1, 1)
+            os.dup2(orig2, 2)
+            for fd in (orig1, orig2, log_fd):
+                os.close(fd)
         sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__ = saved
         for f in (tty_out, tty_err):
             with contextlib.suppress(Exception):
@@ -213,6 +246,12 @@ def run_tui(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"workbench tui: {friendly(exc)}", file=sys.stderr)
         return 2
+    try:
+        terminal = app_terminal()
+    except NoTerminal as exc:
+        controller.close()
+        print(f"workbench tui: {exc}", file=sys.stderr)
+        return 2
     panels = [p.strip() for p in (getattr(args, "panels", None) or "").split(",") if p.strip()] or None
     live = controller.mode == "live"
     log_path: str | None = getattr(args, "tui_log", None)
@@ -223,8 +262,10 @@ def run_tui(args: argparse.Namespace) -> int:
     if live:
         controller.log_path = log_path  # the engine logs where its children's output goes
     try:
-        isolate = live and os.isatty(1) and os.isatty(2)
-        with isolate_child_output(log_path) if isolate else contextlib.nullcontext():
+        # A live engine's children write to fd 1 and 2: into the log, never over the screen; with
+        # stdout piped (`make run | tee log`) the app draws on the controlling terminal instead.
+        isolate = live or terminal is not None
+        with isolate_child_output(log_path if live else None, terminal) if isolate else contextlib.nullcontext():
             try:
                 app = WorkbenchApp(
                     controller,
@@ -243,6 +284,8 @@ def run_tui(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         controller.close()
         return 130
+    if terminal is not None and live:  # what the pipe gets: where the engine's output went
+        print(f"workbench tui: drew on {terminal} (stdout is not a terminal); the engine's log: {log_path}")
     if app.startup_error:
         print(f"workbench tui: {app.startup_error}" + (f" (details: {log_path})" if log_path else ""), file=sys.stderr)
         return 1
