@@ -439,6 +439,7 @@ class ReqSnapshot(Event, tag="req.snapshot"):
     max_new_tokens: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
+    recomputed_tokens: int = 0  # prefilled again after retractions (absent in older recordings)
     output_tokens: int = 0
     chunk_index: int = 0
     num_chunks: int = 1

@@ -66,6 +66,7 @@ class _Book:
     state_ts: int = -1
     round: int = 0  # bumps on retraction (re-prefill)
     base_computed: int = 0  # from a snapshot
+    base_recomputed: int = 0  # from a snapshot
     chunks: dict = field(default_factory=dict)  # (round, chunk) -> computed tokens
     tl_chunks: set = field(default_factory=set)  # (round, chunk) already on the timeline
     tl_prefill: dict = field(default_factory=dict)  # (round, chunk) -> its timeline entry (relabelled
@@ -229,18 +230,21 @@ class TraceState:
                 return d.stop_reason
         return None
 
-    def ttft_parts(self, rid: str, index: StepIndex | None = None) -> TtftBreakdown | None:
+    def ttft_parts(
+        self, rid: str, index: StepIndex | None = None, now_ns: int | None = None, paused: bool = False
+    ) -> TtftBreakdown | None:
         """The request's TTFT in parts that sum to it exactly: arrived → queued (and the step the
         scheduler was busy in), queued (passed over by which steps, why, and who got the prefill),
         each prefill chunk (with whom it shared the step), first token; see core/trace/ttft.py.
         The parts so far (`partial`) before the first token; None without an arrival. Pass one
-        `StepIndex(state)` to explain many requests at once. The decode side of a disaggregated
+        `StepIndex(state)` to explain many requests at once; `now_ns` (and `paused`, the scheduler
+        is): a live view's clock, the parts so far then run to now. The decode side of a disaggregated
         request whose prefill side is in this trace too: along its journey (core/trace/pd.py)."""
         if self.pd:
             joined = pd_ttft_breakdown(self, rid, index)
             if joined is not None:
                 return joined
-        return ttft_breakdown(self, rid, index)
+        return ttft_breakdown(self, rid, index, now_ns, paused)
 
     def held_reason(self, rid: str) -> str | None:
         """Why a waiting request was held back in the last step, or None if it was not."""
@@ -520,9 +524,12 @@ class TraceState:
     ) -> None:
         key = (b.round, chunk)
         b.chunks[key] = computed
-        # req.finished carries no computed count, so chunks keep counting after it.
-        r.computed_tokens = b.base_computed + sum(b.chunks.values())
-        if chunk == 0 and not b.final:
+        # req.finished carries no computed count, so chunks keep counting after it. The first
+        # prefill's chunks are the prompt's computed part (cached + computed = prompt); a prefill
+        # after a retraction (prompt and output so far again) is recomputed, counted apart.
+        r.computed_tokens = b.base_computed + sum(v for (rd, _), v in b.chunks.items() if rd == 0)
+        r.recomputed_tokens = b.base_recomputed + sum(v for (rd, _), v in b.chunks.items() if rd > 0)
+        if chunk == 0 and b.round == 0 and not b.final:
             r.cached_tokens = cached
         if ts >= b.state_ts:
             r.chunk_index, r.num_chunks = chunk, n
@@ -781,7 +788,7 @@ class TraceState:
 
     def _on_match(self, e: ev.CacheMatch) -> None:
         r, b = self._req(e.rid)
-        if not b.final:
+        if not b.final and b.round == 0:  # a re-admission's match is not the prompt's cached part
             r.cached_tokens = e.matched
             if e.prompt_tokens:
                 r.prompt_tokens = e.prompt_tokens
@@ -869,7 +876,9 @@ class TraceState:
         b.round = e.retractions
         b.chunks = {(b.round, k): c for k, c in enumerate(e.round_chunks)}
         b.tl_chunks = set(b.chunks)
-        b.base_computed = e.computed_tokens - sum(e.round_chunks)
+        this_round = sum(e.round_chunks)
+        b.base_computed = e.computed_tokens - (this_round if b.round == 0 else 0)
+        b.base_recomputed = e.recomputed_tokens - (this_round if b.round > 0 else 0)
         if e.round_sampled:
             b.sampled_rounds.add(b.round)
         if e.replica:

@@ -57,7 +57,7 @@ class TracePicture(Protocol):
 
 #: Part kinds, in order. A disaggregated (PD) request's decode side has its own between them:
 #: "decode_queue", "prefill_queue" and "transfer" (core/trace/pd.py).
-PART_KINDS = ("arrived", "queued", "decode_queue", "prefill_queue", "prefill", "transfer", "first_token")
+PART_KINDS = ("arrived", "queued", "decode_queue", "prefill_queue", "prefill", "transfer", "first_token", "paused")
 
 # Why a step passed a waiting request over (StepDecision.stop_reason, or membership of `held`).
 _PASSED_OVER = {
@@ -188,11 +188,18 @@ class TtftBreakdown:
         return f"{head} {fmt_dur(self.ttft_ns)} = " + " + ".join(terms)
 
 
-def ttft_breakdown(state: TracePicture, rid: str, index: StepIndex | None = None) -> TtftBreakdown | None:
+def ttft_breakdown(
+    state: TracePicture, rid: str, index: StepIndex | None = None, now_ns: int | None = None, paused: bool = False
+) -> TtftBreakdown | None:
     """The TTFT of request `rid` in parts (TraceState.ttft_parts); None when its arrival is not
     in the trace. A request without a first token yet gets the parts so far (`partial`). This is
     one server's view: TraceState.ttft_parts splits the decode side of a disaggregated request
-    along its journey across both servers instead (core/trace/pd.py)."""
+    along its journey across both servers instead (core/trace/pd.py).
+
+    `now_ns` (a live view's clock): a request still waiting for its first token has its TTFT so
+    far up to now, the same figure as the Queues' `so far` (now - arrival); the stretch since the
+    trace's last event is a part of its own, "paused" when the scheduler is (`paused`), else "no
+    step since"."""
     r = state.requests.get(rid)
     if r is None or r.arrival_ts is None:
         return None
@@ -259,6 +266,11 @@ def ttft_breakdown(state: TracePicture, rid: str, index: StepIndex | None = None
                 "waiting for the next chunk" if r.state == "prefilling" else "waiting for the token",
             )
         )
+    if partial and now_ns is not None and now_ns > end and r.state not in TERMINAL_STATES:
+        label = "paused" if paused else "no step since"
+        why = "the scheduler is paused: no step runs until it resumes (s runs one)" if paused else ""
+        parts.append(TtftPart("paused", label, end, now_ns, why or "no event for it since the trace's last one"))
+        end = now_ns
     return TtftBreakdown(rid, t0, end, tuple(parts), partial)
 
 

@@ -52,7 +52,8 @@ class RequestView:
     prompt_tokens: int = 0
     max_new_tokens: int = 0
     cached_tokens: int = 0  # prefix tokens reused from the radix cache
-    computed_tokens: int = 0  # prompt tokens computed by prefill (all chunks, all rounds)
+    computed_tokens: int = 0  # prompt tokens computed by its first prefill (all chunks): cached + computed = prompt
+    recomputed_tokens: int = 0  # tokens prefilled again after a retraction (prompt and output so far, less cache hits)
     output_tokens: int = 0
     chunk_index: int = 0  # current/last prefill chunk k (0-based) ...
     num_chunks: int = 1  # ... of n

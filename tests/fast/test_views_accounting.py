@@ -79,3 +79,88 @@ def test_running_limit_is_named_only_when_the_running_requests_fill_it(overlap):
     assert any(
         "running limit counting finished requests not filtered out yet (q2 next)" in st.narrate(s) for s in st.steps
     )
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_prompt_is_cached_plus_computed_after_a_retraction(overlap):
+    """Item 3: a retracted request's second prefill is `recomputed`, not added to `computed`."""
+    h = _kv_pressure(overlap, radix=True)
+    st = TraceState()
+    st.apply_many(h.events)
+    retracted = {e.rid for e in h.trace(ev.ReqRetracted)}
+    assert retracted
+    for r in st.requests.values():
+        assert r.cached_tokens + r.computed_tokens == r.prompt_tokens, r
+        assert (r.recomputed_tokens > 0) == (r.rid in retracted), r
+    # a snapshot carries both counts
+    fresh = TraceState()
+    fresh.apply_many(st.snapshot_events())
+    for rid in retracted:
+        a, b = st.requests[rid], fresh.requests[rid]
+        assert (a.computed_tokens, a.recomputed_tokens) == (b.computed_tokens, b.recomputed_tokens)
+
+
+# ---- item 5: one definition of each time, paused time as its own part ---------------------------
+
+S = 1_000_000_000
+
+
+def _waiting_request_model(paused: bool):
+    from workbench.tui.model import TuiModel
+
+    m = TuiModel()
+    m.apply(
+        [
+            ev.ReqArrived(ts=10 * S, proc="tokenizer", rid="w"),
+            ev.ReqQueued(ts=10 * S + 2_000_000, proc="scheduler", step=3, rid="w", prompt_tokens=20, queue_len=1),
+        ]
+    )
+    m.now_ns, m.paused = 41 * S, paused  # 31 s later, no event since
+    return m
+
+
+@pytest.mark.parametrize("paused", [True, False])
+def test_ttft_so_far_is_now_minus_arrival_in_detail_and_queues(paused):
+    from workbench.tui.panels.detail import render_detail
+    from workbench.tui.panels.queues import queue_rows
+
+    m = _waiting_request_model(paused)
+    b = m.state.ttft_parts("w", now_ns=m.now_ns, paused=m.paused)
+    assert b is not None and b.partial and b.ttft_ns == 31 * S  # the Queues' `31s…`
+    assert b.parts[-1].kind == "paused" and b.parts[-1].label == ("paused" if paused else "no step since")
+    text = render_detail(m, "w").plain
+    assert "TTFT so far 31.00 s" in text, text
+    if paused:
+        assert "paused" in text
+    (cells,) = [c for rid, c in queue_rows(m) if rid == "w"]
+    assert str(cells[-1]).startswith("31")
+
+
+def test_a_decode_run_across_a_pause_is_not_all_decode_time():
+    from workbench.tui.model import TuiModel
+    from workbench.tui.panels.detail import render_detail
+
+    m = TuiModel()
+    evs: list[ev.Event] = [ev.ReqArrived(ts=S, proc="tokenizer", rid="d")]
+    for k in range(1, 7):  # 6 decode steps of 20 ms; 10 s paused between steps 3 and 4
+        end = S + k * 30_000_000 + (10 * S if k >= 4 else 0)
+        evs.append(
+            ev.StepDecision(ts=end, proc="scheduler", step=k, mode="decode", kv_alloc=1, start_ts=end - 20_000_000)
+        )
+        evs.append(
+            ev.BatchStep(
+                ts=end,
+                proc="scheduler",
+                step=k,
+                mode="decode",
+                reqs=[ev.StepReq("d", decode=1)],
+                batch_size=1,
+                padded_size=1,
+            )
+        )
+    m.apply(evs)
+    m.now_ns = evs[-1].ts
+    text = render_detail(m, "d").plain
+    line = next(x for x in text.splitlines() if "decode " in x and "(steps " in x)
+    assert "6 steps (steps 1–6)" in line and "between them" in line, line
+    assert "120 ms in steps + 10050 ms between" in line, line  # 6 x 20 ms; from step 1 start to step 6 end

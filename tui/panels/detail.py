@@ -10,7 +10,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 from workbench.core.trace.palette import COMPUTED, DECODE, RETRACTED, TRANSFER, WAITING
 from workbench.core.trace.pd import journey_line
-from workbench.core.trace.ttft import TtftBreakdown
+from workbench.core.trace.ttft import StepIndex, TtftBreakdown, step_start
 from workbench.core.trace.views import RequestView
 from workbench.tui.fmt import fmt_s, shorten
 from workbench.tui.model import TuiModel
@@ -56,6 +56,7 @@ _PART_STYLE = {
     "prefill": COMPUTED,
     "transfer": TRANSFER,
     "first_token": DECODE,
+    "paused": "dim",
 }
 _PART_BAR = {
     "arrived": "░",
@@ -65,6 +66,7 @@ _PART_BAR = {
     "prefill": "█",
     "transfer": "≈",
     "first_token": "▌",
+    "paused": "·",
 }
 
 
@@ -99,6 +101,22 @@ def render_ttft(b: TtftBreakdown) -> Text:
     return out
 
 
+def decode_time(index: StepIndex, first: int, last: int, span_ns: int) -> str:
+    """A decode run's time: the steps' own time (start to end, from the step ring), and apart from
+    it the time between them (the scheduler paused, or busy with other work), so a paused
+    scheduler's minutes are not read as decoding. `, 12273 ms` alone when the steps are gone."""
+    steps = [index.get(k) for k in range(first, last + 1)]
+    if any(sv is None for sv in steps):
+        return f", {span_ns / 1e6:.0f} ms"
+    # the first step's own time is before the run's first ts (stamped at the end of that step)
+    busy = sum(max(sv.ts - step_start(sv), 0) for sv in steps if sv is not None)
+    between = max(span_ns - (busy - max(steps[0].ts - step_start(steps[0]), 0)), 0)  # type: ignore[union-attr]
+    out = f", {busy / 1e6:.0f} ms in steps"
+    if between >= 1e6:
+        out += f" + {between / 1e6:.0f} ms between them (paused or other work)"
+    return out
+
+
 def render_detail(model: TuiModel, rid: str | None, text_chars: int = 1200) -> Text:
     out = Text()
     r = model.state.requests.get(rid) if rid else None
@@ -117,7 +135,8 @@ def render_detail(model: TuiModel, rid: str | None, text_chars: int = 1200) -> T
     out.append("\n")
     out.append(
         f"prompt {r.prompt_tokens} t = {r.cached_tokens} cached + {r.computed_tokens} computed · "
-        f"out {r.output_tokens}"
+        + (f"recomputed {r.recomputed_tokens} (after retraction) · " if r.recomputed_tokens else "")
+        + f"out {r.output_tokens}"
         + (f"/{r.max_new_tokens}" if r.max_new_tokens else "")
         + (f" · retracted {r.retractions}×" if r.retractions else "")
         + (f" · constrained by {r.constraint.replace('_', ' ')}" if r.constraint else "")
@@ -134,7 +153,9 @@ def render_detail(model: TuiModel, rid: str | None, text_chars: int = 1200) -> T
         if line:
             out.append("journey ", style="bold")
             out.append(line + "\n")
-    breakdown = model.state.ttft_parts(r.rid)
+    index = StepIndex(model.state)
+    # TTFT so far runs to now, as in Queues; a paused scheduler's stretch is its own part.
+    breakdown = model.state.ttft_parts(r.rid, index, now_ns=model.now_ns or None, paused=model.paused)
     if breakdown is not None and breakdown.parts:
         out.append_text(render_ttft(breakdown))
     per_step, counts = shared_steps(model, r)
@@ -149,7 +170,7 @@ def render_detail(model: TuiModel, rid: str | None, text_chars: int = 1200) -> T
             first = e.step - e.count + 1
             detail = f"{e.count} steps (steps {first}–{e.step})" if e.count > 1 else f"1 step (step {e.step})"
             if e.end_ts > e.ts:
-                detail += f", {(e.end_ts - e.ts) / 1e9 * 1e3:.0f} ms"
+                detail += decode_time(index, e.step - e.count + 1, e.step, e.end_ts - e.ts)
         elif e.step >= 0:
             detail += f" [step {e.step}]"
         out.append(detail)

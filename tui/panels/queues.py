@@ -36,7 +36,7 @@ _QUEUE_STYLE = {
 CONSTRAINT_BADGE = {"json_schema": "{json}", "json_object": "{json}", "regex": "/re/", "ebnf": "ebnf"}
 
 # Why a request waits (TraceState.wait_reason), short enough for the state column.
-_WAIT_SHORT = {"budget": "budget", "kv": "KV room", "running": "run limit", "held": "held"}
+_WAIT_SHORT = {"budget": "budget", "kv": "KV room", "running": "run limit", "finishing": "run limit*", "held": "held"}
 
 
 def queue_rows(model: TuiModel, max_rows: int = 300, recent_done: int = 8) -> list[tuple[str, tuple]]:
@@ -130,7 +130,8 @@ def _cells(
         state,
         str(r.prompt_tokens),
         str(r.cached_tokens),
-        str(r.computed_tokens),
+        # a retracted request's second prefill is not its prompt's: counted apart (↻), so cached + comp = prompt
+        str(r.computed_tokens) + (f" ↻{r.recomputed_tokens}" if r.recomputed_tokens else ""),
         str(r.output_tokens),
         age,
         ttft,
@@ -146,13 +147,14 @@ class QueuesPanel(TracePanel):
         "`chunked` (its prompt is being prefilled in chunks), `running` (in the decode batch), "
         "then the last few "
         "finished. prompt/cached/comp/out are token counts: cached = reused from the radix tree, "
-        "comp = prompt tokens actually computed. TTFT shows the time so far (italic) until the "
+        "comp = prompt tokens actually computed (cached + comp = prompt); `↻N` after it: tokens prefilled again after a "
+        "retraction (prompt and output so far). TTFT shows the time so far (italic) until the "
         "first token. The rids the last step prefilled (admitted, or a chunk) or retracted are "
         "shown reversed, as named on the `last step` line. A badge after the rid marks a "
         "constrained request (structured outputs): `{json}` a JSON Schema or any JSON, `/re/` a regex, "
         "`ebnf` a grammar; the `last step` line says how long the scheduler spent on their grammars (masks and matchers). A waiting request's state says why that "
         "step left it waiting: `budget` (the step's prefill token budget was spent), `KV room`, `run limit` "
-        "(running-request limit) or `held` (it waits for a shared prefix being computed). "
+        "(running-request limit; `run limit*`: it counted requests that finished in the last step, not filtered out yet, as SGLang does) or `held` (it waits for a shared prefix being computed). "
         "With priority scheduling (--enable-priority-scheduling) each rid shows its priority (`p10`; `punset` "
         "sent without one) and a request a more urgent one preempted says `preempted for` whom (the `last step` "
         "line gives both priorities). "
