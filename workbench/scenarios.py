@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.workloads import KINDS, WorkloadRunner, fmt_rate, make_prompts
+from workbench.workloads import KINDS, RATE_WINDOW_S, WorkloadRunner, fmt_rate, make_prompts
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,51 @@ class Scenario:
         )
 
 
+@dataclass(frozen=True)
+class TourScenario(Scenario):
+    """The guided tour's scenario (`workbench tui --tour`): a fixed cycle of requests, not a
+    workload kind, so that every hard case comes within a few dozen scheduler steps (a minute on
+    a busy 2-core laptop): shared-prefix questions whose prompt (~100 tokens) is longer than the
+    64-token prefill chunk and whose system prompt later ones find cached, and short chats that
+    finish at once and leave their prefixes evictable in a pool too small for what the running
+    requests will decode (admission reserves little of it: `schedule_conservativeness`)."""
+
+    #: the cycle: "sp" (a shared-prefix question decoding `max_new_tokens`) or "chat" (a short
+    #: chat decoding `short_max_new_tokens`)
+    cycle: tuple[str, ...] = ("sp", "chat", "sp", "sp")
+    short_max_new_tokens: int = 2
+
+    def prompts(self, seed: int = 0) -> Iterator[dict]:
+        sp = make_prompts("shared-prefix", seed)
+        chat = make_prompts("chat", seed + 7)  # other questions than the shared-prefix ones
+        for i in itertools.count():
+            if self.cycle[i % len(self.cycle)] == "sp":
+                yield {"messages": next(sp), "rid_prefix": "sp"}
+            else:
+                yield {
+                    "messages": next(chat),
+                    "rid_prefix": "chat",
+                    "sampling_params": {"max_new_tokens": self.short_max_new_tokens},
+                }
+
+
+TOUR = TourScenario(
+    "tour",
+    "the guided tour (workbench tui --tour): shared-prefix questions longer than the prefill chunk and "
+    "short chats, in a KV pool too small for what they will decode",
+    "in its first minute: requests wait, are admitted, a prompt longer than the chunk is prefilled in "
+    "chunks, later requests hit the cached system prompt, finished prefixes are evicted, and the pool "
+    "runs dry so the scheduler retracts a request",
+    "shared-prefix",
+    dict(max_total_tokens=256, chunked_prefill_size=64, max_running_requests=6, schedule_conservativeness=0.3),
+    rid_prefix="sp",
+    max_new_tokens=32,
+    ignore_eos=True,
+    initial_rate=6.0,
+    target_in_flight=10,
+    max_in_flight=16,
+)
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -173,6 +218,7 @@ SCENARIOS: dict[str, Scenario] = {
             target_in_flight=6,
             max_in_flight=14,
         ),
+        TOUR,
     )
 }
 assert all(s.workload in KINDS for s in SCENARIOS.values())
@@ -192,8 +238,15 @@ def runner_status(runner: WorkloadRunner) -> str:
     if runner.paused:
         how = "paused"
     elif runner.adaptive:
-        # what the rate follows: the machine's measured completions (none yet: still measuring)
-        done = f"{fmt_rate(runner.measured_per_s)} done/s" if runner.measured_per_s > 0 else "measuring"
+        # what the rate follows: the machine's measured completions over the last RATE_WINDOW_S of
+        # unpaused time. "measuring" only until the first completion: later a window with none (a
+        # slow, retracting pool) says so instead of looking like a measurement that never ends.
+        if runner.measured_per_s > 0:
+            done = f"{fmt_rate(runner.measured_per_s)} done/s"
+        elif runner.completed:
+            done = f"none done in {RATE_WINDOW_S:g} s"
+        else:
+            done = "measuring"
         how = f"auto: {done}, {runner.in_flight}/{runner.target_in_flight:g} in flight"
     else:
         how = f"{runner.in_flight} in flight"

@@ -232,3 +232,14 @@ def test_a_burst_goes_whole_or_waits_and_stop_reports_what_it_aborted():
     finally:
         assert runner.stop() == 4
     assert sorted(server.aborted) == sorted(f"burst-{i}" for i in range(1, 5))
+
+
+def test_auto_rate_says_measuring_only_until_the_first_completion():
+    # #40 item 4: under KV pressure a 10 s window can pass with no completion; the status then said
+    # `auto: measuring` for minutes, as if the measurement never ended.
+    runner = WorkloadRunner(_StubServer(), "chat", rate=1.0, adaptive=True, target_in_flight=4)
+    assert "auto: measuring" in runner_status(runner)
+    runner.completed = 3  # three done, none in the last window
+    assert "measuring" not in runner_status(runner) and "none done in 10 s" in runner_status(runner)
+    runner.measured_per_s = 2.0
+    assert "auto: 2.0 done/s" in runner_status(runner)
