@@ -573,6 +573,18 @@ class Engine:
             info["internal_state"] = self.get_internal_state()
         return info
 
+    def stall_reason(self, limit_s: float) -> str | None:
+        """Why /health should answer 503 although every process lives: the scheduler has sent nothing for
+        more than `limit_s` while requests sent to it are unfinished (its loop is stuck in a step). None
+        otherwise. Reads the TokenizerManager's state: call it on the engine's loop (the HTTP handlers run there)."""
+        seconds, n = self.tokenizer_manager.stall_s()
+        if seconds <= limit_s:
+            return None
+        return (
+            f"the scheduler has not completed a step for {seconds:.0f} s with {n} request(s) in flight "
+            f"(limit {limit_s:g} s, WORKBENCH_STALL_S); its log says what it is doing"
+        )
+
     def step_gate(self, action: str, steps: int = 1) -> dict:
         """Pause the scheduler, resume it, or run exactly `steps` iterations while paused."""
         if action not in ("pause", "resume", "step"):
@@ -622,15 +634,18 @@ class Engine:
         world_size: int,
         group_name: str = "weight_update_group",
         backend: str = "gloo",
-        timeout_s: float = 600.0,
+        timeout_s: float = 120.0,
     ) -> dict:
         """Join a trainer's process group (trainer = rank 0; this server's TP ranks from `rank_offset`).
 
-        Blocks until every rank has joined, so the trainer must join at the same time
-        (e.g. `weight_updater.TrainerWeightSync` in another process or thread); joining and
-        each later broadcast fail after `timeout_s`.
+        Returns when every rank has joined, so the trainer must join at the same time
+        (e.g. `weight_updater.TrainerWeightSync` in another process or thread); the engine keeps
+        serving meanwhile (the join runs beside the scheduler's loop). Joining and each later
+        broadcast fail after `timeout_s` (at most 300 s; ValueError above). With `rank_offset=0`
+        this server hosts the group's store, listening on `master_address` only.
         """
         from workbench.core.io_struct import InitWeightsUpdateGroupReq
+        from workbench.core.managers.weight_updater import check_group_timeout
 
         req = InitWeightsUpdateGroupReq(
             master_address=master_address,
@@ -639,7 +654,7 @@ class Engine:
             world_size=int(world_size),
             group_name=group_name,
             backend=backend,
-            timeout_s=float(timeout_s),
+            timeout_s=check_group_timeout(timeout_s),
         )
         return _update_reply(self._run(self.tokenizer_manager.init_weights_update_group(req)))
 

@@ -150,7 +150,12 @@ class InitWeightsUpdateGroupReq(Msg):
     world_size: int
     group_name: str = "weight_update_group"
     backend: str = "gloo"
-    timeout_s: float = 600.0  # joining, and each broadcast later, fails after this long
+    timeout_s: float = 120.0  # joining, and each broadcast later, fails after this long (at most 300 s)
+
+
+class InitWeightsUpdateGroupReqOutput(UpdateWeightsReqOutput):
+    """The answer to InitWeightsUpdateGroupReq. Its own type because it comes when the group has formed or
+    failed, after answers to messages sent later (the join runs beside the scheduler's loop)."""
 
 
 class UpdateWeightsFromDistributedReq(Msg):
@@ -249,6 +254,7 @@ AnyMsg = Union[  # noqa: UP007 (a runtime alias msgspec decodes)
     BatchStrOut,
     UpdateWeightsFromTensorReq,
     InitWeightsUpdateGroupReq,
+    InitWeightsUpdateGroupReqOutput,
     UpdateWeightsFromDistributedReq,
     DestroyWeightsUpdateGroupReq,
 ]

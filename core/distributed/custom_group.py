@@ -13,14 +13,19 @@ recipe byte for byte, because every step names keys in a shared TCPStore:
    with torch, so `dist.broadcast(t, src=0, group=pg)` works on it;
 4. an identity rank map in `_world.pg_group_ranks`, since the group is nobody's subgroup.
 
-`init_custom_process_group` does exactly that. It is the engine's side (every TP rank joins
+`init_custom_process_group` does exactly that, with one difference on the host (rank 0): torch's TCPStore
+server listens on every interface (`*:port`) whatever host it is given, so rank 0 binds the listening socket
+to the given host itself and hands it over (`master_listen_fd`); the keys, and so the other ranks, are the
+same either way. It is the engine's side (every TP rank joins
 with `rank_offset + tp_rank`) and, through `TrainerWeightSync`, the project's trainer side.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 from typing import Any
+from urllib.parse import urlparse
 
 __all__ = ["init_custom_process_group", "destroy_custom_process_group"]
 
@@ -43,7 +48,10 @@ def init_custom_process_group(
     from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
     timeout = timeout or datetime.timedelta(minutes=10)
-    store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+    if rank == 0:
+        store = _host_store(init_method, world_size, timeout)
+    else:
+        store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
@@ -52,6 +60,39 @@ def init_custom_process_group(
     # The new group's ranks are its own (0..world_size-1), not a slice of the default group's.
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def _host_store(init_method: str, world_size: int, timeout: datetime.timedelta) -> Any:
+    """Rank 0's TCPStore as `dist.rendezvous` makes it, listening on the URL's host only.
+
+    Waits for all `world_size` ranks to connect (as the rendezvous does); raises ValueError when
+    the host is not an address of this machine or the port is taken.
+    """
+    import torch.distributed as dist
+
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise ValueError(f"init_method must be tcp://HOST:PORT, not {init_method!r}")
+    host, port = url.hostname, url.port
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ValueError(f"cannot resolve {host!r} to listen on: {exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own server does
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}): rank 0 hosts the group's store, so the "
+            "address must be one of this machine's and the port free"
+        ) from exc
+    fd = sock.detach()  # the store owns it from here and closes it, whether it starts or times out
+    return dist.TCPStore(
+        host, port, world_size, True, timeout, wait_for_workers=True, multi_tenant=False, master_listen_fd=fd
+    )
 
 
 def destroy_custom_process_group(pg: Any) -> None:

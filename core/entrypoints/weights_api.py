@@ -43,7 +43,8 @@ class InitWeightsUpdateGroupReqInput(_Strict):
     world_size: int = Field(ge=1)
     group_name: str = Field("weight_update_group", min_length=1)
     backend: Literal["gloo", "nccl"] = "gloo"
-    timeout_s: float = Field(600.0, gt=0)
+    # At most 300 s: a larger value is refused with a 400 naming the bound (weight_updater.check_group_timeout).
+    timeout_s: float = Field(120.0, gt=0, description="seconds to wait for the trainer, and for each broadcast")
 
 
 class UpdateWeightsFromDistributedReqInput(_Strict):

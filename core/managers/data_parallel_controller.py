@@ -54,6 +54,7 @@ from workbench.core.io_struct import (
     GetWeightsByNameReq,
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReq,
+    InitWeightsUpdateGroupReqOutput,
     Msg,
     SetTraceReq,
     StepGateReq,
@@ -90,7 +91,7 @@ _REPLY_TYPE: dict[type, type] = {
     UpdateWeightsFromDiskReq: UpdateWeightsReqOutput,
     UpdateWeightsFromTensorReq: UpdateWeightsReqOutput,
     UpdateWeightsFromDistributedReq: UpdateWeightsReqOutput,
-    InitWeightsUpdateGroupReq: UpdateWeightsReqOutput,
+    InitWeightsUpdateGroupReq: InitWeightsUpdateGroupReqOutput,  # answered when the join ends (weight_sync.py)
     DestroyWeightsUpdateGroupReq: UpdateWeightsReqOutput,
 }
 
@@ -272,7 +273,8 @@ def merge_replies(replies: list[Msg]) -> Msg:
         message = (
             first.message if ok else "; ".join(f"dp{i}: {r.message}" for i, r in enumerate(updates) if not r.success)
         )
-        return UpdateWeightsReqOutput(success=ok, message=message, version=max(r.version for r in updates))
+        # type(first): a join's answer keeps its own type (the TokenizerManager waits for that type).
+        return type(first)(success=ok, message=message, version=max(r.version for r in updates))
     if isinstance(first, GetWeightsByNameReqOutput):
         # Every replica should hold the same weights; if not (a half-applied update), say so.
         if any(r.values != first.values for r in _all_of_kind(replies, GetWeightsByNameReqOutput)[1:]):
@@ -432,7 +434,7 @@ class DataParallelController:
             self._broadcast(data)
         elif isinstance(msg, InitWeightsUpdateGroupReq):
             # Each replica's TP ranks take their own ranks in the trainer's group.
-            self.pending.append(_PendingReply(UpdateWeightsReqOutput))
+            self.pending.append(_PendingReply(InitWeightsUpdateGroupReqOutput))
             for r, sock in enumerate(self.send_to_replica):
                 send_msg(sock, msgspec.structs.replace(msg, rank_offset=msg.rank_offset + r * self.tp_size))
         elif type(msg) in _REPLY_TYPE:

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from workbench.core.io_struct import GetInternalStateReqOutput, StepGateReq, StepGateReqOutput, UpdateWeightsReqOutput
+from workbench.core.io_struct import (
+    GetInternalStateReqOutput,
+    InitWeightsUpdateGroupReq,
+    StepGateReq,
+    StepGateReqOutput,
+    UpdateWeightsReqOutput,
+)
 from workbench.core.trace import events as ev
 
 if TYPE_CHECKING:
@@ -191,9 +197,16 @@ class SchedulerControlMixin:
         self.io.send(StepGateReqOutput(paused=self.paused, step=self.forward_ct))
 
     def handle_weights_request(self, msg) -> None:
-        """Weight updates and reads (the work is in weight_updater.py); replies on the usual socket."""
-        from workbench.core.managers import weight_updater
+        """Weight updates and reads (the work is in weight_updater.py); replies on the usual socket.
 
+        Joining a trainer's group waits for the trainer: it runs on a thread (weight_sync.py) and
+        `poll_weights_join` answers it later, so the loop keeps serving meanwhile."""
+        from workbench.core.managers import weight_sync, weight_updater
+
+        if isinstance(msg, InitWeightsUpdateGroupReq):
+            for answer in weight_sync.start_join(self.tp_worker.model_runner, msg):
+                self.io.send(answer)
+            return
         self.sync_inflight()  # overlap: nothing may still run on the old weights
         reply, source = weight_updater.handle_request(self.tp_worker.model_runner, msg, busy=self.has_work())
         if source is not None:
@@ -206,3 +219,11 @@ class SchedulerControlMixin:
                 self.tracer.emit(ev.WeightsUpdated(source=source, version=self.weights_version))
                 self.tracer.flush()
         self.io.send(reply)
+
+    def poll_weights_join(self) -> None:
+        """Once per loop iteration (every rank): answer a weight-group join that has ended."""
+        from workbench.core.managers import weight_sync
+
+        if weight_sync.joining():
+            for answer in weight_sync.poll_join(self.tp_worker.model_runner):
+                self.io.send(answer)

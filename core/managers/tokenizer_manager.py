@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from workbench.core.io_struct import (
     GetWeightsByNameReq,
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReq,
+    InitWeightsUpdateGroupReqOutput,
     Msg,
     SetTraceReq,
     StepGateReq,
@@ -130,6 +132,7 @@ class ReqState:
     input_ids: list[int] | None = None
     pending_delta: str = ""
     error: str | None = None
+    sent_s: float = 0.0  # time.monotonic() when it went to the scheduler (stall_s)
 
 
 class TokenizerManager:
@@ -167,6 +170,11 @@ class TokenizerManager:
         # Control replies come back in order on the same socket; one waiter per type.
         self._control_waiters: dict[type, list[asyncio.Future]] = {}
         self._control_lock = asyncio.Lock()
+        self._join_lock = asyncio.Lock()  # one weight-group join at a time (their answers are matched in order)
+        # Progress of the scheduler as seen from here (stall_s): when it last sent anything, and whether
+        # it was paused on purpose (the step gate).
+        self.last_receive_s = time.monotonic()
+        self.scheduler_paused = False
         # Weight updates: one at a time; while one runs, new requests wait on the gate.
         self._weights_update_lock = asyncio.Lock()
         self._weights_gate = asyncio.Event()
@@ -244,6 +252,7 @@ class TokenizerManager:
             )
             self.tracer.flush()
         try:
+            state.sent_s = time.monotonic()
             await self.send_to_scheduler.send(wire)
             async for out in self._wait_one(state, obj.stream):
                 yield out
@@ -343,6 +352,7 @@ class TokenizerManager:
     async def handle_loop(self) -> None:
         while True:
             data = await self.recv_from_detokenizer.recv()
+            self.last_receive_s = time.monotonic()
             try:
                 msg = decode_msg(data)
             except Exception:
@@ -457,14 +467,34 @@ class TokenizerManager:
         )
 
     # ==== control =====================================================================
-    async def _control(self, req: Msg, reply_type: type, timeout: float = 60.0):
+    async def _control(self, req: Msg, reply_type: type, timeout: float = 60.0, exclusive: bool = True):
+        """Send `req` and wait for its answer (the next `reply_type` message).
+
+        exclusive=False: the lock covers the send only, so other control requests go on while this
+        one waits (for a reply type only this request produces, e.g. a weight-group join's)."""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
         async with self._control_lock:
             fut = self.loop.create_future()
             self._control_waiters.setdefault(reply_type, []).append(fut)
             await self.send_to_scheduler.send(encode_msg(req))
-            return await asyncio.wait_for(fut, timeout)
+            if exclusive:
+                return await asyncio.wait_for(fut, timeout)
+        return await asyncio.wait_for(fut, timeout)
+
+    def stall_s(self) -> tuple[float, int]:
+        """(seconds, n): for how long the scheduler has sent nothing while n requests sent to it are unfinished.
+
+        (0, 0) when none are, or while the step gate pauses it on purpose. Anything from the scheduler
+        (a token, a control answer) is progress; the clock starts at the later of its last message and
+        the oldest unfinished request's send, so an idle engine that receives a request starts at 0.
+        """
+        if self.scheduler_paused:
+            return 0.0, 0
+        sent = [s.sent_s for s in self.rid_to_state.values() if s.sent_s and not s.finished]
+        if not sent:
+            return 0.0, 0
+        return time.monotonic() - max(self.last_receive_s, min(sent)), len(sent)
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._control(FlushCacheReq(), FlushCacheReqOutput)
@@ -473,7 +503,9 @@ class TokenizerManager:
         return await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
 
     async def step_gate(self, action: str, steps: int = 1) -> StepGateReqOutput:
-        return await self._control(StepGateReq(action=action, steps=steps), StepGateReqOutput, timeout=300)
+        out = await self._control(StepGateReq(action=action, steps=steps), StepGateReqOutput, timeout=300)
+        self.scheduler_paused = out.paused
+        return out
 
     async def set_trace(self, enabled: bool) -> None:
         await self.send_to_scheduler.send(encode_msg(SetTraceReq(enabled=enabled)))
@@ -502,8 +534,12 @@ class TokenizerManager:
         return await self._update_weights(req, abort_all_requests)
 
     async def init_weights_update_group(self, req: InitWeightsUpdateGroupReq) -> UpdateWeightsReqOutput:
-        # Blocks the scheduler until the trainer joins; requests queue meanwhile.
-        return await self._control(req, UpdateWeightsReqOutput, timeout=WEIGHTS_UPDATE_TIMEOUT_S)
+        # The scheduler joins beside its loop and answers when the group has formed or failed (after up to
+        # timeout_s for the store and again for the group's handshake); serving and other control go on.
+        async with self._join_lock:
+            return await self._control(
+                req, InitWeightsUpdateGroupReqOutput, timeout=2 * req.timeout_s + 60, exclusive=False
+            )
 
     async def destroy_weights_update_group(self, group_name: str) -> UpdateWeightsReqOutput:
         return await self._control(DestroyWeightsUpdateGroupReq(group_name=group_name), UpdateWeightsReqOutput)

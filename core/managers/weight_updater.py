@@ -45,6 +45,7 @@ from workbench.core.io_struct import (
     GetWeightsByNameReq,
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReq,
+    InitWeightsUpdateGroupReqOutput,
     Msg,
     NamedTensorPayload,
     UpdateWeightsFromDiskReq,
@@ -83,7 +84,13 @@ __all__ = [
     "handle_request",
 ]
 
-DEFAULT_GROUP_TIMEOUT_S = 600.0
+# timeout_s of a weight-update group: how long joining may wait for the trainer, and how long each later
+# broadcast may wait for it. The join runs beside the scheduler's loop (weight_sync.py), but a broadcast runs
+# between two steps with new requests held, so a trainer that stops mid-push stalls serving this long at most:
+# hence the bound. 300 s is ample for a trainer to come (they call init at the same time) and for one tensor
+# to cross a slow link; the default is what a trainer starting alongside needs.
+DEFAULT_GROUP_TIMEOUT_S = 120.0
+MAX_GROUP_TIMEOUT_S = 300.0
 FLOAT_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -476,12 +483,34 @@ class WeightsUpdateGroup:
 
 
 _GROUPS: dict[str, WeightsUpdateGroup] = {}
+_JOINING: set[str] = set()  # groups whose join is still running (weight_sync.py)
 
 
-def _make_group(
-    master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str, timeout_s: float
-) -> WeightsUpdateGroup:
-    """Host (rank 0, the trainer) or join the group the way OpenRLHF's and SGLang's trainers build it."""
+def _still_joining(group_name: str) -> str:
+    return (
+        f"weight-update group {group_name!r} is still forming: wait for init_weights_update_group's answer "
+        "(it comes when the trainer has joined, or after timeout_s)"
+    )
+
+
+def check_group_timeout(timeout_s: Any) -> float:
+    """`timeout_s` as a float in (0, MAX_GROUP_TIMEOUT_S]; WeightUpdateError (a ValueError, so a 400) otherwise."""
+    try:
+        value = float(timeout_s)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0 < value <= MAX_GROUP_TIMEOUT_S:  # a NaN fails this too
+        raise WeightUpdateError(
+            f"timeout_s must be more than 0 and at most {MAX_GROUP_TIMEOUT_S:g} s, not {timeout_s!r}: it bounds "
+            "how long the join waits for the trainer and how long each broadcast may hold new requests; "
+            f"start the trainer's side at the same time (the default is {DEFAULT_GROUP_TIMEOUT_S:g} s)"
+        )
+    return value
+
+
+def group_device(backend: str, rank: int, world_size: int) -> torch.device:
+    """Check `backend` and `rank`; the device the group's tensors live on (call it on the thread that
+    will broadcast: the current CUDA device is per thread)."""
     if backend not in ("gloo", "nccl"):
         raise WeightUpdateError(f"backend must be gloo (CPU) or nccl (CUDA), not {backend!r}")
     if not 0 <= rank < world_size:
@@ -491,14 +520,37 @@ def _make_group(
 
         if not torch.cuda.is_available() or not dist.is_nccl_available():
             raise WeightUpdateError("backend nccl needs CUDA and a torch built with NCCL; use gloo on CPU")
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float,
+    device: torch.device | None = None,
+) -> WeightsUpdateGroup:
+    """Host (rank 0, the trainer) or join the group the way OpenRLHF's and SGLang's trainers build it.
+
+    Blocks until every rank has joined or `timeout_s` has passed (WeightUpdateError saying what to check).
+    """
+    if device is None:
+        device = group_device(backend, rank, world_size)
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)  # a joining thread starts on device 0
     init_method = f"tcp://{master_address}:{int(master_port)}"
     try:
         pg = init_custom_process_group(
             backend, init_method, world_size, rank, group_name, datetime.timedelta(seconds=timeout_s)
         )
+    except ValueError as exc:  # ours (custom_group): the address or port cannot be used
+        raise WeightUpdateError(
+            f"weight-update group {group_name!r} at {init_method}: {exc}; nothing was changed"
+        ) from exc
     except Exception as exc:  # noqa: BLE001 - torch raises several types; the user needs one message
         who = "its ranks" if rank == 0 else "the trainer (rank 0) and the other ranks"
         raise WeightUpdateError(
@@ -518,6 +570,29 @@ def _broadcast(group: WeightsUpdateGroup, tensor: torch.Tensor) -> None:
     dist.broadcast(tensor, src=0, group=group.pg)
 
 
+def check_join(
+    runner, rank_offset: int, world_size: int, group_name: str, backend: str, timeout_s: float
+) -> tuple[int, float, torch.device]:
+    """Everything init_weights_update_group checks before joining: (this rank, timeout_s, device).
+
+    Checked on every TP rank alike, before any joins, so no rank is left half-joined.
+    """
+    if group_name in _GROUPS:
+        raise WeightUpdateError(f"weight-update group {group_name!r} already exists; destroy it first")
+    if runner.device != "cuda" and backend == "nccl":
+        raise WeightUpdateError("backend nccl needs the model on CUDA; use gloo on CPU")
+    timeout_s = check_group_timeout(timeout_s)
+    tp_size = getattr(runner, "tp_size", 1)
+    if world_size < rank_offset + tp_size:
+        raise WeightUpdateError(
+            f"world_size {world_size} cannot hold this server's {tp_size} TP rank(s) from "
+            f"rank_offset {rank_offset}: use world_size >= {rank_offset + tp_size} "
+            "(the trainer's ranks plus one per TP rank)"
+        )
+    rank = rank_offset + runner.tp_rank
+    return rank, timeout_s, group_device(backend, rank, world_size)
+
+
 def init_weights_update_group(
     runner,
     master_address: str,
@@ -528,21 +603,18 @@ def init_weights_update_group(
     backend: str = "gloo",
     timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
 ) -> str:
-    """Join the trainer's group as rank `rank_offset + tp_rank`; blocks until every rank has joined."""
-    if group_name in _GROUPS:
-        raise WeightUpdateError(f"weight-update group {group_name!r} already exists; destroy it first")
-    if runner.device != "cuda" and backend == "nccl":
-        raise WeightUpdateError("backend nccl needs the model on CUDA; use gloo on CPU")
-    tp_size = getattr(runner, "tp_size", 1)
-    if world_size < rank_offset + tp_size:
-        # Checked on every rank alike, before any joins: no rank is left half-joined.
-        raise WeightUpdateError(
-            f"world_size {world_size} cannot hold this server's {tp_size} TP rank(s) from "
-            f"rank_offset {rank_offset}: use world_size >= {rank_offset + tp_size} "
-            "(the trainer's ranks plus one per TP rank)"
-        )
-    rank = rank_offset + runner.tp_rank
-    _GROUPS[group_name] = _make_group(master_address, master_port, rank, world_size, group_name, backend, timeout_s)
+    """Join the trainer's group as rank `rank_offset + tp_rank`; blocks until every rank has joined.
+
+    In-process use; the scheduler joins beside its loop instead (weight_sync.py), so serving goes on.
+    """
+    rank, timeout_s, device = check_join(runner, rank_offset, world_size, group_name, backend, timeout_s)
+    _GROUPS[group_name] = make_group(
+        master_address, master_port, rank, world_size, group_name, backend, timeout_s, device
+    )
+    return joined_message(group_name, rank, world_size, backend)
+
+
+def joined_message(group_name: str, rank: int, world_size: int, backend: str) -> str:
     return f"joined weight-update group {group_name!r} as rank {rank} of {world_size} ({backend})"
 
 
@@ -565,6 +637,8 @@ def update_weights_from_distributed(
             f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})"
         )
     group = _GROUPS.get(group_name)
+    if group is None and group_name in _JOINING:
+        raise WeightUpdateError(_still_joining(group_name))
     if group is None:
         raise WeightUpdateError(
             f"no weight-update group named {group_name!r}: call init_weights_update_group "
@@ -581,6 +655,8 @@ def update_weights_from_distributed(
 
 def destroy_weights_update_group(group_name: str = "weight_update_group") -> str:
     """Leave and free a weight-update group."""
+    if group_name in _JOINING:
+        raise WeightUpdateError(_still_joining(group_name))
     group = _GROUPS.pop(group_name, None)
     if group is None:
         raise WeightUpdateError(f"no weight-update group named {group_name!r}")
@@ -614,7 +690,7 @@ class TrainerWeightSync:
         backend: str = "gloo",
         timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
     ):
-        self.group = _make_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
+        self.group = make_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
 
     @staticmethod
     def describe(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> dict:
@@ -694,7 +770,7 @@ def _agree_across_ranks(reply: UpdateWeightsReqOutput, source: str | None) -> tu
         text = "; ".join(f"TP rank {r}: {m}" for r, m in failed)
     if changed_anywhere:
         text += " (other ranks loaded it: the ranks now disagree; load a full checkpoint again)"
-    return UpdateWeightsReqOutput(success=False, message=text), source
+    return type(reply)(success=False, message=text), source
 
 
 def _handle_on_this_rank(runner, msg: Msg, busy: bool) -> tuple[Msg, str | None]:
@@ -704,7 +780,7 @@ def _handle_on_this_rank(runner, msg: Msg, busy: bool) -> tuple[Msg, str | None]
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             return GetWeightsByNameReqOutput(message=_describe(exc)), None
     try:
-        if isinstance(msg, InitWeightsUpdateGroupReq):
+        if isinstance(msg, InitWeightsUpdateGroupReq):  # the scheduler joins in weight_sync.py instead
             text = init_weights_update_group(
                 runner,
                 msg.master_address,
@@ -715,7 +791,7 @@ def _handle_on_this_rank(runner, msg: Msg, busy: bool) -> tuple[Msg, str | None]
                 msg.backend,
                 msg.timeout_s,
             )
-            return UpdateWeightsReqOutput(success=True, message=text), None
+            return InitWeightsUpdateGroupReqOutput(success=True, message=text), None
         if isinstance(msg, DestroyWeightsUpdateGroupReq):
             return UpdateWeightsReqOutput(success=True, message=destroy_weights_update_group(msg.group_name)), None
         if not isinstance(msg, _CHANGES_WEIGHTS):
