@@ -31,9 +31,10 @@ $(TEST_STAMP): $(STAMP)
 
 install: $(STAMP)
 
-# A scenario (docs/scenarios.md): a waiting queue and evictions within its first minute, on any machine.
+# The guided tour (docs/tui.md): waiting, admission, chunked prefill, radix hit, eviction and retraction
+# within its first minute on any machine, pausing at each (n goes on). Any scenario: workbench tui --scenario NAME.
 run: $(STAMP)
-	$(BIN)/workbench tui --scenario shared-prefix
+	$(BIN)/workbench tui --tour
 
 # Two tiers, one folder each (docs/testing.md): `make test` runs tests/fast, after every change;
 # `make test-full` runs tests/fast and tests/e2e, what CI (.ci/run) runs. Every test under tests/e2e

@@ -34,6 +34,7 @@ from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import RequestSelected
 from workbench.tui.startup import phase_lines, startup_body, startup_title
 from workbench.tui.status import status_line
+from workbench.tui.tour import STOPS, TourGuide, TourStop
 from workbench.tui.workload import KINDS
 
 
@@ -46,6 +47,7 @@ class WorkbenchApp(App):
         layout: "grid" (one screen), "tabs" (one tab per panel) or "auto" (by terminal size).
         refresh_hz: panel redraw rate (events are folded at the same rate).
         select: a rid to select at start.
+        tour: the guided tour (tui/tour.py): pause at each of its stops, `n` goes on.
     """
 
     TITLE = "Serving Workbench"
@@ -60,6 +62,7 @@ class WorkbenchApp(App):
     #main { height: 1fr; }
     .grid-row { height: 1fr; }
     #answer { height: auto; max-height: 6; padding: 0 1; background: $panel; }
+    #tour { height: auto; max-height: 4; padding: 0 1; background: $accent-darken-2; color: $text; }
     #prompt { dock: bottom; }
     TabbedContent, TabPane { height: 1fr; }
     """
@@ -79,6 +82,7 @@ class WorkbenchApp(App):
         Binding("left_square_bracket", "select(-1)", "prev req", show=False),
         Binding("right_square_bracket", "select(1)", "next req", show=False),
         Binding("l", "toggle_layout", "layout"),
+        Binding("n", "tour_next", "next stop"),
         Binding("escape", "escape", "back", show=False),
         *[Binding(str(i), f"panel({i})", show=False) for i in range(1, 10)],
     ]
@@ -95,6 +99,7 @@ class WorkbenchApp(App):
         chat_max_new_tokens: int = 128,
         max_events_per_tick: int = 50_000,
         log_path: str | None = None,
+        tour: bool = False,
     ):
         super().__init__()
         if registry is None:
@@ -140,6 +145,10 @@ class WorkbenchApp(App):
         self._remounting = False
         self._quitting = False
         self._kind_cycle = list(KINDS)
+        self.tour = TourGuide() if tour else None
+        self.tour_shown: list[TourStop] = []  # the stops shown so far (the last one is on screen)
+        self._tour_queue: list[TourStop] = []  # reached, not shown yet (two stops in one step)
+        self._tour_waiting = False  # a stop is on screen, waiting for `n`
 
     def get_css_variables(self) -> dict[str, str]:
         """The theme's variables plus the colour language ($wb-cached, $wb-locked, ...: the palette
@@ -152,6 +161,7 @@ class WorkbenchApp(App):
     def compose(self) -> ComposeResult:
         yield Static(id="status")
         yield Static(id="laststep")
+        yield Static(id="tour")
         with Container(id="startup"):
             with Vertical(id="startup-box"):
                 yield Static(Text("Starting…", style="bold"), id="startup-title")
@@ -165,6 +175,9 @@ class WorkbenchApp(App):
     async def on_mount(self) -> None:
         self.query_one("#main").display = False
         self.query_one("#answer").display = False
+        self.query_one("#tour").display = self.tour is not None
+        if self.tour is not None:
+            self.query_one("#tour", Static).update(Text("guided tour: starting the engine…", style="bold"))
         self.query_one("#prompt").display = self.controller.can_chat
         if self.layout_mode == "auto":
             w, h = self.size
@@ -311,7 +324,12 @@ class WorkbenchApp(App):
         scenario = getattr(self.controller, "scenario", None)
         if scenario is not None:  # what this demo sets up and what to look for, in the events log
             self.model.note("info", scenario.describe())
-            self.notify(scenario.describe(), title=f"scenario {scenario.name}", timeout=15)
+            if self.tour is None:  # the tour says what happens, stop by stop, in its own line
+                self.notify(scenario.describe(), title=f"scenario {scenario.name}", timeout=15)
+        if self.tour is not None and not self.tour_shown:
+            self.query_one("#tour", Static).update(
+                Text(f"guided tour: running until the first of {len(STOPS)} stops (a request waiting)…", style="bold")
+            )
         self._tick()
 
     # ---- the 10 Hz loop ---------------------------------------------------------------
@@ -336,6 +354,8 @@ class WorkbenchApp(App):
         self.model.now_ns = self.controller.now_ns()
         self.model.paused = bool(getattr(self.controller, "paused", False))
         self.model.apply(events)
+        if self.tour is not None and events:
+            self._tour_feed(events)
         if self._deferred:
             self._reveal_deferred()
         self._drain_chat()
@@ -395,6 +415,8 @@ class WorkbenchApp(App):
             return c.can_step
         if action == "restart":
             return c.mode == "replay"
+        if action == "tour_next":
+            return self.tour is not None
         return True
 
     # ---- control (pause / step / workload) ------------------------------------------------
@@ -444,6 +466,9 @@ class WorkbenchApp(App):
 
     def action_toggle_pause(self) -> None:
         c = self.controller
+        if self._tour_waiting:  # p on a tour stop goes on, as n does
+            self.action_tour_next()
+            return
         if not c.can_step:
             self.notify(f"pausing is not available in {c.mode} mode", severity="warning")
             return
@@ -505,6 +530,53 @@ class WorkbenchApp(App):
         if self.controller.mode == "replay":
             self.controller.restart()
             self._tick()
+
+    # ---- the guided tour ------------------------------------------------------------------
+    def _tour_feed(self, events: list) -> None:
+        stops = self.tour.feed(events)
+        if not stops:
+            return
+        self._tour_queue += stops
+        if not self._tour_waiting:
+            self._tour_show_next()
+
+    def _tour_show_next(self) -> None:
+        stop = self._tour_queue.pop(0)
+        self.tour_shown.append(stop)
+        self._tour_waiting = True
+        c = self.controller
+        if c.can_step and not c.paused:
+            self._control("pause", lambda: c.set_paused(True))
+        self.model.note("info", stop.banner())
+        more = "n: next stop" if stop.index < len(STOPS) else "n: go on (the tour is done; the scenario keeps running)"
+        self.query_one("#tour", Static).update(
+            Text.assemble(
+                (f"tour {stop.index}/{len(STOPS)} · {stop.title}", "bold"),
+                f" (step {stop.step}): ",
+                stop.line,
+                ("  ⏸ paused · " + more, "bold"),
+            )
+        )
+
+    def action_tour_next(self) -> None:
+        """`n`: the next stop already reached, or resume until it comes."""
+        if self.tour is None:
+            return
+        if self._tour_queue:
+            self._tour_show_next()
+            return
+        nxt = self.tour.next_name
+        label = dict(STOPS).get(nxt or "", "")
+        text = (
+            f"tour: running until the next stop ({label}: {len(self.tour_shown) + 1}/{len(STOPS)})…"
+            if nxt
+            else "tour done: every case was seen; the scenario keeps running (p pauses, ? explains the panels)"
+        )
+        self.query_one("#tour", Static).update(Text(text, style="bold"))
+        self._tour_waiting = False
+        c = self.controller
+        if c.can_step and c.paused:
+            self._control("resume", lambda: c.set_paused(False))
 
     # ---- chat ---------------------------------------------------------------------------
     def on_input_submitted(self, event: Input.Submitted) -> None:

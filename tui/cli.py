@@ -1,5 +1,6 @@
 """`workbench tui`: argument parsing and the entry point (the main CLI wires these in).
 
+workbench tui --tour                                                # the guided tour (make run)
 workbench tui [--model PATH] [--scenario kv-pressure]              # live engine, a demo running
 workbench tui [--workload shared-prefix --rate 2]                   # ... or a fixed-rate workload
 workbench tui --workload mooncake_trace.jsonl [--time-scale 20]      # ... or a production trace
@@ -57,6 +58,13 @@ def add_tui_args(parser: argparse.ArgumentParser) -> None:
         help="start a demo scenario at once: its engine settings (where you did not set the flag) "
         "and a workload whose rate adapts to this machine (docs/scenarios.md); "
         + "; ".join(f"{s.name}: {s.summary}" for s in SCENARIOS.values()),
+    )
+    demo.add_argument(
+        "--tour",
+        action="store_true",
+        help="the guided tour (what `make run` starts): the `tour` scenario, pausing at each of six stops "
+        "(waiting, admission, chunked prefill, radix hit, eviction, retraction) with a line on what just "
+        "happened; n goes on (docs/tui.md)",
     )
     demo.add_argument(
         "--workload",
@@ -136,7 +144,7 @@ def make_controller(args: argparse.Namespace):
     if not isinstance(workload, (str, type(None))):
         print(f"workbench tui: {workload.describe(rate, simulated=bool(sa.simulate))}", file=sys.stderr)
         rate = workload.played_rate(rate, simulated=bool(sa.simulate))  # the controller's rate: + and - from it
-    scenario = getattr(args, "scenario", None)
+    scenario = "tour" if getattr(args, "tour", False) else getattr(args, "scenario", None)
     if scenario:
         from workbench.scenarios import get_scenario
 
@@ -272,6 +280,7 @@ def run_tui(args: argparse.Namespace) -> int:
                     panels=panels,
                     layout=getattr(args, "layout", "auto"),
                     log_path=log_path if live else None,
+                    tour=bool(getattr(args, "tour", False)) and live,
                 )
             except ValueError as exc:
                 controller.close()
