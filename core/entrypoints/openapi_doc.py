@@ -97,6 +97,20 @@ ERRORS = {
     422: "the body has a wrong JSON type, misses a required field or has an unknown one; `error.param` names the field",
     503: "the server is starting, shutting down, or its engine is unavailable",
 }
+# One event of a stream (OpenAPI before 3.2: the `schema` of text/event-stream describes each event).
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {
+            "type": "string",
+            "description": "a JSON answer chunk; an error envelope if the request fails after the headers; "
+            "`[DONE]` last",
+        },
+    },
+    "description": "with `stream: true`: `data: <JSON answer chunk>` events, an error event if the request "
+    "fails after the headers, then `data: [DONE]`",
+}
 # Routes that answer 400 without a body: /flush_cache while requests run.
 BODYLESS_400 = {"/flush_cache"}
 
@@ -207,13 +221,7 @@ def install(app: FastAPI, api_key: bool = False) -> None:
                     }
                     ok["content"] = {"application/json": {"schema": ref(answer)}}
                     if streams:
-                        ok["content"]["text/event-stream"] = {
-                            "schema": {
-                                "type": "string",
-                                "description": "with `stream: true`: `data: <JSON answer chunk>` events, an error "
-                                "event if the request fails after the headers, then `data: [DONE]`",
-                            }
-                        }
+                        ok["content"]["text/event-stream"] = {"schema": SSE_EVENT}
                 elif (path, method) in ANSWERS:
                     ok["content"] = {"application/json": {"schema": ref(ANSWERS[(path, method)])}}
                 elif path in TEXT_ANSWERS:
