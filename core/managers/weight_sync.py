@@ -72,8 +72,7 @@ def start_join(runner, msg: InitWeightsUpdateGroupReq) -> list[InitWeightsUpdate
         refusal = InitWeightsUpdateGroupReqOutput(success=False, message=wu._describe(exc))
     if getattr(runner, "tp_size", 1) > 1:
         # The checks are the same on every rank; agreeing anyway means no rank joins while another refused.
-        reply = refusal or InitWeightsUpdateGroupReqOutput(success=True)
-        reply, _ = wu._agree_across_ranks(reply, None)
+        reply = _agree(refusal or InitWeightsUpdateGroupReqOutput(success=True))
         refusal = reply if not reply.success else None
     if refusal is not None:
         return [refusal]
@@ -136,7 +135,7 @@ def poll_join(runner) -> list[InitWeightsUpdateGroupReqOutput]:
     else:
         reply = InitWeightsUpdateGroupReqOutput(success=False, message=join.error or "the join ended without a group")
     if tp:
-        reply, _ = wu._agree_across_ranks(reply, None)
+        reply = _agree(reply)
     if reply.success and join.group is not None:
         wu._GROUPS[m.group_name] = join.group
     elif join.group is not None:  # joined here, failed on another rank: the group cannot work
@@ -146,3 +145,10 @@ def poll_join(runner) -> list[InitWeightsUpdateGroupReqOutput]:
     while _queued and _current is None:
         replies += start_join(runner, _queued.popleft())
     return replies
+
+
+def _agree(reply: InitWeightsUpdateGroupReqOutput) -> InitWeightsUpdateGroupReqOutput:
+    """One outcome for all TP ranks (a failure anywhere fails it everywhere); a collective."""
+    agreed, _ = wu._agree_across_ranks(reply, None)
+    assert isinstance(agreed, InitWeightsUpdateGroupReqOutput)  # it keeps the reply's type
+    return agreed
