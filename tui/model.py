@@ -34,11 +34,14 @@ class LogLine:
 
 
 class EventLog:
-    """A bounded log of the events a person wants to read about (not every batch step)."""
+    """A bounded log of the events a person wants to read about (not every batch step), in time
+    order: events from different processes arrive out of order (a scheduler's eviction may come
+    after a later arrival from the tokenizer), and each line is put where its `ts` belongs. `seq`
+    numbers lines as they were added, so a panel knows which it has not shown yet."""
 
     def __init__(self, maxlen: int = 2000):
         self.lines: deque[LogLine] = deque(maxlen=maxlen)
-        self.seq = 0  # lines ever appended; panels remember the last one they showed
+        self.seq = 0  # lines ever added; panels remember the last one they showed
 
     def clear(self) -> None:
         self.lines.clear()
@@ -46,8 +49,26 @@ class EventLog:
     def add(self, ts: int, category: str, text: str, rid: str | None = None, step: int = -1) -> LogLine:
         self.seq += 1
         line = LogLine(self.seq, ts, category, text, rid, step)
-        self.lines.append(line)
+        lines = self.lines
+        if not lines or ts >= lines[-1].ts:
+            lines.append(line)
+            return line
+        i = len(lines) - 1  # late: walk back to its place (a few lines at most, usually)
+        while i > 0 and lines[i - 1].ts > ts:
+            i -= 1
+        if len(lines) == lines.maxlen:
+            if i == 0:
+                return line  # older than everything kept: it would be dropped first anyway
+            lines.popleft()
+            i -= 1
+        lines.insert(i, line)
         return line
+
+    def restamp(self, ts: int) -> None:
+        """Lines logged before any event (ts 0: no clock yet) take `ts`, the first event's."""
+        for i, line in enumerate(self.lines):
+            if line.ts == 0:
+                self.lines[i] = replace(line, ts=ts)
 
     def observe(self, e: ev.Event) -> None:
         """Log `e` if it is one of the notable kinds. A scheduler's event carries its step; a
@@ -124,6 +145,7 @@ class TuiModel:
                 log.clear()
             elif self.t0_ns is None and e.ts:
                 self.t0_ns = e.ts
+                log.restamp(e.ts)  # app notes made before any event: at the start, not at ts 0
             st.apply(e)
             log.observe(e)
         if log.seq > seq0:
@@ -137,10 +159,14 @@ class TuiModel:
         the tokenizer) their request's last step. Done once the whole batch is folded: live, a
         finish is often delivered just before the batch.step that produced its last token."""
         lines, st = self.log.lines, self.state
+        left = self.log.seq - seq0  # the new lines: mostly at the end, a late one a little earlier
         for i in range(len(lines) - 1, -1, -1):
+            if left <= 0:
+                break
             line = lines[i]
             if line.seq <= seq0:
-                break
+                continue
+            left -= 1
             if line.step < 0 and line.rid is not None and line.category in ("finish", "abort"):
                 r = st.requests.get(line.rid)
                 if r is not None and r.steps:

@@ -21,25 +21,44 @@ STATUS_HELP = (
     "  The source (LIVE model · workload, or REPLAY file · position/length in s from the first "
     "request · speed) │ step N: the last scheduler step (PAUSED: it waits; s runs one step) │ "
     "wait · new · run: requests queued for prefill, arrived but not queued yet, in the decode "
-    "batch │ KV: share of the KV pool in use │ prefill · decode tok/s: tokens computed per second "
-    "over the last 5 s │ done: finished requests · hit: share of prefilled prompt tokens served "
+    "batch │ KV: the KV pool's slots held by requests, cached (evictable: prefixes nobody holds, "
+    "freed on demand by evicting them) and free; they add up to the pool (a narrow terminal leaves "
+    "cached out) │ prefill · decode tok/s: tokens computed per second over the last 5 s │ done: finished requests · hit: share of prefilled prompt tokens served "
     "from the radix cache. On a narrow terminal the figures move to a second line.\n"
 )
 
 Segment = tuple[str, str, str]  # (separator before it, text, style)
 
 
-def status_segments(st: TraceState, now_ns: int, paused: bool) -> tuple[list[Segment], list[Segment]]:
+def _pct(n: int, total: int) -> str:
+    """A share of the pool; `<1%` and `>99%` so a few slots never read as none or all of it."""
+    p = 100 * n / total
+    if 0 < p < 1:
+        return "<1%"
+    if 99 < p < 100:
+        return ">99%"
+    return f"{p:.0f}%"
+
+
+def status_segments(
+    st: TraceState, now_ns: int, paused: bool, compact: bool = False
+) -> tuple[list[Segment], list[Segment]]:
     """(where, figures): `where` says where the scheduler is (last step, PAUSED); `figures` are
-    the labelled counts and rates."""
+    the labelled counts and rates. `compact`: the KV figure leaves out the cached share (the rest
+    of the pool), for a narrow terminal."""
     last = st.steps[-1].step if st.steps else -1
     where = [(SEP, f"step {last}", "")]
     if paused:  # glued to the step: "step 12 PAUSED" reads (and is searched for) as one unit
         where.append(("", " PAUSED ", "bold reverse"))
     q = st.queue_counts()
     figures = [(SEP, f"wait {q['waiting']} · new {q['new']} · run {q['running']}", "")]
-    if st.kv is not None and st.kv.total:
-        figures.append((SEP, f"KV {100 * st.kv.used / st.kv.total:.0f}% used", ""))
+    k = st.kv
+    if k is not None and k.total:
+        # held + cached + free = the pool: cached (evictable) slots are neither held nor free, so
+        # a pool full of cache never reads as room (`KV 28% used` with 10 of 640 slots free).
+        held, cached, free = _pct(k.used, k.total), _pct(k.evictable, k.total), _pct(k.free, k.total)
+        kv = f"KV {held} held · {free} free" if compact else f"KV {held} held · {cached} cached · {free} free"
+        figures.append((SEP, kv, ""))
     tp = st.throughput(5.0, now_ns)
     figures.append((SEP, f"prefill {fmt_count(tp.prefill_tps)} · decode {fmt_count(tp.decode_tps)} tok/s", ""))
     c = st.counters
@@ -88,6 +107,8 @@ def status_line(head: str, st: TraceState | None, now_ns: int, *, ready: bool, p
         out.append(head, style="bold")
         _join(out, where + figures)
         return out
+    if _length(figures) > width:  # the figures' own line: the KV figure without the cached share
+        where, figures = status_segments(st, now_ns, paused, compact=True)
     out.append(_shrink_head(head, width - _length(where)), style="bold")
     _join(out, where)
     out.append("\n")

@@ -164,3 +164,64 @@ def test_a_decode_run_across_a_pause_is_not_all_decode_time():
     line = next(x for x in text.splitlines() if "decode " in x and "(steps " in x)
     assert "6 steps (steps 1–6)" in line and "between them" in line, line
     assert "120 ms in steps + 10050 ms between" in line, line  # 6 x 20 ms; from step 1 start to step 6 end
+
+
+# ---- item 4: the header never suggests room that is not there -------------------------------------
+
+
+def test_header_shows_held_cached_and_free():
+    from workbench.tui.status import status_line
+
+    st = TraceState()
+    st.apply(ev.KVUsage(ts=5, proc="scheduler", step=146, used=180, evictable=450, free=10, total=640))
+    wide = status_line("LIVE m", st, 5, ready=True, paused=False, width=300).plain
+    assert "KV 28% held · 70% cached · 2% free" in wide and "used" not in wide
+    narrow = status_line("LIVE m", st, 5, ready=True, paused=False, width=70).plain
+    assert "KV 28% held · 2% free" in narrow  # the cached share is the rest of the pool
+    st.apply(ev.KVUsage(ts=6, proc="scheduler", step=147, used=637, evictable=0, free=3, total=640))
+    assert "KV >99% held · 0% cached · <1% free" in status_line("x", st, 6, ready=True, paused=False, width=300).plain
+
+
+# ---- item 6: Events in time order, from the trace's start, keeping up -------------------------------
+
+
+def test_events_are_in_time_order_and_an_early_note_is_at_the_start():
+    from workbench.tui.model import TuiModel
+    from workbench.tui.panels.events import format_line
+
+    m = TuiModel()
+    m.note("info", "engine starting")  # before any event: the reducer's clock is 0
+    t0 = 1594_585_000_000
+    m.apply([ev.ReqArrived(ts=t0, proc="tokenizer", rid="a")])
+    m.apply([ev.ReqArrived(ts=t0 + 35_852_000_000, proc="tokenizer", rid="b")])
+    m.apply([ev.CacheEvict(ts=t0 + 35_003_000_000, proc="scheduler", step=9, node_ids=[3], tokens=30)])  # late
+    texts = [format_line(ln, m).plain for ln in m.log.lines]
+    assert texts[0].startswith("   0.000s info") and "-1594" not in texts[0], texts
+    stamps = [ln.ts for ln in m.log.lines]
+    assert stamps == sorted(stamps)
+    assert [ln.category for ln in m.log.lines][-2:] == ["evict", "arrive"]
+
+
+async def test_events_panel_keeps_up_and_redraws_a_late_line_in_place():
+    from textual.widgets import RichLog
+    from tui_helpers import replay_app, show_at
+    from workbench.tui.panels.events import EventsPanel
+
+    app, replay = replay_app(panels=["events"])
+    async with app.run_test(size=(140, 30)) as pilot:
+        await show_at(app, pilot, replay, replay.end_ns)
+        m = app.model
+        end = m.state.last_ts
+        # a flood: far more lines than one redraw renders
+        m.apply([ev.ReqArrived(ts=end + i * 1000, proc="tokenizer", rid=f"f{i}") for i in range(1, 3001)])
+        app.refresh_panels(force=True)
+        await pilot.pause()
+        log = app.query_one("#events-log", RichLog)
+        assert len(log.lines) <= EventsPanel.MAX_LINES_PER_DRAW + 60  # bounded work (a line may wrap)
+        assert "f3000 arrived" in log.lines[-1].text  # up to date
+        # a late line (an eviction stamped before the last arrivals) goes where its time is
+        m.apply([ev.CacheEvict(ts=end + 2999 * 1000 - 1, proc="scheduler", step=99, node_ids=[1], tokens=7)])
+        app.refresh_panels(force=True)
+        await pilot.pause()
+        tail = [s.text for s in log.lines[-3:]]
+        assert "evict" in tail[0] and "f2999 arrived" in tail[1] and "f3000 arrived" in tail[2], tail

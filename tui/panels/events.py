@@ -54,7 +54,8 @@ class EventsPanel(TracePanel):
     PANEL_NAME = "events"
     TITLE = "Events"
     HELP = (
-        "Notable events, newest at the bottom: arrivals, finishes (with TTFT/E2E), retractions, "
+        "Notable events in time order (a late event from another process takes its place by its "
+        "time), newest at the bottom: arrivals, finishes (with TTFT/E2E), retractions, "
         "evictions, aborts, dropped trace events, process starts/exits and errors. `step N` names "
         "the scheduler step an event belongs to (a finish: the step of its last token), as in "
         "the Batch panel. Times are seconds since the trace began (a replay: since its first request, "
@@ -63,6 +64,7 @@ class EventsPanel(TracePanel):
         "`evict` or `-arrive`."
     )
     clock_interval_s = 0
+    MAX_LINES_PER_DRAW = 200  # more than any terminal shows at once
 
     def compose(self) -> ComposeResult:
         yield Input(placeholder="filter (e.g. evict, abort, -arrive)", id="events-filter")
@@ -71,6 +73,7 @@ class EventsPanel(TracePanel):
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self._shown_seq = 0
+        self._last_ts: int | None = None  # the newest line's ts when the log was last drawn
         self._terms: list[str] = []
         self._epoch = -1
         self._selected = None
@@ -96,21 +99,32 @@ class EventsPanel(TracePanel):
         log = self.query_one(RichLog)
         log.clear()
         self._shown_seq = 0
+        self._last_ts = None
         self._append(model)
 
     def _append(self, model: TuiModel) -> None:
+        """Write the lines not shown yet. The log is in time order and a late line may belong
+        before lines already written: then the tail is drawn again. Either way at most
+        MAX_LINES_PER_DRAW lines are rendered per redraw (the newest), so under load the panel
+        keeps up with the header instead of falling behind by whole seconds of events."""
         log = self.query_one(RichLog)
         # Render each line at the log's own width (0 before the first layout: RichLog defers it);
         # left to itself RichLog measures against the console's width, not the panel's.
         width = log.scrollable_content_region.width or None
-        for line in model.log.lines:
-            if line.seq > self._shown_seq and line_matches(line, self._terms):
+        lines = model.log.lines
+        new = [ln for ln in lines if ln.seq > self._shown_seq]
+        if new:
+            late = self._last_ts is not None and new[0].ts < self._last_ts
+            if late or len(new) > self.MAX_LINES_PER_DRAW:
+                log.clear()
+                new = [ln for ln in lines if line_matches(ln, self._terms)][-self.MAX_LINES_PER_DRAW :]
+            else:
+                new = [ln for ln in new if line_matches(ln, self._terms)]
+            for line in new:
                 log.write(format_line(line, model), width=width)
-        if model.log.lines:
-            self._shown_seq = model.log.lines[-1].seq
-        self.border_title = f"Events — {len(model.log.lines)}" + (
-            f" · filter: {' '.join(self._terms)}" if self._terms else ""
-        )
+            self._shown_seq = max(ln.seq for ln in lines)
+            self._last_ts = lines[-1].ts
+        self.border_title = f"Events — {len(lines)}" + (f" · filter: {' '.join(self._terms)}" if self._terms else "")
 
     def update_view(self, model: TuiModel) -> None:
         self._model = model

@@ -39,9 +39,9 @@ def render_kv(model: TuiModel, width: int = 40) -> Text:
     evictable = st.evictable  # the one figure the radix tree's title shows too
     out.append_text(kv_gauge(k.used, evictable, k.free, k.total, width))
     out.append("\n")
-    out.append("█ used      ", style=USED)
+    out.append("█ held      ", style=USED)
     out.append(f"{fmt_count(k.used):>6} ({100 * k.used / total:.0f}%)\n")
-    out.append("▓ evictable ", style=EVICTABLE)
+    out.append("▓ cached    ", style=EVICTABLE)
     out.append(f"{fmt_count(evictable):>6} ({100 * evictable / total:.0f}%)\n")
     out.append("░ free      ", style=FREE)
     out.append(f"{fmt_count(k.free):>6} of {fmt_count(k.total)} tokens\n")
@@ -50,9 +50,9 @@ def render_kv(model: TuiModel, width: int = 40) -> Text:
         used = resample([p.used / max(p.total, 1) for p in hist], width)
         held = resample([(p.used + p.evictable) / max(p.total, 1) for p in hist], width)
         out.append(spark(used, width, hi=1.0), style=USED)
-        out.append("  used\n", style="dim")
+        out.append("  held\n", style="dim")
         out.append(spark(held, width, hi=1.0), style=EVICTABLE)
-        out.append("  used+cached\n", style="dim")
+        out.append("  held+cached\n", style="dim")
     c = st.counters
     out.append(f"hit rate {100 * st.cache_hit_rate:.0f}% · ", style="dim")
     out.append(f"evicted {fmt_count(c.evicted_tokens_total)} t", style=EVICTED)
@@ -65,8 +65,9 @@ class KVPanel(TracePanel):
     PANEL_NAME = "kv"
     TITLE = "KV pool"
     HELP = (
-        "The token KV pool: █ used by requests in flight, ▓ evictable (cached prefixes nobody "
-        "holds; freed on demand), ░ free. Below: the history of used and used+cached, the cache "
+        "The token KV pool: █ held by requests in flight, ▓ cached (evictable: prefixes nobody "
+        "holds; freed on demand), ░ free; the three add up to the pool, and the status line's KV "
+        "figure and the step line's `→ N held` use the same words. Below: the history of held and held+cached, the cache "
         "hit rate (prompt tokens served from the cache as requests are admitted), tokens evicted and requests retracted (the pool ran out "
         "during decode)."
     )
