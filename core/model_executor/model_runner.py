@@ -84,8 +84,11 @@ class ModelRunner:
         self.attn_backend = self._make_attn_backend()
         self.logits_processor = LogitsProcessor(self.model_config.vocab_size)
         self.sampler = Sampler()
+        self.batch_invariant = server_args.enable_deterministic_inference
+        if self.batch_invariant:
+            self._enable_batch_invariant_mode()
         self.decode_runner: TorchCompileDecodeRunner | None = None
-        if server_args.enable_torch_compile and self.tp_size == 1:
+        if server_args.enable_torch_compile and self.tp_size == 1 and not self.batch_invariant:
             self.decode_runner = TorchCompileDecodeRunner(
                 self, min(server_args.torch_compile_max_bs, self.max_running_requests)
             )
@@ -153,11 +156,40 @@ class ModelRunner:
             tokens, self.kv_dtype, kv_heads, mc.head_dim, mc.num_layers, self.device
         )
 
+    def _enable_batch_invariant_mode(self) -> None:
+        """--enable-deterministic-inference: batch-invariant linears, norms, LM head and attention
+        (core/layers/batch_invariant.py); refuses what has no batch-invariant path, saying what to drop."""
+        from workbench.core.layers import batch_invariant
+
+        reason = batch_invariant.unavailable_reason(self.device, self.dtype)
+        reason = reason or batch_invariant.model_unsupported_reason(self.model)
+        if reason is None and self.tp_size > 1:
+            reason = "--enable-deterministic-inference runs on one rank here; use --tp-size 1"
+        if reason is None and not isinstance(self.attn_backend, batch_invariant.DeterministicCpuAttnBackend):
+            reason = (
+                f"--enable-deterministic-inference attends with the cpu_paged kernels, not "
+                f"{self.attention_backend_name}; drop --attention-backend"
+            )
+        if reason:
+            raise ValueError(reason)
+        batch_invariant.enable_batch_invariant_mode(self.model)
+        self.logits_processor._head = batch_invariant.lm_head_logits  # type: ignore[method-assign]
+        logger.info("deterministic inference: batch-invariant linears, norms and attention")
+
     def _make_attn_backend(self):
         from workbench.core.layers.attention.registry import choose_attention_backend, create_attn_backend
 
         mc = self.model_config
         q_heads, kv_heads = max(1, mc.num_attention_heads // self.tp_size), self.token_to_kv_pool.head_num
+        if self.server_args.enable_deterministic_inference and self.server_args.attention_backend in (
+            None,
+            "cpu_paged",
+        ):
+            from workbench.core.layers import batch_invariant, cpu_ops
+
+            if self.device == "cpu" and not cpu_ops.shape_unsupported_reason(q_heads, kv_heads, mc.head_dim):
+                self.attention_backend_name = "cpu_paged"
+                return batch_invariant.DeterministicCpuAttnBackend(group_size=q_heads // max(1, kv_heads))
         name = choose_attention_backend(
             self.server_args.attention_backend,
             torch.device(self.device).type,
@@ -234,7 +266,9 @@ class ModelRunner:
         if self.tp_size > 1:  # the head is vocab-sharded: compute_logits gathers the shards
             all_logits = self.model.compute_logits(picked)
         else:
-            all_logits = LogitsProcessor._head(picked, self.model.lm_head.weight[: self.logits_processor.vocab_size])
+            all_logits = self.logits_processor._head(
+                picked, self.model.lm_head.weight[: self.logits_processor.vocab_size]
+            )
             cap = getattr(self.model, "final_logit_softcapping", 0.0)
             if cap:  # Gemma 2: what compute_logits applies on the other paths
                 all_logits = torch.tanh(all_logits / cap) * cap

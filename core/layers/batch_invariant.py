@@ -1,0 +1,276 @@
+"""Batch-invariant ops: `--enable-deterministic-inference` (SGLang's flag) on CPU.
+
+A request's tokens and logprobs should not depend on which other requests share its batch, on
+how much of its prompt was already cached, or on how its prompt was cut into chunks. They do
+when a reduction's order depends on those: the engine's fast paths pick a kernel by the number
+of rows (a batch-1 GEMV sums a row with two accumulators, a GEMM with one; a batch-1 decode runs
+every layer in one compiled call, in float32 even for bfloat16 weights), prefill attends with
+another kernel than decode (blocked over query rows and over the cached prefix), and decode
+attends once per group over a shared prefix and merges (cascade attention). Each is bit-exact
+for itself, but each sums in another order, and in bfloat16 one ulp can flip a greedy token.
+
+Under the flag (`enable_batch_invariant_mode`, called by the ModelRunner after loading):
+- every linear, and the LM head, is `bi_linear` (cpu_ops/batch_invariant.c): each output element is
+  one FMA chain over K in order, the same instructions whatever M, the tile and the thread;
+- RMSNorm is the compiled one-row-at-a-time kernel (rms_norm.c), also for float32;
+- attention is `DeterministicCpuAttnBackend`: prefill, extend over a cached prefix, chunked
+  prefill and decode all run the decode kernel (paged_attention.c), one query at a time over keys
+  0..p in the same order, so a query's result depends on its keys only; no cascade groups;
+- the batch-1 fused decode (decode_layers.c) and the torch.compile decode runner are not used.
+What was already per row stays: embedding, RoPE, SiLU, the log-softmax and the sampler, whose
+seeded requests draw from their own generator (sampler.py). With the flag off nothing here runs:
+the patches are installed on the model's instances only when it is on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import types
+from pathlib import Path
+
+import torch
+from workbench.core.layers import cpu_ops
+from workbench.core.layers.attention.cpu_paged_backend import CpuPagedAttnBackend, PagedDecodeMetadata
+
+_WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# Its own small library beside cpu_ops' (built the same way, at first use under the flag), so the
+# default path's library and its build are untouched by it.
+SOURCE = Path(cpu_ops.__file__).parent / "batch_invariant.c"
+_lock = threading.Lock()
+_bi_lib: ctypes.CDLL | None = None
+_bi_error: str | None = None
+
+
+def _library_path() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join([os.environ.get("CC", "cc")] + cpu_ops.CFLAGS).encode())
+    digest.update(cpu_ops._cpu_signature().encode())
+    base = Path(os.environ.get("WORKBENCH_CACHE_DIR") or "~/.cache/workbench").expanduser()
+    return base / "kernels" / f"workbench_batch_invariant-{digest.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler {compiler!r} on PATH; install one (apt install gcc) or set CC")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:  # beside the target, then renamed: processes building at once never load half a file
+        proc = subprocess.run(
+            [compiler, *cpu_ops.CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=600
+        )
+        if proc.returncode != 0:
+            first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
+            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}: {first}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _lib() -> ctypes.CDLL:
+    """The batch-invariant kernels, built once per machine; raises RuntimeError saying why not."""
+    global _bi_lib, _bi_error
+    with _lock:
+        if _bi_lib is None and _bi_error is None:
+            try:
+                target = _library_path()
+                if not target.exists():
+                    _build(target)
+                lib = ctypes.CDLL(str(target))
+                ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+                lib.wb_bi_linear.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64, ptr, i64, i64, i64, i64, i32]
+                lib.wb_bi_linear.restype = None
+                lib.wb_bi_linear_available.restype = ctypes.c_int
+                _bi_lib = lib
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _bi_error = f"the batch-invariant kernels are unavailable: {exc}"
+    if _bi_lib is None:
+        raise RuntimeError(_bi_error)
+    return _bi_lib
+
+
+def unavailable_reason(device: str, dtype: torch.dtype | None = None) -> str | None:
+    """None when batch-invariant inference can run on `device` with `dtype`, else why not and what to do."""
+    if device != "cpu":
+        return (
+            "--enable-deterministic-inference is implemented for CPU only here; on CUDA SGLang uses "
+            "batch-invariant Triton kernels and FlashInfer/FA3 fixed-split attention (docs/deterministic.md). "
+            "Drop the flag or run with --device cpu"
+        )
+    if dtype is not None and dtype not in _WEIGHT_CODES:
+        return f"--enable-deterministic-inference supports float32 and bfloat16 models, not {dtype}; pass --dtype"
+    reason = cpu_ops.unavailable_reason()
+    if reason:
+        return f"--enable-deterministic-inference needs the compiled CPU kernels: {reason}"
+    try:
+        lib = _lib()
+    except RuntimeError as exc:
+        return f"--enable-deterministic-inference: {exc}"
+    if not lib.wb_bi_linear_available():
+        return "--enable-deterministic-inference needs a CPU with AVX2 and FMA (its batch-invariant GEMM uses them)"
+    return None
+
+
+def bi_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) (+ residual) as a new float32 [M, N]; row m's result depends only on
+    x[m] (and residual[m]), never on M or the other rows. x [M, K] any float dtype; weight [N, K]
+    float32 or bfloat16 with contiguous rows; bias [N]; residual [M, N]."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.dtype not in _WEIGHT_CODES:
+        raise ValueError(f"bi_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} {weight.dtype}")
+    x = x.to(torch.float32)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    if residual is not None:
+        residual = residual.to(torch.float32)
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+    out = torch.empty((m, n), dtype=torch.float32)
+    if m == 0:
+        return out
+    _lib().wb_bi_linear(
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        weight.stride(0),
+        _WEIGHT_CODES[weight.dtype],
+        bias.data_ptr() if bias is not None else None,
+        residual.data_ptr() if residual is not None else None,
+        residual.stride(0) if residual is not None else 0,
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+class DeterministicCpuAttnBackend(CpuPagedAttnBackend):
+    """Attention whose result for a query depends only on that query and its keys 0..p.
+
+    Every pass (prefill, extend over a cached prefix, a chunk, a decode step, a mixed batch) stores
+    its K/V, then runs the decode kernel with one row per query token: row (request, p) reads the
+    request's slots 0..p, scores them in order, takes one softmax over them and sums V in order.
+    Prefill costs more than the blocked extend kernel (each query reads its keys itself); decode
+    costs the same, less the shared-prefix grouping it gives up.
+    """
+
+    name = "cpu_paged"  # the kernels are cpu_paged's; the flag is what differs
+
+    def __init__(self, group_size: int = 1):
+        super().__init__(group_size)
+        self.use_extend_kernel = True  # the model's checks read it; extend never reaches SDPA here
+
+    def init_forward_metadata(self, fb) -> None:
+        if fb.forward_mode.is_decode():
+            fb.attn_metadata = self._decode_metadata(fb.req_pool_indices, fb.seq_lens, fb)
+            return
+        rows, lens = [], []
+        for row, prefix, n in zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+            rows += [row] * n
+            lens += range(prefix + 1, prefix + n + 1)
+        fb.attn_metadata = PagedDecodeMetadata(
+            torch.tensor(rows, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64), torch.empty(0)
+        )
+
+    def forward_extend(self, q, k, v, layer, fb) -> torch.Tensor:
+        pool = fb.token_to_kv_pool
+        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        meta: PagedDecodeMetadata = fb.attn_metadata
+        return cpu_ops.paged_decode_attention(
+            q,
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
+            fb.req_to_token_pool.req_to_token,
+            meta.req_pool_indices,
+            meta.seq_lens,
+            layer.scaling,
+        )
+
+    def _decode_metadata(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, fb) -> PagedDecodeMetadata:
+        def i64(t: torch.Tensor) -> torch.Tensor:
+            return t.to(torch.int64).contiguous()
+
+        # no shared-prefix groups: merging two partial softmaxes sums in another order
+        return PagedDecodeMetadata(i64(req_pool_indices), i64(seq_lens), i64(fb.out_cache_loc))
+
+
+def model_unsupported_reason(model: torch.nn.Module) -> str | None:
+    """None when every layer of `model` has a batch-invariant path, else which one has not."""
+    from workbench.core.layers.layernorm import RMSNorm
+    from workbench.core.layers.linear import LinearBase
+    from workbench.core.layers.radix_attention import RadixAttention
+
+    for name, module in model.named_modules():
+        if isinstance(module, RadixAttention) and (module.sliding_window_size or module.logit_cap):
+            return f"{name} uses a sliding window or a logit soft-cap, which has no batch-invariant path yet"
+        kind = type(module).__name__
+        if kind.endswith("Norm") and not isinstance(module, RMSNorm):
+            return f"{name} is a {kind}, which has no batch-invariant path yet"
+        if kind in ("FusedMoE", "FusedMoETriton"):
+            return f"{name} is a mixture of experts, whose expert GEMMs have no batch-invariant path yet"
+    if not any(isinstance(m, LinearBase) for m in model.modules()):
+        return "the model has no batch-invariant linear layers"
+    return None
+
+
+def enable_batch_invariant_mode(model: torch.nn.Module) -> None:
+    """Route `model`'s linears, LM head and RMSNorms through the batch-invariant ops and turn off its
+    batch-1 fused decode. Patches the instances (the classes, and any other model, stay as they are)."""
+    from workbench.core.layers.layernorm import RMSNorm
+    from workbench.core.layers.linear import LinearBase
+
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.cpu_fast_path = False
+            module.packed_weight = None
+            module._matmul = types.MethodType(_linear_matmul, module)
+        elif isinstance(module, RMSNorm):
+            module.forward = types.MethodType(_rms_norm_forward, module)
+        if hasattr(module, "_fused_decode_ready"):
+            module._fused_decode_ready = types.MethodType(lambda self, hidden_states, fb: False, module)
+    if hasattr(model, "compute_logits"):
+        model.compute_logits = types.MethodType(_compute_logits, model)
+    model.batch_invariant = True
+
+
+def _linear_matmul(self, x: torch.Tensor, bias, residual=None) -> torch.Tensor:
+    return bi_linear(x, self.weight, bias, residual).to(x.dtype)
+
+
+def _rms_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    if residual is not None:
+        x = x + residual
+        residual = x
+    shape = x.shape
+    out = cpu_ops.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
+    return out if residual is None else (out, residual)
+
+
+def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    head = self.lm_head.weight[: self.vocab_size]
+    logits = bi_linear(hidden, head)
+    cap = getattr(self, "final_logit_softcapping", 0.0)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The LogitsProcessor's head under the flag: [T, H] x [V, H] -> [T, V] float32, per row."""
+    return bi_linear(hidden.to(weight.dtype), weight)
