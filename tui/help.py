@@ -8,6 +8,7 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
+from workbench.core.trace.narration import STEP_LINE_HELP
 from workbench.core.trace.palette import MEANINGS, PALETTE
 
 KEYS = (
@@ -47,6 +48,17 @@ def colour_key() -> Text:
     return t
 
 
+def step_line_key() -> Text:
+    """The notation of the narrated step (`step 62 extend: admitted 11 … · KV +11 → 120 held · …`):
+    one line per term, as TraceState.narrate writes it (core/trace/narration.py)."""
+    t = Text()
+    t.append("  One line per scheduler step, parts joined by ·:\n", style="dim")
+    for term, meaning in STEP_LINE_HELP:
+        t.append(f"  {term}", style="bold")
+        t.append(f"  {meaning}\n")
+    return t
+
+
 class HelpScreen(ModalScreen):
     """Key bindings plus each panel's help text."""
 
@@ -75,6 +87,8 @@ class HelpScreen(ModalScreen):
 
         t.append("\nStatus line (top)\n", style="bold")
         t.append(STATUS_HELP)
+        t.append("\nThe step line (`last step`)\n", style="bold")
+        t.append_text(step_line_key())
         t.append("\nColours (the same in every panel and in the Jupyter widgets)\n", style="bold")
         t.append_text(colour_key())
         t.append("\nPanels\n", style="bold")

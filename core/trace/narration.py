@@ -26,6 +26,42 @@ WAIT_REASONS = {
     "held": "held limit",
 }
 
+#: The step line's notation, one (term, meaning) per entry: the TUI's `?` screen and docs/tui.md.
+STEP_LINE_HELP = (
+    (
+        "step N extend|decode",
+        "the scheduler iteration and its batch: extend (prefill chunks) or decode (one token each)",
+    ),
+    ("n running decoded 1 token each", "a decode step: every running request got its next token"),
+    ("admitted n from waiting (…)", "requests taken from the waiting queue into this step's prefill"),
+    ("rid chunk k/n", "a long prompt prefilled n chunks at a time: this step ran chunk k"),
+    ("a cached + b computed", "prompt tokens read from the radix cache + prompt tokens computed in this step"),
+    ("budget a/b", "prompt tokens computed of the step's prefill token budget (chunk size / max prefill tokens)"),
+    ("n running waited", "running requests that decoded nothing in this step: an extend step runs prefill only"),
+    (
+        "KV +a −b → h held",
+        "KV slots held by requests: +a taken (new slots allocated, cached prefixes locked by admitted requests), "
+        "−b given back (finished requests hand theirs to the radix cache, retracted ones free theirs); "
+        "the last step's held count + a − b = h, the status line's `held`",
+    ),
+    (
+        "(x new, y from cache, z returned)",
+        "where the + came from, and slots dropped while results were processed "
+        "(duplicates, rejected drafts, a finished request's unused row); `other ±n` if any slot went unaccounted",
+    ),
+    ("finished rid (−n slots)", "a request that finished in this step and the held slots it gave back"),
+    ("evicted n (k nodes)", "cached slots freed from the radix tree's coldest leaves: cached → free, held unchanged"),
+    (
+        "retracted n (rid, −s slots)",
+        "running requests sent back to the queue because the pool ran dry; they are prefilled again later (recomputed)",
+    ),
+    (
+        "n waiting: why (rid next)",
+        "why the rest still wait: token budget, no KV room, running limit (`… counting finished requests "
+        "not filtered out yet`: SGLang's lag, a slot is in fact free), held for a shared prefix",
+    ),
+)
+
 #: How a request gave its slots back (events.KVRelease.why), in the order the line names them.
 _RELEASES = ("finished", "aborted", "retracted")
 

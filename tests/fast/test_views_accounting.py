@@ -225,3 +225,38 @@ async def test_events_panel_keeps_up_and_redraws_a_late_line_in_place():
         await pilot.pause()
         tail = [s.text for s in log.lines[-3:]]
         assert "evict" in tail[0] and "f2999 arrived" in tail[1] and "f3000 arrived" in tail[2], tail
+
+
+# ---- item 7: `?` explains the step line's notation --------------------------------------------------
+
+
+def test_every_part_of_the_step_line_is_explained():
+    import re
+
+    from workbench.core.trace.narration import STEP_LINE_HELP
+
+    h = _kv_pressure(overlap=False, radix=True)
+    st = TraceState()
+    st.apply_many(h.events)
+    words = {re.sub(r"[^a-zA-Z]", " ", term).split()[0] for term, _ in STEP_LINE_HELP if re.search("[a-zA-Z]", term)}
+    words |= {w for term, _ in STEP_LINE_HELP for w in re.findall(r"[a-zA-Z]+", term)}
+    for sv in st.steps:
+        line = st.narrate(sv).split(": ", 1)[1]
+        for part in line.split(" · "):
+            first = re.findall(r"(?<!\w)[a-zA-Z]+(?!\w)", part)[0]  # a word, not a rid (r1)
+            assert first in words, (first, part)
+
+
+async def test_help_screen_explains_the_step_line():
+    from textual.widgets import Static
+    from tui_helpers import replay_app, show_at
+
+    app, replay = replay_app(layout="tabs")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await show_at(app, pilot, replay, replay.end_ns)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        body = app.screen.query_one("#help-body", Static).content.plain
+        for term in ("budget a/b", "n running waited", "KV +a −b → h held", "finished rid (−n slots)", "evicted n"):
+            assert term in body, term
+        assert "held + cached + free" in body or "add up to the pool" in body
