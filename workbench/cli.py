@@ -207,6 +207,9 @@ def _add_bench_parsers(bench_sub) -> None:
     from workbench.bench.spec_bench import add_parser as add_spec_bench
 
     add_spec_bench(bench_sub)
+    from workbench.bench.deterministic_bench import add_parser as add_deterministic_bench
+
+    add_deterministic_bench(bench_sub)
     from workbench.bench.threads import add_parser as add_threads_bench
 
     add_threads_bench(bench_sub)
