@@ -109,8 +109,8 @@ FLAG_HELP = {
     "priority_scheduling_preemption_threshold": "with --enable-priority-scheduling: a waiting request preempts a "
     "running one only when their priorities differ by more than this",
     "enable_deterministic_inference": "the same greedy and seeded outputs whatever the batch a request shares and "
-    "whatever prefix is cached (batch-invariant matmuls, attention and sampling; slower: `workbench bench "
-    "deterministic` prints the cost; docs/deterministic.md)",
+    "whatever prefix is cached (CPU: batch-invariant linears, norms and attention, seeded sampling per "
+    "request; slower: `workbench bench deterministic` prints the cost; docs/deterministic.md)",
     "speculative_draft_model_path": "STANDALONE: a small draft model with the target's tokenizer",
     "speculative_num_steps": "STANDALONE: draft model passes per step (default: as many as the draft tokens)",
     "speculative_num_draft_tokens": "the most draft tokens verified per request per step (default 4)",
@@ -369,6 +369,14 @@ class ServerArgs:
                     "--speculative-algorithm STANDALONE runs its draft model beside one scheduler rank: use "
                     "--tp-size 1 (or NGRAM, which needs no second model)"
                 )
+        if self.enable_deterministic_inference and not self.simulate:
+            if self.speculative_algorithm is not None:
+                bad(
+                    "--enable-deterministic-inference has no batch-invariant verify pass: drop "
+                    "--speculative-algorithm (or the flag)"
+                )
+            if self.enable_torch_compile:
+                bad("--enable-deterministic-inference runs its own kernels: drop --enable-torch-compile (or the flag)")
         if self.speculative_accept_rate is not None:
             if not self.simulate or self.speculative_algorithm is None:
                 bad(
