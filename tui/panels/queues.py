@@ -20,7 +20,7 @@ COLUMNS = (
     ("cached", "cached"),
     ("computed", "comp"),
     ("out", "out"),
-    ("age", "age"),
+    ("age", "age/E2E"),  # a finished request's row: its E2E
     ("ttft", "TTFT"),
 )
 _QUEUE_STYLE = {
@@ -138,6 +138,9 @@ def _cells(
     )
 
 
+_CAPPED = {"queue": 8, "rid": 10, "state": 14}
+
+
 class QueuesPanel(TracePanel):
     PANEL_NAME = "queues"
     TITLE = "Queues"
@@ -165,7 +168,9 @@ class QueuesPanel(TracePanel):
     def compose(self) -> ComposeResult:
         table = DataTable(cursor_type="row", zebra_stripes=False, id="queues-table")
         for key, label in COLUMNS:
-            table.add_column(label, key=key)
+            # state and rid grow with what they say ("queued: run limit*"): capped, so TTFT, the last
+            # column, is never the one cut at the panel's edge
+            table.add_column(label, key=key, width=_CAPPED.get(key))
         yield table
 
     def __init__(self, **kw) -> None:
@@ -194,9 +199,14 @@ class QueuesPanel(TracePanel):
             for rid, cells in rows:
                 table.add_row(*cells, key=rid)
             self._order, self._cells = order, dict(rows)
-            want = model.selected if model.selected in order else cursor_rid
+            # The cursor follows its request only while the reader browses the table (focused): else
+            # it followed a request from waiting down to running and scrolled the waiting rows away.
+            want = model.selected if model.selected in order else (cursor_rid if table.has_focus else None)
             if want in order:
                 table.move_cursor(row=order.index(want), animate=False, scroll=True)
+            else:
+                table.move_cursor(row=0, animate=False, scroll=False)
+                table.scroll_home(animate=False)  # waiting rows come first: keep them in view
         else:
             keys = [k for k, _ in COLUMNS]
             for rid, cells in rows:
