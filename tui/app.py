@@ -29,7 +29,7 @@ from workbench.core.trace.palette import PALETTE
 from workbench.core.trace.startup import StartupProgress
 from workbench.tui.controller import Controller, friendly
 from workbench.tui.fmt import shorten
-from workbench.tui.layout import mount_layout
+from workbench.tui.layout import GRID_MIN_SIZE, mount_layout
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import RequestSelected
 from workbench.tui.startup import phase_lines, startup_body, startup_title
@@ -62,6 +62,7 @@ class WorkbenchApp(App):
     #main { height: 1fr; }
     .grid-row { height: 1fr; }
     #answer { height: auto; max-height: 6; padding: 0 1; background: $panel; }
+    #notice { height: auto; max-height: 2; padding: 0 1; display: none; }
     #tour { height: auto; max-height: 4; padding: 0 1; background: $accent-darken-2; color: $text; }
     #prompt { dock: bottom; }
     TabbedContent, TabPane { height: 1fr; }
@@ -120,6 +121,8 @@ class WorkbenchApp(App):
             raise ValueError(f"unknown panel(s): {', '.join(unknown)}; available: {', '.join(registry.panels)}")
         self.panel_names = names
         self.layout_mode = layout
+        self._auto_layout = layout == "auto"  # follow the terminal's size until the user picks one (l)
+        self._notices: list[tuple[float, Text]] = []  # (shown until, text): the notice line
         self.refresh_hz = refresh_hz
         self.chat_max_new_tokens = chat_max_new_tokens
         self.max_events_per_tick = max_events_per_tick
@@ -162,6 +165,7 @@ class WorkbenchApp(App):
         yield Static(id="status")
         yield Static(id="laststep")
         yield Static(id="tour")
+        yield Static(id="notice")
         with Container(id="startup"):
             with Vertical(id="startup-box"):
                 yield Static(Text("Starting…", style="bold"), id="startup-title")
@@ -180,14 +184,31 @@ class WorkbenchApp(App):
             self.query_one("#tour", Static).update(Text("guided tour: starting the engine…", style="bold"))
         self.query_one("#prompt").display = self.controller.can_chat
         if self.layout_mode == "auto":
-            w, h = self.size
-            self.layout_mode = "grid" if (w >= 130 and h >= 36) else "tabs"
+            self.layout_mode = self._layout_for_size()
         await self._mount_panels()
         self._update_status()
         threading.Thread(target=self._start_controller, name="tui-start", daemon=True).start()
         self.set_interval(1.0 / self.refresh_hz, self._tick)
         if self.controller.threaded:
             self._control_worker()
+
+    def _layout_for_size(self) -> str:
+        w, h = self.size
+        return "grid" if (w >= GRID_MIN_SIZE[0] and h >= GRID_MIN_SIZE[1]) else "tabs"
+
+    def _check_layout(self) -> None:
+        # (from the 10 Hz tick) The layout chosen at start must follow the terminal: a grid squeezed
+        # into 100×30 cuts every panel's labels and columns. Once the user picked one with `l`, it stays.
+        if self._auto_layout and not self._remounting and self._layout_for_size() != self.layout_mode:
+            self.call_after_refresh(self._relayout)
+
+    async def _relayout(self) -> None:
+        want = self._layout_for_size()
+        if not self._auto_layout or want == self.layout_mode or self._remounting:
+            return
+        self.layout_mode = want
+        await self._mount_panels()
+        self.call_after_refresh(self.refresh_panels, True)
 
     def _make_panel(self, name: str) -> Widget:
         spec = self.registry.panels[name]
@@ -342,6 +363,7 @@ class WorkbenchApp(App):
             pass  # the screen is being torn down (exit in progress)
 
     def _tick_body(self) -> None:
+        self._check_layout()
         self._drain_progress()
         self._drain_results()
         if not self.ready.is_set():
@@ -397,6 +419,33 @@ class WorkbenchApp(App):
         last.display = bool(line)
         if line:
             last.update(Text.assemble(("last step ", "bold"), line))
+
+    def notify(self, message, *, title: str = "", severity: str = "information", timeout=None, markup: bool = True):
+        """Notifications go to a line of their own under the status line, for `timeout` seconds:
+        a toast covered Queues or Request detail, the panels a reader is reading."""
+        try:
+            self.query_one("#notice", Static)
+        except NoMatches:  # another screen (help) is in front: a toast there covers nothing
+            return super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
+        style = {"error": "bold red", "warning": "bold yellow"}.get(severity, "bold")
+        text = Text.assemble(
+            (f"{title}: " if title else "", style), (str(message), style if severity != "information" else "")
+        )
+        now = time.monotonic()
+        self._notices = [n for n in self._notices if n[0] > now][-1:] + [(now + (timeout or 5.0), text)]
+        self._show_notices()
+        self.set_timer((timeout or 5.0) + 0.05, self._show_notices)
+
+    def _show_notices(self) -> None:
+        now = time.monotonic()
+        self._notices = [n for n in self._notices if n[0] > now]
+        try:
+            line = self.query_one("#notice", Static)
+        except NoMatches:
+            return
+        line.display = bool(self._notices)
+        if self._notices:
+            line.update(Text("  ·  ").join(t for _, t in self._notices))
 
     def _error(self, msg: str) -> None:
         self.model.note("error", msg)
@@ -685,6 +734,7 @@ class WorkbenchApp(App):
             self.select_request(None)
 
     async def action_toggle_layout(self) -> None:
+        self._auto_layout = False  # the user's choice from now on, whatever the terminal's size
         self.layout_mode = "tabs" if self.layout_mode == "grid" else "grid"
         await self._mount_panels()
         self.call_after_refresh(self.refresh_panels, True)

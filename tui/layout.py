@@ -9,6 +9,11 @@ from textual.widgets import TabbedContent, TabPane
 #: the default one-screen arrangement: rows of slots; a slot is a panel name or a tuple side by side
 GRID = (("pd",), ("queues", "tree"), ("batch", ("kv", "latency")), ("events", "detail", "experts"))
 GRID_HEIGHTS = ("2fr", "3fr", "3fr", "2fr")  # "pd": disaggregated serving only (its first pd.* event)
+#: widths in the grid beside the 1fr default: Queues' nine columns need about 85 cells, so at
+#: 150 columns it takes 3/5 of its row (the tree folds long branches and reads fine narrower)
+GRID_WIDTHS = {"queues": "3fr", "tree": "2fr"}
+#: the smallest terminal that gets the grid in the "auto" layout (smaller: one tab per panel)
+GRID_MIN_SIZE = (150, 36)
 
 
 async def mount_layout(main: Widget, panels: dict[str, Widget], titles: dict[str, str], mode: str) -> None:
@@ -30,6 +35,9 @@ async def mount_layout(main: Widget, panels: dict[str, Widget], titles: dict[str
             for slot in row:
                 names = [slot] if isinstance(slot, str) else list(slot)
                 present = [panels[n] for n in names if n in panels]
+                for n in names:
+                    if n in panels and n in GRID_WIDTHS:
+                        panels[n].styles.width = GRID_WIDTHS[n]
                 placed.update(n for n in names if n in panels)
                 if len(present) == 1:
                     cells.append(present[0])

@@ -4,7 +4,7 @@ stuck in a text box (replays of the recorded fixture; no engine)."""
 from __future__ import annotations
 
 from textual.widgets import Footer, Input
-from tui_helpers import FIXTURE, show_at, wait_for
+from tui_helpers import FIXTURE, replay_app, show_at, step_ts, wait_for
 from workbench.core.trace.replay import Replay
 from workbench.tui.app import WorkbenchApp
 from workbench.tui.controller import ReplayController
@@ -73,3 +73,65 @@ async def test_digits_never_focus_a_text_box():
         await pilot.press("x", "enter")
         await pilot.pause()
         assert not isinstance(app.focused, Input)
+
+
+# ---- item 8: the layout follows the terminal -------------------------------------------------
+
+
+def _batch_steps(replay) -> list[int]:
+    return [e.step for e in replay.events if type(e).__name__ == "BatchStep"]
+
+
+async def test_auto_layout_follows_a_resize_until_the_user_picks_one():
+    app, replay = replay_app(layout="auto")
+    async with app.run_test(size=(160, 48)) as pilot:
+        await show_at(app, pilot, replay, replay.end_ns)
+        assert app.layout_mode == "grid"
+        await pilot.resize_terminal(100, 30)
+        await wait_for(lambda: app.layout_mode == "tabs")
+        await pilot.resize_terminal(160, 48)
+        await wait_for(lambda: app.layout_mode == "grid")
+        await pilot.press("l")  # the user's choice stays, whatever the size
+        await pilot.pause()
+        await pilot.resize_terminal(170, 50)
+        await pilot.pause(0.5)
+        assert app.layout_mode == "tabs"
+
+
+async def test_batch_composition_follows_the_newest_step_after_a_resize():
+    app, replay = replay_app(layout="grid")
+    steps = _batch_steps(replay)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await show_at(app, pilot, replay, step_ts(replay, steps[len(steps) // 2]))
+        table = app.query_one("#batch-table")
+        await pilot.resize_terminal(150, 36)  # a smaller table: its scroll position is not at the end any more
+        await pilot.pause(0.3)
+        for s in steps[len(steps) // 2 + 1 :]:
+            await show_at(app, pilot, replay, step_ts(replay, s))
+        await pilot.pause(0.3)
+        assert table.max_scroll_y > 0, "the test needs more steps than rows"
+        assert table.scroll_y >= table.max_scroll_y - 1, "Batch composition stopped following the newest step"
+
+
+async def test_queues_columns_fit_and_finished_rows_say_e2e():
+    app, replay = replay_app(layout="auto")
+    async with app.run_test(size=(160, 48)) as pilot:
+        await show_at(app, pilot, replay, replay.end_ns)
+        table = app.query_one("#queues-table")
+        widths = sum(c.get_render_width(table) for c in table.columns.values())
+        assert widths <= table.size.width, f"columns need {widths} cells, the table has {table.size.width}"
+        labels = [c.label.plain for c in table.columns.values()]
+        assert labels[-2:] == ["age/E2E", "TTFT"], labels
+        # no row cursor dragged the table down: the first rows (waiting first) are the ones in view
+        assert table.scroll_y == 0
+
+
+async def test_notifications_cover_no_panel():
+    app, replay = replay_app(layout="auto")
+    async with app.run_test(size=(160, 48)) as pilot:
+        await show_at(app, pilot, replay, replay.end_ns)
+        app.notify("workload stopped", timeout=30)
+        await pilot.pause()
+        notice = app.query_one("#notice")
+        assert notice.display and "workload stopped" in str(notice.render())
+        assert not list(app.screen.query("Toast")), "a toast covers the panels"

@@ -138,7 +138,10 @@ class BatchPanel(TracePanel):
     def update_view(self, model: TuiModel) -> None:
         table = self.query_one(DataTable)
         steps = model.state.steps
-        follow = table.scroll_y >= table.max_scroll_y - 1
+        # Follow the newest step unless the reader browses the table (focused, scrolled up): a
+        # table that was hidden (tabs) or resized smaller is never "at the bottom" by scroll_y
+        # alone and stopped following (it showed steps 432-436 with the scheduler at 631).
+        follow = not table.has_focus or table.scroll_y >= table.max_scroll_y - 1
         rebuild = (
             model.epoch != self._epoch
             or model.selected != self._selected
@@ -169,6 +172,11 @@ class BatchPanel(TracePanel):
         if n and steps[-1].backend not in ("torch_native", "cpu_paged"):
             self.border_title += f" · {steps[-1].backend}"
         if new and follow:
+            table.call_after_refresh(table.scroll_end, animate=False)
+
+    def on_resize(self) -> None:
+        table = self.query_one(DataTable)
+        if not table.has_focus:
             table.call_after_refresh(table.scroll_end, animate=False)
 
     def on_descendant_focus(self) -> None:
