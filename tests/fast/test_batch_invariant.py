@@ -164,3 +164,13 @@ def test_flag_refuses_what_it_cannot_make_invariant():
     assert "CPU only" in batch_invariant.unavailable_reason("cuda")
     assert "float16" in batch_invariant.unavailable_reason("cpu", torch.float16)
     assert cpu_ops.unavailable_reason() is None
+
+
+def test_server_args_refuse_what_has_no_batch_invariant_path():
+    from workbench.core.args import ServerArgs
+
+    with pytest.raises(ValueError, match="speculative"):
+        ServerArgs(enable_deterministic_inference=True, speculative_algorithm="NGRAM")
+    with pytest.raises(ValueError, match="torch-compile"):
+        ServerArgs(enable_deterministic_inference=True, enable_torch_compile=True)
+    assert ServerArgs(enable_deterministic_inference=True).enable_deterministic_inference
