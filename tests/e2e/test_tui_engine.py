@@ -349,7 +349,8 @@ async def test_last_step_line_names_what_one_step_did(engine):
         n = -(-(st.requests[rids[0]].prompt_tokens - sv.reqs[0].cached) // 64)
         assert n > 1 and f"{rids[0]} chunk 1/{n}" in line, line  # a's prompt is cut at the budget
         assert "budget 64/64" in line, line
-        assert f"KV +{d.kv_alloc}" in line and d.kv_alloc == sv.prefill_tokens == 64, (line, d)
+        # + counts new slots and cached prefixes locked by the admission (#40 item 1)
+        assert f"KV +{d.kv_alloc + max(d.kv_reused, 0)}" in line and d.kv_alloc == sv.prefill_tokens == 64, (line, d)
         assert f"1 waiting: token budget ({rids[1]} next)" in line, line
         table = app.query_one("#queues-table", DataTable)
         cells = {str(table.get_row_at(i)[1]): table.get_row_at(i)[1] for i in range(table.row_count)}
