@@ -347,6 +347,16 @@ class WorkbenchApp(App):
             self.model.note("info", scenario.describe())
             if self.tour is None:  # the tour says what happens, stop by stop, in its own line
                 self.notify(scenario.describe(), title=f"scenario {scenario.name}", timeout=15)
+        c = self.controller
+        note = getattr(c, "start_note", "")
+        if note:
+            self.model.note("info", note)
+            self.notify(note, timeout=20)
+        elif c.can_workload and not getattr(c, "workload_running", False) and not c.paused:
+            # an engine with nothing to do looks broken: say what starts something
+            hint = "nothing is running yet: w starts a workload (W picks its kind), / asks the model"
+            self.model.note("info", hint)
+            self.notify(hint, timeout=20)
         if self.tour is not None and not self.tour_shown:
             self.query_one("#tour", Static).update(
                 Text(f"guided tour: running until the first of {len(STOPS)} stops (a request waiting)…", style="bold")

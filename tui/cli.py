@@ -20,6 +20,8 @@ import sys
 from collections.abc import Iterator
 
 LAYOUTS = ("auto", "grid", "tabs")
+#: what a simulated deployment runs when no workload is named (issue #40 item 11)
+SIMULATED_DEFAULT_SCENARIO = "kv-pressure"
 
 
 def add_tui_args(parser: argparse.ArgumentParser) -> None:
@@ -145,6 +147,17 @@ def make_controller(args: argparse.Namespace):
         print(f"workbench tui: {workload.describe(rate, simulated=bool(sa.simulate))}", file=sys.stderr)
         rate = workload.played_rate(rate, simulated=bool(sa.simulate))  # the controller's rate: + and - from it
     scenario = "tour" if getattr(args, "tour", False) else getattr(args, "scenario", None)
+    default_note = ""
+    if sa.simulate and not scenario and workload is None and not getattr(args, "disaggregation", None):
+        # A simulated deployment with nothing to run sat idle with no hint, and a fixed rate a
+        # simulated 8-GPU deployment takes in its stride (KV 0%, no queue) teaches nothing: run the
+        # scenario that makes a queue and KV pressure on any deployment (its small pool, adaptive rate).
+        scenario = SIMULATED_DEFAULT_SCENARIO
+        default_note = (
+            f"no --workload or --scenario given: the {scenario} scenario runs, with its small KV pool "
+            "(--max-total-tokens to change it), so requests queue and the pool fills (w stops it, W picks "
+            "another workload)"
+        )
     if scenario:
         from workbench.scenarios import get_scenario
 
@@ -166,7 +179,7 @@ def make_controller(args: argparse.Namespace):
                 "--simulate h100 --model llama-3.1-70b --tp-size 8, say); real engines make a 1P1D pair here"
             )
         cls, extra = PDController, {"shape": shape}
-    return cls(
+    controller = cls(
         server_args=sa,
         workload=workload,
         scenario=scenario,
@@ -175,6 +188,8 @@ def make_controller(args: argparse.Namespace):
         start_paused=getattr(args, "paused", False),
         **extra,
     )
+    controller.start_note = default_note
+    return controller
 
 
 class NoTerminal(RuntimeError):

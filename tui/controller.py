@@ -54,6 +54,8 @@ class Controller:
         self.title = ""
         #: trace time shown as 0 (the events log's times); None: the first event's
         self.origin_ns: int | None = None
+        #: a line the app shows once started (why a default workload runs)
+        self.start_note = ""
 
     # ---- lifecycle ------------------------------------------------------------
     def start(self, progress: Progress) -> None:

@@ -68,3 +68,37 @@ def test_piped_stdout_draws_on_the_terminal_at_its_size(tmp_path):
         assert "\x1b[" not in piped.read_text()  # the pipe got no screen drawing
     finally:
         subprocess.run(["tmux", "kill-session", "-t", f"={name}"], capture_output=True)
+
+
+# ---- issue #40 item 11: a simulated deployment starts with something to watch ----------------
+
+
+def _tui_args(argv):
+    import argparse
+
+    from workbench.core.args import ServerArgs
+    from workbench.tui.cli import add_tui_args
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    add_tui_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_a_simulated_deployment_without_a_workload_runs_the_kv_pressure_scenario():
+    from workbench.tui.cli import make_controller
+
+    sim = ["--simulate", "h100", "--model", "llama-3.1-70b", "--tp-size", "8"]
+    c = make_controller(_tui_args(sim))
+    # arrivals start with the engine, on a pool small enough to fill, and the app says why
+    assert c.scenario is not None and c.scenario.name == "kv-pressure"
+    assert c._server_args.max_total_tokens == 640 and c._server_args.simulate == "h100"
+    assert "kv-pressure" in c.start_note and "--max-total-tokens" in c.start_note
+    # the user's own choices win
+    c = make_controller(_tui_args([*sim, "--max-total-tokens", "4096"]))
+    assert c._server_args.max_total_tokens == 4096
+    c = make_controller(_tui_args([*sim, "--workload", "chat"]))
+    assert c.scenario is None and c.workload == "chat" and not c.start_note
+    # a real engine is left as it was: nothing runs until w
+    c = make_controller(_tui_args([]))
+    assert c.scenario is None and c.workload is None and not c.start_note
