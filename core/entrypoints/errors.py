@@ -173,6 +173,10 @@ def engine_error_to_api(exc: BaseException) -> APIError:
         param = _PARAM_ALIASES.get(m.group(1), m.group(1)) if m and m.group(1) in _KNOWN_PARAMS else None
         return APIError(400, msg, param=param, code=code)
     name = type(exc).__name__
+    if type(exc).__module__.startswith("jinja2"):  # a chat template that fails on the request's messages
+        return APIError(
+            400, f"the chat template rejected the messages: {exc}", param="messages", code="invalid_request"
+        )
     status = getattr(exc, "status_code", None)  # RequestFailedError: the scheduler's own answer
     if name == "RequestFailedError" and isinstance(status, int) and 400 <= status < 600:
         return APIError(status, str(exc), code="invalid_request" if status < 500 else "upstream_failed")

@@ -136,3 +136,14 @@ def test_other_hosts_get_a_warning_that_says_what_to_do(host):
     assert bare and "--api-key" in bare and "/update_weights_from_disk" in bare and "/flush_cache" in bare
     keyed = exposure_warning(host, True)
     assert keyed and "reachable from the network" in keyed and "WITHOUT" not in keyed
+
+
+def test_a_chat_template_that_fails_on_the_messages_is_a_400_not_a_500():
+    import jinja2
+    from workbench.core.entrypoints.errors import engine_error_to_api
+
+    template = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string("{{ messages[0].content.x }}")
+    with pytest.raises(jinja2.TemplateError) as e:
+        template.render(messages=[{}])
+    err = engine_error_to_api(e.value)
+    assert err.status == 400 and err.param == "messages" and "chat template" in err.message
