@@ -437,7 +437,7 @@ class WorkbenchApp(App):
             self.query_one("#notice", Static)
         except NoMatches:  # another screen (help) is in front: a toast there covers nothing
             return super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
-        style = {"error": "bold red", "warning": "bold yellow"}.get(severity, "bold")
+        style = "bold red" if severity == "error" else "bold"
         text = Text.assemble(
             (f"{title}: " if title else "", style), (str(message), style if severity != "information" else "")
         )
