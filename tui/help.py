@@ -87,10 +87,10 @@ class HelpScreen(ModalScreen):
 
         t.append("\nStatus line (top)\n", style="bold")
         t.append(STATUS_HELP)
-        t.append("\nThe step line (`last step`)\n", style="bold")
-        t.append_text(step_line_key())
         t.append("\nColours (the same in every panel and in the Jupyter widgets)\n", style="bold")
         t.append_text(colour_key())
+        t.append("\nThe step line (`last step`)\n", style="bold")
+        t.append_text(step_line_key())
         t.append("\nPanels\n", style="bold")
         for i, (name, title, help_text) in enumerate(self._panels, 1):
             t.append(f"  {i}. {title}", style="bold underline")
