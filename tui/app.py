@@ -634,7 +634,7 @@ class WorkbenchApp(App):
         self.query_one("#tour", Static).update(Text(text, style="bold"))
         self._tour_waiting = False
         c = self.controller
-        if c.can_step and c.paused:
+        if c.can_step:  # even if the stop's pause is still queued: the control thread keeps the order
             self._control("resume", lambda: c.set_paused(False))
 
     # ---- chat ---------------------------------------------------------------------------
