@@ -112,14 +112,21 @@ class TourGuide:
                     f"its {d.budget}-token prefill budget and {d.kv_alloc} new KV slots (Batch composition)",
                 )
             elif name == "chunk":
-                c = next((s for s in sched if s.num_chunks > 1), None)
+                chunks = [s for s in sched if s.num_chunks > 1]
+                # a chunk with more to come tells it best; a last chunk will do
+                c = next((s for s in chunks if s.chunk_index + 1 < s.num_chunks), chunks[0] if chunks else None)
                 if c is not None:
+                    rest = (
+                        "the rest come in the next steps, while the running requests wait"
+                        if c.chunk_index + 1 < c.num_chunks
+                        else "its last chunk: the earlier ones ran in the steps before"
+                    )
                     got = self._reach(
                         name,
                         d.step,
                         f"{c.rid}'s prompt is longer than the {d.budget}-token prefill chunk: this step computed "
-                        f"{c.extend_len} of its tokens (chunk {c.chunk_index + 1}/{c.num_chunks}); the rest "
-                        "come in the next steps while the others wait (Batch composition: chunk k/n)",
+                        f"{c.extend_len} of its tokens (chunk {c.chunk_index + 1}/{c.num_chunks}); {rest} "
+                        "(Batch composition: chunk k/n)",
                     )
             elif name == "hit":
                 h = max(sched, key=lambda s: s.prefix_hit, default=None)
