@@ -58,9 +58,10 @@ def _timed(engine, ids, new: int) -> float:
 
 
 def _decode_tps(engine, ids, new: int) -> float:
+    """NaN when noise made the N-token run no slower than the 1-token one (a loaded machine)."""
     t1 = _timed(engine, ids, 1)
     tn = _timed(engine, ids, new)
-    return len(ids) * (new - 1) / max(tn - t1, 1e-9)
+    return len(ids) * (new - 1) / (tn - t1) if tn > t1 else float("nan")
 
 
 def _prefill_tps(engine, ids) -> float:
@@ -79,6 +80,11 @@ def _invariant(engine, ids, new: int) -> bool:
     return alone["output_ids"] == inside["output_ids"] and lp == lp_in
 
 
+def _median(values: list[float]) -> float:
+    kept = [v for v in values if v == v]
+    return statistics.median(kept) if kept else float("nan")
+
+
 def run_deterministic_bench(args: argparse.Namespace) -> dict:
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
@@ -88,7 +94,7 @@ def run_deterministic_bench(args: argparse.Namespace) -> dict:
     plain_args = base.replace(enable_deterministic_inference=False)
     det_args = base.replace(enable_deterministic_inference=True)
     quick = args.quick
-    new = 8 if quick else args.new
+    new = 16 if quick else args.new
     batch = 4 if quick else args.batch
     prompt_len = 64 if quick else args.prompt_len
     rounds = 1 if quick else args.rounds
@@ -99,6 +105,10 @@ def run_deterministic_bench(args: argparse.Namespace) -> dict:
         engines = dict(zip(names, (plain, det)))
         chat = _ids(plain, batch)
         long = _long_ids(plain, prompt_len, batch)
+        progress("warming both engines up on the measured shapes")
+        for e in engines.values():
+            _prefill_tps(e, long)
+            _timed(e, chat, new)
         rows = []
         for label, fn in (
             (f"prefill, {batch} x {prompt_len} tokens", lambda e: _prefill_tps(e, long)),
@@ -108,9 +118,7 @@ def run_deterministic_bench(args: argparse.Namespace) -> dict:
             progress(f"{label}: A B B A x {rounds}")
             got = interleave({n: (lambda e=engines[n], f=fn: f(e)) for n in names}, rounds)
             loads.append(load_text())
-            rows.append(
-                (label, statistics.median(got.samples["plain"]), statistics.median(got.samples["deterministic"]))
-            )
+            rows.append((label, _median(got.samples["plain"]), _median(got.samples["deterministic"])))
         progress("checking the first prompt alone and inside the batch on each engine")
         same = {n: _invariant(engines[n], chat, new) for n in names}
     print(
@@ -120,7 +128,7 @@ def run_deterministic_bench(args: argparse.Namespace) -> dict:
     print(f"CPU: {cpu_model() or 'unknown'}; load average {' → '.join(loads)}")
     print(f"{'':<28} {'plain tok/s':>12} {'deterministic':>14} {'ratio':>7}")
     for label, a, b in rows:
-        print(f"{label:<28} {a:>12.1f} {b:>14.1f} {b / a if a else float('nan'):>6.2f}×")
+        print(f"{label:<28} {a:>12.1f} {b:>14.1f} {b / a if a == a and a > 0 else float('nan'):>6.2f}×")
     print(
         "first prompt alone vs in the batch, tokens and logprobs bitwise: "
         + ", ".join(f"{n} {'same' if same[n] else 'DIFFERENT'}" for n in names)
