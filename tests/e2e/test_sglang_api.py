@@ -276,9 +276,11 @@ def test_openapi_describes_bodies_answers_and_errors(served):
     assert "messages" in schemas["ChatCompletionRequest"]["properties"]
     ok = chat["responses"]["200"]["content"]
     assert ok["application/json"]["schema"]["$ref"].endswith("/ChatCompletionResponse") and "text/event-stream" in ok
-    for status in ("400", "401", "404", "413", "503"):
+    for status in ("400", "404", "408", "413", "422", "503"):  # 422: a wrong type, a missing or unknown field
         assert chat["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
-    assert "422" not in chat["responses"] and "HTTPValidationError" not in schemas
+    assert "HTTPValidationError" not in schemas  # FastAPI's own 422 shape is never sent
+    assert "401" not in chat["responses"]  # this server has no --api-key: it never answers 401
+    assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1  # the ranges it checks
     gen = doc["paths"]["/generate"]["post"]
     assert gen["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/GenerateReqInput")
     assert "sampling_params" in schemas["GenerateReqInput"]["properties"]
