@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -237,8 +238,8 @@ def test_perfetto_export_is_valid_trace_event_json(tmp_path, trace_events):
             else:
                 assert stack.pop() == e["name"], rid
         assert not stack
-        stages = [e["name"] for e in seq if e["ph"] == "b"]
-        assert stages == ["request", "queued", "prefill", "decode"], (rid, stages)
+        stages = [e["name"] for e in seq if e["ph"] == "b" and e["name"] != "chunked_prefill"]
+        assert stages == ["request", "prefill_waiting", "prefill_forward", "decode_loop"], (rid, stages)
     counters = {e["name"] for e in tev if e["ph"] == "C"}
     assert {"queue", "kv_tokens", "tokens"} <= counters
 
@@ -253,7 +254,64 @@ def test_perfetto_empty_and_unfinished(tmp_path):
         tmp_path / "one.json",
     )
     slices = [(e["ph"], e["name"], e["ts"]) for e in doc["traceEvents"] if e["ph"] in "be"]
-    assert slices == [("b", "request", 0.0), ("b", "queued", 0.01), ("e", "queued", 0.01), ("e", "request", 0.01)]
+    assert slices == [
+        ("b", "request", 0.0),
+        ("b", "prefill_waiting", 0.01),
+        ("e", "prefill_waiting", 0.01),
+        ("e", "request", 0.01),
+    ]
+
+
+TOUR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "tour_trace.jsonl")
+
+
+def test_perfetto_export_of_a_real_recording_has_one_slice_per_chunk_and_the_decisions(tmp_path):
+    """A real recording (the guided tour: chunked prefills, evictions, a retraction): each chunk of a
+    chunked prefill is its own slice with its token range, each step slice carries its decision
+    (admitted, reasons, KV + and -, held slots) and evictions and retractions are instants."""
+    _, events = read_trace(TOUR)
+    doc = json.loads(json.dumps(export_perfetto(events, tmp_path / "tour.json")))
+    tev = doc["traceEvents"]
+    # The chunks, from the scheduler's req.scheduled events: prefix hit, then extend_len per chunk.
+    want: dict[str, list[tuple[int, int, int]]] = {}
+    nxt: dict[str, int] = {}
+    for e in events:
+        if isinstance(e, ev.ReqScheduled) and e.num_chunks > 1:
+            if e.chunk_index == 0:
+                nxt[e.rid] = e.prefix_hit
+            a = nxt[e.rid]
+            nxt[e.rid] = a + e.extend_len
+            want.setdefault(e.rid, []).append((e.chunk_index, a, a + e.extend_len))
+    assert len(want) >= 2 and all(len(v) >= 2 for v in want.values()), want
+    got: dict[str, list[tuple[int, int, int]]] = {}
+    for e in tev:
+        if e["ph"] == "b" and e["name"] == "chunked_prefill":
+            a = e["args"]
+            got.setdefault(e["id"], []).append((a["chunk_index"], a["token_start"], a["token_end"]))
+    assert got == want
+    # Each chunk slice lies inside its request's prefill_forward slice.
+    for rid in want:
+        seq = [(x["ph"], x["name"]) for x in tev if x.get("id") == rid and x["ph"] in "be"]
+        i, j = seq.index(("b", "prefill_forward")), seq.index(("e", "prefill_forward"))
+        assert [n for ph, n in seq[i:j] if ph == "b"].count("chunked_prefill") == len(want[rid])
+    # Step slices carry their step's decision.
+    decisions = {d.step: d for d in events if isinstance(d, ev.StepDecision)}
+    steps = [x for x in tev if x["ph"] == "X" and x["cat"] == "step"]
+    assert steps and all(x["args"]["step"] in decisions for x in steps)
+    for x in steps:
+        d, a = decisions[x["args"]["step"]], x["args"]
+        assert a["admitted"] == d.admitted and a["stop_reason"] == d.stop_reason and a["stop_rid"] == d.stop_rid
+        assert (a["kv_plus"], a["kv_minus"], a["kv_held"]) == (d.kv_alloc, d.kv_freed, d.kv_held)
+        assert f"KV +{d.kv_alloc} −{d.kv_freed}" in a["decision"]
+        assert all(rid in a["decision"] for rid in d.admitted)
+    assert any(x["args"]["stop_reason"] == "kv" and "KV room" in x["args"]["decision"] for x in steps)
+    assert any(x["args"]["released"] for x in steps)
+    # Evictions and retractions are instants on the scheduler's track.
+    evicts = [e for e in events if isinstance(e, ev.CacheEvict)]
+    inst = [x for x in tev if x["ph"] == "i" and x["name"] == "cache.evict"]
+    assert evicts and [(x["args"]["step"], x["args"]["tokens"]) for x in inst] == [(e.step, e.tokens) for e in evicts]
+    retracted = [e.rid for e in events if isinstance(e, ev.ReqRetracted)]
+    assert retracted and [x["args"]["rid"] for x in tev if x["ph"] == "i" and x["name"] == "retract"] == retracted
 
 
 def test_replay_of_a_recording_keeps_its_header_across_seeks(tmp_path, trace_events):
