@@ -6,12 +6,18 @@ loopback behind the real `sglang-router` (PyPI; `python -m sglang_router.launch_
 - the cache-aware policy keeps a shared prefix on one worker, and that worker's radix cache hits;
 - /get_load answers SGLang's shape (what the power_of_two policy polls);
 - `workbench tui --attach A B` shows the two workers side by side (a real Textual app);
-- stopping one worker leaves the router serving through the other."""
+- stopping one worker leaves the router serving through the other;
+- a worker whose scheduler is killed mid-stream (issue #43 item 2): the router passes the worker's
+  in-band error event and `[DONE]` on to its streaming clients (it cannot retry once the 200 and
+  the first chunks are sent), and a non-streamed request ends in the error envelope's 503."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -219,3 +225,60 @@ async def _tui_shows_both_workers(pub: list[str], router: str) -> None:
         done = {r.rid for r in app.model.state.requests.values() if r.done}
         assert len(done) >= 6
         await pilot.press("q")
+
+
+def test_worker_killed_mid_stream_behind_sglang_router(tmp_path):
+    with contextlib.ExitStack() as stack:
+        engine, running = stack.enter_context(_worker(f"tcp://127.0.0.1:{free_port()}"))
+        router = stack.enter_context(_router([running.url], tmp_path / "router.log"))
+        chat = {
+            "model": "smollm2-135m",
+            "messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        long = {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}
+        specs = [
+            ("/v1/chat/completions", chat),
+            ("/generate", {"text": "Once upon a time", "stream": True, "sampling_params": long}),
+            ("/generate", {"text": "A long story:", "sampling_params": long}),
+        ]
+        events: list[list[str]] = [[] for _ in specs]
+        results: list = [None] * len(specs)
+
+        def send(i: int) -> None:
+            path, body = specs[i]
+            try:
+                with httpx.Client(timeout=120) as h, h.stream("POST", router + path, json=body) as r:
+                    if not body.get("stream"):
+                        r.read()
+                        results[i] = (r.status_code, r.json())
+                        return
+                    for line in r.iter_lines():
+                        if line.startswith("data:"):
+                            events[i].append(line[len("data:") :].strip())
+                    results[i] = (r.status_code, None)
+            except httpx.HTTPError as e:  # the router cut the connection: recorded, the test fails below
+                results[i] = (None, repr(e))
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(specs))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        # killed mid-stream: both streams have sent tokens, and all three requests are running
+        while not (all(len(e) >= 2 for e in events[:2]) and engine.get_internal_state()["num_running"] == 3):
+            assert time.monotonic() < deadline, (events, results)
+            time.sleep(0.05)
+        os.kill(engine.procs["scheduler"].pid, signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a client hung after the worker's scheduler died"
+        log = (tmp_path / "router.log").read_text()[-2000:]
+        for (path, _), got, (status, body) in zip(specs[:2], events[:2], results[:2]):
+            assert status == 200 and got[-1] == "[DONE]", (path, status, body, got[-3:], log)
+            error = json.loads(got[-2])["error"]  # the worker's in-band error event, passed on unchanged
+            assert error["code"] == "engine_unavailable" and "scheduler" in error["message"], (path, error)
+            assert all("error" not in json.loads(e) for e in got[:-2]), path  # tokens before it
+        status, body = results[2]
+        assert status == 503 and body["error"]["code"] == "engine_unavailable", (results[2], log)
