@@ -39,13 +39,16 @@ run: $(STAMP)
 # Two tiers, one folder each (docs/testing.md): `make test` runs tests/fast, after every change;
 # `make test-full` runs tests/fast and tests/e2e, what CI (.ci/run) runs. Every test under tests/e2e
 # carries the `e2e` marker; the soak runs only on demand (pytest -m soak).
+# Two workers: `--dist loadgroup` keeps a file's tests on one worker except the files tests/conftest.py
+# SPLIT_FILES names, and the units go out longest first (conftest SLOW_FIRST; xdist's own reordering off).
+XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests/fast
+	$(BIN)/python -m pytest -q $(XDIST) tests/fast
 
 # The full tier in two passes: the files in two pytest-xdist workers (one file per worker at a time: its
 # fixtures stay shared), then the `serial` files alone (tests/conftest.py SERIAL_FILES says why each).
 test-full: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not soak and not serial" --durations=40 tests
+	$(BIN)/python -m pytest -q $(XDIST) -m "not soak and not serial" --durations=40 tests
 	$(BIN)/python -m pytest -q -m "serial and not soak" --durations=10 tests
 
 bench: $(STAMP)

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-# Tests run on 2 cores; keep torch from oversubscribing when several processes run.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Tests run on 2 cores; keep torch from oversubscribing when several processes run. WORKBENCH_TEST_THREADS
+# sets the count instead (e.g. 1 under `make test`'s two workers, to compare; a test that needs a given
+# count sets it itself).
+torch.set_num_threads(int(os.environ.get("WORKBENCH_TEST_THREADS") or min(2, os.cpu_count() or 1)))
 # Every scheduler the tests start checks its KV bookkeeping whenever it goes idle
 # (core/managers/scheduler_kv_check.py); assert_no_kv_leak reads the outcome.
 os.environ.setdefault("WORKBENCH_KV_INVARIANT_CHECK", "1")
@@ -231,14 +233,48 @@ SERIAL_FILES = frozenset(
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+# How `make test` / `make test-full` share the files between their two pytest-xdist workers (`--dist loadgroup
+# --no-loadscope-reorder`): a file's tests stay on one worker (its module fixtures, an engine or a server,
+# are made once), as with `--dist loadfile`, except in SPLIT_FILES, whose tests share nothing costly and
+# are long each: every one of those is its own unit, so both workers take some (the ten notebooks, ~9 min
+# in all, ran after each other on one worker). The units are handed out longest first (SLOW_FIRST, from
+# CI's slowest durations; the rest in file order), so the run does not end on one long file.
+SPLIT_FILES = frozenset({"test_notebooks.py"})
+SLOW_FIRST = (
+    "test_model_runner.py",
+    "test_notebooks.py",
+    "test_tensor_parallel.py",
+    "test_pipeline.py",
+    "test_bench_engine_e2e.py",
+    "test_pd_router.py",
+    "test_structured_outputs.py",
+    "test_trace_mode_e2e.py",
+    "test_pipeline_limits.py",
+    "test_tool_calls.py",
+    "test_overlap.py",
+    "test_tui_pd.py",
+    "test_router.py",
+    # the fast tier's longest
+    "test_types.py",
+    "test_model_families.py",
+    "test_cuda_graph.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker, and before xdist reads xdist_group
 def pytest_collection_modifyitems(config, items):
+    # in an xdist worker `dist` reads "no" and `loadgroup` says whether the run is `--dist loadgroup`
+    grouped = config.pluginmanager.hasplugin("xdist") and bool(getattr(config.option, "loadgroup", False))
     for item in items:
         path = Path(item.path).resolve()
         if TESTS / "e2e" in path.parents:
             item.add_marker(pytest.mark.e2e)
         if path.name in SERIAL_FILES:
             item.add_marker(pytest.mark.serial)
+        if grouped and path.name not in SPLIT_FILES:
+            item.add_marker(pytest.mark.xdist_group(path.name))
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.path).name, len(rank)))  # stable: file order otherwise
 
 
 def _tier(config) -> str:
