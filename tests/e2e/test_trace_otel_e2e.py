@@ -37,7 +37,7 @@ def test_the_real_pipeline_exports_one_trace_per_request_with_traced_ttft():
         # TTFT on the span comes from traced timestamps; the Engine measures it independently.
         assert root.attributes["workbench.ttft_s"] == pytest.approx(out["meta_info"]["ttft"], abs=0.005)
         stages = {s.name for s in mem.get_finished_spans() if s.parent and s.parent.span_id == root.context.span_id}
-        assert stages == {"queue", "prefill", "decode"}
+        assert stages == {"prefill_waiting", "prefill_forward", "decode_loop"}
 
 
 class _Collector(http.server.BaseHTTPRequestHandler):

@@ -5,6 +5,8 @@ The end-to-end tests of this module are in tests/e2e/test_trace_otel_e2e.py.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest.importorskip("opentelemetry.sdk")
@@ -12,6 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode  # noqa: E402
 from workbench.core.trace import events as ev  # noqa: E402
 from workbench.core.trace.otel import OtelExporter  # noqa: E402
+from workbench.core.trace.recorder import read_trace  # noqa: E402
 
 MS = 1_000_000
 
@@ -65,17 +68,23 @@ def test_a_finished_request_becomes_a_root_span_with_three_stages():
     assert mem.get_finished_spans() == ()  # nothing until the request ends
     exp(_request_events("r1", t0)[4:])
     spans = _by_name(mem.get_finished_spans())
-    assert set(spans) == {"request r1", "queue", "prefill", "decode"}
+    assert set(spans) == {"request r1", "prefill_waiting", "prefill_forward", "decode_loop"}
     root = spans["request r1"]
-    for child in ("queue", "prefill", "decode"):
+    for child in ("prefill_waiting", "prefill_forward", "decode_loop"):
         assert spans[child].parent.span_id == root.context.span_id
         assert spans[child].context.trace_id == root.context.trace_id
     off = exp._offset_ns
     assert (root.start_time, root.end_time) == (t0 + off, t0 + 110 * MS + off)
-    assert (spans["queue"].start_time, spans["queue"].end_time) == (t0 + 2 * MS + off, t0 + 10 * MS + off)
-    assert (spans["prefill"].start_time, spans["prefill"].end_time) == (t0 + 10 * MS + off, t0 + 40 * MS + off)
-    assert [e.name for e in spans["prefill"].events] == ["chunk", "chunk"]
-    assert (spans["decode"].start_time, spans["decode"].end_time) == (t0 + 40 * MS + off, t0 + 110 * MS + off)
+    assert (spans["prefill_waiting"].start_time, spans["prefill_waiting"].end_time) == (
+        t0 + 2 * MS + off,
+        t0 + 10 * MS + off,
+    )
+    assert (spans["prefill_forward"].start_time, spans["prefill_forward"].end_time) == (
+        t0 + 10 * MS + off,
+        t0 + 40 * MS + off,
+    )
+    assert spans["prefill_forward"].attributes["workbench.chunks"] == 2
+    assert (spans["decode_loop"].start_time, spans["decode_loop"].end_time) == (t0 + 40 * MS + off, t0 + 110 * MS + off)
     a = root.attributes
     assert a["gen_ai.usage.input_tokens"] == 100 and a["gen_ai.usage.output_tokens"] == 8
     assert a["workbench.finish_reason"] == "length" and a["workbench.ttft_s"] == pytest.approx(0.040)
@@ -87,7 +96,7 @@ def test_an_aborted_request_is_an_error_span_without_a_decode_stage():
     exp = OtelExporter(mem, batch=False)
     exp(_request_events("gone", 7_000 * MS, chunks=1, aborted=True))
     spans = _by_name(mem.get_finished_spans())
-    assert "decode" not in spans
+    assert "decode_loop" not in spans
     assert spans["request gone"].status.status_code == StatusCode.ERROR
 
 
@@ -106,3 +115,87 @@ def test_missing_exporter_package_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_otlp)
     with pytest.raises(ValueError, match="pip install"):
         otel.otlp_span_exporter("http://127.0.0.1:4318/v1/traces")
+
+
+TOUR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "tour_trace.jsonl")
+
+
+def test_a_real_recording_exports_one_span_per_chunk_and_the_decisions():
+    """The guided tour's recording (chunked prefills, evictions, a retraction) through the exporter,
+    in bus-sized batches: a chunked prefill is one chunked_prefill span per chunk with its token
+    range, requests carry their admission and waiting reasons, and each scheduler step is a span with
+    its decision (admitted, reasons, KV + and -, held slots) and its evictions as events."""
+    _, events = read_trace(TOUR)
+    mem = InMemorySpanExporter()
+    exp = OtelExporter(mem, batch=False, steps=True)
+    for i in range(0, len(events), 7):
+        exp(events[i : i + 7])
+    exp.close()
+    spans = mem.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+
+    def root_rid(s):
+        while s.parent is not None:
+            s = by_id[s.parent.span_id]
+        return s.attributes.get("workbench.rid")
+
+    # The chunks, from the scheduler's req.scheduled events: prefix hit, then extend_len per chunk.
+    want: dict[str, list[tuple[int, int, int]]] = {}
+    nxt: dict[str, int] = {}
+    for e in events:
+        if isinstance(e, ev.ReqScheduled) and e.num_chunks > 1:
+            if e.chunk_index == 0:
+                nxt[e.rid] = e.prefix_hit
+            a = nxt[e.rid]
+            nxt[e.rid] = a + e.extend_len
+            want.setdefault(e.rid, []).append((e.chunk_index, a, a + e.extend_len))
+    assert len(want) >= 2 and all(len(v) >= 2 for v in want.values()), want
+    got: dict[str, list[tuple[int, int, int]]] = {}
+    for s in spans:
+        if s.name == "chunked_prefill":
+            assert by_id[s.parent.span_id].name == "prefill_forward"
+            a = s.attributes
+            got.setdefault(root_rid(s), []).append(
+                (a["workbench.chunk_index"], a["workbench.token_start"], a["workbench.token_end"])
+            )
+    assert {k: sorted(v) for k, v in got.items()} == want
+    # Each request's admission is an event on its root span, with the step's KV + and -.
+    decisions = [d for d in events if isinstance(d, ev.StepDecision)]
+    roots = {s.attributes["workbench.rid"]: s for s in spans if s.name.startswith("request ")}
+    for d in decisions:
+        for rid in d.admitted:
+            adm = [x for x in roots[rid].events if x.name == "admitted"]
+            assert any(x.attributes["workbench.step"] == d.step for x in adm), (rid, d.step)
+            x = next(x for x in adm if x.attributes["workbench.step"] == d.step)
+            assert (x.attributes["workbench.kv_plus"], x.attributes["workbench.kv_minus"]) == (d.kv_alloc, d.kv_freed)
+    # Why a request waited: the reason on its prefill_waiting span.
+    kv_stop = next(d for d in decisions if d.stop_reason == "kv")
+    waits = [
+        x
+        for s in spans
+        if s.name == "prefill_waiting" and root_rid(s) == kv_stop.stop_rid
+        for x in s.events
+        if x.name == "waiting"
+    ]
+    assert any(x.attributes["workbench.reason"] == "kv" for x in waits), waits
+    # One scheduler_step span per decision, carrying it; evictions and retractions as its events.
+    steps = {s.attributes["workbench.step"]: s for s in spans if s.name == "scheduler_step"}
+    assert set(steps) == {d.step for d in decisions}
+    for d in decisions:
+        a = steps[d.step].attributes
+        assert list(a["workbench.admitted"]) == d.admitted and a["workbench.stop_reason"] == d.stop_reason
+        assert (a["workbench.kv_plus"], a["workbench.kv_minus"], a["workbench.kv_held"]) == (
+            d.kv_alloc,
+            d.kv_freed,
+            d.kv_held,
+        )
+    evicts = [e for e in events if isinstance(e, ev.CacheEvict)]
+    assert evicts
+    for e in evicts:
+        x = [x for x in steps[e.step].events if x.name == "cache.evict"]
+        assert [y.attributes["workbench.tokens"] for y in x] == [e.tokens]
+    retracted = [e for e in events if isinstance(e, ev.ReqRetracted)]
+    assert retracted and all(
+        any(x.name == "retract" and x.attributes["workbench.rid"] == r.rid for x in steps[r.step].events)
+        for r in retracted
+    )
