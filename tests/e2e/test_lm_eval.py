@@ -3,6 +3,8 @@
 Two tasks written into tmp_path with a local JSONL dataset (nothing reaches the network):
 a multiple-choice task through `local-completions` (loglikelihood: echo, logprobs=1,
 max_tokens=1; lm-eval reads a top_logprobs dict at every prompt position past the context)
+with no local tokenizer: lm-eval's `remote` backend tokenizes through the server's /tokenize,
+/detokenize and /tokenizer_info (what its default `auto` picks when the server has them),
 and a generate_until task through both `local-completions` and `local-chat-completions`.
 The loglikelihoods lm-eval reports equal transformers' over the same tokens; the generations
 equal the server's own greedy answers to the same prompts and messages."""
@@ -91,7 +93,7 @@ def _score(hf_model, context: list[int], continuation: list[int]) -> float:
     return sum(float(lp[p - 1, ids[p]]) for p in range(len(context), len(ids)))
 
 
-def test_lm_eval_local_completions_and_chat(served, tasks_dir, default_prepared, hf_model):
+def test_lm_eval_local_completions_and_chat(served, tasks_dir, tokenizer, hf_model):
     from lm_eval import simple_evaluate
     from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
@@ -101,8 +103,7 @@ def test_lm_eval_local_completions_and_chat(served, tasks_dir, default_prepared,
     lm = get_model("local-completions")(
         model="smollm2-135m",
         base_url=url + "/v1/completions",
-        tokenizer=str(default_prepared.model_dir),
-        tokenizer_backend="huggingface",
+        tokenizer_backend="remote",  # no tokenizer path: the server's /tokenize (native_api.py)
         max_retries=1,
         max_length=2048,
     )
@@ -114,7 +115,8 @@ def test_lm_eval_local_completions_and_chat(served, tasks_dir, default_prepared,
     for sample in samples:
         for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
             loglik, _is_greedy = resp[0]
-            ctx_ids, cont_ids = lm._encode_pair(context, continuation)
+            ctx_ids, cont_ids = lm._encode_pair(context, continuation)  # through the server
+            assert ctx_ids + cont_ids == tokenizer.encode(context + continuation, add_special_tokens=False)
             ref = _score(hf_model, ctx_ids, cont_ids)
             assert abs(loglik - ref) < 1e-3 * len(cont_ids) + 1e-3, (context, continuation, loglik, ref)
     # generate_until through /v1/completions: the server's own greedy answers to the same prompts
