@@ -3,7 +3,7 @@
 - A recording of `kv-pressure` holds waiting requests, evictions and retractions within a minute
   of its first request, its narrated steps (`batch.decision`) say so, and every finished request's
   TTFT parts sum to its TTFT.
-- `make run`'s scenario (`shared-prefix`) in the real TUI (Textual Pilot): a waiting queue and an
+- The shared-prefix scenario in the real TUI (Textual Pilot): a waiting queue and an
   eviction within its first minute, the adaptive rate in the status line, and `p` pausing the
   workload's arrivals with the scheduler.
 """
