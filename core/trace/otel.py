@@ -280,8 +280,9 @@ class OtelExporter:
                 {"workbench.tokens": e.tokens, "workbench.node_ids": list(e.node_ids)},
                 timestamp=self._wall(e.ts),
             )
-        for rid in d.retracted if d is not None else []:
-            span.add_event("retract", {"workbench.rid": rid}, timestamp=self._wall(d.ts))
+        if d is not None:
+            for rid in d.retracted:
+                span.add_event("retract", {"workbench.rid": rid}, timestamp=self._wall(d.ts))
         span.end(end_time=self._wall(max(times)))
 
     def flush_steps(self) -> None:

@@ -138,7 +138,7 @@ def decision_summary(d: ev.StepDecision) -> str:
         why = _STOP_WORDS.get(d.stop_reason, d.stop_reason)
         parts.append(f"{d.waiting} waiting" + (f": {why}" if why else "") + (f" ({d.stop_rid})" if d.stop_rid else ""))
     if d.held:
-        parts.append("held " + " ".join(d.held))
+        parts.append("held back " + " ".join(d.held))
     parts.append(f"KV +{d.kv_alloc} −{d.kv_freed}")
     if d.kv_held >= 0:
         parts.append(f"held {d.kv_held} slots")
