@@ -214,7 +214,7 @@ def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
             ids: Any = list(
                 ctx.engine.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
             )
-        except (ValueError, TypeError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - any template failure (jinja's own errors too) is the messages' fault
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
         count: Any = len(ids)
     elif isinstance(req.prompt, str):
