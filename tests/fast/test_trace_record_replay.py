@@ -289,6 +289,16 @@ def test_perfetto_export_of_a_real_recording_has_one_slice_per_chunk_and_the_dec
             a = e["args"]
             got.setdefault(e["id"], []).append((a["chunk_index"], a["token_start"], a["token_end"]))
     assert got == want
+    # Every request's async slices still nest in time order (a retracted request included).
+    for rid in {x["id"] for x in tev if x["ph"] == "b"}:
+        stack, last = [], -1.0
+        for x in (x for x in tev if x["ph"] in "be" and x["id"] == rid):
+            assert x["ts"] >= last, rid
+            last = x["ts"]
+            if x["ph"] == "b":
+                stack.append(x["name"])
+            else:
+                assert stack.pop() == x["name"], rid
     # Each chunk slice lies inside its request's prefill_forward slice.
     for rid in want:
         seq = [(x["ph"], x["name"]) for x in tev if x.get("id") == rid and x["ph"] in "be"]
