@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-# Tests run on 2 cores; keep torch from oversubscribing when several processes run. WORKBENCH_TEST_THREADS
-# sets the count instead (e.g. 1 under `make test`'s two workers, to compare; a test that needs a given
-# count sets it itself).
-torch.set_num_threads(int(os.environ.get("WORKBENCH_TEST_THREADS") or min(2, os.cpu_count() or 1)))
+# Tests run on 2 cores; keep torch from oversubscribing when several processes run: a pytest-xdist worker
+# takes its share of the cores (make test's two workers on 2 cores: one thread each), a lone process up to 2.
+# Two threads beside a busy neighbour cost 2-6x the CPU and wall time (OpenMP threads spin and wait for a
+# core; docs/testing.md). WORKBENCH_TEST_THREADS sets the count; a test that needs a given count sets it.
+_XDIST_WORKERS = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+_DEFAULT_THREADS = max(1, min(2, (os.cpu_count() or 1) // _XDIST_WORKERS))
+torch.set_num_threads(int(os.environ.get("WORKBENCH_TEST_THREADS") or _DEFAULT_THREADS))
 # Every scheduler the tests start checks its KV bookkeeping whenever it goes idle
 # (core/managers/scheduler_kv_check.py); assert_no_kv_leak reads the outcome.
 os.environ.setdefault("WORKBENCH_KV_INVARIANT_CHECK", "1")
