@@ -242,8 +242,8 @@ async def test_tree_is_never_stale_and_one_evictable_figure(engine):
             kv_text = plain_text(app.query_one("#kv-body", Static).content, 120)
             title = str(app.panels["tree"].border_title)
             tree_ev = re.search(r"evictable (\S+)", title).group(1)
-            kv_ev = re.search(r"evictable\s+(\S+) \(", kv_text).group(1)
-            kv_used = re.search(r"used\s+(\S+) \(", kv_text).group(1)
+            kv_ev = re.search(r"cached\s+(\S+) \(", kv_text).group(1)
+            kv_used = re.search(r"held\s+(\S+) \(", kv_text).group(1)
             assert kv_used == fmt_count(st.kv.used), (kv_text, st.kv)  # KV follows every step
             seen.append(
                 (
