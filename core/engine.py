@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -173,12 +174,12 @@ class Engine:
         from workbench.core.managers.detokenizer_manager import run_detokenizer_process
 
         readers: dict = {}
-        # The children start with SIGINT blocked (a process inherits the mask of the thread that
-        # starts it): a terminal's Ctrl-C goes to the whole process group, and only this process
-        # should act on it (it stops them); a child mid-import would print a KeyboardInterrupt traceback.
-        # A Ctrl-C while they are being started waits the few milliseconds until the mask is lifted.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
+        # The children start with SIGINT ignored: a terminal's Ctrl-C goes to the whole process group,
+        # and only this process should act on it (it stops them); a child still in interpreter start-up
+        # would print a KeyboardInterrupt traceback. An ignored disposition survives spawn's exec (a
+        # blocked mask does not: multiprocessing's spawn clears it), and Python then installs no SIGINT
+        # handler of its own. The cost: a Ctrl-C in the milliseconds the processes take to start is dropped.
+        with _sigint_ignored_by_children():
             with omp_wait_env(sa.device):  # the children's OpenMP threads sleep soon when idle
                 self._launch_schedulers(ctx, child_args, readers)
             reader, writer = ctx.Pipe(duplex=False)
@@ -189,8 +190,6 @@ class Engine:
                 args=(str(self.prepared.model_dir), self.port_args, writer),
             )
             proc.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         writer.close()
         self.procs["detokenizer"] = proc
         readers["detokenizer"] = reader
@@ -818,6 +817,22 @@ def _to_sampling_params(sp: Any) -> SamplingParams:
     if isinstance(sp, SamplingParams):
         return msgspec.structs.replace(sp)
     return sampling_params_from_dict(sp)
+
+
+@contextlib.contextmanager
+def _sigint_ignored_by_children() -> Iterator[None]:
+    """Processes started inside the block ignore SIGINT (see Engine._launch). Only the main thread may
+    change a disposition; elsewhere (an Engine built on a worker thread) the block changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        logger.debug("children started with SIGINT ignored in %.1f ms", 1e3 * (time.perf_counter() - t0))
 
 
 def exit_reason(exitcode: int | None) -> str:
