@@ -125,41 +125,7 @@ def bi_linear(
     """x @ weight.T (+ bias) (+ residual) as a new float32 [M, N]; row m's result depends only on
     x[m] (and residual[m]), never on M or the other rows. x [M, K] any float dtype; weight [N, K]
     float32 or bfloat16 with contiguous rows; bias [N]; residual [M, N]."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if weight.shape[1] != k or weight.dtype not in _WEIGHT_CODES:
-        raise ValueError(f"bi_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} {weight.dtype}")
-    x = x.to(torch.float32)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-    if residual is not None:
-        residual = residual.to(torch.float32)
-        if residual.stride(1) != 1:
-            residual = residual.contiguous()
-    out = torch.empty((m, n), dtype=torch.float32)
-    if m == 0:
-        return out
-    _lib().wb_bi_linear(
-        x.data_ptr(),
-        x.stride(0),
-        weight.data_ptr(),
-        weight.stride(0),
-        _WEIGHT_CODES[weight.dtype],
-        bias.data_ptr() if bias is not None else None,
-        residual.data_ptr() if residual is not None else None,
-        residual.stride(0) if residual is not None else 0,
-        out.data_ptr(),
-        n,
-        m,
-        n,
-        k,
-        torch.get_num_threads(),
-    )
-    return out
+    return cpu_ops.call_linear_kernel(_lib().wb_bi_linear, "bi_linear", x, weight, bias, residual)
 
 
 class DeterministicCpuAttnBackend(CpuPagedAttnBackend):

@@ -500,10 +500,18 @@ def gemv(
     bfloat16 (rows may be strided, elements contiguous), bias [N], residual [M, N] -> a new
     float32 [M, N] (x, bias and residual are widened to float32 first). Any M is correct; it is
     fast for a few rows (see GEMV_MAX_ROWS)."""
+    return call_linear_kernel(_require().wb_gemv, "gemv", x, weight, bias, residual)
+
+
+def call_linear_kernel(
+    fn, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """Check and widen the operands of a C linear kernel with gemv's signature (wb_gemv, and
+    batch_invariant's wb_bi_linear), call `fn` and return its new float32 [M, N]."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or weight.dtype not in _GEMV_WEIGHT_CODES or not x.dtype.is_floating_point:
-        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
     x = x.to(torch.float32)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -513,12 +521,14 @@ def gemv(
         bias = bias.to(torch.float32).contiguous()
     if residual is not None:
         if residual.shape != (m, n):
-            raise ValueError(f"gemv: residual {tuple(residual.shape)} is not [{m}, {n}]")
+            raise ValueError(f"{name}: residual {tuple(residual.shape)} is not [{m}, {n}]")
         residual = residual.to(torch.float32)
         if residual.stride(1) != 1:
             residual = residual.contiguous()
     out = torch.empty((m, n), dtype=torch.float32)
-    _require().wb_gemv(
+    if m == 0:
+        return out
+    fn(
         x.data_ptr(),
         x.stride(0),
         weight.data_ptr(),
