@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from opentelemetry.trace import StatusCode  # noqa: E402
+from trace_helpers import expected_chunks  # noqa: E402
 from workbench.core.trace import events as ev  # noqa: E402
 from workbench.core.trace.otel import OtelExporter  # noqa: E402
 from workbench.core.trace.recorder import read_trace  # noqa: E402
@@ -139,16 +140,7 @@ def test_a_real_recording_exports_one_span_per_chunk_and_the_decisions():
             s = by_id[s.parent.span_id]
         return s.attributes.get("workbench.rid")
 
-    # The chunks, from the scheduler's req.scheduled events: prefix hit, then extend_len per chunk.
-    want: dict[str, list[tuple[int, int, int]]] = {}
-    nxt: dict[str, int] = {}
-    for e in events:
-        if isinstance(e, ev.ReqScheduled) and e.num_chunks > 1:
-            if e.chunk_index == 0:
-                nxt[e.rid] = e.prefix_hit
-            a = nxt[e.rid]
-            nxt[e.rid] = a + e.extend_len
-            want.setdefault(e.rid, []).append((e.chunk_index, a, a + e.extend_len))
+    want = expected_chunks(events)  # from the scheduler's req.scheduled events
     assert len(want) >= 2 and all(len(v) >= 2 for v in want.values()), want
     got: dict[str, list[tuple[int, int, int]]] = {}
     for s in spans:

@@ -11,6 +11,7 @@ import time
 import pytest
 from reliability_helpers import wait_for
 from synthetic import synthetic_trace
+from trace_helpers import expected_chunks
 from workbench.core.trace import events as ev
 from workbench.core.trace.bus import TraceBus
 from workbench.core.trace.perfetto import export_perfetto
@@ -272,16 +273,7 @@ def test_perfetto_export_of_a_real_recording_has_one_slice_per_chunk_and_the_dec
     _, events = read_trace(TOUR)
     doc = json.loads(json.dumps(export_perfetto(events, tmp_path / "tour.json")))
     tev = doc["traceEvents"]
-    # The chunks, from the scheduler's req.scheduled events: prefix hit, then extend_len per chunk.
-    want: dict[str, list[tuple[int, int, int]]] = {}
-    nxt: dict[str, int] = {}
-    for e in events:
-        if isinstance(e, ev.ReqScheduled) and e.num_chunks > 1:
-            if e.chunk_index == 0:
-                nxt[e.rid] = e.prefix_hit
-            a = nxt[e.rid]
-            nxt[e.rid] = a + e.extend_len
-            want.setdefault(e.rid, []).append((e.chunk_index, a, a + e.extend_len))
+    want = expected_chunks(events)  # from the scheduler's req.scheduled events
     assert len(want) >= 2 and all(len(v) >= 2 for v in want.values()), want
     got: dict[str, list[tuple[int, int, int]]] = {}
     for e in tev:
