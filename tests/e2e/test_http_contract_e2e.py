@@ -20,6 +20,7 @@ import time
 
 import httpx
 import pytest
+from reliability_helpers import wait_for
 from workbench.core.entrypoints.server_process import ServerProcess
 
 psutil = pytest.importorskip("psutil")
@@ -186,24 +187,18 @@ def test_a_client_that_goes_away_is_still_aborted(server):
 # ---------------------------------------------------------------- start-up
 
 
-def _wait_for(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.parametrize("key", [None, "sk-test"], ids=["no-key", "api-key"])
 def test_a_public_host_warns_and_ctrl_c_during_start_up_is_quiet(key):
     args = ["--max-total-tokens", "2048"] + (["--api-key", key] if key else [])
     srv = ServerProcess(args, host="0.0.0.0", wait=False)
     try:
-        _wait_for(lambda: "warning: listening on every interface" in srv.log(), 120, "the warning")
-        # Ctrl-C while the engine's processes import torch: a terminal sends SIGINT to the whole group
-        children = _wait_for(lambda: len(srv.descendants()) >= 2 and srv.descendants(), 120, "the engine's processes")
+        wait_for(lambda: "warning: listening on every interface" in srv.log(), 120, "the warning", 0.05)
+        # Ctrl-C while the engine's processes import torch: a terminal sends SIGINT to the whole group.
+        # All three (resource tracker, scheduler, detokenizer) must exist: while the engine is still
+        # starting them it ignores SIGINT (~150 ms, core/engine.py), and a Ctrl-C then is dropped.
+        children = wait_for(
+            lambda: len(srv.descendants()) >= 3 and srv.descendants(), 120, "the engine's processes", 0.05
+        )
         os.killpg(srv.proc.pid, signal.SIGINT)
         code = srv.proc.wait(120)
         log = srv.log()
@@ -220,4 +215,4 @@ def test_a_public_host_warns_and_ctrl_c_during_start_up_is_quiet(key):
     assert code == 0, log
     assert "interrupted during start-up" in log, log
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
-    _wait_for(lambda: not any(psutil.pid_exists(p) for p in children), 60, "no process left")
+    wait_for(lambda: not any(psutil.pid_exists(p) for p in children), 60, "no process left", 0.05)
