@@ -85,8 +85,9 @@ class PoisoningAllocator(TokenToKVPoolAllocator):
     def __init__(self, size: int, kv_tokens: torch.Tensor):
         self.kv_tokens = kv_tokens
         self.freed: list[torch.Tensor] = []  # appended by the scheduler's thread, taken by the worker's
-        # HiCache: a load-back writes slots it was just handed outside any pass, so a slot handed out
-        # again must not be poisoned by the next pass (the harness turns this on with HiCache only).
+        # HiCache's load-back and a PD decode server's install write slots they were just handed outside
+        # any pass, so a slot handed out again must not be poisoned by the next pass (the harness turns
+        # this on for those two only: elsewhere every handed-out slot is written by the pass that uses it).
         self.unpoison_on_alloc = False
         super().__init__(size)
 
@@ -190,7 +191,9 @@ class SchedulerHarness:
         server_args.setdefault("chunked_prefill_size", -1)
         self.args = ServerArgs(device="cpu", disable_overlap_schedule=not overlap, **server_args)
         self.runner = StandInRunner(self.args, context_len)
-        self.runner.poisoning.unpoison_on_alloc = self.args.enable_hierarchical_cache
+        self.runner.poisoning.unpoison_on_alloc = (
+            self.args.enable_hierarchical_cache or self.args.disaggregation_mode == "decode"
+        )
         self.worker = StandInWorker(self.runner, rule)
         self.io = ListIO(roundtrip=True)  # messages through msgspec both ways, as over ZMQ
         self.events: list = []

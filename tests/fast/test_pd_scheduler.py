@@ -143,6 +143,26 @@ def test_a_small_decode_pool_holds_requests_in_prealloc_until_slots_free():
         _close(p, d)
 
 
+def test_a_reservation_that_evicts_while_nothing_runs_gets_its_kv():
+    """One request at a time through a 64-slot decode pool: each reservation evicts the last one's cached
+    prompt while no batch runs, and its KV is installed into those slots outside any pass (CI once caught
+    the harness poisoning such slots after the install; the order here makes it happen every time)."""
+    p, d, port = _pair(decode_tokens=64)
+    rng = random.Random(3)
+    try:
+        for i in range(3):
+            prompt = [rng.randrange(3, 1000) for _ in range(40)]
+            room = rng.getrandbits(62)
+            p.send(_req(f"r{i}", prompt, 4, port, room))
+            d.send(_req(f"r{i}", prompt, 4, port, room))
+            _run(p, d, lambda i=i: f"r{i}" in d.finish)
+            assert d.tokens(f"r{i}") == expected_tokens(prompt, 4), i
+        d.run_until_idle()
+        d.assert_idle_and_clean()
+    finally:
+        _close(p, d)
+
+
 def test_aborts_and_prefill_failures_free_the_reservation_and_say_why():
     p, d, port = _pair(timeout=2.0)
     rng = random.Random(2)
