@@ -111,6 +111,18 @@ FLAG_HELP = {
     "enable_deterministic_inference": "the same greedy and seeded outputs whatever the batch a request shares and "
     "whatever prefix is cached (CPU: batch-invariant linears, norms and attention, seeded sampling per "
     "request; slower: `workbench bench deterministic` prints the cost; docs/deterministic.md)",
+    "enable_lora": "serve LoRA adapters of the base model beside it: a request names one with `lora_path` "
+    "(/generate, Engine.generate) or as `model` = BASE:ADAPTER on the OpenAI routes (docs/lora.md)",
+    "lora_paths": "adapters loaded at start-up, each NAME=PATH or PATH (named after its directory): PEFT's format, "
+    "adapter_config.json + adapter_model.safetensors (implies --enable-lora)",
+    "max_loras_per_batch": "most distinct adapters (the base model counts as none) in one batch; a request whose "
+    "adapter would exceed it waits for the next step",
+    "max_loaded_loras": "most adapters held in memory at once; loading one more evicts the least recently used "
+    "adapter no request is using (default: no limit)",
+    "max_lora_rank": "the largest adapter rank accepted (default: the largest of --lora-paths; an adapter loaded "
+    "later must not exceed it)",
+    "lora_target_modules": "the projections adapters may target (q_proj k_proj v_proj o_proj gate_proj up_proj "
+    "down_proj, or all; default: the union of --lora-paths')",
     "speculative_draft_model_path": "STANDALONE: a small draft model with the target's tokenizer",
     "speculative_num_steps": "STANDALONE: draft model passes per step (default: as many as the draft tokens)",
     "speculative_num_draft_tokens": "the most draft tokens verified per request per step (default 4)",
@@ -210,6 +222,13 @@ class ServerArgs:
     priority_scheduling_preemption_threshold: int = 10
     # batch-invariant kernels (SGLang's --enable-deterministic-inference)
     enable_deterministic_inference: bool = False
+    # multi-LoRA serving (SGLang's flags; docs/lora.md)
+    enable_lora: bool = False
+    lora_paths: list[str] | None = None
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
     # None: the overlap loop when a core is spare beside a fixed thread count (cpu_threads.overlap_by_default)
     disable_overlap_schedule: bool | None = None
     enable_kv_invariant_check: bool = field(
@@ -391,6 +410,7 @@ class ServerArgs:
                 bad(f"--{name.replace('_', '-')} must be between 1 and 64")
         self._validate_disaggregation(bad)
         self._validate_hicache_and_priority(bad)
+        self._validate_lora(bad)
         if self.device not in ("auto", "cpu", "cuda"):
             bad("--device must be auto, cpu or cuda")
         if self.cuda_graph_max_bs < 1:
@@ -472,6 +492,23 @@ class ServerArgs:
         if self.priority_scheduling_preemption_threshold < 0:
             bad("--priority-scheduling-preemption-threshold must be 0 or more")
 
+    def _validate_lora(self, bad) -> None:
+        if self.lora_paths:
+            self.enable_lora = True  # SGLang: naming adapters turns LoRA on
+            for item in self.lora_paths:
+                name, sep, path = item.partition("=")
+                if sep and (not name or not path):
+                    bad(f"--lora-paths takes NAME=PATH or PATH, not {item!r}")
+        if self.max_loras_per_batch < 1:
+            bad(f"--max-loras-per-batch must be at least 1, not {self.max_loras_per_batch}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            bad(
+                f"--max-loaded-loras ({self.max_loaded_loras}) must be at least --max-loras-per-batch "
+                f"({self.max_loras_per_batch}): a batch's adapters are all in memory"
+            )
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            bad(f"--max-lora-rank must be at least 1, not {self.max_lora_rank}")
+
     # ---- resolved values -------------------------------------------------
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -515,7 +552,9 @@ class ServerArgs:
                 continue
             kind = str(f.type)
             extra = {"choices": FLAG_CHOICES[f.name]} if f.name in FLAG_CHOICES else {}
-            if "list[int]" in kind:
+            if "list[str]" in kind:
+                group.add_argument(*names, dest=f.name, type=str, nargs="+", default=default, help=text)
+            elif "list[int]" in kind:
                 group.add_argument(*names, dest=f.name, type=int, nargs="+", default=default, help=text)
             elif "int" in kind:
                 group.add_argument(*names, dest=f.name, type=int, default=default, help=text, **extra)
