@@ -38,6 +38,24 @@ def _happened(name: str, step: int, events: list) -> bool:
     raise AssertionError(name)
 
 
+def _where(k: int, app, controller, trace: list) -> str:
+    """What a stop that never came leaves to read: the stops shown, the guide's next, the pause, the
+    workload, the last step and how many of each case the trace holds."""
+    from workbench.scenarios import runner_status
+
+    steps = [e.step for e in trace if isinstance(e, ev.BatchStep)]
+    decisions = [e for e in trace if isinstance(e, ev.StepDecision)]
+    runner = getattr(controller, "_runner", None)
+    return (
+        f"stop {k} never came: shown {[(s.index, s.name, s.step) for s in app.tour_shown]}, guide next "
+        f"{app.tour.next_name!r}, queued {len(app._tour_queue)}, controller paused {controller.paused}, "
+        f"workload {runner_status(runner) if runner is not None else None}, last step {max(steps, default=-1)}, "
+        f"decisions {len(decisions)} (waiting {sum(1 for d in decisions if d.waiting)}, evicted "
+        f"{sum(1 for d in decisions if d.evicted)}, retracted {sum(1 for d in decisions if d.retracted)}), "
+        f"trace events {len(trace)}"
+    )
+
+
 async def test_the_tour_stops_at_six_events_that_really_happened():
     from workbench.core.args import ServerArgs
     from workbench.core.engine import Engine
@@ -55,7 +73,10 @@ async def test_the_tour_stops_at_six_events_that_really_happened():
             await wait_for(app.ready.is_set, 120)
             steps = []
             for k, (name, title) in enumerate(STOPS, 1):
-                await wait_for(lambda k=k: len(app.tour_shown) == k, 240, interval=0.1)
+                try:
+                    await wait_for(lambda k=k: len(app.tour_shown) == k, 240, interval=0.1)
+                except AssertionError:
+                    raise AssertionError(_where(k, app, controller, trace)) from None
                 stop = app.tour_shown[-1]
                 assert (stop.index, stop.name) == (k, name)
                 # the scheduler is paused at the stop: no step runs while the line is read
