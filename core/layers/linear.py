@@ -90,6 +90,8 @@ class LinearBase(nn.Module):
         # The CPU fast paths were asked for (packing, the batch-1 GEMV). Kept apart from
         # packed_weight, which stays None where oneDNN cannot pack this dtype.
         self.cpu_fast_path = False
+        # Multi-LoRA (core/lora/): adds the running batch's adapter deltas to this layer's output.
+        self.lora_hook = None
 
     def process_weights_after_loading(self, pack: bool = True) -> None:
         """Derive the packed copy (call again after any weight update)."""
@@ -119,7 +121,8 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        out = self._matmul(x, self.bias)
+        return out if self.lora_hook is None else self.lora_hook(x, out)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -176,9 +179,13 @@ class RowParallelLinear(LinearBase):
         """x @ W.T (+ bias), all-reduced across ranks, then + residual if given."""
         bias: torch.Tensor | None = self.bias if self.tp_rank == 0 else None
         if self.tp_size == 1:
-            return self._matmul(x, bias, residual)
-        # Partial sums must be reduced before the residual joins (it is not split).
+            out = self._matmul(x, bias, residual)
+            return out if self.lora_hook is None else self.lora_hook(x, out)
+        # Partial sums must be reduced before the residual joins (it is not split). A LoRA delta
+        # of this rank's input shard is a partial sum too: it joins before the reduce.
         out = self._matmul(x, bias)
+        if self.lora_hook is not None:
+            out = self.lora_hook(x, out)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         return out if residual is None else out + residual
