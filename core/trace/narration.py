@@ -163,3 +163,102 @@ def narrate_spec(sv: StepView) -> str:
         f"{len(sv.reqs)} running verified {proposed} draft{'s' if proposed != 1 else ''}, kept {kept}: "
         f"+{len(sv.reqs) + kept} tokens" + (f" ({each}{more})" if each else "")
     )
+
+
+def describe_step(sv: StepView, node_text: dict[int, str] | None = None, max_reqs: int = 64) -> list[tuple[str, str]]:
+    """One step's whole decision, part by part: (heading, text) rows for a view that opens a step
+    (the TUI's step history, the Dashboard's batch chart on a click). Where `narrate_step` says
+    it in one line and cuts lists short, this names every admitted, released, evicted, retracted
+    and waiting part. `node_text`: node id → its text (evicted nodes' text, where known)."""
+    d = sv.decision
+    rows: list[tuple[str, str]] = []
+    bs = f"{sv.batch_size}" + (f" (padded to {sv.padded_size})" if sv.padded_size != sv.batch_size else "")
+    rows.append(
+        (
+            "step",
+            f"{sv.step} {sv.mode} on {sv.proc} · batch {bs} · {'CUDA graph' if sv.cuda_graph else 'eager'} · "
+            f"schedule {sv.schedule_ms:.1f} ms + forward {sv.forward_ms:.1f} ms",
+        )
+    )
+    rows.append(("in one line", narrate_step(sv)))
+    reqs = []
+    for r in sv.reqs[:max_reqs]:
+        if r.computed > 0:
+            chunk = f" (chunk {r.chunk_index + 1}/{r.num_chunks})" if r.num_chunks > 1 else ""
+            reqs.append(f"{r.rid} prefill {r.cached} cached + {r.computed} computed{chunk}")
+        elif r.decode > 0:
+            reqs.append(f"{r.rid} decode {r.decode}" + (f" (+{r.drafts} drafts verified)" if r.drafts else ""))
+        else:
+            reqs.append(f"{r.rid} waited (no tokens this step)")
+    if len(sv.reqs) > max_reqs:
+        reqs.append(f"+{len(sv.reqs) - max_reqs} more")
+    rows.append((f"batch ({len(sv.reqs)})", "; ".join(reqs) or "(empty)"))
+    rows.append(
+        (
+            "tokens",
+            f"{sv.cached_tokens} cached (reused from the radix cache) + {sv.prefill_tokens} prompt computed + "
+            f"{sv.decode_tokens} decoded",
+        )
+    )
+    if d is None:
+        rows.append(
+            ("decision", "not known: this step's batch.decision has not arrived (or the recording predates it)")
+        )
+        return rows
+    if d.admitted:
+        rows.append((f"admitted ({len(d.admitted)})", ", ".join(d.admitted)))
+    if d.chunk_continued:
+        rows.append(("chunk continued", d.chunk_continued))
+    if d.budget:
+        rows.append(
+            (
+                "prefill budget",
+                f"{d.budget_used} of {d.budget} tokens computed"
+                + (
+                    f"; {d.running_waited} running requests waited (an extend step runs prefill only)"
+                    if d.running_waited
+                    else ""
+                ),
+            )
+        )
+    if d.kv_held >= 0:
+        parts = ", ".join(f"{k} {v:+d}" for k, v in kv_parts(d)) or "no change"
+        rows.append(("KV held", f"{parts} → {d.kv_held} slots held by requests after the step"))
+    else:
+        rows.append(("KV", f"{d.kv_alloc} slots allocated, {d.kv_freed} freed (an older recording)"))
+    if d.released:
+        rows.append(("released", "; ".join(f"{r.rid} {r.why} (−{r.slots} slots)" for r in d.released)))
+    if d.evicted or d.evicted_nodes:
+        texts = node_text or {}
+        nodes = [f"#{n}" + (f" “{texts[n][:24]}”" if texts.get(n) else "") for n in d.evicted_nodes]
+        rows.append(
+            (
+                "evicted",
+                f"{d.evicted} cached tokens freed (cached → free) from {len(d.evicted_nodes)} node(s)"
+                + (": " + ", ".join(nodes) if nodes else ""),
+            )
+        )
+    if d.retracted:
+        rows.append(
+            (
+                f"retracted ({len(d.retracted)})",
+                ", ".join(d.retracted) + ": back to the waiting queue, to be prefilled again",
+            )
+        )
+    for p in d.preemptions:
+        rows.append(("preempted", p))
+    for h in d.hicache:
+        rows.append(("hicache", h))
+    if d.constrained:
+        rows.append(("grammar", f"{d.constrained} rows sampled under a grammar, {d.mask_ms:.1f} ms on their masks"))
+    if d.waiting:
+        why = WAIT_REASONS.get(d.stop_reason, d.stop_reason)
+        text = f"{d.waiting} left waiting"
+        if d.stop_rid:
+            text += f"; admission stopped at {d.stop_rid}: {why}"
+        if d.held:
+            text += f"; held for a shared prefix: {', '.join(d.held)}"
+        rows.append(("waiting", text))
+    else:
+        rows.append(("waiting", "nobody left waiting"))
+    return rows

@@ -20,13 +20,18 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
 from workbench.core.trace import events as ev
 from workbench.core.trace.experts import ExpertLoad
-from workbench.core.trace.narration import WAIT_REASONS, narrate_spec, narrate_step  # noqa: F401  (re-exported)
+from workbench.core.trace.narration import (  # noqa: F401  (re-exported)
+    WAIT_REASONS,
+    describe_step,
+    narrate_spec,
+    narrate_step,
+)
 from workbench.core.trace.pd import PDJoin, pd_ttft_breakdown, transfer_detail
 from workbench.core.trace.speculative import SpecStats
 from workbench.core.trace.ttft import StepIndex, TtftBreakdown, ttft_breakdown
@@ -53,6 +58,11 @@ from workbench.core.trace.views import (  # noqa: F401  (re-exported for views)
 _PSEUDO_PROCS = frozenset({"bus", "recorder", "replay"})
 # Data-parallel scheduler replicas trace as "scheduler.dp0", "scheduler.dp1", ...
 _REPLICA_PREFIX = "scheduler.dp"
+#: How long an evicted radix node stays on show as a ghost (display_tree): this many scheduler
+#: steps, and at least this much trace time, so a fast scheduler's eviction is still seen.
+GHOST_STEPS = 8
+GHOST_NS = 3_000_000_000
+_MAX_GHOSTS = 256  # per scheduler: a burst of evictions must not grow the picture without end
 
 
 def _is_replica(proc: str) -> bool:
@@ -127,6 +137,9 @@ class TraceState:
         self.kv_history: deque[KVPoint] = deque(maxlen=max_history)
         self.queue_history: deque[QueuePoint] = deque(maxlen=max_history)
         self.trees: dict[str, dict[int, TreeNodeView]] = {}
+        # Evicted nodes kept on show after the snapshot that dropped them: proc -> node id -> its
+        # last view (evicted_step set). Never part of `trees` (the digests compare those).
+        self.ghosts: dict[str, dict[int, TreeNodeView]] = {}
         self.tree_proc: str | None = None
         self.tree_evictable_size = 0
         self.tree_protected_size = 0
@@ -190,6 +203,34 @@ class TraceState:
         """The radix tree of the (first) scheduler that reported one."""
         return self.trees.get(self.tree_proc, {}) if self.tree_proc is not None else {}
 
+    def display_tree(self, proc: str | None = None) -> dict[int, TreeNodeView]:
+        """The radix tree (of `proc`, default the first scheduler's) plus its ghosts: nodes evicted
+        in the last GHOST_STEPS steps (or GHOST_NS of trace time), marked `just_evicted` with their
+        `evicted_step`, hung under their parent (or the root when it went too), so a view shows
+        what an eviction took. `trees` stays the cache as it is; this is for drawing only."""
+        proc = self.tree_proc if proc is None else proc
+        tree = self.trees.get(proc, {}) if proc is not None else {}
+        ghosts = [g for nid, g in self.ghosts.get(proc or "", {}).items() if nid not in tree and self._ghost_alive(g)]
+        if not ghosts:
+            return tree
+        out = dict(tree)
+        roots = [n.node_id for n in tree.values() if n.parent_id == -1]
+        for g in sorted(ghosts, key=lambda g: g.node_id):
+            out[g.node_id] = replace(g, children=[])
+        for g in sorted(ghosts, key=lambda g: g.node_id):
+            parent_id = g.parent_id if g.parent_id in out else (min(roots) if roots else g.parent_id)
+            out[g.node_id].parent_id = parent_id
+            parent = out.get(parent_id)
+            if parent is not None:
+                if parent_id in tree:  # a live node: draw a copy, never touch the cache's own view
+                    parent = out[parent_id] = replace(parent, children=list(parent.children))
+                parent.children.append(g.node_id)
+        return out
+
+    def _ghost_alive(self, g: TreeNodeView) -> bool:
+        step = self.steps[-1].step if self.steps else g.evicted_step
+        return step - g.evicted_step <= GHOST_STEPS or self.last_ts - g.last_access <= GHOST_NS
+
     @property
     def last_step_line(self) -> str:
         """The last scheduler step in one line of plain language ("" before any step); see narrate."""
@@ -201,6 +242,13 @@ class TraceState:
         allocated/freed, evictions, retractions and why the others still wait. Older recordings
         (no batch.decision) get the part the batch.step alone tells."""
         return narrate_step(sv)
+
+    def describe(self, sv: StepView) -> list[tuple[str, str]]:
+        """A step's whole decision as (heading, text) rows (narration.describe_step), evicted
+        nodes named by their text where the tree or its ghosts still know it."""
+        texts = {nid: n.text for nid, n in self.ghosts.get(sv.proc, {}).items() if n.text}
+        texts.update({nid: n.text for nid, n in self.trees.get(sv.proc, {}).items() if n.text})
+        return describe_step(sv, texts)
 
     def step_rids(self, sv: StepView | None = None) -> set[str]:
         """The requests a step (default: the last) touched beyond decoding one token: those it
@@ -802,6 +850,7 @@ class TraceState:
             node.parent_id, node.tokens, node.last_access = e.parent_id, e.tokens, e.ts
             node.text = e.text or node.text
         node.just_inserted, node.just_evicted = True, False
+        self.ghosts.get(e.proc, {}).pop(e.node_id, None)  # back in the cache: no longer a ghost
         parent = tree.get(e.parent_id)
         if parent is not None and e.node_id not in parent.children:
             parent.children.append(e.node_id)
@@ -812,6 +861,11 @@ class TraceState:
             node = tree.get(nid)
             if node is not None:
                 node.just_evicted = True
+                # its ghost: last_access becomes the eviction's time (how long it stays on show)
+                ghosts = self.ghosts.setdefault(e.proc, {})
+                ghosts[nid] = replace(node, children=[], evicted_step=e.step, last_access=e.ts, lock_ref=0)
+                if len(ghosts) > _MAX_GHOSTS:
+                    ghosts.pop(next(iter(ghosts)))
         self.counters.evicted_tokens_total += e.tokens
 
     def _on_tree(self, e: ev.CacheTree) -> None:
@@ -826,6 +880,10 @@ class TraceState:
             if parent is not None:
                 parent.children.append(n.node_id)
         self.trees[e.proc] = tree
+        ghosts = self.ghosts.get(e.proc)
+        if ghosts:  # forget the ghosts back in the cache (HiCache keeps a node on host) or gone stale
+            for nid in [nid for nid, g in ghosts.items() if nid in tree or not self._ghost_alive(g)]:
+                del ghosts[nid]
         if e.proc == self.tree_proc:
             self.tree_evictable_size, self.tree_protected_size = e.evictable_size, e.protected_size
 

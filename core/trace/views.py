@@ -136,6 +136,7 @@ class TreeNodeView:
     just_evicted: bool = False
     just_inserted: bool = False
     tier: str = "device"  # HiCache: "device" | "host" | "device+host" | "storage" (events.TreeNode.tier)
+    evicted_step: int = -1  # a ghost (TraceState.display_tree): the step that evicted it
 
 
 @dataclass
