@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -393,6 +394,17 @@ class Simulator:
 
     def run(self, workload: list[SimRequest], progress=None) -> SimResult:
         """Run every request to the end; returns the simulated-time metrics."""
+        for _ in self.run_steps(workload, progress):
+            pass
+        assert self.result is not None
+        return self.result
+
+    def run_steps(self, workload: list[SimRequest], progress=None) -> Iterator[float]:
+        """`run`, one action at a time: yields the simulated time of the next action (a request
+        reaching a scheduler, or a step starting at that time) before taking it, so a driver can
+        advance several simulators on one simulated clock (`next()` while the value is at most its
+        time); `self.result` holds the metrics once the generator is exhausted."""
+        self.result: SimResult | None = None
         t0 = time.perf_counter()
         reps = self.replicas
         order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
@@ -429,6 +441,7 @@ class Simulator:
             if not busy and nxt >= len(order):
                 break
             rep = min(busy, key=lambda r: r.clock.now) if busy else None  # the replica furthest behind
+            yield t_arrival if rep is None or t_arrival <= rep.clock.now else rep.clock.now
             if rep is None or t_arrival <= rep.clock.now:
                 i = order[nxt]
                 nxt += 1
@@ -464,7 +477,7 @@ class Simulator:
         start = min((r.arrival for r in workload), default=0.0)
         res.sim_s = max(r.clock.now for r in reps) + self.tm_out_s - start
         res.wall_s = time.perf_counter() - t0
-        return res
+        self.result = res
 
     def _deliver(self, i: int, r: SimRequest, res: SimResult, at: float) -> None:
         """Request i (sent at r.arrival) reaches the deployment at `at`: the balancer picks its replica
