@@ -46,13 +46,16 @@ def _where(k: int, app, controller, trace: list) -> str:
     steps = [e.step for e in trace if isinstance(e, ev.BatchStep)]
     decisions = [e for e in trace if isinstance(e, ev.StepDecision)]
     runner = getattr(controller, "_runner", None)
+    engine = controller.engine
+    procs = {role: ("alive" if p.is_alive() else f"dead ({p.exitcode})") for role, p in engine.procs.items()}
+    errors = [line.text for line in app.model.log.lines if line.category == "error"][-3:]
     return (
         f"stop {k} never came: shown {[(s.index, s.name, s.step) for s in app.tour_shown]}, guide next "
         f"{app.tour.next_name!r}, queued {len(app._tour_queue)}, controller paused {controller.paused}, "
         f"workload {runner_status(runner) if runner is not None else None}, last step {max(steps, default=-1)}, "
         f"decisions {len(decisions)} (waiting {sum(1 for d in decisions if d.waiting)}, evicted "
         f"{sum(1 for d in decisions if d.evicted)}, retracted {sum(1 for d in decisions if d.retracted)}), "
-        f"trace events {len(trace)}"
+        f"trace events {len(trace)}, processes {procs}, last errors {errors}"
     )
 
 
