@@ -29,9 +29,11 @@ from workbench.core.trace.palette import PALETTE
 from workbench.core.trace.startup import StartupProgress
 from workbench.tui.controller import Controller, friendly
 from workbench.tui.fmt import shorten
+from workbench.tui.history import StepHistoryScreen, StepOpened
 from workbench.tui.layout import GRID_MIN_SIZE, mount_layout
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import RequestSelected
+from workbench.tui.pause_on import KIND_NAMES, PauseOnScreen, PauseTrigger, pause_triggers
 from workbench.tui.startup import phase_lines, startup_body, startup_title
 from workbench.tui.status import status_line
 from workbench.tui.tour import STOPS, TourGuide, TourStop
@@ -48,6 +50,8 @@ class WorkbenchApp(App):
         refresh_hz: panel redraw rate (events are folded at the same rate).
         select: a rid to select at start.
         tour: the guided tour (tui/tour.py): pause at each of its stops, `n` goes on.
+        pause_on: kinds of event that pause the scheduler when they happen (tui/pause_on.py:
+            retract, evict, chunk, preempt); `o` changes them, `h` opens the step it paused at.
     """
 
     TITLE = "Serving Workbench"
@@ -64,6 +68,7 @@ class WorkbenchApp(App):
     #answer { height: auto; max-height: 6; padding: 0 1; background: $panel; }
     #notice { height: auto; max-height: 2; padding: 0 1; display: none; }
     #tour { height: auto; max-height: 4; padding: 0 1; background: $accent-darken-2; color: $text; }
+    #pauseon { height: auto; max-height: 3; padding: 0 1; }
     #prompt { dock: bottom; }
     TabbedContent, TabPane { height: 1fr; }
     """
@@ -84,6 +89,8 @@ class WorkbenchApp(App):
         Binding("right_square_bracket", "select(1)", "next req", show=False),
         Binding("l", "toggle_layout", "layout"),
         Binding("n", "tour_next", "next stop"),
+        Binding("h", "step_history", "steps"),
+        Binding("o", "pause_on_menu", "pause on"),
         Binding("escape", "escape", "back", show=False),
         *[Binding(str(i), f"panel({i})", show=False) for i in range(1, 10)],
     ]
@@ -101,6 +108,7 @@ class WorkbenchApp(App):
         max_events_per_tick: int = 50_000,
         log_path: str | None = None,
         tour: bool = False,
+        pause_on: set[str] | list[str] | tuple[str, ...] | None = None,
     ):
         super().__init__()
         if registry is None:
@@ -152,6 +160,14 @@ class WorkbenchApp(App):
         self.tour_shown: list[TourStop] = []  # the stops shown so far (the last one is on screen)
         self._tour_queue: list[TourStop] = []  # reached, not shown yet (two stops in one step)
         self._tour_waiting = False  # a stop is on screen, waiting for `n`
+        unknown_kinds = sorted(set(pause_on or ()) - set(KIND_NAMES))
+        if unknown_kinds:
+            raise ValueError(
+                f"unknown pause-on kind(s): {', '.join(unknown_kinds)}; choose from {','.join(KIND_NAMES)}"
+            )
+        self.pause_on: set[str] = set(pause_on or ())
+        self.paused_on: PauseTrigger | None = None  # the event the app paused at, until resumed
+        self._pause_on_from = -1  # steps before this ran before the last resume: they never pause again
 
     def get_css_variables(self) -> dict[str, str]:
         """The theme's variables plus the colour language ($wb-cached, $wb-locked, ...: the palette
@@ -165,6 +181,7 @@ class WorkbenchApp(App):
         yield Static(id="status")
         yield Static(id="laststep")
         yield Static(id="tour")
+        yield Static(id="pauseon")
         yield Static(id="notice")
         with Container(id="startup"):
             with Vertical(id="startup-box"):
@@ -183,6 +200,8 @@ class WorkbenchApp(App):
         if self.tour is not None:
             self.query_one("#tour", Static).update(Text("guided tour: starting the engine…", style="bold"))
         self.query_one("#prompt").display = self.controller.can_chat
+        self._pauseon_line = self.query_one("#pauseon", Static)
+        self._show_pause_on()
         if self.layout_mode == "auto":
             self.layout_mode = self._layout_for_size()
         await self._mount_panels()
@@ -388,6 +407,8 @@ class WorkbenchApp(App):
         self.model.apply(events)
         if self.tour is not None and events:
             self._tour_feed(events)
+        if self.pause_on and events:
+            self._pause_on_feed(events)
         if self._deferred:
             self._reveal_deferred()
         self._drain_chat()
@@ -531,6 +552,8 @@ class WorkbenchApp(App):
         if not c.can_step:
             self.notify(f"pausing is not available in {c.mode} mode", severity="warning")
             return
+        if c.paused:
+            self._pause_on_release()
         self._control("pause" if not c.paused else "resume", lambda: c.set_paused(not c.paused))
 
     def action_step(self) -> None:
@@ -633,9 +656,83 @@ class WorkbenchApp(App):
         )
         self.query_one("#tour", Static).update(Text(text, style="bold"))
         self._tour_waiting = False
+        self._pause_on_release()
         c = self.controller
         if c.can_step:  # even if the stop's pause is still queued: the control thread keeps the order
             self._control("resume", lambda: c.set_paused(False))
+
+    # ---- pause on (retract / evict / chunk / preempt) ---------------------------------------
+    def _pause_on_feed(self, events: list) -> None:
+        """Pause the scheduler at the first chosen event among `events`, and say why. While it is
+        paused on one, later ones (steps that ran before the pause landed) wait for the resume."""
+        if self.paused_on is not None:
+            return
+        hit = next((t for t in pause_triggers(events, self.pause_on) if t.step >= self._pause_on_from), None)
+        if hit is None:
+            return
+        self.paused_on = hit
+        c = self.controller
+        if c.can_step and not c.paused:
+            self._control("pause", lambda: c.set_paused(True))
+        self.model.note("info", f"paused on {hit.kind} at step {hit.step}: {hit.line}")
+        self._show_pause_on()
+
+    def _pause_on_release(self) -> None:
+        """The user goes on: the next chosen event pauses again, not one from a step already run."""
+        if self.paused_on is None:
+            return
+        steps = self.model.state.steps
+        self._pause_on_from = max(self.paused_on.step, steps[-1].step if steps else -1) + 1
+        self.paused_on = None
+        self._show_pause_on()
+
+    def _show_pause_on(self) -> None:
+        line = getattr(self, "_pauseon_line", None)
+        if line is None:
+            return
+        line.display = bool(self.pause_on) or self.paused_on is not None
+        hit = self.paused_on
+        if hit is not None:
+            can = self.controller.can_step
+            line.update(
+                Text.assemble(
+                    ("⏸ paused " if can else "seen ", "bold"),
+                    (f"on {hit.kind} at step {hit.step}", "bold"),
+                    f": {hit.line}",
+                    (
+                        "  · h opens the step · p resumes · o changes what pauses"
+                        if can
+                        else f"  · h opens the step ({self.controller.mode} mode cannot pause)",
+                        "bold",
+                    ),
+                )
+            )
+        elif self.pause_on:
+            kinds = ", ".join(k for k in KIND_NAMES if k in self.pause_on)
+            line.update(Text(f"pause on: {kinds} (o changes, h opens any step)", style="dim"))
+
+    def action_pause_on_menu(self) -> None:
+        """`o`: the menu that picks what pauses the scheduler."""
+
+        def chosen(kinds: set[str] | None) -> None:
+            if kinds is None:
+                return
+            self.pause_on = set(kinds)
+            if not kinds:
+                self.paused_on = None
+            self._show_pause_on()
+            self.notify("pause on: " + (", ".join(k for k in KIND_NAMES if k in kinds) or "nothing"), timeout=3)
+
+        self.push_screen(PauseOnScreen(self.pause_on), chosen)
+
+    # ---- the step history ------------------------------------------------------------------
+    def action_step_history(self) -> None:
+        """`h`: the step history, at the step a "pause on" stopped at, else at the newest step."""
+        hit = self.paused_on
+        self.push_screen(StepHistoryScreen(hit.proc, hit.step) if hit is not None else StepHistoryScreen())
+
+    def on_step_opened(self, message: StepOpened) -> None:
+        self.push_screen(StepHistoryScreen(message.proc, message.step))
 
     # ---- chat ---------------------------------------------------------------------------
     def on_input_submitted(self, event: Input.Submitted) -> None:

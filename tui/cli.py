@@ -9,6 +9,7 @@ workbench tui --attach tcp://127.0.0.1:5557 tcp://127.0.0.1:5558    # ... severa
 workbench tui --disaggregation [--scenario chat]                    # a 1P1D pair in this process
 workbench tui --disaggregation 2P4D --simulate h100 --model llama-3.1-70b --tp-size 8   # simulated xPyD
 workbench tui --replay run.jsonl [--speed 4]                        # play a recording
+workbench tui --pause-on retract,evict                              # pause when one happens (any source)
 """
 
 from __future__ import annotations
@@ -89,6 +90,14 @@ def add_tui_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--workload-max-new-tokens", type=int, default=32, help="max_new_tokens of workload requests")
     g.add_argument("--speed", type=float, default=1.0, help="replay speed")
     g.add_argument("--paused", action="store_true", help="start with the scheduler (or replay) paused")
+    g.add_argument(
+        "--pause-on",
+        default="",
+        metavar="KINDS",
+        help="pause the scheduler (or replay) when one of these happens, comma-separated: retract, evict, "
+        "chunk, preempt (e.g. retract,evict); the line under the status says why, h opens the step, "
+        "p goes on, o changes them",
+    )
     g.add_argument(
         "--layout",
         choices=LAYOUTS,
@@ -296,6 +305,7 @@ def run_tui(args: argparse.Namespace) -> int:
                     layout=getattr(args, "layout", "auto"),
                     log_path=log_path if live else None,
                     tour=bool(getattr(args, "tour", False)) and live,
+                    pause_on=[k.strip() for k in (getattr(args, "pause_on", "") or "").split(",") if k.strip()],
                 )
             except ValueError as exc:
                 controller.close()

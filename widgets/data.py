@@ -262,8 +262,8 @@ def node_state(n) -> str:
 def tree_data(state: TraceState, max_label: int = 18) -> TreeData:
     """The radix tree as ids/parents/values. A node whose parent is not known (an
     insert seen before the first tree snapshot) hangs off the root, so plotly
-    always gets exactly one root."""
-    tree = state.tree
+    always gets exactly one root. Nodes evicted a few steps ago are there as ghosts (state "evicted")."""
+    tree = state.display_tree()
     d = TreeData()
     roots = [n for n in tree.values() if n.parent_id == -1]
     root = min(roots, key=lambda n: n.node_id) if roots else None

@@ -293,13 +293,17 @@ def details_html(state: TraceState, rid: str) -> str:
 
 class BatchView(TraceView):
     """Per scheduler step: stacked cached / computed-prefill / decode tokens, the step time on a
-    second axis, and a star where decode ran through a CUDA graph."""
+    second axis, and a star where decode ran through a CUDA graph. Click a bar for the step's
+    whole decision (what was admitted, released, evicted, retracted, and why the rest wait)."""
 
     name = "batch"
     title = "Batch composition per step"
 
     def _build(self, height, width, max_steps: int = 200):
         self.max_steps = max_steps
+        self._state: TraceState | None = None
+        self.selected_step: int | None = None
+        self.details = W.HTML(value="<i>click a bar for that step's whole decision</i>")
         for key, label in (("cached", "cached (prefix hit)"), ("computed", "prefill computed"), ("decode", "decode")):
             self.figure.add_bar(
                 name=label,
@@ -330,10 +334,29 @@ class BatchView(TraceView):
                 xaxis_title="scheduler step",
                 yaxis=dict(title="tokens"),
                 yaxis2=dict(title="ms", overlaying="y", side="right", showgrid=False, rangemode="tozero"),
+                clickmode="event",
             )
         )
+        for tr in self.figure.data[:3]:
+            tr.on_click(self._on_click)
+
+    def _extras(self):
+        return [self.details]
+
+    def _on_click(self, trace, points, _selector):
+        if points.point_inds:
+            self.select_step(int(trace.x[points.point_inds[0]]))
+
+    def select_step(self, step: int) -> None:
+        """Show one step's whole decision below the chart (as the TUI's step history does)."""
+        self.selected_step = step
+        if self._state is not None:
+            self.details.value = step_html(self._state, step)
 
     def _draw(self, state, t0):
+        self._state = state
+        if self.selected_step is not None:  # live: its decision may come after its step
+            self.details.value = step_html(state, self.selected_step)
         b = D.batch_data(state, self.max_steps)
         hover = [
             f"{m}, batch {bs} (padded {ps}), {'CUDA graph' if g else 'eager'}, {be}"
@@ -345,6 +368,19 @@ class BatchView(TraceView):
         g = [i for i, c in enumerate(b.cuda_graph) if c]
         self.figure.data[4].x = [b.steps[i] for i in g]
         self.figure.data[4].y = [b.cached[i] + b.computed[i] + b.decode[i] for i in g]
+
+
+def step_html(state: TraceState, step: int) -> str:
+    """A step's decision rows (TraceState.describe) as a small HTML table."""
+    sv = next((s for s in reversed(state.steps) if s.step == step), None)
+    if sv is None:
+        return f"<i>step {step} is no longer in the trace</i>"
+    rows = "".join(
+        f"<tr><td style='text-align:left'><b>{html.escape(h)}</b></td><td style='text-align:left'>"
+        f"{html.escape(t)}</td></tr>"
+        for h, t in state.describe(sv)
+    )
+    return f"<div class='workbench-step'><table style='font-size:90%'>{rows}</table></div>"
 
 
 # ---- radix tree -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from textual.app import ComposeResult
 from textual.widgets import DataTable
 from workbench.core.trace.palette import CACHED, COMPUTED, DECODE
 from workbench.core.trace.views import StepView
+from workbench.tui.history import StepOpened
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import RequestSelected, TracePanel
 
@@ -117,7 +118,8 @@ class BatchPanel(TracePanel):
         "cache, █ computed = prompt tokens computed, █ decode = decode tokens (colours: the colour key "
         "above). composition: each prefill "
         "request with cached+computed tokens and its chunk k/n, then the decode group; with speculative "
-        "decoding, the step's draft tokens kept (✓) and thrown away (✗)."
+        "decoding, the step's draft tokens kept (✓) and thrown away (✗). Enter on a row opens that step's "
+        "whole decision (the step history: [ / ] walk the steps)."
     )
     clock_interval_s = 0
     max_rows = 200
@@ -186,13 +188,16 @@ class BatchPanel(TracePanel):
         self.query_one(DataTable).show_cursor = False
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        # Selecting a step selects its first prefill request (or the first decoding one).
+        # Enter on a step opens it in the step history (its whole decision) and selects its first
+        # prefill request (or the first decoding one), which Request detail follows.
         event.stop()
         key = event.row_key.value or ""
         for sv in reversed(self.app_model_steps()):
-            if f"{sv.proc}:{sv.step}:{sv.ts}" == key and sv.reqs:
-                first = next((r for r in sv.reqs if r.computed > 0), sv.reqs[0])
-                self.post_message(RequestSelected(first.rid))
+            if f"{sv.proc}:{sv.step}:{sv.ts}" == key:
+                if sv.reqs:
+                    first = next((r for r in sv.reqs if r.computed > 0), sv.reqs[0])
+                    self.post_message(RequestSelected(first.rid))
+                self.post_message(StepOpened(sv.proc, sv.step))
                 return
 
     def app_model_steps(self):

@@ -195,7 +195,9 @@ def _node_line(
         figures.append((f" hits {n.hits}", CACHED))
     if n.tier != "device":  # HiCache: where the node's KV lives besides (or instead of) the device
         figures.append((f" {n.tier}", "dim italic" if n.tier == "device+host" else "italic"))
-    if n.just_evicted:
+    if n.just_evicted and n.evicted_step >= 0:  # a ghost: gone from the cache, kept on show a few steps
+        figures.append((f" evicted at step {n.evicted_step}", EVICTED))
+    elif n.just_evicted:
         figures.append((" evicted", EVICTED))
     elif n.last_access:
         figures.append((f" {fmt_age(now_ns - n.last_access)}", "dim"))
@@ -229,7 +231,7 @@ class TreePanel(TracePanel):
         "(⏎ a newline, ⇥ a tab, ␣ a space-only token; as much as the panel's width allows) "
         "with its token count, lock count (lock N = in use by N running requests, cannot be evicted), "
         "hits and age. Colours (the colour key above): locked (bold), evictable, computed = "
-        "just inserted, evicted (struck through); hits in the cached colour; reversed = the "
+        "just inserted, evicted (struck through: an evicted node stays a few steps as a ghost, `evicted at step N`); hits in the cached colour; reversed = the "
         "selected request's nodes; underlined = the nodes of the requests the last step prefilled "
         "(as named on the `last step` line). 'N children' marks a prefix "
         "shared by N continuations. Cold subtrees (unlocked, idle > 30 s) fold into one line."
@@ -256,7 +258,7 @@ class TreePanel(TracePanel):
     def update_view(self, model: TuiModel) -> None:
         self._model = model
         st = model.state
-        tree = st.tree
+        tree = st.display_tree()  # the cache plus the nodes evicted a few steps ago (ghosts)
         sel = st.requests.get(model.selected) if model.selected else None
         touched: set[int] = set()
         for rid in st.step_rids():  # the requests the last step prefilled: their nodes underlined
@@ -266,6 +268,6 @@ class TreePanel(TracePanel):
         text, _ = render_tree(tree, model.now_ns, request_path(tree, sel), touched=touched, width=width)
         self.query_one("#tree-body", Static).update(text)
         self.border_title = (
-            f"Radix tree — {max(0, len(tree) - 1)} nodes · evictable "
+            f"Radix tree — {max(0, len(st.tree) - 1)} nodes · evictable "
             f"{fmt_count(st.evictable)} · protected {fmt_count(st.tree_protected_size)} t"
         )
