@@ -219,6 +219,9 @@ def _add_bench_parsers(bench_sub) -> None:
     from workbench.bench.sim_published import add_parser as add_sim_published
 
     add_sim_published(bench_sub)
+    from workbench.bench.peak import add_parser as add_peak_bench
+
+    add_peak_bench(bench_sub)
     try:
         from workbench.bench.serve_bench import add_serve_bench_args
 
