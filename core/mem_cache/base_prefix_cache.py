@@ -47,11 +47,11 @@ class BasePrefixCache(abc.ABC):
         """Forget every cached prefix (slots are not freed: the caller clears the pools)."""
 
     @abc.abstractmethod
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached prefix of `key`."""
+    def match_prefix(self, key: list[int], extra_key: int | None = None) -> MatchResult:
+        """Longest cached prefix of `key` (within namespace `extra_key`: a LoRA adapter's load)."""
 
     @abc.abstractmethod
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, extra_key: int | None = None) -> int:
         """Store `key` -> `value` slots; return how many leading tokens were already cached."""
 
     @abc.abstractmethod

@@ -50,11 +50,11 @@ class ChunkCache(BasePrefixCache):
         self.root_node = TreeNode(0)
         self.root_node.value = torch.empty((0,), dtype=torch.int64, device=self.device)
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: list[int], extra_key: int | None = None) -> MatchResult:
         """Always an empty match ending at the root."""
         return MatchResult(torch.empty((0,), dtype=torch.int64, device=self.device), self.root_node)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, extra_key: int | None = None) -> int:
         """Stores nothing; the caller keeps ownership of `value`."""
         return 0
 

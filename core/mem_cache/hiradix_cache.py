@@ -51,6 +51,13 @@ WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 _WRITE_THROUGH_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 
 
+def _no_namespaces(extra_key: int | None) -> None:
+    if extra_key is not None:
+        raise NotImplementedError(
+            "HiCache keeps one namespace: --enable-lora cannot run with --enable-hierarchical-cache"
+        )
+
+
 class HiRadixCache(RadixCache):
     """A `RadixCache` with a host tier under the device pool (see the module doc).
 
@@ -224,8 +231,11 @@ class HiRadixCache(RadixCache):
             node = child
         return path
 
-    def _match(self, key: list[int], count_hit: bool) -> tuple[list[torch.Tensor], TreeNode]:
+    def _match(
+        self, key: list[int], count_hit: bool, extra_key: int | None = None
+    ) -> tuple[list[torch.Tensor], TreeNode]:
         """The device part of the match (no load-back): what `cache_unfinished_req` re-reads."""
+        _no_namespaces(extra_key)
         values: list[torch.Tensor] = []
         last = self.root_node
         for node in self._walk(key, count_hit):
@@ -235,9 +245,10 @@ class HiRadixCache(RadixCache):
             last = node
         return values, last
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: list[int], extra_key: int | None = None) -> MatchResult:
         """Longest cached prefix of `key` in any tier; a host-only tail is loaded back to the device
         first (see the module doc), so `device_indices` covers it when that succeeded."""
+        _no_namespaces(extra_key)
         if len(key) == 0:
             return MatchResult(self._empty(), self.root_node)
         key = _as_key(key)
@@ -349,12 +360,13 @@ class HiRadixCache(RadixCache):
             head.host_value, child.host_value = host[:n], host[n:]
         return head
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, extra_key: int | None = None) -> int:
         """As `RadixCache.insert`; host-only nodes on the path take the caller's slots as their
         device copy again (they are not duplicates: the return value stops before the first one),
         and a node that enters the device counts a hit for the write-through policies (a match
         counts the others: SGLang's hit count, so write_through_selective backs up a node that
         was computed once and then hit)."""
+        _no_namespaces(extra_key)
         key = _as_key(key)
         if len(value) != len(key):
             raise ValueError(f"insert: {len(key)} tokens but {len(value)} slots")

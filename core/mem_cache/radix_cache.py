@@ -134,6 +134,12 @@ def _parent(node: TreeNode) -> TreeNode:
     return parent
 
 
+def _namespace(req) -> dict:
+    """The extra_key argument for a request's adapter (multi-LoRA), or none (HiRadixCache takes none)."""
+    uid = getattr(req, "lora_uid", None)
+    return {} if uid is None else {"extra_key": uid}
+
+
 def _as_key(key) -> list[int]:
     if isinstance(key, list):
         return key
@@ -214,7 +220,9 @@ class RadixCache(BasePrefixCache):
             self._emit(CacheTouch(what=what, node_id=node.id))
 
     def _text(self, node: TreeNode) -> str:
-        if self.decode_text is None or not node.key:
+        if not node.key:  # the root, or an adapter's namespace (its label)
+            return node._text or ""
+        if self.decode_text is None:
             return ""
         if node._text is None:
             text = self.decode_text(node.key[:_PREVIEW_TOKENS])
@@ -234,8 +242,8 @@ class RadixCache(BasePrefixCache):
 
     # ---- matching and inserting ---------------------------------------------
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached prefix of `key`.
+    def match_prefix(self, key: list[int], extra_key: int | None = None) -> MatchResult:
+        """Longest cached prefix of `key` (within namespace `extra_key`: see `namespace_root`).
 
         Splits a node when the match ends inside its edge, so `last_node`
         covers exactly the matched tokens. Refreshes last-access time and bumps
@@ -243,12 +251,32 @@ class RadixCache(BasePrefixCache):
         """
         if self.disable or len(key) == 0:
             return MatchResult(self._empty(), self.root_node)
-        values, node = self._match(_as_key(key), count_hit=True)
+        values, node = self._match(_as_key(key), count_hit=True, extra_key=extra_key)
         return MatchResult(torch.cat(values) if values else self._empty(), node)
 
-    def _match(self, key: list[int], count_hit: bool) -> tuple[list[torch.Tensor], TreeNode]:
+    def namespace_root(self, extra_key: int | None, label: str = "") -> TreeNode:
+        """Where the prefixes of namespace `extra_key` hang: the root for None, else a keyless node
+        under the root (multi-LoRA: one per adapter load, so KV computed under one adapter never
+        serves another). Locked permanently like the root: never evicted, holds no KV."""
+        if extra_key is None:
+            return self.root_node
+        slot = -1 - int(extra_key)  # token ids are >= 0: a negative child key never meets one
+        node = self.root_node.children.get(slot)
+        if node is None:
+            node = TreeNode(self._new_id(), self.root_node, [], self._empty())
+            node.lock_ref = 1
+            node._text = label or f"[adapter #{extra_key}]"
+            self.root_node.children[slot] = node
+            self._emit_insert(node)
+        elif label:
+            node._text = label
+        return node
+
+    def _match(
+        self, key: list[int], count_hit: bool, extra_key: int | None = None
+    ) -> tuple[list[torch.Tensor], TreeNode]:
         now = self._tick()
-        node = self.root_node
+        node = self.namespace_root(extra_key)
         values: list[torch.Tensor] = []
         pos = 0
         while pos < len(key):
@@ -287,7 +315,7 @@ class RadixCache(BasePrefixCache):
         self._emit_insert(child)
         return head
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, extra_key: int | None = None) -> int:
         """Store `key` with KV slots `value` (same length).
 
         Returns the length of the prefix that was already cached; the tree
@@ -302,7 +330,7 @@ class RadixCache(BasePrefixCache):
         if len(value) != len(key):
             raise ValueError(f"insert: {len(key)} tokens but {len(value)} slots")
         now = self._tick()
-        node = self.root_node
+        node = self.namespace_root(extra_key)
         pos = 0
         while pos < len(key):
             child = node.children.get(key[pos])
@@ -344,7 +372,7 @@ class RadixCache(BasePrefixCache):
         assert row is not None, f"request {getattr(req, 'rid', '?')} holds no request row"
         kv = self.req_to_token_pool.req_to_token[row, : len(token_ids)].clone()
         already = len(req.prefix_indices)
-        new_prefix_len = self.insert(token_ids, kv)
+        new_prefix_len = self.insert(token_ids, kv, **_namespace(req))
         if new_prefix_len > already:
             # Someone else cached these tokens while we computed them.
             self.token_to_kv_pool_allocator.free(kv[already:new_prefix_len])
@@ -366,10 +394,10 @@ class RadixCache(BasePrefixCache):
         table = self.req_to_token_pool.req_to_token
         kv = table[row, : len(token_ids)].clone()
         already = len(req.prefix_indices)
-        new_prefix_len = self.insert(token_ids, kv)
+        new_prefix_len = self.insert(token_ids, kv, **_namespace(req))
         if new_prefix_len > already:
             self.token_to_kv_pool_allocator.free(kv[already:new_prefix_len])
-        values, new_node = self._match(token_ids, count_hit=False)
+        values, new_node = self._match(token_ids, count_hit=False, **_namespace(req))
         new_indices = torch.cat(values) if values else self._empty()
         # Freed duplicates above must no longer be referenced by the row.
         table[row, already : len(new_indices)] = new_indices[already:]
