@@ -119,21 +119,22 @@ def test_measure_throughput_and_decode():
     assert (row.workbench_tok_s, row.vllm_tok_s, row.ratio) == (300.0, 200.0, 1.5)
     table = peer_bench.format_table([row])
     assert "| i | float32 | all 2 | 300.0 | 200.0 | 1.50× | met |" in table and "| 1.00–2.50 |" in table
-    row.ceiling_tok_s, row.workbench_idle_cores, row.vllm_idle_cores = 400.0, 0.01, 0.5
+    row.workbench_gemm_gflops, row.vllm_gemm_gflops, row.peak_gflops = 300.0, 200.0, 400.0
+    row.workbench_idle_cores, row.vllm_idle_cores = 0.01, 0.5
     table = peer_bench.format_table([row])
-    # ceiling 400: workbench at 75%, vLLM at 50%, 1.5x vLLM would be 75% of it; vLLM's idle side used 0.5 cores
-    assert "| 1.50× | met | 400.0 | 75% | 50% | 75% | 0.01, 0.50 | 1.00–2.50 |" in table
+    # peak 400: workbench's GEMMs at 75% of it, vLLM's at 50%, 1.5x vLLM would need 75%; vLLM's idle side used 0.5 cores
+    assert "| 1.50× | met | 300.0 | 75% | 50% | 75% of peak | 0.01, 0.50 | 1.00–2.50 |" in table
     assert table.splitlines()[0].startswith("| workload | dtype | threads | workbench tok/s | vLLM tok/s | ratio")
 
 
-def test_ceiling_counts_what_any_engine_must_compute():
+def test_gemm_work_counts_what_any_engine_must_compute():
     from types import SimpleNamespace
 
-    from workbench.bench import ceiling
+    from workbench.bench import gemm_work
 
     # a prompt's tokens after the longest prefix it shares with an earlier one: 4 + 1 + 2 + 0
-    assert ceiling.unique_prompt_tokens([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 7, 8], [1, 2]]) == 7
-    assert ceiling.unique_prompt_tokens([]) == 0
+    assert gemm_work.unique_prompt_tokens([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 7, 8], [1, 2]]) == 7
+    assert gemm_work.unique_prompt_tokens([]) == 0
     cfg = SimpleNamespace(
         hidden_size=8,
         num_attention_heads=2,
@@ -142,35 +143,41 @@ def test_ceiling_counts_what_any_engine_must_compute():
         num_hidden_layers=3,
         vocab_size=100,
     )
-    shapes = ceiling.LinearShapes.from_config(cfg)
+    shapes = gemm_work.LinearShapes.from_config(cfg)
     assert shapes.per_layer == ((16, 8), (8, 8), (32, 8), (8, 16)) and shapes.head == (100, 8)
     assert shapes.body_flops_per_token() == 2 * 3 * (128 + 64 + 256 + 128)
     assert shapes.head_flops_per_token() == 2 * 800
-    work = ceiling.WorkloadWork.of([[1, 2, 3], [1, 2, 4]], new_tokens=5)
+    work = gemm_work.WorkloadWork.of([[1, 2, 3], [1, 2, 4]], new_tokens=5)
     assert (work.prefill_tokens, work.requests, work.decode_steps, work.output_tokens) == (4, 2, 4, 10)
     body, head = shapes.body_flops_per_token(), shapes.head_flops_per_token()
     assert work.flops(shapes) == 4 * body + 2 * head + 8 * (body + head)
-    times = ceiling.LinearTimes(2, {2: 0.01}, 0.001, {2: 0.002}, 50.0, {2: 1.0})
-    assert times.ceiling_seconds(work) == pytest.approx(4 * 0.001 + 0.002 + 4 * 0.01)
-    assert times.ceiling_tok_s(work) == pytest.approx(10 / 0.046)
-    assert times.ceiling_tok_s(work, decode_only=True) == pytest.approx(200.0)
-    assert ceiling.needed_fraction(100.0, 200.0, 1.5) == pytest.approx(0.75)
-    assert ceiling.needed_fraction(float("nan"), 200.0, 1.5) is None
-    faster = ceiling.LinearTimes(2, {2: 0.02}, 0.0005, {2: 0.001}, 60.0, {2: 0.5})
+    times = gemm_work.LinearTimes(2, {2: 0.01}, 0.001, {2: 0.002}, 50.0, {2: 1.0})
+    assert times.linears_only_seconds(work) == pytest.approx(4 * 0.001 + 0.002 + 4 * 0.01)
+    assert times.linears_only_tok_s(work) == pytest.approx(10 / 0.046)
+    assert times.linears_only_tok_s(work, decode_only=True) == pytest.approx(200.0)
+    assert gemm_work.needed_fraction(0.5, 1.5) == pytest.approx(0.75)
+    assert gemm_work.needed_fraction(float("nan"), 1.5) is None and gemm_work.needed_fraction(None, 1.5) is None
+    # a run's GEMM GFLOP/s: the work's FLOPs at its output rate; decode-only: a row per token through all
+    flops = work.flops(shapes)
+    assert gemm_work.run_gflops(work, shapes, 20.0) == pytest.approx(flops * 2 / 1e9)
+    assert gemm_work.run_gflops(work, shapes, 20.0, decode_only=True) == pytest.approx(20 * (body + head) / 1e9)
+    assert gemm_work.run_gflops(work, shapes, float("nan")) is None
+    faster = gemm_work.LinearTimes(2, {2: 0.02}, 0.0005, {2: 0.001}, 60.0, {2: 0.5})
     best = peer_bench.best_linear_times(times, faster)
     assert best.decode_step_s == {2: 0.01} and best.prefill_token_s == 0.0005 and best.sgemm_gflops == 60.0
     wl = prompts.Workload("i", "(i)", [[1, 2, 3], [1, 2, 4]], 5)
     row = peer_bench.make_row(wl, "float32", "all 2", [100.0], [50.0], [1.0])
-    peer_bench.apply_ceilings([row], [wl], {"float32": times})
-    assert row.ceiling_tok_s == pytest.approx(10 / 0.046)
+    peer_bench.apply_gemm_rates([row], [wl], shapes, None)  # no probe: rates, no peak
+    assert row.workbench_gemm_gflops == pytest.approx(flops * 10 / 1e9) and row.peak_gflops is None
+    assert row.vllm_gemm_gflops == pytest.approx(flops * 5 / 1e9)
 
 
-def test_ceiling_times_the_real_gemms():
+def test_linears_alone_times_the_real_gemms():
     """Small model shapes, one thread: every figure measured and positive, the decode step's GEMMs at
     batch 4 cost more than at batch 1."""
     from types import SimpleNamespace
 
-    from workbench.bench import ceiling
+    from workbench.bench import gemm_work
 
     cfg = SimpleNamespace(
         hidden_size=64,
@@ -180,7 +187,7 @@ def test_ceiling_times_the_real_gemms():
         num_hidden_layers=2,
         vocab_size=512,
     )
-    lt = ceiling.measure_linears(cfg, "float32", 1, [1, 4], repeats=2)
+    lt = gemm_work.measure_linears(cfg, "float32", 1, [1, 4], repeats=2)
     assert lt.threads == 1 and set(lt.decode_step_s) == {1, 4} and lt.prefill_token_s > 0
     assert lt.decode_step_s[4] > lt.head_row_s[4] > 0 and lt.sgemm_gflops > 0
     assert all(v > 0 for v in lt.packed_gflops_decode.values())

@@ -1,4 +1,4 @@
-"""The GEMM-only ceiling of a workload on this machine: the bound no engine on these cores can pass.
+"""The GEMM work of a workload, counted from the model's shapes, and the packed linears timed alone.
 
 A decoder's linear layers (q/k/v/o, gate/up/down and the LM head) are most of its arithmetic. For a
 workload we count what any engine must run through them, at best:
@@ -8,14 +8,16 @@ workload we count what any engine must run through them, at best:
 - one LM-head row per request for its first output token;
 - `new_tokens - 1` decode steps at the workload's batch size, each through every linear and the LM head.
 
-Then we time exactly those GEMMs here, in the bench's process, with the model's shapes and the
-project's oneDNN-packed weights (random values: the time of a GEMM does not depend on them) and a
-given number of threads: one decode step's linears at batch `n`, a 512-row prefill pass's linears
-(per token), and the LM head at `n` rows. The ceiling is the workload's output tokens over that sum.
-Nothing else is in it (attention, norms, sampling, Python, IPC), so a real engine stays below it. How
-close the packed GEMMs are to the machine's own best is printed beside (`sgemm_gflops`: one 2048^3
-sgemm, the shape GEMM libraries reach their peak on), so the ceiling is a property of the hardware,
-not of our GEMM path.
+Those FLOPs over a run's measured time are the run's GEMM GFLOP/s, which the throughput tables print as
+a fraction of the machine's measured peak (peak.py, `workbench bench peak`): the bound no engine on
+these cores can pass is that peak, not anything timed with a GEMM library.
+
+`measure_linears` is a diagnostic: it times exactly those GEMMs here, in the bench's process, with the
+model's shapes and the project's oneDNN-packed weights (random values: the time of a GEMM does not
+depend on them) and a given number of threads: one decode step's linears at batch `n`, a 512-row
+prefill pass's linears (per token), and the LM head at `n` rows, plus one 2048^3 GEMM through torch.
+It says how fast our GEMM path is at these shapes ("linears alone" tok/s: the workload's output tokens
+over the sum of those times), which a better GEMM path passes, so it is no bound.
 
 Pure counting functions are tested without timing; `measure_linears` does the timing.
 """
@@ -106,25 +108,37 @@ class LinearTimes:
     sgemm_gflops: float  # one 2048^3 float sgemm (torch.mm): the machine's GEMM peak here
     packed_gflops_decode: dict  # batch size -> GFLOP/s of the decode step's linears
 
-    def ceiling_seconds(self, work: WorkloadWork) -> float:
+    def linears_only_seconds(self, work: WorkloadWork) -> float:
+        """Seconds the workload's linears take alone on this path (a diagnostic, not a bound)."""
         return (
             work.prefill_tokens * self.prefill_token_s
             + self.head_row_s[work.requests]
             + work.decode_steps * self.decode_step_s[work.requests]
         )
 
-    def ceiling_tok_s(self, work: WorkloadWork, decode_only: bool = False) -> float:
-        """Output tok/s at the ceiling; `decode_only`: decode tok/s (batch tokens per decode step)."""
+    def linears_only_tok_s(self, work: WorkloadWork, decode_only: bool = False) -> float:
+        """Output tok/s if the run were these linears alone; `decode_only`: decode tok/s (batch tokens
+        per decode step)."""
         if decode_only:
             return work.requests / self.decode_step_s[work.requests]
-        return work.output_tokens / self.ceiling_seconds(work)
+        return work.output_tokens / self.linears_only_seconds(work)
 
 
-def needed_fraction(vllm_tok_s: float, ceiling_tok_s: float, goal: float) -> float | None:
-    """The share of the ceiling `goal` times vLLM's figure would take (> 1: above the ceiling)."""
-    if not ceiling_tok_s or ceiling_tok_s != ceiling_tok_s or vllm_tok_s != vllm_tok_s:
+def run_gflops(work: WorkloadWork, shapes: LinearShapes, tok_s: float, decode_only: bool = False) -> float | None:
+    """The GEMM GFLOP/s of a run of `work` at `tok_s` output tokens a second (`decode_only`: decode
+    tok/s, so each token is one row through every linear and the LM head)."""
+    if not tok_s or tok_s != tok_s:
         return None
-    return goal * vllm_tok_s / ceiling_tok_s
+    if decode_only:
+        return tok_s * (shapes.body_flops_per_token() + shapes.head_flops_per_token()) / 1e9
+    return work.flops(shapes) * tok_s / work.output_tokens / 1e9
+
+
+def needed_fraction(peer_fraction: float | None, goal: float) -> float | None:
+    """The share of the peak `goal` times the peer's rate would take (> 1: beyond these cores)."""
+    if peer_fraction is None or peer_fraction != peer_fraction:
+        return None
+    return goal * peer_fraction
 
 
 def measure_linears(cfg, dtype: str, threads: int, batch_sizes, repeats: int = 5) -> LinearTimes:

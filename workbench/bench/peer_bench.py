@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from workbench.bench.ceiling import WorkloadWork, measure_linears, needed_fraction
+from workbench.bench.gemm_work import LinearShapes, WorkloadWork, measure_linears, needed_fraction, run_gflops
 from workbench.bench.harness import (
     attempt,
     bench_cpus,
@@ -41,6 +41,7 @@ from workbench.bench.harness import (
     print_failures,
     progress,
 )
+from workbench.bench.peak import fraction_text, get_peak, peak_gflops, peak_note
 from workbench.bench.peers import (
     FIRST_IDS,
     PeerEngine,
@@ -68,8 +69,11 @@ class PeerRow:
     workbench_samples: list[float] = field(default_factory=list)
     vllm_samples: list[float] = field(default_factory=list)
     load_1m: list[float] = field(default_factory=list)
-    # the GEMM-only ceiling of the workload on these cores (ceiling.py), filled in after the run
-    ceiling_tok_s: float | None = None
+    # each side's GEMM GFLOP/s (the workload's linear FLOPs, gemm_work.py, at its tok/s) and the machine's
+    # peak for the dtype on the bench's cores (peak.py), filled in after the run
+    workbench_gemm_gflops: float | None = None
+    vllm_gemm_gflops: float | None = None
+    peak_gflops: float | None = None
     # CPU the idle engine's processes used while the other engine ran (cores, mean): the fairness check
     workbench_idle_cores: float | None = None
     vllm_idle_cores: float | None = None
@@ -83,19 +87,20 @@ def format_table(rows: list[PeerRow]) -> str:
     """The result as a Markdown table (paste-able into the README)."""
     header = (
         "workload | dtype | threads | workbench tok/s | vLLM tok/s | ratio | "
-        f"goal {GOAL:g}× | GEMM-only ceiling tok/s | workbench / ceiling | vLLM / ceiling | {GOAL:g}× vLLM / ceiling "
+        f"goal {GOAL:g}× | workbench GEMM GFLOP/s | workbench % of peak | vLLM % of peak | {GOAL:g}× vLLM needs "
         "| idle engine's CPU (wb, vLLM) | load 1m"
     ).split(" | ")
     lines = []
     for r in rows:
-        ceiling = ["", "", "", ""]
-        if r.ceiling_tok_s:
-            need = needed_fraction(r.vllm_tok_s, r.ceiling_tok_s, GOAL)
-            ceiling = [
-                f"{r.ceiling_tok_s:.1f}",
-                f"{r.workbench_tok_s / r.ceiling_tok_s:.0%}",
-                f"{r.vllm_tok_s / r.ceiling_tok_s:.0%}",
-                f"{need:.0%}" if need is not None else "n/a",
+        gemm = ["", "", "", ""]
+        if r.workbench_gemm_gflops:
+            vllm_frac = r.vllm_gemm_gflops / r.peak_gflops if r.vllm_gemm_gflops and r.peak_gflops else None
+            need = needed_fraction(vllm_frac, GOAL)
+            gemm = [
+                f"{r.workbench_gemm_gflops:.1f}",
+                fraction_text(r.workbench_gemm_gflops, r.peak_gflops),
+                fraction_text(r.vllm_gemm_gflops, r.peak_gflops),
+                f"{need:.0%} of peak" if need is not None else "n/a",
             ]
         idle = (
             f"{r.workbench_idle_cores:.2f}, {r.vllm_idle_cores:.2f}"
@@ -104,24 +109,27 @@ def format_table(rows: list[PeerRow]) -> str:
         )
         lines.append(
             [r.workload, r.dtype, r.threads, f"{r.workbench_tok_s:.1f}", f"{r.vllm_tok_s:.1f}", f"{r.ratio:.2f}×"]
-            + [goal_text(r.ratio, GOAL), *ceiling, idle, load_range(r.load_1m)]
+            + [goal_text(r.ratio, GOAL), *gemm, idle, load_range(r.load_1m)]
         )
     return markdown_table(header, lines)
 
 
-def apply_ceilings(rows: list[PeerRow], workloads: list[Workload], times: dict) -> None:
-    """Fill each row's GEMM-only ceiling from the best `LinearTimes` measured for its dtype."""
+def apply_gemm_rates(rows: list[PeerRow], workloads: list[Workload], shapes: LinearShapes, peak) -> None:
+    """Fill each row's GEMM GFLOP/s for both sides and the peak they are a fraction of (the dtype's
+    compute peak on all the cores the bench may use; None without a probe)."""
     by_label = {wl.label: wl for wl in workloads}
     for r in rows:
-        lt, wl = times.get(r.dtype), by_label.get(r.workload)
-        if lt is None or wl is None:
+        wl = by_label.get(r.workload)
+        if wl is None:
             continue
         work = WorkloadWork.of(wl.prompts, wl.new_tokens)
-        r.ceiling_tok_s = lt.ceiling_tok_s(work, decode_only=wl.decode_only)
+        r.workbench_gemm_gflops = run_gflops(work, shapes, r.workbench_tok_s, wl.decode_only)
+        r.vllm_gemm_gflops = run_gflops(work, shapes, r.vllm_tok_s, wl.decode_only)
+        r.peak_gflops = peak_gflops(peak, r.dtype)
 
 
 def best_linear_times(a, b):
-    """Of two `LinearTimes` of one dtype, per entry the faster (a ceiling is the best the machine did)."""
+    """Of two `LinearTimes` of one dtype, per entry the faster (the best our GEMM path did here)."""
     if a is None or b is None:
         return a or b
     return type(a)(
@@ -162,7 +170,8 @@ def run_peer_bench(args) -> list[PeerRow] | None:
     workloads = None
 
     failures: list[str] = []
-    linear_times: dict = {}  # dtype -> best LinearTimes (ceiling.py)
+    linear_times: dict = {}  # dtype -> best LinearTimes (gemm_work.py; a diagnostic of our GEMM path)
+    peak = get_peak(len(cpus))  # this machine's compute peak (cached per machine), the tables' yardstick
 
     def save() -> None:  # after every row too, so a run cut short keeps what it measured
         if getattr(args, "json", None):
@@ -177,6 +186,7 @@ def run_peer_bench(args) -> list[PeerRow] | None:
                         "vllm_binding": bindings,
                         "failures": failures,
                         "linear_times": {k: asdict(v) for k, v in linear_times.items()},
+                        "peak": asdict(peak) if peak is not None else None,
                     },
                     f,
                     indent=2,
@@ -224,7 +234,7 @@ def run_peer_bench(args) -> list[PeerRow] | None:
             if config is not None and workloads is not None:
                 # with both engines down: this machine's GEMMs at the model's shapes, all its CPUs
                 # on every CPU and on one (beside a neighbour one thread can be the faster), the best kept
-                progress(f"{dtype}: timing the workloads' GEMMs alone on {len(cpus)} and 1 thread(s) (the ceiling)")
+                progress(f"{dtype}: timing our packed GEMMs alone at the model's shapes on {len(cpus)} and 1 thread(s)")
                 for n in sorted({len(cpus), 1}, reverse=True):
                     lt = measure_linears(config, dtype, n, {len(wl.prompts) for wl in workloads})
                     linear_times[dtype] = best_linear_times(linear_times.get(dtype), lt)
@@ -234,7 +244,7 @@ def run_peer_bench(args) -> list[PeerRow] | None:
                     + ", ".join(f"bs {k}: {v:.1f} GFLOP/s" for k, v in best.packed_gflops_decode.items())
                     + f"; one 2048^3 sgemm {best.sgemm_gflops:.1f} GFLOP/s"
                 )
-                apply_ceilings(rows, workloads, linear_times)
+                apply_gemm_rates(rows, workloads, LinearShapes.from_config(config), peak)
                 save()
 
     print()
@@ -245,13 +255,18 @@ def run_peer_bench(args) -> list[PeerRow] | None:
         f"ratio = workbench tok/s / vLLM tok/s, medians of {2 * repeats} measurements each (A B B A x {repeats}); "
         f"(i), (ii): output tok/s; (iii): decode tok/s, the 1-new-token time subtracted; vLLM KV cache {kv_gib:g} GiB"
     )
+    print(
+        peak_note(peak, [(d, len(cpus)) for d in dtypes]) + f"; '{GOAL:g}× vLLM needs' over 100% is beyond these cores"
+    )
     for dtype, lt in linear_times.items():
+        best_gemm = max(lt.packed_gflops_decode.values(), default=0.0)
         print(
-            f"GEMM-only ceiling ({dtype}, the best of 1 and {lt.threads} threads): each workload's linear layers "
-            f"and LM head alone, timed here on the model's shapes (ceiling.py); decode-step GEMMs "
+            f"our packed linears alone ({dtype}, the best of 1 and {lt.threads} threads, gemm_work.py; a diagnostic "
+            "of our GEMM path, not a bound): decode-step GEMMs "
             + ", ".join(f"bs {k} {v:.1f}" for k, v in lt.packed_gflops_decode.items())
-            + f" GFLOP/s against {lt.sgemm_gflops:.1f} for one 2048^3 sgemm (the library's best shape). "
-            f"'{GOAL:g}× vLLM / ceiling' over 100% means the goal is above what these cores can compute."
+            + f" GFLOP/s ({fraction_text(best_gemm, peak_gflops(peak, dtype, len(cpus)))} of peak at best), "
+            f"one 2048^3 GEMM through torch {lt.sgemm_gflops:.1f} GFLOP/s "
+            f"({fraction_text(lt.sgemm_gflops, peak_gflops(peak, dtype, len(cpus)))} of peak)"
         )
     for name, text in bindings.items():
         if text:
