@@ -97,12 +97,31 @@ def destroy_tp_group() -> None:
 # ---- the model's collectives (device group) ----------------------------------------------------
 
 
+_BATCH_INVARIANT_REDUCE = False
+
+
+def set_batch_invariant_all_reduce(enabled: bool) -> None:
+    """--enable-deterministic-inference: the all-reduce sums in rank order (rank 0 + rank 1 + ...,
+    after an all-gather), so an element's sum never depends on the tensor's size. gloo's ring cuts
+    a tensor into chunks by its size and starts each chunk's sum at another rank; at 3 or more ranks
+    the same element is then summed in another order when the batch changes."""
+    global _BATCH_INVARIANT_REDUCE
+    _BATCH_INVARIANT_REDUCE = bool(enabled)
+
+
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the TP ranks, in place."""
     if _TP.size == 1:
         return x
     import torch.distributed as dist
 
+    if _BATCH_INVARIANT_REDUCE:
+        parts = [torch.empty_like(x) for _ in range(_TP.size)]
+        dist.all_gather(parts, x.contiguous(), group=_TP.group)
+        total = parts[0].to(torch.float32)
+        for part in parts[1:]:
+            total += part  # elementwise, one rounding per add, in rank order on every rank
+        return x.copy_(total)
     dist.all_reduce(x, group=_TP.group)
     return x
 

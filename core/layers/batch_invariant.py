@@ -89,6 +89,8 @@ def _lib() -> ctypes.CDLL:
                 lib.wb_bi_linear.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64, ptr, i64, i64, i64, i64, i32]
                 lib.wb_bi_linear.restype = None
                 lib.wb_bi_linear_available.restype = ctypes.c_int
+                lib.wb_bi_topk_softmax.argtypes = [ptr, i64, i64, i64, i64, i32, ptr, ptr]
+                lib.wb_bi_topk_softmax.restype = None
                 _bi_lib = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _bi_error = f"the batch-invariant kernels are unavailable: {exc}"
@@ -126,6 +128,62 @@ def bi_linear(
     x[m] (and residual[m]), never on M or the other rows. x [M, K] any float dtype; weight [N, K]
     float32 or bfloat16 with contiguous rows; bias [N]; residual [M, N]."""
     return cpu_ops.call_linear_kernel(_lib().wb_bi_linear, "bi_linear", x, weight, bias, residual)
+
+
+def bi_topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's (weights [T, k] float32, ids [T, k] int64) from its logits [T, E], each row by itself
+    in one fixed order (cpu_ops/batch_invariant.c): the softmax over the E experts, the top k (ties
+    to the lower id), renormalised to sum to 1 when `renormalize`."""
+    t, e = logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"bi_topk_softmax: top_k={top_k} with {e} experts")
+    logits = logits.to(torch.float32)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty((t, top_k), dtype=torch.float32)
+    ids = torch.empty((t, top_k), dtype=torch.int64)
+    if t:
+        _lib().wb_bi_topk_softmax(
+            logits.data_ptr(), logits.stride(0), t, e, top_k, int(renormalize), weights.data_ptr(), ids.data_ptr()
+        )
+    return weights, ids
+
+
+def bi_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x)) over the experts this rank holds, as a new
+    float32 [T, H] whose row t depends on x[t] and its routing only.
+
+    w13 [E_local, 2I, H] (gate rows, then up rows), w2 [E_local, H, I]; experts first_expert ..
+    first_expert + E_local - 1 (others are another rank's). The tokens are grouped by expert, as
+    the plain loop does, but each GEMM is `bi_linear` (a row's bits do not depend on how many
+    tokens an expert received), and a token's terms are added in ascending expert id (the loop's
+    order, whatever the batch) into float32, each a whole row at once."""
+    from workbench.core.layers.activation import silu_and_mul
+
+    t, k = topk_ids.shape
+    out = torch.zeros((t, w2.shape[1]), dtype=torch.float32)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=first_expert + w13.shape[0]).tolist()
+    token_of, weight_of = order // k, topk_weights.reshape(-1)[order].to(torch.float32).unsqueeze(1)
+    start = sum(counts[:first_expert])
+    for local in range(w13.shape[0]):
+        n = counts[first_expert + local]
+        if n == 0:
+            continue
+        rows = token_of[start : start + n]
+        h = bi_linear(x.index_select(0, rows), w13[local]).to(x.dtype)
+        y = bi_linear(silu_and_mul(h), w2[local])
+        out.index_add_(0, rows, y * weight_of[start : start + n])  # rows distinct: one add per element
+        start += n
+    return out
 
 
 class DeterministicCpuAttnBackend(CpuPagedAttnBackend):
@@ -182,6 +240,7 @@ def model_unsupported_reason(model: torch.nn.Module) -> str | None:
     """None when every layer of `model` has a batch-invariant path, else which one has not."""
     from workbench.core.layers.layernorm import RMSNorm
     from workbench.core.layers.linear import LinearBase
+    from workbench.core.layers.moe import FusedMoE, SparseMoeBlock, TopKRouter
     from workbench.core.layers.radix_attention import RadixAttention
 
     for name, module in model.named_modules():
@@ -190,8 +249,10 @@ def model_unsupported_reason(model: torch.nn.Module) -> str | None:
         kind = type(module).__name__
         if kind.endswith("Norm") and not isinstance(module, RMSNorm):
             return f"{name} is a {kind}, which has no batch-invariant path yet"
-        if kind in ("FusedMoE", "FusedMoETriton"):
-            return f"{name} is a mixture of experts, whose expert GEMMs have no batch-invariant path yet"
+        if hasattr(module, "w13_weight") and not isinstance(module, FusedMoE):
+            return f"{name} is a {kind}, whose experts have no batch-invariant path yet"
+        if isinstance(module, SparseMoeBlock) and type(module.gate) is not TopKRouter:
+            return f"{name} routes with a {type(module.gate).__name__}, which has no batch-invariant path yet"
     if not any(isinstance(m, LinearBase) for m in model.modules()):
         return "the model has no batch-invariant linear layers"
     return None
@@ -200,11 +261,18 @@ def model_unsupported_reason(model: torch.nn.Module) -> str | None:
 def enable_batch_invariant_mode(model: torch.nn.Module) -> None:
     """Route `model`'s linears, LM head and RMSNorms through the batch-invariant ops and turn off its
     batch-1 fused decode. Patches the instances (the classes, and any other model, stay as they are)."""
+    from workbench.core.distributed.parallel_state import set_batch_invariant_all_reduce
     from workbench.core.layers.layernorm import RMSNorm
     from workbench.core.layers.linear import LinearBase
+    from workbench.core.layers.moe import FusedMoE, TopKRouter
 
+    set_batch_invariant_all_reduce(True)  # this process runs this model only; tp 1 never reduces
     for module in model.modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, TopKRouter):
+            module.forward = types.MethodType(_router_forward, module)
+        elif isinstance(module, FusedMoE):
+            module.forward = types.MethodType(_experts_forward, module)
+        elif isinstance(module, LinearBase):
             module.cpu_fast_path = False
             module.packed_weight = None
             module._matmul = types.MethodType(_linear_matmul, module)
@@ -219,6 +287,21 @@ def enable_batch_invariant_mode(model: torch.nn.Module) -> None:
 
 def _linear_matmul(self, x: torch.Tensor, bias, residual=None) -> torch.Tensor:
     return bi_linear(x, self.weight, bias, residual).to(x.dtype)
+
+
+def _router_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return bi_topk_softmax(bi_linear(x, self.weight), self.top_k, self.renormalize)
+
+
+def _experts_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    from workbench.core.distributed.parallel_state import tensor_model_parallel_all_reduce
+
+    self.last_topk_ids = topk_ids
+    self.last_counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+    out = bi_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.first_expert)
+    if self.tp_size > 1:  # in rank order under the flag (parallel_state.set_batch_invariant_all_reduce)
+        out = tensor_model_parallel_all_reduce(out)
+    return out.to(x.dtype)
 
 
 def _rms_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):

@@ -137,3 +137,41 @@ void wb_bi_linear(const float *x, int64_t ldx, const void *w, int64_t ldw, int w
     (void)M, (void)N, (void)K, (void)nthreads;
 }
 #endif
+
+/* The router of a mixture-of-experts layer under the flag: for each token t, the softmax of its E
+ * logits and its top k experts. Scalar code in one fixed order per row (max, then the sum of the
+ * exponentials from expert 0 to E-1, then one division per kept expert), so a token's weights and
+ * ids depend on its own logits only: torch's softmax runs a vector body and a scalar tail whose
+ * split moves with the tensor's size, and the two exponentials may differ in the last bit.
+ * Ties in the top k go to the lower expert id. renorm: the kept weights divided by their sum
+ * (taken in rank order). logits: [T, E] float32 rows at stride ld; weights [T, k] float32; ids
+ * [T, k] int64. Needs no AVX2, so it is built on every CPU. */
+#include <math.h>
+
+void wb_bi_topk_softmax(const float *logits, int64_t ld, int64_t T, int64_t E, int64_t k, int renorm,
+                        float *weights, int64_t *ids) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * ld;
+        float *w = weights + t * k;
+        int64_t *id = ids + t * k;
+        float mx = l[0];
+        for (int64_t e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+        float sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) sum += expf(l[e] - mx);
+        for (int64_t j = 0; j < k; j++) {   /* selection: k is small (2-8) */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= id[i] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            id[j] = best;
+            w[j] = expf(l[best] - mx) / sum;
+        }
+        if (renorm) {
+            float kept = 0.0f;
+            for (int64_t j = 0; j < k; j++) kept += w[j];
+            for (int64_t j = 0; j < k; j++) w[j] /= kept;
+        }
+    }
+}
