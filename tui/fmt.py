@@ -31,6 +31,17 @@ def fmt_age(ns: int | None) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
+def fmt_pct(n: float, total: float) -> str:
+    """A share of a whole as a percentage; `<1%` and `>99%` so a few tokens of a big KV pool
+    never read as none or all of it (36 held slots of 1.2M printed `0%` beside `lock 1`)."""
+    p = 100 * n / total if total else 0.0
+    if 0 < p < 1:
+        return "<1%"
+    if 99 < p < 100:
+        return ">99%"
+    return f"{p:.0f}%"
+
+
 def fmt_count(n: float) -> str:
     """1234 -> '1.2k', 5_600_000 -> '5.6M'."""
     n = float(n)

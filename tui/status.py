@@ -12,7 +12,7 @@ from __future__ import annotations
 from rich.cells import cell_len
 from rich.text import Text
 from workbench.core.trace.state import TraceState
-from workbench.tui.fmt import fmt_count
+from workbench.tui.fmt import fmt_count, fmt_pct
 
 SEP = " │ "
 
@@ -30,14 +30,7 @@ STATUS_HELP = (
 Segment = tuple[str, str, str]  # (separator before it, text, style)
 
 
-def _pct(n: int, total: int) -> str:
-    """A share of the pool; `<1%` and `>99%` so a few slots never read as none or all of it."""
-    p = 100 * n / total
-    if 0 < p < 1:
-        return "<1%"
-    if 99 < p < 100:
-        return ">99%"
-    return f"{p:.0f}%"
+_pct = fmt_pct  # the KV pool panel uses the same wording
 
 
 def status_segments(

@@ -6,7 +6,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
 from workbench.core.trace.palette import EVICTABLE, EVICTED, FREE, LOCKED, RETRACTED
-from workbench.tui.fmt import fmt_count, resample, spark
+from workbench.tui.fmt import fmt_count, fmt_pct, resample, spark
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import TracePanel
 
@@ -17,8 +17,10 @@ def kv_gauge(used: int, evictable: int, free: int, total: int, width: int) -> Te
     """A bar: █ used (locked by requests), ▓ evictable (cached, reclaimable), ░ free."""
     text = Text()
     total = max(total, used + evictable + free, 1)
-    u = int(round(used * width / total))
-    e = int(round(evictable * width / total))
+    # A non-zero share gets at least one cell: a few held slots of a 1.2M-token pool drew no █ at
+    # all beside a radix tree with locked nodes (issue #40 item 11).
+    u = max(int(round(used * width / total)), 1 if used > 0 else 0)
+    e = max(int(round(evictable * width / total)), 1 if evictable > 0 else 0)
     u = min(u, width)
     e = min(e, width - u)
     text.append("█" * u, style=USED)
@@ -40,9 +42,9 @@ def render_kv(model: TuiModel, width: int = 40) -> Text:
     out.append_text(kv_gauge(k.used, evictable, k.free, k.total, width))
     out.append("\n")
     out.append("█ held      ", style=USED)
-    out.append(f"{fmt_count(k.used):>6} ({100 * k.used / total:.0f}%)\n")
+    out.append(f"{fmt_count(k.used):>6} ({fmt_pct(k.used, total)})\n")
     out.append("▓ cached    ", style=EVICTABLE)
-    out.append(f"{fmt_count(evictable):>6} ({100 * evictable / total:.0f}%)\n")
+    out.append(f"{fmt_count(evictable):>6} ({fmt_pct(evictable, total)})\n")
     out.append("░ free      ", style=FREE)
     out.append(f"{fmt_count(k.free):>6} of {fmt_count(k.total)} tokens\n")
     hist = list(st.kv_history)
