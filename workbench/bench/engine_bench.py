@@ -24,7 +24,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from workbench.bench.gemm_work import LinearShapes, WorkloadWork
 from workbench.bench.harness import progress
+from workbench.bench.peak import gemm_text, get_peak, peak_gflops, peak_note
 from workbench.bench.peers import TransformersPeer, run_concurrent
 from workbench.bench.prompts import mixed_prompts, prefix_prompts
 
@@ -38,6 +40,10 @@ class BenchRow:
     tok_per_s: float
     ratio_vs_transformers: float | None = None
     note: str = ""
+    # the workload's linear FLOPs (gemm_work.py: prompts counted once per shared prefix) over `seconds`,
+    # and the machine's compute peak for the dtype on all the bench's cores (peak.py)
+    gemm_gflops: float | None = None
+    peak_gflops: float | None = None
 
 
 def _rss_mib(engine) -> dict[str, float]:
@@ -75,6 +81,7 @@ def run_engine_bench(args) -> list:
     sa.show_progress = False
     rows: list[BenchRow] = []
     rng = random.Random(0)
+    peak = get_peak()  # this machine's compute peak (cached per machine): the GEMM columns' yardstick
 
     # Warm start: converted weights cached. Timed like the workloads, best of `repeats` starts (the last
     # engine stays up for the workloads): on this shared machine one start moves by a second or more.
@@ -159,16 +166,41 @@ def run_engine_bench(args) -> list:
             if peer is not None and r is not peer:
                 r.ratio_vs_transformers = peer.seconds / r.seconds
 
+    dtype = engine.scheduler_info.get("dtype", "float32")
+    apply_gemm_rates(
+        rows,
+        {"a": (mixed, mixed_new), "b": (prefixed, prefix_new)},
+        LinearShapes.from_config(engine.prepared.config),
+        peak_gflops(peak, str(dtype)),
+    )
     cold = _cold_start(sa) if not quick else None
     _print(rows, rss, warm_start, cold)
+    print(peak_note(peak, [(str(dtype), None)]))
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump(
-                {"rows": [asdict(r) for r in rows], "rss_mib": rss, "warm_start_s": warm_start, "cold_start_s": cold},
+                {
+                    "rows": [asdict(r) for r in rows],
+                    "rss_mib": rss,
+                    "warm_start_s": warm_start,
+                    "cold_start_s": cold,
+                    "peak": asdict(peak) if peak is not None else None,
+                },
                 f,
                 indent=2,
             )
     return rows
+
+
+def apply_gemm_rates(rows: list[BenchRow], work: dict, shapes: LinearShapes, peak: float | None) -> None:
+    """Each row's GEMM GFLOP/s: its workload's linear FLOPs over its seconds. `work` maps a workload's
+    first letter to (prompts, new tokens)."""
+    for r in rows:
+        prompts_new = work.get(r.workload[:1])
+        if prompts_new is None or r.seconds <= 0:
+            continue
+        r.gemm_gflops = WorkloadWork.of(*prompts_new).flops(shapes) / r.seconds / 1e9
+        r.peak_gflops = peak
 
 
 def _cold_start(sa) -> float:
@@ -193,10 +225,16 @@ def _cold_start(sa) -> float:
 
 def _print(rows: list[BenchRow], rss: dict, warm: float, cold: float | None) -> None:
     print()
-    print(f"{'workload':<20} {'system':<28} {'seconds':>8} {'out tok':>8} {'tok/s':>8} {'vs transformers':>16}")
+    print(
+        f"{'workload':<20} {'system':<28} {'seconds':>8} {'out tok':>8} {'tok/s':>8} {'vs transformers':>16}"
+        f" {'GEMM GFLOP/s (% of peak)':>25}"
+    )
     for r in rows:
         ratio = f"{r.ratio_vs_transformers:.2f}x" if r.ratio_vs_transformers else ""
-        print(f"{r.workload:<20} {r.system:<28} {r.seconds:8.2f} {r.output_tokens:8d} {r.tok_per_s:8.1f} {ratio:>16}")
+        print(
+            f"{r.workload:<20} {r.system:<28} {r.seconds:8.2f} {r.output_tokens:8d} {r.tok_per_s:8.1f} {ratio:>16}"
+            f" {gemm_text(r.gemm_gflops, r.peak_gflops):>25}"
+        )
     for r in rows:
         if r.note:
             print(f"{r.workload} ({r.system}): {r.note}")

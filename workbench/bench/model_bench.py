@@ -17,10 +17,12 @@ excluded; prefill is start -> first token. Each timing is the best of
 ignored, so both engines run exactly the requested number of steps. On a shared machine the numbers move with other processes' load;
 compare the ratios of one run.
 
-For batched decode on CPU it also prints a linears-only ceiling: the batch's tokens over
-the time of one step's linear layers alone (the workbench's own packed weights, chained as
-in a step, with nothing else). No engine built on these GEMMs can decode faster, so the
-ceiling over transformers bounds the ratio any optimization outside the GEMMs can reach.
+Every row also prints its GEMM GFLOP/s: the linears' FLOPs (from the model's shapes and the
+tokens processed) over the measured time, and that as a share of this machine's compute peak for
+the dtype and threads (`workbench bench peak`, measured once per machine and cached). For batched
+decode on CPU it adds a diagnostic, "linears alone": the batch's tokens over the time of one step's
+linear layers alone (the workbench's own packed weights, chained as in a step, nothing else): how
+much of a step our GEMM path takes, not a bound (a faster GEMM passes it).
 
 `--profile` instead splits each step's time by component (GEMMs, attention, norms + rope, ...) and
 a real Engine's decode step by scheduler phase; see workbench/bench/profile_bench.py.
@@ -37,6 +39,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from workbench.bench import profile_bench
+from workbench.bench.gemm_work import LinearShapes
 from workbench.bench.harness import Stages, busy_warning
 from workbench.bench.model_engines import (
     CLOCKS,
@@ -48,6 +51,7 @@ from workbench.bench.model_engines import (
     set_clock,
     synced_wall,
 )
+from workbench.bench.peak import fraction_text, gemm_text, get_peak, peak_gflops, peak_note
 from workbench.bench.prompts import torch_random_ids
 
 
@@ -61,9 +65,15 @@ class Row:
     transformers_tok_s: float | None  # None with --no-reference
     ratio: float | None  # workbench / transformers
     detail: str = ""
-    # Decode on CPU: tokens/s if a step cost only its linear layers (the same packed weights,
-    # chained as in one step, nothing else): the most any engine built on these GEMMs can reach.
-    linears_ceiling_tok_s: float | None = None
+    # Batched decode on CPU: tokens/s if a step cost only its linear layers (the same packed weights,
+    # chained as in one step, nothing else): a diagnostic of our GEMM path, not a bound.
+    linears_only_tok_s: float | None = None
+    # the linears' FLOPs at each side's tok/s (model shapes x tokens), and the machine's compute peak
+    # for the dtype on the threads used (`workbench bench peak`)
+    gemm_gflops: float | None = None
+    transformers_gemm_gflops: float | None = None
+    peak_gflops: float | None = None
+    threads: int | None = None
 
 
 def _measure(engines: list, bs: int, sizes: BenchSizes, one, many, long_prompt) -> dict[str, float]:
@@ -143,6 +153,9 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
     long_prompt = torch_random_ids(1, sizes.prefill_len, vocab, seed=3)[0]
 
     rows: list[Row] = []
+    shapes = LinearShapes.from_config(prepared.config)
+    threads = torch.get_num_threads()
+    peak = get_peak(quiet=quiet) if device == "cpu" else None
     for dtype in dtypes:
         engines = []
         t = time.perf_counter()
@@ -183,13 +196,35 @@ def run_model_bench(args: argparse.Namespace) -> list[Row]:
             else:
                 n = sizes.decode_tokens_bs1 if bs == 1 else sizes.decode_tokens_batch
                 detail = f"{n} new tokens after {sizes.prompt_len}-token prompts"
-            ceiling = None
+            linears_only = None
             if bs > 1:
                 step_s = engines[0].linears_step_seconds(bs, sizes.repeats)
-                ceiling = bs / step_s if step_s else None
-            rows.append(Row(metric, dtype, wb, ref, (wb / ref) if ref else None, detail, ceiling))
+                linears_only = bs / step_s if step_s else None
+            per_token = gemm_flops_per_token(shapes, bs, sizes.prefill_len)
+            rows.append(
+                Row(
+                    metric,
+                    dtype,
+                    wb,
+                    ref,
+                    (wb / ref) if ref else None,
+                    detail,
+                    linears_only,
+                    wb * per_token / 1e9,
+                    ref * per_token / 1e9 if ref else None,
+                    peak_gflops(peak, dtype, threads),
+                    threads,
+                )
+            )
         del engines
     return rows
+
+
+def gemm_flops_per_token(shapes: LinearShapes, bs: int, prefill_len: int) -> float:
+    """The linears' FLOPs per token of a metric: a decode token goes through every linear and the LM
+    head; a prefill (bs 0) token through the layers' linears, plus one LM-head row for the prompt."""
+    body, head = shapes.body_flops_per_token(), shapes.head_flops_per_token()
+    return body + head if bs else body + head / max(1, prefill_len)
 
 
 # ---- eager vs compiled decode ------------------------------------------------------------
@@ -266,29 +301,29 @@ def format_compile_table(rows: list[CompileRow]) -> str:
     return "\n".join(lines)
 
 
-def format_table(rows: list[Row]) -> str:
+def format_table(rows: list[Row], peak=None) -> str:
+    """The rows as a text table; `peak` (a `Peak`) adds the line saying what the % of peak is of."""
     header = (
         f"{'metric':<16}{'dtype':<10}{'workbench tok/s':>17}{'transformers tok/s':>20}{'ratio':>9}"
-        f"{'linears-only ceiling':>22}{'ceiling ratio':>15}"
+        f"{'GEMM GFLOP/s (% of peak)':>26}{'transformers % of peak':>24}{'linears alone tok/s':>21}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         ref = f"{r.transformers_tok_s:.1f}" if r.transformers_tok_s else "-"
         ratio = f"{r.ratio:.2f}x" if r.ratio else "-"
-        ceiling = f"{r.linears_ceiling_tok_s:.1f}" if r.linears_ceiling_tok_s else "-"
-        ceiling_ratio = (
-            f"{r.linears_ceiling_tok_s / r.transformers_tok_s:.2f}x"
-            if r.linears_ceiling_tok_s and r.transformers_tok_s
-            else "-"
-        )
+        alone = f"{r.linears_only_tok_s:.1f}" if r.linears_only_tok_s else "-"
         lines.append(
-            f"{r.metric:<16}{r.dtype:<10}{r.workbench_tok_s:>17.1f}{ref:>20}{ratio:>9}{ceiling:>22}{ceiling_ratio:>15}"
+            f"{r.metric:<16}{r.dtype:<10}{r.workbench_tok_s:>17.1f}{ref:>20}{ratio:>9}"
+            f"{gemm_text(r.gemm_gflops, r.peak_gflops):>26}"
+            f"{fraction_text(r.transformers_gemm_gflops, r.peak_gflops):>24}{alone:>21}"
         )
-    if any(r.linears_ceiling_tok_s for r in rows):
+    pairs = sorted({(r.dtype, r.threads) for r in rows if r.peak_gflops}, key=str)
+    if peak is not None and pairs:
+        lines.append(peak_note(peak, pairs))
+    if any(r.linears_only_tok_s for r in rows):
         lines.append(
-            "linears-only ceiling: the batch's tokens over the time of one step's linear layers alone "
-            "(same packed weights, chained, nothing else);\nceiling ratio: that ceiling over transformers "
-            "- no engine on these GEMMs can beat it."
+            "linears alone: the batch's tokens over the time of one step's linear layers alone "
+            "(same packed weights, chained, nothing else): a diagnostic of our GEMM path, not a bound."
         )
     return "\n".join(lines)
 
@@ -380,7 +415,8 @@ def _cli_main(args: argparse.Namespace) -> int:
         print(format_compile_table(rows))
     else:
         key, rows = "rows", run_model_bench(args)
-        print(format_table(rows))
+        device = getattr(args, "device", None) or "cpu"
+        print(format_table(rows, get_peak(quiet=True) if device == "cpu" else None))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

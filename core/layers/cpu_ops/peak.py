@@ -226,7 +226,7 @@ def measure(threads: int | None = None, quick: bool = False, progress=None) -> P
     model, flags = cpu_identity()
     threads = max(1, int(threads or len(os.sched_getaffinity(0))))
     # many short runs, the best kept: a short run is more likely to get a core to itself
-    run_s, runs = (0.004, 6) if quick else (0.005, 24)
+    run_s, runs = (0.003, 4) if quick else (0.005, 24)
     load_before, t_start = os.getloadavg()[0], time.perf_counter()
 
     if "avx512f" in flags:
@@ -260,7 +260,7 @@ def measure(threads: int | None = None, quick: bool = False, progress=None) -> P
         result.amx_core = _time_kind(lib, KIND_AMX_BF16, 1, run_s, runs)
         result.amx_all = _time_kind(lib, KIND_AMX_BF16, threads, run_s, runs)
 
-    nbytes = (128 if quick else 256) << 20
+    nbytes = (64 if quick else 256) << 20
     passes = 2 if quick else 4
     result.buffer_mib = nbytes >> 20
     say(f"streaming read of {nbytes >> 20} MiB on 1 and {threads} thread(s), with and without huge pages")
@@ -281,10 +281,17 @@ def _cache_file(threads: int) -> Path:
     return _cache_dir() / "peak" / f"peak-{machine_key()}-{threads}t.json"
 
 
-def peak(threads: int | None = None, fresh: bool = False, max_age_s: float = DEFAULT_MAX_AGE_S, progress=None) -> Peak:
+def peak(
+    threads: int | None = None,
+    fresh: bool = False,
+    max_age_s: float = DEFAULT_MAX_AGE_S,
+    progress=None,
+    quick: bool = False,
+) -> Peak:
     """This machine's `Peak` for `threads` cores (default: all this process may use), measured once:
     from this process's memo, else the per-machine cache file younger than `max_age_s`, else now
-    (and then stored in both). `fresh`: measure now whatever is cached."""
+    (and then stored in both). `fresh`: measure now whatever is cached; `quick`: a shorter measurement
+    when one is needed (see `measure`)."""
     threads = max(1, int(threads or len(os.sched_getaffinity(0))))
     key = f"{machine_key()}-{threads}"
     if not fresh:
@@ -298,7 +305,7 @@ def peak(threads: int | None = None, fresh: bool = False, max_age_s: float = DEF
                 return cached
         except (OSError, ValueError, TypeError):
             pass
-    result = measure(threads, progress=progress)
+    result = measure(threads, quick=quick, progress=progress)
     _memo[key] = result
     path = _cache_file(threads)
     try:
