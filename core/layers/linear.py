@@ -19,6 +19,11 @@ At one row of input (decode at batch 1) the compiled GEMV (cpu_ops.gemv, gemv.c)
 float32 or bfloat16 weight replaces oneDNN, which streams the weights well below the memory
 bandwidth at M=1 (docs/design.md); it also serves bfloat16 weights where oneDNN has no bfloat16
 GEMM (AVX2 CPUs, where they stay unpacked). WORKBENCH_CPU_GEMV=0 turns it off.
+
+At more rows (batched decode, prefill chunks) each weight also gets gemm.c's packed copy
+(cpu_ops/gemm.py), used for the row counts where it measured faster than the path above at load
+(float32: oneDNN; bfloat16 on AVX2: torch's slow bfloat16 GEMM, which widening beats many times
+over). Where it wins at every row count, oneDNN's copy is dropped. WORKBENCH_CPU_GEMM=0/1 forces.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from workbench.core.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from workbench.core.layers import cpu_ops
+from workbench.core.layers.cpu_ops import gemm as cpu_gemm
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -78,6 +84,38 @@ def packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def pack_gemm_weight(weight: torch.Tensor, onednn: torch.Tensor | None) -> cpu_gemm.PackedGemmWeight | None:
+    """gemm.c's packed copy of a CPU [out, in] weight, with the row buckets where it measured faster
+    than the path this weight takes otherwise (`onednn`, pack_linear_weight's copy, else F.linear);
+    None where it is unavailable (no AVX2, WORKBENCH_CPU_GEMM=0) or never faster."""
+    if weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES or weight.dim() != 2:
+        return None
+    if not cpu_gemm.available():
+        return None
+    packed = cpu_gemm.pack(weight)
+
+    def torch_linear(x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, onednn, None) if onednn is not None else F.linear(x, weight)
+
+    torch_linear.onednn = onednn is not None  # type: ignore[attr-defined]  # part of the measurement's key
+    packed.use = cpu_gemm.choose(packed, torch_linear)
+    return packed if any(packed.use) else None
+
+
+def gemm_ready(x: torch.Tensor, packed: cpu_gemm.PackedGemmWeight | None) -> bool:
+    """True when gemm.c should compute x @ W.T: a packed copy that won at this many rows, x 2-D on
+    the CPU with more rows than the GEMV takes, and not under torch.compile."""
+    return (
+        packed is not None
+        and x.dim() == 2
+        and x.shape[0] > cpu_ops.GEMV_MAX_ROWS
+        and packed.wins(x.shape[0])
+        and x.device.type == "cpu"
+        and x.dtype.is_floating_point
+        and not torch.compiler.is_compiling()
+    )
+
+
 class LinearBase(nn.Module):
     """Holds `weight`/`bias` and the optional packed copy; subclasses define the sharding."""
 
@@ -90,18 +128,25 @@ class LinearBase(nn.Module):
         # The CPU fast paths were asked for (packing, the batch-1 GEMV). Kept apart from
         # packed_weight, which stays None where oneDNN cannot pack this dtype.
         self.cpu_fast_path = False
+        # gemm.c's packed copy (cpu_ops/gemm.py) where it measured faster than torch at load, else None.
+        self.gemm_weight: cpu_gemm.PackedGemmWeight | None = None
         # Multi-LoRA (core/lora/): adds the running batch's adapter deltas to this layer's output.
         self.lora_hook = None
 
     def process_weights_after_loading(self, pack: bool = True) -> None:
-        """Derive the packed copy (call again after any weight update)."""
+        """Derive the packed copies (call again after any weight update)."""
         self.cpu_fast_path = pack and self.weight.device.type == "cpu"
         self.packed_weight = pack_linear_weight(self.weight) if pack else None
+        self.gemm_weight = pack_gemm_weight(self.weight, self.packed_weight) if self.cpu_fast_path else None
+        if self.gemm_weight is not None and all(self.gemm_weight.use):
+            self.packed_weight = None  # batch 1 takes the GEMV and every batch gemm.c: oneDNN's copy is unused
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None) -> torch.Tensor:
         # Under torch.compile the plain weight is traced (inductor does its own packing).
         if self.cpu_fast_path and cpu_ops.gemv_ready(x, self.weight):
             return cpu_ops.gemv(x, self.weight, bias, residual).to(x.dtype)
+        if self.cpu_fast_path and gemm_ready(x, self.gemm_weight):
+            return cpu_gemm.gemm(x, self.gemm_weight, bias, residual).to(x.dtype)
         if self.packed_weight is not None and x.dtype == self.weight.dtype and not torch.compiler.is_compiling():
             return packed_linear(x, self.packed_weight, bias, residual)
         out = F.linear(x, self.weight, bias)

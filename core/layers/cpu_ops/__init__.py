@@ -84,16 +84,30 @@ def extend_kernel_preferred() -> bool:
     return "avx512f" in flags or {"avx2", "fma", "f16c"} <= flags
 
 
-def library_path() -> Path:
-    """Where this source, built with these flags for this CPU, lives in the cache."""
-    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS))
+def library_path(sources: list[Path] | None = None, stem: str = "workbench_cpu_ops") -> Path:
+    """Where this source (or `sources`, a library of its own named `stem`), built with these flags
+    for this CPU, lives in the cache."""
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in (sources or SOURCES) + HEADERS))
     digest.update(" ".join([os.environ.get("CC", "cc")] + CFLAGS).encode())
     digest.update(_cpu_signature().encode())
     base = Path(os.environ.get("WORKBENCH_CACHE_DIR") or "~/.cache/workbench").expanduser()
-    return base / "kernels" / f"workbench_cpu_ops-{digest.hexdigest()[:16]}.so"
+    return base / "kernels" / f"{stem}-{digest.hexdigest()[:16]}.so"
 
 
-def _build(target: Path) -> None:
+def load_library(sources: list[Path], stem: str) -> ctypes.CDLL:
+    """Build (once per machine, as the main library is) and load a library of its own from `sources`:
+    kernels kept apart so that editing them never rebuilds the main library. Raises RuntimeError
+    (or OSError) saying why not."""
+    if os.environ.get("WORKBENCH_DISABLE_CPU_KERNELS") == "1":
+        raise RuntimeError("disabled by WORKBENCH_DISABLE_CPU_KERNELS=1")
+    target = library_path(sources, stem)
+    if not target.exists():
+        _build(target, sources)
+    return ctypes.CDLL(str(target))
+
+
+def _build(target: Path, sources: list[Path] | None = None) -> None:
+    sources = sources or SOURCES
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH; install one (apt install gcc) or set CC")
@@ -103,13 +117,13 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        with phase("kernels", f"{compiler} {' '.join(CFLAGS[:2])}, {len(SOURCES)} C files into {target.parent}"):
+        with phase("kernels", f"{compiler} {' '.join(CFLAGS[:2])}, {len(sources)} C files into {target.parent}"):
             proc = subprocess.run(
-                [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
+                [compiler, *CFLAGS, *map(str, sources), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
             )
         if proc.returncode != 0:
             first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
-            raise RuntimeError(f"{compiler} failed to build {', '.join(s.name for s in SOURCES)}: {first}")
+            raise RuntimeError(f"{compiler} failed to build {', '.join(s.name for s in sources)}: {first}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

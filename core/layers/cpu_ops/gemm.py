@@ -1,0 +1,201 @@
+"""The packed-weight GEMM for batched rows (gemm.c): a weight packed once into the micro-kernel's
+panels, float32 or bfloat16 storage, float32 sums, and the start-up choice between it and torch.
+
+Why: at 8-512 rows of input a linear is compute-bound. torch's bfloat16 matmul on a CPU without
+bfloat16 arithmetic (AVX2) runs far below its float32 rate, so a bfloat16 model was the slow one;
+gemm.c widens bfloat16 weights to float32 in registers and multiplies with the same FMAs, keeping
+bfloat16's halved weight traffic. Whether it beats torch (oneDNN's packed GEMM for float32) depends
+on the machine, so `choose` measures both on a layer's shape at load and the layer keeps whichever
+was faster per row bucket (`ROW_BUCKETS`); WORKBENCH_CPU_GEMM=0 never takes it, =1 always does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import _GEMV_WEIGHT_CODES, call_linear_kernel, load_library
+
+logger = logging.getLogger(__name__)
+
+# Rows of input up to each bound share one decision, measured at the bound (the last one stands for
+# every larger batch: a prefill chunk).
+ROW_BUCKETS = (16, 64, 256)
+_choices: dict[tuple[int, int, torch.dtype, bool], tuple[bool, ...]] = {}
+_timings: dict[tuple[int, int, torch.dtype, bool], list[tuple[int, float, float]]] = {}
+
+
+# Its own small library beside the main one (cpu_ops.load_library): built at first use, and editing
+# it never rebuilds the attention kernels.
+SOURCE = Path(__file__).parent / "gemm.c"
+_lock = threading.Lock()
+_gemm_lib: ctypes.CDLL | None = None
+_gemm_error: str | None = None
+
+
+def _require() -> ctypes.CDLL:
+    """gemm.c's library, built once per machine; raises RuntimeError saying why not."""
+    global _gemm_lib, _gemm_error
+    with _lock:
+        if _gemm_lib is None and _gemm_error is None:
+            try:
+                lib = load_library([SOURCE], "workbench_gemm")
+                _argtypes(lib)
+                _gemm_lib = lib
+            except (OSError, RuntimeError) as exc:
+                _gemm_error = f"the packed CPU GEMM is unavailable: {exc}"
+    if _gemm_lib is None:
+        raise RuntimeError(_gemm_error)
+    return _gemm_lib
+
+
+def unavailable_reason() -> str | None:
+    """None when gemm.c is built with its vector path (AVX2 + FMA, or AVX-512) and not switched off
+    (WORKBENCH_CPU_GEMM=0), else why not."""
+    if os.environ.get("WORKBENCH_CPU_GEMM") == "0":
+        return "switched off by WORKBENCH_CPU_GEMM=0"
+    try:
+        lib = _require()
+    except RuntimeError as exc:
+        return str(exc)
+    return None if lib.wb_gemm_available() else "the CPU has neither AVX2 + FMA nor AVX-512"
+
+
+def available() -> bool:
+    """True when `unavailable_reason()` is None."""
+    return unavailable_reason() is None
+
+
+@dataclass
+class PackedGemmWeight:
+    """A [N, K] weight in gemm.c's panels: `data` holds them in the weight's dtype."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+    dtype: torch.dtype
+    # Per row bucket (ROW_BUCKETS): True where the kernel measured faster than torch at load.
+    use: tuple[bool, ...] = field(default=(True,) * len(ROW_BUCKETS))
+
+    def wins(self, rows: int) -> bool:
+        """Whether `rows` rows of input should take the kernel."""
+        for bound, use in zip(ROW_BUCKETS, self.use):
+            if rows <= bound:
+                return use
+        return self.use[-1]
+
+
+def pack(weight: torch.Tensor) -> PackedGemmWeight:
+    """Pack a float32 or bfloat16 [N, K] weight (unit inner stride) into gemm.c's panels."""
+    if weight.dim() != 2 or weight.dtype not in _GEMV_WEIGHT_CODES:
+        raise ValueError(f"gemm.pack: a 2-D float32 or bfloat16 weight, not {tuple(weight.shape)} {weight.dtype}")
+    lib = _require()
+    w = weight.detach()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    n, k = w.shape
+    data = torch.empty(int(lib.wb_gemm_packed_elems(n, k)), dtype=w.dtype)
+    lib.wb_gemm_pack(w.data_ptr(), w.stride(0), _GEMV_WEIGHT_CODES[w.dtype], n, k, data.data_ptr())
+    return PackedGemmWeight(data, n, k, w.dtype)
+
+
+class _PackedView:
+    """What call_linear_kernel reads of a weight (shape, dtype, stride, data_ptr), for the packed one."""
+
+    def __init__(self, packed: PackedGemmWeight):
+        self.shape = (packed.n, packed.k)
+        self.dtype = packed.dtype
+        self._data = packed.data
+
+    def stride(self, dim: int) -> int:
+        return self.shape[1] if dim == 0 else 1
+
+    def data_ptr(self) -> int:
+        return self._data.data_ptr()
+
+
+def gemm(
+    x: torch.Tensor, packed: PackedGemmWeight, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W.T (+ bias) (+ residual) on a weight from `pack`, summed in float32: x [M, K], bias [N],
+    residual [M, N] -> a new float32 [M, N] (x, bias and residual are widened to float32 first)."""
+    return call_linear_kernel(_require().wb_gemm, "gemm", x, _PackedView(packed), bias, residual)  # type: ignore[arg-type]
+
+
+def _best(fn, budget_s: float) -> float:
+    """The fastest of a few calls (the machine may be shared: the minimum is the least disturbed)."""
+    fn()
+    best, start, n = float("inf"), time.perf_counter(), 0
+    while n < 3 or (time.perf_counter() - start < budget_s and n < 50):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        n += 1
+    return best
+
+
+def choose(packed: PackedGemmWeight, torch_linear, budget_s: float = 0.02) -> tuple[bool, ...]:
+    """Per row bucket, whether the kernel beat `torch_linear(x)` (the layer's own torch path) on this
+    weight's shape and dtype: measured once per (N, K, dtype, path) in this process, on random rows,
+    the two timed alternately. WORKBENCH_CPU_GEMM=0/1 forces never/always."""
+    forced = os.environ.get("WORKBENCH_CPU_GEMM", "auto")
+    if forced in ("0", "1"):
+        return (forced == "1",) * len(ROW_BUCKETS)
+    key = (packed.n, packed.k, packed.dtype, getattr(torch_linear, "onednn", False))
+    if key not in _choices:
+        picks, times = [], []
+        gen = torch.Generator().manual_seed(0)
+        for rows in ROW_BUCKETS:
+            x = torch.randn(rows, packed.k, generator=gen).to(packed.dtype)
+            ours = theirs = float("inf")
+            for _ in range(2):  # alternate, so a burst of load hits both
+                ours = min(ours, _best(lambda: gemm(x, packed), budget_s))
+                theirs = min(theirs, _best(lambda: torch_linear(x), budget_s))
+            picks.append(ours < theirs)
+            flops = 2.0 * rows * packed.n * packed.k
+            times.append((rows, flops / ours / 1e9, flops / theirs / 1e9))
+        _choices[key] = tuple(picks)
+        _timings[key] = times
+        logger.info(
+            "CPU linear [%d x %d] %s: %s",
+            packed.n,
+            packed.k,
+            str(packed.dtype).replace("torch.", ""),
+            ", ".join(
+                f"{r} rows {'gemm.c' if p else 'torch'} ({a:.0f} vs torch {b:.0f} GFLOP/s)"
+                for (r, a, b), p in zip(times, picks)
+            ),
+        )
+    return _choices[key]
+
+
+def summary() -> str:
+    """One line on the paths chosen so far in this process (for the engine's log), e.g.
+    'gemm.c for 12/15 (shape, rows) pairs: bfloat16 all; float32 rows<=64'."""
+    if not _choices:
+        return "batched CPU linears: torch (gemm.c not measured)"
+    parts = []
+    for (n, k, dtype, _), picks in sorted(_choices.items(), key=lambda kv: (str(kv[0][2]), kv[0][0], kv[0][1])):
+        rows = [str(b) for b, p in zip(ROW_BUCKETS, picks) if p]
+        parts.append(f"{str(dtype).replace('torch.', '')} {n}x{k}: {'/'.join(rows) or 'none'}")
+    return "batched CPU linears on gemm.c at rows " + "; ".join(parts)
+
+
+def _argtypes(lib: ctypes.CDLL) -> None:
+    """Declare gemm.c's entry points on the loaded library."""
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.wb_gemm.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64, ptr, i64, i32, i64, i64, i32]
+    lib.wb_gemm.restype = None
+    lib.wb_gemm_pack.argtypes = [ptr, i64, i32, i64, i64, ptr]
+    lib.wb_gemm_pack.restype = None
+    lib.wb_gemm_packed_elems.argtypes = [i64, i64]
+    lib.wb_gemm_packed_elems.restype = i64
+    lib.wb_gemm_available.restype = i32
+    lib.wb_gemm_panel_width.restype = i32
