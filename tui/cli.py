@@ -9,6 +9,7 @@ workbench tui --attach tcp://127.0.0.1:5557 tcp://127.0.0.1:5558    # ... severa
 workbench tui --disaggregation [--scenario chat]                    # a 1P1D pair in this process
 workbench tui --disaggregation 2P4D --simulate h100 --model llama-3.1-70b --tp-size 8   # simulated xPyD
 workbench tui --replay run.jsonl [--speed 4]                        # play a recording
+workbench tui --compare schedule_policy=fcfs,lpm [--real]           # two engines side by side, one clock
 workbench tui --pause-on retract,evict                              # pause when one happens (any source)
 """
 
@@ -76,6 +77,34 @@ def add_tui_args(parser: argparse.ArgumentParser) -> None:
         help=f"start this workload at once: a kind ({', '.join(KINDS)}) at a fixed rate (w toggles it, "
         "W cycles the kind), or a trace FILE played on this engine at a time scale that suits it "
         "(Mooncake JSONL, Azure or BurstGPT CSV, a workbench JSONL or a --record file; docs/simulation.md)",
+    )
+    g.add_argument(
+        "--compare",
+        metavar="FLAG=A,B",
+        default=None,
+        help="two engines one engine setting apart, side by side on one seeded arrival stream and one clock "
+        "(e.g. schedule_policy=fcfs,lpm): Queues, Batch and tree for each, where their steps admitted "
+        "differently, TTFT CDFs overlaid; simulated unless --real (docs/tui.md)",
+    )
+    g.add_argument(
+        "--real",
+        action="store_true",
+        help="with --compare: two real engines (each runs the same seeded --workload at --rate on the host "
+        "clock) instead of two simulated ones",
+    )
+    g.add_argument(
+        "--compare-speed",
+        type=float,
+        default=10.0,
+        help="with --compare (simulated): scheduler steps per second to show (+ and - change it; 0: as fast "
+        "as this host can)",
+    )
+    g.add_argument(
+        "--compare-requests",
+        type=int,
+        default=120,
+        help="with --compare (simulated): how many requests the seeded arrival stream has (--rate: their "
+        "rate per simulated second, default 100)",
     )
     g.add_argument(
         "--rate",
@@ -270,6 +299,10 @@ def isolate_child_output(log_path: str | None, terminal: str | None = None) -> I
 
 def run_tui(args: argparse.Namespace) -> int:
     """Run the TUI for parsed arguments; returns the exit status."""
+    if getattr(args, "compare", None):  # two engines side by side: their own app (tui/compare.py)
+        from workbench.tui.compare import run_compare
+
+        return run_compare(args)
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import friendly
 
