@@ -33,7 +33,7 @@ from workbench.tui.history import StepHistoryScreen, StepOpened
 from workbench.tui.layout import GRID_MIN_SIZE, mount_layout
 from workbench.tui.model import TuiModel
 from workbench.tui.panels.base import RequestSelected
-from workbench.tui.pause_on import KIND_NAMES, PauseOnScreen, PauseTrigger, pause_triggers
+from workbench.tui.pause_on import KIND_NAMES, PauseOnScreen, PauseTrigger, pause_triggers, split_after_step
 from workbench.tui.startup import phase_lines, startup_body, startup_title
 from workbench.tui.status import status_line
 from workbench.tui.tour import STOPS, TourGuide, TourStop
@@ -168,6 +168,10 @@ class WorkbenchApp(App):
         self.pause_on: set[str] = set(pause_on or ())
         self.paused_on: PauseTrigger | None = None  # the event the app paused at, until resumed
         self._pause_on_from = -1  # steps before this ran before the last resume: they never pause again
+        # While paused on a step: the events of later steps (run before the pause landed), folded
+        # only on resume or, one step at a time, on `s`.
+        self._held_events: list = []
+        self._hold_step: int | None = None
 
     def get_css_variables(self) -> dict[str, str]:
         """The theme's variables plus the colour language ($wb-cached, $wb-locked, ...: the palette
@@ -404,11 +408,15 @@ class WorkbenchApp(App):
             self._error(f"event source failed: {friendly(exc)}")
         self.model.now_ns = self.controller.now_ns()
         self.model.paused = bool(getattr(self.controller, "paused", False))
+        if self._held_events:
+            events, self._held_events = self._held_events + events, []
+        if self.pause_on and events and self.paused_on is None:
+            self._pause_on_feed(events)
+        if self._hold_step is not None and self.paused_on is not None:
+            events, self._held_events = split_after_step(events, self._hold_step, self.paused_on.proc)
         self.model.apply(events)
         if self.tour is not None and events:
             self._tour_feed(events)
-        if self.pause_on and events:
-            self._pause_on_feed(events)
         if self._deferred:
             self._reveal_deferred()
         self._drain_chat()
@@ -558,6 +566,12 @@ class WorkbenchApp(App):
 
     def action_step(self) -> None:
         c = self.controller
+        if self._held_events and self._hold_step is not None:
+            # paused on an event with later steps already run: show the next of them, not a new one
+            self._hold_step += 1
+            self._tick()
+            return
+        self._hold_step = None  # nothing held: from here the engine's own steps show as they come
         if not c.can_step:
             self.notify(f"stepping is not available in {c.mode} mode", severity="warning")
             return
@@ -610,6 +624,8 @@ class WorkbenchApp(App):
 
     def action_restart(self) -> None:
         if self.controller.mode == "replay":
+            self._held_events, self._hold_step, self.paused_on, self._pause_on_from = [], None, None, -1
+            self._show_pause_on()
             self.controller.restart()
             self._tick()
 
@@ -672,8 +688,10 @@ class WorkbenchApp(App):
             return
         self.paused_on = hit
         c = self.controller
-        if c.can_step and not c.paused:
-            self._control("pause", lambda: c.set_paused(True))
+        if c.can_step:
+            self._hold_step = hit.step  # the panels stop at this step, whatever runs before the pause lands
+            if not c.paused:
+                self._control("pause", lambda: c.set_paused(True))
         self.model.note("info", f"paused on {hit.kind} at step {hit.step}: {hit.line}")
         self._show_pause_on()
 
@@ -681,9 +699,9 @@ class WorkbenchApp(App):
         """The user goes on: the next chosen event pauses again, not one from a step already run."""
         if self.paused_on is None:
             return
-        steps = self.model.state.steps
-        self._pause_on_from = max(self.paused_on.step, steps[-1].step if steps else -1) + 1
-        self.paused_on = None
+        # the held steps come next and may pause again; steps already shown never do
+        self._pause_on_from = self.paused_on.step + 1
+        self.paused_on, self._hold_step = None, None
         self._show_pause_on()
 
     def _show_pause_on(self) -> None:
@@ -719,7 +737,7 @@ class WorkbenchApp(App):
                 return
             self.pause_on = set(kinds)
             if not kinds:
-                self.paused_on = None
+                self._pause_on_release()
             self._show_pause_on()
             self.notify("pause on: " + (", ".join(k for k in KIND_NAMES if k in kinds) or "nothing"), timeout=3)
 

@@ -130,3 +130,22 @@ class PauseOnScreen(ModalScreen):
 
     def action_dismiss_kinds(self) -> None:
         self.dismiss(set(self.kinds))
+
+
+#: a step's own events that may come after the next step's (the overlap loop processes a step's
+#: result while the next one runs): folded with their step, never held back
+_STEP_COMPANIONS = (ev.BatchStep, ev.SpecVerify, ev.MoeRouting)
+
+
+def split_after_step(events: list[ev.Event], step: int, proc: str) -> tuple[list[ev.Event], list[ev.Event]]:
+    """(the events up to the end of `proc`'s `step`, the rest): the app folds the first part and
+    holds the rest back while it is paused on that step, so the panels show the step it paused at
+    even when the scheduler (or a fast replay) ran a step or two more before the pause landed."""
+    cut = next((i for i, e in enumerate(events) if e.proc == proc and e.step > step), len(events))
+    now, later = events[:cut], []
+    for e in events[cut:]:
+        if type(e) in _STEP_COMPANIONS and e.proc == proc and e.step <= step:
+            now.append(e)
+        else:
+            later.append(e)
+    return now, later
