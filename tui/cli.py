@@ -300,8 +300,6 @@ def isolate_child_output(log_path: str | None, terminal: str | None = None) -> I
 def run_tui(args: argparse.Namespace) -> int:
     """Run the TUI for parsed arguments; returns the exit status."""
     if getattr(args, "compare", None):  # two engines side by side: their own app (tui/compare.py)
-        from workbench.tui.compare import run_compare
-
         return run_compare(args)
     from workbench.tui.app import WorkbenchApp
     from workbench.tui.controller import friendly
@@ -355,6 +353,43 @@ def run_tui(args: argparse.Namespace) -> int:
         print(f"workbench tui: drew on {terminal} (stdout is not a terminal); the engine's log: {log_path}")
     if app.startup_error:
         print(f"workbench tui: {app.startup_error}" + (f" (details: {log_path})" if log_path else ""), file=sys.stderr)
+        return 1
+    return int(app.return_code or 0)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """`workbench tui --compare ...`: build the source, run the app; returns the exit status."""
+    from workbench.tui.compare import CompareApp, RealCompareSource, make_compare_source
+    from workbench.tui.controller import friendly
+
+    try:
+        source = make_compare_source(args)
+    except Exception as exc:
+        print(f"workbench tui --compare: {friendly(exc)}", file=sys.stderr)
+        return 2
+    try:
+        terminal = app_terminal()
+    except NoTerminal as exc:
+        source.close()
+        print(f"workbench tui: {exc}", file=sys.stderr)
+        return 2
+    real = isinstance(source, RealCompareSource)
+    log_path = None
+    if real:
+        from workbench.core.engine_log import new_log_path
+
+        log_path = getattr(args, "tui_log", None) or new_log_path("tui")
+        for c in source.controllers:
+            c.log_path = log_path
+    app = CompareApp(source)
+    try:
+        isolate = real or terminal is not None
+        with isolate_child_output(log_path, terminal) if isolate else contextlib.nullcontext():
+            app.run()
+    finally:
+        source.close()
+    if app.startup_error:
+        print(f"workbench tui --compare: {app.startup_error}", file=sys.stderr)
         return 1
     return int(app.return_code or 0)
 
