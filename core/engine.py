@@ -234,7 +234,7 @@ class Engine:
         self._watchdog.start()
         self.ready_time_s = time.monotonic() - self.t_start
         details = [f"KV pool {self.max_total_num_tokens} tokens"]
-        details += [self.scheduler_info[k] for k in ("huge_pages", "threads") if self.scheduler_info.get(k)]
+        details += [self.scheduler_info[k] for k in ("linears", "huge_pages", "threads") if self.scheduler_info.get(k)]
         self._phase("ready", f"in {self.ready_time_s:.1f} s")
         self._progress(f"ready in {self.ready_time_s:.1f} s ({self.scheduler_info['dtype']}, {'; '.join(details)})")
 
@@ -325,6 +325,7 @@ class Engine:
         bootstrap_port: int | list[int] | None = None,
         bootstrap_room: int | list[int] | None = None,
         priority: int | list[int] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ):
         """Generate for one prompt (dict), a batch (list of dicts) or stream chunks (iterator).
 
@@ -338,7 +339,10 @@ class Engine:
 
         Priority scheduling (`enable_priority_scheduling`, docs/scheduling.md): `priority` is one value
         for every prompt or one per prompt; larger is more urgent unless `schedule_low_priority_values_first`.
-        Without priority scheduling it is ignored, as SGLang does."""
+        Without priority scheduling it is ignored, as SGLang does.
+
+        Multi-LoRA (`enable_lora`, docs/lora.md): `lora_path` names the adapter to run under (one name
+        for every prompt, or one per prompt, None for the base model)."""
         reqs, is_batch = self._build_reqs(
             prompt,
             sampling_params,
@@ -351,6 +355,7 @@ class Engine:
             return_text_in_logprobs,
             (bootstrap_host, bootstrap_port, bootstrap_room),
             priority,
+            lora_path,
         )
         if stream:
             if len(reqs) != 1:
@@ -374,6 +379,7 @@ class Engine:
         bootstrap_port=None,
         bootstrap_room=None,
         priority=None,
+        lora_path=None,
     ):
         """Like `generate`, awaitable from any event loop; an async iterator when streaming."""
         reqs, is_batch = self._build_reqs(
@@ -388,6 +394,7 @@ class Engine:
             return_text_in_logprobs,
             (bootstrap_host, bootstrap_port, bootstrap_room),
             priority,
+            lora_path,
         )
         if stream:
             if len(reqs) != 1:
@@ -412,6 +419,7 @@ class Engine:
         return_text_in_logprobs=False,
         bootstrap=(None, None, None),
         priority=None,
+        lora_path=None,
     ) -> tuple[list[GenerateReqInput], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
@@ -430,6 +438,7 @@ class Engine:
             raise ValueError(f"{len(sps)} sampling_params for {len(items)} prompts")
         pd = _bootstrap_per_prompt(bootstrap, len(items))
         prios = _priority_per_prompt(priority, len(items))
+        loras = _lora_per_prompt(lora_path, len(items))
         reqs = []
         for i, ((text, ids), sp_in) in enumerate(zip(items, sps)):
             sp = _to_sampling_params(sp_in)
@@ -456,6 +465,7 @@ class Engine:
                         bootstrap_port=pd[i][1],
                         bootstrap_room=pd[i][2],
                         priority=prios[i],
+                        lora_path=loras[i],
                     )
                 )
             is_batch = is_batch or n > 1
@@ -603,6 +613,16 @@ class Engine:
     # ones are held, flushes the prefix cache and emits `weights.updated`. A rejected update
     # raises ValueError with the reason and leaves the old weights in place.
     # `flush_cache=False` keeps the radix cache, whose KV was computed with the old weights (SGLang's flag).
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """Load a LoRA adapter (PEFT's format) under `lora_name` while serving (docs/lora.md); raises
+        ValueError when it cannot be served (the message says why)."""
+        out = self._run(self.tokenizer_manager.load_lora_adapter(str(lora_name), str(lora_path)))
+        return _lora_reply(out)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Forget a LoRA adapter; raises ValueError while a request uses it or when it is unknown."""
+        return _lora_reply(self._run(self.tokenizer_manager.unload_lora_adapter(str(lora_name))))
+
     def update_weights_from_disk(
         self, model_path: str, abort_all_requests: bool = False, flush_cache: bool = True
     ) -> dict:
@@ -802,6 +822,17 @@ def _bootstrap_per_prompt(bootstrap: tuple, n: int) -> list[tuple]:
     return rows
 
 
+def _lora_per_prompt(lora_path: str | list[str | None] | None, n: int) -> list[str | None]:
+    """Each of n prompts' LoRA adapter: one name for all, or a list of one per prompt (None: the base model)."""
+    values = lora_path if isinstance(lora_path, list) else [lora_path] * n
+    if len(values) != n:
+        raise ValueError(f"lora_path has {len(values)} values for {n} prompts: give one, or one per prompt")
+    for v in values:
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ValueError(f"lora_path must name a loaded adapter (a non-empty string) or be None, got {v!r}")
+    return list(values)
+
+
 def _priority_per_prompt(priority: int | list[int] | None, n: int) -> list[int | None]:
     """Each of n prompts' priority: one value for all, or a list of one per prompt."""
     values = priority if isinstance(priority, list) else [priority] * n
@@ -845,6 +876,12 @@ def exit_reason(exitcode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-exitcode}"
     return f"exit code {exitcode}"
+
+
+def _lora_reply(out) -> dict:
+    if not out.success:
+        raise ValueError(out.message)
+    return {"success": True, "message": out.message, "loaded_adapters": dict(out.loaded_adapters)}
 
 
 def _update_reply(out) -> dict:

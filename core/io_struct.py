@@ -41,6 +41,8 @@ class TokenizedGenerateReqInput(Msg):
     # Priority scheduling (--enable-priority-scheduling): larger is more urgent unless
     # --schedule-low-priority-values-first; None: the least urgent. Ignored when it is off (SGLang's rule).
     priority: int | None = None
+    # Multi-LoRA (--enable-lora): the adapter this request runs under, by name; None: the base model.
+    lora_path: str | None = None
 
 
 class AbortReq(Msg):
@@ -112,6 +114,25 @@ class StepGateReq(Msg):
 class StepGateReqOutput(Msg):
     paused: bool
     step: int
+
+
+class LoadLoRAAdapterReq(Msg):
+    """Load (or reload) a LoRA adapter in PEFT's format under `lora_name` (SGLang's /load_lora_adapter)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterReq(Msg):
+    """Forget a LoRA adapter (refused while a request uses it)."""
+
+    lora_name: str
+
+
+class LoRAUpdateOutput(Msg):
+    success: bool
+    message: str = ""
+    loaded_adapters: dict[str, str] = {}  # name -> path of every adapter the server knows
 
 
 class UpdateWeightsFromDiskReq(Msg):
@@ -257,6 +278,9 @@ AnyMsg = Union[  # noqa: UP007 (a runtime alias msgspec decodes)
     InitWeightsUpdateGroupReqOutput,
     UpdateWeightsFromDistributedReq,
     DestroyWeightsUpdateGroupReq,
+    LoadLoRAAdapterReq,
+    UnloadLoRAAdapterReq,
+    LoRAUpdateOutput,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

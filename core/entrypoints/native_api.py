@@ -96,6 +96,7 @@ async def native_generate(ctx: ServingContext, request: Request, req: GenerateRe
         bootstrap_port=req.bootstrap_port,
         bootstrap_room=req.bootstrap_room,
         priority=req.priority,
+        lora_path=req.lora_path,
     )
     if req.stream:
         if is_batch or n > 1:

@@ -69,6 +69,27 @@ class GetWeightsByNameReqInput(_Strict):
     truncate_size: int = Field(100, ge=1)
 
 
+class LoadLoRAAdapterReqInput(_Strict):
+    """Load (or reload) a LoRA adapter in PEFT's format under a name (--enable-lora; docs/lora.md)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterReqInput(_Strict):
+    """Forget a LoRA adapter (refused while a queued or running request uses it)."""
+
+    lora_name: str = Field(min_length=1)
+
+
+class LoRAUpdateOutput(BaseModel):
+    """SGLang's answer to a LoRA load/unload: the adapters known afterwards (name -> path)."""
+
+    success: bool
+    message: str
+    loaded_adapters: dict[str, str]
+
+
 class WeightsUpdateOutput(BaseModel):
     """SGLang's answer to a weight update (`version` counts the updates so far)."""
 
@@ -119,6 +140,8 @@ WEIGHT_ROUTES: dict[str, tuple[str, type[BaseModel], Any, tuple[str, ...]]] = {
         ("POST",),
     ),
     "/get_weights_by_name": ("get_weights_by_name", GetWeightsByNameReqInput, list[float], ("GET", "POST")),
+    "/load_lora_adapter": ("load_lora_adapter", LoadLoRAAdapterReqInput, LoRAUpdateOutput, ("POST",)),
+    "/unload_lora_adapter": ("unload_lora_adapter", UnloadLoRAAdapterReqInput, LoRAUpdateOutput, ("POST",)),
 }
 
 

@@ -111,6 +111,10 @@ class Req:
         self.kv_shipped = False
         # Priority scheduling (scheduler_priority.py): set from the request, or the least urgent value.
         self.priority: int | None = None
+        # Multi-LoRA (core/lora/): the adapter this request runs under (None: the base model) and the
+        # uid of its load, which keys the radix cache's namespace (KV of one adapter never serves another).
+        self.lora_path: str | None = None
+        self.lora_uid: int | None = None
 
     # ---- lifecycle -------------------------------------------------------------
     def finished(self) -> bool:
@@ -124,7 +128,11 @@ class Req:
         """
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None:
-            match = tree_cache.match_prefix(self.fill_ids[: self.prefix_match_limit()])
+            key = self.fill_ids[: self.prefix_match_limit()]
+            if self.lora_uid is not None:
+                match = tree_cache.match_prefix(key, extra_key=self.lora_uid)
+            else:
+                match = tree_cache.match_prefix(key)
             self.prefix_indices, self.last_node = match.device_indices, match.last_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
@@ -203,6 +211,8 @@ class ModelWorkerBatch:
     # The rows' requests (set at launch), for a worker that reads per-request state: one that emits a
     # request's `forced_output_ids` instead of sampling. The real worker reads only the tensors above.
     reqs: list[Req] | None = None
+    # Multi-LoRA: per request, the adapter it runs under (None: the base model); None when none has one.
+    lora_paths: list[str | None] | None = None
 
 
 class DraftProposer(Protocol):
@@ -306,6 +316,7 @@ class ScheduleBatch:
             top_logprobs_num=max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0),
             return_all_logits=any(asked),
             all_logits_reqs=asked if any(asked) else None,
+            lora_paths=self._lora_paths(),
         )
 
     # ---- decode -------------------------------------------------------------------
@@ -347,6 +358,7 @@ class ScheduleBatch:
             sampling_info=self._sampling_info(),
             return_logprob=return_logprob,
             top_logprobs_num=max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0),
+            lora_paths=self._lora_paths(),
         )
 
     # ---- speculative decoding (NGRAM) ---------------------------------------------------
@@ -409,7 +421,13 @@ class ScheduleBatch:
             sampling_info=info,
             return_all_logits=True,
             spec_rows=rows,
+            lora_paths=self._lora_paths(),
         )
+
+    def _lora_paths(self) -> list[str | None] | None:
+        """Per request, its adapter (multi-LoRA); None when every request runs the base model."""
+        paths = [r.lora_path for r in self.reqs]
+        return paths if any(p is not None for p in paths) else None
 
     def _sampling_info(self, per_row: list[tuple[Req, list[int]]] | None = None) -> SamplingBatchInfo:
         """One row per request, or per (request, output so far) in `per_row` (a verify pass's rows)."""

@@ -49,15 +49,18 @@ from workbench.core.io_struct import (
     GetInternalStateReq,
     GetWeightsByNameReq,
     InitWeightsUpdateGroupReq,
+    LoadLoRAAdapterReq,
     SetTraceReq,
     StepGateReq,
     StepGateReqOutput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDistributedReq,
     UpdateWeightsFromTensorReq,
 )
 from workbench.core.ipc import PortArgs, get_zmq_socket, recv_all_nowait, send_msg
+from workbench.core.lora import scheduling as lora_sched
 from workbench.core.managers.schedule_batch import FinishReason, Req, ScheduleBatch
 from workbench.core.managers.schedule_policy import AddReqResult, HeldBack, PrefillAdder, SchedulePolicy
 from workbench.core.managers.scheduler_contract import (
@@ -165,6 +168,11 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             )
             # Overlap loop: a copy on this thread first waits for a prefill in flight (scheduler_overlap.py).
             self.tree_cache.sync_before_copy = self.sync_inflight_for_cache_copy
+        # Multi-LoRA (core/lora/): the runner's adapter manager (None without --enable-lora).
+        self.lora = getattr(runner, "lora_manager", None)
+        if self.lora is not None:
+            self.lora.in_use = lambda: lora_sched.lora_in_use(self)
+        self.lora_waited: list[str] = []  # requests the last admission left waiting for an adapter slot
         self.policy = SchedulePolicy(
             server_args.schedule_policy,
             self.tree_cache,
@@ -314,6 +322,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                     self.emit_snapshot()
             elif isinstance(msg, StepGateReq):
                 self.handle_step_gate(msg)
+            elif isinstance(msg, (LoadLoRAAdapterReq, UnloadLoRAAdapterReq)):
+                self.sync_inflight()  # overlap: the pass in flight reads the adapters
+                self.io.send(lora_sched.handle_lora_request(self.lora, msg, lora_sched.lora_in_use(self)))
             elif isinstance(
                 msg,
                 (
@@ -384,6 +395,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         )
         req.forced_output_ids = recv.forced_output_ids
         req.forced_drafts = recv.forced_drafts
+        req.lora_path = recv.lora_path
         self.priority.assign(req, recv.priority)
         error = None
         if not req.origin_input_ids:
@@ -402,6 +414,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         if error is None and self.disagg is not None:
             error = self.disagg.admit(req, recv)  # PD: the bootstrap room (prefill: one token to sample)
             status = 400 if error is not None else 0  # answered as a bad request, not an empty result
+        if error is None and req.lora_path is not None:
+            error = lora_sched.attach_lora(self.lora, req, self.tree_cache)
+            status = 400 if error is not None else 0  # an unknown adapter is a bad request
         if error is None:
             error = self.attach_grammar(req)
         if error is not None:
@@ -554,7 +569,16 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input()  # keep its prefix: its computed part
             chunk_carry = adder.add_chunked_req(self.chunked_req)
+        # Multi-LoRA: the adapters the batch runs after this step (running, then admitted) stay within
+        # --max-loras-per-batch; a request whose adapter would be one too many waits for a later step.
+        lora_running = lora_sched.batch_adapters(self.running_batch.reqs) if self.lora is not None else set()
+        self.lora_waited = []
         for req in self.waiting_queue:
+            if self.lora is not None and not lora_sched.admits(
+                req, lora_running | lora_sched.batch_adapters(adder.can_run_list), self.lora.max_per_batch
+            ):
+                self.lora_waited.append(req.rid)
+                continue
             slots_full = running + len(adder.can_run_list) >= self.max_running_requests or (
                 self.req_to_token_pool.available_size()
                 <= len([r for r in adder.can_run_list if r.req_pool_idx is None])
@@ -858,6 +882,8 @@ def run_scheduler_process(
             scheduler.tracer.flush()
             scheduler.tracer.set_enabled(False)
         set_phase_sink(None)
+        from workbench.core.layers.cpu_ops import gemm as cpu_gemm  # what this process's model measured at load
+
         pipe_writer.send(
             {
                 "status": "ready",
@@ -876,6 +902,7 @@ def run_scheduler_process(
                 "threads": f"{plan.describe() if plan else 'no compute threads'}; {scheduler.loop_text()}",
                 "load_time_s": runner.load_time_s,
                 "huge_pages": runner.huge_pages.describe() if runner.huge_pages is not None else "",
+                "linears": cpu_gemm.ready_text() if str(runner.device) == "cpu" else "",
             }
         )
     except Exception as exc:

@@ -34,11 +34,14 @@ from workbench.core.io_struct import (
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReq,
     InitWeightsUpdateGroupReqOutput,
+    LoadLoRAAdapterReq,
+    LoRAUpdateOutput,
     Msg,
     SetTraceReq,
     StepGateReq,
     StepGateReqOutput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDistributedReq,
     UpdateWeightsFromTensorReq,
@@ -101,6 +104,8 @@ class GenerateReqInput:
     bootstrap_room: int | None = None
     # Priority scheduling: the request's priority (SGLang's `priority`; None: the least urgent).
     priority: int | None = None
+    # Multi-LoRA (--enable-lora): the adapter to run under, by name (SGLang's `lora_path`); None: the base model.
+    lora_path: str | None = None
 
 
 @dataclass
@@ -225,6 +230,7 @@ class TokenizerManager:
                         bootstrap_port=obj.bootstrap_port,
                         bootstrap_room=obj.bootstrap_room,
                         priority=obj.priority,
+                        lora_path=obj.lora_path,
                     )
                 )
             except (OverflowError, TypeError, msgspec.EncodeError) as e:
@@ -295,6 +301,11 @@ class TokenizerManager:
             raise ValueError(
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the KV pool "
                 f"({self.max_total_tokens} tokens); raise --max-total-tokens or shorten the request"
+            )
+        if obj.lora_path is not None and not self.server_args.enable_lora:
+            raise ValueError(
+                f"lora_path {obj.lora_path!r} names a LoRA adapter, but this server runs without LoRA: "
+                "restart it with --enable-lora (and --lora-paths NAME=PATH)"
             )
         if obj.top_logprobs_num < 0 or obj.top_logprobs_num > self.server_args.max_top_logprobs:
             raise ValueError(f"top_logprobs_num must be in [0, {self.server_args.max_top_logprobs}]")
@@ -514,6 +525,13 @@ class TokenizerManager:
         return await self._control(
             GetWeightsByNameReq(name=name, truncate_size=truncate_size), GetWeightsByNameReqOutput
         )
+
+    # ==== LoRA adapters ================================================================
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRAUpdateOutput:
+        return await self._control(LoadLoRAAdapterReq(lora_name=lora_name, lora_path=lora_path), LoRAUpdateOutput)
+
+    async def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
+        return await self._control(UnloadLoRAAdapterReq(lora_name=lora_name), LoRAUpdateOutput)
 
     # ==== weight updates ===============================================================
     async def update_weights_from_disk(

@@ -43,6 +43,7 @@ class TpModelWorker:
             extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu,
             return_all_logits=mwb.return_all_logits,
             all_logits_reqs=mwb.all_logits_reqs,
+            lora_paths=mwb.lora_paths,
         )
         logits = self.model_runner.forward(fb)
         if mwb.spec_rows is not None:

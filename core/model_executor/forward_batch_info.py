@@ -63,6 +63,8 @@ class ForwardBatch:
     # Filled by the attention backend's init_forward_metadata.
     attn_metadata: Any = None
     extend_start_loc_cpu: list[int] = field(default_factory=list)
+    # Multi-LoRA: per request, the adapter it runs under (None: the base model); None when none has one.
+    lora_paths: list[str | None] | None = None
 
     def __post_init__(self):
         if not self.extend_start_loc_cpu:

@@ -85,15 +85,17 @@ class ModelRunner:
         self.logits_processor = LogitsProcessor(self.model_config.vocab_size)
         self.sampler = Sampler()
         self.batch_invariant = server_args.enable_deterministic_inference
+        self.lora_manager = self._init_lora() if server_args.enable_lora else None
         if self.batch_invariant:
             self._enable_batch_invariant_mode()
         self.decode_runner: TorchCompileDecodeRunner | None = None
-        if server_args.enable_torch_compile and self.tp_size == 1 and not self.batch_invariant:
+        compile_ok = not self.batch_invariant and self.lora_manager is None  # (they run op by op)
+        if server_args.enable_torch_compile and self.tp_size == 1 and compile_ok:
             self.decode_runner = TorchCompileDecodeRunner(
                 self, min(server_args.torch_compile_max_bs, self.max_running_requests)
             )
         # Decode through CUDA graphs (CUDA only; captured here, before the first request).
-        self.graph_runner = maybe_create_cuda_graph_runner(self)
+        self.graph_runner = maybe_create_cuda_graph_runner(self) if self.lora_manager is None else None
 
     # ---- set-up -------------------------------------------------------------
     def init_torch_distributed(self) -> None:
@@ -174,6 +176,18 @@ class ModelRunner:
         self.logits_processor._head = batch_invariant.lm_head_logits  # type: ignore[method-assign]
         logger.info("deterministic inference: batch-invariant linears, norms and attention")
 
+    def _init_lora(self):
+        """--enable-lora: the adapter manager (core/lora/), its hooks in the model's linears, and the
+        --lora-paths adapters loaded. The fused batch-1 decode, torch.compile and CUDA graphs run the
+        base weights only, so batches with an adapter take the op-by-op path."""
+        from workbench.core.lora.manager import LoRAManager
+
+        if self.server_args.enable_deterministic_inference:
+            raise ValueError("--enable-lora has no batch-invariant path; drop --enable-deterministic-inference")
+        if self.server_args.enable_hierarchical_cache:
+            raise ValueError("--enable-lora keys the radix cache by adapter, which HiCache does not: drop one of them")
+        return LoRAManager(self.model, self.server_args, self.dtype, self.torch_device, self.tp_rank)
+
     def _make_attn_backend(self):
         from workbench.core.layers.attention.registry import choose_attention_backend, create_attn_backend
 
@@ -202,7 +216,14 @@ class ModelRunner:
     # ---- execution ----------------------------------------------------------
     def forward(self, fb: ForwardBatch) -> LogitsOutput:
         """One pass: next-token logits (and, for a mixture of experts, where its tokens were routed)."""
-        out = self._forward(fb)
+        if self.lora_manager is None:
+            out = self._forward(fb)
+        else:  # group the rows by adapter for the linears' LoRA hooks, for this pass only
+            self.lora_manager.prepare(fb.lora_paths, fb.extend_seq_lens_cpu, self.torch_device)
+            try:
+                out = self._forward(fb)
+            finally:
+                self.lora_manager.finish()
         if self.moe_blocks:
             ids = [block.experts.last_topk_ids for _, block in self.moe_blocks]
             recorded = [layer_ids for layer_ids in ids if layer_ids is not None]

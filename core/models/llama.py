@@ -18,12 +18,15 @@ from torch import nn
 from workbench.core.distributed.parallel_state import tensor_model_parallel_all_gather
 from workbench.core.layers import cpu_ops
 from workbench.core.layers.activation import SiluAndMul, silu_and_mul
+from workbench.core.layers.cpu_ops import gemm as cpu_gemm
 from workbench.core.layers.layernorm import RMSNorm
 from workbench.core.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    gemm_ready,
+    pack_gemm_weight,
     pack_linear_weight,
     packed_linear,
 )
@@ -181,8 +184,8 @@ class LlamaModel(nn.Module):
         t = hidden_states.shape[0]
         if torch.compiler.is_compiling() or not self._plain_blocks or not 1 <= t <= cpu_ops.FUSED_MAX_TOKENS:
             return False  # (torch.compile traces the op-by-op path: it cannot trace a ctypes call)
-        if getattr(fb, "batch_size", 0) != 1:
-            return False
+        if getattr(fb, "batch_size", 0) != 1 or getattr(fb, "lora_paths", None):
+            return False  # (a LoRA adapter's deltas ride on the linears, which the fused call skips)
         backend = fb.attn_backend
         if getattr(backend, "name", "") != "cpu_paged" or not cpu_ops.gemv_ready(hidden_states[:1], self.norm.weight):
             return False
@@ -306,6 +309,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.vocab_size = config.vocab_size
         self._packed_head: torch.Tensor | None = None
+        self._gemm_head: cpu_gemm.PackedGemmWeight | None = None
         self._head_fast_path = False  # the batch-1 GEMV may compute the head (process_weights_after_loading)
 
     def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
@@ -323,12 +327,18 @@ class LlamaForCausalLM(nn.Module):
             self._packed_head = pack_linear_weight(head[: self.vocab_size])
         else:
             self._packed_head = None
+        # gemm.c for batched rows where it measured faster (layers/linear.py); oneDNN's copy goes when unused
+        self._gemm_head = pack_gemm_weight(head[: self.vocab_size], self._packed_head) if self._head_fast_path else None
+        if self._gemm_head is not None and all(self._gemm_head.use):
+            self._packed_head = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final hidden states -> [N, vocab] float32 logits (the sampler's input)."""
         head = self.lm_head
         if self._head_fast_path and cpu_ops.gemv_ready(hidden, head.weight):
             return cpu_ops.gemv(hidden, head.weight[: self.vocab_size])
+        if self._head_fast_path and gemm_ready(hidden, self._gemm_head):
+            return cpu_gemm.gemm(hidden, self._gemm_head)
         if self._packed_head is not None and hidden.dtype == head.weight.dtype and not torch.compiler.is_compiling():
             return packed_linear(hidden, self._packed_head, None).float()
         out = F.linear(hidden.to(head.weight.dtype), head.weight)

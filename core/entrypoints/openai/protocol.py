@@ -93,6 +93,8 @@ class CommonOpenAIFields(SamplingExtras):
     return_hidden_states: bool | None = None
     # SGLang's priority (an extra body field; with --enable-priority-scheduling; ignored without it)
     priority: int | None = None
+    # SGLang's lora_path (an extra body field): the adapter by name; `model` = BASE:ADAPTER says the same
+    lora_path: str | None = None
 
 
 # ---------------------------------------------------------------- chat requests
@@ -175,6 +177,8 @@ class GenerateReqInput(_Strict):
     bootstrap_room: int | list[int] | None = None
     # priority scheduling (--enable-priority-scheduling): one value, or one per prompt of a batch
     priority: int | list[int] | None = None
+    # multi-LoRA (--enable-lora): the adapter by name, one for all prompts or one per prompt (None: base)
+    lora_path: str | list[str | None] | None = None
 
 
 # Request fields of features this server does not have: accepted while false or null (as

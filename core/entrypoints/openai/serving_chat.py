@@ -119,6 +119,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request, req: Cha
     gen_kwargs.update(bootstrap_kwargs(req, n))
     if req.priority is not None:  # SGLang's extra body field (priority scheduling)
         gen_kwargs["priority"] = req.priority
+    lora = ctx.lora_of(req.model, req.lora_path)
+    if lora is not None:  # multi-LoRA: model = BASE:ADAPTER or the lora_path extra field
+        gen_kwargs["lora_path"] = lora
     base = req.rid or new_rid("chatcmpl")
     specs = fan_out(base, [{"input_ids": ids}], sp, n, gen_kwargs)
     model = req.model or ctx.model_name

@@ -65,15 +65,34 @@ class ServingContext:
         return self.engine.tokenizer
 
     def check_model(self, name: str | None) -> None:
-        """Unknown model name -> 404 (None means the served model)."""
+        """Unknown model name -> 404 (None means the served model; BASE:ADAPTER a LoRA adapter of it)."""
         if name is None or name == self.model_name or name in self.aliases:
             return
+        base, sep, adapter = name.rpartition(":")
+        if sep and adapter and (base == self.model_name or base in self.aliases):
+            return  # the adapter itself is checked by the scheduler (unknown: a 400 saying which are loaded)
         raise APIError(
             404,
             f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
             param="model",
             code="model_not_found",
         )
+
+    def lora_of(self, model: str | None, lora_path: str | None) -> str | None:
+        """The LoRA adapter an OpenAI request names, as SGLang reads it: `model` = BASE:ADAPTER, or the
+        `lora_path` extra body field (both: they must agree); None for the base model."""
+        adapter = None
+        if model and model != self.model_name and model not in self.aliases:
+            base, sep, name = model.rpartition(":")
+            if sep and name and (base == self.model_name or base in self.aliases):
+                adapter = name
+        if lora_path is not None and adapter is not None and lora_path != adapter:
+            raise APIError(
+                400,
+                f"`model` names adapter {adapter!r} but `lora_path` names {lora_path!r}: give one of them",
+                param="lora_path",
+            )
+        return adapter if adapter is not None else lora_path
 
     def token_str(self, tid: int) -> str:
         s = self._tok_str.get(tid)

@@ -105,6 +105,9 @@ async def create_completion(ctx: ServingContext, request: Request, req: Completi
     gen_kwargs.update(bootstrap_kwargs(req, len(prompts) * n))
     if req.priority is not None:  # SGLang's extra body field (priority scheduling)
         gen_kwargs["priority"] = req.priority
+    lora = ctx.lora_of(req.model, req.lora_path)
+    if lora is not None:  # multi-LoRA: model = BASE:ADAPTER or the lora_path extra field
+        gen_kwargs["lora_path"] = lora
     echo_texts = [_prompt_text(ctx, p) for p in prompts] if req.echo else None
     echo_ids = [p.get("input_ids") for p in prompts] if req.echo and top_n is not None else None
     prompts = [{k: v for k, v in p.items() if k != "text"} for p in prompts]
