@@ -64,11 +64,14 @@ def test_profile_quick_prints_every_component_and_the_engine_split(tiny_llama, t
         assert math.isclose(sum(r["ms"].values()), r["profiled_ms"], rel_tol=1e-6)
         row = profile_bench.ProfileRow(**r)
         assert sum(row.percent(k) for k in keys) == pytest.approx(100.0, abs=0.01)
+        # the GEMMs' FLOPs from the shapes: their rate over their own time, and over the whole step
+        assert row.gemm_flops > 0 and row.gemm_gflops > 0 and row.step_gflops > 0
 
     # the printed tables: one per shape, each with every component row and both totals
     for _, label in profile_bench.COMPONENTS:
         assert printed.count(label) == 3
     assert printed.count("step, profiled (sum)") == 3 and printed.count("profiler overhead") == 3
+    assert printed.count("GEMMs: ") == 3 and printed.count("of peak") >= 6
     pcts = [
         float(line.rsplit(None, 1)[1].rstrip("%"))
         for line in printed.splitlines()

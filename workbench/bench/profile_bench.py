@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from workbench.bench.gemm_work import LinearShapes
 from workbench.bench.harness import Stages, busy_warning
 from workbench.bench.model_engines import CLOCKS, BenchSizes, WorkbenchModel, environment, parse_dtypes
 from workbench.bench.prompts import torch_random_ids
@@ -199,6 +200,24 @@ class ProfileRow:
     ms: dict[str, float] = field(default_factory=dict)  # component key -> ms per step
     profiled_ms: float = 0.0  # step total with the wrappers (= sum of components)
     unprofiled_ms: float = 0.0  # step total, step clock only, same run
+    gemm_flops: float = 0.0  # one step's linear + LM-head FLOPs, from the model's shapes
+    peak_gflops: float | None = None  # this machine's compute peak for the dtype and threads (peak.py)
+
+    @property
+    def gemm_ms(self) -> float:
+        """The step's GEMM time; with the decoder layers in one C call (float32 batch 1) that call is
+        counted too, since its linears cannot be timed apart from the rest of it."""
+        return self.ms.get("gemm", 0.0) + self.ms.get("fused_layers", 0.0)
+
+    @property
+    def gemm_gflops(self) -> float | None:
+        """The GEMMs' own rate: their FLOPs over their time."""
+        return self.gemm_flops / self.gemm_ms / 1e6 if self.gemm_flops and self.gemm_ms > 0 else None
+
+    @property
+    def step_gflops(self) -> float | None:
+        """The same FLOPs over the whole step (unprofiled): the rate the engine gets out of the GEMMs."""
+        return self.gemm_flops / self.unprofiled_ms / 1e6 if self.gemm_flops and self.unprofiled_ms > 0 else None
 
     def percent(self, key: str) -> float:
         return 100.0 * self.ms[key] / self.profiled_ms if self.profiled_ms > 0 else 0.0
@@ -251,8 +270,11 @@ def profile_shapes(
     repeats: int,
     clock: Callable[[], float],
     stages=None,
+    flops: dict[str, float] | None = None,
+    peak_gflops: float | None = None,
 ) -> list[ProfileRow]:
     """Profile each shape (name, step kind "decode"/"extend", run, detail) of one loaded `WorkbenchModel`.
+    `flops`: shape name -> one step's GEMM FLOPs; `peak_gflops`: the machine's peak they are measured against.
 
     Unprofiled and profiled runs alternate `repeats` times; for each the repeat with the
     lowest per-step total is kept (the least disturbed by other processes)."""
@@ -273,7 +295,9 @@ def profile_shapes(
                 if best_prof is None or prof[0] < best_prof[0]:
                     best_prof = prof
             total, comps, n = best_prof
-            rows.append(ProfileRow(name, dtype, n, detail, comps, total, best_plain))
+            row = ProfileRow(name, dtype, n, detail, comps, total, best_plain)
+            row.gemm_flops, row.peak_gflops = (flops or {}).get(name, 0.0), peak_gflops
+            rows.append(row)
             if stages is not None:
                 stages.step(f"{dtype}: profiled {name}: {total:.2f} ms/step ({best_plain:.2f} without wrappers)")
     finally:
@@ -320,6 +344,19 @@ def run_profile(args: argparse.Namespace) -> tuple[list[ProfileRow], EngineSplit
     max_tokens = max(sizes.batch * (sizes.prompt_len + steps + 2), sizes.prefill_len + 2) + 64
     extends = max(1, steps // 8)
 
+    import torch
+
+    from workbench.bench.peak import get_peak, peak_gflops
+
+    peak = get_peak(quiet=stages.quiet)
+    threads = torch.get_num_threads()
+    lin = LinearShapes.from_config(prepared.config)
+    body, head = lin.body_flops_per_token(), lin.head_flops_per_token()
+    flops = {  # one step's GEMM work: a row per decode token through everything; a prompt's rows + one head row
+        "decode bs=1": body + head,
+        f"decode bs={sizes.batch}": sizes.batch * (body + head),
+        f"extend {sizes.prefill_len}": sizes.prefill_len * body + head,
+    }
     rows: list[ProfileRow] = []
     for dtype in dtypes:
         wb = WorkbenchModel(prepared, dtype, max_tokens, False)
@@ -338,7 +375,9 @@ def run_profile(args: argparse.Namespace) -> tuple[list[ProfileRow], EngineSplit
                 f"{extends} x one {sizes.prefill_len}-token prompt, its first token sampled",
             ),
         ]
-        rows += profile_shapes(wb, dtype, shapes, sizes.repeats, clock, stages)
+        rows += profile_shapes(
+            wb, dtype, shapes, sizes.repeats, clock, stages, flops, peak_gflops(peak, dtype, threads)
+        )
         shapes = wb = None  # free this dtype's model before the next one loads
     split = None
     if engine_split:
@@ -445,6 +484,15 @@ def format_profile(rows: list[ProfileRow]) -> str:
         lines.append(
             f"{'step, without profiler':<{w}}{r.unprofiled_ms:>10.3f}   (profiler overhead {r.overhead_pct:+.1f}%)"
         )
+        if r.gemm_gflops:
+            from workbench.bench.peak import fraction_text
+
+            lines.append(
+                f"GEMMs: {r.gemm_flops / 1e9:.3f} GFLOP a step at {r.gemm_gflops:.1f} GFLOP/s "
+                f"({fraction_text(r.gemm_gflops, r.peak_gflops)} of peak); over the whole step "
+                f"{r.step_gflops:.1f} GFLOP/s ({fraction_text(r.step_gflops, r.peak_gflops)} of peak)"
+                + (f"; peak {r.peak_gflops:.1f} GFLOP/s (`workbench bench peak`)" if r.peak_gflops else "")
+            )
         out.append("\n".join(lines))
     return "\n\n".join(out)
 
