@@ -36,6 +36,7 @@ from workbench.core.layers import cpu_ops
 from workbench.core.layers.cpu_ops import gemm as cpu_gemm
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+_GEMM_PROBE_MAX_N = 4096  # output columns pack_gemm_weight measures at most
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -93,12 +94,17 @@ def pack_gemm_weight(weight: torch.Tensor, onednn: torch.Tensor | None) -> cpu_g
     if not cpu_gemm.available():
         return None
     packed = cpu_gemm.pack(weight)
+    # A big weight (the LM head) is measured on its first rows: time per output column is what counts,
+    # and a whole vocabulary at 256 rows would take seconds of start-up on torch's bfloat16 path.
+    probe = weight[:_GEMM_PROBE_MAX_N]
+    probe_packed = packed if probe.shape[0] == weight.shape[0] else cpu_gemm.pack(probe)
+    probe_onednn = onednn if probe_packed is packed or onednn is None else pack_linear_weight(probe)
 
     def torch_linear(x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, onednn, None) if onednn is not None else F.linear(x, weight)
+        return packed_linear(x, probe_onednn, None) if probe_onednn is not None else F.linear(x, probe)
 
-    torch_linear.onednn = onednn is not None  # type: ignore[attr-defined]  # part of the measurement's key
-    packed.use = cpu_gemm.choose(packed, torch_linear)
+    torch_linear.onednn = probe_onednn is not None  # type: ignore[attr-defined]  # part of the measurement's key
+    packed.use = cpu_gemm.choose(probe_packed, torch_linear)
     return packed if any(packed.use) else None
 
 
