@@ -164,9 +164,11 @@ def cdf_text(series: list[tuple[str, list[float]]], width: int = 60, height: int
         p50, p99 = percentile(xs, 0.5), percentile(xs, 0.99)
         out.append(f"{SIDE_MARKS[i]} {label}", style=f"bold {SIDE_COLOURS[i]}")
         if xs:
-            out.append(f"  p50 {fmt_s(p50)} · p99 {fmt_s(p99)} · {len(xs)} requests  ")
+            out.append(f"  p50 {fmt_s(p50)} · p99 {fmt_s(p99)} · {len(xs)} first tokens")
         else:
-            out.append("  –  ")
+            out.append("  no first tokens yet")
+        if i < len(series) - 1:
+            out.append("\n")
     return out
 
 
@@ -200,7 +202,7 @@ class CompareApp(App):
     TITLE = "workbench compare"
     CSS = """
     #sides { height: 3fr; }
-    #bottom { height: 14; }
+    #bottom { height: 15; }
     #diff { width: 1fr; border: round $panel-lighten-2; padding: 0 1; }
     #cdf { width: 1fr; border: round $panel-lighten-2; padding: 0 1; }
     #status { height: 1; padding: 0 1; background: $boost; }
@@ -275,13 +277,17 @@ class CompareApp(App):
             model.now_ns = now_ns
         self.diff.update(self.models[0].state, self.models[1].state)
         for col in self.query(SideColumn):
-            col.refresh_panels(force)
+            # forced: a panel's own throttle counts trace time, here simulated seconds, which
+            # may crawl (a 2 ms step each tick) and would hold the panels back dozens of steps
+            col.refresh_panels(force=True)
         self._draw_bottom()
 
     def _draw_bottom(self) -> None:
         d = self.diff
         steps = [m.state.steps[-1].step if m.state.steps else 0 for m in self.models]
-        status = Text(f"{self.source.kind} {self.source.title} · {self.source.status()} · steps ")
+        title = self.source.title
+        kind = "" if title.startswith(self.source.kind) else f"{self.source.kind} "
+        status = Text(f"{kind}{title} · {self.source.status()} · steps ")
         status.append(" / ".join(str(s) for s in steps))
         self.query_one("#status", Static).update(status)
         diff = self.query_one("#diff", Static)
