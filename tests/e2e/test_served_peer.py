@@ -124,9 +124,24 @@ def test_result_table_and_ratio(tmp_path):
     )
     table = served_peer.format_served_table([row])
     assert (
-        "| default | float32 | 32 | 300.0 | 200.0 | 1.50× | met | 120 / 120 | 50.0 / 50.0 | 0 / 1 "
+        "| default | float32 | 32 | 300.0 | 200.0 | 1.50× | met | - | - | 120 / 120 | 50.0 / 50.0 | 0 / 1 "
         "| 0.01, 0.02 | 1.00–2.00 |" in table
     )
+    # GEMM GFLOP/s from the rates: prompt tokens through the layers, output tokens through them and the head
+    from types import SimpleNamespace
+
+    from workbench.bench.gemm_work import LinearShapes
+
+    cfg = SimpleNamespace(
+        hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=16, num_hidden_layers=3
+    )
+    shapes = LinearShapes.from_config(SimpleNamespace(**vars(cfg), vocab_size=100))
+    body, head = shapes.body_flops_per_token(), shapes.head_flops_per_token()
+    rates = {**w, "total_token_throughput": 900.0}
+    assert served_peer.served_gemm_gflops(rates, shapes) == pytest.approx((600 * body + 300 * (body + head)) / 1e9)
+    assert served_peer.served_gemm_gflops(w, shapes) is None  # an older client without the total
+    row.gemm_gflops, row.peak_gflops = {"workbench": 50.0, "vLLM": 25.0}, 200.0
+    assert "| met | 50.0 (25%) | 12% | 120 / 120 |" in served_peer.format_served_table([row])
 
 
 def test_missing_peer_prints_the_recipe(tmp_path):

@@ -5,7 +5,9 @@ HF directory (the default model converted from its GGUF), the same dtype and KV 
 on in both, then runs vLLM's own load generator, `vllm bench serve` (random dataset, `--ignore-eos`,
 the same seed, so the same prompts), against each server in rounds of A B B A. Both servers stay up
 for the whole run; the idle one's CPU use is measured while the other serves (it should be ~0).
-The table gives medians of output tok/s, TTFT and TPOT, and the ratio workbench / vLLM.
+The table gives medians of output tok/s, TTFT and TPOT, the ratio workbench / vLLM, and each side's
+GEMM GFLOP/s (prompt tokens through the layers' linears, output tokens through them and the LM head,
+at the measured rates) as a share of this machine's compute peak (`workbench bench peak`).
 
 Thread configurations as `bench engine --peer vllm`: "default" (each server's own default) and
 "all N" (workbench `--num-threads N`, vLLM `VLLM_CPU_OMP_THREADS_BIND` = every CPU).
@@ -25,7 +27,9 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from workbench.bench.gemm_work import LinearShapes
 from workbench.bench.harness import attempt, bench_cpus, goal_text, interleave, load_range, print_failures, progress
+from workbench.bench.peak import fraction_text, gemm_text, get_peak, peak_gflops, peak_note
 from workbench.bench.peer_bench import GOAL
 from workbench.bench.peers import PeerError, VllmPeer, thread_configs
 
@@ -126,7 +130,19 @@ def read_result(path: Path) -> dict:
         raise PeerError(f"{path}: `vllm bench serve` result lacks {missing}")
     out = {k: float(data[k]) for k in METRICS}
     out["failed"] = float(data.get("num_prompts", data["completed"]) - data["completed"])
+    # prompt + output tokens a second (vLLM's client writes it; NaN where an older one does not)
+    out["total_token_throughput"] = float(data.get("total_token_throughput", float("nan")))
     return out
+
+
+def served_gemm_gflops(metrics: dict, shapes: LinearShapes) -> float | None:
+    """A side's GEMM GFLOP/s: prompt tokens a second through the layers' linears (no prefix shared:
+    random prompts) plus output tokens a second through them and the LM head."""
+    out, total = metrics.get("output_throughput"), metrics.get("total_token_throughput")
+    if not out or total is None or total != total:
+        return None
+    body, head = shapes.body_flops_per_token(), shapes.head_flops_per_token()
+    return (max(0.0, total - out) * body + out * (body + head)) / 1e9
 
 
 @dataclass
@@ -140,6 +156,8 @@ class ServedRow:
     samples: dict = field(default_factory=dict)  # side -> list of result dicts
     load_1m: list = field(default_factory=list)
     idle_cores: dict = field(default_factory=dict)  # side -> mean cores its server used while idle
+    gemm_gflops: dict = field(default_factory=dict)  # side -> GEMM GFLOP/s at its median rates
+    peak_gflops: float | None = None  # the machine's compute peak for the dtype on the bench's cores
 
 
 def median_metrics(results: list[dict]) -> dict:
@@ -149,9 +167,10 @@ def median_metrics(results: list[dict]) -> dict:
 def format_served_table(rows: list[ServedRow]) -> str:
     lines = [
         f"| threads | dtype | concurrency | workbench out tok/s | vLLM out tok/s | ratio | goal {GOAL:g}× "
+        "| workbench GEMM GFLOP/s (% of peak) | vLLM % of peak "
         "| TTFT p50 ms (wb / vLLM) | TPOT p50 ms (wb / vLLM) | failed (wb / vLLM) | idle server's CPU (wb, vLLM) "
         "| load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         w, v = r.workbench, r.vllm
@@ -160,6 +179,8 @@ def format_served_table(rows: list[ServedRow]) -> str:
         lines.append(
             f"| {r.threads} | {r.dtype} | {r.concurrency} | {w['output_throughput']:.1f} "
             f"| {v['output_throughput']:.1f} | {r.ratio:.2f}× | {goal_text(r.ratio, GOAL)} "
+            f"| {gemm_text(r.gemm_gflops.get('workbench'), r.peak_gflops)} "
+            f"| {fraction_text(r.gemm_gflops.get('vLLM'), r.peak_gflops)} "
             f"| {w['median_ttft_ms']:.0f} / {v['median_ttft_ms']:.0f} "
             f"| {w['median_tpot_ms']:.1f} / {v['median_tpot_ms']:.1f} "
             f"| {w['failed']:.0f} / {v['failed']:.0f} | {idle} | {load} |"
@@ -207,11 +228,13 @@ def run_served_peer(args) -> list[ServedRow] | None:
     from workbench.core.model_executor.model_runner import DEFAULT_CPU_KV_GB
     from workbench.core.model_loader import prepare_model
 
-    model_dir = str(prepare_model(None, progress=True).model_dir)
+    prepared = prepare_model(None, progress=True)
+    model_dir, shapes = str(prepared.model_dir), LinearShapes.from_config(prepared.config)
     dtype = args.dtype if args.dtype != "auto" else "float32"
     kv_gib = args.kv_cache_memory_gb or DEFAULT_CPU_KV_GB
     max_len = -(-(args.random_input_len + args.random_output_len + 64) // 256) * 256
     cpus = bench_cpus()
+    peak = get_peak(len(cpus))  # this machine's compute peak (cached per machine): the GEMM columns' yardstick
     work = Path(tempfile.mkdtemp(prefix="workbench-served-peer-"))
     rows: list[ServedRow] = []
     failures: list[str] = []
@@ -295,6 +318,8 @@ def run_served_peer(args) -> list[ServedRow] | None:
                         results,
                         loads,
                         {k: statistics.mean(x) for k, x in idle.items()},
+                        {"workbench": served_gemm_gflops(w, shapes), "vLLM": served_gemm_gflops(v, shapes)},
+                        peak_gflops(peak, dtype, len(cpus)),
                     )
                 )
                 save()
@@ -304,6 +329,7 @@ def run_served_peer(args) -> list[ServedRow] | None:
                     server.stop()
     print()
     print(format_served_table(rows))
+    print(peak_note(peak, [(dtype, len(cpus))]))
     print(
         f"client: `vllm bench serve` (random, input {args.random_input_len}, output {args.random_output_len}, "
         f"range ratio {args.random_range_ratio}, {args.num_prompts} prompts, --ignore-eos, seed {args.seed}) "
