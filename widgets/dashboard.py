@@ -68,6 +68,15 @@ class Dashboard(W.VBox):
         self.add_class("workbench-dashboard")  # a stable hook for browser tests and custom CSS
         self.feed.attach(self._update_header)
 
+    @staticmethod
+    def compare(spec: str = "schedule_policy=fcfs,lpm", **kw):
+        """Two simulated engines one engine setting apart ("FLAG=A,B"), side by side on one clock and
+        one seeded arrival stream: Queues, Batch and radix tree each, where their steps admitted
+        differently, TTFT CDFs overlaid (`workbench.widgets.compare.CompareDashboard`; kw: its)."""
+        from workbench.widgets.compare import CompareDashboard
+
+        return CompareDashboard(spec, **kw)
+
     @classmethod
     def from_trace(cls, path, **kw) -> Dashboard:
         """Replay a recording (`Recorder` JSONL, optionally .gz) with Play/slider controls."""

@@ -110,3 +110,28 @@ def test_cli_compare_flags_build_a_simulated_pair():
     assert all(s.sim.args.max_running_requests == 8 for s in src.pair.sides)
     with pytest.raises(ValueError, match="FLAG=VALUE_A,VALUE_B"):
         make_compare_source(p.parse_args(["--compare", "schedule_policy"]))
+
+
+def test_dashboard_compare_draws_both_sides_the_diff_and_the_cdfs():
+    from workbench.widgets.dashboard import Dashboard
+
+    cmp = Dashboard.compare("schedule_policy=fcfs,lpm", requests=N)
+    assert cmp.diff_lines == [] and "no first tokens yet" in cmp.cdf_box.value
+    cmp.advance(60)  # past the first step where they differ (step 39 on this workload)
+    first = cmp.diff_lines[0]
+    assert first.startswith("step ") and "fcfs admitted r" in first and "lpm admitted r" in first
+    assert "(0 cached)" in first.split(" · ")[0] and "(160 cached)" in first.split(" · ")[1]
+    assert html_escape(first) in cmp.diff_box.value
+    cmp.run()
+    cdf = cmp.cdf()
+    assert set(cdf) == {"fcfs", "lpm"} and all(len(xs) == N for xs, _ in cdf.values())
+    assert 'class="cdf-fcfs"' in cmp.cdf_box.value and 'class="cdf-lpm"' in cmp.cdf_box.value
+    for i, side in enumerate(("fcfs", "lpm")):
+        assert f"data-side='{side}'" in cmp.sides[i].value and "<svg" in cmp.sides[i].value
+    assert "done" in cmp.header.value
+
+
+def html_escape(s: str) -> str:
+    import html
+
+    return html.escape(s)
