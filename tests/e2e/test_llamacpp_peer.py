@@ -150,8 +150,31 @@ def test_rows_table_ratio_and_goal():
     table = lb.format_table([ahead, behind])
     lines = table.splitlines()
     assert lines[0].startswith("| dtype | threads | workbench tok/s | llama.cpp tok/s | ratio | goal ≥1×")
-    assert lines[2] == "| float32 | 2 | 32.0 | 20.0 | **1.60×** | met | yes | 1.50–2.25 |"
-    assert lines[3] == "| bfloat16 | 1 | 11.0 | 22.0 | **0.50×** | not met | no | 0.50–0.70 |"
+    assert lines[2] == "| float32 | 2 | 32.0 | 20.0 | **1.60×** | met | - | - | - | yes | 1.50–2.25 |"
+    assert lines[3] == "| bfloat16 | 1 | 11.0 | 22.0 | **0.50×** | not met | - | - | - | no | 0.50–0.70 |"
+    # with the shapes and a peak: GEMM GFLOP/s at 2 FLOPs a weight, the weights' bytes against the read bandwidth
+    from types import SimpleNamespace
+
+    from workbench.core.layers.cpu_ops.peak import Peak
+
+    from workbench.bench.gemm_work import LinearShapes
+
+    shapes = LinearShapes.from_config(
+        SimpleNamespace(
+            hidden_size=1000,
+            num_attention_heads=10,
+            num_key_value_heads=10,
+            intermediate_size=1000,
+            num_hidden_layers=1,
+            vocab_size=1000,
+        )
+    )  # 1000 x (3000 + 1000 + 2000 + 1000 + 1000) weights: 8e6, 16 MFLOP a token
+    peak = Peak("Test CPU", "k", "AVX2 + FMA", 2, 100.0, 200.0, read_core={"huge": 10.0}, read_all={"huge": 16.0})
+    lb.apply_peak([ahead, behind], shapes, peak)
+    assert ahead.gemm_gflops == pytest.approx(32 * 0.016) and ahead.peak_gflops == 200.0
+    assert ahead.weight_gbs == pytest.approx(32 * 0.032) and ahead.read_gbs == 16.0 and behind.read_gbs == 10.0
+    line = lb.format_table([ahead]).splitlines()[2]
+    assert "| 0.5 (0%) | 0% | 1.0 (6%) | yes |" in line
     text = "\n".join(lb.summary_lines([ahead, behind], repeats=2))
     assert "medians of 4 measurements each (A B B A × 2)" in text
     assert "127 / (time for 128 new − time for 1 new)" in text

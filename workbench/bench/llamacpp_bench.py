@@ -225,6 +225,29 @@ class LlamaRow:
     workbench_samples: list[float] = field(default_factory=list)
     llamacpp_samples: list[float] = field(default_factory=list)
     load_1m: list[float] = field(default_factory=list)
+    # filled in after the run (apply_peak): each side's GEMM GFLOP/s (a row per token through every linear
+    # and the LM head) against the compute peak, and the workbench's weight reads against the read bandwidth
+    # (at batch 1 the weights stream from memory once a token: bandwidth, not arithmetic, is the limit)
+    gemm_gflops: float | None = None
+    llamacpp_gemm_gflops: float | None = None
+    peak_gflops: float | None = None
+    weight_gbs: float | None = None
+    read_gbs: float | None = None
+
+
+def apply_peak(rows: list[LlamaRow], shapes, peak) -> None:
+    """Fill the rows' GEMM and weight-read rates from the model's shapes and this machine's `Peak`."""
+    from workbench.bench.peak import peak_gflops
+
+    flops = shapes.body_flops_per_token() + shapes.head_flops_per_token()
+    for r in rows:
+        r.gemm_gflops = r.workbench_tok_s * flops / 1e9 if r.workbench_tok_s == r.workbench_tok_s else None
+        r.llamacpp_gemm_gflops = r.llamacpp_tok_s * flops / 1e9 if r.llamacpp_tok_s == r.llamacpp_tok_s else None
+        r.peak_gflops = peak_gflops(peak, r.dtype, r.threads)
+        if r.gemm_gflops:  # one weight element per multiply-add, 4 or 2 bytes
+            r.weight_gbs = r.gemm_gflops / 2 * (4 if r.dtype == "float32" else 2)
+        if peak is not None:
+            r.read_gbs = (peak.read_core if r.threads == 1 else peak.read_all).get("huge")
 
 
 def make_row(
@@ -236,8 +259,11 @@ def make_row(
 def format_table(rows: list[LlamaRow]) -> str:
     """The result as a Markdown table (paste-able into the README)."""
     header = ["dtype", "threads", "workbench tok/s", "llama.cpp tok/s", "ratio", f"goal ≥{GOAL:g}×"]
+    header += ["GEMM GFLOP/s (% of peak)", "llama.cpp % of peak", "weights GB/s (% of read bandwidth)"]
     header += [f"first {FIRST_IDS} equal", "load 1m"]
     lines = []
+    from workbench.bench.peak import fraction_text, gemm_text
+
     for r in rows:
         eq = {True: "yes", False: "no", None: ""}[r.first_equal]
         lines.append(
@@ -248,7 +274,14 @@ def format_table(rows: list[LlamaRow]) -> str:
                 f"{r.llamacpp_tok_s:.1f}",
                 f"**{harness.ratio_text(r.ratio)}**",
             ]
-            + [harness.goal_text(r.ratio, GOAL), eq, harness.load_range(r.load_1m)]
+            + [
+                harness.goal_text(r.ratio, GOAL),
+                gemm_text(r.gemm_gflops, r.peak_gflops),
+                fraction_text(r.llamacpp_gemm_gflops, r.peak_gflops),
+                f"{r.weight_gbs:.1f} ({fraction_text(r.weight_gbs, r.read_gbs)})" if r.weight_gbs else "-",
+                eq,
+                harness.load_range(r.load_1m),
+            ]
         )
     return harness.markdown_table(header, lines)
 
@@ -303,7 +336,12 @@ def run_llamacpp_bench(args) -> int:
     ncpu = len(harness.bench_cpus())
     counts = thread_counts(getattr(args, "threads", None), ncpu)
 
-    hf_dir = prepare_model(sa.model_path, progress=True).model_dir
+    prepared = prepare_model(sa.model_path, progress=True)
+    hf_dir = prepared.model_dir
+    from workbench.bench.gemm_work import LinearShapes
+    from workbench.bench.peak import get_peak, peak_note
+
+    peak = get_peak(ncpu)  # this machine's compute peak and read bandwidth (cached per machine)
     pip_python = python
     ggufs = {dtype: ensure_gguf(hf_dir, dtype, version, pip_python) for dtype in dtypes}
 
@@ -359,8 +397,14 @@ def run_llamacpp_bench(args) -> int:
                     if engine is not None:
                         engine.shutdown()
 
+    apply_peak(rows, LinearShapes.from_config(prepared.config), peak)
     print()
     print(format_table(rows))
+    print(peak_note(peak, sorted({(r.dtype, r.threads) for r in rows})))
+    print(
+        "weights GB/s: the linears' weights read once a decode token at the workbench's rate, over the read "
+        "bandwidth with huge pages (`workbench bench peak`): at batch 1 memory, not arithmetic, bounds decode"
+    )
     for line in summary_lines(rows, repeats):
         print(line)
     for r in rows:
