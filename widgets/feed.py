@@ -126,7 +126,9 @@ class TraceFeed:
         on every refresh, starting now."""
         with self._lock:
             self._views.append(view)
-            self._render_one(view)
+            # A keyframe: the first picture becomes the figure's state too, not only an update a
+            # browser still loading the widget's code drops (issue #40 item 12).
+            self._render_one(view, keyframe=True)
         return view
 
     def detach(self, view) -> None:

@@ -10,6 +10,7 @@ refresh is a single message to the browser; the data come from
 from __future__ import annotations
 
 import html
+from copy import deepcopy
 from typing import Any
 
 import ipywidgets as W
@@ -124,11 +125,14 @@ class TraceView(W.VBox):
         return self.feed.snapshot((self.name,), name=name, **kw)
 
     def keyframe(self) -> None:
-        """Re-send the whole figure to the browser, not only what changed since the last render.
+        """Re-send the whole figure to the browser, not only what changed since the last render,
+        and make it the figure's synced state (what a view rendered later starts from).
 
         The browser applies an update only once the widget's code has loaded; one sent
         earlier is dropped there, and since renders send only changed properties, what
-        it carried would stay missing. A live feed calls this every few seconds."""
+        it carried would stay missing. A live feed calls this every few seconds, after a run
+        and when a view is attached."""
+        sync_figure_state(self.figure)
         send_figure(self.figure)
 
 
@@ -140,6 +144,22 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def sync_figure_state(fig: go.FigureWidget) -> None:
+    """Make the figure's synced state (`_widget_data`, `_widget_layout`: what plotly's browser code
+    draws a new view from) the whole figure as it is now.
+
+    plotly sets that state once, when the figure is made (here: empty traces), and afterwards
+    only sends updates, which the browser drops until the widget's 5 MB script has loaded. A
+    Dashboard displayed while the engine was idle got its last updates before that: 5 of 6 plots
+    stayed empty for minutes (issue #40 item 12). The state, unlike an update, is kept by the
+    browser's widget model whenever it arrives, so a view drawn after this starts complete."""
+    if not hasattr(fig, "_widget_data"):
+        return
+    with RENDER_LOCK:
+        fig._widget_layout = deepcopy(fig._layout_obj._props)
+        fig._widget_data = deepcopy(fig._data)
 
 
 def send_figure(fig: go.FigureWidget) -> None:

@@ -466,3 +466,43 @@ def test_live_feed_resends_whole_figures_now_and_then():
         now[0] += 0.25
         feed.pump()
     assert len(sent) == before
+
+
+def _points(traces) -> int:
+    """Data points in plotly trace dicts (x, values or z, whichever a trace has)."""
+    n = 0
+    for t in traces:
+        for key in ("x", "values", "z"):
+            v = t.get(key)
+            if v is not None:
+                n += len(v)
+                break
+    return n
+
+
+def test_a_view_drawn_after_the_run_went_quiet_starts_from_the_whole_figure():
+    """Issue #40 item 12: a live Dashboard showed 5 of 6 plots empty minutes after display. Every
+    update the feed sends reaches a browser that is still loading plotly's widget code as nothing,
+    and once the run is quiet no update comes: the view, drawn when the code has loaded, starts
+    from the figure's synced state (`_widget_data`, `_widget_layout`), which plotly sets only when
+    the figure is made (empty). That state must be the whole figure once the feed settles."""
+    now = [0.0]
+    sub = FakeSubscription()
+    dash = Dashboard(sub, max_hz=5.0, start=False, clock=lambda: now[0])
+    try:
+        events = synthetic_trace(n_requests=6, seed=4)
+        for i in range(0, len(events), 10):
+            sub.q.extend(events[i : i + 10])
+            now[0] += 0.25
+            dash.feed.pump()
+        for _ in range(40):  # 10 quiet seconds: the browser's code loads only now
+            now[0] += 0.25
+            dash.feed.pump()
+        for name, view in dash.views.items():
+            fig = view.figure
+            drawn = _points(t.to_plotly_json() for t in fig.data)
+            assert drawn > 0, name
+            assert _points(fig._widget_data) == drawn, f"{name}: a view drawn now would start without its data"
+            assert fig._widget_layout.get("title", {}).get("text") == fig.layout.title.text, name
+    finally:
+        dash.close()
