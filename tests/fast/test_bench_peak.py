@@ -125,6 +125,14 @@ def test_tables_print_gemm_gflops_as_a_share_of_peak(capsys):
     out = capsys.readouterr().out
     assert "GEMM GFLOP/s (% of peak)" in out and "60.0 (25%)" in out and "1.50x" in out
 
+    from workbench.bench import threads
+
+    res = threads.PolicyResult("adaptive (default)", "2 threads", flops_per_token={"bs32": 1e9}, peak_gflops=400.0)
+    res.cells = [threads.Cell(res.policy, n, "bs32", t, 1.0) for n, t in (("quiet", 100.0), ("busy", 70.0))]
+    table = threads.format_table([res], ("quiet", "busy"))
+    assert "quiet GEMM GFLOP/s (% of peak)" in table.splitlines()[0]
+    assert "| 0.70 | 100.0 (25%) |" in table  # the quiet median at 1 GFLOP a token: 100 GFLOP/s of 400
+
     text = bench_peak.format_peak(_known_peak())
     assert "| fp32 FMA, GFLOP/s | 100.0 | 190.0 | AVX2 + FMA |" in text
     assert "not on this CPU" in text and "absent" in text and "64 of 64 MiB on huge pages" in text

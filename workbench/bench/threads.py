@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from workbench.bench.gemm_work import LinearShapes, WorkloadWork
 from workbench.bench.harness import bench_cpus, load_1m
 from workbench.bench.prompts import random_ids
 
@@ -58,6 +59,10 @@ class PolicyResult:
     threads_line: str
     cells: list[Cell] = field(default_factory=list)
     thread_counts: dict = field(default_factory=dict)  # neighbour -> compute threads seen at the end
+    # workload -> the linears' FLOPs per output token (gemm_work.py), and the machine's compute peak for
+    # the engine's dtype on all the bench's cores (`workbench bench peak`): the quiet GEMM column
+    flops_per_token: dict = field(default_factory=dict)
+    peak_gflops: float | None = None
 
 
 def _busy_loop(stop) -> None:
@@ -171,6 +176,9 @@ def run_threads_bench(args: argparse.Namespace) -> list[PolicyResult]:
     wanted = set(args.policies.split(",")) if args.policies else None
     batch, new_one, new_many = (8, 16, 8) if args.quick else (32, 128, 64)
     one, many = _prompts(batch)
+    from workbench.bench.peak import get_peak, peak_gflops
+
+    peak = get_peak(cores)  # this machine's compute peak (cached per machine), measured before any engine
     results = []
     for name, kw in policies:
         key = "adaptive" if not kw else str(kw["num_threads"])
@@ -182,6 +190,12 @@ def run_threads_bench(args: argparse.Namespace) -> list[PolicyResult]:
         extra = {"dtype": args.dtype} if args.dtype else {}
         with Engine(show_progress=False, trace_publish=addr, **kw, **extra) as engine:
             res = PolicyResult(name, engine.scheduler_info.get("threads", ""))
+            shapes = LinearShapes.from_config(engine.prepared.config)
+            res.peak_gflops = peak_gflops(peak, str(engine.scheduler_info.get("dtype", "float32")), cores)
+            res.flops_per_token = {
+                "bs1": shapes.body_flops_per_token() + shapes.head_flops_per_token(),  # decode tok/s
+                f"bs{batch}": WorkloadWork.of(many, new_many).flops(shapes) / (len(many) * new_many),
+            }
             # Warm-up with both shapes: kernels built, oneDNN primitives made, pages touched.
             _run(engine, one, 8, 120, True)
             _run(engine, many, 2, 120, False)
@@ -216,9 +230,11 @@ def format_table(results: list[PolicyResult], neighbours: tuple[str, ...]) -> st
         + " | ".join(f"{n} tok/s" for n in neighbours)
         + " | "
         + " | ".join(f"{n} / quiet" for n in neighbours if n != "quiet")
-        + " | threads at end |",
-        "|---|---|" + "---|" * (2 * len(neighbours)),
+        + " | quiet GEMM GFLOP/s (% of peak) | threads at end |",
+        "|---|---|" + "---|" * (2 * len(neighbours) + 1),
     ]
+    from workbench.bench.peak import gemm_text
+
     for res in results:
         for workload in dict.fromkeys(c.workload for c in res.cells):
             figs, ratios = [], []
@@ -238,8 +254,14 @@ def format_table(results: list[PolicyResult], neighbours: tuple[str, ...]) -> st
                     mark = "" if med / quiet >= GOAL else " ✗"
                     ratios.append(f"{bound}{med / quiet:.2f}{mark}")
             threads = ", ".join(f"{n} {t}" for n, t in res.thread_counts.items())
+            per_token = res.flops_per_token.get(workload)
+            gemm = gemm_text(quiet * per_token / 1e9 if quiet and per_token else None, res.peak_gflops)
             lines.append(
-                f"| {res.policy} | {workload} | " + " | ".join(figs) + " | " + " | ".join(ratios) + f" | {threads} |"
+                f"| {res.policy} | {workload} | "
+                + " | ".join(figs)
+                + " | "
+                + " | ".join(ratios)
+                + f" | {gemm} | {threads} |"
             )
     return "\n".join(lines)
 
