@@ -196,7 +196,9 @@ class SchedulerKVCheckMixin:
                     n = n.parent
             ev = lk = 0
             for n in tree._iter_nodes():
-                if n.lock_ref != want.get(id(n), 0):
+                # A LoRA adapter's namespace (a keyless node under the root) is locked for good, like the root.
+                permanent = 1 if not n.key and n.parent is tree.root_node else 0
+                if n.lock_ref != want.get(id(n), 0) + permanent:
                     problems.append(
                         f"radix node #{n.id} ({len(n.key)} tokens) has lock_ref {n.lock_ref}, "
                         f"{want.get(id(n), 0)} live requests use it"
