@@ -29,7 +29,17 @@ KEYS = (
     ("r", "replay: back to the start"),
     ("/", "type a chat prompt (Enter sends, Esc leaves the box)"),
     ("f", "filter the events log"),
-    ("[ / ]", "select the previous / next request (Request detail follows)"),
+    ("[ / ]", "select the previous / next request (Request detail follows); in the step history: previous / next step"),
+    (
+        "h",
+        "the step history: a step's whole decision (the newest, or the one a pause-on stopped at; Enter on a "
+        "Batch composition row opens that step); [ / ] walk the steps, End the newest, Esc closes",
+    ),
+    (
+        "o",
+        "pause on: pause the scheduler when a retract, evict, chunked prefill or preempt happens "
+        "(--pause-on retract,evict at start); the line under the status says why, p goes on, s shows the steps held back",
+    ),
     ("l", "switch layout: all panels on one screen / one tab per panel"),
     ("1…9", "tabs: show panel N; grid: focus panel N"),
     ("Esc", "leave a text box, or clear the selection"),
