@@ -201,8 +201,10 @@ class DeterministicCpuAttnBackend(CpuPagedAttnBackend):
     def __init__(self, group_size: int = 1):
         super().__init__(group_size)
         self.use_extend_kernel = True  # the model's checks read it; extend never reaches SDPA here
+        self._window_tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def init_forward_metadata(self, fb) -> None:
+        self._window_tables = {}  # built per pass, shared by its layers of one window
         if fb.forward_mode.is_decode():
             fb.attn_metadata = self._decode_metadata(fb.req_pool_indices, fb.seq_lens, fb)
             return
@@ -213,6 +215,50 @@ class DeterministicCpuAttnBackend(CpuPagedAttnBackend):
         fb.attn_metadata = PagedDecodeMetadata(
             torch.tensor(rows, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64), torch.empty(0)
         )
+
+    def forward(self, q, k, v, layer, fb) -> torch.Tensor:
+        """Every layer one query per row; a sliding-window layer over its window's keys only."""
+        if layer.logit_cap:  # model_unsupported_reason refuses such models before this runs
+            raise ValueError(f"layer {layer.layer_id}: a logit soft-cap has no batch-invariant attention yet")
+        if layer.sliding_window_size:
+            return self._forward_window(q, k, v, layer, fb)
+        if fb.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, fb)
+        return self.forward_extend(q, k, v, layer, fb)
+
+    def _forward_window(self, q, k, v, layer, fb) -> torch.Tensor:
+        """The query at position p reads keys max(0, p - window + 1) .. p in order, through a table of
+        its own (row i: those keys' slots), so its sum is the decode kernel's over the same keys
+        whatever the batch, and whether or not anything in the batch is past the window."""
+        pool = fb.token_to_kv_pool
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        window = layer.sliding_window_size
+        if window not in self._window_tables:
+            self._window_tables[window] = self._window_table(fb, window)
+        table, rows, lens = self._window_tables[window]
+        return cpu_ops.paged_decode_attention(
+            q,
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
+            table,
+            rows,
+            lens,
+            layer.scaling,
+        )
+
+    @staticmethod
+    def _window_table(fb, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        meta: PagedDecodeMetadata = fb.attn_metadata  # one row per query, its key count (decode or extend)
+        full = meta.seq_lens
+        lens = full.clamp(max=window)
+        first = full - lens
+        cols = first.unsqueeze(1) + torch.arange(int(lens.max()) if len(lens) else 0, dtype=torch.int64)
+        cols = torch.minimum(cols, (full - 1).clamp(min=0).unsqueeze(1))  # past a row's keys: never read
+        table = fb.req_to_token_pool.req_to_token[meta.req_pool_indices.unsqueeze(1), cols].to(torch.int64)
+        rows = torch.arange(len(full), dtype=torch.int64)
+        return table.contiguous(), rows, lens.contiguous()
 
     def forward_extend(self, q, k, v, layer, fb) -> torch.Tensor:
         pool = fb.token_to_kv_pool
@@ -227,6 +273,10 @@ class DeterministicCpuAttnBackend(CpuPagedAttnBackend):
             meta.seq_lens,
             layer.scaling,
         )
+
+    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_cpu, fb) -> None:
+        self._window_tables = {}
+        super().init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_cpu, fb)
 
     def _decode_metadata(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, fb) -> PagedDecodeMetadata:
         def i64(t: torch.Tensor) -> torch.Tensor:
@@ -244,8 +294,8 @@ def model_unsupported_reason(model: torch.nn.Module) -> str | None:
     from workbench.core.layers.radix_attention import RadixAttention
 
     for name, module in model.named_modules():
-        if isinstance(module, RadixAttention) and (module.sliding_window_size or module.logit_cap):
-            return f"{name} uses a sliding window or a logit soft-cap, which has no batch-invariant path yet"
+        if isinstance(module, RadixAttention) and module.logit_cap:
+            return f"{name} soft-caps its attention logits, which has no batch-invariant path yet"
         kind = type(module).__name__
         if kind.endswith("Norm") and not isinstance(module, RMSNorm):
             return f"{name} is a {kind}, which has no batch-invariant path yet"

@@ -85,14 +85,15 @@ def _qkv(dtype, seed=0):
     return tuple(torch.randn(L, h, D, generator=g).to(dtype) for h in (HQ, HK, HK))
 
 
-def _run(backend, dtype, passes, other: int = 0):
+def _run(backend, dtype, passes, other: int = 0, window: int | None = None):
     """Run the sequence through `passes` ((mode, n new tokens) each, in order), with `other` extra
-    requests of random tokens in every pass beside it; returns its output rows [L, HQ, D]."""
+    requests of random tokens in every pass beside it; returns its output rows [L, HQ, D]. `window`:
+    a sliding-window layer (Mistral's)."""
     from workbench.core.layers.radix_attention import RadixAttention
     from workbench.core.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     r2t, pool = _pools(dtype)
-    layer = RadixAttention(HQ, D, D**-0.5, HK, 0)
+    layer = RadixAttention(HQ, D, D**-0.5, HK, 0, sliding_window_size=window)
     q, k, v = _qkv(dtype)
     g = torch.Generator().manual_seed(99)
     rows = r2t.alloc(1 + other)
@@ -144,6 +145,24 @@ def test_attention_for_a_query_is_the_same_however_its_sequence_is_split(dtype):
     for name, passes in SPLITS.items():
         for other in (0, 3):
             assert torch.equal(_run(backend, dtype, passes, other), ref), (name, other)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_attention_is_split_invariant_and_windowed(dtype):
+    """A window of 10 over the 41-token sequence: each split and batch gives the same bits, the
+    rows are the masked reference's (keys p - 9 .. p), and differ from full attention past it."""
+    from workbench.core.layers.attention.masked_attention import attend
+
+    backend = batch_invariant.DeterministicCpuAttnBackend(group_size=HQ // HK)
+    ref = _run(backend, dtype, SPLITS["one prefill"], window=10)
+    for name, passes in SPLITS.items():
+        for other in (0, 3):
+            assert torch.equal(_run(backend, dtype, passes, other, window=10), ref), (name, other)
+    q, k, v = _qkv(dtype)
+    expect = attend(q, k, v, 0, D**-0.5, 10, 0.0)
+    assert torch.allclose(ref.float(), expect, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    full = _run(backend, dtype, SPLITS["one prefill"])
+    assert torch.equal(full[:10], ref[:10]) and not torch.allclose(full[10:].float(), ref[10:].float(), atol=1e-3)
 
 
 def test_the_default_backend_is_not_split_invariant_which_is_why_the_flag_exists():
