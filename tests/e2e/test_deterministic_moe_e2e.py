@@ -1,11 +1,15 @@
-"""--enable-deterministic-inference on a mixture-of-experts model, at TP 1 and TP 2 (issue #43 item 6).
+"""--enable-deterministic-inference on a mixture-of-experts model at TP 1 and TP 2, and with a sliding
+window (issue #43 item 6).
 
 A tiny random Mixtral (4 experts, top 2) in bfloat16: one prompt's greedy tokens and logprobs are
 bitwise the same alone, inside a batch of 6 prompts of mixed lengths (so its experts' GEMMs have
 other heights) and after a prefix-cache hit; a seeded sample the same alone and batched. At
 `--tp-size 2` on CPU (gloo), where the experts' intermediate size and the attention heads are split
 over the ranks and the all-reduce sums them in rank order, the same. Without the flag the batch
-comparison differs (checked, so the tests above can fail). The op-level checks are in
+comparison differs (checked, so the tests above can fail). A tiny Mistral with an 8-token window
+(the 40-token prompt and its 16 new tokens run well past it) gives the same bits alone, batched and
+after a cache hit (without the flag this tiny model's comparisons happen to match too, so its
+can-fail check is the op-level one: tests/fast/test_batch_invariant.py). The op-level checks are in
 tests/fast/test_batch_invariant_moe.py; the dense model's in tests/e2e/test_deterministic_e2e.py.
 """
 
@@ -85,3 +89,8 @@ def test_without_the_flag_the_moe_batch_comparison_differs(mixtral_dir):
     decode), in a batch the GEMMs; its logprobs move (why the tests above can fail)."""
     got = _cases(mixtral_dir, seeded=False)
     assert got["in a batch of 6"] != got["alone"], "without the flag the outputs matched bitwise too"
+
+
+def test_sliding_window_outputs_do_not_depend_on_batch_or_cache(tmp_path):
+    model_dir = make_tiny_family(tmp_path / "mistral", "mistral_window", seed=31)
+    _assert_invariant(_cases(model_dir, seeded=False, enable_deterministic_inference=True))
