@@ -38,13 +38,16 @@ def render_step(rows: list[tuple[str, str]], width: int = 16) -> Text:
 
 class StepHistoryScreen(ModalScreen):
     """One step's whole decision; `[` / `]` the previous / next step, End the newest (and follow
-    it as new steps come), Esc closes. Pause, step (`p`, `s`) and the rest keep working."""
+    it as new steps come), Esc closes. Pause and step (`p`, `s`) keep working."""
 
     BINDINGS = [
-        Binding("escape,h", "dismiss", "close"),
+        Binding("escape,h,q", "dismiss", "close"),
         Binding("left_square_bracket", "walk(-1)", "prev step"),
         Binding("right_square_bracket", "walk(1)", "next step"),
         Binding("end", "newest", "newest"),
+        # a modal screen takes the keys: pause and step reach the app from here too
+        Binding("p", "app.toggle_pause", "pause/run"),
+        Binding("s", "app.step", "step"),
     ]
     DEFAULT_CSS = """
     StepHistoryScreen { align: center middle; }

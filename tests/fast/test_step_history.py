@@ -121,6 +121,10 @@ async def test_h_opens_the_newest_step_and_brackets_walk_the_steps():
         await pilot.press("end")
         await pilot.pause()
         assert screen.shown.step == newest and "following new steps" in body()
+        await pilot.press("s")  # the app's keys work behind it: one more step, and the page follows it
+        await wait_for(lambda: app.model.state.steps[-1].step == newest + 1)
+        screen.redraw()
+        assert screen.shown.step == newest + 1
         await pilot.press("escape")
         await wait_for(lambda: not isinstance(app.screen, StepHistoryScreen))
 
