@@ -16,6 +16,7 @@ sees into counters, gauges and histograms:
 - `hicache.transfer` -> `load_back_tokens_total` (host -> device), `prefetched_tokens_total`
   (storage -> host) and `backuped_tokens_total` (-> storage), SGLang's names, and
   `hicache_host_write_tokens_total` (device -> host, ours);
+- `req.queued` with an adapter (--enable-lora) -> `num_lora_requests_total{lora_name=...}`;
 - `req.retracted` -> `num_retracted_reqs`; `cache.evict` -> `evicted_tokens_total`;
   a retraction that was a priority preemption (--enable-priority-scheduling) also counts in
   `num_priority_preempted_reqs_total{priority=...}`, by the preempted request's priority.
@@ -97,6 +98,7 @@ class ServerMetrics:
         self.num_aborted = 0
         self.num_retracted = 0
         self.preempted_by_priority: dict[str, int] = {}  # priority preemptions, by the victim's priority
+        self.requests_by_lora: dict[str, int] = {}  # multi-LoRA: requests queued, by adapter
         self.evicted_tokens = 0
         # HiCache (hicache.transfer), tokens by kind: load_back, write_through/write_back (to host),
         # prefetch (from storage), storage_write
@@ -153,6 +155,9 @@ class ServerMetrics:
                     old = self._kv.get(e.proc)
                     if old is None or old.ts <= e.ts:
                         self._kv[e.proc] = e
+                elif t is ev.ReqQueued:
+                    if e.lora:
+                        self.requests_by_lora[e.lora] = self.requests_by_lora.get(e.lora, 0) + 1
                 elif t is ev.ReqAborted:
                     self._on_aborted(e.rid)
                 elif t is ev.ReqRetracted:
@@ -288,6 +293,7 @@ class ServerMetrics:
         with self._lock:
             s = self._snapshot_locked()
             preempted = dict(self.preempted_by_priority)
+            by_lora_counts = dict(self.requests_by_lora)
             histograms = [
                 self.ttft.family(PREFIX + "time_to_first_token_seconds", "Time to first token.", self.labels),
                 self.itl.family(PREFIX + "inter_token_latency_seconds", "Time between output tokens.", self.labels),
@@ -335,6 +341,14 @@ class ServerMetrics:
         for prio, n in sorted(preempted.items()):
             by_priority.add_metric(values + [prio], float(n))
         yield by_priority
+        by_lora = CounterMetricFamily(
+            PREFIX + "num_lora_requests",
+            "Multi-LoRA: requests queued under each LoRA adapter (the base model's are not counted).",
+            labels=names + ["lora_name"],
+        )
+        for name, n in sorted(by_lora_counts.items()):
+            by_lora.add_metric(values + [name], float(n))
+        yield by_lora
         yield gauge(
             "spec_accept_length",
             "Speculative decoding: tokens a request gains per verify step (1 + accepted drafts), on average.",

@@ -435,6 +435,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
                         queue_len=len(self.waiting_queue),
                         constraint=constraint_kind(req.sampling_params) if req.grammar is not None else "",
                         priority=req.priority if self.priority.enabled else None,
+                        lora=req.lora_path or "",
                     )
                 )
 
@@ -603,6 +604,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             if result != AddReqResult.CONTINUE:
                 break
         self.priority.requeue()  # this step's preempted requests wait again (after the loop: not admitted now)
+        self.narrator.lora_waited = list(self.lora_waited)
         self.held_back = adder.held
         self._fit_prefill_to_pool(adder, chunk_carry)
         self.narrator.admission(adder, self.chunked_req)

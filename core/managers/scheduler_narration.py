@@ -91,6 +91,7 @@ class StepNarrator:
         self.chunk_continued = ""
         self.stop_reason = ""
         self.held: list[str] = []
+        self.lora_waited: list[str] = []  # waiting for a LoRA adapter slot (--max-loras-per-batch)
         self.budget = 0
         self.budget_used = 0
         self.start_ts = now_ns or time.monotonic_ns()  # the trace's clock (events' ts), not perf_counter
@@ -186,6 +187,8 @@ class StepNarrator:
             kv_returned=self.returned,
             kv_other=other,
             kv_held=kv_held,
+            loras=sorted({r.lora_path for r in batch.reqs if getattr(r, "lora_path", None)}),
+            lora_waited=[rid for rid in self.lora_waited if rid in queued],
         )
         self._reset()
         return out

@@ -46,6 +46,7 @@ class ReqQueued(Event, tag="req.queued"):
     queue_len: int
     constraint: str = ""  # structured outputs: "json_schema" | "json_object" | "regex" | "ebnf" ("" free)
     priority: int | None = None  # --enable-priority-scheduling: the request's priority (None: scheduling off)
+    lora: str = ""  # --enable-lora: the LoRA adapter it runs under ("" the base model)
 
 
 class ReqScheduled(Event, tag="req.scheduled"):
@@ -186,6 +187,10 @@ class StepDecision(Event, tag="batch.decision"):
     kv_returned: int = 0
     kv_other: int = 0
     kv_held: int = -1
+    # Multi-LoRA (--enable-lora): the adapters this step's batch ran, and the waiting requests whose
+    # adapter would have been one too many for --max-loras-per-batch (they wait for a slot)
+    loras: list[str] = []
+    lora_waited: list[str] = []
 
 
 class ExpertRoute(msgspec.Struct, array_like=True):

@@ -139,6 +139,10 @@ def narrate_step(sv: StepView) -> str:
             parts.append(f"retracted {len(kv_retracted)} ({_rids(kv_retracted)}{freed})")
         parts.extend(d.preemptions)  # priority scheduling: "preempted r1 (priority 0) for r5 (priority 10)"
         parts.extend(d.hicache)  # HiCache: "loaded back 59 tok from host (944 B, 0.1 ms)"
+        if d.loras:  # multi-LoRA: the adapters this batch ran, and who waited for an adapter slot
+            parts.append("adapters " + ", ".join(d.loras))
+        if d.lora_waited:
+            parts.append(f"{len(d.lora_waited)} waited for an adapter slot ({_rids(d.lora_waited)})")
         if d.constrained:
             parts.append(f"grammar for {d.constrained} row{'s' if d.constrained != 1 else ''} {d.mask_ms:.1f} ms")
         if d.waiting:

@@ -187,3 +187,83 @@ def test_radix_cache_keys_prefixes_by_adapter():
     assert tree.evict(100) == 10 and tree.total_size() == 0  # the namespaces' nodes evict like any
     labels = [n.text for n in tree.snapshot()]
     assert "[adapter #7]" in labels and "[adapter #8]" in labels
+
+
+def test_scheduler_admits_one_adapter_per_batch_and_answers_load_unload(llama):
+    """The real Scheduler and model worker in-process: with --max-loras-per-batch 1 the second
+    adapter's request waits (the step says so), every request still gets PEFT's tokens, and
+    load/unload answer on the scheduler's socket (unloading an adapter in use is refused)."""
+    from lora_helpers import peft_greedy
+    from workbench.core.io_struct import (
+        LoadLoRAAdapterReq,
+        LoRAUpdateOutput,
+        TokenizedGenerateReqInput,
+        UnloadLoRAAdapterReq,
+    )
+    from workbench.core.managers.scheduler import Scheduler
+    from workbench.core.managers.scheduler_contract import ListIO
+    from workbench.core.sampling.sampling_params import SamplingParams
+    from workbench.core.trace import events as ev
+    from workbench.core.trace.narration import narrate_step
+    from workbench.core.trace.state import TraceState
+    from workbench.core.trace.tracer import Tracer
+
+    model, ads = llama
+    args = ServerArgs(
+        model_path=str(model),
+        dtype="float32",
+        max_total_tokens=4096,
+        show_progress=False,
+        device="cpu",
+        disable_overlap_schedule=True,
+        lora_paths=[f"a={ads['a']}", f"b={ads['b']}"],
+        lora_target_modules=["all"],
+        max_loras_per_batch=1,
+    )
+    events: list = []
+    io = ListIO(roundtrip=True)
+    s = Scheduler(args, None, io=io, tracer=Tracer("scheduler", sink=events.extend, enabled=True))
+    loras = {"ra": "a", "rb": "b", "r0": None, "ra2": "a"}
+    for i, (rid, name) in enumerate(loras.items()):
+        sp = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+        io.inbox.append(
+            TokenizedGenerateReqInput(rid=rid, input_text="", input_ids=PROMPTS[i], sampling_params=sp, lora_path=name)
+        )
+    io.inbox.append(
+        TokenizedGenerateReqInput(rid="bad", input_text="", input_ids=PROMPTS[0], sampling_params=sp, lora_path="zz")
+    )
+    s.step_normal()
+    first = sorted(r.rid for r in s.last_batch.reqs)
+    assert first == ["r0", "ra", "ra2"]  # b would be a second adapter in the batch: it waits
+    decision = [e for e in events if isinstance(e, ev.StepDecision)][-1]
+    assert decision.loras == ["a"] and decision.lora_waited == ["rb"]
+    io.inbox.append(UnloadLoRAAdapterReq(lora_name="b"))  # rb still waits for it
+    out: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    replies = []
+    for _ in range(60):
+        s.step_normal()
+        for msg in io.outbox:
+            if isinstance(msg, LoRAUpdateOutput):
+                replies.append(msg)
+            elif hasattr(msg, "rids"):
+                for i, rid in enumerate(msg.rids):
+                    out.setdefault(rid, []).extend(msg.new_token_ids[i])
+                    if msg.error_messages and msg.error_messages[i]:
+                        errors[rid] = msg.error_messages[i]
+        io.outbox.clear()
+        if not s.has_work() and not io.inbox:
+            break
+    assert "unknown LoRA adapter 'zz'" in errors["bad"]
+    assert not replies[0].success and "'b' is in use" in replies[0].message
+    for i, (rid, name) in enumerate(loras.items()):
+        assert out[rid] == peft_greedy(model, ads[name] if name else None, [PROMPTS[i]], 5)[0], rid
+    state = TraceState()
+    state.apply_many(events)
+    lines = [narrate_step(sv) for sv in state.steps]
+    assert any("adapters a" in line and "1 waited for an adapter slot (rb)" in line for line in lines), lines
+    io.inbox.append(UnloadLoRAAdapterReq(lora_name="b"))
+    io.inbox.append(LoadLoRAAdapterReq(lora_name="c", lora_path=str(ads["c"])))
+    s.step_normal()
+    unload, load = [m for m in io.outbox if isinstance(m, LoRAUpdateOutput)]
+    assert unload.success and load.success and set(load.loaded_adapters) == {"a", "c"}
