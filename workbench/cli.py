@@ -210,6 +210,9 @@ def _add_bench_parsers(bench_sub) -> None:
     from workbench.bench.deterministic_bench import add_parser as add_deterministic_bench
 
     add_deterministic_bench(bench_sub)
+    from workbench.bench.lora_bench import add_parser as add_lora_bench
+
+    add_lora_bench(bench_sub)
     from workbench.bench.threads import add_parser as add_threads_bench
 
     add_threads_bench(bench_sub)
