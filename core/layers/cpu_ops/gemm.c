@@ -13,11 +13,13 @@
  * NR/2 32-bit words per k, word j = w[p*NR + j + NR/2, k] << 16 | w[p*NR + j, k], so one load gives
  * both halves: a shift left by 16 widens the low columns, masking off the low 16 bits the high ones.
  *
- * Blocking: threads split the panels (contiguous runs, as gemv.c splits its rows). A thread walks
- * K in blocks of about 256 (the panel's block stays in L1 while every row block of x passes over
- * it), accumulating into out across K blocks; rows of x in blocks of MC so x's block stays in L2.
+ * Blocking: threads split the panels (contiguous runs, as gemv.c splits its rows). Above SMALL_M
+ * rows a thread walks K in blocks of about 256 (the panel's block stays in L1 while every row block
+ * of x passes over it), accumulating into out across K blocks, and rows of x in blocks of MC so
+ * x's block stays in L2; up to SMALL_M rows (decode) each panel takes its whole K at once.
  * The sums are float32 in a fixed order for a given K blocking: a result does not depend on the
- * number of threads or on which rows share a call.
+ * number of threads, nor on which rows share a call as long as the calls are on the same side of
+ * SMALL_M (not batch-invariant across it: --enable-deterministic-inference has its own kernels).
  *
  * AVX2 + FMA: MR 6 x NR 16 (12 ymm accumulators, 2 weight vectors, 1 broadcast). Built where the
  * CPU has AVX-512F: MR 12 x NR 32 (24 zmm accumulators). Elsewhere: a plain loop (Python does not
@@ -72,7 +74,7 @@ static inline void v_wide(const uint32_t *p, vf *lo, vf *hi) {
 #define GEMM_VEC 0
 #endif
 
-enum { KC_TARGET = 256, MC = 144 };
+enum { KC_TARGET = 256, MC = 144, SMALL_M = 64 };
 
 int wb_gemm_available(void) { return GEMM_VEC; }
 int wb_gemm_panel_width(void) { return NR; }
@@ -232,7 +234,10 @@ static void micro_any(const float *x, int64_t ldx, const void *wp, int wdt, int6
 /* Panels [p0, p1) of the output for all M rows, on the calling thread. */
 static void panels(const float *x, int64_t ldx, const void *packed, int wdt, const float *bias, const float *res,
                    int64_t ldr, float *out, int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
-    const int64_t kblocks = (K + KC_TARGET - 1) / KC_TARGET;
+    /* Decode-sized batches (M <= SMALL_M) take each panel's whole K in one pass: the weight then
+     * streams in address order, panel after panel, which the hardware prefetcher follows, and the
+     * panel (K x NR, tens of KB) serves the few row blocks from L2. */
+    const int64_t kblocks = M <= SMALL_M ? 1 : (K + KC_TARGET - 1) / KC_TARGET;
     const int64_t kc_len = (K + kblocks - 1) / kblocks;
     const size_t esz = wdt == 1 ? 2 : 4;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
