@@ -306,6 +306,8 @@ SLOW_FIRST = (
     "test_overlap.py",
     "test_tui_pd.py",
     "test_router.py",
+    "test_reliability_faults.py",  # ~2.5 min, ~1.5 fuzz: in the workers' pass since the figures are summed
+    "test_fuzz_http.py",
     # the fast tier's longest
     "test_types.py",
     "test_model_families.py",
