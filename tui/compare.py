@@ -308,10 +308,20 @@ class CompareApp(App):
         self._fold()
 
     def action_step(self) -> None:
-        if not self.source.paused:
-            self.action_toggle_pause()
+        """One step: pauses first; a real pair's step is an engine call, so off the UI thread."""
+        if getattr(self.source, "set_paused", None) is not None:
+            source = self.source
+
+            def step() -> None:
+                if not source.paused:
+                    source.set_paused(True)
+                source.step()
+
+            self.run_worker(step, thread=True)
+            return
+        self.source.paused = True
         self.source.step()
-        self._fold(force=True)
+        self._fold()
 
     def action_faster(self) -> None:
         if self.source.rate > 0:

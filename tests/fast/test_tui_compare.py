@@ -135,3 +135,40 @@ def html_escape(s: str) -> str:
     import html
 
     return html.escape(s)
+
+
+async def test_compare_app_pauses_and_steps_both_sides_on_the_shared_clock():
+    pair = _pair()
+    app = CompareApp(SimCompareSource(pair, rate=0, paused=True))
+    async with app.run_test(size=(160, 50)) as pilot:
+        await pilot.pause(0.3)
+        assert pair.now == pair.workload[0].arrival and not app.models[0].state.steps  # paused: nothing ran
+        for _ in range(3):
+            before = (pair.now, sum(len(m.state.steps) for m in app.models))
+            await pilot.press("s")
+            await pilot.pause()
+            # a step: the side that is behind took its next action (the clock moved, or a step ran at
+            # the same instant), and neither side has anything due by the shared clock
+            assert (pair.now, sum(len(m.state.steps) for m in app.models)) > before
+            assert all(side.next_t > pair.now for side in pair.sides)
+        assert all(m.state.steps for m in app.models) and app.source.paused
+        await pilot.press("p")  # runs on
+        await wait_for(lambda: pair.done, timeout=120)
+        await pilot.press("q")
+
+
+def test_cli_compare_real_builds_two_engines_one_setting_apart():
+    from workbench.core.args import ServerArgs
+    from workbench.tui.cli import add_tui_args
+    from workbench.tui.compare import RealCompareSource, make_compare_source
+
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    add_tui_args(p)
+    src = make_compare_source(p.parse_args(["--compare", "schedule_policy=fcfs,lpm", "--real", "--rate", "3"]))
+    try:
+        assert isinstance(src, RealCompareSource) and src.labels == ["fcfs", "lpm"]
+        assert [c._server_args.schedule_policy for c in src.controllers] == ["fcfs", "lpm"]
+        assert all(c.workload == "shared-prefix" and c.rate == 3 for c in src.controllers)
+    finally:
+        src.close()  # nothing started: closing is a no-op
