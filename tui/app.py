@@ -410,8 +410,8 @@ class WorkbenchApp(App):
         self.model.paused = bool(getattr(self.controller, "paused", False))
         if self._held_events:
             events, self._held_events = self._held_events + events, []
-        if self.pause_on and events and self.paused_on is None:
-            self._pause_on_feed(events)
+        if self.pause_on and events and (self.paused_on is None or not self.controller.can_step):
+            self._pause_on_feed(events)  # a source that cannot pause: each new event only retells the line
         if self._hold_step is not None and self.paused_on is not None:
             events, self._held_events = split_after_step(events, self._hold_step, self.paused_on.proc)
         self.model.apply(events)
@@ -681,11 +681,12 @@ class WorkbenchApp(App):
     def _pause_on_feed(self, events: list) -> None:
         """Pause the scheduler at the first chosen event among `events`, and say why. While it is
         paused on one, later ones (steps that ran before the pause landed) wait for the resume."""
-        if self.paused_on is not None:
+        if self.paused_on is not None and self.controller.can_step:
             return
-        hit = next((t for t in pause_triggers(events, self.pause_on) if t.step >= self._pause_on_from), None)
-        if hit is None:
+        hits = [t for t in pause_triggers(events, self.pause_on) if t.step >= self._pause_on_from]
+        if not hits:
             return
+        hit = hits[0] if self.controller.can_step else hits[-1]  # no pause: the line tells the latest
         self.paused_on = hit
         c = self.controller
         if c.can_step:

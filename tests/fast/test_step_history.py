@@ -246,3 +246,26 @@ def test_a_click_on_the_dashboards_batch_chart_shows_that_steps_decision():
     view._on_click(bars, Points(point_inds=[i], xs=[24], ys=[bars.y[i]], trace_name=bars.name, trace_index=1), None)
     assert view.selected_step == 24
     assert "retracted" in view.details.value and "sp-8" in view.details.value
+
+
+async def test_attached_it_cannot_pause_but_says_each_event_it_saw():
+    from workbench.core.trace.bus import TraceBus
+    from workbench.tui.app import WorkbenchApp
+    from workbench.tui.controller import AttachController
+
+    bus = TraceBus("tcp://127.0.0.1:*", publish_addr="tcp://127.0.0.1:*", model="tour")
+    events = load_trace(TOUR_TRACE)
+    app = WorkbenchApp(AttachController(bus.publish_endpoint), pause_on=["evict"], layout="tabs")
+    try:
+        async with app.run_test(size=(140, 40)) as pilot:
+            await wait_for(lambda: app.ready.is_set() and bus.listener_count == 1)
+            bus.publish_batch([e for e in events if e.step <= 18])
+            await wait_for(lambda: app.paused_on is not None)
+            assert "seen on evict at step 17" in str(app.query_one("#pauseon").render())
+            bus.publish_batch([e for e in events if e.step > 18])  # nothing held back: every step shows
+            await wait_for(lambda: app.model.state.steps and app.model.state.steps[-1].step == 26, 20)
+            assert app.paused_on.step == 21  # the line follows the evictions it cannot stop at
+            await pilot.press("q")
+        await wait_for(lambda: bus.listener_count == 0)
+    finally:
+        bus.close()
