@@ -387,6 +387,8 @@ def run_compare(args: argparse.Namespace) -> int:
         with isolate_child_output(log_path, terminal) if isolate else contextlib.nullcontext():
             app.run()
     finally:
+        if real:
+            print("workbench tui --compare: shutting down both engines…", file=sys.stderr, flush=True)
         source.close()
     if app.startup_error:
         print(f"workbench tui --compare: {app.startup_error}", file=sys.stderr)

@@ -91,8 +91,11 @@ class RealCompareSource:
 
     kind = "LIVE"
 
-    def __init__(self, controllers: list[Any], labels: list[str]):
+    def __init__(self, controllers: list[Any], labels: list[str], workload: str = "shared-prefix", rate: float = 2.0):
+        """`controllers`: EngineControllers without a workload of their own; `workload` starts on both
+        at `rate` once both are up (so neither gets a head start)."""
         self.controllers = controllers
+        self.workload, self.workload_rate = workload, rate
         self.labels = labels
         self.title = " vs ".join(labels)
         self.rate = 0.0
@@ -100,8 +103,33 @@ class RealCompareSource:
         self.done = False
 
     def start(self, progress) -> None:
-        for label, c in zip(self.labels, self.controllers):
-            c.start(lambda msg, label=label: progress(f"{label}: {msg}"))
+        """Start both engines at once (each loads its model in its own thread); raises the first failure."""
+        import threading
+
+        errors: list[BaseException] = []
+
+        def start_one(label: str, c: Any) -> None:
+            def report(msg: Any) -> None:  # a line, or a live engine's `engine.phase` event
+                text = msg if isinstance(msg, str) else " ".join(str(getattr(msg, k, "")) for k in ("phase", "detail"))
+                progress(f"{label}: {text.strip()}")
+
+            try:
+                c.start(report)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=start_one, args=(lb, c), daemon=True)
+            for lb, c in zip(self.labels, self.controllers)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        for c in self.controllers:  # back to back: the same seeded prompts, from the same instant
+            c.start_workload(self.workload, rate=self.workload_rate)
 
     def tick(self, dt: float) -> None:
         pass
@@ -197,7 +225,9 @@ class SideColumn(Vertical):
 
 
 class CompareApp(App):
-    """Two engines side by side: a column per side, the per-step diff and the TTFT CDFs."""
+    """Two engines side by side: a column per side, the per-step diff and the TTFT CDFs. The caller
+    closes the source once the app returns (two real engines take a while to shut down: not on the
+    UI thread)."""
 
     TITLE = "workbench compare"
     CSS = """
@@ -222,6 +252,7 @@ class CompareApp(App):
         self.diff = StepDiff(source.labels)
         self.refresh_hz = refresh_hz
         self.startup_error = ""
+        self._starting: dict[str, str] = {}  # side -> its latest start-up line (--real)
 
     def compose(self) -> ComposeResult:
         yield Static(id="status")
@@ -244,7 +275,7 @@ class CompareApp(App):
 
     def _start(self) -> None:
         try:
-            self.source.start(lambda msg: None)
+            self.source.start(self._progress)
         except Exception as exc:  # a real engine that does not come up: say why and leave
             from workbench.tui.controller import friendly
 
@@ -252,6 +283,13 @@ class CompareApp(App):
             self.call_from_thread(self.exit, 1)
             return
         self.call_from_thread(self._started)
+
+    def _progress(self, line: str) -> None:
+        """A start-up line (from the starting thread): shown in the status line until both are up."""
+        label, _, text = line.partition(": ")
+        self._starting[label] = text
+        status = "starting " + " · ".join(f"{k}: {v}" for k, v in self._starting.items())
+        self.call_from_thread(self.query_one("#status", Static).update, Text(status[:400], style="italic"))
 
     def _started(self) -> None:
         self._last = self._clock()
@@ -330,9 +368,6 @@ class CompareApp(App):
     def action_slower(self) -> None:
         self.source.rate = max(0.5, (self.source.rate or 1000.0) / 2)
 
-    def on_unmount(self) -> None:
-        self.source.close()
-
 
 def make_compare_source(args: Any) -> SimCompareSource | RealCompareSource:
     """The source for `workbench tui --compare FLAG=A,B [--real]` (raises ValueError with what to write)."""
@@ -391,10 +426,9 @@ def _real_source(args: Any, sa: Any, field: str, values: list[Any]) -> RealCompa
     controllers = [
         EngineController(
             server_args=dataclasses.replace(sa, **{field: v}),
-            workload=kind,
             rate=rate,
             max_new_tokens=getattr(args, "workload_max_new_tokens", 32),
         )
         for v in values
     ]
-    return RealCompareSource(controllers, [side_label(field, v, values) for v in values])
+    return RealCompareSource(controllers, [side_label(field, v, values) for v in values], workload=kind, rate=rate)

@@ -169,6 +169,8 @@ def test_cli_compare_real_builds_two_engines_one_setting_apart():
     try:
         assert isinstance(src, RealCompareSource) and src.labels == ["fcfs", "lpm"]
         assert [c._server_args.schedule_policy for c in src.controllers] == ["fcfs", "lpm"]
-        assert all(c.workload == "shared-prefix" and c.rate == 3 for c in src.controllers)
+        # the workload starts on both once both are up (neither gets a head start)
+        assert src.workload == "shared-prefix" and src.workload_rate == 3
+        assert all(c.workload is None and c.rate == 3 for c in src.controllers)
     finally:
         src.close()  # nothing started: closing is a no-op
