@@ -67,6 +67,9 @@ def test_walkthrough_runs(path):
     check = PICTURE_CHECKS.get(path.stem)
     if check is not None:
         check(snapshots(nb))
+    check = OUTPUT_CHECKS.get(path.stem)
+    if check is not None:
+        check(nb)
 
 
 # ---- the pictures the walkthroughs keep -------------------------------------------------------------
@@ -115,9 +118,14 @@ def check_03(snaps: dict) -> None:
     assert "last step:" in "".join(moment.itertext())  # the narrated step line
     marks = [(e.get("data-rid"), e.get("data-mark")) for e in moment.iter() if e.get("class") == "mark"]
     assert {("A", "first_token"), ("B", "first_token"), ("C", "first_token")} <= set(marks)
-    assert view(moment, "kv").get("data-capacity") == "4096"
+    assert view(moment, "kv").get("data-capacity") == "192"
     waiting = [e for e in view(moment, "queues").iter(f"{SVG}polyline") if e.get("data-kind") == "waiting"]
     assert int(waiting[0].get("data-max")) >= 1, "each request waited a moment before its step: the line shows it"
+
+    # issue #40 item 13: the pool runs dry at the end and the scheduler retracts a request
+    retraction = snaps["retraction"]
+    marks = {e.get("data-mark") for e in retraction.iter() if e.get("class") == "mark"}
+    assert "retracted" in marks, "the picture of the retraction shows one"
 
 
 def check_04(snaps: dict) -> None:
@@ -140,9 +148,56 @@ def check_04(snaps: dict) -> None:
     assert any(lb.startswith("Rivers") for lb in cached(snaps["first-three"]))
     after = snaps["after-eviction"]
     assert int(after.get("data-evicted")) > 0
+    ghosts = [n for n in nodes(after) if n.get("data-state") == "evicted"]
+    assert ghosts, "the picture after the eviction (its legend says evicted) draws what was evicted"
     assert not any(lb.startswith("Rivers") for lb in cached(after)), "the oldest prompt was evicted"
     assert any(lb.startswith("Valleys") for lb in cached(after)), "the newest is still cached"
     assert view(after, "kv").get("data-capacity") == "1024"
 
 
 PICTURE_CHECKS = {"03_scheduler": check_03, "04_radix_cache": check_04}
+
+
+# ---- what the walkthroughs print (issue #40 item 13) -------------------------------------------------
+
+HEX_RID = re.compile(r"\b[0-9a-f]{32}\b")  # an engine-made rid: names in text and captions instead
+
+
+def text_outputs(nb) -> list[str]:
+    """Each code cell's printed and displayed text (stdout, text/plain, text/html), one string per cell."""
+    out = []
+    for c in nb.cells:
+        if c.cell_type != "code":
+            continue
+        parts = []
+        for o in c.get("outputs", []):
+            parts.append(o.get("text", ""))
+            data = o.get("data") or {}
+            parts += [data.get("text/plain", ""), data.get("text/html", "")]
+        out.append("".join(parts))
+    return out
+
+
+def output_checks_03(nb) -> None:
+    text = "\n".join(text_outputs(nb))
+    assert not re.search(r"\bstep\s+-1\b", text), "a timeline line says 'step -1' (before any step)"
+    # the step costs: the first pass of a fresh engine is far slower than its tokens explain, and says so
+    lines = re.findall(r"^step\s+\d+ \w+\s+\d+ tokens\s+forward\s+([\d.]+) ms.*$", text, re.M)
+    full = [ln for ln in text.splitlines() if re.match(r"^step\s+\d+ \w+\s+\d+ tokens\s+forward", ln)]
+    assert len(lines) >= 15, full
+    ms = [float(x) for x in lines]
+    typical = sorted(ms[1:])[len(ms[1:]) // 2]
+    if ms[0] > 3 * typical:
+        assert "warm-up" in full[0], f"the slow first step is not explained: {full[0]}"
+    assert "waiting" in text and "(C: budget)" in text, "the table shows C waiting for the token budget"
+
+
+def output_checks_04(nb) -> None:
+    outs = text_outputs(nb)
+    top = next(o for o in outs if "widest node has" in o)
+    assert "''" not in top and "node 0:" not in top, f"the root is not a cached prefix: {top}"
+    snaps = [o for o in outs if "workbench-snapshot" in o]
+    assert snaps and not any(HEX_RID.search(o) for o in snaps), "a picture's caption names a request by a 32-hex rid"
+
+
+OUTPUT_CHECKS = {"03_scheduler": output_checks_03, "04_radix_cache": output_checks_04}
