@@ -103,31 +103,15 @@ class RealCompareSource:
         self.done = False
 
     def start(self, progress) -> None:
-        """Start both engines at once (each loads its model in its own thread); raises the first failure."""
-        import threading
+        """Start both engines, one after the other (started at once in two threads, their imports
+        raced: transformers' lazy modules are not thread-safe), then the workload on both."""
+        for label, c in zip(self.labels, self.controllers):
 
-        errors: list[BaseException] = []
-
-        def start_one(label: str, c: Any) -> None:
-            def report(msg: Any) -> None:  # a line, or a live engine's `engine.phase` event
+            def report(msg: Any, label: str = label) -> None:  # a line, or a live engine's `engine.phase`
                 text = msg if isinstance(msg, str) else " ".join(str(getattr(msg, k, "")) for k in ("phase", "detail"))
                 progress(f"{label}: {text.strip()}")
 
-            try:
-                c.start(report)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                errors.append(exc)
-
-        threads = [
-            threading.Thread(target=start_one, args=(lb, c), daemon=True)
-            for lb, c in zip(self.labels, self.controllers)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+            c.start(report)
         for c in self.controllers:  # back to back: the same seeded prompts, from the same instant
             c.start_workload(self.workload, rate=self.workload_rate)
 
