@@ -112,8 +112,11 @@ class RealCompareSource:
                 progress(f"{label}: {text.strip()}")
 
             c.start(report)
-        for c in self.controllers:  # back to back: the same seeded prompts, from the same instant
-            c.start_workload(self.workload, rate=self.workload_rate)
+        import itertools
+
+        for c in self.controllers:  # back to back: the same seeded prompts, from the same instant,
+            # numbered alike on both sides (sp-1, sp-2, ...: the process-wide counter interleaved them)
+            c.start_workload(self.workload, rate=self.workload_rate, ids=itertools.count(1))
 
     def tick(self, dt: float) -> None:
         pass
