@@ -216,7 +216,8 @@ def ready_text() -> str:
         return f"batched linears torch ({_gemm_error})" if _gemm_error else ""
     wins = sum(sum(p) for p in _choices.values())
     total = sum(len(p) for p in _choices.values())
-    return f"batched linears gemm.c {wins}/{total} (shape x rows), torch the rest"
+    rest = ", torch the rest" if 0 < wins < total else ""
+    return f"batched linears gemm.c {wins}/{total} (shape x rows){rest}"
 
 
 def _argtypes(lib: ctypes.CDLL) -> None:
