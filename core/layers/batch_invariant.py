@@ -364,8 +364,13 @@ def _rms_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None = Non
 
 
 def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-    head = self.lm_head.weight[: self.vocab_size]
-    logits = bi_linear(hidden, head)
+    from workbench.core.distributed.parallel_state import tensor_model_parallel_all_gather
+
+    head = self.lm_head
+    if getattr(head, "tp_size", 1) > 1:  # this rank's vocab shard; the gather concatenates (exact)
+        logits = tensor_model_parallel_all_gather(bi_linear(hidden, head.weight), dim=-1)[..., : self.vocab_size]
+    else:
+        logits = bi_linear(hidden, head.weight[: self.vocab_size])
     cap = getattr(self, "final_logit_softcapping", 0.0)
     return torch.tanh(logits / cap) * cap if cap else logits
 
