@@ -122,7 +122,7 @@ class SimPair:
             raise ValueError(f"compare {field}: two values, not {len(values)}")
         self.field = field
         self.values = list(values)
-        self.labels = [_label(field, v, values) for v in values]
+        self.labels = [side_label(field, v, values) for v in values]
         self.workload = workload if workload is not None else compare_workload(seed=seed)
         self.seed = seed
         base = {**COMPARE_DEFAULTS, **server_args}
@@ -167,7 +167,7 @@ class SimPair:
         return self.sides[i].drain()
 
 
-def _label(field: str, value: Any, values: list[Any]) -> str:
+def side_label(field: str, value: Any, values: list[Any]) -> str:
     """A side's short name: the value itself ('fcfs'), or field=value when values alone say little."""
     text = str(value).lower() if isinstance(value, bool) else str(value)
     if isinstance(value, str) and value and str(values[0]) != str(values[1]):
