@@ -187,7 +187,7 @@ class StepNarrator:
             kv_returned=self.returned,
             kv_other=other,
             kv_held=kv_held,
-            loras=sorted({r.lora_path for r in batch.reqs if getattr(r, "lora_path", None)}),
+            loras=sorted({r.lora_path for r in batch.reqs if r.lora_path is not None}),
             lora_waited=[rid for rid in self.lora_waited if rid in queued],
         )
         self._reset()
