@@ -5,7 +5,8 @@ A tiny random Mixtral (4 experts, top 2) in bfloat16: one prompt's greedy tokens
 bitwise the same alone, inside a batch of 6 prompts of mixed lengths (so its experts' GEMMs have
 other heights) and after a prefix-cache hit; a seeded sample the same alone and batched. At
 `--tp-size 2` on CPU (gloo), where the experts' intermediate size and the attention heads are split
-over the ranks and the all-reduce sums them in rank order, the same. Without the flag the batch
+over the ranks and the all-reduce sums them in rank order, the same (in float32 there, equal to
+transformers' greedy tokens too). Without the flag the batch
 comparison differs (checked, so the tests above can fail). A tiny Mistral with an 8-token window
 (the 40-token prompt and its 16 new tokens run well past it) gives the same bits alone, batched and
 after a cache hit (without the flag this tiny model's comparisons happen to match too, so its
@@ -35,12 +36,10 @@ def _out(result) -> tuple[list[int], list[float]]:
     return result["output_ids"], [entry[0] for entry in result["meta_info"]["output_token_logprobs"]]
 
 
-def _cases(model_dir, seeded: bool = True, **kw) -> dict[str, tuple[list[int], list[float]]]:
+def _cases(model_dir, seeded: bool = True, dtype: str = "bfloat16", **kw) -> dict[str, tuple[list[int], list[float]]]:
     """The target's (tokens, logprobs) alone, in a batch of 6, after a prefix hit (and seeded alone/batched)."""
     got = {}
-    with Engine(
-        model_path=str(model_dir), dtype="bfloat16", max_total_tokens=2048, show_progress=False, **kw
-    ) as engine:
+    with Engine(model_path=str(model_dir), dtype=dtype, max_total_tokens=2048, show_progress=False, **kw) as engine:
         engine.flush_cache()
         got["alone"] = _out(engine.generate(input_ids=TARGET, sampling_params=GREEDY, return_logprob=True))
         engine.flush_cache()
@@ -80,8 +79,13 @@ def test_moe_outputs_do_not_depend_on_batch_or_cache(mixtral_dir):
 
 def test_moe_at_tp2_outputs_do_not_depend_on_batch_or_cache(mixtral_dir):
     """Two scheduler ranks on CPU: experts split by intermediate size, heads by rank, the all-reduce
-    an all-gather summed in rank order (parallel_state.set_batch_invariant_all_reduce)."""
-    _assert_invariant(_cases(mixtral_dir, seeded=False, enable_deterministic_inference=True, tp_size=2))
+    an all-gather summed in rank order (parallel_state.set_batch_invariant_all_reduce), the
+    vocab-sharded head gathered. float32, so the tokens are also transformers' greedy ones."""
+    from test_tensor_parallel import hf_tokens
+
+    got = _cases(mixtral_dir, seeded=False, dtype="float32", enable_deterministic_inference=True, tp_size=2)
+    _assert_invariant(got)
+    assert got["alone"][0] == hf_tokens(mixtral_dir, [TARGET])[0]
 
 
 def test_without_the_flag_the_moe_batch_comparison_differs(mixtral_dir):
