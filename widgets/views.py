@@ -10,12 +10,14 @@ refresh is a single message to the browser; the data come from
 from __future__ import annotations
 
 import html
+import threading
 from copy import deepcopy
 from typing import Any
 
 import ipywidgets as W
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+from traitlets import observe
 from workbench.core.trace.palette import METRIC_COLORS
 from workbench.core.trace.palette import PALETTE as P
 from workbench.core.trace.state import TraceState
@@ -60,6 +62,22 @@ class TraceFigure(go.FigureWidget):
     def set_state(self, sync_data):
         with RENDER_LOCK:
             super().set_state(sync_data)
+
+    @observe("_view_count")
+    def _on_new_view(self, change) -> None:
+        """A browser drew a new view of this figure (plotly counts views in `_view_count`): send it
+        the whole figure. The view started from the synced state, which may predate updates the
+        browser dropped while plotly's script loaded; with the run over, no other update would come
+        (issue #40 item 12). Sent from a timer, after the browser's message is applied (see above)."""
+        if (change["new"] or 0) > (change["old"] or 0):
+            timer = threading.Timer(0.05, self._send_whole)
+            timer.daemon = True
+            timer.start()
+
+    def _send_whole(self) -> None:
+        with RENDER_LOCK:
+            sync_figure_state(self)
+            send_figure(self)
 
 
 def _layout(title: str, height: int, width: int | None, **kw) -> dict:

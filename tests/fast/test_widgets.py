@@ -510,3 +510,30 @@ def test_a_view_drawn_after_the_run_went_quiet_starts_from_the_whole_figure():
             assert fig._widget_layout.get("title", {}).get("text") == fig.layout.title.text, name
     finally:
         dash.close()
+
+
+def test_a_new_view_in_the_browser_gets_the_whole_figure():
+    """Issue #40 item 12, seen in JupyterLab under load: 4 of 6 plots drawn from plotly's first state
+    (no title, no data) after every update had gone. When the browser draws a view it counts it in
+    `_view_count` (a message to the kernel, applied by set_state): the figure answers with all of itself."""
+    now = [0.0]
+    sub = FakeSubscription()
+    feed = TraceFeed(sub, max_hz=5.0, start=False, clock=lambda: now[0])
+    view = GanttView(feed)
+    sub.q.extend(synthetic_trace(n_requests=4, seed=2))
+    now[0] += 1.0
+    feed.pump()
+    sent = []
+    view.figure.comm.send = lambda data=None, metadata=None, buffers=None: sent.append(data)
+    view.figure.comm.kernel = object()
+    view.figure.set_state({"_view_count": 1})  # what the browser's message does
+    full = []
+    wait_for(
+        lambda: (
+            full.extend(d["state"]["_py2js_update"] for d in sent if (d.get("state") or {}).get("_py2js_update"))
+            or full
+        ),
+        timeout=10,
+    )
+    assert set(full[-1]["style_data"]) >= {"x", "base", "name"}
+    assert full[-1]["layout_data"]["title.text"] == view.figure.layout.title.text
