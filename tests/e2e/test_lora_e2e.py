@@ -13,12 +13,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import chat_ids
 from lora_helpers import make_peft_adapter, peft_greedy
 from workbench.core.engine import Engine
 from workbench.core.entrypoints.server_process import ServerProcess
 
-N = 8  # greedy tokens compared per request
+N = 6  # greedy tokens compared per request
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,8 @@ def adapters(model_dir, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    return [chat_ids(tokenizer, t) for t in ("Name three colors.", "What is a compiler?")]
+    # Short raw prompts: the PEFT reference runs every prefix in full, which on a loaded machine is slow.
+    return [tokenizer.encode(t, add_special_tokens=False) for t in ("The three primary colors are", "A compiler is")]
 
 
 @pytest.fixture(scope="module")

@@ -102,7 +102,8 @@ def run_lora_bench(args: argparse.Namespace) -> dict:
         with Engine(server_args=server_args) as engine:
             text = " ".join(["the quick brown fox jumps over the lazy dog"] * (prompt_len // 8 + 2))
             tok = engine.tokenizer.encode(text)[:prompt_len]
-            ids = [[1000 + i] + tok[1:] for i in range(batch)]  # no shared prefix between requests
+            vocab = len(engine.tokenizer)
+            ids = [[(1000 + 7 * i) % vocab] + tok[1:] for i in range(batch)]  # no shared prefix between requests
             progress("warming up")
             for _, n in CONFIGS:
                 _timed(engine, ids, 2, _loras(n, batch))
