@@ -70,13 +70,14 @@ class WorkbenchModel:
         self.runner.sample = stamped_sample
 
     def linears_step_seconds(self, bs: int, repeats: int) -> float | None:
-        """Best time of one decode step's linear layers alone at batch `bs` (CPU packed weights
-        only; None where the weights are not packed, e.g. on CUDA)."""
-        from workbench.core.layers.linear import LinearBase, packed_linear
+        """Best time of one decode step's linear layers alone at batch `bs`, each on the path the
+        layer takes (oneDNN's packed copy or gemm.c's; CPU only: None where the weights are not
+        packed, e.g. on CUDA)."""
+        from workbench.core.layers.linear import LinearBase
 
         model = self.runner.model
-        layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.packed_weight is not None]
-        head = getattr(model, "_packed_head", None)
+        layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.cpu_fast_path]
+        head = getattr(model, "_packed_head", None) is not None or getattr(model, "_gemm_head", None) is not None
         if not layers:
             return None
         dtype = layers[0].weight.dtype
@@ -85,9 +86,9 @@ class WorkbenchModel:
 
         def step():
             for m in layers:  # model order: qkv, o, gate_up, down per layer
-                packed_linear(x[m.weight.shape[1]], m.packed_weight, m.bias)
-            if head is not None:
-                packed_linear(x[int(model.config.hidden_size)], head, None)
+                m._matmul(x[m.weight.shape[1]], m.bias)
+            if head:
+                model.compute_logits(x[int(model.config.hidden_size)])
 
         step()
         best = float("inf")
