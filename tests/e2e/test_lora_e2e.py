@@ -166,3 +166,14 @@ def test_http_routes(default_prepared, adapters, prompts, expected, tokenizer):
         assert status == 200 and body["success"] and set(body["loaded_adapters"]) == {"sql", "code", "late"}
         status, body = _post(srv, "/unload_lora_adapter", {"lora_name": "late"})
         assert status == 200 and set(body["loaded_adapters"]) == {"sql", "code"}
+        # /metrics counts requests per adapter (folded from the trace: it may lag a moment)
+        import re
+        import time
+
+        for _ in range(50):
+            text = urllib.request.urlopen(srv.base_url + "/metrics", timeout=60).read().decode()
+            counts = dict(re.findall(r'sglang:num_lora_requests_total\{[^}]*lora_name="(\w+)"[^}]*\} (\S+)', text))
+            if float(counts.get("code", 0)) >= 2:
+                break
+            time.sleep(0.2)
+        assert float(counts["code"]) == 2 and float(counts["sql"]) == 1, counts
