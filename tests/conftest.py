@@ -25,6 +25,11 @@ os.environ.setdefault("WORKBENCH_KV_INVARIANT_CHECK", "1")
 # A calibration `bench calibrate` cached for this machine would change what `--simulate cpu-here`
 # predicts; the tests see the shipped ones only (a test that wants its own sets this variable).
 os.environ.setdefault("WORKBENCH_CALIBRATION_DIR", str(Path(__file__).parent / ".no-calibrations"))
+# Batched CPU linears take gemm.c (core/layers/cpu_ops/gemm.py) in every engine the tests start, not the
+# per-shape choice an engine measures at start-up: one path means the same float32 sums in every engine a test
+# compares, whatever a measurement on a loaded machine picked, and no start spends seconds measuring. The
+# choice itself is tested in tests/fast/test_cpu_gemm.py (which sets this variable per test).
+os.environ.setdefault("WORKBENCH_CPU_GEMM", "1")
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,10 @@ same values, and its hook in the CPU linear path."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,7 +86,9 @@ def test_the_result_does_not_depend_on_threads_or_batch():
     assert torch.equal(cpu_gemm.gemm(x[5:9], w), one[5:9])  # another row block, same sums
 
 
-def test_choose_measures_per_row_bucket():
+def test_choose_measures_per_row_bucket(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORKBENCH_CPU_GEMM", raising=False)  # tests/conftest.py forces the kernel elsewhere
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))  # measured here, not read from this machine's cache
     w = cpu_gemm.pack(torch.randn(64, 128))
     picks = cpu_gemm.choose(w, lambda x: F.linear(x, torch.zeros(64, 128)), budget_s=0.001)
     assert len(picks) == len(cpu_gemm.ROW_BUCKETS) and all(isinstance(p, bool) for p in picks)
@@ -121,3 +127,35 @@ def test_switched_off(monkeypatch):
     layer.weight.data = torch.randn(64, 64)
     layer.process_weights_after_loading(pack=True)
     assert layer.gemm_weight is None and "WORKBENCH_CPU_GEMM=0" in (cpu_gemm.unavailable_reason() or "")
+
+
+def test_a_choice_measured_once_is_reused_by_the_next_start_on_this_machine(tmp_path, monkeypatch):
+    """choose() keeps its per-shape picks in $WORKBENCH_CACHE_DIR/gemm/ (per machine and torch version):
+    a second process (here: the memo cleared) takes them without measuring; a stale or foreign file is not read."""
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("WORKBENCH_CPU_GEMM", raising=False)
+    monkeypatch.setattr(cpu_gemm, "_choices", {})
+    w = torch.randn(48, 40)
+    packed = cpu_gemm.pack(w)
+    calls = []
+
+    def torch_linear(x):
+        calls.append(x.shape[0])
+        return torch.nn.functional.linear(x, w)
+
+    first = cpu_gemm.choose(packed, torch_linear, budget_s=0.001)
+    assert calls and cpu_gemm._cache_file().exists()
+    # the next start: a fresh memo, the file read instead of a measurement (the file's picks, flipped, are what it takes)
+    key = (48, 40, torch.float32, False)
+    flipped = [not p for p in first]
+    path = cpu_gemm._cache_file()
+    path.write_text(json.dumps({cpu_gemm._key_text(key): flipped}))
+    monkeypatch.setattr(cpu_gemm, "_choices", {})
+    calls.clear()
+    assert cpu_gemm.choose(packed, torch_linear, budget_s=0.001) == tuple(flipped) and not calls
+    # a file older than the limit is measured again
+    old = time.time() - cpu_gemm.CACHE_MAX_AGE_S - 60
+    os.utime(path, (old, old))
+    monkeypatch.setattr(cpu_gemm, "_choices", {})
+    cpu_gemm.choose(packed, torch_linear, budget_s=0.001)
+    assert calls

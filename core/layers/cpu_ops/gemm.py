@@ -153,13 +153,88 @@ def choose(packed: PackedGemmWeight, torch_linear, budget_s: float = 0.02) -> tu
         return (forced == "1",) * len(ROW_BUCKETS)
     key = (packed.n, packed.k, packed.dtype, getattr(torch_linear, "onednn", False))
     if key not in _choices:
+        cached = _load_cached().get(key)  # another start on this machine measured this shape
+        if cached is not None:
+            _choices[key] = cached
+    if key not in _choices:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # one core each: on a shared machine two threads measure the neighbours
         try:
             _measure(packed, torch_linear, budget_s, key)
         finally:
             torch.set_num_threads(threads)
+        _store_cached(key, _choices[key])
     return _choices[key]
+
+
+# The choices are kept per machine (the CPU model and flags, peak.machine_key) and torch version in
+# $WORKBENCH_CACHE_DIR/gemm/, so an engine start measures only the shapes no earlier start on this
+# machine measured (~6 s of start-up at load 3 otherwise), and every engine started on one machine
+# within CACHE_MAX_AGE_S takes the same path per shape (the same float32 sums: two engines compared
+# in a test or side by side in `tui --compare --real` do not differ by the kernel chosen).
+CACHE_MAX_AGE_S = 7 * 24 * 3600.0
+
+
+def _cache_file() -> Path:
+    from .peak import _cache_dir, machine_key
+
+    version = torch.__version__.replace("+", "-")
+    return _cache_dir() / "gemm" / f"choices-{machine_key()}-torch{version}.json"
+
+
+def _key_text(key: tuple) -> str:
+    n, k, dtype, onednn = key
+    return f"{n}x{k}:{str(dtype).replace('torch.', '')}:{'onednn' if onednn else 'plain'}"
+
+
+def _load_cached() -> dict:
+    """The cached choices of this machine (key -> picks); {} when none are younger than CACHE_MAX_AGE_S."""
+    import json
+
+    path = _cache_file()
+    try:
+        if time.time() - path.stat().st_mtime > CACHE_MAX_AGE_S:
+            return {}
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for n, k, dtype, onednn in _parse_keys(raw):
+        key = (n, k, dtype, onednn)
+        picks = raw.get(_key_text(key))
+        if isinstance(picks, list) and len(picks) == len(ROW_BUCKETS):
+            out[key] = tuple(bool(p) for p in picks)
+    return out
+
+
+def _parse_keys(raw: dict):
+    """Parse the cache's "NxK:dtype:path" keys back (unreadable ones are skipped)."""
+    for text in raw:
+        try:
+            shape, dtype, path = text.split(":")
+            n, k = (int(v) for v in shape.split("x"))
+            yield n, k, getattr(torch, dtype), path == "onednn"
+        except (ValueError, AttributeError):
+            continue
+
+
+def _store_cached(key: tuple, picks: tuple[bool, ...]) -> None:
+    """Add one measured choice to the machine's cache file (merged, written atomically; best effort)."""
+    import json
+
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError):
+            raw = {}
+        raw[_key_text(key)] = list(picks)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(raw, indent=0))
+        os.replace(tmp, path)
+    except OSError as exc:
+        logger.debug("gemm choice cache not written: %s", exc)
 
 
 def _measure(packed: PackedGemmWeight, torch_linear, budget_s: float, key) -> None:
