@@ -221,7 +221,7 @@ class CompareApp(App):
     #sides { height: 3fr; }
     #bottom { height: 15; }
     #diff { width: 1fr; border: round $panel-lighten-2; padding: 0 1; }
-    #cdf { width: 1fr; border: round $panel-lighten-2; padding: 0 1; }
+    #ttft-cdf { width: 1fr; border: round $panel-lighten-2; padding: 0 1; }
     #status { height: 1; padding: 0 1; background: $boost; }
     """
     BINDINGS = [
@@ -248,12 +248,12 @@ class CompareApp(App):
                 yield SideColumn(i, label, self.models[i], id=f"side-{i}")
         with Horizontal(id="bottom"):
             yield Static(id="diff")
-            yield Static(id="cdf")
+            yield Static(id="ttft-cdf")
         yield Footer()
 
     def on_mount(self) -> None:
         self.query_one("#diff").border_title = "Where they differ"
-        self.query_one("#cdf").border_title = "TTFT CDF"
+        self.query_one("#ttft-cdf").border_title = "TTFT CDF"
         start = getattr(self.source, "start", None)
         if start is not None:
             self.run_worker(self._start, thread=True, exclusive=True)
@@ -319,7 +319,7 @@ class CompareApp(App):
         diff.border_title = f"Where they differ — {d.differed} of {d.compared} steps admitted differently"
         lines = [line for _, line in d.lines[-12:]]
         diff.update(Text("\n".join(lines)) if lines else Text("no step admitted differently yet", style="dim"))
-        cdf = self.query_one("#cdf", Static)
+        cdf = self.query_one("#ttft-cdf", Static)
         width = max(20, (cdf.size.width or 60) - 8)
         series = [(label, ttft_cdf(m.state)[0]) for label, m in zip(self.source.labels, self.models)]
         cdf.update(cdf_text(series, width=width, height=8))

@@ -89,6 +89,10 @@ class HelpScreen(ModalScreen):
         t.append("Serving Workbench — what you are looking at\n", style="bold underline")
         if self._mode:
             t.append(self._mode + "\n", style="dim")
+        # the colour key first: it is what a newcomer looks up, and it stays on the first screen however
+        # many keys the list below grows by
+        t.append("\nColours (the same in every panel and in the Jupyter widgets)\n", style="bold")
+        t.append_text(colour_key())
         t.append("\nKeys\n", style="bold")
         for k, what in KEYS:
             t.append(f"  {k:<8}", style="bold")
@@ -97,8 +101,6 @@ class HelpScreen(ModalScreen):
 
         t.append("\nStatus line (top)\n", style="bold")
         t.append(STATUS_HELP)
-        t.append("\nColours (the same in every panel and in the Jupyter widgets)\n", style="bold")
-        t.append_text(colour_key())
         t.append("\nThe step line (`last step`)\n", style="bold")
         t.append_text(step_line_key())
         t.append("\nPanels\n", style="bold")

@@ -87,7 +87,7 @@ async def test_compare_app_shows_both_policies_their_diff_and_ttft_cdfs():
         for xs, side in ((xa, pair.sides[0]), (xb, pair.sides[1])):
             assert xs == pytest.approx(sorted(side.sim.result.ttft.values()), abs=1e-6)
         assert xa != pytest.approx(xb, abs=1e-6)
-        cdf = plain_text(app.query_one("#cdf", Static).render())
+        cdf = plain_text(app.query_one("#ttft-cdf", Static).render())
         assert "● fcfs" in cdf and "○ lpm" in cdf and cdf.count("p50") == 2
         await pilot.press("q")
 
