@@ -466,6 +466,7 @@ class ReqSnapshot(Event, tag="req.snapshot"):
     constraint: str = ""  # structured outputs: the kind of grammar ("" free)
     priority: int | None = None  # priority scheduling: the request's priority
     preempted: str = ""  # its last priority preemption, with the reason
+    lora: str = ""  # multi-LoRA: the adapter it runs under
 
 
 class TraceCounters(Event, tag="trace.counters"):

@@ -67,3 +67,16 @@ TRANSFER = PALETTE["transfer"]
 def colour(meaning: str) -> str:
     """The hex colour of a meaning (KeyError for a meaning the language does not have)."""
     return PALETTE[meaning]
+
+
+#: Colours for LoRA adapters (multi-LoRA serving): not meanings but names, so a series of their own,
+#: none of them a meaning's colour (Tableau 20's remaining hues). The base model has none.
+ADAPTER_COLORS: tuple[str, ...] = ("#8cd17d", "#b6992d", "#f1ce63", "#86bcb6", "#d37295", "#fabfd2", "#d4a6c8")
+
+
+def adapter_colour(name: str) -> str:
+    """An adapter's colour: the same name gets the same colour in every process and run (crc32 of the
+    name, not Python's salted hash)."""
+    import zlib
+
+    return ADAPTER_COLORS[zlib.crc32(name.encode()) % len(ADAPTER_COLORS)]

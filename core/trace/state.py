@@ -127,6 +127,7 @@ class TraceState:
         self.max_steps_per_request = max_steps_per_request
         self.max_timeline = max_timeline
         self.requests: dict[str, RequestView] = {}
+        self.loras_seen = False  # a request ran under a LoRA adapter (the Batch panel then colours by adapter)
         self.waiting: list[str] = []
         self.running: list[str] = []
         self.chunked: list[str] = []
@@ -560,6 +561,9 @@ class TraceState:
             r.constraint = e.constraint
         if e.priority is not None:
             r.priority = e.priority
+        if e.lora:
+            r.lora = e.lora
+            self.loras_seen = True
         if not b.final and e.prompt_tokens:
             r.prompt_tokens = e.prompt_tokens
         self._set_state(r, b, "queued", e.ts)
@@ -941,6 +945,8 @@ class TraceState:
             b.sampled_rounds.add(b.round)
         if e.replica:
             self.req_replica[e.rid] = e.replica
+        if e.lora:
+            self.loras_seen = True
         if e.state in TERMINAL_STATES:
             b.final = b.counted_finish = True
             b.counted_abort = e.state == "aborted"

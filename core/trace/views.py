@@ -69,6 +69,7 @@ class RequestView:
     constraint: str = ""  # structured outputs: "json_schema" | "json_object" | "regex" | "ebnf" ("" free)
     priority: int | None = None  # priority scheduling: the request's priority (None: scheduling off)
     preempted: str = ""  # its last priority preemption, with the reason ("preempted r1 (priority 0) for r5 ...")
+    lora: str = ""  # multi-LoRA: the adapter it runs under ("" the base model)
     text: str = ""
     timeline: list[TimelineEntry] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)  # scheduler step ids it took part in

@@ -262,6 +262,19 @@ def test_scheduler_admits_one_adapter_per_batch_and_answers_load_unload(llama):
     state.apply_many(events)
     lines = [narrate_step(sv) for sv in state.steps]
     assert any("adapters a" in line and "1 waited for an adapter slot (rb)" in line for line in lines), lines
+    # the Batch panel's rows: each request in its adapter's colour (the base model's uncoloured), the
+    # step's adapters at the end
+    from workbench.core.trace.palette import adapter_colour
+    from workbench.tui.panels.batch import composition
+
+    assert state.loras_seen and state.requests["ra"].lora == "a" and state.requests["r0"].lora == ""
+    adapters = {rid: r.lora for rid, r in state.requests.items() if r.lora}
+    first_step = next(sv for sv in state.steps if any(sr.rid == "ra" for sr in sv.reqs))
+    text = composition(first_step, adapters=adapters)
+    styles = {text.plain[sp.start : sp.end]: str(sp.style) for sp in text.spans}
+    assert adapter_colour("a") in styles["ra"] and adapter_colour("a") in styles["ra2"], styles
+    assert "#" not in styles["r0"], styles  # the base model's request keeps the plain style
+    assert text.plain.endswith("lora a") and adapter_colour("a") in styles["a"], text.plain
     io.inbox.append(UnloadLoRAAdapterReq(lora_name="b"))
     io.inbox.append(LoadLoRAAdapterReq(lora_name="c", lora_path=str(ads["c"])))
     s.step_normal()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import DataTable
-from workbench.core.trace.palette import CACHED, COMPUTED, DECODE
+from workbench.core.trace.palette import CACHED, COMPUTED, DECODE, adapter_colour
 from workbench.core.trace.views import StepView
 from workbench.tui.history import StepOpened
 from workbench.tui.model import TuiModel
@@ -42,11 +42,24 @@ def token_bar(sv: StepView, width: int = 10) -> Text:
     return text
 
 
+def _rid_style(rid: str, selected: str | None, adapters: dict[str, str] | None, base: str = "") -> str:
+    """A rid's style in a row: reversed when selected; under multi-LoRA, in its adapter's colour."""
+    style = "reverse bold" if rid == selected else base
+    lora = adapters.get(rid) if adapters else None
+    return f"{style} {adapter_colour(lora)}".strip() if lora else style
+
+
 def composition(
-    sv: StepView, selected: str | None = None, max_decode_names: int = 6, max_prefill_names: int = 4
+    sv: StepView,
+    selected: str | None = None,
+    max_decode_names: int = 6,
+    max_prefill_names: int = 4,
+    adapters: dict[str, str] | None = None,
 ) -> Text:
     """Per-request segments: `rid ░cached+█computed k/n` for prefill chunks (the first
-    `max_prefill_names` and the selected one, then `+N more`), then the decode group."""
+    `max_prefill_names` and the selected one, then `+N more`), then the decode group. With
+    `adapters` (rid -> LoRA adapter name), each rid is drawn in its adapter's colour and the row ends
+    with the adapters the step ran, each in its colour (the base model's rows stay uncoloured)."""
     text = Text()
     decodes = []
     prefills = [sr for sr in sv.reqs if sr.computed > 0]
@@ -57,7 +70,7 @@ def composition(
                 continue
             if text:
                 text.append("  ")
-            text.append(sr.rid, style="reverse bold" if sr.rid == selected else "bold")
+            text.append(sr.rid, style=_rid_style(sr.rid, selected, adapters, "bold"))
             text.append(" ")
             if sr.cached:
                 text.append(f"░{sr.cached}", style=CACHED)
@@ -78,7 +91,7 @@ def composition(
             names.append(selected)
         for rid in names:
             text.append(" ")
-            text.append(rid, style="reverse bold" if rid == selected else "")
+            text.append(rid, style=_rid_style(rid, selected, adapters))
         if len(decodes) > len(names):
             text.append(f" +{len(decodes) - len(names)}", style="dim")
         if sv.spec is not None:  # speculative decoding: the drafts this step kept and threw away
@@ -89,12 +102,18 @@ def composition(
             mine = next((r for r in sv.spec.reqs if r.rid == selected), None)
             if mine is not None:
                 text.append(f" ({selected} {mine.accepted}/{len(mine.drafts)})", style="reverse")
+    if adapters:
+        ran = sorted({adapters[sr.rid] for sr in sv.reqs if adapters.get(sr.rid)})
+        if ran:
+            text.append("  lora ", style="dim")
+            for i, name in enumerate(ran):
+                text.append(("," if i else "") + name, style=f"bold {adapter_colour(name)}")
     if not text:
         text.append("(empty)", style="dim")
     return text
 
 
-def step_cells(sv: StepView, selected: str | None = None) -> tuple:
+def step_cells(sv: StepView, selected: str | None = None, adapters: dict[str, str] | None = None) -> tuple:
     badge = Text("CG", style="bold reverse") if sv.cuda_graph else Text("–", style="dim")
     bs = f"{sv.batch_size}/{sv.padded_size}" if sv.padded_size != sv.batch_size else str(sv.batch_size)
     return (
@@ -104,7 +123,7 @@ def step_cells(sv: StepView, selected: str | None = None) -> tuple:
         badge,
         f"{sv.schedule_ms + sv.forward_ms:.0f}",
         token_bar(sv),
-        composition(sv, selected),
+        composition(sv, selected, adapters=adapters),
     )
 
 
@@ -118,7 +137,8 @@ class BatchPanel(TracePanel):
         "cache, █ computed = prompt tokens computed, █ decode = decode tokens (colours: the colour key "
         "above). composition: each prefill "
         "request with cached+computed tokens and its chunk k/n, then the decode group; with speculative "
-        "decoding, the step's draft tokens kept (✓) and thrown away (✗). Enter on a row opens that step's "
+        "decoding, the step's draft tokens kept (✓) and thrown away (✗); with LoRA adapters, each request in its "
+        "adapter's colour and the step's adapters at the end (lora a,b). Enter on a row opens that step's "
         "whole decision (the step history: [ / ] walk the steps)."
     )
     clock_interval_s = 0
@@ -160,9 +180,12 @@ class BatchPanel(TracePanel):
             new.append(sv)
             if len(new) >= self.max_rows:
                 break
+        adapters = (
+            {rid: r.lora for rid, r in model.state.requests.items() if r.lora} if model.state.loras_seen else None
+        )
         for sv in reversed(new):
             key = f"{sv.proc}:{sv.step}:{sv.ts}"
-            table.add_row(*step_cells(sv, model.selected), key=key)
+            table.add_row(*step_cells(sv, model.selected, adapters), key=key)
             self._keys.append(key)
         if new:
             self._last = (new[0].ts, new[0].step)
