@@ -28,6 +28,11 @@ class LoRAError(ValueError):
     """A user-caused LoRA problem (bad adapter, unknown name, adapter in use); the message says what to do."""
 
 
+class LoRABusyError(LoRAError):
+    """Every loaded adapter is in use and --max-loaded-loras allows no more: not the request's fault; a
+    request naming an adapter that is not loaded waits in the queue until one is idle."""
+
+
 @dataclass
 class LoRAConfig:
     """The fields of adapter_config.json the server uses."""

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
-from workbench.core.lora.adapter import SUPPORTED_TARGETS, LoRAAdapter, LoRAError, read_adapter
+from workbench.core.lora.adapter import SUPPORTED_TARGETS, LoRAAdapter, LoRABusyError, LoRAError, read_adapter
 from workbench.core.lora.layers import TARGET_HOSTS, HostDelta, LoRABatch, LoRAHook, LoRAState, build_host_delta
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class LoRAManager:
         while len(self.loaded) >= self.max_loaded:
             victim = next((n for n in self.loaded if n not in busy), None)
             if victim is None:
-                raise LoRAError(
+                raise LoRABusyError(
                     f"all {len(self.loaded)} loaded LoRA adapters (--max-loaded-loras) are in use; "
                     "retry once requests finish, or restart with a larger --max-loaded-loras"
                 )

@@ -2,7 +2,9 @@
 and loading/unloading adapters while serving (the Scheduler calls these; core/managers/scheduler.py).
 
 - A request naming an adapter gets its load's uid (`Req.lora_uid`), which keys its radix-cache
-  namespace; an unknown adapter, or one that cannot be loaded, aborts it with a 400 saying why.
+  namespace; an unknown adapter, or one that cannot be loaded, aborts it with a 400 saying why. One
+  that is known but not loaded while every loaded adapter is in use (--max-loaded-loras) waits in the
+  queue, without a uid, until an adapter goes idle: admission loads it then (`settle`).
 - A batch holds at most --max-loras-per-batch distinct adapters (the base model counts as none):
   a waiting request whose adapter would be one too many stays queued, in order, for a later step.
 - Load and unload run between steps; unloading an adapter a queued or running request names is
@@ -14,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from workbench.core.io_struct import LoadLoRAAdapterReq, LoRAUpdateOutput, UnloadLoRAAdapterReq
-from workbench.core.lora.adapter import LoRAError
+from workbench.core.lora.adapter import LoRABusyError, LoRAError
 
 if TYPE_CHECKING:
     from workbench.core.lora.manager import LoRAManager
@@ -40,12 +42,25 @@ def attach_lora(manager: LoRAManager | None, req: Req, tree_cache) -> str | None
         return f"lora_path {req.lora_path!r} names a LoRA adapter, but this server runs without LoRA (--enable-lora)"
     try:
         adapter = manager.acquire(req.lora_path)
+    except LoRABusyError:
+        return None  # no room to load it now: it waits in the queue (settle() retries at admission)
     except LoRAError as e:
         return str(e)
     req.lora_uid = adapter.uid
     if hasattr(tree_cache, "namespace_root") and not getattr(tree_cache, "disable", True):
         tree_cache.namespace_root(adapter.uid, label=f"LoRA {adapter.name}")  # the tree view names the branch
     return None
+
+
+def settle(manager: LoRAManager, req: Req, tree_cache) -> str:
+    """At admission: "" when `req` may be considered (no adapter, or its adapter loaded), "wait" while its
+    adapter still cannot be loaded (every loaded one in use), else why it cannot run at all."""
+    if req.lora_path is None or req.lora_uid is not None:
+        return ""
+    error = attach_lora(manager, req, tree_cache)
+    if error is not None:
+        return error
+    return "" if req.lora_uid is not None else "wait"
 
 
 def batch_adapters(reqs) -> set[str]:

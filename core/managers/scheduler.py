@@ -574,12 +574,19 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
         # --max-loras-per-batch; a request whose adapter would be one too many waits for a later step.
         lora_running = lora_sched.batch_adapters(self.running_batch.reqs) if self.lora is not None else set()
         self.lora_waited = []
+        lora_failed: list[tuple[Req, str]] = []
         for req in self.waiting_queue:
-            if self.lora is not None and not lora_sched.admits(
-                req, lora_running | lora_sched.batch_adapters(adder.can_run_list), self.lora.max_per_batch
-            ):
-                self.lora_waited.append(req.rid)
-                continue
+            if self.lora is not None:
+                # an adapter that could not be loaded on arrival (every loaded one in use) is loaded now if it can be
+                settled = lora_sched.settle(self.lora, req, self.tree_cache)
+                if settled not in ("", "wait"):
+                    lora_failed.append((req, settled))
+                    continue
+                if settled == "wait" or not lora_sched.admits(
+                    req, lora_running | lora_sched.batch_adapters(adder.can_run_list), self.lora.max_per_batch
+                ):
+                    self.lora_waited.append(req.rid)
+                    continue
             slots_full = running + len(adder.can_run_list) >= self.max_running_requests or (
                 self.req_to_token_pool.available_size()
                 <= len([r for r in adder.can_run_list if r.req_pool_idx is None])
@@ -604,6 +611,14 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin, SchedulerKVCheckMix
             if result != AddReqResult.CONTINUE:
                 break
         self.priority.requeue()  # this step's preempted requests wait again (after the loop: not admitted now)
+        if lora_failed:  # an adapter that cannot be loaded at all (its file went away meanwhile): a 400
+            failed = {id(r) for r, _ in lora_failed}
+            self.waiting_queue = [r for r in self.waiting_queue if id(r) not in failed]
+            for req, message in lora_failed:
+                req.finished_reason = FinishReason("abort", message=message, status=400)
+                self.stream_output([req])
+                if self.tracer.enabled:
+                    self.tracer.emit(ev.ReqAborted(rid=req.rid, reason=message))
         self.narrator.lora_waited = list(self.lora_waited)
         self.held_back = adder.held
         self._fit_prefill_to_pool(adder, chunk_carry)

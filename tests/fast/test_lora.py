@@ -280,3 +280,57 @@ def test_scheduler_admits_one_adapter_per_batch_and_answers_load_unload(llama):
     s.step_normal()
     unload, load = [m for m in io.outbox if isinstance(m, LoRAUpdateOutput)]
     assert unload.success and load.success and set(load.loaded_adapters) == {"a", "c"}
+
+
+def test_a_request_whose_adapter_has_no_room_waits_for_one_to_go_idle(llama):
+    """--max-loaded-loras 1: a request naming an adapter that is not loaded while the loaded one is in use
+    waits in the queue (it is not aborted), is loaded once the other's requests finish, and gets PEFT's tokens."""
+    from lora_helpers import peft_greedy
+    from workbench.core.io_struct import TokenizedGenerateReqInput
+    from workbench.core.managers.scheduler import Scheduler
+    from workbench.core.managers.scheduler_contract import ListIO
+    from workbench.core.sampling.sampling_params import SamplingParams
+    from workbench.core.trace import events as ev
+    from workbench.core.trace.tracer import Tracer
+
+    model, ads = llama
+    args = ServerArgs(
+        model_path=str(model),
+        dtype="float32",
+        max_total_tokens=4096,
+        show_progress=False,
+        device="cpu",
+        disable_overlap_schedule=True,
+        lora_paths=[f"c={ads['c']}", f"a={ads['a']}"],
+        lora_target_modules=["all"],
+        max_loras_per_batch=1,
+        max_loaded_loras=1,
+    )
+    events: list = []
+    io = ListIO(roundtrip=True)
+    s = Scheduler(args, None, io=io, tracer=Tracer("scheduler", sink=events.extend, enabled=True))
+    assert list(s.lora.loaded) == ["a"]  # one slot: loading a at start evicted c (still known)
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    for rid, name, prompt in (("ra", "a", PROMPTS[0]), ("rc", "c", PROMPTS[1])):
+        io.inbox.append(
+            TokenizedGenerateReqInput(rid=rid, input_text="", input_ids=prompt, sampling_params=sp, lora_path=name)
+        )
+    out: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    for _ in range(40):
+        s.step_normal()
+        for msg in io.outbox:
+            if hasattr(msg, "rids"):
+                for i, rid in enumerate(msg.rids):
+                    out.setdefault(rid, []).extend(msg.new_token_ids[i])
+                    if msg.error_messages and msg.error_messages[i]:
+                        errors[rid] = msg.error_messages[i]
+        io.outbox.clear()
+        if not s.has_work() and not io.inbox:
+            break
+    assert not errors, errors
+    decisions = [e for e in events if isinstance(e, ev.StepDecision)]
+    assert any("rc" in d.lora_waited for d in decisions)  # it waited for a slot, said in the step's decision
+    assert out["ra"] == peft_greedy(model, ads["a"], [PROMPTS[0]], 4)[0]
+    assert out["rc"] == peft_greedy(model, ads["c"], [PROMPTS[1]], 4)[0]
+    assert list(s.lora.loaded) == ["c"]  # a went idle and made room
