@@ -122,7 +122,7 @@ FLAG_HELP = {
     "max_lora_rank": "the largest adapter rank accepted (default: the largest of --lora-paths; an adapter loaded "
     "later must not exceed it)",
     "lora_target_modules": "the projections adapters may target (q_proj k_proj v_proj o_proj gate_proj up_proj "
-    "down_proj, or all; default: the union of --lora-paths')",
+    "down_proj, Phi-3's fused qkv_proj gate_up_proj, or all; default: the union of --lora-paths')",
     "speculative_draft_model_path": "STANDALONE: a small draft model with the target's tokenizer",
     "speculative_num_steps": "STANDALONE: draft model passes per step (default: as many as the draft tokens)",
     "speculative_num_draft_tokens": "the most draft tokens verified per request per step (default 4)",

@@ -20,7 +20,17 @@ from pathlib import Path
 import torch
 
 # The projections an adapter may target, as PEFT names them (Llama-family layer names).
-SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SUPPORTED_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",  # Phi-3's fused projections, as its checkpoints (and so PEFT) name them
+    "gate_up_proj",
+)
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 

@@ -21,8 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-# PEFT target -> (host attribute path within a decoder layer, slice index within the fused host).
+# PEFT target -> (host attribute path within a decoder layer, slice index within the fused host;
+# FUSED: the target is the fused projection itself, as Phi-3's checkpoints name it (qkv_proj, gate_up_proj),
+# whose B is cut into the host's slices).
+FUSED = -1
 TARGET_HOSTS: dict[str, tuple[str, int]] = {
+    "qkv_proj": ("self_attn.qkv_proj", FUSED),
+    "gate_up_proj": ("mlp.gate_up_proj", FUSED),
     "q_proj": ("self_attn.qkv_proj", 0),
     "k_proj": ("self_attn.qkv_proj", 1),
     "v_proj": ("self_attn.qkv_proj", 2),

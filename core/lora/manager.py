@@ -16,7 +16,16 @@ from collections.abc import Callable
 
 import torch
 from workbench.core.lora.adapter import SUPPORTED_TARGETS, LoRAAdapter, LoRABusyError, LoRAError, read_adapter
-from workbench.core.lora.layers import TARGET_HOSTS, HostDelta, LoRABatch, LoRAHook, LoRAState, build_host_delta
+from workbench.core.lora.layers import (
+    FUSED,
+    TARGET_HOSTS,
+    HostDelta,
+    LoRABatch,
+    LoRAHook,
+    LoRAState,
+    build_host_delta,
+    host_slices,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +144,10 @@ class LoRAManager:
             path, idx = TARGET_HOSTS[target]
             if (layer, path) not in self.hosts:
                 raise LoRAError(f"LoRA adapter {adapter.name!r}: layer {layer} has no {target} (the model lacks it)")
-            grouped.setdefault((layer, path), {})[idx] = ab
+            if idx == FUSED:  # one A, B over the whole fused output: each slice gets its rows of B
+                grouped.setdefault((layer, path), {}).update(self._split_fused(adapter, layer, target, ab))
+            else:
+                grouped.setdefault((layer, path), {})[idx] = ab
         out = {}
         for (layer, path), parts in grouped.items():
             try:
@@ -146,6 +158,23 @@ class LoRAManager:
                 ) from e
         adapter.weights = {}  # the stacked copies are what runs
         return out
+
+    def _split_fused(self, adapter: LoRAAdapter, layer: int, target: str, ab) -> dict[int, tuple]:
+        """A fused target's (A, B) as per-slice parts sharing A: B's rows cut at the host's full slice sizes."""
+        a, b = ab
+        host = self.hosts[(layer, TARGET_HOSTS[target][0])]
+        tp = getattr(host, "tp_size", 1)
+        sizes = [size * tp for _, (_, size, _, _) in sorted(host_slices(host, 0).items())]
+        if b.shape[0] != sum(sizes):
+            raise LoRAError(
+                f"LoRA adapter {adapter.name!r}, layer {layer} {target}: B has {b.shape[0]} rows, the model's "
+                f"{target} {sum(sizes)}; is it for this model?"
+            )
+        parts, off = {}, 0
+        for i, size in enumerate(sizes):
+            parts[i] = (a, b.narrow(0, off, size))
+            off += size
+        return parts
 
     def _make_room(self) -> None:
         if self.max_loaded is None:

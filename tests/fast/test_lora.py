@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from lora_helpers import make_peft_adapter, peft_last_logits
-from tiny_models import make_tiny_llama, make_tiny_qwen2
+from tiny_models import make_tiny_family, make_tiny_llama, make_tiny_qwen2
 from workbench.core.args import ServerArgs
 from workbench.core.lora.adapter import LoRAError, read_adapter
 from workbench.core.mem_cache.radix_cache import RadixCache
@@ -97,6 +97,21 @@ def test_mixed_batch_matches_peft_qwen2(tmp_path):
     for i, (prompt, name) in enumerate(zip(PROMPTS, loras)):
         want = peft_last_logits(model, {"qa": a, "qb": b}[name] if name else None, prompt)
         torch.testing.assert_close(got[i], want, atol=2e-4, rtol=1e-4, msg=f"request {i} ({name})")
+
+
+def test_mixed_batch_matches_peft_phi3_fused_projections(tmp_path):
+    """Phi-3 names its fused projections in the checkpoint, so PEFT adapters target qkv_proj and gate_up_proj:
+    one A, B over the whole fused output (GQA here: q and k/v of different sizes)."""
+    model = make_tiny_family(tmp_path / "phi3", "phi3", num_key_value_heads=2)
+    a = make_peft_adapter(model, tmp_path / "pa", seed=6, r=4, targets=["qkv_proj", "o_proj", "gate_up_proj"])
+    b = make_peft_adapter(model, tmp_path / "pb", seed=7, r=2, targets=["down_proj", "qkv_proj"])
+    runner = _runner(model, lora_paths=[f"pa={a}", f"pb={b}"], max_loras_per_batch=2)
+    loras = ["pa", None, "pb"]
+    got = _extend(runner, PROMPTS[:3], loras)
+    for i, (prompt, name) in enumerate(zip(PROMPTS, loras)):
+        want = peft_last_logits(model, {"pa": a, "pb": b}[name] if name else None, prompt)
+        torch.testing.assert_close(got[i], want, atol=2e-4, rtol=1e-4, msg=f"request {i} ({name})")
+    assert (got[0] - peft_last_logits(model, None, PROMPTS[0])).abs().max() > 1e-2  # the adapter counts
 
 
 def test_manager_lru_eviction_in_use_and_errors(llama, tmp_path):
