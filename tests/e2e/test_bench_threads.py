@@ -26,12 +26,14 @@ def test_bench_threads_quick_prints_every_neighbour(default_prepared):
     for workload in ("bs1", "bs8"):
         row = next(line for line in out.splitlines() if line.startswith(f"| --num-threads 1 | {workload} |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
-        # policy, workload, quiet, busy, tui, busy/quiet, tui/quiet, threads at end
-        assert len(cells) == 8, row
+        # policy, workload, quiet, busy, tui, busy/quiet, tui/quiet, quiet GEMM GFLOP/s (% of peak), threads at end
+        assert len(cells) == 9, row
         for fig in cells[2:5]:
             assert float(re.match(r"[≤ ]*([\d.]+) \(load", fig).group(1)) > 0, row
         for ratio in cells[5:7]:
             assert float(re.match(r"[≤ ]*([\d.]+)", ratio).group(1)) > 0, row
-        assert cells[7] == "quiet 1, busy 1, tui 1", row
+        gemm = re.fullmatch(r"([\d.]+) \((\d+%|-)\)", cells[7])
+        assert gemm and float(gemm.group(1)) > 0, row  # the quiet figure's linears as a share of the machine's peak
+        assert cells[8] == "quiet 1, busy 1, tui 1", row
     # The TUI neighbour rendered throughout (the bench fails if its process exits early).
     assert "cut short" not in proc.stderr

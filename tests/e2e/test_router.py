@@ -281,4 +281,9 @@ def test_worker_killed_mid_stream_behind_sglang_router(tmp_path):
             assert error["code"] == "engine_unavailable" and "scheduler" in error["message"], (path, error)
             assert all("error" not in json.loads(e) for e in got[:-2]), path  # tokens before it
         status, body = results[2]
-        assert status == 503 and body["error"]["code"] == "engine_unavailable", (results[2], log)
+        # a 503 envelope: the worker's own (engine_unavailable), or the router's when its retry of that 503
+        # found the worker's circuit already open (no_available_workers; CI saw it once)
+        assert status == 503 and body["error"]["code"] in ("engine_unavailable", "no_available_workers"), (
+            results[2],
+            log,
+        )

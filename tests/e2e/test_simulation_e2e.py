@@ -110,6 +110,8 @@ def test_calibrate_and_sim_accuracy_run_on_a_real_engine(tmp_path, capsys):
         tok_paced, ttft_paced = (float(x) for x in cells[9].split(","))
         assert 0.1 < pace < 10
         if row.startswith("| ("):
-            assert tok_paced == pytest.approx(float(cells[3]) / pace, abs=0.02)
-            assert ttft_paced == pytest.approx(float(cells[6]) * pace, abs=0.02 * pace)
+            # three figures printed to two decimals go into each comparison (CI once had 1.97 against
+            # 2.0 at a pace far from 1): a few percent, where a pace not applied would be off by the pace
+            assert tok_paced == pytest.approx(float(cells[3]) / pace, rel=0.03, abs=0.02)
+            assert ttft_paced == pytest.approx(float(cells[6]) * pace, rel=0.03, abs=0.02 * pace)
     assert re.search(r"within 15%: \d of 6 figures as calibrated, \d at the machine's pace in this command", out)
