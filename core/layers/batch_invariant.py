@@ -25,11 +25,7 @@ the patches are installed on the model's instances only when it is on.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
 import subprocess
-import tempfile
 import threading
 import types
 from pathlib import Path
@@ -47,44 +43,13 @@ _bi_lib: ctypes.CDLL | None = None
 _bi_error: str | None = None
 
 
-def _library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join([os.environ.get("CC", "cc")] + cpu_ops.CFLAGS).encode())
-    digest.update(cpu_ops._cpu_signature().encode())
-    base = Path(os.environ.get("WORKBENCH_CACHE_DIR") or "~/.cache/workbench").expanduser()
-    return base / "kernels" / f"workbench_batch_invariant-{digest.hexdigest()[:16]}.so"
-
-
-def _build(target: Path) -> None:
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler {compiler!r} on PATH; install one (apt install gcc) or set CC")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:  # beside the target, then renamed: processes building at once never load half a file
-        proc = subprocess.run(
-            [compiler, *cpu_ops.CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=600
-        )
-        if proc.returncode != 0:
-            first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
-            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}: {first}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _lib() -> ctypes.CDLL:
     """The batch-invariant kernels, built once per machine; raises RuntimeError saying why not."""
     global _bi_lib, _bi_error
     with _lock:
         if _bi_lib is None and _bi_error is None:
             try:
-                target = _library_path()
-                if not target.exists():
-                    _build(target)
-                lib = ctypes.CDLL(str(target))
+                lib = cpu_ops.load_library([SOURCE], "workbench_batch_invariant")
                 ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
                 lib.wb_bi_linear.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64, ptr, i64, i64, i64, i64, i32]
                 lib.wb_bi_linear.restype = None

@@ -119,7 +119,7 @@ def _build(target: Path, sources: list[Path] | None = None) -> None:
     try:
         with phase("kernels", f"{compiler} {' '.join(CFLAGS[:2])}, {len(sources)} C files into {target.parent}"):
             proc = subprocess.run(
-                [compiler, *CFLAGS, *map(str, sources), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
+                [compiler, *CFLAGS, *map(str, sources), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=600
             )
         if proc.returncode != 0:
             first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]

@@ -23,9 +23,7 @@ import ctypes
 import hashlib
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,7 +31,6 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "peak_probe.c"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 KIND_FP32_AVX2, KIND_FP32_AVX512, KIND_BF16_DP, KIND_AMX_BF16 = 0, 1, 2, 3
 DEFAULT_MAX_AGE_S = 6 * 3600
 
@@ -71,43 +68,15 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("WORKBENCH_CACHE_DIR") or "~/.cache/workbench").expanduser()
 
 
-def library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join([os.environ.get("CC", "cc")] + CFLAGS).encode())
-    digest.update(machine_key().encode())
-    return _cache_dir() / "kernels" / f"workbench_peak-{digest.hexdigest()[:16]}.so"
-
-
-def _build(target: Path) -> None:
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler {compiler!r} on PATH; install one (apt install gcc) or set CC")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # built beside, renamed: never half a file
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
-        )
-        if proc.returncode != 0:
-            first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
-            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}: {first}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def load_library() -> ctypes.CDLL:
     """The compiled probe (built at first use); RuntimeError saying why when it cannot be."""
     global _lib, _lib_error
     with _lock:
         if _lib is None and _lib_error is None:
             try:
-                target = library_path()
-                if not target.exists():
-                    _build(target)
-                lib = ctypes.CDLL(str(target))
+                from workbench.core.layers import cpu_ops  # built as the other kernels are, a library of its own
+
+                lib = cpu_ops.load_library([SOURCE], "workbench_peak")
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _lib_error = f"the peak probe cannot be built here: {exc}"
             else:
