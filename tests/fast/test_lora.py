@@ -204,6 +204,52 @@ def test_radix_cache_keys_prefixes_by_adapter():
     assert "[adapter #7]" in labels and "[adapter #8]" in labels
 
 
+def _lora_scheduler(model, ads, names: list[str], **kw):
+    """The real Scheduler and model worker in-process on the tiny llama with adapters `names` at start-up:
+    (scheduler, its list I/O, the trace events it emits)."""
+    from workbench.core.managers.scheduler import Scheduler
+    from workbench.core.managers.scheduler_contract import ListIO
+    from workbench.core.trace.tracer import Tracer
+
+    args = ServerArgs(
+        model_path=str(model),
+        dtype="float32",
+        max_total_tokens=4096,
+        show_progress=False,
+        device="cpu",
+        disable_overlap_schedule=True,
+        lora_paths=[f"{n}={ads[n]}" for n in names],
+        lora_target_modules=["all"],
+        **kw,
+    )
+    events: list = []
+    io = ListIO(roundtrip=True)
+    return Scheduler(args, None, io=io, tracer=Tracer("scheduler", sink=events.extend, enabled=True)), io, events
+
+
+def _step_until_idle(s, io, limit: int = 60):
+    """Step until nothing is left: (tokens per rid, error per rid, load/unload replies)."""
+    from workbench.core.io_struct import LoRAUpdateOutput
+
+    out: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    replies = []
+    for _ in range(limit):
+        s.step_normal()
+        for msg in io.outbox:
+            if isinstance(msg, LoRAUpdateOutput):
+                replies.append(msg)
+            elif hasattr(msg, "rids"):
+                for i, rid in enumerate(msg.rids):
+                    out.setdefault(rid, []).extend(msg.new_token_ids[i])
+                    if msg.error_messages and msg.error_messages[i]:
+                        errors[rid] = msg.error_messages[i]
+        io.outbox.clear()
+        if not s.has_work() and not io.inbox:
+            break
+    return out, errors, replies
+
+
 def test_scheduler_admits_one_adapter_per_batch_and_answers_load_unload(llama):
     """The real Scheduler and model worker in-process: with --max-loras-per-batch 1 the second
     adapter's request waits (the step says so), every request still gets PEFT's tokens, and
@@ -215,29 +261,13 @@ def test_scheduler_admits_one_adapter_per_batch_and_answers_load_unload(llama):
         TokenizedGenerateReqInput,
         UnloadLoRAAdapterReq,
     )
-    from workbench.core.managers.scheduler import Scheduler
-    from workbench.core.managers.scheduler_contract import ListIO
     from workbench.core.sampling.sampling_params import SamplingParams
     from workbench.core.trace import events as ev
     from workbench.core.trace.narration import narrate_step
     from workbench.core.trace.state import TraceState
-    from workbench.core.trace.tracer import Tracer
 
     model, ads = llama
-    args = ServerArgs(
-        model_path=str(model),
-        dtype="float32",
-        max_total_tokens=4096,
-        show_progress=False,
-        device="cpu",
-        disable_overlap_schedule=True,
-        lora_paths=[f"a={ads['a']}", f"b={ads['b']}"],
-        lora_target_modules=["all"],
-        max_loras_per_batch=1,
-    )
-    events: list = []
-    io = ListIO(roundtrip=True)
-    s = Scheduler(args, None, io=io, tracer=Tracer("scheduler", sink=events.extend, enabled=True))
+    s, io, events = _lora_scheduler(model, ads, ["a", "b"], max_loras_per_batch=1)
     loras = {"ra": "a", "rb": "b", "r0": None, "ra2": "a"}
     for i, (rid, name) in enumerate(loras.items()):
         sp = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
@@ -253,22 +283,7 @@ def test_scheduler_admits_one_adapter_per_batch_and_answers_load_unload(llama):
     decision = [e for e in events if isinstance(e, ev.StepDecision)][-1]
     assert decision.loras == ["a"] and decision.lora_waited == ["rb"]
     io.inbox.append(UnloadLoRAAdapterReq(lora_name="b"))  # rb still waits for it
-    out: dict[str, list[int]] = {}
-    errors: dict[str, str] = {}
-    replies = []
-    for _ in range(60):
-        s.step_normal()
-        for msg in io.outbox:
-            if isinstance(msg, LoRAUpdateOutput):
-                replies.append(msg)
-            elif hasattr(msg, "rids"):
-                for i, rid in enumerate(msg.rids):
-                    out.setdefault(rid, []).extend(msg.new_token_ids[i])
-                    if msg.error_messages and msg.error_messages[i]:
-                        errors[rid] = msg.error_messages[i]
-        io.outbox.clear()
-        if not s.has_work() and not io.inbox:
-            break
+    out, errors, replies = _step_until_idle(s, io)
     assert "unknown LoRA adapter 'zz'" in errors["bad"]
     assert not replies[0].success and "'b' is in use" in replies[0].message
     for i, (rid, name) in enumerate(loras.items()):
@@ -302,47 +317,18 @@ def test_a_request_whose_adapter_has_no_room_waits_for_one_to_go_idle(llama):
     waits in the queue (it is not aborted), is loaded once the other's requests finish, and gets PEFT's tokens."""
     from lora_helpers import peft_greedy
     from workbench.core.io_struct import TokenizedGenerateReqInput
-    from workbench.core.managers.scheduler import Scheduler
-    from workbench.core.managers.scheduler_contract import ListIO
     from workbench.core.sampling.sampling_params import SamplingParams
     from workbench.core.trace import events as ev
-    from workbench.core.trace.tracer import Tracer
 
     model, ads = llama
-    args = ServerArgs(
-        model_path=str(model),
-        dtype="float32",
-        max_total_tokens=4096,
-        show_progress=False,
-        device="cpu",
-        disable_overlap_schedule=True,
-        lora_paths=[f"c={ads['c']}", f"a={ads['a']}"],
-        lora_target_modules=["all"],
-        max_loras_per_batch=1,
-        max_loaded_loras=1,
-    )
-    events: list = []
-    io = ListIO(roundtrip=True)
-    s = Scheduler(args, None, io=io, tracer=Tracer("scheduler", sink=events.extend, enabled=True))
+    s, io, events = _lora_scheduler(model, ads, ["c", "a"], max_loras_per_batch=1, max_loaded_loras=1)
     assert list(s.lora.loaded) == ["a"]  # one slot: loading a at start evicted c (still known)
     sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     for rid, name, prompt in (("ra", "a", PROMPTS[0]), ("rc", "c", PROMPTS[1])):
         io.inbox.append(
             TokenizedGenerateReqInput(rid=rid, input_text="", input_ids=prompt, sampling_params=sp, lora_path=name)
         )
-    out: dict[str, list[int]] = {}
-    errors: dict[str, str] = {}
-    for _ in range(40):
-        s.step_normal()
-        for msg in io.outbox:
-            if hasattr(msg, "rids"):
-                for i, rid in enumerate(msg.rids):
-                    out.setdefault(rid, []).extend(msg.new_token_ids[i])
-                    if msg.error_messages and msg.error_messages[i]:
-                        errors[rid] = msg.error_messages[i]
-        io.outbox.clear()
-        if not s.has_work() and not io.inbox:
-            break
+    out, errors, _ = _step_until_idle(s, io, limit=40)
     assert not errors, errors
     decisions = [e for e in events if isinstance(e, ev.StepDecision)]
     assert any("rc" in d.lora_waited for d in decisions)  # it waited for a slot, said in the step's decision
