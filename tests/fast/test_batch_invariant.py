@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from torch_helpers import torch_threads
 from workbench.core.layers import cpu_ops
 
 if shutil.which(os.environ.get("CC", "cc")) is None:
@@ -22,18 +23,6 @@ from workbench.core.layers import batch_invariant  # noqa: E402
 
 if batch_invariant.unavailable_reason("cpu") is not None:
     pytest.skip(batch_invariant.unavailable_reason("cpu"), allow_module_level=True)
-
-
-def _threads(n: int):
-    class _Ctx:
-        def __enter__(self):
-            self.old = torch.get_num_threads()
-            torch.set_num_threads(n)
-
-        def __exit__(self, *exc):
-            torch.set_num_threads(self.old)
-
-    return _Ctx()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -46,7 +35,7 @@ def test_linear_row_is_the_same_at_any_batch_size(dtype, n, k):
     res = torch.randn(64, n, generator=g).to(dtype)
     alone = [batch_invariant.bi_linear(x[i : i + 1], w, bias, res[i : i + 1]) for i in (0, 5, 6)]
     for threads in (1, 2, 3):
-        with _threads(threads):
+        with torch_threads(threads):
             for m in (1, 7, 64):
                 out = batch_invariant.bi_linear(x[:m], w, bias, res[:m])
                 assert torch.equal(out[0], alone[0][0]), (threads, m)

@@ -18,24 +18,13 @@ import torch.nn.functional as F
 if shutil.which(os.environ.get("CC", "cc")) is None:
     pytest.skip("no C compiler: the batch-invariant kernels cannot be built here", allow_module_level=True)
 
+from torch_helpers import torch_threads
 from workbench.core.layers import batch_invariant  # noqa: E402
 
 if batch_invariant.unavailable_reason("cpu") is not None:
     pytest.skip(batch_invariant.unavailable_reason("cpu"), allow_module_level=True)
 
 E, K, H, I = 8, 2, 96, 40  # experts, top k, hidden, expert intermediate (odd sizes: K tails)
-
-
-def _threads(n: int):
-    class _Ctx:
-        def __enter__(self):
-            self.old = torch.get_num_threads()
-            torch.set_num_threads(n)
-
-        def __exit__(self, *exc):
-            torch.set_num_threads(self.old)
-
-    return _Ctx()
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -81,7 +70,7 @@ def test_experts_row_is_the_same_whatever_shares_the_call(dtype):
     w13, w2, x, weights, ids = _experts(dtype)
     alone = batch_invariant.bi_experts(x[:1], w13, w2, weights[:1], ids[:1])
     for threads in (1, 2, 3):
-        with _threads(threads):
+        with torch_threads(threads):
             full = batch_invariant.bi_experts(x, w13, w2, weights, ids)
             assert torch.equal(full[0], alone[0]), threads
             assert torch.equal(batch_invariant.bi_experts(x[:7], w13, w2, weights[:7], ids[:7]), full[:7]), threads
